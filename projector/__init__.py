@@ -1,0 +1,1 @@
+"""NATS JetStream I/O around the seqstate core: every byte that crosses a socket lives here."""

@@ -1,0 +1,3 @@
+from projector.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""seqstate: the pure core of an event-sourced ledger of in-flight LLM requests.
+
+Nothing in this package does I/O, imports asyncio or NATS, or reads a clock: time arrives
+with each event (``apply(event, at_ns)``) and with each read (``loads(now_ns)``). The NATS
+pipeline around it lives in the ``projector`` package.
+"""
+
+from seqstate.deltas import Delta, RankChange, decode_delta, encode_delta
+from seqstate.events import (
+    SCHEMA_VERSION,
+    AddOutputBlock,
+    AddRequest,
+    Event,
+    EventDecodeError,
+    Free,
+    MarkPrefillCompleted,
+    Tick,
+    WorkerAdded,
+    WorkerRemoved,
+    decode_event,
+    encode_event,
+)
+from seqstate.prefill import PrefillSnapshot
+from seqstate.registry import LoadRow, PotentialLoadRow, PromptRegistry
+from seqstate.sequences import RankLoad
+from seqstate.snapshot import SnapshotError
+from seqstate.state import SequenceState
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AddOutputBlock",
+    "AddRequest",
+    "Delta",
+    "Event",
+    "EventDecodeError",
+    "Free",
+    "LoadRow",
+    "MarkPrefillCompleted",
+    "PotentialLoadRow",
+    "PrefillSnapshot",
+    "PromptRegistry",
+    "RankChange",
+    "RankLoad",
+    "SequenceState",
+    "SnapshotError",
+    "Tick",
+    "WorkerAdded",
+    "WorkerRemoved",
+    "decode_delta",
+    "decode_event",
+    "encode_delta",
+    "encode_event",
+]

@@ -1,0 +1,170 @@
+"""The wire schema of lifecycle events: what routers publish and the writer folds.
+
+Events are msgspec Structs in one tagged union, so one reused decoder turns bytes into
+the right type and validates every field in the same pass. Validation lives in the type
+annotations (``Meta`` bounds), which is why a bad field is reported by name and why
+``apply`` can trust a decoded event without re-checking it.
+
+On the wire an event travels inside a two-element envelope ``[schema_version, event]``
+(msgpack), so a future schema can be recognised before its fields are read.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+import msgspec
+from msgspec import Meta, Struct
+
+SCHEMA_VERSION: Final = 1
+
+U64_MAX: Final = 2**64 - 1
+U32_MAX: Final = 2**32 - 1
+# A modeled prefill longer than ~31 years is not a prediction; it is a bug upstream.
+MAX_PREFILL_MS: Final = 1e12
+
+RequestId = Annotated[str, Meta(min_length=1)]
+# msgpack cannot carry an integer above u64, so ge=0 bounds these to u64 on the wire
+# (msgspec rejects an explicit le beyond int64).
+WorkerId = Annotated[int, Meta(ge=0)]
+DpRank = Annotated[int, Meta(ge=0, le=U32_MAX)]
+BlockHash = Annotated[int, Meta(ge=0)]
+Tokens = Annotated[int, Meta(ge=0)]
+DurationMs = Annotated[float, Meta(ge=0.0, le=MAX_PREFILL_MS)]
+OutputTokens = Annotated[int, Meta(ge=0, le=U32_MAX)]
+# Each rank is a slot with its own state; a u32-sized range from a bad event would exhaust
+# memory, so the size is bounded far above any real data-parallel degree.
+MAX_DP_SIZE: Final = 4096
+DpSize = Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)]
+Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class EventDecodeError(ValueError):
+    """Raised for any event that cannot be trusted: bad bytes, unknown tag, out-of-range field."""
+
+
+class AddRequest(Struct, tag=True, kw_only=True, omit_defaults=True):
+    """A router booked ``request_id`` on a worker rank.
+
+    ``prefill_tokens`` is the effective prefill (ISL minus tokens already cached on the chosen
+    worker); 0 means no prefill load. ``block_hashes`` are the chained sequence hashes of the
+    complete prompt blocks, so a hash names its whole prefix.
+    """
+
+    request_id: RequestId
+    worker_id: WorkerId
+    dp_rank: DpRank = 0
+    block_hashes: list[BlockHash] = []
+    prefill_tokens: Tokens = 0
+    expected_prefill_ms: DurationMs | None = None
+    expected_output_tokens: OutputTokens | None = None
+    track_prefill_tokens: bool = True
+    router_id: str = ""
+    lora_name: str | None = None
+
+
+class MarkPrefillCompleted(Struct, tag=True, kw_only=True, omit_defaults=True):
+    """The first output token arrived: the request's prefill load is done, its blocks stay."""
+
+    request_id: RequestId
+    worker_id: WorkerId
+    dp_rank: DpRank = 0
+    router_id: str = ""
+
+
+class Free(Struct, tag=True, kw_only=True, omit_defaults=True):
+    """The response ended or was aborted; implies prefill completion."""
+
+    request_id: RequestId
+    worker_id: WorkerId
+    dp_rank: DpRank = 0
+    router_id: str = ""
+
+
+class AddOutputBlock(Struct, tag=True, kw_only=True, omit_defaults=True):
+    """One more decode block for a request; optionally re-weights its exclusive blocks."""
+
+    request_id: RequestId
+    worker_id: WorkerId
+    dp_rank: DpRank = 0
+    decay_fraction: Fraction | None = None
+
+
+class WorkerAdded(Struct, tag=True, kw_only=True, omit_defaults=True):
+    """A worker's authoritative data-parallel range: ranks ``dp_start .. dp_start+dp_size``."""
+
+    worker_id: WorkerId
+    dp_start: DpRank = 0
+    dp_size: DpSize = 1
+
+    def __post_init__(self) -> None:
+        # Struct constructors skip Meta checks; this one invariant spans two fields.
+        if self.dp_start + self.dp_size > U32_MAX + 1:
+            raise EventDecodeError(
+                f"dp range {self.dp_start}+{self.dp_size} overflows u32 - at `$.dp_size`"
+            )
+
+
+class WorkerRemoved(Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Every rank of the worker goes, with its requests."""
+
+    worker_id: WorkerId
+
+
+class Tick(Struct, tag=True, omit_defaults=True):
+    """The log's clock moved with no traffic: gives expiry a logged time."""
+
+
+Event = AddRequest | MarkPrefillCompleted | Free | AddOutputBlock | WorkerAdded | WorkerRemoved | Tick
+EVENT_TYPES: Final = (
+    AddRequest,
+    MarkPrefillCompleted,
+    Free,
+    AddOutputBlock,
+    WorkerAdded,
+    WorkerRemoved,
+    Tick,
+)
+
+
+class _Envelope(Struct, array_like=True):
+    version: int
+    event: Event
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Envelope)
+_version_probe = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+def encode_event(event: Event) -> bytes:
+    """Serialize one event (msgpack) inside the versioned envelope."""
+    return _encoder.encode(_Envelope(SCHEMA_VERSION, event))
+
+
+def decode_event(data: bytes | bytearray | memoryview) -> Event:
+    """Decode and validate one event; any defect raises :class:`EventDecodeError`."""
+    try:
+        envelope = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise EventDecodeError(_describe(data, exc)) from None
+    except msgspec.DecodeError as exc:
+        raise EventDecodeError(f"malformed event bytes: {exc}") from None
+    if envelope.version != SCHEMA_VERSION:
+        raise EventDecodeError(_unsupported(envelope.version))
+    return envelope.event
+
+
+def _describe(data: bytes | bytearray | memoryview, exc: msgspec.ValidationError) -> str:
+    try:
+        version, _ = _version_probe.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return f"invalid event envelope: {exc}"
+    if version != SCHEMA_VERSION:
+        return _unsupported(version)
+    # Report paths relative to the event, not the envelope.
+    return "invalid event: " + str(exc).replace("`$[1]", "`$").replace("`$.event", "`$")
+
+
+def _unsupported(version: int) -> str:
+    return f"unsupported schema version {version} (this build reads {SCHEMA_VERSION})"

@@ -1,0 +1,92 @@
+"""Bounded, time-limited memory of request ids: recently ended ones, and tombstones.
+
+Entries are kept in the order they were (last) written, which is also log-time order because
+event time never goes back; so both limits (age and count) evict from the front in O(1)
+amortised, and a snapshot lists the entries in that same order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+
+class RecentIds:
+    """``request_id -> (value, written_at_ns)``, forgetting entries older than ``retention_ns``
+    and the oldest ones beyond ``capacity``."""
+
+    __slots__ = ("_entries", "_queue", "_stamp", "capacity", "evicted", "retention_ns")
+
+    def __init__(self, retention_ns: int, capacity: int) -> None:
+        self.retention_ns = retention_ns
+        self.capacity = capacity
+        # request_id -> (value, written_at_ns, stamp); the stamp is unique per write.
+        self._entries: dict[str, tuple[int, int, int]] = {}
+        # (written_at_ns, stamp, request_id); stale when the id was rewritten or deleted since.
+        self._queue: deque[tuple[int, int, str]] = deque()
+        self._stamp = 0
+        self.evicted = 0  # dropped for capacity before their time (an operator signal)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entries
+
+    def get(self, request_id: str) -> int | None:
+        entry = self._entries.get(request_id)
+        return None if entry is None else entry[0]
+
+    def put(self, request_id: str, value: int, now_ns: int) -> None:
+        entries = self._entries
+        if request_id in entries:
+            del entries[request_id]  # re-insert so dict order stays write order
+        self._stamp += 1
+        entries[request_id] = (value, now_ns, self._stamp)
+        self._queue.append((now_ns, self._stamp, request_id))
+        if len(entries) > self.capacity:
+            self._pop_front(evicting=True)
+
+    def pop(self, request_id: str) -> int | None:
+        entry = self._entries.pop(request_id, None)
+        return None if entry is None else entry[0]
+
+    def discard(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
+
+    def prune(self, now_ns: int) -> None:
+        """Forget entries written more than ``retention_ns`` before ``now_ns``."""
+        queue = self._queue
+        cutoff = now_ns - self.retention_ns
+        entries = self._entries
+        while queue and queue[0][0] < cutoff:
+            _, stamp, request_id = queue.popleft()
+            entry = entries.get(request_id)
+            if entry is not None and entry[2] == stamp:
+                del entries[request_id]
+        # Stale queue entries beyond twice the live ones are compacted away.
+        if len(queue) > 2 * len(entries) + 1024:
+            self._queue = deque((at, stamp, rid) for rid, (_, at, stamp) in entries.items())
+
+    def _pop_front(self, evicting: bool) -> None:
+        queue = self._queue
+        entries = self._entries
+        while queue:
+            _, stamp, request_id = queue.popleft()
+            entry = entries.get(request_id)
+            if entry is not None and entry[2] == stamp:
+                del entries[request_id]
+                if evicting:
+                    self.evicted += 1
+                return
+
+    def items(self) -> Iterator[tuple[str, int, int]]:
+        """``(request_id, value, written_at_ns)`` oldest first."""
+        for request_id, (value, at, _) in self._entries.items():
+            yield request_id, value, at
+
+    def load(self, items: list[tuple[str, int, int]]) -> None:
+        """Replace the content with ``items`` (oldest first), as :meth:`items` gave them."""
+        self._entries = {rid: (value, at, i) for i, (rid, value, at) in enumerate(items, 1)}
+        self._queue = deque((at, i, rid) for i, (rid, _, at) in enumerate(items, 1))
+        self._stamp = len(items)

@@ -1,0 +1,226 @@
+"""PromptRegistry: the derived read model that schedulers query.
+
+It is not a source of truth: it follows the write model only through :class:`Delta` values,
+so it can live in another process (the projector) or be rebuilt from a snapshot.
+
+Membership is a map from prompt hash to a bitmask of the ranks on which it is present. Each
+rank owns one bit. The overlap depth of a query on a rank is the length of the longest query
+prefix present there (prefix membership: the walk stops at the first miss). One walk along
+the query narrows the mask of still-matching ranks, so a potential-load read costs one dict
+lookup per query block, not one per block per worker. Because block hashes are chained, a
+hash present on a rank implies its whole prefix is present there, which is what makes the
+per-hash mask exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from msgspec import Struct
+
+from seqstate.deltas import Delta, RankChange
+from seqstate.sequences import EMPTY_LOAD, RankLoad
+
+Rank = tuple[int, int]
+
+
+class LoadRow(Struct, frozen=True, gc=False):
+    worker_id: int
+    dp_rank: int
+    active_blocks: int
+    active_prefill_tokens: int
+    active_requests: int
+    modeled_remaining_prefill_ms: int | None
+
+
+class PotentialLoadRow(Struct, frozen=True, gc=False):
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
+
+
+class PromptRegistry:
+    """Per-rank loads plus prompt membership, updated only by :meth:`apply`."""
+
+    __slots__ = ("_bits", "_free_bits", "_index", "_loads", "_next_bit", "_order")
+
+    def __init__(self) -> None:
+        self._loads: dict[Rank, RankLoad] = {}
+        self._bits: dict[Rank, int] = {}
+        self._index: dict[int, int] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 0
+        self._order: list[tuple[int, int, Rank, int]] | None = []
+
+    # ---- writes -------------------------------------------------------------------------
+
+    def apply(self, delta: Delta) -> None:
+        for rank in delta.removed_ranks:
+            self._remove_rank(tuple(rank))  # type: ignore[arg-type]
+        for rank in delta.added_ranks:
+            self._ensure_rank(tuple(rank))  # type: ignore[arg-type]
+        for change in delta.changes:
+            self.apply_change(change)
+
+    def apply_change(self, change: RankChange) -> None:
+        rank = (change.worker_id, change.dp_rank)
+        bit = self._bits.get(rank)
+        if bit is None:
+            bit = self._ensure_rank(rank)
+        index = self._index
+        if change.removed:
+            clear = ~(1 << bit)
+            for h in change.removed:
+                mask = index.get(h, 0) & clear
+                if mask:
+                    index[h] = mask
+                else:
+                    index.pop(h, None)
+        if change.stored:
+            flag = 1 << bit
+            get = index.get
+            for h in change.stored:
+                index[h] = get(h, 0) | flag
+        self._loads[rank] = change.load
+
+    def _ensure_rank(self, rank: Rank) -> int:
+        bit = self._bits.get(rank)
+        if bit is not None:
+            return bit
+        if self._free_bits:
+            bit = heapq.heappop(self._free_bits)
+        else:
+            bit = self._next_bit
+            self._next_bit += 1
+        self._bits[rank] = bit
+        self._loads[rank] = EMPTY_LOAD
+        self._order = None
+        return bit
+
+    def _remove_rank(self, rank: Rank) -> None:
+        bit = self._bits.pop(rank, None)
+        if bit is None:
+            return
+        del self._loads[rank]
+        flag = 1 << bit
+        index = self._index
+        dead = []
+        for h, mask in index.items():
+            if mask & flag:
+                mask ^= flag
+                if mask:
+                    index[h] = mask
+                else:
+                    dead.append(h)
+        for h in dead:
+            del index[h]
+        heapq.heappush(self._free_bits, bit)
+        self._order = None
+
+    def clear(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def _rows(self) -> list[tuple[int, int, Rank, int]]:
+        order = self._order
+        if order is None:
+            order = sorted((w, r, (w, r), bit) for (w, r), bit in self._bits.items())
+            self._order = order
+        return order
+
+    def ranks(self) -> list[Rank]:
+        return [rank for _, _, rank, _ in self._rows()]
+
+    def load_of(self, rank: Rank) -> RankLoad | None:
+        return self._loads.get(rank)
+
+    def loads(self, now_ns: int) -> list[LoadRow]:
+        """One row per known rank, sorted by (worker_id, dp_rank); decay evaluated at ``now_ns``."""
+        loads = self._loads
+        rows = []
+        for worker_id, dp_rank, rank, _ in self._rows():
+            load = loads[rank]
+            prefill = load.prefill
+            rows.append(
+                LoadRow(
+                    worker_id,
+                    dp_rank,
+                    load.active_blocks,
+                    prefill.active_tokens(now_ns),
+                    load.active_requests,
+                    prefill.modeled_remaining_ms(now_ns),
+                )
+            )
+        return rows
+
+    def overlap_depths(self, block_hashes: Iterable[int]) -> dict[Rank, int]:
+        """Longest present prefix of the query per rank; ranks with depth 0 are omitted."""
+        depth_by_bit = self._depths(list(block_hashes))
+        return {rank: depth_by_bit[bit] for rank, bit in self._bits.items() if depth_by_bit[bit]}
+
+    def _depths(self, query: list[int]) -> list[int]:
+        n = len(query)
+        depths = [n] * self._next_bit
+        alive = 0
+        for bit in self._bits.values():
+            alive |= 1 << bit
+        get = self._index.get
+        for i, h in enumerate(query):
+            if not alive:
+                break
+            still = alive & get(h, 0)
+            if still != alive:
+                dropped = alive ^ still
+                while dropped:
+                    low = dropped & -dropped
+                    depths[low.bit_length() - 1] = i
+                    dropped ^= low
+                alive = still
+        return depths
+
+    def potential_loads(
+        self, block_hashes: list[int], isl_tokens: int, now_ns: int
+    ) -> list[PotentialLoadRow]:
+        """What each rank's load would be if this request were booked there.
+
+        ``potential_decode_blocks = active_blocks + len(block_hashes) - overlap_depth`` and
+        ``potential_prefill_tokens = active_prefill_tokens(now) + isl_tokens``.
+        """
+        n = len(block_hashes)
+        depths = self._depths(block_hashes) if n else None
+        loads = self._loads
+        rows = []
+        for worker_id, dp_rank, rank, bit in self._rows():
+            load = loads[rank]
+            prefill = load.prefill
+            tokens = 0 if prefill.anchored_since_ns is None else prefill.active_tokens(now_ns)
+            rows.append(
+                PotentialLoadRow(
+                    worker_id,
+                    dp_rank,
+                    tokens + isl_tokens,
+                    load.active_blocks + n - (depths[bit] if depths else 0),
+                    load.active_requests,
+                )
+            )
+        return rows
+
+    # ---- inspection (tests, operators) ----------------------------------------------------
+
+    def hashes_of(self, rank: Rank) -> set[int]:
+        bit = self._bits.get(rank)
+        if bit is None:
+            return set()
+        flag = 1 << bit
+        return {h for h, mask in self._index.items() if mask & flag}
+
+    def membership_size(self) -> int:
+        """Number of distinct prompt hashes present on any rank."""
+        return len(self._index)
+
+    def __len__(self) -> int:
+        return len(self._bits)

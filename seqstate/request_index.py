@@ -1,0 +1,72 @@
+"""RequestIndex: which rank owns each live request id, and its LoRA adapter.
+
+Request ids are unique across every rank of the pool: an add for an id that is live anywhere
+is a duplicate. Mark and Free find their request here by id alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+Rank = tuple[int, int]
+
+
+class RequestIndex:
+    __slots__ = ("lora", "owner")
+
+    def __init__(self) -> None:
+        self.owner: dict[str, Rank] = {}
+        self.lora: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.owner
+
+    def worker_for(self, request_id: str) -> Rank | None:
+        return self.owner.get(request_id)
+
+    def lora_for(self, request_id: str) -> str | None:
+        return self.lora.get(request_id)
+
+    def try_insert(self, request_id: str, rank: Rank, lora_name: str | None) -> Rank | None:
+        """Insert unless the id is live; returns the existing owner on conflict, else None."""
+        existing = self.owner.get(request_id)
+        if existing is not None:
+            return existing
+        self.owner[request_id] = rank
+        if lora_name is not None:
+            self.lora[request_id] = lora_name
+        return None
+
+    def set_request(self, request_id: str, rank: Rank, lora_name: str | None) -> None:
+        """Unconditional overwrite; clears a stale LoRA mapping when ``lora_name`` is None."""
+        self.owner[request_id] = rank
+        if lora_name is None:
+            self.lora.pop(request_id, None)
+        else:
+            self.lora[request_id] = lora_name
+
+    def remove(self, request_id: str) -> Rank | None:
+        """Idempotent; returns the previous owner."""
+        self.lora.pop(request_id, None)
+        return self.owner.pop(request_id, None)
+
+    def remove_if_worker(self, request_id: str, rank: Rank) -> bool:
+        if self.owner.get(request_id) != rank:
+            return False
+        self.remove(request_id)
+        return True
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.remove(request_id)
+
+    def remove_worker_requests(self, rank: Rank) -> list[str]:
+        removed = [rid for rid, owner in self.owner.items() if owner == rank]
+        self.remove_requests(removed)
+        return removed
+
+    def active_lora_counts(self) -> dict[str, int]:
+        return dict(Counter(self.lora.values()))

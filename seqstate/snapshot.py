@@ -1,0 +1,183 @@
+"""Write-model snapshots: the whole authoritative state as deterministic msgpack bytes.
+
+Everything that can influence a later event's outcome is captured, in the iteration order
+the live structures use (ranks, requests, prefill FIFO, fractional weights, tombstones), so
+that restoring and folding the rest of a log gives the same bytes as one uninterrupted fold.
+What can be derived (block reference counts, RequestIndex, prefill sums, the registry) is
+rebuilt on restore instead of stored. Running float totals are stored verbatim because
+recomputing them could round differently.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+from msgspec import Struct
+
+from seqstate.sequences import ActiveSequences, RequestState
+from seqstate.state import SequenceState
+from seqstate.topology import WorkerDpRange
+
+SNAPSHOT_VERSION: Final = 1
+MAGIC: Final = b"SQST"
+
+
+class SnapshotError(ValueError):
+    """Bytes that are not a usable snapshot: wrong magic, version, or a damaged body."""
+
+
+class _Request(Struct, array_like=True):
+    request_id: str
+    hashes: list[int]
+    added_ns: int
+    expected_output_tokens: int | None
+    marked: bool
+    outputs: list[float] | None
+    lora_name: str | None
+
+
+class _Slot(Struct, array_like=True):
+    worker_id: int
+    dp_rank: int
+    last_expiry_check_ns: int
+    requests: list[_Request]
+    prefills: list[tuple[str, int, int | None]]
+    anchor_ns: int | None
+    fractions: list[tuple[int, float]]
+    deficit: float
+    output_weight: float
+
+
+class _Memory(Struct, array_like=True):
+    entries: list[tuple[str, int, int]]
+    evicted: int
+
+
+class _State(Struct, array_like=True):
+    version: int
+    expiry_s: float | None
+    lazy_workers: bool
+    max_tombstones: int
+    max_ended: int
+    now_ns: int
+    ranges: list[tuple[int, int, int]]
+    slots: list[_Slot]
+    tombstones: _Memory
+    ended: _Memory
+    counters: dict[str, int]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_State)
+
+
+def encode_state(state: SequenceState) -> bytes:
+    lora = state.requests.lora
+    slots = []
+    for (worker_id, dp_rank), slot in state.workers.slots.items():
+        blocks = slot.blocks
+        prefill = slot.prefill
+        slots.append(
+            _Slot(
+                worker_id,
+                dp_rank,
+                slot.last_expiry_check_ns,
+                [
+                    _Request(
+                        rid,
+                        r.hashes,
+                        r.added_ns,
+                        r.expected_output_tokens,
+                        r.marked,
+                        r.outputs,
+                        lora.get(rid),
+                    )
+                    for rid, r in slot.requests.items()
+                ],
+                [(rid, t, d) for rid, (t, d) in prefill.prefills.items()],
+                prefill.anchor_ns,
+                list(blocks.fractions.items()),
+                blocks.deficit,
+                blocks.output_weight,
+            )
+        )
+    body = _State(
+        SNAPSHOT_VERSION,
+        state.expiry_s,
+        state.lazy_workers,
+        state.tombstones.capacity,
+        state.ended.capacity,
+        state.now_ns,
+        [(w.worker_id, w.dp_start, w.dp_size) for w in state.workers.ranges.values()],
+        slots,
+        _Memory(list(state.tombstones.items()), state.tombstones.evicted),
+        _Memory(list(state.ended.items()), state.ended.evicted),
+        state.counters,
+    )
+    return MAGIC + _encoder.encode(body)
+
+
+def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
+    raw = bytes(data)
+    if not raw.startswith(MAGIC):
+        raise SnapshotError("not a seqstate snapshot (bad magic)")
+    try:
+        body = _decoder.decode(raw[len(MAGIC) :])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SnapshotError(f"damaged snapshot: {exc}") from None
+    if body.version != SNAPSHOT_VERSION:
+        raise SnapshotError(
+            f"snapshot version {body.version} is not readable (this build reads "
+            f"{SNAPSHOT_VERSION})"
+        )
+    try:
+        return _rebuild(body)
+    except (KeyError, ValueError, TypeError, AssertionError) as exc:
+        raise SnapshotError(f"inconsistent snapshot: {exc!r}") from None
+
+
+def _rebuild(body: _State) -> SequenceState:
+    state = SequenceState(
+        body.expiry_s,
+        body.lazy_workers,
+        max_tombstones=body.max_tombstones,
+        max_ended=body.max_ended,
+    )
+    state.now_ns = body.now_ns
+    for worker_id, dp_start, dp_size in body.ranges:
+        state.workers.ranges[worker_id] = WorkerDpRange(worker_id, dp_start, dp_size)
+    owner = state.requests.owner
+    lora = state.requests.lora
+    for s in body.slots:
+        rank = (s.worker_id, s.dp_rank)
+        slot = ActiveSequences(s.last_expiry_check_ns, state.expiry_ns)
+        blocks = slot.blocks
+        for r in s.requests:
+            if r.request_id in owner:
+                raise ValueError(f"request {r.request_id!r} on two ranks")
+            blocks.acquire(r.hashes)
+            slot.requests[r.request_id] = RequestState(
+                r.hashes, r.added_ns, r.expected_output_tokens, r.marked, r.outputs
+            )
+            if r.outputs:
+                blocks.outputs += len(r.outputs)
+            owner[r.request_id] = rank
+            if r.lora_name is not None:
+                lora[r.request_id] = r.lora_name
+        blocks.fractions = dict(s.fractions)
+        blocks.deficit = s.deficit
+        blocks.output_weight = s.output_weight
+        for request_id, tokens, duration_ns in s.prefills:
+            slot.prefill.insert(request_id, tokens, duration_ns, 0)
+        slot.prefill.anchor_ns = s.anchor_ns
+        state.workers.slots[rank] = slot
+        slot.check_invariants()
+    state.tombstones.load(body.tombstones.entries)
+    state.tombstones.evicted = body.tombstones.evicted
+    state.ended.load(body.ended.entries)
+    state.ended.evicted = body.ended.evicted
+    state.counters.update(body.counters)
+    for delta in state.projection():
+        state.registry.apply(delta)
+    return state

@@ -1,0 +1,322 @@
+"""SequenceState: the orchestrator that folds lifecycle events into the write model.
+
+``apply(event, at_ns)`` looks the request up (RequestIndex, WorkerTable), mutates the owning
+rank's ActiveSequences, and returns a :class:`Delta` that it also applies to its own
+PromptRegistry. It is a pure fold: the only time it knows is ``at_ns``, so the same events at
+the same times always give the same state, byte for byte.
+
+Lifecycle oddities are outcomes, never exceptions; only an object that is not an event raises.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from seqstate import deltas as outcomes
+from seqstate.deltas import Delta, RankChange
+from seqstate.events import (
+    AddOutputBlock,
+    AddRequest,
+    EventDecodeError,
+    Free,
+    MarkPrefillCompleted,
+    Tick,
+    WorkerAdded,
+    WorkerRemoved,
+)
+from seqstate.recent import RecentIds
+from seqstate.registry import PromptRegistry
+from seqstate.request_index import RequestIndex
+from seqstate.sequences import NS_PER_S, ActiveSequences
+from seqstate.topology import Rank, TopologyChange, WorkerDpRange, WorkerTable
+
+DEFAULT_EXPIRY_S: Final = 300.0
+MAX_TOMBSTONES: Final = 100_000
+MAX_ENDED: Final = 250_000
+
+# Tombstone kinds; a Free tombstone outranks a Mark tombstone.
+MARK_TOMBSTONE: Final = 1
+FREE_TOMBSTONE: Final = 2
+
+COUNTER_NAMES: Final = (
+    *outcomes.OUTCOMES,
+    "expired",
+    "worker_mismatch",
+    "tombstoned",
+    "mark_before_add",
+)
+
+
+class SequenceState:
+    """The authoritative write model (WorkerTable, RequestIndex, ActiveSequences per rank)
+    plus the PromptRegistry derived from its deltas.
+
+    ``expiry_s=None`` disables expiry. ``lazy_workers=False`` rejects requests for ranks no
+    ``WorkerAdded`` registered (outcome ``unknown_worker``) instead of creating them.
+    """
+
+    def __init__(
+        self,
+        expiry_s: float | None = DEFAULT_EXPIRY_S,
+        lazy_workers: bool = True,
+        *,
+        max_tombstones: int = MAX_TOMBSTONES,
+        max_ended: int = MAX_ENDED,
+    ) -> None:
+        if expiry_s is not None and not expiry_s > 0:
+            raise ValueError("expiry_duration must be greater than zero")
+        if max_tombstones < 0 or max_ended < 0:
+            raise ValueError("memory capacities must not be negative")
+        self.expiry_s = expiry_s
+        self.lazy_workers = lazy_workers
+        self.expiry_ns: int | None = None if expiry_s is None else round(expiry_s * NS_PER_S)
+        retention_ns = self.expiry_ns or round(DEFAULT_EXPIRY_S * NS_PER_S)
+        self.now_ns = 0
+        self.workers = WorkerTable(self._make_slot)
+        self.requests = RequestIndex()
+        self.tombstones = RecentIds(retention_ns, max_tombstones)
+        self.ended = RecentIds(retention_ns, max_ended)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self.registry = PromptRegistry()
+
+    def _make_slot(self, rank: Rank) -> ActiveSequences:
+        return ActiveSequences(self.now_ns, self.expiry_ns)
+
+    # ---- the fold -------------------------------------------------------------------------
+
+    def apply(self, event: object, at_ns: int) -> Delta:
+        """Fold one event at its log time; returns what changed (also applied to the registry)."""
+        now = self.now_ns = at_ns if at_ns > self.now_ns else self.now_ns
+        self.tombstones.prune(now)
+        self.ended.prune(now)
+        match event:
+            case AddRequest():
+                delta = self._add(event, now)
+            case MarkPrefillCompleted():
+                delta = self._mark(event, now)
+            case Free():
+                delta = self._free(event, now)
+            case AddOutputBlock():
+                delta = self._output_block(event, now)
+            case Tick():
+                delta = self._tick(now)
+            case WorkerAdded():
+                delta = self._worker_added(event, now)
+            case WorkerRemoved():
+                delta = self._worker_removed(event, now)
+            case _:
+                raise EventDecodeError(f"not a seqstate event: {type(event).__name__}")
+        self.counters[delta.outcome] += 1
+        if delta.expired:
+            self.counters["expired"] += len(delta.expired)
+        self.registry.apply(delta)
+        return delta
+
+    def apply_all(self, timed_events: object) -> list[Delta]:
+        """Fold ``(event, at_ns)`` pairs in order (tests, replays)."""
+        return [self.apply(event, at_ns) for event, at_ns in timed_events]  # type: ignore[attr-defined]
+
+    def _add(self, event: AddRequest, now: int) -> Delta:
+        request_id = event.request_id
+        if request_id in self.requests.owner:
+            return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        rank = (event.worker_id, event.dp_rank)
+        slot = self.workers.slots.get(rank)
+        if slot is None and not self.lazy_workers:
+            return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
+        tombstone = self.tombstones.pop(request_id) if self.tombstones else None
+        if tombstone == FREE_TOMBSTONE:
+            # Its Free already came: booking it now would leak its load until expiry.
+            self.ended.put(request_id, 0, now)
+            return Delta(outcome=outcomes.SUPERSEDED, at_ns=now)
+        added_ranks: list[Rank] = []
+        if slot is None:
+            self.workers.ensure_worker(rank)
+            slot = self.workers.slots[rank]
+            added_ranks.append(rank)
+        expired, removed = slot.expire(now)
+        if expired:
+            self._forget(expired, now)
+        marked = tombstone == MARK_TOMBSTONE
+        if marked:
+            self.counters["mark_before_add"] += 1
+        self.ended.discard(request_id)
+        ms = event.expected_prefill_ms
+        stored = slot.add(
+            request_id,
+            event.block_hashes,
+            event.prefill_tokens if event.track_prefill_tokens else 0,
+            None if ms is None else round(ms * 1_000_000),
+            event.expected_output_tokens,
+            marked,
+            now,
+        )
+        self.requests.try_insert(request_id, rank, event.lora_name)
+        return Delta(
+            outcome=outcomes.APPLIED,
+            at_ns=now,
+            changes=[RankChange(rank[0], rank[1], slot.load(), removed, stored)],
+            added_ranks=added_ranks,
+            expired=expired,
+        )
+
+    def _owner(self, event: MarkPrefillCompleted | Free | AddOutputBlock) -> Rank | None:
+        owner = self.requests.owner.get(event.request_id)
+        if owner is not None and (owner[0] != event.worker_id or owner[1] != event.dp_rank):
+            self.counters["worker_mismatch"] += 1
+        return owner
+
+    def _unknown(self, request_id: str, kind: int, now: int) -> Delta:
+        """Mark or Free for an id that is not live: a no-op if it ended recently, else a
+        tombstone so that its late AddRequest is handled right."""
+        if request_id not in self.ended:
+            if self.tombstones.get(request_id) != FREE_TOMBSTONE:
+                self.tombstones.put(request_id, kind, now)
+            self.counters["tombstoned"] += 1
+        return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
+
+    def _mark(self, event: MarkPrefillCompleted, now: int) -> Delta:
+        owner = self._owner(event)
+        if owner is None:
+            return self._unknown(event.request_id, MARK_TOMBSTONE, now)
+        slot = self.workers.slots[owner]
+        if not slot.mark_prefill_completed(event.request_id, now):
+            return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        return Delta(
+            outcome=outcomes.APPLIED,
+            at_ns=now,
+            changes=[RankChange(owner[0], owner[1], slot.load())],
+        )
+
+    def _free(self, event: Free, now: int) -> Delta:
+        owner = self._owner(event)
+        if owner is None:
+            return self._unknown(event.request_id, FREE_TOMBSTONE, now)
+        request_id = event.request_id
+        slot = self.workers.slots[owner]
+        removed = slot.free(request_id, now)
+        self.requests.remove(request_id)
+        self.ended.put(request_id, 0, now)
+        return Delta(
+            outcome=outcomes.APPLIED,
+            at_ns=now,
+            changes=[RankChange(owner[0], owner[1], slot.load(), removed)],
+        )
+
+    def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
+        owner = self._owner(event)
+        if owner is None:
+            return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
+        slot = self.workers.slots[owner]
+        slot.add_output_block(event.request_id, event.decay_fraction)
+        return Delta(
+            outcome=outcomes.APPLIED,
+            at_ns=now,
+            changes=[RankChange(owner[0], owner[1], slot.load())],
+        )
+
+    def _tick(self, now: int) -> Delta:
+        changes: list[RankChange] = []
+        all_expired: list[str] = []
+        for rank, slot in self.workers.slots.items():
+            expired, removed = slot.expire(now)
+            if expired:
+                self._forget(expired, now)
+                all_expired.extend(expired)
+                changes.append(RankChange(rank[0], rank[1], slot.load(), removed))
+        return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired)
+
+    def _forget(self, request_ids: list[str], now: int) -> None:
+        """Requests that ended without a Free (expired or dropped with their worker)."""
+        remove = self.requests.remove
+        put = self.ended.put
+        for request_id in request_ids:
+            remove(request_id)
+            put(request_id, 0, now)
+
+    def _worker_added(self, event: WorkerAdded, now: int) -> Delta:
+        worker = WorkerDpRange(event.worker_id, event.dp_start, event.dp_size)
+        if self.workers.ranges.get(event.worker_id) == worker:
+            return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        change = self._dropping_requests(lambda: self.workers.upsert_worker(worker), now)
+        return Delta(
+            outcome=outcomes.APPLIED,
+            at_ns=now,
+            added_ranks=change.added,
+            removed_ranks=change.removed,
+        )
+
+    def _worker_removed(self, event: WorkerRemoved, now: int) -> Delta:
+        worker_id = event.worker_id
+        if worker_id not in self.workers.ranges and not any(
+            rank[0] == worker_id for rank in self.workers.slots
+        ):
+            return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
+        change = self._dropping_requests(lambda: self.workers.remove_worker(worker_id), now)
+        return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
+
+    def _dropping_requests(self, mutate: object, now: int) -> TopologyChange:
+        """Run a topology mutation; requests of removed ranks end without a Free."""
+        before = dict(self.workers.slots)
+        change: TopologyChange = mutate()  # type: ignore[operator]
+        for rank in change.removed:
+            self._forget(list(before[rank].requests), now)
+        return change
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def slot(self, worker_id: int, dp_rank: int = 0) -> ActiveSequences | None:
+        return self.workers.slots.get((worker_id, dp_rank))
+
+    def active_lora_counts(self) -> dict[str, int]:
+        return self.requests.active_lora_counts()
+
+    def check_invariants(self) -> None:
+        """Every cross-structure invariant of the write model (tests and debugging)."""
+        owners: dict[str, Rank] = {}
+        for rank, slot in self.workers.slots.items():
+            slot.check_invariants()
+            for request_id in slot.requests:
+                assert request_id not in owners, f"{request_id!r} live on two ranks"
+                owners[request_id] = rank
+        assert owners == self.requests.owner, "RequestIndex disagrees with ActiveSequences"
+        assert set(self.requests.lora) <= set(owners)
+        for request_id in owners:
+            assert request_id not in self.tombstones
+        for worker in self.workers.ranges.values():
+            for dp_rank in worker.ranks():
+                assert (worker.worker_id, dp_rank) in self.workers.slots
+        assert sorted(self.registry.ranks()) == sorted(self.workers.slots)
+
+    # ---- persistence --------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole write model (and counters), as deterministic msgpack bytes."""
+        from seqstate.snapshot import encode_state
+
+        return encode_state(self)
+
+    @classmethod
+    def restore(cls, data: bytes) -> SequenceState:
+        """Rebuild a state, registry included, from :meth:`snapshot` bytes."""
+        from seqstate.snapshot import decode_state
+
+        return decode_state(data)
+
+    def projection(self) -> list[Delta]:
+        """Deltas that build this state's read model from an empty registry.
+
+        Used after a restore, and by a projector that re-derives its bucket from scratch.
+        """
+        changes = []
+        for rank, slot in self.workers.slots.items():
+            present = list(slot.blocks.refs)
+            changes.append(RankChange(rank[0], rank[1], slot.load(), [], present))
+        return [
+            Delta(
+                outcome=outcomes.APPLIED,
+                at_ns=self.now_ns,
+                added_ranks=list(self.workers.slots),
+                changes=changes,
+            )
+        ]
