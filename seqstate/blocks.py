@@ -19,7 +19,7 @@ import math
 
 def round_half_away(value: float) -> int:
     """Rust's ``f64::round`` for the non-negative sums we produce (Python rounds half to even)."""
-    return int(math.floor(value + 0.5)) if value >= 0 else -int(math.floor(-value + 0.5))
+    return math.floor(value + 0.5) if value >= 0 else -math.floor(-value + 0.5)
 
 
 class BlockTracker:

@@ -41,7 +41,7 @@ class RankChange(Struct, array_like=True, gc=False):
 
 
 class Delta(Struct, kw_only=True, omit_defaults=True):
-    """Result of ``SequenceState.apply``. ``seq`` is the source stream sequence, set by the writer."""
+    """What ``SequenceState.apply`` did; ``seq`` is the source stream sequence (writer-set)."""
 
     outcome: Outcome
     at_ns: int

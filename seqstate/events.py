@@ -115,7 +115,9 @@ class Tick(Struct, tag=True, omit_defaults=True):
     """The log's clock moved with no traffic: gives expiry a logged time."""
 
 
-Event = AddRequest | MarkPrefillCompleted | Free | AddOutputBlock | WorkerAdded | WorkerRemoved | Tick
+Event = (
+    AddRequest | MarkPrefillCompleted | Free | AddOutputBlock | WorkerAdded | WorkerRemoved | Tick
+)
 EVENT_TYPES: Final = (
     AddRequest,
     MarkPrefillCompleted,

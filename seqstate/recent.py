@@ -7,6 +7,7 @@ amortised, and a snapshot lists the entries in that same order.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ class RecentIds:
     """``request_id -> (value, written_at_ns)``, forgetting entries older than ``retention_ns``
     and the oldest ones beyond ``capacity``."""
 
-    __slots__ = ("_entries", "_queue", "_stamp", "capacity", "evicted", "retention_ns")
+    __slots__ = ("_entries", "_queue", "_stamp", "capacity", "due_ns", "evicted", "retention_ns")
 
     def __init__(self, retention_ns: int, capacity: int) -> None:
         self.retention_ns = retention_ns
@@ -25,6 +26,8 @@ class RecentIds:
         # (written_at_ns, stamp, request_id); stale when the id was rewritten or deleted since.
         self._queue: deque[tuple[int, int, str]] = deque()
         self._stamp = 0
+        # When the oldest entry falls out of retention: callers skip prune() before then.
+        self.due_ns: float = math.inf
         self.evicted = 0  # dropped for capacity before their time (an operator signal)
 
     def __len__(self) -> int:
@@ -46,6 +49,7 @@ class RecentIds:
         self._queue.append((now_ns, self._stamp, request_id))
         if len(entries) > self.capacity:
             self._pop_front(evicting=True)
+        self._set_due()
 
     def pop(self, request_id: str) -> int | None:
         entry = self._entries.pop(request_id, None)
@@ -67,6 +71,11 @@ class RecentIds:
         # Stale queue entries beyond twice the live ones are compacted away.
         if len(queue) > 2 * len(entries) + 1024:
             self._queue = deque((at, stamp, rid) for rid, (_, at, stamp) in entries.items())
+        self._set_due()
+
+    def _set_due(self) -> None:
+        queue = self._queue
+        self.due_ns = queue[0][0] + self.retention_ns if queue else math.inf
 
     def _pop_front(self, evicting: bool) -> None:
         queue = self._queue
@@ -90,3 +99,4 @@ class RecentIds:
         self._entries = {rid: (value, at, i) for i, (rid, value, at) in enumerate(items, 1)}
         self._queue = deque((at, i, rid) for i, (rid, _, at) in enumerate(items, 1))
         self._stamp = len(items)
+        self._set_due()

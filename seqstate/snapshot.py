@@ -128,8 +128,7 @@ def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
         raise SnapshotError(f"damaged snapshot: {exc}") from None
     if body.version != SNAPSHOT_VERSION:
         raise SnapshotError(
-            f"snapshot version {body.version} is not readable (this build reads "
-            f"{SNAPSHOT_VERSION})"
+            f"snapshot version {body.version} is not readable (this build reads {SNAPSHOT_VERSION})"
         )
     try:
         return _rebuild(body)

@@ -87,8 +87,10 @@ class SequenceState:
     def apply(self, event: object, at_ns: int) -> Delta:
         """Fold one event at its log time; returns what changed (also applied to the registry)."""
         now = self.now_ns = at_ns if at_ns > self.now_ns else self.now_ns
-        self.tombstones.prune(now)
-        self.ended.prune(now)
+        if now > self.tombstones.due_ns:
+            self.tombstones.prune(now)
+        if now > self.ended.due_ns:
+            self.ended.prune(now)
         match event:
             case AddRequest():
                 delta = self._add(event, now)
@@ -124,7 +126,7 @@ class SequenceState:
         slot = self.workers.slots.get(rank)
         if slot is None and not self.lazy_workers:
             return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
-        tombstone = self.tombstones.pop(request_id) if self.tombstones else None
+        tombstone = self.tombstones.pop(request_id)
         if tombstone == FREE_TOMBSTONE:
             # Its Free already came: booking it now would leak its load until expiry.
             self.ended.put(request_id, 0, now)

@@ -85,9 +85,7 @@ class WorkerTable:
         self.ranges: dict[int, WorkerDpRange] = {}
 
     @classmethod
-    def new(
-        cls, make_slot: SlotFactory, ranges: dict[int, tuple[int, int]]
-    ) -> WorkerTable:
+    def new(cls, make_slot: SlotFactory, ranges: dict[int, tuple[int, int]]) -> WorkerTable:
         table = cls(make_slot)
         for worker_id, (dp_start, dp_size) in ranges.items():
             table.register_worker(WorkerDpRange(worker_id, dp_start, dp_size))

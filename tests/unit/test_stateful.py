@@ -1,0 +1,617 @@
+"""Stateful property test: random event interleavings checked against a naive model.
+
+The model below is written from the rules (ARCHITECTURE.md "Precise rules of the core" and
+reference-semantics.md sections 3, 5 and 6), not from the core: it keeps a flat list of live
+requests and recomputes every read (blocks, prefill decay, overlap) from that list with exact
+rational arithmetic. After every step the real ``SequenceState`` must agree with it exactly.
+
+Block hashes are chained: every prompt is a prefix of one of a few fixed lineages of distinct
+integers, so a hash identifies its whole prefix and prompts share prefixes realistically.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from seqstate import (
+    AddOutputBlock,
+    AddRequest,
+    Delta,
+    Free,
+    LoadRow,
+    MarkPrefillCompleted,
+    PotentialLoadRow,
+    SequenceState,
+    Tick,
+    WorkerAdded,
+    WorkerRemoved,
+)
+
+S = 1_000_000_000
+MS = 1_000_000
+CHECK_INTERVAL_NS = 30 * S
+DEFAULT_RETENTION_NS = 300 * S
+MARK, FREE = "mark", "free"
+
+Rank = tuple[int, int]
+
+WORKERS = (1, 2, 3)
+DP_RANKS = (0, 1, 2)
+REQUEST_IDS = tuple(f"r{i}" for i in range(8))
+LINEAGE_LEN = 8
+LINEAGES = tuple(tuple(k * 100 + i for i in range(1, LINEAGE_LEN + 1)) for k in range(4))
+# Queries for overlap and potential loads: prefixes, full lineages, divergent tails, misses.
+QUERIES: tuple[list[int], ...] = (
+    [],
+    [999],
+    list(LINEAGES[0][:1]),
+    list(LINEAGES[0][:4]),
+    list(LINEAGES[1]),
+    [*LINEAGES[2][:3], 250],
+    list(LINEAGES[3][:6]),
+    [*LINEAGES[1][:2], 10_001, 10_002],
+)
+OUTCOMES = ("applied", "duplicate", "unknown_request", "unknown_worker", "superseded")
+
+
+# ---- the naive model ------------------------------------------------------------------------
+
+
+@dataclass
+class Live:
+    """One live request as the model sees it."""
+
+    rid: str
+    rank: Rank
+    hashes: list[int]
+    tokens: int  # effective prefill tokens (0 when untracked or no load)
+    duration_ns: int | None
+    added_ns: int
+    marked: bool
+    lora: str | None
+    outputs: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.tokens > 0 and not self.marked
+
+
+@dataclass
+class Expected:
+    """What the Delta of one event should say. ``changes`` = (rank, sorted removed, stored)."""
+
+    outcome: str
+    expired: list[str] = field(default_factory=list)
+    added_ranks: list[Rank] = field(default_factory=list)
+    removed_ranks: list[Rank] = field(default_factory=list)
+    changes: list[tuple[Rank, list[int], list[int]]] = field(default_factory=list)
+
+
+class Model:
+    """Flat, slow, obviously-correct bookkeeping of the rules."""
+
+    def __init__(self, expiry_ns: int | None, lazy: bool) -> None:
+        self.expiry_ns = expiry_ns
+        self.lazy = lazy
+        self.retention_ns = expiry_ns if expiry_ns is not None else DEFAULT_RETENTION_NS
+        self.now = 0
+        self.live: list[Live] = []  # in add order
+        self.ranks: dict[Rank, None] = {}  # in creation order
+        self.ranges: dict[int, tuple[int, int]] = {}
+        self.anchor: dict[Rank, int | None] = {}
+        self.last_check: dict[Rank, int] = {}
+        self.ended: dict[str, int] = {}
+        self.tombstones: dict[str, tuple[str, int]] = {}
+        self.counters: dict[str, int] = {
+            **dict.fromkeys(OUTCOMES, 0),
+            "expired": 0,
+            "worker_mismatch": 0,
+            "tombstoned": 0,
+            "mark_before_add": 0,
+        }
+
+    # -- reads --
+
+    def find(self, rid: str) -> Live | None:
+        for req in self.live:
+            if req.rid == rid:
+                return req
+        return None
+
+    def on(self, rank: Rank) -> list[Live]:
+        return [r for r in self.live if r.rank == rank]
+
+    def present(self, rank: Rank) -> set[int]:
+        out: set[int] = set()
+        for req in self.on(rank):
+            out.update(req.hashes)
+        return out
+
+    def prefills(self, rank: Rank) -> list[Live]:
+        return [r for r in self.on(rank) if r.prefilling]
+
+    def active_blocks(self, rank: Rank) -> int:
+        return len(self.present(rank)) + sum(r.outputs for r in self.on(rank))
+
+    def active_tokens(self, rank: Rank, now: int) -> int:
+        """reference-semantics.md 6.4, in exact rationals."""
+        queue = self.prefills(rank)
+        if not queue:
+            return 0
+        anchor = self.anchor[rank]
+        assert anchor is not None
+        total = sum(r.tokens for r in queue)
+        t_a, d_a = queue[0].tokens, queue[0].duration_ns
+        elapsed = max(0, now - anchor)
+        if any(r.duration_ns is None for r in queue):
+            if d_a is None:
+                remaining = t_a
+            elif d_a == 0 or elapsed >= d_a:
+                remaining = 0
+            else:
+                remaining = math.ceil(t_a * (1 - Fraction(elapsed, d_a)))
+            return total - t_a + remaining
+        completed = t_a if d_a == 0 else math.floor(Fraction(t_a * elapsed, d_a))
+        return max(0, total - completed)
+
+    def modeled_ms(self, rank: Rank, now: int) -> int | None:
+        """reference-semantics.md 6.5."""
+        queue = self.prefills(rank)
+        if any(r.duration_ns is None for r in queue):
+            return None
+        total_ms = sum(r.duration_ns // MS for r in queue)  # type: ignore[operator]
+        if not queue:
+            return total_ms
+        anchor = self.anchor[rank]
+        assert anchor is not None
+        elapsed = max(0, now - anchor)
+        return max(0, total_ms - elapsed // MS)
+
+    def load_rows(self, now: int) -> list[LoadRow]:
+        return [
+            LoadRow(
+                w,
+                d,
+                self.active_blocks((w, d)),
+                self.active_tokens((w, d), now),
+                len(self.on((w, d))),
+                self.modeled_ms((w, d), now),
+            )
+            for (w, d) in sorted(self.ranks)
+        ]
+
+    def depth(self, rank: Rank, query: list[int]) -> int:
+        best = 0
+        for req in self.on(rank):
+            n = 0
+            while n < len(query) and n < len(req.hashes) and query[n] == req.hashes[n]:
+                n += 1
+            best = max(best, n)
+        return best
+
+    def potential_rows(self, query: list[int], isl: int, now: int) -> list[PotentialLoadRow]:
+        return [
+            PotentialLoadRow(
+                w,
+                d,
+                self.active_tokens((w, d), now) + isl,
+                self.active_blocks((w, d)) + len(query) - self.depth((w, d), query),
+                len(self.on((w, d))),
+            )
+            for (w, d) in sorted(self.ranks)
+        ]
+
+    # -- mutations --
+
+    def _remove_prefill(self, req: Live, now: int) -> None:
+        """Take a still-prefilling request out of its rank's FIFO (6.2 remove)."""
+        queue = self.prefills(req.rank)
+        if queue[0] is req:
+            self.anchor[req.rank] = now if len(queue) > 1 else None
+        elif req.duration_ns is not None:
+            anchor = self.anchor[req.rank]
+            assert anchor is not None
+            self.anchor[req.rank] = min(anchor + req.duration_ns, now)
+
+    def _end(self, req: Live, now: int) -> None:
+        if req.prefilling:
+            self._remove_prefill(req, now)
+        self.live.remove(req)
+        self._put_ended(req.rid, now)
+
+    def _put_ended(self, rid: str, now: int) -> None:
+        self.ended.pop(rid, None)
+        self.ended[rid] = now
+
+    def _create_rank(self, rank: Rank, now: int) -> None:
+        self.ranks[rank] = None
+        self.anchor[rank] = None
+        self.last_check[rank] = now
+
+    def _drop_rank(self, rank: Rank, now: int) -> None:
+        for req in self.on(rank):
+            self.live.remove(req)
+            self._put_ended(req.rid, now)
+        del self.ranks[rank], self.anchor[rank], self.last_check[rank]
+
+    def _expire(self, rank: Rank, now: int) -> tuple[list[str], list[int]]:
+        if self.expiry_ns is None or now - self.last_check[rank] < CHECK_INTERVAL_NS:
+            return [], []
+        self.last_check[rank] = now
+        before = self.present(rank)
+        victims = [r for r in self.on(rank) if r.added_ns < now - self.expiry_ns]
+        for req in victims:
+            self._end(req, now)
+        return [r.rid for r in victims], sorted(before - self.present(rank))
+
+    def _advance(self, at: int) -> int:
+        self.now = max(self.now, at)
+        cutoff = self.now - self.retention_ns
+        self.ended = {k: t for k, t in self.ended.items() if t >= cutoff}
+        self.tombstones = {k: v for k, v in self.tombstones.items() if v[1] >= cutoff}
+        return self.now
+
+    def apply(self, event: object, at: int) -> Expected:
+        now = self._advance(at)
+        if isinstance(event, AddRequest):
+            exp = self._add(event, now)
+        elif isinstance(event, MarkPrefillCompleted):
+            exp = self._mark(event, now)
+        elif isinstance(event, Free):
+            exp = self._free(event, now)
+        elif isinstance(event, AddOutputBlock):
+            exp = self._output(event)
+        elif isinstance(event, Tick):
+            exp = self._tick(now)
+        elif isinstance(event, WorkerAdded):
+            exp = self._worker_added(event, now)
+        elif isinstance(event, WorkerRemoved):
+            exp = self._worker_removed(event, now)
+        else:
+            raise AssertionError(event)
+        self.counters[exp.outcome] += 1
+        self.counters["expired"] += len(exp.expired)
+        return exp
+
+    def _add(self, ev: AddRequest, now: int) -> Expected:
+        if self.find(ev.request_id) is not None:
+            return Expected("duplicate")
+        rank = (ev.worker_id, ev.dp_rank)
+        if rank not in self.ranks and not self.lazy:
+            return Expected("unknown_worker")
+        tomb = self.tombstones.pop(ev.request_id, None)
+        kind = None if tomb is None else tomb[0]
+        if kind == FREE:
+            self._put_ended(ev.request_id, now)
+            return Expected("superseded")
+        added: list[Rank] = []
+        if rank not in self.ranks:
+            self._create_rank(rank, now)
+            added.append(rank)
+        expired, removed = self._expire(rank, now)
+        if kind == MARK:
+            self.counters["mark_before_add"] += 1
+        self.ended.pop(ev.request_id, None)
+        before = self.present(rank)
+        ms = ev.expected_prefill_ms
+        req = Live(
+            ev.request_id,
+            rank,
+            list(ev.block_hashes),
+            ev.prefill_tokens if ev.track_prefill_tokens else 0,
+            None if ms is None else round(ms * MS),
+            now,
+            kind == MARK,
+            ev.lora_name,
+        )
+        self.live.append(req)
+        if req.prefilling and self.anchor[rank] is None:
+            self.anchor[rank] = now
+        stored = [h for h in req.hashes if h not in before]
+        return Expected("applied", expired, added, [], [(rank, removed, stored)])
+
+    def _owner(self, ev: MarkPrefillCompleted | Free | AddOutputBlock) -> Live | None:
+        req = self.find(ev.request_id)
+        if req is not None and req.rank != (ev.worker_id, ev.dp_rank):
+            self.counters["worker_mismatch"] += 1
+        return req
+
+    def _unknown(self, rid: str, kind: str, now: int) -> Expected:
+        if rid not in self.ended:
+            current = self.tombstones.get(rid)
+            if current is None or current[0] != FREE:
+                self.tombstones.pop(rid, None)
+                self.tombstones[rid] = (kind, now)
+            self.counters["tombstoned"] += 1
+        return Expected("unknown_request")
+
+    def _mark(self, ev: MarkPrefillCompleted, now: int) -> Expected:
+        req = self._owner(ev)
+        if req is None:
+            return self._unknown(ev.request_id, MARK, now)
+        if req.marked:
+            return Expected("duplicate")
+        if req.prefilling:
+            self._remove_prefill(req, now)
+        req.marked = True
+        return Expected("applied", changes=[(req.rank, [], [])])
+
+    def _free(self, ev: Free, now: int) -> Expected:
+        req = self._owner(ev)
+        if req is None:
+            return self._unknown(ev.request_id, FREE, now)
+        before = self.present(req.rank)
+        self._end(req, now)
+        return Expected("applied", changes=[(req.rank, sorted(before - self.present(req.rank)), [])])
+
+    def _output(self, ev: AddOutputBlock) -> Expected:
+        assert ev.decay_fraction is None
+        req = self._owner(ev)
+        if req is None:
+            return Expected("unknown_request")
+        req.outputs += 1
+        return Expected("applied", changes=[(req.rank, [], [])])
+
+    def _tick(self, now: int) -> Expected:
+        exp = Expected("applied")
+        for rank in list(self.ranks):
+            expired, removed = self._expire(rank, now)
+            if expired:
+                exp.expired.extend(expired)
+                exp.changes.append((rank, removed, []))
+        return exp
+
+    def _worker_added(self, ev: WorkerAdded, now: int) -> Expected:
+        w = ev.worker_id
+        new = (ev.dp_start, ev.dp_size)
+        if self.ranges.get(w) == new:
+            return Expected("duplicate")
+        old = self.ranges.get(w)
+        self.ranges[w] = new
+        new_ranks = range(new[0], new[0] + new[1])
+        exp = Expected("applied")
+        if old is not None:
+            for d in range(old[0], old[0] + old[1]):
+                if d not in new_ranks and (w, d) in self.ranks:
+                    self._drop_rank((w, d), now)
+                    exp.removed_ranks.append((w, d))
+        for d in new_ranks:
+            if (w, d) not in self.ranks:
+                self._create_rank((w, d), now)
+                exp.added_ranks.append((w, d))
+        return exp
+
+    def _worker_removed(self, ev: WorkerRemoved, now: int) -> Expected:
+        w = ev.worker_id
+        doomed = [rank for rank in self.ranks if rank[0] == w]
+        if w not in self.ranges and not doomed:
+            return Expected("unknown_worker")
+        self.ranges.pop(w, None)
+        for rank in doomed:
+            self._drop_rank(rank, now)
+        return Expected("applied", removed_ranks=doomed)
+
+
+# ---- strategies -----------------------------------------------------------------------------
+
+# Time steps: mostly small, sometimes past the 30 s check interval, sometimes past the 60 s
+# expiry (and the 300 s tombstone retention); rarely a clock that steps back (clamped).
+STEPS = st.one_of(
+    st.just(0),
+    st.integers(1, 5 * S),
+    st.integers(1, 5 * S),
+    st.integers(20 * S, 40 * S),
+    st.integers(31 * S, 400 * S),
+    st.integers(-3 * S, -1),
+)
+BIG_STEPS = st.one_of(st.integers(29 * S, 31 * S), st.integers(31 * S, 400 * S))
+IDS = st.sampled_from(REQUEST_IDS)
+WORKER_IDS = st.sampled_from(WORKERS)
+DPS = st.sampled_from(DP_RANKS)
+TOKENS = st.one_of(st.just(0), st.integers(1, 5), st.integers(1, 4000))
+# Quarter-millisecond durations are exact in binary, so round(ms * 1e6) is exact too.
+DURATIONS_MS = st.one_of(
+    st.none(), st.just(0.0), st.integers(0, 80_000).map(lambda q: q / 4), st.just(1e6)
+)
+
+
+def prompt(lineage: int, length: int) -> list[int]:
+    return list(LINEAGES[lineage][:length])
+
+
+# ---- the machine ----------------------------------------------------------------------------
+
+
+class SeqStateMachine(RuleBasedStateMachine):
+    """Lazy workers, 60 s expiry."""
+
+    EXPIRY_S: float | None = 60.0
+    LAZY = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = SequenceState(expiry_s=self.EXPIRY_S, lazy_workers=self.LAZY)
+        expiry_ns = None if self.EXPIRY_S is None else round(self.EXPIRY_S * S)
+        self.model = Model(expiry_ns, self.LAZY)
+
+    def _apply(self, event: object, step: int) -> None:
+        at = max(0, self.model.now + step)
+        expected = self.model.apply(event, at)
+        delta = self.state.apply(event, at)
+        self._check_delta(delta, expected)
+
+    def _check_delta(self, delta: Delta, exp: Expected) -> None:
+        now = self.model.now
+        assert delta.outcome == exp.outcome, (delta, exp)
+        assert delta.at_ns == now
+        assert delta.expired == exp.expired, (delta.expired, exp.expired)
+        assert [tuple(r) for r in delta.added_ranks] == exp.added_ranks
+        assert [tuple(r) for r in delta.removed_ranks] == exp.removed_ranks
+        got = [((c.worker_id, c.dp_rank), sorted(c.removed), c.stored) for c in delta.changes]
+        assert got == exp.changes, (got, exp.changes)
+        for change in delta.changes:
+            rank = (change.worker_id, change.dp_rank)
+            assert change.load.active_blocks == self.model.active_blocks(rank)
+            assert change.load.active_requests == len(self.model.on(rank))
+            assert change.load.prefill.active_tokens(now) == self.model.active_tokens(rank, now)
+
+    def _route(self, rid: str, use_owner: bool, worker: int, dp: int) -> tuple[int, int]:
+        req = self.model.find(rid)
+        if use_owner and req is not None:
+            return req.rank
+        return worker, dp
+
+    # -- rules --
+
+    @rule(
+        rid=IDS,
+        worker=WORKER_IDS,
+        dp=DPS,
+        lineage=st.integers(0, len(LINEAGES) - 1),
+        length=st.integers(0, LINEAGE_LEN),
+        tokens=TOKENS,
+        duration_ms=DURATIONS_MS,
+        track=st.booleans(),
+        lora=st.sampled_from([None, None, "a", "b"]),
+        output_tokens=st.none() | st.integers(0, 500),
+        step=STEPS,
+    )
+    def add_request(
+        self,
+        rid: str,
+        worker: int,
+        dp: int,
+        lineage: int,
+        length: int,
+        tokens: int,
+        duration_ms: float | None,
+        track: bool,
+        lora: str | None,
+        output_tokens: int | None,
+        step: int,
+    ) -> None:
+        event = AddRequest(
+            request_id=rid,
+            worker_id=worker,
+            dp_rank=dp,
+            block_hashes=prompt(lineage, length),
+            prefill_tokens=tokens,
+            expected_prefill_ms=duration_ms,
+            expected_output_tokens=output_tokens,
+            track_prefill_tokens=track,
+            lora_name=lora,
+        )
+        self._apply(event, step)
+
+    @rule(rid=IDS, use_owner=st.booleans(), worker=WORKER_IDS, dp=DPS, step=STEPS)
+    def mark_prefill_completed(
+        self, rid: str, use_owner: bool, worker: int, dp: int, step: int
+    ) -> None:
+        worker, dp = self._route(rid, use_owner, worker, dp)
+        self._apply(MarkPrefillCompleted(request_id=rid, worker_id=worker, dp_rank=dp), step)
+
+    @rule(rid=IDS, use_owner=st.booleans(), worker=WORKER_IDS, dp=DPS, step=STEPS)
+    def free(self, rid: str, use_owner: bool, worker: int, dp: int, step: int) -> None:
+        worker, dp = self._route(rid, use_owner, worker, dp)
+        self._apply(Free(request_id=rid, worker_id=worker, dp_rank=dp), step)
+
+    @rule(rid=IDS, use_owner=st.booleans(), worker=WORKER_IDS, dp=DPS, step=STEPS)
+    def add_output_block(self, rid: str, use_owner: bool, worker: int, dp: int, step: int) -> None:
+        worker, dp = self._route(rid, use_owner, worker, dp)
+        self._apply(AddOutputBlock(request_id=rid, worker_id=worker, dp_rank=dp), step)
+
+    @rule(worker=WORKER_IDS, dp_start=DPS, dp_size=st.integers(1, 3), step=STEPS)
+    def worker_added(self, worker: int, dp_start: int, dp_size: int, step: int) -> None:
+        size = min(dp_size, len(DP_RANKS) - dp_start)
+        self._apply(WorkerAdded(worker_id=worker, dp_start=dp_start, dp_size=size), step)
+
+    @rule(worker=WORKER_IDS, step=STEPS)
+    def worker_removed(self, worker: int, step: int) -> None:
+        self._apply(WorkerRemoved(worker_id=worker), step)
+
+    @rule(step=st.one_of(STEPS, BIG_STEPS))
+    def tick(self, step: int) -> None:
+        self._apply(Tick(), step)
+
+    @rule()
+    def snapshot_and_restore(self) -> None:
+        data = self.state.snapshot()
+        restored = SequenceState.restore(data)
+        assert restored.snapshot() == data
+        self.state = restored
+
+    # -- the comparison, after every step --
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        state, model = self.state, self.model
+        now = model.now
+        state.check_invariants()
+        assert state.now_ns == now
+        # Topology and ownership.
+        assert list(state.workers.slots) == list(model.ranks)
+        assert state.registry.ranks() == sorted(model.ranks)
+        assert {w: (r.dp_start, r.dp_size) for w, r in state.workers.ranges.items()} == (
+            model.ranges
+        )
+        assert state.requests.owner == {r.rid: r.rank for r in model.live}
+        assert state.requests.lora == {r.rid: r.lora for r in model.live if r.lora is not None}
+        # Per-rank write model: prefill FIFO, anchor, expiry throttle; registry membership.
+        everything: set[int] = set()
+        for rank in model.ranks:
+            slot = state.slot(*rank)
+            assert slot is not None
+            assert list(slot.requests) == [r.rid for r in model.on(rank)]
+            queue = model.prefills(rank)
+            assert slot.prefill.order == [r.rid for r in queue]
+            anchor = model.anchor[rank]
+            assert slot.prefill.anchor == (None if anchor is None else (queue[0].rid, anchor))
+            assert slot.last_expiry_check_ns == model.last_check[rank]
+            present = model.present(rank)
+            assert state.registry.hashes_of(rank) == present
+            everything |= present
+        assert state.registry.membership_size() == len(everything)
+        # Reads at several times, before and after the log's now.
+        for t in (max(0, now - 2 * S), now, now + S, now + 7 * S, now + 100 * S):
+            assert state.registry.loads(t) == model.load_rows(t), t
+        for query in QUERIES:
+            want = {rank: model.depth(rank, query) for rank in model.ranks}
+            assert state.registry.overlap_depths(query) == {r: d for r, d in want.items() if d}
+            isl = 16 * len(query) + 3
+            assert state.registry.potential_loads(query, isl, now + S) == model.potential_rows(
+                query, isl, now + S
+            )
+        # Memory of ended ids and tombstones, and counters.
+        assert {rid: at for rid, _, at in state.ended.items()} == model.ended
+        kinds = {1: MARK, 2: FREE}
+        got_tombs = {rid: (kinds[v], at) for rid, v, at in state.tombstones.items()}
+        assert got_tombs == model.tombstones
+        assert state.counters == model.counters
+
+
+class NoExpiryMachine(SeqStateMachine):
+    """Expiry disabled: nothing ever expires; ids are remembered for 300 s."""
+
+    EXPIRY_S = None
+
+
+class EagerWorkersMachine(SeqStateMachine):
+    """lazy_workers=False: adds for unregistered ranks are rejected and create nothing."""
+
+    LAZY = False
+
+
+SETTINGS = settings(max_examples=120, stateful_step_count=60, deadline=None)
+SeqStateMachine.TestCase.settings = SETTINGS
+NoExpiryMachine.TestCase.settings = SETTINGS
+EagerWorkersMachine.TestCase.settings = SETTINGS
+
+TestLazyExpiring = SeqStateMachine.TestCase
+TestNoExpiry = NoExpiryMachine.TestCase
+TestEagerWorkers = EagerWorkersMachine.TestCase
