@@ -99,7 +99,7 @@ class WorkerAdded(Struct, tag=True, kw_only=True, omit_defaults=True):
 
     def __post_init__(self) -> None:
         # Struct constructors skip Meta checks; this one invariant spans two fields.
-        if self.dp_start + self.dp_size > U32_MAX + 1:
+        if self.dp_start + self.dp_size > U32_MAX:
             raise EventDecodeError(
                 f"dp range {self.dp_start}+{self.dp_size} overflows u32 - at `$.dp_size`"
             )

@@ -27,7 +27,7 @@ class WorkerDpRange(Struct, frozen=True, order=True):
     def validate(self) -> None:
         if self.dp_size == 0:
             raise InvalidDpSize(self.worker_id)
-        if self.dp_start + self.dp_size > U32_MAX + 1:
+        if self.dp_start + self.dp_size > U32_MAX:
             raise InvalidDpRange(self.worker_id, self.dp_start, self.dp_size)
 
     def ranks(self) -> range:

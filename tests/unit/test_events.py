@@ -77,7 +77,7 @@ BAD = [
     ({"type": "AddRequest", "request_id": "a"}, "worker_id"),
     ({"type": "AddRequest", "request_id": 5, "worker_id": 1}, "request_id"),
     ({"type": "WorkerAdded", "worker_id": 1, "dp_size": 0}, "dp_size"),
-    ({"type": "WorkerAdded", "worker_id": 1, "dp_start": 2**32 - 1, "dp_size": 2}, "dp_size"),
+    ({"type": "WorkerAdded", "worker_id": 1, "dp_start": 2**32 - 1, "dp_size": 1}, "dp_size"),
     ({"type": "AddOutputBlock", "request_id": "a", "worker_id": 1, "decay_fraction": 1.5}, "decay_fraction"),
     ({"type": "Nonsense"}, "type"),
     ({"request_id": "a", "worker_id": 1}, "type"),

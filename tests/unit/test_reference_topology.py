@@ -8,8 +8,11 @@ Skipped: nothing. (The BASE-credit API variants listed under the section,
 ``register_external_only_adds_missing_workers`` and the older constructor, were replaced by
 the HEAD tests ported here.)
 
-Departures from Dynamo: none in this section. Errors are Python exceptions carrying the same
-fields as Dynamo's ``WorkerTopologyError`` variants.
+Departures from Dynamo: none intended. Errors are Python exceptions carrying the same fields
+as Dynamo's ``WorkerTopologyError`` variants; like Dynamo (``dp_start.checked_add(dp_size)``), a
+range whose exclusive end is 2**32 overflows.
+
+Added beyond the catalogue: ``test_reconcile_rejects_duplicate_worker_ids`` (section 4.1).
 """
 
 from __future__ import annotations
@@ -98,15 +101,6 @@ def test_register_and_unregister_worker_are_strict() -> None:
     assert missing.value.worker_id == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason=(
-        "suspected core bug: WorkerDpRange.validate accepts dp_start + dp_size == 2**32 "
-        "(check is `> U32_MAX + 1`); Dynamo rejects (1, u32::MAX, 1) with InvalidDpRange "
-        "because dp_start.checked_add(dp_size) overflows u32"
-    ),
-)
 def test_invalid_ranges_are_rejected() -> None:
     table = make_table()
 
