@@ -534,6 +534,7 @@ def print_report(report: dict[str, Any]) -> None:
             f"{a['target_events_per_s']:,} events/s: {verdict(a['meets_target'])}"
         )
         print(f"    runs (events/s): {fmt_rates(a['events_per_s'])}")
+        print("    timed: the apply loop only; events built before timing, fresh state per run")
         print(f"    outcomes (last run): {a['counters_last_run']}; live at end "
               f"{a['live_requests_at_end']}")
 
@@ -548,6 +549,10 @@ def print_report(report: dict[str, Any]) -> None:
             f"({b['median_events_per_s']:,.0f} events/s incl. marks and frees)"
         )
         print(f"    runs (requests/s): {fmt_rates(b['requests_per_s'])}")
+        print(
+            "    timed: the whole loop (route, build each event for the chosen worker, apply); "
+            "requests/s = requests / loop time"
+        )
         lo, hi = b["requests_per_worker_min_max"]
         print(f"    requests per worker: min {lo:,}, max {hi:,}; outcomes "
               f"{b['counters_last_run']}")

@@ -22,54 +22,83 @@ def round_half_away(value: float) -> int:
     return math.floor(value + 0.5) if value >= 0 else -math.floor(-value + 0.5)
 
 
+def _without(hashes: list[int], shared: set[int]) -> list[int]:
+    """``hashes`` minus ``shared``, in order. With chained hashes the shared blocks are a
+    prefix of the prompt, so this is usually one slice."""
+    k = len(shared)
+    if shared.issuperset(hashes[:k]):
+        return hashes[k:]
+    return [h for h in hashes if h not in shared]
+
+
 class BlockTracker:
-    """``refs`` counts references per prompt hash; ``fractions`` holds re-weighted hashes.
+    """Present prompt hashes with reference counts, and re-weighted (fractional) hashes.
+
+    ``present`` holds every hash some live request references; ``extra`` holds, for hashes
+    referenced more than once, the references beyond the first. Most blocks have a single
+    owner, so a prompt is acquired and released with C-level set operations and only its
+    shared blocks cost a Python step each.
 
     Weighted totals are running floats (``deficit`` is Σ(1 - f) over fractional present
     blocks, ``output_weight`` is Σ output weights); both are carried in snapshots verbatim so a
     restored tracker rounds exactly like the original.
     """
 
-    __slots__ = ("deficit", "fractions", "output_weight", "outputs", "refs")
+    __slots__ = ("deficit", "extra", "fractions", "output_weight", "outputs", "present")
 
     def __init__(self) -> None:
-        self.refs: dict[int, int] = {}
+        self.present: set[int] = set()
+        self.extra: dict[int, int] = {}
         self.fractions: dict[int, float] = {}
         self.deficit = 0.0
         self.output_weight = 0.0
         self.outputs = 0  # number of live output blocks
 
     @property
+    def refs(self) -> dict[int, int]:
+        """Reference count of every present hash (inspection; not used on the hot path)."""
+        extra = self.extra
+        return {h: 1 + extra.get(h, 0) for h in self.present}
+
+    @property
     def active_blocks(self) -> int:
         if not self.fractions and self.output_weight == self.outputs:
-            return len(self.refs) + self.outputs
-        return round_half_away(len(self.refs) + self.output_weight - self.deficit)
+            return len(self.present) + self.outputs
+        return round_half_away(len(self.present) + self.output_weight - self.deficit)
 
-    def acquire(self, hashes: list[int]) -> list[int]:
-        """Reference a prompt; returns the hashes that became present, in prompt order."""
-        refs = self.refs
-        stored: list[int] = []
-        get = refs.get
-        for h in hashes:
-            count = get(h)
-            if count is None:
-                refs[h] = 1
-                stored.append(h)
-            else:
-                refs[h] = count + 1
-        return stored
+    def acquire(self, hashes: list[int]) -> tuple[list[int], list[int]]:
+        """Reference a prompt. Returns ``(held, stored)``: the hashes the request now holds
+        (the prompt, without repeats) and those that became present, in prompt order."""
+        present = self.present
+        shared = present.intersection(hashes)
+        size = len(present)
+        present.update(hashes)
+        if len(present) - size != len(hashes) - len(shared):
+            # A hash repeated within one prompt (never with chained hashes) names one block.
+            hashes = list(dict.fromkeys(hashes))
+        if not shared:
+            return hashes, hashes
+        extra = self.extra
+        for h in shared:
+            extra[h] = extra.get(h, 0) + 1
+        return hashes, _without(hashes, shared)
 
     def release(self, hashes: list[int], output_weights: list[float] | None) -> list[int]:
-        """Drop a request's references; returns the prompt hashes that became absent."""
-        refs = self.refs
-        removed: list[int] = []
-        for h in hashes:
-            count = refs[h]
-            if count == 1:
-                del refs[h]
-                removed.append(h)
-            else:
-                refs[h] = count - 1
+        """Drop a request's references (``hashes`` as returned held by :meth:`acquire`);
+        returns the prompt hashes that became absent."""
+        extra = self.extra
+        shared = extra.keys() & hashes if extra else None
+        if shared:
+            for h in shared:
+                count = extra[h]
+                if count == 1:
+                    del extra[h]
+                else:
+                    extra[h] = count - 1
+            removed = _without(hashes, shared)
+        else:
+            removed = hashes
+        self.present.difference_update(removed)
         if removed and self.fractions:
             fractions = self.fractions
             for h in removed:
@@ -99,10 +128,10 @@ class BlockTracker:
         for i, w in enumerate(output_weights):
             self.output_weight += fraction - w
             output_weights[i] = fraction
-        refs = self.refs
+        extra = self.extra
         fractions = self.fractions
         for h in hashes:
-            if refs[h] == 1:
+            if h not in extra:
                 old = fractions.get(h, 1.0)
                 fractions[h] = fraction
                 self.deficit += old - fraction
@@ -114,7 +143,8 @@ class BlockTracker:
             for h in hashes:
                 expected[h] = expected.get(h, 0) + 1
         assert expected == self.refs, "block refcounts disagree with live requests"
-        assert set(self.fractions) <= set(self.refs)
+        assert all(count > 0 for count in self.extra.values())
+        assert set(self.fractions) <= self.present
         assert self.outputs == sum(len(w) for w in outputs)
         assert math.isclose(self.output_weight, sum(sum(w) for w in outputs), abs_tol=1e-9)
         assert math.isclose(

@@ -12,6 +12,8 @@ anchor-only path, where we take the exact ceiling.
 
 from __future__ import annotations
 
+from collections import deque
+
 from msgspec import Struct
 
 NS_PER_MS = 1_000_000
@@ -77,16 +79,30 @@ class PrefillTracker:
     """FIFO of active prefills with an anchor, aggregate sums, and the non-anchor credit.
 
     ``prefills`` maps request id to ``(tokens, duration_ns | None)`` in insertion order; the
-    first key is the anchor. Sums are kept incrementally so a snapshot is O(1).
+    first key is the anchor. Sums are kept incrementally so a snapshot is O(1). ``_queue``
+    repeats the order as ``(request_id, entry)`` pairs so the next anchor is found in O(1)
+    amortised (a dict's first key costs a scan over deleted slots); a pair is stale once its
+    entry object is no longer the one in ``prefills``.
     """
 
-    __slots__ = ("_snapshot", "anchor_ns", "full_tokens", "modeled_ms_sum", "prefills", "unmodeled")
+    __slots__ = (
+        "_queue",
+        "_snapshot",
+        "anchor_id",
+        "anchor_ns",
+        "full_tokens",
+        "modeled_ms_sum",
+        "prefills",
+        "unmodeled",
+    )
 
     def __init__(self) -> None:
         self.prefills: dict[str, tuple[int, int | None]] = {}
+        self._queue: deque[tuple[str, tuple[int, int | None]]] = deque()
         self.full_tokens = 0
         self.unmodeled = 0
         self.modeled_ms_sum = 0
+        self.anchor_id: str | None = None
         self.anchor_ns: int | None = None
         self._snapshot: PrefillSnapshot | None = EMPTY_PREFILL
 
@@ -99,22 +115,25 @@ class PrefillTracker:
     @property
     def anchor(self) -> tuple[str, int] | None:
         """``(request_id, anchor_ns)`` of the oldest active prefill, or None."""
-        if self.anchor_ns is None:
+        if self.anchor_id is None or self.anchor_ns is None:
             return None
-        return next(iter(self.prefills)), self.anchor_ns
+        return self.anchor_id, self.anchor_ns
 
     @property
     def order(self) -> list[str]:
         return list(self.prefills)
 
     def insert(self, request_id: str, tokens: int, duration_ns: int | None, now_ns: int) -> None:
-        self.prefills[request_id] = (tokens, duration_ns)
+        entry = (tokens, duration_ns)
+        self.prefills[request_id] = entry
+        self._queue.append((request_id, entry))
         self.full_tokens += tokens
         if duration_ns is None:
             self.unmodeled += 1
         else:
             self.modeled_ms_sum += duration_ns // NS_PER_MS
-        if self.anchor_ns is None:
+        if self.anchor_id is None:
+            self.anchor_id = request_id
             self.anchor_ns = now_ns
         self._snapshot = None
 
@@ -130,12 +149,23 @@ class PrefillTracker:
             self.unmodeled -= 1
         else:
             self.modeled_ms_sum -= duration_ns // NS_PER_MS
-        is_anchor = next(iter(prefills)) == request_id
         del prefills[request_id]
-        if is_anchor:
+        if request_id == self.anchor_id:
             # The next prefill starts its own decay now; no credit.
-            self.anchor_ns = now_ns if prefills else None
-        elif duration_ns is not None:
+            queue = self._queue
+            while queue and prefills.get(queue[0][0]) is not queue[0][1]:
+                queue.popleft()
+            if queue:
+                self.anchor_id = queue[0][0]
+                self.anchor_ns = now_ns
+            else:
+                self.anchor_id = self.anchor_ns = None
+        else:
+            if len(self._queue) > 2 * len(prefills) + 64:
+                self._queue = deque(prefills.items())
+            if duration_ns is None:
+                self._snapshot = None
+                return state
             # Completed non-anchor work consumed part of the elapsed time: shift the anchor by
             # its modeled duration, never past the removal time.
             shifted = self.anchor_ns + duration_ns  # type: ignore[operator]
@@ -146,10 +176,10 @@ class PrefillTracker:
     def snapshot(self) -> PrefillSnapshot:
         snap = self._snapshot
         if snap is None:
-            if self.anchor_ns is None:
+            if self.anchor_id is None:
                 snap = EMPTY_PREFILL
             else:
-                tokens, duration_ns = self.prefills[next(iter(self.prefills))]
+                tokens, duration_ns = self.prefills[self.anchor_id]
                 snap = PrefillSnapshot(
                     self.full_tokens,
                     tokens,
@@ -167,4 +197,7 @@ class PrefillTracker:
         assert self.unmodeled == sum(1 for _, d in entries if d is None)
         assert self.modeled_ms_sum == sum(d // NS_PER_MS for _, d in entries if d is not None)
         assert (self.anchor_ns is None) == (not entries)
+        assert self.anchor_id == next(iter(self.prefills), None)
+        live = [rid for rid, entry in self._queue if self.prefills.get(rid) is entry]
+        assert live == list(self.prefills), "FIFO queue disagrees with the prefill order"
         assert all(t > 0 for t, _ in entries)

@@ -16,13 +16,13 @@ class RecentIds:
     """``request_id -> (value, written_at_ns)``, forgetting entries older than ``retention_ns``
     and the oldest ones beyond ``capacity``."""
 
-    __slots__ = ("_entries", "_queue", "_stamp", "capacity", "due_ns", "evicted", "retention_ns")
+    __slots__ = ("_queue", "_stamp", "capacity", "due_ns", "entries", "evicted", "retention_ns")
 
     def __init__(self, retention_ns: int, capacity: int) -> None:
         self.retention_ns = retention_ns
         self.capacity = capacity
         # request_id -> (value, written_at_ns, stamp); the stamp is unique per write.
-        self._entries: dict[str, tuple[int, int, int]] = {}
+        self.entries: dict[str, tuple[int, int, int]] = {}
         # (written_at_ns, stamp, request_id); stale when the id was rewritten or deleted since.
         self._queue: deque[tuple[int, int, str]] = deque()
         self._stamp = 0
@@ -31,17 +31,17 @@ class RecentIds:
         self.evicted = 0  # dropped for capacity before their time (an operator signal)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._entries
+        return request_id in self.entries
 
     def get(self, request_id: str) -> int | None:
-        entry = self._entries.get(request_id)
+        entry = self.entries.get(request_id)
         return None if entry is None else entry[0]
 
     def put(self, request_id: str, value: int, now_ns: int) -> None:
-        entries = self._entries
+        entries = self.entries
         if request_id in entries:
             del entries[request_id]  # re-insert so dict order stays write order
         self._stamp += 1
@@ -52,17 +52,17 @@ class RecentIds:
         self._set_due()
 
     def pop(self, request_id: str) -> int | None:
-        entry = self._entries.pop(request_id, None)
+        entry = self.entries.pop(request_id, None)
         return None if entry is None else entry[0]
 
     def discard(self, request_id: str) -> None:
-        self._entries.pop(request_id, None)
+        self.entries.pop(request_id, None)
 
     def prune(self, now_ns: int) -> None:
         """Forget entries written more than ``retention_ns`` before ``now_ns``."""
         queue = self._queue
         cutoff = now_ns - self.retention_ns
-        entries = self._entries
+        entries = self.entries
         while queue and queue[0][0] < cutoff:
             _, stamp, request_id = queue.popleft()
             entry = entries.get(request_id)
@@ -79,7 +79,7 @@ class RecentIds:
 
     def _pop_front(self, evicting: bool) -> None:
         queue = self._queue
-        entries = self._entries
+        entries = self.entries
         while queue:
             _, stamp, request_id = queue.popleft()
             entry = entries.get(request_id)
@@ -91,12 +91,14 @@ class RecentIds:
 
     def items(self) -> Iterator[tuple[str, int, int]]:
         """``(request_id, value, written_at_ns)`` oldest first."""
-        for request_id, (value, at, _) in self._entries.items():
+        for request_id, (value, at, _) in self.entries.items():
             yield request_id, value, at
 
     def load(self, items: list[tuple[str, int, int]]) -> None:
         """Replace the content with ``items`` (oldest first), as :meth:`items` gave them."""
-        self._entries = {rid: (value, at, i) for i, (rid, value, at) in enumerate(items, 1)}
+        # In place: the owner keeps a reference to this dict.
+        self.entries.clear()
+        self.entries.update((rid, (value, at, i)) for i, (rid, value, at) in enumerate(items, 1))
         self._queue = deque((at, i, rid) for i, (rid, _, at) in enumerate(items, 1))
         self._stamp = len(items)
         self._set_due()

@@ -58,33 +58,37 @@ class PromptRegistry:
     # ---- writes -------------------------------------------------------------------------
 
     def apply(self, delta: Delta) -> None:
-        for rank in delta.removed_ranks:
-            self._remove_rank(tuple(rank))  # type: ignore[arg-type]
-        for rank in delta.added_ranks:
-            self._ensure_rank(tuple(rank))  # type: ignore[arg-type]
+        if delta.removed_ranks or delta.added_ranks:
+            for rank in delta.removed_ranks:
+                self._remove_rank(tuple(rank))  # type: ignore[arg-type]
+            for rank in delta.added_ranks:
+                self._ensure_rank(tuple(rank))  # type: ignore[arg-type]
+        bits = self._bits
+        index = self._index
+        loads = self._loads
         for change in delta.changes:
-            self.apply_change(change)
+            rank = (change.worker_id, change.dp_rank)
+            bit = bits.get(rank)
+            if bit is None:
+                bit = self._ensure_rank(rank)
+            if change.removed:
+                clear = ~(1 << bit)
+                get = index.get
+                for h in change.removed:
+                    mask = get(h, 0) & clear
+                    if mask:
+                        index[h] = mask
+                    else:
+                        del index[h]
+            if change.stored:
+                flag = 1 << bit
+                get = index.get
+                for h in change.stored:
+                    index[h] = get(h, 0) | flag
+            loads[rank] = change.load
 
     def apply_change(self, change: RankChange) -> None:
-        rank = (change.worker_id, change.dp_rank)
-        bit = self._bits.get(rank)
-        if bit is None:
-            bit = self._ensure_rank(rank)
-        index = self._index
-        if change.removed:
-            clear = ~(1 << bit)
-            for h in change.removed:
-                mask = index.get(h, 0) & clear
-                if mask:
-                    index[h] = mask
-                else:
-                    index.pop(h, None)
-        if change.stored:
-            flag = 1 << bit
-            get = index.get
-            for h in change.stored:
-                index[h] = get(h, 0) | flag
-        self._loads[rank] = change.load
+        self.apply(Delta(outcome="applied", at_ns=0, changes=[change]))
 
     def _ensure_rank(self, rank: Rank) -> int:
         bit = self._bits.get(rank)

@@ -82,10 +82,10 @@ class ActiveSequences:
         now_ns: int,
     ) -> list[int]:
         """Book a request (the caller has ruled out duplicates); returns newly present hashes."""
-        stored = self.blocks.acquire(hashes)
+        held, stored = self.blocks.acquire(hashes)
         if prefill_tokens > 0 and not marked:
             self.prefill.insert(request_id, prefill_tokens, prefill_duration_ns, now_ns)
-        self.requests[request_id] = RequestState(hashes, now_ns, expected_output_tokens, marked)
+        self.requests[request_id] = RequestState(held, now_ns, expected_output_tokens, marked)
         return stored
 
     def mark_prefill_completed(self, request_id: str, now_ns: int) -> bool:

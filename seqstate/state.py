@@ -27,6 +27,7 @@ from seqstate.events import (
 from seqstate.recent import RecentIds
 from seqstate.registry import PromptRegistry
 from seqstate.request_index import RequestIndex
+from seqstate.sequences import EXPIRY_CHECK_INTERVAL_NS as EXPIRY_CHECK_NS
 from seqstate.sequences import NS_PER_S, ActiveSequences
 from seqstate.topology import Rank, TopologyChange, WorkerDpRange, WorkerTable
 
@@ -37,6 +38,9 @@ MAX_ENDED: Final = 250_000
 # Tombstone kinds; a Free tombstone outranks a Mark tombstone.
 MARK_TOMBSTONE: Final = 1
 FREE_TOMBSTONE: Final = 2
+
+# A shared empty list for "nothing changed" fields of deltas; nothing mutates delta lists.
+_NONE: Final[list] = []  # type: ignore[type-arg]
 
 COUNTER_NAMES: Final = (
     *outcomes.OUTCOMES,
@@ -78,6 +82,11 @@ class SequenceState:
         self.ended = RecentIds(retention_ns, max_ended)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.registry = PromptRegistry()
+        # Hot-path aliases of containers that live as long as the state.
+        self._owner = self.requests.owner
+        self._slots = self.workers.slots
+        self._tombstone_entries = self.tombstones.entries
+        self._ended_entries = self.ended.entries
 
     def _make_slot(self, rank: Rank) -> ActiveSequences:
         return ActiveSequences(self.now_ns, self.expiry_ns)
@@ -120,13 +129,13 @@ class SequenceState:
 
     def _add(self, event: AddRequest, now: int) -> Delta:
         request_id = event.request_id
-        if request_id in self.requests.owner:
+        if request_id in self._owner:
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
         rank = (event.worker_id, event.dp_rank)
-        slot = self.workers.slots.get(rank)
+        slot = self._slots.get(rank)
         if slot is None and not self.lazy_workers:
             return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
-        tombstone = self.tombstones.pop(request_id)
+        tombstone = self.tombstones.pop(request_id) if self._tombstone_entries else None
         if tombstone == FREE_TOMBSTONE:
             # Its Free already came: booking it now would leak its load until expiry.
             self.ended.put(request_id, 0, now)
@@ -134,15 +143,19 @@ class SequenceState:
         added_ranks: list[Rank] = []
         if slot is None:
             self.workers.ensure_worker(rank)
-            slot = self.workers.slots[rank]
+            slot = self._slots[rank]
             added_ranks.append(rank)
-        expired, removed = slot.expire(now)
-        if expired:
-            self._forget(expired, now)
+        if slot.expiry_ns is not None and now - slot.last_expiry_check_ns >= EXPIRY_CHECK_NS:
+            expired, removed = slot.expire(now)
+            if expired:
+                self._forget(expired, now)
+        else:
+            expired = removed = _NONE
         marked = tombstone == MARK_TOMBSTONE
         if marked:
             self.counters["mark_before_add"] += 1
-        self.ended.discard(request_id)
+        if self._ended_entries:
+            self.ended.discard(request_id)
         ms = event.expected_prefill_ms
         stored = slot.add(
             request_id,
@@ -153,7 +166,9 @@ class SequenceState:
             marked,
             now,
         )
-        self.requests.try_insert(request_id, rank, event.lora_name)
+        self._owner[request_id] = rank
+        if event.lora_name is not None:
+            self.requests.lora[request_id] = event.lora_name
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
@@ -161,12 +176,6 @@ class SequenceState:
             added_ranks=added_ranks,
             expired=expired,
         )
-
-    def _owner(self, event: MarkPrefillCompleted | Free | AddOutputBlock) -> Rank | None:
-        owner = self.requests.owner.get(event.request_id)
-        if owner is not None and (owner[0] != event.worker_id or owner[1] != event.dp_rank):
-            self.counters["worker_mismatch"] += 1
-        return owner
 
     def _unknown(self, request_id: str, kind: int, now: int) -> Delta:
         """Mark or Free for an id that is not live: a no-op if it ended recently, else a
@@ -178,37 +187,44 @@ class SequenceState:
         return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
 
     def _mark(self, event: MarkPrefillCompleted, now: int) -> Delta:
-        owner = self._owner(event)
+        owner = self._owner.get(event.request_id)
         if owner is None:
             return self._unknown(event.request_id, MARK_TOMBSTONE, now)
-        slot = self.workers.slots[owner]
+        if owner[0] != event.worker_id or owner[1] != event.dp_rank:
+            self.counters["worker_mismatch"] += 1
+        slot = self._slots[owner]
         if not slot.mark_prefill_completed(event.request_id, now):
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
-            changes=[RankChange(owner[0], owner[1], slot.load())],
+            changes=[RankChange(owner[0], owner[1], slot.load(), _NONE, _NONE)],
         )
 
     def _free(self, event: Free, now: int) -> Delta:
-        owner = self._owner(event)
-        if owner is None:
-            return self._unknown(event.request_id, FREE_TOMBSTONE, now)
         request_id = event.request_id
-        slot = self.workers.slots[owner]
+        owner = self._owner.pop(request_id, None)
+        if owner is None:
+            return self._unknown(request_id, FREE_TOMBSTONE, now)
+        if owner[0] != event.worker_id or owner[1] != event.dp_rank:
+            self.counters["worker_mismatch"] += 1
+        if self.requests.lora:
+            self.requests.lora.pop(request_id, None)
+        slot = self._slots[owner]
         removed = slot.free(request_id, now)
-        self.requests.remove(request_id)
         self.ended.put(request_id, 0, now)
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
-            changes=[RankChange(owner[0], owner[1], slot.load(), removed)],
+            changes=[RankChange(owner[0], owner[1], slot.load(), removed, _NONE)],
         )
 
     def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
-        owner = self._owner(event)
+        owner = self._owner.get(event.request_id)
         if owner is None:
             return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
+        if owner[0] != event.worker_id or owner[1] != event.dp_rank:
+            self.counters["worker_mismatch"] += 1
         slot = self.workers.slots[owner]
         slot.add_output_block(event.request_id, event.decay_fraction)
         return Delta(
@@ -312,7 +328,7 @@ class SequenceState:
         """
         changes = []
         for rank, slot in self.workers.slots.items():
-            present = list(slot.blocks.refs)
+            present = list(slot.blocks.present)
             changes.append(RankChange(rank[0], rank[1], slot.load(), [], present))
         return [
             Delta(
