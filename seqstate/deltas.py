@@ -40,7 +40,7 @@ class RankChange(Struct, array_like=True, gc=False):
     stored: list[int] = []
 
 
-class Delta(Struct, kw_only=True, omit_defaults=True):
+class Delta(Struct, omit_defaults=True):
     """What ``SequenceState.apply`` did; ``seq`` is the source stream sequence (writer-set)."""
 
     outcome: Outcome

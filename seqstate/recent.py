@@ -44,12 +44,15 @@ class RecentIds:
         entries = self.entries
         if request_id in entries:
             del entries[request_id]  # re-insert so dict order stays write order
-        self._stamp += 1
-        entries[request_id] = (value, now_ns, self._stamp)
-        self._queue.append((now_ns, self._stamp, request_id))
+        self._stamp = stamp = self._stamp + 1
+        entries[request_id] = (value, now_ns, stamp)
+        queue = self._queue
+        queue.append((now_ns, stamp, request_id))
         if len(entries) > self.capacity:
             self._pop_front(evicting=True)
-        self._set_due()
+            self._set_due()
+        elif len(queue) == 1:
+            self.due_ns = now_ns + self.retention_ns
 
     def pop(self, request_id: str) -> int | None:
         entry = self.entries.pop(request_id, None)

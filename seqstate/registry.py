@@ -72,19 +72,19 @@ class PromptRegistry:
             if bit is None:
                 bit = self._ensure_rank(rank)
             if change.removed:
-                clear = ~(1 << bit)
-                get = index.get
+                flag = 1 << bit
+                pop = index.pop
                 for h in change.removed:
-                    mask = get(h, 0) & clear
-                    if mask:
-                        index[h] = mask
-                    else:
-                        del index[h]
+                    mask = pop(h, flag)
+                    if mask != flag:  # still present on other ranks
+                        index[h] = mask & ~flag
             if change.stored:
                 flag = 1 << bit
-                get = index.get
+                setdefault = index.setdefault
                 for h in change.stored:
-                    index[h] = get(h, 0) | flag
+                    mask = setdefault(h, flag)
+                    if mask != flag:  # already present on other ranks
+                        index[h] = mask | flag
             loads[rank] = change.load
 
     def apply_change(self, change: RankChange) -> None:

@@ -132,7 +132,7 @@ def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
         )
     try:
         return _rebuild(body)
-    except (KeyError, ValueError, TypeError, AssertionError) as exc:
+    except (KeyError, ValueError, TypeError, OverflowError, AssertionError) as exc:
         raise SnapshotError(f"inconsistent snapshot: {exc!r}") from None
 
 

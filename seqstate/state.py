@@ -32,6 +32,7 @@ from seqstate.sequences import NS_PER_S, ActiveSequences
 from seqstate.topology import Rank, TopologyChange, WorkerDpRange, WorkerTable
 
 DEFAULT_EXPIRY_S: Final = 300.0
+MAX_EXPIRY_S: Final = 10 * 365 * 24 * 3600.0  # beyond this, disable expiry (expiry_s=None)
 MAX_TOMBSTONES: Final = 100_000
 MAX_ENDED: Final = 250_000
 
@@ -67,8 +68,11 @@ class SequenceState:
         max_tombstones: int = MAX_TOMBSTONES,
         max_ended: int = MAX_ENDED,
     ) -> None:
-        if expiry_s is not None and not expiry_s > 0:
-            raise ValueError("expiry_duration must be greater than zero")
+        if expiry_s is not None:
+            if not expiry_s > 0:
+                raise ValueError("expiry_duration must be greater than zero")
+            if not expiry_s <= MAX_EXPIRY_S:
+                raise ValueError(f"expiry_duration must be at most {MAX_EXPIRY_S:.0f} s")
         if max_tombstones < 0 or max_ended < 0:
             raise ValueError("memory capacities must not be negative")
         self.expiry_s = expiry_s
@@ -82,6 +86,16 @@ class SequenceState:
         self.ended = RecentIds(retention_ns, max_ended)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.registry = PromptRegistry()
+        # One handler per event type: a dict lookup beats a chain of class patterns.
+        self._handlers = {
+            AddRequest: self._add,
+            MarkPrefillCompleted: self._mark,
+            Free: self._free,
+            AddOutputBlock: self._output_block,
+            Tick: self._tick,
+            WorkerAdded: self._worker_added,
+            WorkerRemoved: self._worker_removed,
+        }
         # Hot-path aliases of containers that live as long as the state.
         self._owner = self.requests.owner
         self._slots = self.workers.slots
@@ -100,23 +114,10 @@ class SequenceState:
             self.tombstones.prune(now)
         if now > self.ended.due_ns:
             self.ended.prune(now)
-        match event:
-            case AddRequest():
-                delta = self._add(event, now)
-            case MarkPrefillCompleted():
-                delta = self._mark(event, now)
-            case Free():
-                delta = self._free(event, now)
-            case AddOutputBlock():
-                delta = self._output_block(event, now)
-            case Tick():
-                delta = self._tick(now)
-            case WorkerAdded():
-                delta = self._worker_added(event, now)
-            case WorkerRemoved():
-                delta = self._worker_removed(event, now)
-            case _:
-                raise EventDecodeError(f"not a seqstate event: {type(event).__name__}")
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise EventDecodeError(f"not a seqstate event: {type(event).__name__}")
+        delta = handler(event, now)
         self.counters[delta.outcome] += 1
         if delta.expired:
             self.counters["expired"] += len(delta.expired)
@@ -154,8 +155,7 @@ class SequenceState:
         marked = tombstone == MARK_TOMBSTONE
         if marked:
             self.counters["mark_before_add"] += 1
-        if self._ended_entries:
-            self.ended.discard(request_id)
+        self._ended_entries.pop(request_id, None)
         ms = event.expected_prefill_ms
         stored = slot.add(
             request_id,
@@ -170,11 +170,12 @@ class SequenceState:
         if event.lora_name is not None:
             self.requests.lora[request_id] = event.lora_name
         return Delta(
-            outcome=outcomes.APPLIED,
-            at_ns=now,
-            changes=[RankChange(rank[0], rank[1], slot.load(), removed, stored)],
-            added_ranks=added_ranks,
-            expired=expired,
+            outcomes.APPLIED,
+            now,
+            [RankChange(rank[0], rank[1], slot.load(), removed, stored)],
+            added_ranks,
+            _NONE,
+            expired,
         )
 
     def _unknown(self, request_id: str, kind: int, now: int) -> Delta:
@@ -196,9 +197,7 @@ class SequenceState:
         if not slot.mark_prefill_completed(event.request_id, now):
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
         return Delta(
-            outcome=outcomes.APPLIED,
-            at_ns=now,
-            changes=[RankChange(owner[0], owner[1], slot.load(), _NONE, _NONE)],
+            outcomes.APPLIED, now, [RankChange(owner[0], owner[1], slot.load(), _NONE, _NONE)]
         )
 
     def _free(self, event: Free, now: int) -> Delta:
@@ -214,9 +213,7 @@ class SequenceState:
         removed = slot.free(request_id, now)
         self.ended.put(request_id, 0, now)
         return Delta(
-            outcome=outcomes.APPLIED,
-            at_ns=now,
-            changes=[RankChange(owner[0], owner[1], slot.load(), removed, _NONE)],
+            outcomes.APPLIED, now, [RankChange(owner[0], owner[1], slot.load(), removed, _NONE)]
         )
 
     def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
@@ -233,7 +230,7 @@ class SequenceState:
             changes=[RankChange(owner[0], owner[1], slot.load())],
         )
 
-    def _tick(self, now: int) -> Delta:
+    def _tick(self, _event: Tick, now: int) -> Delta:
         changes: list[RankChange] = []
         all_expired: list[str] = []
         for rank, slot in self.workers.slots.items():
