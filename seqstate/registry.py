@@ -45,7 +45,7 @@ class PotentialLoadRow(Struct, frozen=True, gc=False):
 class PromptRegistry:
     """Per-rank loads plus prompt membership, updated only by :meth:`apply`."""
 
-    __slots__ = ("_bits", "_free_bits", "_index", "_loads", "_next_bit", "_order")
+    __slots__ = ("_all", "_bits", "_free_bits", "_index", "_loads", "_next_bit", "_order")
 
     def __init__(self) -> None:
         self._loads: dict[Rank, RankLoad] = {}
@@ -54,6 +54,7 @@ class PromptRegistry:
         self._free_bits: list[int] = []
         self._next_bit = 0
         self._order: list[tuple[int, int, Rank, int]] | None = []
+        self._all = 0  # the bits of every known rank
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class PromptRegistry:
             bit = self._next_bit
             self._next_bit += 1
         self._bits[rank] = bit
+        self._all |= 1 << bit
         self._loads[rank] = EMPTY_LOAD
         self._order = None
         return bit
@@ -110,6 +112,7 @@ class PromptRegistry:
             return
         del self._loads[rank]
         flag = 1 << bit
+        self._all &= ~flag
         index = self._index
         dead = []
         for h, mask in index.items():
@@ -169,9 +172,7 @@ class PromptRegistry:
     def _depths(self, query: list[int]) -> list[int]:
         n = len(query)
         depths = [n] * self._next_bit
-        alive = 0
-        for bit in self._bits.values():
-            alive |= 1 << bit
+        alive = self._all
         get = self._index.get
         for i, h in enumerate(query):
             if not alive:
