@@ -17,7 +17,7 @@ from msgspec import Struct
 
 from seqstate.sequences import ActiveSequences, RequestState
 from seqstate.state import SequenceState
-from seqstate.topology import WorkerDpRange
+from seqstate.topology import WorkerDpRange, WorkerTopologyError
 
 SNAPSHOT_VERSION: Final = 1
 MAGIC: Final = b"SQST"
@@ -132,7 +132,14 @@ def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
         )
     try:
         return _rebuild(body)
-    except (KeyError, ValueError, TypeError, OverflowError, AssertionError) as exc:
+    except (
+        KeyError,
+        ValueError,
+        TypeError,
+        OverflowError,
+        AssertionError,
+        WorkerTopologyError,
+    ) as exc:
         raise SnapshotError(f"inconsistent snapshot: {exc!r}") from None
 
 
@@ -172,6 +179,11 @@ def _rebuild(body: _State) -> SequenceState:
         slot.prefill.anchor_ns = s.anchor_ns
         state.workers.slots[rank] = slot
         slot.check_invariants()
+    for worker in state.workers.ranges.values():
+        worker.validate()
+        for dp_rank in worker.ranks():
+            if (worker.worker_id, dp_rank) not in state.workers.slots:
+                raise ValueError(f"registered rank {(worker.worker_id, dp_rank)} has no slot")
     state.tombstones.load(body.tombstones.entries)
     state.tombstones.evicted = body.tombstones.evicted
     state.ended.load(body.ended.entries)

@@ -17,7 +17,13 @@ from fractions import Fraction
 
 import hypothesis.strategies as st
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from seqstate import (
     AddOutputBlock,
@@ -348,7 +354,9 @@ class Model:
             return self._unknown(ev.request_id, FREE, now)
         before = self.present(req.rank)
         self._end(req, now)
-        return Expected("applied", changes=[(req.rank, sorted(before - self.present(req.rank)), [])])
+        return Expected(
+            "applied", changes=[(req.rank, sorted(before - self.present(req.rank)), [])]
+        )
 
     def _output(self, ev: AddOutputBlock) -> Expected:
         assert ev.decay_fraction is None
@@ -400,29 +408,96 @@ class Model:
 
 # ---- strategies -----------------------------------------------------------------------------
 
-# Time steps: mostly small, sometimes past the 30 s check interval, sometimes past the 60 s
-# expiry (and the 300 s tombstone retention); rarely a clock that steps back (clamped).
-STEPS = st.one_of(
-    st.just(0),
-    st.integers(1, 5 * S),
-    st.integers(1, 5 * S),
-    st.integers(20 * S, 40 * S),
-    st.integers(31 * S, 400 * S),
-    st.integers(-3 * S, -1),
-)
-BIG_STEPS = st.one_of(st.integers(29 * S, 31 * S), st.integers(31 * S, 400 * S))
+# Time steps: mostly small (prefills queue and decay), sometimes past the 30 s check interval
+# or the 60 s expiry, rarely past the 300 s id retention; rarely a clock that steps back (the
+# fold clamps it). Tick draws big steps more often.
+_STEP_KINDS = {
+    "zero": st.just(0),
+    "small": st.integers(1, 5 * S),
+    "check": st.integers(25 * S, 35 * S),
+    "expiry": st.integers(55 * S, 130 * S),
+    "huge": st.integers(130 * S, 400 * S),
+    "back": st.integers(-3 * S, -1),
+    # Whole seconds, so that both boundaries are hit exactly: a check runs when exactly 30 s
+    # passed since the last one; a request added exactly expiry_s ago is kept.
+    "round": st.sampled_from((1 * S, 5 * S, 10 * S, 30 * S, 60 * S)),
+}
+STEPS = st.sampled_from(
+    ("small",) * 10 + ("zero",) * 2 + ("round",) * 2 + ("check", "expiry", "huge", "back")
+).flatmap(_STEP_KINDS.__getitem__)
+BIG_STEPS = st.sampled_from(("check", "expiry", "huge", "round")).flatmap(_STEP_KINDS.__getitem__)
 IDS = st.sampled_from(REQUEST_IDS)
 WORKER_IDS = st.sampled_from(WORKERS)
 DPS = st.sampled_from(DP_RANKS)
-TOKENS = st.one_of(st.just(0), st.integers(1, 5), st.integers(1, 4000))
+# Adds favour one rank so that several prefills queue on it (anchor, credit, spillover).
+ADD_WORKERS = st.sampled_from((1, 1, 1, 2, 3))
+ADD_DPS = st.sampled_from((0, 0, 0, 1, 2))
+TOKENS = st.one_of(st.just(0), st.integers(1, 7), st.integers(1, 4000), st.integers(1, 4000))
+TRACK = st.sampled_from((True, True, True, False))
 # Quarter-millisecond durations are exact in binary, so round(ms * 1e6) is exact too.
 DURATIONS_MS = st.one_of(
-    st.none(), st.just(0.0), st.integers(0, 80_000).map(lambda q: q / 4), st.just(1e6)
+    st.none(),
+    st.none(),
+    st.just(0.0),
+    st.integers(0, 40_000).map(lambda q: q / 4),
+    st.integers(0, 40_000).map(lambda q: q / 4),
+    st.integers(1, 400).map(lambda q: q * 250.0),
+    st.just(1e6),
 )
+# How Mark/Free/AddOutputBlock pick their id: any pool id, a live one, a prefilling one, or
+# a prefilling one queued behind its rank's anchor (the non-anchor credit path).
+AIMS = st.sampled_from(("any", "live", "live", "prefilling", "queued", "queued"))
+PICKS = st.integers(0, 15)
+# Adds mostly take an id that is not live (else most would be duplicates).
+FRESH = st.sampled_from((True, True, True, False))
+RANGES = st.tuples(WORKER_IDS, DPS, st.integers(1, 3))
 
 
 def prompt(lineage: int, length: int) -> list[int]:
     return list(LINEAGES[lineage][:length])
+
+
+def add_event(
+    rid: str,
+    rank: Rank,
+    lineage: int,
+    length: int,
+    tokens: int,
+    duration_ms: float | None,
+    track: bool,
+    lora: str | None,
+    output_tokens: int | None,
+) -> AddRequest:
+    return AddRequest(
+        request_id=rid,
+        worker_id=rank[0],
+        dp_rank=rank[1],
+        block_hashes=prompt(lineage, length),
+        prefill_tokens=tokens,
+        expected_prefill_ms=duration_ms,
+        expected_output_tokens=output_tokens,
+        track_prefill_tokens=track,
+        lora_name=lora,
+    )
+
+
+def worker_added(worker: int, dp_start: int, dp_size: int) -> WorkerAdded:
+    """A range within dp ranks 0..2."""
+    size = min(dp_size, len(DP_RANKS) - dp_start)
+    return WorkerAdded(worker_id=worker, dp_start=dp_start, dp_size=size)
+
+
+ADD_ARGS = {
+    "rid": IDS,
+    "lineage": st.integers(0, len(LINEAGES) - 1),
+    "length": st.integers(0, LINEAGE_LEN),
+    "tokens": TOKENS,
+    "duration_ms": DURATIONS_MS,
+    "track": TRACK,
+    "lora": st.sampled_from([None, None, "a", "b"]),
+    "output_tokens": st.none() | st.integers(0, 500),
+    "step": STEPS,
+}
 
 
 # ---- the machine ----------------------------------------------------------------------------
@@ -461,79 +536,113 @@ class SeqStateMachine(RuleBasedStateMachine):
             assert change.load.active_requests == len(self.model.on(rank))
             assert change.load.prefill.active_tokens(now) == self.model.active_tokens(rank, now)
 
-    def _route(self, rid: str, use_owner: bool, worker: int, dp: int) -> tuple[int, int]:
+    def _target(
+        self, aim: str, pick: int, rid: str, use_owner: bool, worker: int, dp: int
+    ) -> tuple[str, int, int]:
+        """The id and payload rank of a Mark/Free/AddOutputBlock."""
+        pool = self.model.live
+        if aim == "prefilling":
+            pool = [r for r in pool if r.prefilling] or pool
+        elif aim == "queued":
+            queued = [r for rank in self.model.ranks for r in self.model.prefills(rank)[1:]]
+            pool = queued or pool
+        if aim != "any" and pool:
+            rid = pool[pick % len(pool)].rid
         req = self.model.find(rid)
         if use_owner and req is not None:
-            return req.rank
-        return worker, dp
+            return rid, *req.rank
+        return rid, worker, dp
 
     # -- rules --
 
+    @initialize(ranges=st.lists(RANGES, max_size=3))
+    def register_workers(self, ranges: list[tuple[int, int, int]]) -> None:
+        for worker, dp_start, dp_size in ranges:
+            self._apply(worker_added(worker, dp_start, dp_size), 0)
+
+    def _fresh(self, rid: str, fresh: bool) -> str:
+        """With ``fresh``, the first id from ``rid`` on in the pool that is not live."""
+        if not fresh:
+            return rid
+        live = {r.rid for r in self.model.live}
+        start = REQUEST_IDS.index(rid)
+        for i in range(len(REQUEST_IDS)):
+            candidate = REQUEST_IDS[(start + i) % len(REQUEST_IDS)]
+            if candidate not in live:
+                return candidate
+        return rid
+
+    @rule(worker=ADD_WORKERS, dp=ADD_DPS, fresh=FRESH, **ADD_ARGS)
+    def add_request(
+        self, worker: int, dp: int, fresh: bool, rid: str, step: int, **fields: object
+    ) -> None:
+        rid = self._fresh(rid, fresh)
+        self._apply(add_event(rid=rid, rank=(worker, dp), **fields), step)  # type: ignore[arg-type]
+
+    @precondition(lambda self: self.model.ranks)
+    @rule(pick=PICKS, fresh=FRESH, **ADD_ARGS)
+    def add_request_beside(
+        self, pick: int, fresh: bool, rid: str, step: int, **fields: object
+    ) -> None:
+        """Add on an existing rank, preferably one with live requests (queued prefills,
+        shared prefixes)."""
+        busy = [r.rank for r in self.model.live] or list(self.model.ranks)
+        rank = busy[pick % len(busy)]
+        rid = self._fresh(rid, fresh)
+        self._apply(add_event(rid=rid, rank=rank, **fields), step)  # type: ignore[arg-type]
+
     @rule(
+        aim=AIMS,
+        pick=PICKS,
         rid=IDS,
+        use_owner=st.booleans(),
         worker=WORKER_IDS,
         dp=DPS,
-        lineage=st.integers(0, len(LINEAGES) - 1),
-        length=st.integers(0, LINEAGE_LEN),
-        tokens=TOKENS,
-        duration_ms=DURATIONS_MS,
-        track=st.booleans(),
-        lora=st.sampled_from([None, None, "a", "b"]),
-        output_tokens=st.none() | st.integers(0, 500),
         step=STEPS,
     )
-    def add_request(
-        self,
-        rid: str,
-        worker: int,
-        dp: int,
-        lineage: int,
-        length: int,
-        tokens: int,
-        duration_ms: float | None,
-        track: bool,
-        lora: str | None,
-        output_tokens: int | None,
-        step: int,
-    ) -> None:
-        event = AddRequest(
-            request_id=rid,
-            worker_id=worker,
-            dp_rank=dp,
-            block_hashes=prompt(lineage, length),
-            prefill_tokens=tokens,
-            expected_prefill_ms=duration_ms,
-            expected_output_tokens=output_tokens,
-            track_prefill_tokens=track,
-            lora_name=lora,
-        )
-        self._apply(event, step)
-
-    @rule(rid=IDS, use_owner=st.booleans(), worker=WORKER_IDS, dp=DPS, step=STEPS)
     def mark_prefill_completed(
-        self, rid: str, use_owner: bool, worker: int, dp: int, step: int
+        self, aim: str, pick: int, rid: str, use_owner: bool, worker: int, dp: int, step: int
     ) -> None:
-        worker, dp = self._route(rid, use_owner, worker, dp)
+        rid, worker, dp = self._target(aim, pick, rid, use_owner, worker, dp)
         self._apply(MarkPrefillCompleted(request_id=rid, worker_id=worker, dp_rank=dp), step)
 
-    @rule(rid=IDS, use_owner=st.booleans(), worker=WORKER_IDS, dp=DPS, step=STEPS)
-    def free(self, rid: str, use_owner: bool, worker: int, dp: int, step: int) -> None:
-        worker, dp = self._route(rid, use_owner, worker, dp)
+    @rule(
+        aim=AIMS,
+        pick=PICKS,
+        rid=IDS,
+        use_owner=st.booleans(),
+        worker=WORKER_IDS,
+        dp=DPS,
+        step=STEPS,
+    )
+    def free(
+        self, aim: str, pick: int, rid: str, use_owner: bool, worker: int, dp: int, step: int
+    ) -> None:
+        rid, worker, dp = self._target(aim, pick, rid, use_owner, worker, dp)
         self._apply(Free(request_id=rid, worker_id=worker, dp_rank=dp), step)
 
-    @rule(rid=IDS, use_owner=st.booleans(), worker=WORKER_IDS, dp=DPS, step=STEPS)
-    def add_output_block(self, rid: str, use_owner: bool, worker: int, dp: int, step: int) -> None:
-        worker, dp = self._route(rid, use_owner, worker, dp)
+    @rule(
+        aim=AIMS,
+        pick=PICKS,
+        rid=IDS,
+        use_owner=st.booleans(),
+        worker=WORKER_IDS,
+        dp=DPS,
+        step=STEPS,
+    )
+    def add_output_block(
+        self, aim: str, pick: int, rid: str, use_owner: bool, worker: int, dp: int, step: int
+    ) -> None:
+        rid, worker, dp = self._target(aim, pick, rid, use_owner, worker, dp)
         self._apply(AddOutputBlock(request_id=rid, worker_id=worker, dp_rank=dp), step)
 
-    @rule(worker=WORKER_IDS, dp_start=DPS, dp_size=st.integers(1, 3), step=STEPS)
-    def worker_added(self, worker: int, dp_start: int, dp_size: int, step: int) -> None:
-        size = min(dp_size, len(DP_RANKS) - dp_start)
-        self._apply(WorkerAdded(worker_id=worker, dp_start=dp_start, dp_size=size), step)
-
-    @rule(worker=WORKER_IDS, step=STEPS)
-    def worker_removed(self, worker: int, step: int) -> None:
-        self._apply(WorkerRemoved(worker_id=worker), step)
+    @rule(remove=st.booleans(), worker_range=RANGES, step=STEPS)
+    def topology(self, remove: bool, worker_range: tuple[int, int, int], step: int) -> None:
+        worker, dp_start, dp_size = worker_range
+        if remove:
+            self._apply(WorkerRemoved(worker_id=worker), step)
+        else:
+            self._apply(worker_added(worker, dp_start, dp_size), step)
 
     @rule(step=st.one_of(STEPS, BIG_STEPS))
     def tick(self, step: int) -> None:
@@ -607,7 +716,7 @@ class EagerWorkersMachine(SeqStateMachine):
     LAZY = False
 
 
-SETTINGS = settings(max_examples=120, stateful_step_count=60, deadline=None)
+SETTINGS = settings(max_examples=150, stateful_step_count=60, deadline=None)
 SeqStateMachine.TestCase.settings = SETTINGS
 NoExpiryMachine.TestCase.settings = SETTINGS
 EagerWorkersMachine.TestCase.settings = SETTINGS
