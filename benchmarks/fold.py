@@ -526,8 +526,7 @@ def print_report(report: dict[str, Any]) -> None:
     if "fold" in report:
         a = report["fold"]
         print(
-            "\n(a) fold: state.apply over the whole trace, round-robin over "
-            f"{a['workers']} workers"
+            f"\n(a) fold: state.apply over the whole trace, round-robin over {a['workers']} workers"
         )
         print(
             f"    median {a['median_events_per_s']:,.0f} events/s   target >= "
@@ -535,8 +534,10 @@ def print_report(report: dict[str, Any]) -> None:
         )
         print(f"    runs (events/s): {fmt_rates(a['events_per_s'])}")
         print("    timed: the apply loop only; events built before timing, fresh state per run")
-        print(f"    outcomes (last run): {a['counters_last_run']}; live at end "
-              f"{a['live_requests_at_end']}")
+        print(
+            f"    outcomes (last run): {a['counters_last_run']}; live at end "
+            f"{a['live_requests_at_end']}"
+        )
 
     if "route" in report:
         b = report["route"]
@@ -554,8 +555,7 @@ def print_report(report: dict[str, Any]) -> None:
             "requests/s = requests / loop time"
         )
         lo, hi = b["requests_per_worker_min_max"]
-        print(f"    requests per worker: min {lo:,}, max {hi:,}; outcomes "
-              f"{b['counters_last_run']}")
+        print(f"    requests per worker: min {lo:,}, max {hi:,}; outcomes {b['counters_last_run']}")
 
     if "latency" in report:
         c = report["latency"]
@@ -602,8 +602,10 @@ def print_report(report: dict[str, Any]) -> None:
             "measured region, retained by the state); not counted: the transient event structs"
         )
         for site in d["top_sites"]:
-            print(f"      {site['bytes'] / 2**20:7.2f} MiB  {site['blocks']:>8,} blocks  "
-                  f"{site['site']}")
+            print(
+                f"      {site['bytes'] / 2**20:7.2f} MiB  {site['blocks']:>8,} blocks  "
+                f"{site['site']}"
+            )
 
 
 # ---- main ---------------------------------------------------------------------------------
@@ -623,12 +625,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--workers", type=positive, default=16, help="workers for (a), (b) and (d)")
     p.add_argument("--latency-workers", type=positive, default=64, help="workers for (c)")
-    p.add_argument("--latency-populate", type=positive, default=2000,
-                   help="requests live in the (c) state")
+    p.add_argument(
+        "--latency-populate", type=positive, default=2000, help="requests live in the (c) state"
+    )
     p.add_argument("--latency-calls", type=positive, default=20_000, help="calls per (c) run")
     p.add_argument("--query-blocks", type=positive, default=128, help="(c) query length")
-    p.add_argument("--shared-blocks", type=positive, default=64,
-                   help="(c) at most this many leading query blocks come from a live request")
+    p.add_argument(
+        "--shared-blocks",
+        type=positive,
+        default=64,
+        help="(c) at most this many leading query blocks come from a live request",
+    )
     p.add_argument("--block-tokens", type=positive, default=512, help="tokens per KV block")
     p.add_argument("--limit", type=positive, default=None, help="use only the first N requests")
     p.add_argument("--only", default="abcd", help="subset of sections to run, e.g. 'ac'")

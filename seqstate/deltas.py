@@ -33,11 +33,18 @@ class RankChange(Struct, array_like=True, gc=False):
     in the same step; applying in this order leaves the prefix present.
     """
 
-    worker_id: int
-    dp_rank: int
+    rank: tuple[int, int]
     load: RankLoad
     removed: list[int] = []
     stored: list[int] = []
+
+    @property
+    def worker_id(self) -> int:
+        return self.rank[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank[1]
 
 
 class Delta(Struct, omit_defaults=True):

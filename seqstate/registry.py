@@ -68,9 +68,10 @@ class PromptRegistry:
         index = self._index
         loads = self._loads
         for change in delta.changes:
-            rank = (change.worker_id, change.dp_rank)
+            rank = change.rank
             bit = bits.get(rank)
             if bit is None:
+                rank = (rank[0], rank[1])  # a decoded delta may carry a list
                 bit = self._ensure_rank(rank)
             if change.removed:
                 flag = 1 << bit

@@ -172,7 +172,7 @@ class SequenceState:
         return Delta(
             outcomes.APPLIED,
             now,
-            [RankChange(rank[0], rank[1], slot.load(), removed, stored)],
+            [RankChange(rank, slot.load(), removed, stored)],
             added_ranks,
             _NONE,
             expired,
@@ -196,9 +196,7 @@ class SequenceState:
         slot = self._slots[owner]
         if not slot.mark_prefill_completed(event.request_id, now):
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
-        return Delta(
-            outcomes.APPLIED, now, [RankChange(owner[0], owner[1], slot.load(), _NONE, _NONE)]
-        )
+        return Delta(outcomes.APPLIED, now, [RankChange(owner, slot.load(), _NONE, _NONE)])
 
     def _free(self, event: Free, now: int) -> Delta:
         request_id = event.request_id
@@ -212,9 +210,7 @@ class SequenceState:
         slot = self._slots[owner]
         removed = slot.free(request_id, now)
         self.ended.put(request_id, 0, now)
-        return Delta(
-            outcomes.APPLIED, now, [RankChange(owner[0], owner[1], slot.load(), removed, _NONE)]
-        )
+        return Delta(outcomes.APPLIED, now, [RankChange(owner, slot.load(), removed, _NONE)])
 
     def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
         owner = self._owner.get(event.request_id)
@@ -227,7 +223,7 @@ class SequenceState:
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
-            changes=[RankChange(owner[0], owner[1], slot.load())],
+            changes=[RankChange(owner, slot.load())],
         )
 
     def _tick(self, _event: Tick, now: int) -> Delta:
@@ -238,7 +234,7 @@ class SequenceState:
             if expired:
                 self._forget(expired, now)
                 all_expired.extend(expired)
-                changes.append(RankChange(rank[0], rank[1], slot.load(), removed))
+                changes.append(RankChange(rank, slot.load(), removed))
         return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired)
 
     def _forget(self, request_ids: list[str], now: int) -> None:
@@ -326,7 +322,7 @@ class SequenceState:
         changes = []
         for rank, slot in self.workers.slots.items():
             present = list(slot.blocks.present)
-            changes.append(RankChange(rank[0], rank[1], slot.load(), [], present))
+            changes.append(RankChange(rank, slot.load(), [], present))
         return [
             Delta(
                 outcome=outcomes.APPLIED,

@@ -607,7 +607,7 @@ def _run_registry_level(row: Row) -> bool:
                 anchored_since_ns=_ns(step.anchored_at_s),
                 modeled_ms=step.modeled_ms,
             )
-            change = RankChange(step.worker, 0, RankLoad(5, 1, prefill))
+            change = RankChange((step.worker, 0), RankLoad(5, 1, prefill))
             registry.apply(
                 Delta(outcome="applied", at_ns=_ns(step.anchored_at_s), changes=[change])
             )

@@ -26,13 +26,13 @@ def load(blocks: int, requests: int = 1, prefill: PrefillSnapshot | None = None)
 
 def store(registry: PromptRegistry, rank: Rank, hashes: list[int], rank_load: RankLoad) -> None:
     registry.apply(
-        Delta(outcome="applied", at_ns=0, changes=[RankChange(*rank, rank_load, stored=hashes)])
+        Delta(outcome="applied", at_ns=0, changes=[RankChange(rank, rank_load, stored=hashes)])
     )
 
 
 def remove(registry: PromptRegistry, rank: Rank, hashes: list[int], rank_load: RankLoad) -> None:
     registry.apply(
-        Delta(outcome="applied", at_ns=0, changes=[RankChange(*rank, rank_load, removed=hashes)])
+        Delta(outcome="applied", at_ns=0, changes=[RankChange(rank, rank_load, removed=hashes)])
     )
 
 
@@ -119,7 +119,7 @@ def test_load_only_update_preserves_prompt_membership_and_active_token_projectio
         modeled_ms=10_000,
     )
     registry.apply(
-        Delta(outcome="applied", at_ns=now, changes=[RankChange(*rank, load(5, 1, prefill))])
+        Delta(outcome="applied", at_ns=now, changes=[RankChange(rank, load(5, 1, prefill))])
     )
 
     assert registry.hashes_of(rank) == {1, 2, 3}
