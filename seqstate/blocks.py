@@ -44,7 +44,15 @@ class BlockTracker:
     restored tracker rounds exactly like the original.
     """
 
-    __slots__ = ("deficit", "extra", "fractions", "output_weight", "outputs", "present")
+    __slots__ = (
+        "active_blocks",
+        "deficit",
+        "extra",
+        "fractions",
+        "output_weight",
+        "outputs",
+        "present",
+    )
 
     def __init__(self) -> None:
         self.present: set[int] = set()
@@ -53,6 +61,8 @@ class BlockTracker:
         self.deficit = 0.0
         self.output_weight = 0.0
         self.outputs = 0  # number of live output blocks
+        # round(Σ weights), kept current by every mutation: read once per event.
+        self.active_blocks = 0
 
     @property
     def refs(self) -> dict[int, int]:
@@ -60,11 +70,14 @@ class BlockTracker:
         extra = self.extra
         return {h: 1 + extra.get(h, 0) for h in self.present}
 
-    @property
-    def active_blocks(self) -> int:
+    def recount(self) -> None:
+        """Recompute ``active_blocks`` after a change of weights or outputs."""
         if not self.fractions and self.output_weight == self.outputs:
-            return len(self.present) + self.outputs
-        return round_half_away(len(self.present) + self.output_weight - self.deficit)
+            self.active_blocks = len(self.present) + self.outputs
+        else:
+            self.active_blocks = round_half_away(
+                len(self.present) + self.output_weight - self.deficit
+            )
 
     def acquire(self, hashes: list[int]) -> tuple[list[int], list[int]]:
         """Reference a prompt. Returns ``(held, stored)``: the hashes the request now holds
@@ -73,9 +86,15 @@ class BlockTracker:
         shared = present.intersection(hashes)
         size = len(present)
         present.update(hashes)
-        if len(present) - size != len(hashes) - len(shared):
+        grown = len(present) - size
+        if grown != len(hashes) - len(shared):
             # A hash repeated within one prompt (never with chained hashes) names one block.
             hashes = list(dict.fromkeys(hashes))
+        if grown:
+            if self.fractions or self.output_weight != self.outputs:
+                self.recount()
+            else:
+                self.active_blocks += grown
         if not shared:
             return hashes, hashes
         extra = self.extra
@@ -86,6 +105,7 @@ class BlockTracker:
     def release(self, hashes: list[int], output_weights: list[float] | None) -> list[int]:
         """Drop a request's references (``hashes`` as returned held by :meth:`acquire`);
         returns the prompt hashes that became absent."""
+        weighted = bool(self.fractions) or self.output_weight != self.outputs
         extra = self.extra
         shared = extra.keys() & hashes if extra else None
         if shared:
@@ -99,27 +119,33 @@ class BlockTracker:
         else:
             removed = hashes
         self.present.difference_update(removed)
-        if removed and self.fractions:
-            fractions = self.fractions
-            for h in removed:
-                f = fractions.pop(h, None)
-                if f is not None:
-                    self.deficit -= 1.0 - f
-            if not fractions:
-                self.deficit = 0.0
         if output_weights:
+            weighted = True
             self.outputs -= len(output_weights)
             if self.outputs == 0:
                 self.output_weight = 0.0
             else:
                 for w in output_weights:
                     self.output_weight -= w
+        if weighted:
+            if removed and self.fractions:
+                fractions = self.fractions
+                for h in removed:
+                    f = fractions.pop(h, None)
+                    if f is not None:
+                        self.deficit -= 1.0 - f
+                if not fractions:
+                    self.deficit = 0.0
+            self.recount()
+        else:
+            self.active_blocks -= len(removed)
         return removed
 
     def add_output(self, output_weights: list[float]) -> None:
         output_weights.append(1.0)
         self.outputs += 1
         self.output_weight += 1.0
+        self.recount()
 
     def set_exclusive_fraction(
         self, hashes: list[int], output_weights: list[float], fraction: float
@@ -135,6 +161,7 @@ class BlockTracker:
                 old = fractions.get(h, 1.0)
                 fractions[h] = fraction
                 self.deficit += old - fraction
+        self.recount()
 
     def check_invariants(self, prompts: list[list[int]], outputs: list[list[float]]) -> None:
         """Compare the counts with a recomputation from the live requests (tests)."""
@@ -143,6 +170,9 @@ class BlockTracker:
             for h in hashes:
                 expected[h] = expected.get(h, 0) + 1
         assert expected == self.refs, "block refcounts disagree with live requests"
+        active = self.active_blocks
+        self.recount()
+        assert active == self.active_blocks, "active_blocks was not kept current"
         assert all(count > 0 for count in self.extra.values())
         assert set(self.fractions) <= self.present
         assert self.outputs == sum(len(w) for w in outputs)

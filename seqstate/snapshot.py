@@ -174,6 +174,7 @@ def _rebuild(body: _State) -> SequenceState:
         blocks.fractions = dict(s.fractions)
         blocks.deficit = s.deficit
         blocks.output_weight = s.output_weight
+        blocks.recount()
         for request_id, tokens, duration_ns in s.prefills:
             slot.prefill.insert(request_id, tokens, duration_ns, 0)
         slot.prefill.anchor_ns = s.anchor_ns

@@ -28,7 +28,7 @@ from seqstate.recent import RecentIds
 from seqstate.registry import PromptRegistry
 from seqstate.request_index import RequestIndex
 from seqstate.sequences import EXPIRY_CHECK_INTERVAL_NS as EXPIRY_CHECK_NS
-from seqstate.sequences import NS_PER_S, ActiveSequences
+from seqstate.sequences import NS_PER_S, ActiveSequences, RankLoad
 from seqstate.topology import Rank, TopologyChange, WorkerDpRange, WorkerTable
 
 DEFAULT_EXPIRY_S: Final = 300.0
@@ -172,7 +172,16 @@ class SequenceState:
         return Delta(
             outcomes.APPLIED,
             now,
-            [RankChange(rank, slot.load(), removed, stored)],
+            [
+                RankChange(
+                    rank,
+                    RankLoad(
+                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
+                    ),
+                    removed,
+                    stored,
+                )
+            ],
             added_ranks,
             _NONE,
             expired,
@@ -196,7 +205,20 @@ class SequenceState:
         slot = self._slots[owner]
         if not slot.mark_prefill_completed(event.request_id, now):
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
-        return Delta(outcomes.APPLIED, now, [RankChange(owner, slot.load(), _NONE, _NONE)])
+        return Delta(
+            outcomes.APPLIED,
+            now,
+            [
+                RankChange(
+                    owner,
+                    RankLoad(
+                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
+                    ),
+                    _NONE,
+                    _NONE,
+                )
+            ],
+        )
 
     def _free(self, event: Free, now: int) -> Delta:
         request_id = event.request_id
@@ -210,7 +232,20 @@ class SequenceState:
         slot = self._slots[owner]
         removed = slot.free(request_id, now)
         self.ended.put(request_id, 0, now)
-        return Delta(outcomes.APPLIED, now, [RankChange(owner, slot.load(), removed, _NONE)])
+        return Delta(
+            outcomes.APPLIED,
+            now,
+            [
+                RankChange(
+                    owner,
+                    RankLoad(
+                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
+                    ),
+                    removed,
+                    _NONE,
+                )
+            ],
+        )
 
     def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
         owner = self._owner.get(event.request_id)
@@ -223,7 +258,14 @@ class SequenceState:
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
-            changes=[RankChange(owner, slot.load())],
+            changes=[
+                RankChange(
+                    owner,
+                    RankLoad(
+                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
+                    ),
+                )
+            ],
         )
 
     def _tick(self, _event: Tick, now: int) -> Delta:
@@ -234,7 +276,15 @@ class SequenceState:
             if expired:
                 self._forget(expired, now)
                 all_expired.extend(expired)
-                changes.append(RankChange(rank, slot.load(), removed))
+                changes.append(
+                    RankChange(
+                        rank,
+                        RankLoad(
+                            slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
+                        ),
+                        removed,
+                    )
+                )
         return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired)
 
     def _forget(self, request_ids: list[str], now: int) -> None:
@@ -322,7 +372,16 @@ class SequenceState:
         changes = []
         for rank, slot in self.workers.slots.items():
             present = list(slot.blocks.present)
-            changes.append(RankChange(rank, slot.load(), [], present))
+            changes.append(
+                RankChange(
+                    rank,
+                    RankLoad(
+                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
+                    ),
+                    [],
+                    present,
+                )
+            )
         return [
             Delta(
                 outcome=outcomes.APPLIED,
