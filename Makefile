@@ -3,29 +3,43 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The hot modules of the core compiled with mypyc (setup.py), rebuilt when any core source changes.
+NATIVE := seqstate/.native-built
+CORE_SRC := $(wildcard seqstate/*.py)
 
-.PHONY: test run bench lint clean
+.PHONY: test run bench lint native pure clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	SEQSTATE_PURE=1 $(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(BIN)/ruff check .
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+$(NATIVE): $(STAMP) setup.py $(CORE_SRC)
+	$(BIN)/python setup.py --quiet build_ext --inplace
+	touch $(NATIVE)
 
-run: $(STAMP)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo
+native: $(NATIVE)
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/fold.py
+pure:
+	rm -f seqstate/*.so $(NATIVE)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+# The suite runs against the compiled core and again against the pure sources (the reference).
+test: $(NATIVE) lint
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+
+run: $(NATIVE)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo
+
+bench: $(NATIVE)
+	$(BIN)/python benchmarks/fold.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) build .pytest_cache .hypothesis .ruff_cache .mypy_cache seqstate/*.so $(NATIVE)

@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    print(f"seqstate: '{args.command}' is not available yet (the NATS pipeline is issue #3)",
-          file=sys.stderr)
+    print(
+        f"seqstate: '{args.command}' is not available yet (the NATS pipeline is issue #3)",
+        file=sys.stderr,
+    )
     return 2

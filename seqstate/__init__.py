@@ -20,9 +20,8 @@ from seqstate.events import (
     decode_event,
     encode_event,
 )
-from seqstate.prefill import PrefillSnapshot
-from seqstate.registry import LoadRow, PotentialLoadRow, PromptRegistry
-from seqstate.sequences import RankLoad
+from seqstate.loads import LoadRow, PotentialLoadRow, PrefillSnapshot, RankLoad
+from seqstate.registry import PromptRegistry
 from seqstate.snapshot import SnapshotError
 from seqstate.state import SequenceState
 

@@ -14,7 +14,7 @@ from typing import Final, Literal
 import msgspec
 from msgspec import Struct
 
-from seqstate.sequences import RankLoad
+from seqstate.loads import RankLoad
 
 Outcome = Literal["applied", "duplicate", "unknown_request", "unknown_worker", "superseded"]
 OUTCOMES: Final = ("applied", "duplicate", "unknown_request", "unknown_worker", "superseded")

@@ -5,74 +5,14 @@ measured from its anchor time. The tracker is written on mutations only; reads g
 time-free :class:`PrefillSnapshot`, so a reader anywhere (the projector, a scheduler holding
 a KV replica) evaluates decay at its own ``now`` with exactly this module's math.
 
-All arithmetic is integer (nanoseconds, tokens) so results are exact and identical on every
-machine; Dynamo's f64 evaluation can differ from the exact rational value by one token in the
-anchor-only path, where we take the exact ceiling.
+The snapshot type and its decay math live in :mod:`seqstate.loads`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from msgspec import Struct
-
-NS_PER_MS = 1_000_000
-
-
-class PrefillSnapshot(Struct, array_like=True, frozen=True, gc=False):
-    """Time-free view of a rank's prefill state; decay is evaluated at read time.
-
-    ``anchored_since_ns`` is None when nothing is prefilling. ``modeled_ms`` is the sum of the
-    whole-millisecond durations of all active prefills, or None as soon as one lacks a
-    duration (Dynamo's MissingExpectedDuration).
-    """
-
-    full_tokens: int = 0
-    anchor_tokens: int = 0
-    anchor_duration_ns: int | None = None
-    anchored_since_ns: int | None = None
-    modeled_ms: int | None = 0
-
-    def active_tokens(self, now_ns: int) -> int:
-        """Prefill tokens still pending at ``now_ns`` (decayed)."""
-        since = self.anchored_since_ns
-        if since is None:
-            return 0
-        elapsed = now_ns - since
-        if elapsed < 0:
-            elapsed = 0
-        duration = self.anchor_duration_ns
-        tokens = self.anchor_tokens
-        if self.modeled_ms is None:
-            # Some prefill is unmodeled: only the anchor decays, and never past its own tokens.
-            if duration is None:
-                remaining = tokens
-            elif duration == 0 or elapsed >= duration:
-                remaining = 0
-            else:
-                remaining = -((-tokens * (duration - elapsed)) // duration)
-            return self.full_tokens - tokens + remaining
-        # Every prefill is modeled: the anchor's rate keeps draining later prefills (spillover).
-        completed = tokens if duration == 0 else tokens * elapsed // duration  # type: ignore[operator]
-        left = self.full_tokens - completed
-        return left if left > 0 else 0
-
-    def modeled_remaining_ms(self, now_ns: int) -> int | None:
-        """Modeled milliseconds of prefill left at ``now_ns``; None if any prefill is unmodeled."""
-        modeled = self.modeled_ms
-        if modeled is None:
-            return None
-        since = self.anchored_since_ns
-        if since is None:
-            return modeled
-        if self.anchor_duration_ns is None:  # cannot happen while modeled_ms is known
-            return None
-        elapsed_ms = (now_ns - since) // NS_PER_MS if now_ns > since else 0
-        left = modeled - elapsed_ms
-        return left if left > 0 else 0
-
-
-EMPTY_PREFILL = PrefillSnapshot()
+from seqstate.loads import EMPTY_PREFILL, NS_PER_MS, PrefillSnapshot
 
 
 class PrefillTracker:
@@ -80,14 +20,17 @@ class PrefillTracker:
 
     ``prefills`` maps request id to ``(tokens, duration_ns | None)`` in insertion order; the
     first key is the anchor. Sums are kept incrementally so a snapshot is O(1). ``_queue``
-    repeats the order as ``(request_id, entry)`` pairs so the next anchor is found in O(1)
-    amortised (a dict's first key costs a scan over deleted slots); a pair is stale once its
-    entry object is no longer the one in ``prefills``.
+    repeats the order as ``(request_id, stamp)`` pairs so the next anchor is found in O(1)
+    amortised (a dict's first key costs a scan over deleted slots); a pair is stale once the
+    id's current stamp in ``_stamps`` differs (or the id is gone). Stamps, not object
+    identity, because compiled code does not preserve the identity of tuples.
     """
 
     __slots__ = (
         "_queue",
         "_snapshot",
+        "_stamp",
+        "_stamps",
         "anchor_id",
         "anchor_ns",
         "full_tokens",
@@ -98,7 +41,9 @@ class PrefillTracker:
 
     def __init__(self) -> None:
         self.prefills: dict[str, tuple[int, int | None]] = {}
-        self._queue: deque[tuple[str, tuple[int, int | None]]] = deque()
+        self._queue: deque[tuple[str, int]] = deque()
+        self._stamps: dict[str, int] = {}
+        self._stamp = 0
         self.full_tokens = 0
         self.unmodeled = 0
         self.modeled_ms_sum = 0
@@ -124,9 +69,10 @@ class PrefillTracker:
         return list(self.prefills)
 
     def insert(self, request_id: str, tokens: int, duration_ns: int | None, now_ns: int) -> None:
-        entry = (tokens, duration_ns)
-        self.prefills[request_id] = entry
-        self._queue.append((request_id, entry))
+        self.prefills[request_id] = (tokens, duration_ns)
+        self._stamp = stamp = self._stamp + 1
+        self._stamps[request_id] = stamp
+        self._queue.append((request_id, stamp))
         self.full_tokens += tokens
         if duration_ns is None:
             self.unmodeled += 1
@@ -150,10 +96,12 @@ class PrefillTracker:
         else:
             self.modeled_ms_sum -= duration_ns // NS_PER_MS
         del prefills[request_id]
+        stamps = self._stamps
+        del stamps[request_id]
         if request_id == self.anchor_id:
             # The next prefill starts its own decay now; no credit.
             queue = self._queue
-            while queue and prefills.get(queue[0][0]) is not queue[0][1]:
+            while queue and stamps.get(queue[0][0]) != queue[0][1]:
                 queue.popleft()
             if queue:
                 self.anchor_id = queue[0][0]
@@ -162,7 +110,7 @@ class PrefillTracker:
                 self.anchor_id = self.anchor_ns = None
         else:
             if len(self._queue) > 2 * len(prefills) + 64:
-                self._queue = deque(prefills.items())
+                self._queue = deque(stamps.items())
             if duration_ns is None:
                 self._snapshot = None
                 return state
@@ -198,6 +146,7 @@ class PrefillTracker:
         assert self.modeled_ms_sum == sum(d // NS_PER_MS for _, d in entries if d is not None)
         assert (self.anchor_ns is None) == (not entries)
         assert self.anchor_id == next(iter(self.prefills), None)
-        live = [rid for rid, entry in self._queue if self.prefills.get(rid) is entry]
+        assert list(self._stamps) == list(self.prefills)
+        live = [rid for rid, stamp in self._queue if self._stamps.get(rid) == stamp]
         assert live == list(self.prefills), "FIFO queue disagrees with the prefill order"
         assert all(t > 0 for t, _ in entries)

@@ -7,9 +7,11 @@ amortised, and a snapshot lists the entries in that same order.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterator
+from typing import Final
+
+NEVER: Final = 2**64  # later than any log time
 
 
 class RecentIds:
@@ -27,7 +29,7 @@ class RecentIds:
         self._queue: deque[tuple[int, int, str]] = deque()
         self._stamp = 0
         # When the oldest entry falls out of retention: callers skip prune() before then.
-        self.due_ns: float = math.inf
+        self.due_ns: int = NEVER
         self.evicted = 0  # dropped for capacity before their time (an operator signal)
 
     def __len__(self) -> int:
@@ -78,7 +80,7 @@ class RecentIds:
 
     def _set_due(self) -> None:
         queue = self._queue
-        self.due_ns = queue[0][0] + self.retention_ns if queue else math.inf
+        self.due_ns = queue[0][0] + self.retention_ns if queue else NEVER
 
     def _pop_front(self, evicting: bool) -> None:
         queue = self._queue

@@ -15,31 +15,12 @@ per-hash mask exact.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
-
-from msgspec import Struct
+from collections.abc import Iterable, Sequence
 
 from seqstate.deltas import Delta, RankChange
-from seqstate.sequences import EMPTY_LOAD, RankLoad
+from seqstate.loads import EMPTY_LOAD, LoadRow, PotentialLoadRow, RankLoad
 
 Rank = tuple[int, int]
-
-
-class LoadRow(Struct, frozen=True, gc=False):
-    worker_id: int
-    dp_rank: int
-    active_blocks: int
-    active_prefill_tokens: int
-    active_requests: int
-    modeled_remaining_prefill_ms: int | None
-
-
-class PotentialLoadRow(Struct, frozen=True, gc=False):
-    worker_id: int
-    dp_rank: int
-    potential_prefill_tokens: int
-    potential_decode_blocks: int
-    active_requests: int
 
 
 class PromptRegistry:
@@ -170,7 +151,7 @@ class PromptRegistry:
         depth_by_bit = self._depths(list(block_hashes))
         return {rank: depth_by_bit[bit] for rank, bit in self._bits.items() if depth_by_bit[bit]}
 
-    def _depths(self, query: list[int]) -> list[int]:
+    def _depths(self, query: Sequence[int]) -> list[int]:
         n = len(query)
         depths = [n] * self._next_bit
         alive = self._all
@@ -189,7 +170,7 @@ class PromptRegistry:
         return depths
 
     def potential_loads(
-        self, block_hashes: list[int], isl_tokens: int, now_ns: int
+        self, block_hashes: Sequence[int], isl_tokens: int, now_ns: int
     ) -> list[PotentialLoadRow]:
         """What each rank's load would be if this request were booked there.
 

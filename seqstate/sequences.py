@@ -7,24 +7,12 @@ time), so two folds of one log agree to the byte.
 
 from __future__ import annotations
 
-from msgspec import Struct
-
 from seqstate.blocks import BlockTracker
-from seqstate.prefill import PrefillSnapshot, PrefillTracker
+from seqstate.loads import RankLoad
+from seqstate.prefill import PrefillTracker
 
 NS_PER_S = 1_000_000_000
 EXPIRY_CHECK_INTERVAL_NS = 30 * NS_PER_S
-
-
-class RankLoad(Struct, array_like=True, frozen=True, gc=False):
-    """What the read model needs of a rank after a mutation; time-free."""
-
-    active_blocks: int = 0
-    active_requests: int = 0
-    prefill: PrefillSnapshot = PrefillSnapshot()
-
-
-EMPTY_LOAD = RankLoad()
 
 
 class RequestState:

@@ -10,7 +10,8 @@ Lifecycle oddities are outcomes, never exceptions; only an object that is not an
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Callable
+from typing import Any, Final
 
 from seqstate import deltas as outcomes
 from seqstate.deltas import Delta, RankChange
@@ -24,11 +25,12 @@ from seqstate.events import (
     WorkerAdded,
     WorkerRemoved,
 )
+from seqstate.loads import RankLoad
 from seqstate.recent import RecentIds
 from seqstate.registry import PromptRegistry
 from seqstate.request_index import RequestIndex
 from seqstate.sequences import EXPIRY_CHECK_INTERVAL_NS as EXPIRY_CHECK_NS
-from seqstate.sequences import NS_PER_S, ActiveSequences, RankLoad
+from seqstate.sequences import NS_PER_S, ActiveSequences
 from seqstate.topology import Rank, TopologyChange, WorkerDpRange, WorkerTable
 
 DEFAULT_EXPIRY_S: Final = 300.0
@@ -87,7 +89,7 @@ class SequenceState:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.registry = PromptRegistry()
         # One handler per event type: a dict lookup beats a chain of class patterns.
-        self._handlers = {
+        self._handlers: dict[type, Callable[[Any, int], Delta]] = {
             AddRequest: self._add,
             MarkPrefillCompleted: self._mark,
             Free: self._free,
@@ -358,7 +360,7 @@ class SequenceState:
         return encode_state(self)
 
     @classmethod
-    def restore(cls, data: bytes) -> SequenceState:
+    def restore(cls, data: bytes | bytearray | memoryview) -> SequenceState:
         """Rebuild a state, registry included, from :meth:`snapshot` bytes."""
         from seqstate.snapshot import decode_state
 

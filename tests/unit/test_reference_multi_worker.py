@@ -56,7 +56,7 @@ from seqstate import (
     WorkerRemoved,
 )
 from seqstate.deltas import Delta
-from seqstate.registry import LoadRow, PotentialLoadRow
+from seqstate.loads import LoadRow, PotentialLoadRow
 
 S = 1_000_000_000
 REMOTE = "99"

@@ -1,0 +1,103 @@
+"""Time-free load snapshots and the decay math that reads them, on either side of the wire.
+
+A rank's load is stored without time: the prefill part keeps its anchor instant, and every
+read evaluates decay at the reader's ``now``. The writer's registry, the projector and a
+scheduler's KV replica all import these types, so one implementation of the arithmetic
+serves them all.
+
+All arithmetic is integer (nanoseconds, tokens) so results are exact and identical on every
+machine; Dynamo's f64 evaluation can differ from the exact rational value by one token in the
+anchor-only path, where we take the exact ceiling.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from msgspec import Struct
+
+NS_PER_MS: Final = 1_000_000
+
+
+class PrefillSnapshot(Struct, array_like=True, frozen=True, gc=False):
+    """Time-free view of a rank's prefill state; decay is evaluated at read time.
+
+    ``anchored_since_ns`` is None when nothing is prefilling. ``modeled_ms`` is the sum of the
+    whole-millisecond durations of all active prefills, or None as soon as one lacks a
+    duration (Dynamo's MissingExpectedDuration).
+    """
+
+    full_tokens: int = 0
+    anchor_tokens: int = 0
+    anchor_duration_ns: int | None = None
+    anchored_since_ns: int | None = None
+    modeled_ms: int | None = 0
+
+    def active_tokens(self, now_ns: int) -> int:
+        """Prefill tokens still pending at ``now_ns`` (decayed)."""
+        since = self.anchored_since_ns
+        if since is None:
+            return 0
+        elapsed = now_ns - since
+        if elapsed < 0:
+            elapsed = 0
+        duration = self.anchor_duration_ns
+        tokens = self.anchor_tokens
+        if self.modeled_ms is None:
+            # Some prefill is unmodeled: only the anchor decays, and never past its own tokens.
+            if duration is None:
+                remaining = tokens
+            elif duration == 0 or elapsed >= duration:
+                remaining = 0
+            else:
+                remaining = -((-tokens * (duration - elapsed)) // duration)
+            return self.full_tokens - tokens + remaining
+        # Every prefill is modeled: the anchor's rate keeps draining later prefills (spillover).
+        completed = tokens if duration == 0 else tokens * elapsed // duration  # type: ignore[operator]
+        left = self.full_tokens - completed
+        return left if left > 0 else 0
+
+    def modeled_remaining_ms(self, now_ns: int) -> int | None:
+        """Modeled milliseconds of prefill left at ``now_ns``; None if any prefill is unmodeled."""
+        modeled = self.modeled_ms
+        if modeled is None:
+            return None
+        since = self.anchored_since_ns
+        if since is None:
+            return modeled
+        if self.anchor_duration_ns is None:  # cannot happen while modeled_ms is known
+            return None
+        elapsed_ms = (now_ns - since) // NS_PER_MS if now_ns > since else 0
+        left = modeled - elapsed_ms
+        return left if left > 0 else 0
+
+
+EMPTY_PREFILL = PrefillSnapshot()
+
+
+class RankLoad(Struct, array_like=True, frozen=True, gc=False):
+    """What the read model needs of a rank after a mutation; time-free."""
+
+    active_blocks: int = 0
+    active_requests: int = 0
+    prefill: PrefillSnapshot = PrefillSnapshot()
+
+
+EMPTY_LOAD = RankLoad()
+
+
+class LoadRow(Struct, frozen=True, gc=False):
+    worker_id: int
+    dp_rank: int
+    active_blocks: int
+    active_prefill_tokens: int
+    active_requests: int
+    modeled_remaining_prefill_ms: int | None
+
+
+class PotentialLoadRow(Struct, frozen=True, gc=False):
+    worker_id: int
+    dp_rank: int
+    potential_prefill_tokens: int
+    potential_decode_blocks: int
+    active_requests: int
