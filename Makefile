@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	touch $(STAMP)
 
 $(NATIVE): $(STAMP) setup.py $(CORE_SRC)
-	$(BIN)/python setup.py --quiet build_ext --inplace
+	$(BIN)/python setup.py --quiet build_ext --inplace --force
 	touch $(NATIVE)
 
 native: $(NATIVE)
@@ -32,8 +32,8 @@ lint: $(STAMP)
 
 # The suite runs against the compiled core and again against the pure sources (the reference).
 test: $(NATIVE) lint
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
-	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
+	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 
 run: $(NATIVE)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo
