@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from seqstate.deltas import Delta, RankChange
 from seqstate.loads import EMPTY_LOAD, LoadRow, PotentialLoadRow, RankLoad
@@ -46,7 +47,9 @@ class PromptRegistry:
             for rank in delta.added_ranks:
                 self._ensure_rank(tuple(rank))  # type: ignore[arg-type]
         bits = self._bits
-        index = self._index
+        # Hashes and masks stay Python objects here (``Any``): compiled code would otherwise
+        # unbox each one and allocate it again for the dict call.
+        index: dict[Any, Any] = self._index
         loads = self._loads
         for change in delta.changes:
             rank = change.rank
@@ -54,20 +57,23 @@ class PromptRegistry:
             if bit is None:
                 rank = (rank[0], rank[1])  # a decoded delta may carry a list
                 bit = self._ensure_rank(rank)
+            flag_bits = 1 << bit
+            flag: Any = flag_bits  # boxed once per change
+            mask: int
             if change.removed:
-                flag = 1 << bit
+                removed: list[Any] = change.removed
                 pop = index.pop
-                for h in change.removed:
+                for h in removed:
                     mask = pop(h, flag)
-                    if mask != flag:  # still present on other ranks
-                        index[h] = mask & ~flag
+                    if mask != flag_bits:  # still present on other ranks
+                        index[h] = mask & ~flag_bits
             if change.stored:
-                flag = 1 << bit
+                stored: list[Any] = change.stored
                 setdefault = index.setdefault
-                for h in change.stored:
+                for h in stored:
                     mask = setdefault(h, flag)
-                    if mask != flag:  # already present on other ranks
-                        index[h] = mask | flag
+                    if mask != flag_bits:  # already present on other ranks
+                        index[h] = mask | flag_bits
             loads[rank] = change.load
 
     def apply_change(self, change: RankChange) -> None:
