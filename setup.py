@@ -14,6 +14,7 @@ from setuptools import setup
 
 NATIVE = [
     "seqstate/blocks.py",
+    "seqstate/decay.py",
     "seqstate/prefill.py",
     "seqstate/recent.py",
     "seqstate/registry.py",

@@ -12,11 +12,9 @@ anchor-only path, where we take the exact ceiling.
 
 from __future__ import annotations
 
-from typing import Final
-
 from msgspec import Struct
 
-NS_PER_MS: Final = 1_000_000
+from seqstate.decay import active_tokens, modeled_remaining_ms
 
 
 class PrefillSnapshot(Struct, array_like=True, frozen=True, gc=False):
@@ -35,41 +33,11 @@ class PrefillSnapshot(Struct, array_like=True, frozen=True, gc=False):
 
     def active_tokens(self, now_ns: int) -> int:
         """Prefill tokens still pending at ``now_ns`` (decayed)."""
-        since = self.anchored_since_ns
-        if since is None:
-            return 0
-        elapsed = now_ns - since
-        if elapsed < 0:
-            elapsed = 0
-        duration = self.anchor_duration_ns
-        tokens = self.anchor_tokens
-        if self.modeled_ms is None:
-            # Some prefill is unmodeled: only the anchor decays, and never past its own tokens.
-            if duration is None:
-                remaining = tokens
-            elif duration == 0 or elapsed >= duration:
-                remaining = 0
-            else:
-                remaining = -((-tokens * (duration - elapsed)) // duration)
-            return self.full_tokens - tokens + remaining
-        # Every prefill is modeled: the anchor's rate keeps draining later prefills (spillover).
-        completed = tokens if duration == 0 else tokens * elapsed // duration  # type: ignore[operator]
-        left = self.full_tokens - completed
-        return left if left > 0 else 0
+        return active_tokens(self, now_ns)
 
     def modeled_remaining_ms(self, now_ns: int) -> int | None:
         """Modeled milliseconds of prefill left at ``now_ns``; None if any prefill is unmodeled."""
-        modeled = self.modeled_ms
-        if modeled is None:
-            return None
-        since = self.anchored_since_ns
-        if since is None:
-            return modeled
-        if self.anchor_duration_ns is None:  # cannot happen while modeled_ms is known
-            return None
-        elapsed_ms = (now_ns - since) // NS_PER_MS if now_ns > since else 0
-        left = modeled - elapsed_ms
-        return left if left > 0 else 0
+        return modeled_remaining_ms(self, now_ns)
 
 
 EMPTY_PREFILL = PrefillSnapshot()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from seqstate.loads import EMPTY_PREFILL, NS_PER_MS, PrefillSnapshot
+from seqstate.decay import NS_PER_MS
+from seqstate.loads import EMPTY_PREFILL, PrefillSnapshot
 
 
 class PrefillTracker:

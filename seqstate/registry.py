@@ -18,6 +18,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from seqstate.decay import active_tokens, modeled_remaining_ms
 from seqstate.deltas import Delta, RankChange
 from seqstate.loads import EMPTY_LOAD, LoadRow, PotentialLoadRow, RankLoad
 
@@ -145,9 +146,9 @@ class PromptRegistry:
                     worker_id,
                     dp_rank,
                     load.active_blocks,
-                    prefill.active_tokens(now_ns),
+                    active_tokens(prefill, now_ns),
                     load.active_requests,
-                    prefill.modeled_remaining_ms(now_ns),
+                    modeled_remaining_ms(prefill, now_ns),
                 )
             )
         return rows
@@ -190,7 +191,7 @@ class PromptRegistry:
         for worker_id, dp_rank, rank, bit in self._rows():
             load = loads[rank]
             prefill = load.prefill
-            tokens = 0 if prefill.anchored_since_ns is None else prefill.active_tokens(now_ns)
+            tokens = 0 if prefill.anchored_since_ns is None else active_tokens(prefill, now_ns)
             rows.append(
                 PotentialLoadRow(
                     worker_id,
