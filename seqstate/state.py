@@ -25,7 +25,6 @@ from seqstate.events import (
     WorkerAdded,
     WorkerRemoved,
 )
-from seqstate.loads import RankLoad
 from seqstate.recent import RecentIds
 from seqstate.registry import PromptRegistry
 from seqstate.request_index import RequestIndex
@@ -177,9 +176,7 @@ class SequenceState:
             [
                 RankChange(
                     rank,
-                    RankLoad(
-                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
-                    ),
+                    slot.load(),
                     removed,
                     stored,
                 )
@@ -213,9 +210,7 @@ class SequenceState:
             [
                 RankChange(
                     owner,
-                    RankLoad(
-                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
-                    ),
+                    slot.load(),
                     _NONE,
                     _NONE,
                 )
@@ -240,9 +235,7 @@ class SequenceState:
             [
                 RankChange(
                     owner,
-                    RankLoad(
-                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
-                    ),
+                    slot.load(),
                     removed,
                     _NONE,
                 )
@@ -263,9 +256,7 @@ class SequenceState:
             changes=[
                 RankChange(
                     owner,
-                    RankLoad(
-                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
-                    ),
+                    slot.load(),
                 )
             ],
         )
@@ -281,9 +272,7 @@ class SequenceState:
                 changes.append(
                     RankChange(
                         rank,
-                        RankLoad(
-                            slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
-                        ),
+                        slot.load(),
                         removed,
                     )
                 )
@@ -377,9 +366,7 @@ class SequenceState:
             changes.append(
                 RankChange(
                     rank,
-                    RankLoad(
-                        slot.blocks.active_blocks, len(slot.requests), slot.prefill.snapshot()
-                    ),
+                    slot.load(),
                     [],
                     present,
                 )
