@@ -10,7 +10,7 @@ Lifecycle oddities are outcomes, never exceptions; only an object that is not an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from seqstate import deltas as outcomes
@@ -125,9 +125,9 @@ class SequenceState:
         self.registry.apply(delta)
         return delta
 
-    def apply_all(self, timed_events: object) -> list[Delta]:
+    def apply_all(self, timed_events: Iterable[tuple[object, int]]) -> list[Delta]:
         """Fold ``(event, at_ns)`` pairs in order (tests, replays)."""
-        return [self.apply(event, at_ns) for event, at_ns in timed_events]  # type: ignore[attr-defined]
+        return [self.apply(event, at_ns) for event, at_ns in timed_events]
 
     def _add(self, event: AddRequest, now: int) -> Delta:
         request_id = event.request_id
@@ -173,14 +173,7 @@ class SequenceState:
         return Delta(
             outcomes.APPLIED,
             now,
-            [
-                RankChange(
-                    rank,
-                    slot.load(),
-                    removed,
-                    stored,
-                )
-            ],
+            [RankChange(rank, slot.load(), removed, stored)],
             added_ranks,
             _NONE,
             expired,
@@ -207,14 +200,7 @@ class SequenceState:
         return Delta(
             outcomes.APPLIED,
             now,
-            [
-                RankChange(
-                    owner,
-                    slot.load(),
-                    _NONE,
-                    _NONE,
-                )
-            ],
+            [RankChange(owner, slot.load(), _NONE, _NONE)],
         )
 
     def _free(self, event: Free, now: int) -> Delta:
@@ -232,14 +218,7 @@ class SequenceState:
         return Delta(
             outcomes.APPLIED,
             now,
-            [
-                RankChange(
-                    owner,
-                    slot.load(),
-                    removed,
-                    _NONE,
-                )
-            ],
+            [RankChange(owner, slot.load(), removed, _NONE)],
         )
 
     def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
@@ -253,12 +232,7 @@ class SequenceState:
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
-            changes=[
-                RankChange(
-                    owner,
-                    slot.load(),
-                )
-            ],
+            changes=[RankChange(owner, slot.load())],
         )
 
     def _tick(self, _event: Tick, now: int) -> Delta:
@@ -269,13 +243,7 @@ class SequenceState:
             if expired:
                 self._forget(expired, now)
                 all_expired.extend(expired)
-                changes.append(
-                    RankChange(
-                        rank,
-                        slot.load(),
-                        removed,
-                    )
-                )
+                changes.append(RankChange(rank, slot.load(), removed))
         return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired)
 
     def _forget(self, request_ids: list[str], now: int) -> None:
@@ -307,10 +275,10 @@ class SequenceState:
         change = self._dropping_requests(lambda: self.workers.remove_worker(worker_id), now)
         return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
 
-    def _dropping_requests(self, mutate: object, now: int) -> TopologyChange:
+    def _dropping_requests(self, mutate: Callable[[], TopologyChange], now: int) -> TopologyChange:
         """Run a topology mutation; requests of removed ranks end without a Free."""
         before = dict(self.workers.slots)
-        change: TopologyChange = mutate()  # type: ignore[operator]
+        change = mutate()
         for rank in change.removed:
             self._forget(list(before[rank].requests), now)
         return change
@@ -363,14 +331,7 @@ class SequenceState:
         changes = []
         for rank, slot in self.workers.slots.items():
             present = list(slot.blocks.present)
-            changes.append(
-                RankChange(
-                    rank,
-                    slot.load(),
-                    [],
-                    present,
-                )
-            )
+            changes.append(RankChange(rank, slot.load(), [], present))
         return [
             Delta(
                 outcome=outcomes.APPLIED,
