@@ -1,0 +1,174 @@
+"""Provisioning: the streams and the KV bucket the pipeline needs, created or updated idempotently.
+
+Running it twice changes nothing; running it for a second namespace adds that namespace's
+subjects to the shared streams. It never deletes a stream. A difference it cannot reconcile
+(the storage type of an existing stream, say) is reported as :class:`ProvisioningError`
+naming the setting, never papered over by recreating the stream and losing its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from projector.config import Config
+
+# Per-message TTL, atomic batches and counters arrive in 2.11-2.12; we rely on none of them,
+# but an old server silently ignores unknown stream options, so refuse anything older than the
+# oldest release we test with.
+MIN_SERVER = (2, 10, 0)
+
+
+class ProvisioningError(RuntimeError):
+    """The server or an existing stream/bucket cannot be made to match the configuration."""
+
+
+@dataclass(frozen=True)
+class Resources:
+    events: api.StreamInfo
+    deltas: api.StreamInfo
+    dead_letters: api.StreamInfo
+    registry: KeyValue
+
+
+def dead_letter_stream(config: Config) -> str:
+    return f"{config.events_stream}_DEAD"
+
+
+async def wait_for_jetstream(js: JetStreamContext, timeout: float = 10.0) -> None:
+    """Right after a server (or cluster) starts, management calls can time out: poll first."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await js.account_info()
+            return
+        except (TimeoutError, APIError) as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ProvisioningError(f"JetStream is not available: {exc!r}") from None
+            await asyncio.sleep(0.2)
+
+
+def check_server(nc: Client) -> None:
+    version = nc.connected_server_version
+    found = (version.major, version.minor, version.patch)
+    if found < MIN_SERVER:
+        wanted = ".".join(map(str, MIN_SERVER))
+        raise ProvisioningError(
+            f"nats-server {'.'.join(map(str, found))} is too old: need {wanted}+"
+        )
+
+
+async def ensure(nc: Client, config: Config) -> Resources:
+    """Create or update every stream and bucket of ``config``; safe to run at every start."""
+    check_server(nc)
+    js = nc.jetstream()
+    await wait_for_jetstream(js)
+    storage = api.StorageType.FILE
+    events = await _ensure_stream(
+        js,
+        api.StreamConfig(
+            name=config.events_stream,
+            description="seqstate lifecycle events (routers publish, the writer folds)",
+            subjects=[config.events_subjects],
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            duplicate_window=config.duplicate_window_s,
+            num_replicas=config.replicas,
+            allow_direct=True,
+        ),
+    )
+    deltas = await _ensure_stream(
+        js,
+        api.StreamConfig(
+            name=config.deltas_stream,
+            description="seqstate write-model deltas (the writer publishes, the projector reads)",
+            subjects=[config.deltas_subject],
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            duplicate_window=config.duplicate_window_s,
+            num_replicas=config.replicas,
+        ),
+    )
+    dead = await _ensure_stream(
+        js,
+        api.StreamConfig(
+            name=dead_letter_stream(config),
+            description="seqstate messages the writer could not decode, with the reason",
+            subjects=[config.dead_letter_subject],
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=7 * 24 * 3600.0,
+            num_replicas=config.replicas,
+        ),
+    )
+    registry = await _ensure_bucket(
+        js,
+        api.KeyValueConfig(
+            bucket=config.registry_bucket,
+            description="seqstate PromptRegistry: per-rank load (JSON) and active blocks",
+            history=1,
+            storage=storage,
+            replicas=config.replicas,
+            direct=True,
+        ),
+    )
+    return Resources(events, deltas, dead, registry)
+
+
+async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.StreamInfo:
+    try:
+        info = await js.stream_info(wanted.name)  # type: ignore[arg-type]
+    except NotFoundError:
+        return await js.add_stream(wanted)
+    have = info.config
+    if have.storage != wanted.storage:
+        raise ProvisioningError(
+            f"stream {wanted.name} uses {have.storage} storage, the configuration wants "
+            f"{wanted.storage}; a stream's storage cannot change in place (migrate it by hand)"
+        )
+    subjects = list(have.subjects or [])
+    missing = [s for s in wanted.subjects or [] if s not in subjects]
+    changes = {
+        "subjects": subjects + missing,
+        "duplicate_window": max(have.duplicate_window or 0, wanted.duplicate_window or 0),
+        "num_replicas": wanted.num_replicas,
+        "description": wanted.description,
+        "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
+        "allow_direct": bool(have.allow_direct or wanted.allow_direct),
+    }
+    current = {
+        "subjects": subjects,
+        "duplicate_window": have.duplicate_window,
+        "num_replicas": have.num_replicas,
+        "description": have.description,
+        "max_age": have.max_age,
+        "allow_direct": bool(have.allow_direct),
+    }
+    if changes == current:
+        return info
+    updated = api.StreamConfig.from_response(have.as_dict())
+    for key, value in changes.items():
+        setattr(updated, key, value)
+    try:
+        return await js.update_stream(updated)
+    except APIError as exc:
+        raise ProvisioningError(f"cannot update stream {wanted.name}: {exc.description}") from None
+
+
+async def _ensure_bucket(js: JetStreamContext, wanted: api.KeyValueConfig) -> KeyValue:
+    try:
+        kv = await js.key_value(wanted.bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(wanted)
+    status = await kv.status()
+    if status.history != wanted.history:
+        raise ProvisioningError(
+            f"bucket {wanted.bucket} keeps history {status.history}, the configuration wants "
+            f"{wanted.history}"
+        )
+    return kv

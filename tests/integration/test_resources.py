@@ -1,0 +1,90 @@
+"""Provisioning against a real server: idempotent, additive across namespaces, never lossy."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from nats.aio.client import Client
+from nats.js import api
+
+from projector.config import Config
+from projector.resources import ProvisioningError, dead_letter_stream, ensure
+
+_names = itertools.count()
+
+
+def fresh_config(**overrides: object) -> Config:
+    n = next(_names)
+    return Config(
+        namespace=f"ns{n}",
+        events_stream=f"EV{n}",
+        deltas_stream=f"DL{n}",
+        registry_bucket=f"reg{n}",
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+async def test_ensure_creates_streams_and_bucket(nc: Client) -> None:
+    config = fresh_config()
+    res = await ensure(nc, config)
+    assert res.events.config.subjects == [config.events_subjects]
+    assert res.events.config.storage == api.StorageType.FILE
+    assert res.events.config.duplicate_window == pytest.approx(120.0)
+    assert res.deltas.config.subjects == [config.deltas_subject]
+    assert res.dead_letters.config.name == dead_letter_stream(config)
+    assert (await res.registry.status()).history == 1
+
+
+async def test_ensure_is_idempotent_and_keeps_data(nc: Client) -> None:
+    config = fresh_config()
+    first = await ensure(nc, config)
+    js = nc.jetstream()
+    ack = await js.publish(config.event_subject(1, 0), b"event")
+    await first.registry.put(f"{config.namespace}.load.1.0", b"{}")
+    second = await ensure(nc, config)
+    info = await js.stream_info(config.events_stream)
+    assert info.state.messages == 1 and info.state.last_seq == ack.seq
+    assert info.state.first_seq == first.events.state.first_seq or first.events.state.messages == 0
+    assert second.events.config == first.events.config
+    entry = await second.registry.get(f"{config.namespace}.load.1.0")
+    assert entry.value == b"{}"
+
+
+async def test_a_second_namespace_adds_its_subjects(nc: Client) -> None:
+    a = fresh_config()
+    b = Config(
+        namespace=a.namespace + "b",
+        events_stream=a.events_stream,
+        deltas_stream=a.deltas_stream,
+        registry_bucket=a.registry_bucket,
+    )
+    await ensure(nc, a)
+    res = await ensure(nc, b)
+    assert sorted(res.events.config.subjects or []) == sorted(
+        [a.events_subjects, b.events_subjects]
+    )
+    assert sorted(res.deltas.config.subjects or []) == sorted([a.deltas_subject, b.deltas_subject])
+
+
+async def test_a_mismatch_that_cannot_be_updated_is_reported(nc: Client) -> None:
+    config = fresh_config()
+    js = nc.jetstream()
+    await js.add_stream(
+        name=config.events_stream,
+        subjects=[config.events_subjects],
+        storage=api.StorageType.MEMORY,
+    )
+    with pytest.raises(ProvisioningError, match=r"uses .*memory.* storage"):
+        await ensure(nc, config)
+    info = await js.stream_info(config.events_stream)  # still there, untouched
+    assert info.config.storage == api.StorageType.MEMORY
+
+
+async def test_a_short_duplicate_window_is_widened(nc: Client) -> None:
+    config = fresh_config()
+    js = nc.jetstream()
+    await js.add_stream(name=config.events_stream, subjects=[config.events_subjects],
+                        storage=api.StorageType.FILE, duplicate_window=10.0)  # fmt: skip
+    res = await ensure(nc, config)
+    assert res.events.config.duplicate_window == pytest.approx(120.0)
