@@ -1,0 +1,173 @@
+"""The writer against a real nats-server: stream order, log time, dead letters, restarts, ticks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from nats.aio.client import Client
+
+from projector.config import Config
+from projector.resources import dead_letter_stream, ensure
+from projector.writer import REASON, SOURCE_SEQ, Writer
+from seqstate import (
+    AddRequest,
+    Delta,
+    Event,
+    Free,
+    MarkPrefillCompleted,
+    SequenceState,
+    Tick,
+    decode_delta,
+    encode_delta,
+    encode_event,
+)
+
+_names = itertools.count()
+
+
+def fresh_config(**overrides: object) -> Config:
+    n = next(_names)
+    return Config(namespace=f"w{n}", events_stream=f"WEV{n}", deltas_stream=f"WDL{n}",
+                  registry_bucket=f"wreg{n}", **overrides)  # type: ignore[arg-type]  # fmt: skip
+
+
+def lifecycle(prefix: str) -> list[Event]:
+    events: list[Event] = []
+    for i in range(6):
+        rid = f"{prefix}-{i}"
+        worker = i % 2
+        events.append(AddRequest(request_id=rid, worker_id=worker, block_hashes=[1, 2, 10 + i],
+                                 prefill_tokens=100 + i, expected_prefill_ms=50.0))  # fmt: skip
+        if i % 3 != 2:
+            events.append(MarkPrefillCompleted(request_id=rid, worker_id=worker))
+        if i % 2 == 0:
+            events.append(Free(request_id=rid, worker_id=worker))
+    return events
+
+
+async def publish(nc: Client, config: Config, events: list[Event]) -> list[int]:
+    js = nc.jetstream()
+    seqs = []
+    for event in events:
+        worker = getattr(event, "worker_id", None)
+        subject = (config.control_subject if worker is None
+                   else config.event_subject(worker, getattr(event, "dp_rank", 0)))  # fmt: skip
+        seqs.append((await js.publish(subject, encode_event(event))).seq)
+    return seqs
+
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def stream_time_us(stored: datetime | None) -> int:
+    """The stored message's time as nats-py parses it: microseconds since the epoch."""
+    assert stored is not None
+    return (stored - EPOCH) // timedelta(microseconds=1)
+
+
+async def all_deltas(nc: Client, config: Config) -> list[Delta]:
+    js = nc.jetstream()
+    info = await js.stream_info(config.deltas_stream)
+    return [decode_delta((await js.get_msg(config.deltas_stream, seq)).data or b"")
+            for seq in range(info.state.first_seq, info.state.last_seq + 1)]  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def running(nc: Client, config: Config) -> AsyncIterator[Writer]:
+    writer = Writer(nc, config)
+    task = asyncio.create_task(writer.run())
+    try:
+        await asyncio.wait_for(writer.caught_up.wait(), 10)
+        yield writer
+    finally:
+        writer.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_writer_folds_in_stream_order_at_log_time(nc: Client) -> None:
+    config = fresh_config()
+    await ensure(nc, config)
+    events = lifecycle("a")
+    seqs = await publish(nc, config, events)
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(seqs[-1]), 10)
+        await writer.flush()
+        deltas = await all_deltas(nc, config)
+        assert [d.seq for d in deltas] == seqs
+        js = nc.jetstream()
+        reference = SequenceState(expiry_s=config.expiry_s)
+        for event, delta in zip(events, deltas, strict=True):
+            stored = await js.get_msg(config.events_stream, delta.seq)
+            # The writer reads nanoseconds from the delivery; nats-py keeps microseconds.
+            assert delta.at_ns // 1000 == stream_time_us(stored.time)  # type: ignore[arg-type]
+            expected = reference.apply(event, delta.at_ns)
+            expected.seq = delta.seq
+            assert encode_delta(expected) == encode_delta(delta)
+        assert writer.state.snapshot() == reference.snapshot()
+
+
+async def test_malformed_message_goes_to_dead_letters_and_the_next_is_applied(nc: Client) -> None:
+    config = fresh_config()
+    await ensure(nc, config)
+    js = nc.jetstream()
+    bad = await js.publish(config.event_subject(1, 0), b"\x93not an event")
+    good = (await publish(nc, config, [AddRequest(request_id="g", worker_id=1)]))[0]
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(good), 10)
+        assert writer.stats.dead_letters == 1
+        assert writer.state.requests.worker_for("g") == (1, 0)
+        dead = await js.get_msg(dead_letter_stream(config), subject=config.dead_letter_subject)
+        assert dead.data == b"\x93not an event"
+        assert dead.headers is not None
+        assert dead.headers[SOURCE_SEQ] == str(bad.seq)
+        assert "malformed" in dead.headers[REASON] or "invalid" in dead.headers[REASON]
+
+
+async def test_restart_rebuilds_state_and_republishes_nothing(nc: Client) -> None:
+    config = fresh_config()
+    await ensure(nc, config)
+    first = await publish(nc, config, lifecycle("b"))
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(first[-1]), 10)
+    second = await publish(nc, config, lifecycle("c"))
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(second[-1]), 10)
+        await writer.flush()
+        restarted = writer.state.snapshot()
+    deltas = await all_deltas(nc, config)
+    assert [d.seq for d in deltas] == first + second  # each position published once
+    reference = SequenceState(expiry_s=config.expiry_s)
+    for event, delta in zip(lifecycle("b") + lifecycle("c"), deltas, strict=True):
+        reference.apply(event, delta.at_ns)
+    assert restarted == reference.snapshot()
+
+
+async def test_an_idle_stream_gets_a_logged_tick(nc: Client) -> None:
+    config = fresh_config(idle_tick_s=0.2)
+    await ensure(nc, config)
+    seqs = await publish(nc, config, [AddRequest(request_id="t", worker_id=3)])
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(seqs[-1] + 1), 10)  # the Tick after it
+        js = nc.jetstream()
+        tick = await js.get_msg(config.events_stream, seqs[-1] + 1)
+        assert tick.subject == config.control_subject
+        assert writer.stats.ticks_published >= 1
+        assert tick.data == encode_event(Tick())
+
+
+@pytest.mark.parametrize("count", [300])
+async def test_many_events_fold_exactly_once(nc: Client, count: int) -> None:
+    config = fresh_config()
+    await ensure(nc, config)
+    events: list[Event] = [AddRequest(request_id=f"m{i}", worker_id=i % 4, block_hashes=[i])
+                           for i in range(count)]  # fmt: skip
+    seqs = await publish(nc, config, events)
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(seqs[-1]), 20)
+        assert writer.stats.applied == count
+        assert len(writer.state.requests) == count
