@@ -503,6 +503,18 @@ ADD_ARGS = {
 # ---- the machine ----------------------------------------------------------------------------
 
 
+# The arguments of every rule that aims an event at some request (live, prefilling, or any id).
+TARGETED = dict(
+    aim=AIMS,
+    pick=PICKS,
+    rid=IDS,
+    use_owner=st.booleans(),
+    worker=WORKER_IDS,
+    dp=DPS,
+    step=STEPS,
+)
+
+
 class SeqStateMachine(RuleBasedStateMachine):
     """Lazy workers, 60 s expiry."""
 
@@ -591,45 +603,21 @@ class SeqStateMachine(RuleBasedStateMachine):
         rid = self._fresh(rid, fresh)
         self._apply(add_event(rid=rid, rank=rank, **fields), step)  # type: ignore[arg-type]
 
-    @rule(
-        aim=AIMS,
-        pick=PICKS,
-        rid=IDS,
-        use_owner=st.booleans(),
-        worker=WORKER_IDS,
-        dp=DPS,
-        step=STEPS,
-    )
+    @rule(**TARGETED)
     def mark_prefill_completed(
         self, aim: str, pick: int, rid: str, use_owner: bool, worker: int, dp: int, step: int
     ) -> None:
         rid, worker, dp = self._target(aim, pick, rid, use_owner, worker, dp)
         self._apply(MarkPrefillCompleted(request_id=rid, worker_id=worker, dp_rank=dp), step)
 
-    @rule(
-        aim=AIMS,
-        pick=PICKS,
-        rid=IDS,
-        use_owner=st.booleans(),
-        worker=WORKER_IDS,
-        dp=DPS,
-        step=STEPS,
-    )
+    @rule(**TARGETED)
     def free(
         self, aim: str, pick: int, rid: str, use_owner: bool, worker: int, dp: int, step: int
     ) -> None:
         rid, worker, dp = self._target(aim, pick, rid, use_owner, worker, dp)
         self._apply(Free(request_id=rid, worker_id=worker, dp_rank=dp), step)
 
-    @rule(
-        aim=AIMS,
-        pick=PICKS,
-        rid=IDS,
-        use_owner=st.booleans(),
-        worker=WORKER_IDS,
-        dp=DPS,
-        step=STEPS,
-    )
+    @rule(**TARGETED)
     def add_output_block(
         self, aim: str, pick: int, rid: str, use_owner: bool, worker: int, dp: int, step: int
     ) -> None:
