@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -61,8 +61,7 @@ class WriterStats:
     dead_letters: int = 0
     deltas_published: int = 0
     ticks_published: int = 0
-    last_seq: int = 0
-    outcomes: dict[str, int] = field(default_factory=dict)
+    last_seq: int = 0  # outcomes are counted by the state itself: state.counters
 
 
 class Writer:
@@ -143,7 +142,6 @@ class Writer:
         delta = self.state.apply(event, at_ns)
         delta.seq = seq
         self.stats.applied += 1
-        self.stats.outcomes[delta.outcome] = self.stats.outcomes.get(delta.outcome, 0) + 1
         if seq > self._published_up_to:
             await self._publish_delta(encode_delta(delta), seq)
 

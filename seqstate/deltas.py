@@ -58,10 +58,6 @@ class Delta(Struct, omit_defaults=True):
     expired: list[str] = []
     seq: int | None = None
 
-    @property
-    def changes_anything(self) -> bool:
-        return bool(self.changes or self.added_ranks or self.removed_ranks)
-
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Delta)

@@ -18,7 +18,6 @@ from msgspec import Meta, Struct
 
 SCHEMA_VERSION: Final = 1
 
-U64_MAX: Final = 2**64 - 1
 U32_MAX: Final = 2**32 - 1
 # A modeled prefill longer than ~31 years is not a prediction; it is a bug upstream.
 MAX_PREFILL_MS: Final = 1e12
@@ -117,15 +116,6 @@ class Tick(Struct, tag=True, omit_defaults=True):
 
 Event = (
     AddRequest | MarkPrefillCompleted | Free | AddOutputBlock | WorkerAdded | WorkerRemoved | Tick
-)
-EVENT_TYPES: Final = (
-    AddRequest,
-    MarkPrefillCompleted,
-    Free,
-    AddOutputBlock,
-    WorkerAdded,
-    WorkerRemoved,
-    Tick,
 )
 
 

@@ -60,9 +60,6 @@ class RecentIds:
         entry = self.entries.pop(request_id, None)
         return None if entry is None else entry[0]
 
-    def discard(self, request_id: str) -> None:
-        self.entries.pop(request_id, None)
-
     def prune(self, now_ns: int) -> None:
         """Forget entries written more than ``retention_ns`` before ``now_ns``."""
         queue = self._queue

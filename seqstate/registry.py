@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from seqstate.decay import active_tokens, modeled_remaining_ms
-from seqstate.deltas import Delta, RankChange
+from seqstate.deltas import Delta
 from seqstate.loads import EMPTY_LOAD, LoadRow, PotentialLoadRow, RankLoad
 
 Rank = tuple[int, int]
@@ -77,9 +77,6 @@ class PromptRegistry:
                         index[h] = mask | flag_bits
             loads[rank] = change.load
 
-    def apply_change(self, change: RankChange) -> None:
-        self.apply(Delta(outcome="applied", at_ns=0, changes=[change]))
-
     def _ensure_rank(self, rank: Rank) -> int:
         bit = self._bits.get(rank)
         if bit is not None:
@@ -115,9 +112,6 @@ class PromptRegistry:
             del index[h]
         heapq.heappush(self._free_bits, bit)
         self._order = None
-
-    def clear(self) -> None:
-        self.__init__()  # type: ignore[misc]
 
     # ---- reads --------------------------------------------------------------------------
 

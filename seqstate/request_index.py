@@ -53,12 +53,6 @@ class RequestIndex:
         self.lora.pop(request_id, None)
         return self.owner.pop(request_id, None)
 
-    def remove_if_worker(self, request_id: str, rank: Rank) -> bool:
-        if self.owner.get(request_id) != rank:
-            return False
-        self.remove(request_id)
-        return True
-
     def remove_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.remove(request_id)

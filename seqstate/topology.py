@@ -109,10 +109,6 @@ class WorkerTable:
     def has_registered_workers(self) -> bool:
         return bool(self.ranges)
 
-    def is_registered(self, rank: Rank) -> bool:
-        worker = self.ranges.get(rank[0])
-        return worker is not None and rank[1] in worker.ranks()
-
     def ensure_worker(self, rank: Rank) -> TopologyChange:
         """Lazily create exactly one rank (no authoritative range); idempotent."""
         if rank in self.slots:
