@@ -1,0 +1,325 @@
+"""The projector: folds SEQSTATE_DELTAS into the registry bucket that schedulers watch.
+
+It is the single writer of the bucket. Per rank it keeps the latest time-free load and the set
+of active prompt-block hashes (exactly what a :class:`~seqstate.PromptRegistry` learns from
+the deltas, in the per-rank form the bucket stores); the hash-to-ranks index that answers
+potential-load queries is built by each reader from these values, so the projector, which
+never answers a query, does not pay for it.
+
+Writes are coalesced: a delta only marks its ranks dirty, and a flush at most every
+``flush_interval_s`` (5 ms by default) writes each dirty key once, pipelined, then the
+namespace's position key once those writes are acknowledged. Under load a flush simply covers
+more deltas. A flush that fails (a disconnect, a leader election) keeps its keys dirty and is
+retried with backoff: the bucket lags, it never misses a change.
+
+On start the projector reads the bucket back (position, loads and block sets) and resumes from
+the delta after the recorded position. Replaying deltas the bucket already partly reflects is
+harmless: a load is absolute and a block change is a set insert or removal, applied in order.
+Deltas whose source sequence is not past the position are skipped. A delta that does not
+decode is dead-lettered with its reason and counted; the projector goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
+
+from projector.config import Config
+from projector.resources import ensure
+from projector.values import (
+    Position,
+    Rank,
+    blocks_key,
+    decode_blocks,
+    decode_load,
+    decode_position,
+    encode_blocks,
+    encode_load,
+    encode_position,
+    load_key,
+    parse_key,
+    position_key,
+)
+from projector.writer import REASON, SOURCE_SEQ, log_time_ns
+from seqstate import Delta, RankLoad, decode_delta
+
+log = logging.getLogger("seqstate.projector")
+
+MAX_BACKOFF_S = 2.0
+ACK_TIMEOUT_S = 5.0
+
+
+@dataclass
+class ProjectorStats:
+    deltas: int = 0
+    skipped: int = 0
+    dead_letters: int = 0
+    flushes: int = 0
+    keys_written: int = 0
+    keys_deleted: int = 0
+    flush_failures: int = 0
+
+
+class Projector:
+    """One projector per namespace. ``await projector.run()`` until cancelled or ``stop()``."""
+
+    def __init__(self, nc: Client, config: Config) -> None:
+        self.nc = nc
+        self.config = config
+        self.stats = ProjectorStats()
+        self._js = nc.jetstream()
+        self.loads: dict[Rank, RankLoad] = {}
+        self.blocks: dict[Rank, set[int]] = {}
+        self.applied_seq = 0  # source (event) sequence of the last delta applied
+        self.as_of = 0  # its log time
+        self.delta_seq = 0  # its sequence in the DELTAS stream
+        self.flushed_seq = 0  # applied_seq of the last position written
+        self._dirty_loads: set[Rank] = set()
+        self._dirty_blocks: set[Rank] = set()
+        self._removed: set[Rank] = set()
+        self._position_dirty = False
+        self._dirty = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._progress = asyncio.Condition()
+        self.caught_up = asyncio.Event()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        resources = await ensure(self.nc, self.config)
+        await self.resume(resources.registry)
+        info = await self._js.stream_info(self.config.deltas_stream)
+        target = info.state.last_seq
+        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+        sub = await self._js.subscribe(
+            self.config.deltas_subject,
+            stream=self.config.deltas_stream,
+            ordered_consumer=True,
+            idle_heartbeat=1.0,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            config=api.ConsumerConfig(opt_start_seq=self.delta_seq + 1),
+            cb=queue.put,
+        )
+        flusher = asyncio.create_task(self._flush_loop())
+        if self.delta_seq >= target:
+            self.caught_up.set()
+        try:
+            while not self._stopping.is_set():
+                getter = asyncio.ensure_future(queue.get())
+                stopper = asyncio.ensure_future(self._stopping.wait())
+                done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                stopper.cancel()
+                await self.handle(getter.result())
+                if not self.caught_up.is_set() and self.delta_seq >= target:
+                    self.caught_up.set()
+            await self.flush()
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def resume(self, kv: KeyValue) -> None:
+        """Load the bucket's values of this namespace back into memory."""
+        ns = self.config.namespace
+        watcher = await kv.watch(f"{ns}.>")
+        try:
+            while (entry := await watcher.updates(timeout=30.0)) is not None:
+                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                    continue
+                kind, rank = parse_key(ns, entry.key)
+                try:
+                    if kind == "position":
+                        pos = decode_position(entry.value)
+                        self.applied_seq, self.as_of, self.delta_seq = (
+                            pos.applied_seq, pos.as_of, pos.delta_seq)  # fmt: skip
+                        self.flushed_seq = pos.applied_seq
+                    elif kind == "load" and rank is not None:
+                        self.loads[rank] = decode_load(entry.value).rank_load()
+                        self.blocks.setdefault(rank, set())
+                    elif kind == "blocks" and rank is not None:
+                        self.blocks[rank] = set(decode_blocks(entry.value)[1])
+                except (msgspec.DecodeError, ValueError) as exc:
+                    # A damaged value is rewritten from the deltas: rebuild from the start.
+                    log.warning("bucket value %s unreadable (%s): replaying all deltas", entry.key,
+                                exc)  # fmt: skip
+                    self._reset()
+                    return
+        finally:
+            await watcher.stop()
+        # A rank whose load key is gone was removed; a blocks value alone is a leftover.
+        for rank in [r for r in self.blocks if r not in self.loads]:
+            del self.blocks[rank]
+            self._removed.add(rank)
+        log.info("resumed at source seq %d (delta %d) with %d ranks", self.applied_seq,
+                 self.delta_seq, len(self.loads))  # fmt: skip
+
+    def _reset(self) -> None:
+        self._removed.update(self.loads, self.blocks)
+        self.loads.clear()
+        self.blocks.clear()
+        self.applied_seq = self.as_of = self.delta_seq = self.flushed_seq = 0
+
+    # ---- folding deltas ---------------------------------------------------------------------
+
+    async def handle(self, msg: Msg) -> None:
+        delta_seq, _ = log_time_ns(msg)
+        self.delta_seq = delta_seq
+        try:
+            delta = decode_delta(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await self._dead_letter(msg, delta_seq, f"delta does not decode: {exc}")
+            return
+        if delta.seq is not None and delta.seq <= self.applied_seq:
+            self.stats.skipped += 1
+            return
+        self.apply(delta)
+
+    def apply(self, delta: Delta) -> None:
+        self.stats.deltas += 1
+        for rank in delta.removed_ranks:
+            key = (rank[0], rank[1])
+            self.loads.pop(key, None)
+            self.blocks.pop(key, None)
+            self._dirty_loads.discard(key)
+            self._dirty_blocks.discard(key)
+            self._removed.add(key)
+        for rank in delta.added_ranks:
+            self._touch((rank[0], rank[1]), blocks=True)
+        for change in delta.changes:
+            rank = (change.rank[0], change.rank[1])
+            hashes = self._touch(rank, blocks=bool(change.removed or change.stored))
+            if change.removed:
+                hashes.difference_update(change.removed)
+            if change.stored:
+                hashes.update(change.stored)
+            self.loads[rank] = change.load
+        if delta.seq is not None:
+            self.applied_seq = delta.seq
+        self.as_of = max(self.as_of, delta.at_ns)
+        self._position_dirty = True
+        self._dirty.set()
+
+    def _touch(self, rank: Rank, *, blocks: bool) -> set[int]:
+        hashes = self.blocks.get(rank)
+        if hashes is None:
+            hashes = self.blocks[rank] = set()
+            self.loads.setdefault(rank, RankLoad())
+            self._removed.discard(rank)
+            blocks = True  # a rank added anew must overwrite what a removed one left
+        self._dirty_loads.add(rank)
+        if blocks:
+            self._dirty_blocks.add(rank)
+        return hashes
+
+    # ---- writing the bucket -------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.config.flush_interval_s
+        backoff = interval
+        while True:
+            await self._dirty.wait()
+            started = loop.time()
+            try:
+                await self.flush()
+                backoff = interval
+            except Exception as exc:  # the bucket must catch up, not die
+                self.stats.flush_failures += 1
+                log.warning("flush failed, retrying in %.2fs: %r", backoff, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            # At most one write per key per interval: the next flush starts no sooner.
+            await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+
+    async def flush(self) -> None:
+        """Write every dirty key once, then the position; on failure everything stays dirty."""
+        self._dirty.clear()
+        if not (self._position_dirty or self._dirty_loads or self._dirty_blocks or self._removed):
+            return
+        loads, blocks, removed = self._dirty_loads, self._dirty_blocks, self._removed
+        self._dirty_loads, self._dirty_blocks, self._removed = set(), set(), set()
+        self._position_dirty = False
+        position = Position(self.applied_seq, self.as_of, self.delta_seq)
+        try:
+            await self._write(loads, blocks, removed, position)
+        except BaseException:
+            # Put back what this flush owed, unless a later delta superseded it.
+            self._dirty_loads |= {r for r in loads if r in self.loads}
+            self._dirty_blocks |= {r for r in blocks if r in self.blocks}
+            self._removed |= {r for r in removed if r not in self.loads}
+            self._position_dirty = True
+            self._dirty.set()
+            raise
+        self.flushed_seq = position.applied_seq
+        self.stats.flushes += 1
+        async with self._progress:
+            self._progress.notify_all()
+
+    async def _write(
+        self, loads: set[Rank], blocks: set[Rank], removed: set[Rank], position: Position
+    ) -> None:
+        ns, seq, as_of = self.config.namespace, position.applied_seq, position.as_of
+        puts: list[tuple[str, bytes]] = []
+        for rank in sorted(loads):
+            if (load := self.loads.get(rank)) is not None:
+                puts.append((load_key(ns, rank), encode_load(rank, load, seq, as_of)))
+        for rank in sorted(blocks):
+            if (hashes := self.blocks.get(rank)) is not None:
+                puts.append((blocks_key(ns, rank), encode_blocks(hashes, seq)))
+        futures = [await self._put(key, value) for key, value in puts]
+        for rank in sorted(removed):
+            futures.append(await self._put(load_key(ns, rank), b"", delete=True))
+            futures.append(await self._put(blocks_key(ns, rank), b"", delete=True))
+        # publish_async has no deadline of its own: an ack lost to a disconnect would hang here.
+        if futures:
+            await asyncio.wait_for(asyncio.gather(*futures), ACK_TIMEOUT_S)
+        await asyncio.wait_for(await self._put(position_key(ns), encode_position(position)),
+                               ACK_TIMEOUT_S)  # fmt: skip
+        self.stats.keys_written += len(puts)
+        self.stats.keys_deleted += 2 * len(removed)
+
+    async def _put(self, key: str, value: bytes, *, delete: bool = False) -> asyncio.Future[object]:
+        headers = {KV_OP: KV_DEL} if delete else None
+        subject = f"$KV.{self.config.registry_bucket}.{key}"
+        future: asyncio.Future[object] = await self._js.publish_async(  # type: ignore[assignment]
+            subject, value, headers=headers
+        )
+        return future
+
+    async def wait_flushed(self, seq: int) -> None:
+        """Return once the bucket's position reflects source sequence ``seq`` or later."""
+        async with self._progress:
+            await self._progress.wait_for(lambda: self.flushed_seq >= seq)
+
+    # ---- bad input --------------------------------------------------------------------------
+
+    async def _dead_letter(self, msg: Msg, delta_seq: int, reason: str) -> None:
+        self.stats.dead_letters += 1
+        log.warning("dead letter: delta %d: %s", delta_seq, reason)
+        await self._js.publish(
+            self.config.dead_letter_subject,
+            msg.data,
+            headers={
+                "Nats-Msg-Id": f"dead-delta:{self.config.namespace}:{delta_seq}",
+                REASON: reason,
+                SOURCE_SEQ: str(delta_seq),
+                "Seqstate-Subject": msg.subject,
+            },
+        )

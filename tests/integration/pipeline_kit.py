@@ -1,0 +1,49 @@
+"""Helpers shared by the integration tests: fresh names per test, the log as the writer saw it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from nats.aio.client import Client
+
+from projector.config import Config
+from projector.writer import log_time_ns
+
+_names = itertools.count()
+
+
+def fresh_config(prefix: str = "t", **overrides: object) -> Config:
+    """A namespace, streams and bucket of their own, so tests sharing a server never meet."""
+    n = next(_names)
+    return Config(namespace=f"{prefix}{n}", events_stream=f"{prefix.upper()}EV{n}",
+                  deltas_stream=f"{prefix.upper()}DL{n}", registry_bucket=f"{prefix}reg{n}",
+                  **overrides)  # type: ignore[arg-type]  # fmt: skip
+
+
+async def read_log(nc: Client, config: Config) -> list[tuple[int, int, bytes]]:
+    """Every message of the events stream as ``(seq, log_time_ns, data)``, in stream order.
+
+    Read with an ordered consumer, as the writer reads, so the times are the nanosecond log
+    times the writer applied (a stored message's parsed time keeps only microseconds).
+    """
+    js = nc.jetstream()
+    last = (await js.stream_info(config.events_stream)).state.last_seq
+    out: list[tuple[int, int, bytes]] = []
+    done = asyncio.Event()
+
+    async def take(msg) -> None:  # type: ignore[no-untyped-def]
+        seq, at_ns = log_time_ns(msg)
+        out.append((seq, at_ns, msg.data))
+        if seq >= last:
+            done.set()
+
+    if last == 0:
+        return out
+    sub = await js.subscribe(config.events_subjects, stream=config.events_stream,
+                             ordered_consumer=True, cb=take)  # fmt: skip
+    try:
+        await asyncio.wait_for(done.wait(), 20)
+    finally:
+        await sub.unsubscribe()
+    return [entry for entry in out if entry[0] <= last]

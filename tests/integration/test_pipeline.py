@@ -1,0 +1,186 @@
+"""The whole pipeline on a real nats-server: RouterPublisher → writer → projector → RegistryView.
+
+The reference is an in-process SequenceState fed the same events at the same log times; after
+``wait_for`` the view's loads and potential loads must equal it exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from nats.aio.client import Client
+
+from projector.config import Config
+from projector.pipeline import Pipeline
+from projector.publisher import RouterPublisher
+from projector.reader import RegistryView
+from projector.resources import dead_letter_stream, ensure
+from projector.values import blocks_key, decode_blocks, load_key, position_key
+from projector.writer import REASON
+from seqstate import SequenceState, WorkerAdded, WorkerRemoved, decode_event
+from pipeline_kit import fresh_config, read_log
+
+NS_PER_MS = 1_000_000
+PREFIX = [101, 102, 103, 104]
+
+
+async def scripted_lifecycle(pub: RouterPublisher) -> int:
+    """Topology, shared prefixes, prefill marks, frees, oddities; returns the last sequence."""
+    await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
+    await pub.publish(WorkerAdded(worker_id=2))
+    await pub.add("r1", 1, 0, block_hashes=PREFIX + [1], prefill_tokens=500,
+                  expected_prefill_ms=40.0)  # fmt: skip
+    await pub.add("r2", 1, 1, block_hashes=PREFIX + [2, 3], prefill_tokens=700)
+    await pub.add("r3", 2, block_hashes=PREFIX[:2], prefill_tokens=300, expected_prefill_ms=5000.0)
+    await pub.add("r4", 7, block_hashes=[900, 901], prefill_tokens=64)  # a lazy worker
+    await pub.mark_prefill_completed("r1", 1, 0)
+    await pub.add("r1", 1, 0, block_hashes=[5])  # duplicate add: changes nothing
+    await pub.free("ghost", 2)  # unknown: a tombstone
+    await pub.add("ghost", 2, block_hashes=[77], prefill_tokens=9)  # superseded by it
+    await pub.add("r5", 2, block_hashes=PREFIX + [8], prefill_tokens=1000,
+                  expected_prefill_ms=2000.0)  # fmt: skip
+    await pub.free("r2", 1, 1)
+    await pub.publish(WorkerRemoved(worker_id=7))
+    return await pub.add("r6", 1, 1, block_hashes=PREFIX + [2], prefill_tokens=123)
+
+
+async def reference_state(nc: Client, config: Config) -> tuple[SequenceState, int]:
+    state = SequenceState(expiry_s=config.expiry_s)
+    last_ns = 0
+    for _, at_ns, data in await read_log(nc, config):
+        state.apply(decode_event(data), at_ns)
+        last_ns = at_ns
+    return state, last_ns
+
+
+QUERIES = [PREFIX + [1], PREFIX + [2, 3, 4], PREFIX[:1], [900, 901], [], [42, 43]]
+
+
+async def test_view_equals_an_in_process_state_fed_the_same_log(nc: Client) -> None:
+    config = fresh_config("p")
+    async with Pipeline(nc, config):
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-a", config=config)
+        last = await scripted_lifecycle(pub)
+        async with RegistryView(nc, config=config) as view:
+            await view.wait_for(last, timeout=10)
+            state, last_ns = await reference_state(nc, config)
+            assert view.applied_seq >= last
+            for offset_ms in (0, 1, 7, 39, 40, 1999, 2500, 6000):
+                now = last_ns + offset_ms * NS_PER_MS
+                assert view.loads(now) == state.registry.loads(now)
+                for query in QUERIES:
+                    assert view.potential_loads(query, 256, now) == state.registry.potential_loads(
+                        query, 256, now
+                    )
+            ranks = [(row.worker_id, row.dp_rank) for row in view.loads(last_ns)]
+            assert ranks == [(1, 0), (1, 1), (2, 0)]  # worker 7 was removed
+            assert state.counters["duplicate"] == 1 and state.counters["superseded"] == 1
+
+
+async def test_bucket_values_are_readable_and_removed_ranks_are_deleted(nc: Client) -> None:
+    config = fresh_config("p")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-b", config=config)
+        last = await scripted_lifecycle(pub)
+        await pipeline.wait_applied(last)
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    keys = sorted(await kv.keys())
+    ns = config.namespace
+    assert keys == sorted(
+        [position_key(ns)]
+        + [load_key(ns, r) for r in [(1, 0), (1, 1), (2, 0)]]
+        + [blocks_key(ns, r) for r in [(1, 0), (1, 1), (2, 0)]]
+    )
+    value = json.loads((await kv.get(load_key(ns, (2, 0)))).value or b"")
+    assert value["worker_id"] == 2 and value["dp_rank"] == 0
+    assert value["active_requests"] == 2  # r3 and r5; the ghost was superseded
+    assert value["active_blocks"] == 5  # PREFIX[:2] ∪ PREFIX + [8]
+    assert value["prefill"]["full_tokens"] == 1300 and value["applied_seq"] == last
+    _, hashes = decode_blocks((await kv.get(blocks_key(ns, (1, 1)))).value or b"")
+    assert sorted(hashes) == sorted(PREFIX + [2])  # r2 freed, r6 holds PREFIX + [2]
+    position = json.loads((await kv.get(position_key(ns))).value or b"")
+    assert position["applied_seq"] == last
+
+
+async def test_restart_resumes_from_the_bucket_and_ends_identical(nc: Client) -> None:
+    config = fresh_config("p")
+    pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-c", config=config)
+    async with Pipeline(nc, config) as pipeline:
+        first = await scripted_lifecycle(pub)
+        await pipeline.wait_applied(first)
+    await ensure(nc, config)
+    more = [await pub.free("r5", 2), await pub.add("r7", 2, block_hashes=PREFIX + [9])]
+    async with Pipeline(nc, config) as pipeline:
+        await pipeline.wait_applied(more[-1])
+        assert pipeline.projector.stats.deltas == 2  # resumed after the recorded position
+        assert pipeline.writer.stats.deltas_published == 2
+    state, last_ns = await reference_state(nc, config)
+    async with RegistryView(nc, config=config) as view:
+        assert view.applied_seq == more[-1]
+        assert view.loads(last_ns) == state.registry.loads(last_ns)
+        for query in QUERIES + [PREFIX + [9]]:
+            assert view.potential_loads(query, 1, last_ns) == state.registry.potential_loads(
+                query, 1, last_ns
+            )
+
+
+async def test_one_msg_id_twice_is_applied_once(nc: Client) -> None:
+    config = fresh_config("p")
+    async with Pipeline(nc, config):
+        js = nc.jetstream()
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-d", config=config)
+        seq = await pub.add("once", 3, block_hashes=[1, 2], prefill_tokens=10)
+        stored = await js.get_msg(config.events_stream, seq)
+        again = await js.publish(stored.subject or "", stored.data or b"",
+                                 headers={"Nats-Msg-Id": "r-d:1"})  # fmt: skip
+        assert again.duplicate and again.seq == seq
+        last = await pub.add("next", 3, block_hashes=[1, 2, 3])
+        async with RegistryView(nc, config=config) as view:
+            await view.wait_for(last, timeout=10)
+            (row,) = view.loads()
+            assert row.active_requests == 2 and row.active_blocks == 3
+
+
+async def test_a_malformed_message_is_dead_lettered_and_the_next_event_applied(
+    nc: Client,
+) -> None:
+    config = fresh_config("p")
+    async with Pipeline(nc, config) as pipeline:
+        js = nc.jetstream()
+        bad = await js.publish(config.event_subject(4), b"\xc1 definitely not msgpack")
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-e", config=config)
+        good = await pub.add("after-bad", 4, block_hashes=[5], prefill_tokens=1)
+        async with RegistryView(nc, config=config) as view:
+            await view.wait_for(good, timeout=10)
+            assert [(r.worker_id, r.active_requests) for r in view.loads()] == [(4, 1)]
+        assert pipeline.writer.stats.dead_letters == 1
+        dead = await js.get_msg(dead_letter_stream(config), subject=config.dead_letter_subject)
+        assert dead.headers is not None and dead.headers["Seqstate-Source-Seq"] == str(bad.seq)
+        assert dead.headers[REASON]
+
+
+async def test_the_view_follows_live_changes_and_reports_staleness(nc: Client) -> None:
+    config = fresh_config("p")
+    async with Pipeline(nc, config):
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-f", config=config)
+        async with RegistryView(nc, config=config) as view:
+            assert view.loads() == [] and view.staleness().applied_seq == 0
+            seq = await pub.add("live", 9, 2, block_hashes=[1], prefill_tokens=50,
+                                expected_prefill_ms=60_000.0)  # fmt: skip
+            await view.wait_for(seq, timeout=10)
+            (row,) = view.loads()
+            assert (row.worker_id, row.dp_rank, row.active_requests) == (9, 2, 1)
+            assert 0 < row.active_prefill_tokens <= 50
+            staleness = view.staleness()
+            assert staleness.applied_seq == seq and staleness.age_s < 10
+            seq = await pub.free("live", 9, 2)
+            await view.wait_for(seq, timeout=10)
+            (row,) = view.loads()
+            assert (row.active_requests, row.active_blocks, row.active_prefill_tokens) == (0, 0, 0)
+            try:
+                await view.wait_for(seq + 1000, timeout=0.2)
+            except TimeoutError:
+                pass
+            else:
+                raise AssertionError("wait_for returned for a sequence that was never applied")
