@@ -6,10 +6,10 @@ The reference is an in-process SequenceState fed the same events at the same log
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from nats.aio.client import Client
+from pipeline_kit import fresh_config, read_log
 
 from projector.config import Config
 from projector.pipeline import Pipeline
@@ -19,7 +19,6 @@ from projector.resources import dead_letter_stream, ensure
 from projector.values import blocks_key, decode_blocks, load_key, position_key
 from projector.writer import REASON
 from seqstate import SequenceState, WorkerAdded, WorkerRemoved, decode_event
-from pipeline_kit import fresh_config, read_log
 
 NS_PER_MS = 1_000_000
 PREFIX = [101, 102, 103, 104]
@@ -29,20 +28,20 @@ async def scripted_lifecycle(pub: RouterPublisher) -> int:
     """Topology, shared prefixes, prefill marks, frees, oddities; returns the last sequence."""
     await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
     await pub.publish(WorkerAdded(worker_id=2))
-    await pub.add("r1", 1, 0, block_hashes=PREFIX + [1], prefill_tokens=500,
+    await pub.add("r1", 1, 0, block_hashes=[*PREFIX, 1], prefill_tokens=500,
                   expected_prefill_ms=40.0)  # fmt: skip
-    await pub.add("r2", 1, 1, block_hashes=PREFIX + [2, 3], prefill_tokens=700)
+    await pub.add("r2", 1, 1, block_hashes=[*PREFIX, 2, 3], prefill_tokens=700)
     await pub.add("r3", 2, block_hashes=PREFIX[:2], prefill_tokens=300, expected_prefill_ms=5000.0)
     await pub.add("r4", 7, block_hashes=[900, 901], prefill_tokens=64)  # a lazy worker
     await pub.mark_prefill_completed("r1", 1, 0)
     await pub.add("r1", 1, 0, block_hashes=[5])  # duplicate add: changes nothing
     await pub.free("ghost", 2)  # unknown: a tombstone
     await pub.add("ghost", 2, block_hashes=[77], prefill_tokens=9)  # superseded by it
-    await pub.add("r5", 2, block_hashes=PREFIX + [8], prefill_tokens=1000,
+    await pub.add("r5", 2, block_hashes=[*PREFIX, 8], prefill_tokens=1000,
                   expected_prefill_ms=2000.0)  # fmt: skip
     await pub.free("r2", 1, 1)
     await pub.publish(WorkerRemoved(worker_id=7))
-    return await pub.add("r6", 1, 1, block_hashes=PREFIX + [2], prefill_tokens=123)
+    return await pub.add("r6", 1, 1, block_hashes=[*PREFIX, 2], prefill_tokens=123)
 
 
 async def reference_state(nc: Client, config: Config) -> tuple[SequenceState, int]:
@@ -54,7 +53,7 @@ async def reference_state(nc: Client, config: Config) -> tuple[SequenceState, in
     return state, last_ns
 
 
-QUERIES = [PREFIX + [1], PREFIX + [2, 3, 4], PREFIX[:1], [900, 901], [], [42, 43]]
+QUERIES = [[*PREFIX, 1], [*PREFIX, 2, 3, 4], PREFIX[:1], [900, 901], [], [42, 43]]
 
 
 async def test_view_equals_an_in_process_state_fed_the_same_log(nc: Client) -> None:
@@ -98,7 +97,7 @@ async def test_bucket_values_are_readable_and_removed_ranks_are_deleted(nc: Clie
     assert value["active_blocks"] == 5  # PREFIX[:2] ∪ PREFIX + [8]
     assert value["prefill"]["full_tokens"] == 1300 and value["applied_seq"] == last
     _, hashes = decode_blocks((await kv.get(blocks_key(ns, (1, 1)))).value or b"")
-    assert sorted(hashes) == sorted(PREFIX + [2])  # r2 freed, r6 holds PREFIX + [2]
+    assert sorted(hashes) == sorted([*PREFIX, 2])  # r2 freed, r6 holds PREFIX + [2]
     position = json.loads((await kv.get(position_key(ns))).value or b"")
     assert position["applied_seq"] == last
 
@@ -110,7 +109,7 @@ async def test_restart_resumes_from_the_bucket_and_ends_identical(nc: Client) ->
         first = await scripted_lifecycle(pub)
         await pipeline.wait_applied(first)
     await ensure(nc, config)
-    more = [await pub.free("r5", 2), await pub.add("r7", 2, block_hashes=PREFIX + [9])]
+    more = [await pub.free("r5", 2), await pub.add("r7", 2, block_hashes=[*PREFIX, 9])]
     async with Pipeline(nc, config) as pipeline:
         await pipeline.wait_applied(more[-1])
         assert pipeline.projector.stats.deltas == 2  # resumed after the recorded position
@@ -119,7 +118,7 @@ async def test_restart_resumes_from_the_bucket_and_ends_identical(nc: Client) ->
     async with RegistryView(nc, config=config) as view:
         assert view.applied_seq == more[-1]
         assert view.loads(last_ns) == state.registry.loads(last_ns)
-        for query in QUERIES + [PREFIX + [9]]:
+        for query in [*QUERIES, [*PREFIX, 9]]:
             assert view.potential_loads(query, 1, last_ns) == state.registry.potential_loads(
                 query, 1, last_ns
             )
