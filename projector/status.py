@@ -1,0 +1,118 @@
+"""``seqstate status``: what an operator asks first: is it keeping up, and where is it?
+
+The writer and the projector read with ordered (ephemeral) consumers, so "lag" is measured
+where it matters: the newest event in the log versus the event the bucket's position says the
+read model reflects. Consumers are listed per stream as the server reports them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from projector.config import Config
+from projector.resources import dead_letter_stream
+from projector.values import decode_position, parse_key
+
+
+class ConsumerStatus(msgspec.Struct):
+    name: str
+    pending: int
+    delivered_seq: int
+
+
+class StreamStatus(msgspec.Struct):
+    name: str
+    exists: bool
+    messages: int = 0
+    bytes: int = 0
+    first_seq: int = 0
+    last_seq: int = 0
+    consumers: list[ConsumerStatus] = []
+
+
+class StatusReport(msgspec.Struct):
+    namespace: str
+    server: str
+    streams: list[StreamStatus]
+    bucket: str
+    bucket_exists: bool
+    ranks: int
+    applied_seq: int
+    as_of: str | None
+    lag_events: int | None
+
+
+async def _stream(nc: Client, name: str) -> StreamStatus:
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        return StreamStatus(name, False)
+    consumers = []
+    for c in await js.consumers_info(name):
+        delivered = c.delivered.stream_seq if c.delivered and c.delivered.stream_seq else 0
+        consumers.append(ConsumerStatus(c.name or "", c.num_pending or 0, delivered))
+    s = info.state
+    return StreamStatus(name, True, s.messages, s.bytes, s.first_seq, s.last_seq, consumers)
+
+
+async def collect(nc: Client, config: Config) -> StatusReport:
+    names = (config.events_stream, config.deltas_stream, dead_letter_stream(config))
+    streams = [await _stream(nc, name) for name in names]
+    ranks, applied, as_of, exists = 0, 0, None, True
+    try:
+        kv = await nc.jetstream().key_value(config.registry_bucket)
+        watcher = await kv.watch(f"{config.namespace}.>")
+        try:
+            while (entry := await watcher.updates(timeout=10.0)) is not None:
+                kind, _ = parse_key(config.namespace, entry.key)
+                if kind == "load" and entry.value:
+                    ranks += 1
+                elif kind == "position" and entry.value:
+                    position = decode_position(entry.value)
+                    applied = position.applied_seq
+                    as_of = dt.datetime.fromtimestamp(position.as_of / 1e9, dt.UTC).isoformat()
+        finally:
+            await watcher.stop()
+    except BucketNotFoundError:
+        exists = False
+    version = nc.connected_server_version
+    events = streams[0]
+    lag = events.last_seq - applied if events.exists and exists else None
+    return StatusReport(
+        namespace=config.namespace,
+        server=f"{nc.connected_url.netloc if nc.connected_url else '?'} "
+        f"(nats-server {version.major}.{version.minor}.{version.patch})",
+        streams=streams,
+        bucket=config.registry_bucket,
+        bucket_exists=exists,
+        ranks=ranks,
+        applied_seq=applied,
+        as_of=as_of,
+        lag_events=lag,
+    )
+
+
+def format_status(report: StatusReport) -> str:
+    lines = [f"namespace {report.namespace!r} on {report.server}", ""]
+    lines.append(f"{'stream':<24}{'messages':>10}{'bytes':>12}{'first':>10}{'last':>10}")
+    for s in report.streams:
+        if not s.exists:
+            lines.append(f"{s.name:<24}  (missing)")
+            continue
+        lines.append(f"{s.name:<24}{s.messages:>10}{s.bytes:>12}{s.first_seq:>10}{s.last_seq:>10}")
+        for c in s.consumers:
+            lines.append(f"  consumer {c.name}: pending {c.pending}, delivered {c.delivered_seq}")
+    lines.append("")
+    if not report.bucket_exists:
+        lines.append(f"bucket {report.bucket}: missing (no projector has run)")
+    else:
+        lines.append(f"bucket {report.bucket}: {report.ranks} ranks, position event "
+                     f"{report.applied_seq} (log time {report.as_of or '-'})")  # fmt: skip
+    if report.lag_events is not None:
+        lines.append(f"lag: {report.lag_events} events behind the log")
+    return "\n".join(lines)

