@@ -138,10 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 async def connect(url: str, *, service: bool) -> AsyncIterator[Client]:
     """A client that reconnects forever if ``service``, logging instead of printing tracebacks."""
 
-    async def on_error(exc: Exception) -> None:
-        log.warning("nats: %s", exc or type(exc).__name__)
+    closing = connected = False
 
-    closing = False
+    async def on_error(exc: Exception) -> None:
+        if connected:  # before that, the failed connect is reported once, below
+            log.warning("nats: %s", exc or type(exc).__name__)
 
     async def on_disconnect() -> None:
         if not closing:
@@ -163,6 +164,7 @@ async def connect(url: str, *, service: bool) -> AsyncIterator[Client]:
         )
     except (OSError, TimeoutError, nats.errors.NoServersError) as exc:
         raise CliError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+    connected = True
     try:
         yield nc
     finally:
@@ -282,7 +284,7 @@ async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
 
 async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
     from projector.publisher import RouterPublisher
-    from seqstate import Event
+    from seqstate import Event, EventDecodeError, decode_event, encode_event
 
     decoder = msgspec.json.Decoder(Event)
     if args.file == "-":
@@ -298,9 +300,9 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            events.append(decoder.decode(line))
-        except msgspec.DecodeError as exc:
+        try:  # the round trip applies every check the writer applies
+            events.append(decode_event(encode_event(decoder.decode(line))))
+        except (msgspec.DecodeError, EventDecodeError) as exc:
             raise CliError(f"{name}:{number}: not an event: {exc}") from None
     async with connect(require_url(config), service=False) as nc:
         from projector.resources import ensure
