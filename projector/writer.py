@@ -20,6 +20,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -42,6 +43,11 @@ log = logging.getLogger("seqstate.writer")
 SOURCE_SEQ = "Seqstate-Source-Seq"
 REASON = "Seqstate-Reason"
 MAX_PENDING_DELTAS = 512
+ACK_TIMEOUT_S = 10.0
+
+
+class WriterStalled(RuntimeError):
+    """Delta publishes went unacknowledged; the writer stops so a restart can resume cleanly."""
 
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:
@@ -82,14 +88,32 @@ class Writer:
         self.caught_up = asyncio.Event()
 
     async def last_published_source_seq(self) -> int:
-        """The source sequence of the newest delta in SEQSTATE_DELTAS (0 if none)."""
+        """The source sequence of the newest readable delta in SEQSTATE_DELTAS (0 if none).
+
+        Something other than a writer may have published to the deltas subject; such a message
+        is stepped over (the projector dead-letters it), never trusted or fatal.
+        """
+        stream, subject = self.config.deltas_stream, self.config.deltas_subject
         try:
-            raw = await self._js.get_last_msg(self.config.deltas_stream, self.config.deltas_subject)
+            raw = await self._js.get_last_msg(stream, subject)
         except NotFoundError:
             return 0
-        if raw.headers and SOURCE_SEQ in raw.headers:
-            return int(raw.headers[SOURCE_SEQ])
-        return decode_delta(raw.data or b"").seq or 0
+        seq = raw.seq or 0
+        while True:
+            if raw.subject == subject:
+                try:
+                    if raw.headers and SOURCE_SEQ in raw.headers:
+                        return int(raw.headers[SOURCE_SEQ])
+                    return decode_delta(raw.data or b"").seq or 0
+                except (ValueError, msgspec.DecodeError):
+                    log.warning("delta %d is unreadable; looking further back", seq)
+            seq -= 1
+            if seq < 1:
+                return 0
+            try:
+                raw = await self._js.get_msg(stream, seq)
+            except NotFoundError:
+                return 0
 
     async def run(self) -> None:
         await ensure(self.nc, self.config)
@@ -146,7 +170,14 @@ class Writer:
             await self._publish_delta(encode_delta(delta), seq)
 
     async def _publish_delta(self, payload: bytes, seq: int) -> None:
-        await self._slots.acquire()
+        try:
+            await asyncio.wait_for(self._slots.acquire(), ACK_TIMEOUT_S)
+        except TimeoutError:
+            # Acks lost to a disconnect never arrive (publish_async has no deadline). Stop: a
+            # restarted writer finds the last delta stored and publishes from the next.
+            raise WriterStalled(
+                f"{MAX_PENDING_DELTAS} delta publishes unacknowledged for {ACK_TIMEOUT_S:g}s"
+            ) from None
         future = await self._js.publish_async(
             self.config.deltas_subject,
             payload,
@@ -169,7 +200,14 @@ class Writer:
 
     async def flush(self) -> None:
         if self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+            try:
+                await asyncio.wait_for(
+                    asyncio.gather(*list(self._pending), return_exceptions=True), ACK_TIMEOUT_S
+                )
+            except TimeoutError:
+                raise WriterStalled(
+                    f"{len(self._pending)} delta publishes unacknowledged for {ACK_TIMEOUT_S:g}s"
+                ) from None
 
     async def _dead_letter(self, msg: Msg, seq: int, reason: str) -> None:
         self.stats.dead_letters += 1

@@ -6,6 +6,8 @@ The reference is an in-process SequenceState fed the same events at the same log
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 
 from nats.aio.client import Client
@@ -13,11 +15,12 @@ from pipeline_kit import fresh_config, read_log
 
 from projector.config import Config
 from projector.pipeline import Pipeline
+from projector.projection import Projector
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.resources import dead_letter_stream, ensure
 from projector.values import blocks_key, decode_blocks, load_key, position_key
-from projector.writer import REASON
+from projector.writer import REASON, Writer
 from seqstate import SequenceState, WorkerAdded, WorkerRemoved, decode_event
 
 NS_PER_MS = 1_000_000
@@ -186,3 +189,56 @@ async def test_the_view_follows_live_changes_and_reports_staleness(nc: Client) -
                 pass
             else:
                 raise AssertionError("wait_for returned for a sequence that was never applied")
+
+
+class RecordingProjector(Projector):
+    """Records when each flush started writing and which keys it wrote."""
+
+    def __init__(self, nc: Client, config: Config) -> None:
+        super().__init__(nc, config)
+        self.writes: list[tuple[float, int]] = []
+
+    async def _write(self, loads, blocks, removed, position):  # type: ignore[no-untyped-def]
+        self.writes.append((asyncio.get_running_loop().time(), len(loads) + len(blocks)))
+        await super()._write(loads, blocks, removed, position)
+
+
+async def test_the_projector_writes_each_key_at_most_once_per_flush_interval(nc: Client) -> None:
+    config = fresh_config("p", flush_interval_s=0.05)
+    writer, projector = Writer(nc, config), RecordingProjector(nc, config)
+    tasks = [asyncio.create_task(writer.run()), asyncio.create_task(projector.run())]
+    try:
+        await asyncio.wait_for(projector.caught_up.wait(), 10)
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-g", config=config)
+        seqs = await asyncio.gather(*(pub.add(f"q{i}", i % 2, block_hashes=[i, i + 1])
+                                      for i in range(600)))  # fmt: skip
+        await writer.wait_applied(max(seqs))
+        await writer.flush()
+        await projector.wait_flushed(max(seqs))
+    finally:
+        writer.stop()
+        projector.stop()
+        await asyncio.gather(*tasks)
+    starts = [t for t, _ in projector.writes]
+    gaps = [b - a for a, b in itertools.pairwise(starts[:-1])]  # the last is the final flush
+    assert gaps and min(gaps) >= 0.05 * 0.99
+    # 600 deltas each touched one rank: coalesced into far fewer writes of the 4 keys.
+    assert projector.stats.deltas == 600
+    assert projector.stats.keys_written <= 4 * len(projector.writes) < 600
+
+
+async def test_a_malformed_delta_is_dead_lettered_and_the_projector_goes_on(nc: Client) -> None:
+    config = fresh_config("p")
+    await ensure(nc, config)
+    js = nc.jetstream()
+    await js.publish(config.deltas_subject, b"\x01 not a delta")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-h", config=config)
+        seq = await pub.add("fine", 1, block_hashes=[1])
+        async with RegistryView(nc, config=config) as view:
+            await view.wait_for(seq, timeout=10)
+            assert [(r.worker_id, r.active_requests) for r in view.loads()] == [(1, 1)]
+        assert pipeline.projector.stats.dead_letters == 1
+    dead = await js.get_msg(dead_letter_stream(config), subject=config.dead_letter_subject)
+    assert dead.data == b"\x01 not a delta"
+    assert dead.headers is not None and "delta does not decode" in dead.headers[REASON]
