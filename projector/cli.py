@@ -414,11 +414,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe(exc: Exception) -> str | None:
     """One line for the failures an operator can act on; None for a bug (keep the traceback)."""
+    from projector.pipeline import PipelineStopped
     from projector.publisher import PublishError
     from projector.reader import RegistryUnavailable
     from projector.resources import ProvisioningError
+    from projector.writer import WriterStalled
 
-    if isinstance(exc, (PublishError, RegistryUnavailable, ProvisioningError)):
+    known = (PublishError, RegistryUnavailable, ProvisioningError, PipelineStopped, WriterStalled)
+    if isinstance(exc, known):
         return str(exc)
     if isinstance(exc, (nats.errors.Error, TimeoutError, ConnectionError)):
         return f"NATS: {exc or type(exc).__name__}"
