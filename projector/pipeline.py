@@ -57,8 +57,16 @@ class Pipeline:
         raise PipelineStopped(f"{next(iter(done)).get_name()} stopped")
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Stop both: the writer first (it feeds the projector), then the projector flushes."""
+        """Stop the writer, let the projector take in what it published, then stop that too."""
         self.writer.stop()
+        if self._tasks and not self._tasks[0].done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout)
+        if self._tasks and not self._tasks[1].done() and self.writer.stats.last_delta_seq:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.projector.wait_flushed(self.writer.stats.last_delta_seq), timeout
+                )
         self.projector.stop()
         for task in self._tasks:
             try:

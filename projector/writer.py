@@ -67,6 +67,7 @@ class WriterStats:
     dead_letters: int = 0
     deltas_published: int = 0
     ticks_published: int = 0
+    last_delta_seq: int = 0  # source sequence of the last delta published
     last_seq: int = 0  # outcomes are counted by the state itself: state.counters
 
 
@@ -189,6 +190,7 @@ class Writer:
         self._pending.add(future)
         future.add_done_callback(self._settled)
         self.stats.deltas_published += 1
+        self.stats.last_delta_seq = seq
 
     def _settled(self, future: asyncio.Future[object]) -> None:
         self._pending.discard(future)
