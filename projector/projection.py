@@ -78,6 +78,11 @@ class Projector:
         self._js = nc.jetstream()
         self.loads: dict[Rank, RankLoad] = {}
         self.blocks: dict[Rank, set[int]] = {}
+        # What each value reflects: the source sequence (and log time) of the last delta that
+        # changed it. A pure function of the delta stream, so a projector that crashed and
+        # resumed writes the very bytes an uninterrupted one writes.
+        self.load_stamps: dict[Rank, tuple[int, int]] = {}
+        self.block_stamps: dict[Rank, int] = {}
         self.applied_seq = 0  # source (event) sequence of the last delta applied
         self.as_of = 0  # its log time
         self.delta_seq = 0  # its sequence in the DELTAS stream
@@ -150,10 +155,14 @@ class Projector:
                             pos.applied_seq, pos.as_of, pos.delta_seq)  # fmt: skip
                         self.flushed_seq = pos.applied_seq
                     elif kind == "load" and rank is not None:
-                        self.loads[rank] = decode_load(entry.value).rank_load()
+                        value = decode_load(entry.value)
+                        self.loads[rank] = value.rank_load()
+                        self.load_stamps[rank] = (value.applied_seq, value.as_of)
                         self.blocks.setdefault(rank, set())
                     elif kind == "blocks" and rank is not None:
-                        self.blocks[rank] = set(decode_blocks(entry.value)[1])
+                        stamp, hashes = decode_blocks(entry.value)
+                        self.blocks[rank] = set(hashes)
+                        self.block_stamps[rank] = stamp
                 except (msgspec.DecodeError, ValueError) as exc:
                     # A damaged value is rewritten from the deltas: rebuild from the start.
                     log.warning("bucket value %s unreadable (%s): replaying all deltas", entry.key,
@@ -165,6 +174,7 @@ class Projector:
         # A rank whose load key is gone was removed; a blocks value alone is a leftover.
         for rank in [r for r in self.blocks if r not in self.loads]:
             del self.blocks[rank]
+            self.block_stamps.pop(rank, None)
             self._removed.add(rank)
         log.info("resumed at source seq %d (delta %d) with %d ranks", self.applied_seq,
                  self.delta_seq, len(self.loads))  # fmt: skip
@@ -173,6 +183,8 @@ class Projector:
         self._removed.update(self.loads, self.blocks)
         self.loads.clear()
         self.blocks.clear()
+        self.load_stamps.clear()
+        self.block_stamps.clear()
         self.applied_seq = self.as_of = self.delta_seq = self.flushed_seq = 0
 
     # ---- folding deltas ---------------------------------------------------------------------
@@ -192,30 +204,33 @@ class Projector:
 
     def apply(self, delta: Delta) -> None:
         self.stats.deltas += 1
+        seq = self.applied_seq if delta.seq is None else delta.seq
+        stamp = (seq, delta.at_ns)
         for rank in delta.removed_ranks:
             key = (rank[0], rank[1])
             self.loads.pop(key, None)
             self.blocks.pop(key, None)
+            self.load_stamps.pop(key, None)
+            self.block_stamps.pop(key, None)
             self._dirty_loads.discard(key)
             self._dirty_blocks.discard(key)
             self._removed.add(key)
         for rank in delta.added_ranks:
-            self._touch((rank[0], rank[1]), blocks=True)
+            self._touch((rank[0], rank[1]), stamp, blocks=True)
         for change in delta.changes:
             rank = (change.rank[0], change.rank[1])
-            hashes = self._touch(rank, blocks=bool(change.removed or change.stored))
+            hashes = self._touch(rank, stamp, blocks=bool(change.removed or change.stored))
             if change.removed:
                 hashes.difference_update(change.removed)
             if change.stored:
                 hashes.update(change.stored)
             self.loads[rank] = change.load
-        if delta.seq is not None:
-            self.applied_seq = delta.seq
+        self.applied_seq = seq
         self.as_of = max(self.as_of, delta.at_ns)
         self._position_dirty = True
         self._dirty.set()
 
-    def _touch(self, rank: Rank, *, blocks: bool) -> set[int]:
+    def _touch(self, rank: Rank, stamp: tuple[int, int], *, blocks: bool) -> set[int]:
         hashes = self.blocks.get(rank)
         if hashes is None:
             hashes = self.blocks[rank] = set()
@@ -223,8 +238,10 @@ class Projector:
             self._removed.discard(rank)
             blocks = True  # a rank added anew must overwrite what a removed one left
         self._dirty_loads.add(rank)
+        self.load_stamps[rank] = stamp
         if blocks:
             self._dirty_blocks.add(rank)
+            self.block_stamps[rank] = stamp[0]
         return hashes
 
     # ---- writing the bucket -------------------------------------------------------------------
@@ -275,14 +292,15 @@ class Projector:
     async def _write(
         self, loads: set[Rank], blocks: set[Rank], removed: set[Rank], position: Position
     ) -> None:
-        ns, seq, as_of = self.config.namespace, position.applied_seq, position.as_of
+        ns = self.config.namespace
         puts: list[tuple[str, bytes]] = []
         for rank in sorted(loads):
             if (load := self.loads.get(rank)) is not None:
+                seq, as_of = self.load_stamps[rank]
                 puts.append((load_key(ns, rank), encode_load(rank, load, seq, as_of)))
         for rank in sorted(blocks):
             if (hashes := self.blocks.get(rank)) is not None:
-                puts.append((blocks_key(ns, rank), encode_blocks(hashes, seq)))
+                puts.append((blocks_key(ns, rank), encode_blocks(hashes, self.block_stamps[rank])))
         futures = [await self._put(key, value) for key, value in puts]
         for rank in sorted(removed):
             futures.append(await self._put(load_key(ns, rank), b"", delete=True))

@@ -5,10 +5,13 @@ RegistryView (reader) cannot drift apart:
 
 - ``<ns>.load.<worker_id>.<dp_rank>``: JSON, readable with ``nats kv get``: the rank's
   time-free load (the prefill part keeps its anchor in log time, decay is evaluated by the
-  reader), with the source sequence and log time it reflects.
+  reader), stamped with the sequence and log time of the event that last changed it.
 - ``<ns>.blocks.<worker_id>.<dp_rank>``: msgpack ``{"applied_seq", "hashes"}``, the hashes being
   the sorted active prompt-block hashes packed as little-endian u64 (8 bytes each; a msgpack
-  list of random u64s would take 9, and decoding the packed form is one C call).
+  list of random u64s would take 9, and decoding the packed form is one C call), stamped alike.
+  Stamps come from the deltas, never from flush timing, so the bucket's bytes are a pure
+  function of the log: a projector that crashed and resumed writes what an uninterrupted one
+  writes.
 - ``<ns>.position``: JSON ``{"applied_seq", "as_of", "delta_seq"}``, written after every flush
   once the flush's other keys are acknowledged. Because a KV watch delivers in stream order, a
   reader that sees position ``n`` already holds every value that reflects ``n``: that is what
@@ -43,7 +46,7 @@ class LoadValue(msgspec.Struct, frozen=True):
     active_requests: int
     prefill: PrefillValue
     applied_seq: int
-    as_of: int  # log time (ns since the epoch) of the last delta applied
+    as_of: int  # log time (ns since the epoch) of the event that last changed this value
 
     def rank_load(self) -> RankLoad:
         p = self.prefill
