@@ -48,7 +48,7 @@ from projector.values import (
     parse_key,
     position_key,
 )
-from projector.writer import REASON, SOURCE_SEQ, log_time_ns
+from projector.writer import REASON, SOURCE_SEQ, last_seq_of, log_time_ns
 from seqstate import Delta, RankLoad, decode_delta
 
 log = logging.getLogger("seqstate.projector")
@@ -101,8 +101,7 @@ class Projector:
     async def run(self) -> None:
         resources = await ensure(self.nc, self.config)
         await self.resume(resources.registry)
-        info = await self._js.stream_info(self.config.deltas_stream)
-        target = info.state.last_seq
+        target = await last_seq_of(self._js, self.config.deltas_stream, self.config.deltas_subject)
         queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
         sub = await self._js.subscribe(
             self.config.deltas_subject,

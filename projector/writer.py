@@ -61,6 +61,14 @@ def log_time_ns(msg: Msg) -> tuple[int, int]:
     return int(tokens[-4]), int(tokens[-2])
 
 
+async def last_seq_of(js: JetStreamContext, stream: str, subjects: str) -> int:
+    """Sequence of the newest message on ``subjects`` (wildcards allowed); 0 if none."""
+    try:
+        return (await js.get_last_msg(stream, subjects)).seq or 0
+    except NotFoundError:
+        return 0
+
+
 @dataclass
 class WriterStats:
     applied: int = 0
@@ -119,8 +127,8 @@ class Writer:
     async def run(self) -> None:
         await ensure(self.nc, self.config)
         self._published_up_to = await self.last_published_source_seq()
-        info = await self._js.stream_info(self.config.events_stream)
-        target = info.state.last_seq
+        # The stream may carry other namespaces: catch up to this namespace's newest event.
+        target = await last_seq_of(self._js, self.config.events_stream, self.config.events_subjects)
         if target == 0:
             self.caught_up.set()
         queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)

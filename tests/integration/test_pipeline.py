@@ -240,3 +240,24 @@ async def test_a_malformed_delta_is_dead_lettered_and_the_projector_goes_on(nc: 
     dead = await js.get_msg(dead_letter_stream(config), subject=config.dead_letter_subject)
     assert dead.data == b"\x01 not a delta"
     assert dead.headers is not None and "delta does not decode" in dead.headers[REASON]
+
+
+async def test_two_namespaces_share_streams_and_bucket_and_stay_apart(nc: Client) -> None:
+    base = fresh_config("p")
+    a = Config(**{**base.__dict__, "namespace": base.namespace + "a"})
+    b = Config(**{**base.__dict__, "namespace": base.namespace + "b"})
+    pub_a = RouterPublisher(nc, namespace=a.namespace, router_id="r-na", config=a)
+    pub_b = RouterPublisher(nc, namespace=b.namespace, router_id="r-nb", config=b)
+    async with Pipeline(nc, a) as pipeline_a:
+        await pub_a.add("x", 1, block_hashes=[1, 2])
+        last_a = await pub_a.add("y", 1, block_hashes=[1])
+        await pipeline_a.wait_applied(last_a)
+    await ensure(nc, b)
+    last_b = await pub_b.add("z", 2, block_hashes=[5])
+    # The shared stream's last message belongs to b: a's pipeline must still see itself caught
+    # up, and b's must not stop at a's events.
+    async with Pipeline(nc, a, start_timeout=10), Pipeline(nc, b, start_timeout=10) as p_b:
+        await p_b.wait_applied(last_b)
+        async with RegistryView(nc, config=a) as view_a, RegistryView(nc, config=b) as view_b:
+            assert [(r.worker_id, r.active_requests) for r in view_a.loads()] == [(1, 2)]
+            assert [(r.worker_id, r.active_requests) for r in view_b.loads()] == [(2, 1)]
