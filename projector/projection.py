@@ -33,6 +33,7 @@ from nats.js import api
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from projector.config import Config
+from projector.progress import Progress
 from projector.resources import ensure
 from projector.values import (
     Position,
@@ -49,7 +50,7 @@ from projector.values import (
     position_key,
 )
 from projector.writer import REASON, SOURCE_SEQ, last_seq_of, log_time_ns
-from seqstate import Delta, RankLoad, decode_delta
+from seqstate import Delta, RankLoad, decode_deltas
 
 log = logging.getLogger("seqstate.projector")
 
@@ -86,14 +87,15 @@ class Projector:
         self.applied_seq = 0  # source (event) sequence of the last delta applied
         self.as_of = 0  # its log time
         self.delta_seq = 0  # its sequence in the DELTAS stream
-        self.flushed_seq = 0  # applied_seq of the last position written
         self._dirty_loads: set[Rank] = set()
         self._dirty_blocks: set[Rank] = set()
         self._removed: set[Rank] = set()
         self._position_dirty = False
         self._dirty = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._progress = asyncio.Condition()
+        self.flushed = Progress()  # the source sequence the bucket's position reflects
+        self._target = 0
+        self._failure: BaseException | None = None
         self.caught_up = asyncio.Event()
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -102,7 +104,9 @@ class Projector:
         resources = await ensure(self.nc, self.config)
         await self.resume(resources.registry)
         target = await last_seq_of(self._js, self.config.deltas_stream, self.config.deltas_subject)
-        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+        self._target = target
+        if self.delta_seq >= target:
+            self.caught_up.set()
         sub = await self._js.subscribe(
             self.config.deltas_subject,
             stream=self.config.deltas_stream,
@@ -110,23 +114,13 @@ class Projector:
             idle_heartbeat=1.0,
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
             config=api.ConsumerConfig(opt_start_seq=self.delta_seq + 1),
-            cb=queue.put,
+            cb=self._on_message,
         )
         flusher = asyncio.create_task(self._flush_loop())
-        if self.delta_seq >= target:
-            self.caught_up.set()
         try:
-            while not self._stopping.is_set():
-                getter = asyncio.ensure_future(queue.get())
-                stopper = asyncio.ensure_future(self._stopping.wait())
-                done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    break
-                stopper.cancel()
-                await self.handle(getter.result())
-                if not self.caught_up.is_set() and self.delta_seq >= target:
-                    self.caught_up.set()
+            await self._stopping.wait()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
             await self.flush()
         finally:
             flusher.cancel()
@@ -134,6 +128,21 @@ class Projector:
                 await flusher
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+        if self._failure is not None:
+            raise self._failure
+
+    async def _on_message(self, msg: Msg) -> None:
+        if self._stopping.is_set():
+            return
+        try:
+            await self.handle(msg)
+        except Exception as exc:  # the client would swallow a callback's error
+            log.error("projector stopping: %r", exc)
+            self._failure = exc
+            self._stopping.set()
+            return
+        if not self.caught_up.is_set() and self.delta_seq >= self._target:
+            self.caught_up.set()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -152,7 +161,7 @@ class Projector:
                         pos = decode_position(entry.value)
                         self.applied_seq, self.as_of, self.delta_seq = (
                             pos.applied_seq, pos.as_of, pos.delta_seq)  # fmt: skip
-                        self.flushed_seq = pos.applied_seq
+                        self.flushed.value = pos.applied_seq
                     elif kind == "load" and rank is not None:
                         value = decode_load(entry.value)
                         self.loads[rank] = value.rank_load()
@@ -184,7 +193,7 @@ class Projector:
         self.blocks.clear()
         self.load_stamps.clear()
         self.block_stamps.clear()
-        self.applied_seq = self.as_of = self.delta_seq = self.flushed_seq = 0
+        self.applied_seq = self.as_of = self.delta_seq = self.flushed.value = 0
 
     # ---- folding deltas ---------------------------------------------------------------------
 
@@ -192,14 +201,18 @@ class Projector:
         delta_seq, _ = log_time_ns(msg)
         self.delta_seq = delta_seq
         try:
-            delta = decode_delta(msg.data)
+            deltas = decode_deltas(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await self._dead_letter(msg, delta_seq, f"delta does not decode: {exc}")
             return
-        if delta.seq is not None and delta.seq <= self.applied_seq:
-            self.stats.skipped += 1
-            return
-        self.apply(delta)
+        for delta in deltas:
+            if delta.seq is not None and delta.seq <= self.applied_seq:
+                self.stats.skipped += 1
+                continue
+            self.apply(delta)
+        if not deltas:
+            self._position_dirty = True  # the position still moves past an empty batch
+            self._dirty.set()
 
     def apply(self, delta: Delta) -> None:
         self.stats.deltas += 1
@@ -283,10 +296,8 @@ class Projector:
             self._position_dirty = True
             self._dirty.set()
             raise
-        self.flushed_seq = position.applied_seq
         self.stats.flushes += 1
-        async with self._progress:
-            self._progress.notify_all()
+        self.flushed.advance(position.applied_seq)
 
     async def _write(
         self, loads: set[Rank], blocks: set[Rank], removed: set[Rank], position: Position
@@ -322,8 +333,7 @@ class Projector:
 
     async def wait_flushed(self, seq: int) -> None:
         """Return once the bucket's position reflects source sequence ``seq`` or later."""
-        async with self._progress:
-            await self._progress.wait_for(lambda: self.flushed_seq >= seq)
+        await self.flushed.wait(seq)
 
     # ---- bad input --------------------------------------------------------------------------
 

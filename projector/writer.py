@@ -8,6 +8,11 @@ the DELTAS stream already holds: it reads the source sequence of the last delta 
 up to it silently, and publishes from the next. Issue #4 adds snapshots so that a restart
 costs the tail, not the history.
 
+Deltas folded back to back (a backlog, a replay) travel together: one DELTAS message holds
+up to ``MAX_BATCH`` of them, published as soon as the consumer's backlog is empty, so a live
+event still goes out alone and at once, while catching up costs one publish and one ack per
+batch instead of per event.
+
 A message that does not decode goes to the dead-letter subject with the reason and its
 sequence, is counted, and the writer goes on. When the stream is idle the writer publishes a
 Tick, so that expiry happens at a time the log recorded.
@@ -23,18 +28,20 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from projector.config import Config
+from projector.progress import Progress
 from projector.resources import ensure
 from seqstate import (
+    Delta,
     EventDecodeError,
     SequenceState,
     Tick,
-    decode_delta,
+    decode_deltas,
     decode_event,
-    encode_delta,
+    encode_deltas,
     encode_event,
 )
 
@@ -42,7 +49,8 @@ log = logging.getLogger("seqstate.writer")
 
 SOURCE_SEQ = "Seqstate-Source-Seq"
 REASON = "Seqstate-Reason"
-MAX_PENDING_DELTAS = 512
+MAX_PENDING_BATCHES = 256
+MAX_BATCH = 256  # deltas per DELTAS message while catching up
 ACK_TIMEOUT_S = 10.0
 
 
@@ -74,6 +82,7 @@ class WriterStats:
     applied: int = 0
     dead_letters: int = 0
     deltas_published: int = 0
+    batches_published: int = 0
     ticks_published: int = 0
     last_delta_seq: int = 0  # source sequence of the last delta published
     last_seq: int = 0  # outcomes are counted by the state itself: state.counters
@@ -89,11 +98,15 @@ class Writer:
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
         self._pending: set[asyncio.Future[object]] = set()
-        self._slots = asyncio.Semaphore(MAX_PENDING_DELTAS)
+        self._slots = asyncio.Semaphore(MAX_PENDING_BATCHES)
         self._published_up_to = 0
         self._last_event_at = 0.0
         self._stopping = asyncio.Event()
-        self._progress = asyncio.Condition()
+        self._failure: BaseException | None = None
+        self._batch: list[Delta] = []
+        self._sub: JetStreamContext.PushSubscription | None = None
+        self._target = 0
+        self.applied = Progress()  # the sequence of the last event folded
         self.caught_up = asyncio.Event()
 
     async def last_published_source_seq(self) -> int:
@@ -113,8 +126,8 @@ class Writer:
                 try:
                     if raw.headers and SOURCE_SEQ in raw.headers:
                         return int(raw.headers[SOURCE_SEQ])
-                    return decode_delta(raw.data or b"").seq or 0
-                except (ValueError, msgspec.DecodeError):
+                    return decode_deltas(raw.data or b"")[-1].seq or 0
+                except (ValueError, IndexError, msgspec.DecodeError):
                     log.warning("delta %d is unreadable; looking further back", seq)
             seq -= 1
             if seq < 1:
@@ -128,40 +141,68 @@ class Writer:
         await ensure(self.nc, self.config)
         self._published_up_to = await self.last_published_source_seq()
         # The stream may carry other namespaces: catch up to this namespace's newest event.
-        target = await last_seq_of(self._js, self.config.events_stream, self.config.events_subjects)
-        if target == 0:
+        self._target = await last_seq_of(
+            self._js, self.config.events_stream, self.config.events_subjects
+        )
+        if self._target <= self.applied.value:
             self.caught_up.set()
-        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+        # Messages are handled in the subscription's own callback task, one after another:
+        # no task or wake-up per message beyond what the client already does.
         sub = await self._js.subscribe(
             self.config.events_subjects,
             stream=self.config.events_stream,
             ordered_consumer=True,
             idle_heartbeat=1.0,
-            cb=queue.put,
+            cb=self._on_message,
+            **self._start_options(),
         )
+        self._sub = sub
         ticker = asyncio.create_task(self._tick_when_idle())
         try:
-            while not self._stopping.is_set():
-                getter = asyncio.ensure_future(queue.get())
-                stopper = asyncio.ensure_future(self._stopping.wait())
-                done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    break
-                stopper.cancel()
-                msg = getter.result()
-                await self.handle(msg)
-                if not self.caught_up.is_set() and self.stats.last_seq >= target:
-                    self.caught_up.set()
-                async with self._progress:
-                    self._progress.notify_all()
-            await self.flush()
+            await self._stopping.wait()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            self._sub = None
+            if self._failure is None:
+                await self._publish_batch()
+                await self.flush()
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            if self._sub is not None:
+                with contextlib.suppress(Exception):
+                    await self._sub.unsubscribe()
+        if self._failure is not None:
+            raise self._failure
+
+    def _start_options(self) -> dict[str, object]:
+        """Where the consumer starts: after the restored state's last event (issue #4)."""
+        if self.applied.value == 0:
+            return {}
+        return {
+            "deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE,
+            "config": api.ConsumerConfig(opt_start_seq=self.applied.value + 1),
+        }
+
+    async def _on_message(self, msg: Msg) -> None:
+        if self._stopping.is_set():
+            return
+        try:
+            await self.handle(msg)
+            # Publish what was folded back to back once the backlog is drained (or large).
+            if len(self._batch) >= MAX_BATCH or (
+                self._sub is not None and not self._sub.pending_msgs
+            ):
+                await self._publish_batch()
+        except Exception as exc:  # the callback's errors would be swallowed by the client
+            log.error("writer stopping: %s", exc)
+            self._failure = exc
+            self._stopping.set()
+            return
+        if not self.caught_up.is_set() and self.stats.last_seq >= self._target:
+            self.caught_up.set()
+        self.applied.advance(self.stats.last_seq)
 
     async def handle(self, msg: Msg) -> None:
         seq, at_ns = log_time_ns(msg)
@@ -176,39 +217,47 @@ class Writer:
         delta.seq = seq
         self.stats.applied += 1
         if seq > self._published_up_to:
-            await self._publish_delta(encode_delta(delta), seq)
+            self._batch.append(delta)
 
-    async def _publish_delta(self, payload: bytes, seq: int) -> None:
-        try:
-            await asyncio.wait_for(self._slots.acquire(), ACK_TIMEOUT_S)
-        except TimeoutError:
-            # Acks lost to a disconnect never arrive (publish_async has no deadline). Stop: a
-            # restarted writer finds the last delta stored and publishes from the next.
-            raise WriterStalled(
-                f"{MAX_PENDING_DELTAS} delta publishes unacknowledged for {ACK_TIMEOUT_S:g}s"
-            ) from None
+    async def _publish_batch(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        last = batch[-1].seq or 0
+        if self._slots.locked():
+            try:
+                await asyncio.wait_for(self._slots.acquire(), ACK_TIMEOUT_S)
+            except TimeoutError:
+                # Acks lost to a disconnect never arrive (publish_async has no deadline). Stop:
+                # a restarted writer finds the last delta stored and publishes from the next.
+                raise WriterStalled(
+                    f"{MAX_PENDING_BATCHES} delta publishes unacknowledged for {ACK_TIMEOUT_S:g}s"
+                ) from None
+        else:
+            await self._slots.acquire()
         future = await self._js.publish_async(
             self.config.deltas_subject,
-            payload,
-            headers={
-                "Nats-Msg-Id": f"{self.config.namespace}:{seq}",
-                SOURCE_SEQ: str(seq),
-            },
+            encode_deltas(batch),
+            headers={"Nats-Msg-Id": f"{self.config.namespace}:{last}", SOURCE_SEQ: str(last)},
         )
         self._pending.add(future)
         future.add_done_callback(self._settled)
-        self.stats.deltas_published += 1
-        self.stats.last_delta_seq = seq
+        self.stats.deltas_published += len(batch)
+        self.stats.batches_published += 1
+        self.stats.last_delta_seq = last
 
     def _settled(self, future: asyncio.Future[object]) -> None:
         self._pending.discard(future)
         self._slots.release()
         if not future.cancelled() and future.exception() is not None:
             # A lost delta would leave the projector behind for good: stop loudly.
-            log.error("delta publish failed: %r", future.exception())
+            self._failure = WriterStalled(f"delta publish failed: {future.exception()!r}")
+            log.error("%s", self._failure)
             self._stopping.set()
 
     async def flush(self) -> None:
+        """Until every delta published so far is acknowledged by the stream."""
+        await self._publish_batch()
         if self._pending:
             try:
                 await asyncio.wait_for(
@@ -238,6 +287,8 @@ class Writer:
         idle = self.config.idle_tick_s
         while True:
             await asyncio.sleep(idle / 4)
+            if self._batch and self._sub is not None and not self._stopping.is_set():
+                await self._publish_batch()  # a backlog count that never reached zero
             if not self.caught_up.is_set() or loop.time() - self._last_event_at < idle:
                 continue
             # The msg-id makes concurrent writers (or a retry) log one Tick per position.
@@ -249,10 +300,9 @@ class Writer:
             self.stats.ticks_published += 1
             self._last_event_at = loop.time()
 
-    async def wait_applied(self, seq: int) -> None:
+    async def wait_applied(self, seq: int, timeout: float | None = None) -> None:
         """Return once the event at stream sequence ``seq`` has been folded."""
-        async with self._progress:
-            await self._progress.wait_for(lambda: self.stats.last_seq >= seq)
+        await self.applied.wait(seq, timeout)
 
     def stop(self) -> None:
         self._stopping.set()

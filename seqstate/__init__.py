@@ -5,7 +5,14 @@ with each event (``apply(event, at_ns)``) and with each read (``loads(now_ns)``)
 pipeline around it lives in the ``projector`` package.
 """
 
-from seqstate.deltas import Delta, RankChange, decode_delta, encode_delta
+from seqstate.deltas import (
+    Delta,
+    RankChange,
+    decode_delta,
+    decode_deltas,
+    encode_delta,
+    encode_deltas,
+)
 from seqstate.events import (
     SCHEMA_VERSION,
     AddOutputBlock,
@@ -46,7 +53,9 @@ __all__ = [
     "WorkerAdded",
     "WorkerRemoved",
     "decode_delta",
+    "decode_deltas",
     "decode_event",
     "encode_delta",
+    "encode_deltas",
     "encode_event",
 ]

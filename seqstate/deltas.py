@@ -69,3 +69,15 @@ def encode_delta(delta: Delta) -> bytes:
 
 def decode_delta(data: bytes | bytearray | memoryview) -> Delta:
     return _decoder.decode(data)
+
+
+_batch_decoder = msgspec.msgpack.Decoder(list[Delta])
+
+
+def encode_deltas(deltas: list[Delta]) -> bytes:
+    """Several deltas in one message: the writer batches what it folds back to back."""
+    return _encoder.encode(deltas)
+
+
+def decode_deltas(data: bytes | bytearray | memoryview) -> list[Delta]:
+    return _batch_decoder.decode(data)

@@ -16,7 +16,7 @@ from pipeline_kit import fresh_config
 from projector.pipeline import Pipeline
 from projector.server import NatsServer
 from projector.values import decode_position, parse_key
-from seqstate import decode_delta
+from seqstate import decode_deltas
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,8 +79,8 @@ def test_run_demo_for_ten_seconds_fills_the_bucket(tmp_path: Path) -> None:
                 deltas = await js.stream_info("SEQSTATE_DELTAS")
                 peak: dict[int, int] = {}
                 for seq in range(deltas.state.first_seq, deltas.state.last_seq + 1):
-                    delta = decode_delta((await js.get_msg("SEQSTATE_DELTAS", seq)).data or b"")
-                    for change in delta.changes:
+                    raw = (await js.get_msg("SEQSTATE_DELTAS", seq)).data or b""
+                    for change in (c for d in decode_deltas(raw) for c in d.changes):
                         w = change.rank[0]
                         peak[w] = max(peak.get(w, 0), change.load.active_requests)
                 return ranks, peak, position.applied_seq, events.state.last_seq

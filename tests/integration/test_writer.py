@@ -22,7 +22,7 @@ from seqstate import (
     MarkPrefillCompleted,
     SequenceState,
     Tick,
-    decode_delta,
+    decode_deltas,
     encode_delta,
     encode_event,
 )
@@ -73,8 +73,9 @@ def stream_time_us(stored: datetime | None) -> int:
 async def all_deltas(nc: Client, config: Config) -> list[Delta]:
     js = nc.jetstream()
     info = await js.stream_info(config.deltas_stream)
-    return [decode_delta((await js.get_msg(config.deltas_stream, seq)).data or b"")
-            for seq in range(info.state.first_seq, info.state.last_seq + 1)]  # fmt: skip
+    stored = [(await js.get_msg(config.deltas_stream, seq)).data or b""
+              for seq in range(info.state.first_seq, info.state.last_seq + 1)]  # fmt: skip
+    return [delta for data in stored for delta in decode_deltas(data)]
 
 
 @contextlib.asynccontextmanager
