@@ -169,3 +169,16 @@ async def test_reads_of_a_missing_bucket_fail_clearly(
         assert rc == 1 and "never-made" in err and "Traceback" not in err
     else:
         assert rc == 0 and "never-made: missing" in out
+
+
+def test_run_demo_replays_a_mooncake_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"timestamp": t, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2 + i]}
+             for i, t in enumerate([0, 10, 20, 30])]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    result = seqstate("run", "--demo", "--trace", str(trace), "--speedup", "1", "--no-live",
+                      "--workers", "2", "--store-dir", str(tmp_path / "store"), "--duration",
+                      "30", "--log-level", "warning", timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # The trace ends: the demo stops by itself, every request routed and completed.
+    assert "demo: routed 4 requests (4 completed" in result.stdout, result.stdout
