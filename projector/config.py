@@ -34,6 +34,14 @@ class Config:
     idle_tick_s: float = 5.0
     flush_interval_s: float = 0.005
     replicas: int = 1
+    # Snapshots of the write model (issue #4): every N events or T seconds, whichever first;
+    # the newest few are kept. 0 disables that trigger.
+    snapshot_every_events: int = 10_000
+    snapshot_every_s: float = 60.0
+    snapshots_keep: int = 3
+    # Events the writer keeps before the oldest kept snapshot; None never trims the stream.
+    # Trimming happens only after a snapshot has been stored and read back.
+    retain_events: int | None = None
     nats_url: str | None = None
 
     def __post_init__(self) -> None:
@@ -50,6 +58,12 @@ class Config:
             raise ConfigError(f"replicas={self.replicas}: use 1, 3 or 5")
         if self.flush_interval_s <= 0 or self.idle_tick_s <= 0:
             raise ConfigError("flush_interval_s and idle_tick_s must be positive")
+        if self.snapshot_every_events < 0 or self.snapshot_every_s < 0:
+            raise ConfigError("snapshot_every_events and snapshot_every_s must not be negative")
+        if self.snapshots_keep < 1:
+            raise ConfigError(f"snapshots_keep={self.snapshots_keep}: keep at least 1")
+        if self.retain_events is not None and self.retain_events < 0:
+            raise ConfigError(f"retain_events={self.retain_events}: must not be negative")
 
     @property
     def events_subjects(self) -> str:

@@ -174,7 +174,10 @@ class SnapshotStore:
                 f"this build reads {SNAPSHOT_VERSION}"
             )
         data = await self.fetch(info.name)
-        state = SequenceState.restore(data)  # SnapshotError if the body is damaged
+        try:
+            state = SequenceState.restore(data)
+        except SnapshotError as exc:
+            raise SnapshotError(f"snapshot {info.name}: {exc}") from None
         if info.meta.size != len(data):
             raise SnapshotError(f"snapshot {info.name}: size differs from its description")
         return state

@@ -34,6 +34,7 @@ from nats.js.errors import NotFoundError
 from projector.config import Config
 from projector.progress import Progress
 from projector.resources import ensure
+from projector.snapshots import SnapshotStore
 from seqstate import (
     Delta,
     EventDecodeError,
@@ -52,6 +53,10 @@ REASON = "Seqstate-Reason"
 MAX_PENDING_BATCHES = 256
 MAX_BATCH = 256  # deltas per DELTAS message while catching up
 ACK_TIMEOUT_S = 10.0
+
+
+class SnapshotUnavailable(RuntimeError):
+    """The log's beginning is gone and no valid snapshot covers it."""
 
 
 class WriterStalled(RuntimeError):
@@ -77,6 +82,15 @@ async def last_seq_of(js: JetStreamContext, stream: str, subjects: str) -> int:
         return 0
 
 
+async def first_seq_of(js: JetStreamContext, stream: str, subjects: str) -> int:
+    """Sequence of the oldest message on ``subjects`` in ``stream``; 0 if none."""
+    try:
+        msg = await js.get_msg(stream, seq=1, subject=subjects, next=True)
+    except NotFoundError:
+        return 0
+    return msg.seq or 0
+
+
 @dataclass
 class WriterStats:
     applied: int = 0
@@ -85,16 +99,32 @@ class WriterStats:
     batches_published: int = 0
     ticks_published: int = 0
     last_delta_seq: int = 0  # source sequence of the last delta published
+    restored_from: int = 0  # the snapshot's sequence the writer started from (0: none)
+    snapshots_saved: int = 0
+    snapshot_failures: int = 0
+    last_snapshot_seq: int = 0
+    trimmed_below: int = 0  # events below this sequence were trimmed by this writer
     last_seq: int = 0  # outcomes are counted by the state itself: state.counters
 
 
 class Writer:
     """One writer per namespace. ``await writer.run()`` until cancelled or ``stop()``."""
 
-    def __init__(self, nc: Client, config: Config, state: SequenceState | None = None) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        config: Config,
+        state: SequenceState | None = None,
+        *,
+        snapshots: bool = True,
+    ) -> None:
         self.nc = nc
         self.config = config
+        self._given_state = state is not None
         self.state = state or SequenceState(expiry_s=config.expiry_s)
+        self.snapshots: SnapshotStore | None = SnapshotStore(nc, config) if snapshots else None
+        self._snapshot_task: asyncio.Task[None] | None = None
+        self._snapshot_at = 0.0  # loop time of the last snapshot taken
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
         self._pending: set[asyncio.Future[object]] = set()
@@ -140,6 +170,12 @@ class Writer:
     async def run(self) -> None:
         await ensure(self.nc, self.config)
         self._published_up_to = await self.last_published_source_seq()
+        self._snapshot_at = asyncio.get_running_loop().time()
+        if self.snapshots is not None:
+            await self.snapshots.open()
+            if not self._given_state:
+                await self._restore()
+        await self._check_coverage()
         # The stream may carry other namespaces: catch up to this namespace's newest event.
         self._target = await last_seq_of(
             self._js, self.config.events_stream, self.config.events_subjects
@@ -166,6 +202,7 @@ class Writer:
             if self._failure is None:
                 await self._publish_batch()
                 await self.flush()
+                await self._final_snapshot()
         finally:
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -175,6 +212,112 @@ class Writer:
                     await self._sub.unsubscribe()
         if self._failure is not None:
             raise self._failure
+
+    # ---- snapshots (issue #4) ----------------------------------------------------------------
+
+    async def _restore(self) -> None:
+        """Start from the newest valid snapshot whose deltas are all on the DELTAS stream."""
+        assert self.snapshots is not None
+        found = await self.snapshots.newest_valid(at_most_seq=self._published_up_to)
+        if found is None:
+            return
+        state, info = found
+        self.state = state
+        self.stats.last_seq = self.stats.restored_from = info.applied_seq
+        self.stats.last_snapshot_seq = info.applied_seq
+        self.applied.advance(info.applied_seq)
+        log.info("restored the write model from snapshot %s (event %d)", info.name,
+                 info.applied_seq)  # fmt: skip
+
+    async def _check_coverage(self) -> None:
+        """Refuse to fold a log whose beginning was trimmed when no snapshot covers it."""
+        info = await self._js.stream_info(self.config.events_stream)
+        first = info.state.first_seq
+        if self.applied.value == 0 and first > 1 and info.state.messages:
+            first_ours = await first_seq_of(self._js, self.config.events_stream,
+                                            self.config.events_subjects)  # fmt: skip
+            if first_ours > 1:
+                skipped = "; ".join(f"{n}: {why}" for n, why in self._skipped())
+                raise SnapshotUnavailable(
+                    f"events before sequence {first_ours} were trimmed and no valid snapshot "
+                    f"covers them, so the state cannot be rebuilt exactly"
+                    + (f" (skipped {skipped})" if skipped else "")
+                )
+
+    def _skipped(self) -> list[tuple[str, str]]:
+        return self.snapshots.skipped if self.snapshots is not None else []
+
+    def _snapshot_due(self) -> bool:
+        if self.snapshots is None or self.stats.last_seq <= self.stats.last_snapshot_seq:
+            return False
+        if self._snapshot_task is not None and not self._snapshot_task.done():
+            return False
+        every = self.config.snapshot_every_events
+        if every and self.stats.last_seq - self.stats.last_snapshot_seq >= every:
+            return True
+        every_s = self.config.snapshot_every_s
+        return bool(every_s) and asyncio.get_running_loop().time() - self._snapshot_at >= every_s
+
+    async def _take_snapshot(self) -> None:
+        """Encode now (consistent with the fold), then store in the background."""
+        await self._publish_batch()  # every delta up to here is in flight before the save
+        seq, at_ns = self.stats.last_seq, self.state.now_ns
+        data = self.state.snapshot()
+        self.stats.last_snapshot_seq = seq
+        self._snapshot_at = asyncio.get_running_loop().time()
+        self._snapshot_task = asyncio.create_task(self._save_snapshot(data, seq, at_ns))
+
+    async def _save_snapshot(self, data: bytes, seq: int, at_ns: int) -> None:
+        assert self.snapshots is not None
+        try:
+            # A snapshot must never get ahead of the deltas: a restart from it would skip them.
+            await self.flush()
+            info = await self.snapshots.save(data, seq, at_ns)
+            self.stats.snapshots_saved += 1
+            await self.snapshots.prune(self.config.snapshots_keep)
+            log.info("snapshot %s saved and verified (%d bytes)", info.name, len(data))
+            await self._trim()
+        except WriterStalled as exc:
+            self._failure = exc
+            self._stopping.set()
+        except Exception as exc:  # a snapshot is an optimisation: the log still has it all
+            self.stats.snapshot_failures += 1
+            log.warning("snapshot at event %d failed: %r", seq, exc)
+
+    async def _trim(self) -> None:
+        """Drop events older than the oldest kept snapshot (minus the configured margin)."""
+        keep = self.config.retain_events
+        if keep is None or self.snapshots is None:
+            return
+        kept = await self.snapshots.list()
+        if not kept:
+            return
+        # Every kept snapshot was read back when saved; trimming below the oldest keeps each
+        # of them usable as a fallback with its whole tail.
+        cut = kept[0].applied_seq + 1 - keep
+        if cut > max(self.stats.trimmed_below, 1):
+            await self._js.purge_stream(self.config.events_stream, seq=cut,
+                                        subject=self.config.events_subjects)  # fmt: skip
+            self.stats.trimmed_below = cut
+            log.info("trimmed events below sequence %d", cut)
+
+    async def _final_snapshot(self) -> None:
+        if self._snapshot_task is not None:
+            with contextlib.suppress(Exception):
+                await self._snapshot_task
+        if self.snapshots is not None and self.stats.last_seq > self.stats.last_snapshot_seq:
+            await self._take_snapshot()
+            assert self._snapshot_task is not None
+            await self._snapshot_task
+
+    async def snapshot_now(self) -> None:
+        """Take and store a snapshot of the state as folded so far (operators, tests)."""
+        if self._snapshot_task is not None:
+            with contextlib.suppress(Exception):
+                await self._snapshot_task
+        await self._take_snapshot()
+        assert self._snapshot_task is not None
+        await self._snapshot_task
 
     def _start_options(self) -> dict[str, object]:
         """Where the consumer starts: after the restored state's last event (issue #4)."""
@@ -191,10 +334,11 @@ class Writer:
         try:
             await self.handle(msg)
             # Publish what was folded back to back once the backlog is drained (or large).
-            if len(self._batch) >= MAX_BATCH or (
-                self._sub is not None and not self._sub.pending_msgs
-            ):
+            sub = self._sub
+            if len(self._batch) >= MAX_BATCH or sub is None or not sub.pending_msgs:
                 await self._publish_batch()
+            if self._snapshot_due():
+                await self._take_snapshot()
         except Exception as exc:  # the callback's errors would be swallowed by the client
             log.error("writer stopping: %s", exc)
             self._failure = exc
@@ -289,6 +433,8 @@ class Writer:
             await asyncio.sleep(idle / 4)
             if self._batch and self._sub is not None and not self._stopping.is_set():
                 await self._publish_batch()  # a backlog count that never reached zero
+            if self._snapshot_due() and not self._stopping.is_set():
+                await self._take_snapshot()  # an idle stream still gets its periodic snapshot
             if not self.caught_up.is_set() or loop.time() - self._last_event_at < idle:
                 continue
             # The msg-id makes concurrent writers (or a retry) log one Tick per position.
