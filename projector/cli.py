@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -30,7 +30,7 @@ from nats.aio.client import Client
 
 from projector.config import Config, ConfigError
 from projector.server import NatsServer, NatsServerError
-from seqstate import SCHEMA_VERSION
+from seqstate import SCHEMA_VERSION, LoadRow
 
 log = logging.getLogger("seqstate")
 
@@ -128,6 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--duration", type=float, help="stop after this many seconds")
     status = command("status", "streams, consumers, the bucket's position and the lag")
     status.add_argument("--json", action="store_true", help="one JSON object")
+    replay = command("replay", "fold the log into a fresh state and print per-rank loads")
+    replay.add_argument("--from-seq", type=int, metavar="N",
+                        help="start from an empty state at event N (a partial replay)")  # fmt: skip
+    replay.add_argument("--to-seq", type=int, metavar="M", help="stop after event M")
+    replay.add_argument("--at", metavar="TIME",
+                        help="the state at a log time: ISO 8601, or HH:MM:SS (UTC)")  # fmt: skip
+    replay.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    replay.add_argument("--verify", action="store_true",
+                        help="compare with the bucket; exit 1 naming differing keys")  # fmt: skip
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rebuild = command("rebuild", "re-derive the whole bucket from the write model")
+    rebuild.add_argument("--no-progress", action="store_true", help="no progress bar")
+    snapshot = command("snapshot", "write-model snapshots: list, show, save")
+    snapshot.add_argument("action", choices=["list", "show", "save"])
+    snapshot.add_argument("name", nargs="?", default="latest",
+                          help="for show: a snapshot name or 'latest'")  # fmt: skip
+    snapshot.add_argument("--json", action="store_true", help="machine-readable output")
+    snapshot.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -371,6 +389,157 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A rich progress bar on stderr with events/s and ETA; None when disabled."""
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TaskProgressColumn(), TextColumn("{task.speed:>9,.0f} events/s"),
+               TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def print_loads(rows: list[LoadRow], as_json: bool) -> None:
+    from projector.live import plain_table
+
+    if as_json:
+        for row in rows:
+            print(msgspec.json.encode(row).decode())
+    else:
+        print(plain_table(rows))
+
+
+async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
+    from projector.replay import ReplayError, parse_at, replay, verify
+    from projector.writer import last_seq_of
+
+    async with connect(require_url(config), service=False) as nc:
+        with progress_bar(not args.no_progress, "replay") as progress:
+            if args.verify:
+                if args.from_seq or args.to_seq or args.at:
+                    raise CliError("--verify replays to the bucket's position: no range flags")
+                diffs = await verify(nc, config, progress=progress)
+                for line in diffs:
+                    print(line)
+                print(f"{'DIVERGED' if diffs else 'identical'}: {len(diffs)} keys differ")
+                return 1 if diffs else 0
+            at_ns = None
+            if args.at:
+                js = nc.jetstream()
+                last = await last_seq_of(js, config.events_stream, config.events_subjects)
+                if last == 0:
+                    raise ReplayError("the log is empty")
+                newest = await js.get_msg(config.events_stream, last)
+                at_ns = parse_at(args.at, _stored_ns(newest))
+            done = await replay(nc, config, from_seq=args.from_seq, to_seq=args.to_seq,
+                                at_ns=at_ns, progress=progress)  # fmt: skip
+    for name, why in done.skipped:
+        print(f"seqstate: skipped snapshot {name}: {why}", file=sys.stderr)
+    start = (f"snapshot {done.snapshot.name}" if done.snapshot
+             else f"event {args.from_seq}" if args.from_seq else "the first event")  # fmt: skip
+    if not args.json:
+        print(f"replayed {done.events} events from {start} to event {done.last_seq}"
+              f" ({done.dead_letters} undecodable); loads as of log time "
+              f"{_iso(done.as_of_ns)}")  # fmt: skip
+    print_loads(done.loads(), args.json)
+    return 0
+
+
+def _stored_ns(msg: Any) -> int:
+    """A stored message's log time; nats-py parses it to microseconds, enough to pick a day."""
+    import datetime as dt
+
+    moment = msg.time or dt.datetime.now(dt.UTC)
+    return int(moment.timestamp() * 1_000_000) * 1000
+
+
+def _iso(ns: int) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat(timespec="microseconds")
+
+
+async def cmd_rebuild(args: argparse.Namespace, config: Config) -> int:
+    from projector.replay import rebuild
+    from projector.resources import ensure
+
+    async with connect(require_url(config), service=False) as nc:
+        await ensure(nc, config)
+        with progress_bar(not args.no_progress, "rebuild") as progress:
+            done = await rebuild(nc, config, progress=progress)
+    print(f"rebuilt the bucket of {config.namespace!r} at event {done.last_seq}: "
+          f"{len(done.state.workers.slots)} ranks ({done.events} events folded"
+          + (f" after snapshot {done.snapshot.name})" if done.snapshot else ")"))  # fmt: skip
+    return 0
+
+
+async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
+    from projector.replay import replay
+    from projector.snapshots import SnapshotStore
+    from seqstate import SnapshotError
+
+    async with connect(require_url(config), service=False) as nc:
+        store = await SnapshotStore(nc, config).open()
+        if args.action == "list":
+            infos = await store.list()
+            if args.json:
+                for info in infos:
+                    print(msgspec.json.encode({"name": info.name, "meta": info.meta,
+                                               "size": info.size}).decode())  # fmt: skip
+            else:
+                print(f"{'name':<40}{'event':>12}{'bytes':>12}  log time")
+                for info in infos:
+                    when = _iso(info.meta.as_of) if info.meta else "(unreadable description)"
+                    print(f"{info.name:<40}{info.applied_seq:>12}{info.size:>12}  {when}")
+            return 0
+        if args.action == "show":
+            infos = await store.list()
+            if not infos:
+                raise CliError(f"no snapshots for namespace {config.namespace!r}")
+            chosen = infos[-1] if args.name == "latest" else next(
+                (i for i in infos if i.name == args.name), None)  # fmt: skip
+            if chosen is None:
+                raise CliError(f"no snapshot named {args.name!r}")
+            try:
+                state = await store.load(chosen)
+            except SnapshotError as exc:
+                print(f"INVALID: {exc}")
+                return 1
+            rows = state.registry.loads(state.now_ns)
+            if args.json:
+                print_loads(rows, True)
+            else:
+                print(f"{chosen.name}: event {chosen.applied_seq}, log time "
+                      f"{_iso(state.now_ns)}, {len(state.requests)} requests on "
+                      f"{len(state.workers.slots)} ranks; {dict(state.counters)}")  # fmt: skip
+                print_loads(rows, False)
+            return 0
+        with progress_bar(not args.no_progress, "snapshot") as progress:
+            done = await replay(nc, config, progress=progress)
+        info = await store.save(done.state.snapshot(), done.last_seq, done.state.now_ns)
+        await store.prune(config.snapshots_keep)
+        print(f"saved and verified {info.name} ({info.size} bytes, {done.events} events folded)")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Awaitable[int]]] = {
     "run": cmd_run,
     "writer": cmd_writer,
@@ -380,6 +549,9 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Awaitable[int]]] = {
     "loads": cmd_loads,
     "watch": cmd_watch,
     "status": cmd_status,
+    "replay": cmd_replay,
+    "rebuild": cmd_rebuild,
+    "snapshot": cmd_snapshot,
 }
 
 
@@ -417,10 +589,12 @@ def _describe(exc: Exception) -> str | None:
     from projector.pipeline import PipelineStopped
     from projector.publisher import PublishError
     from projector.reader import RegistryUnavailable
+    from projector.replay import ReplayError
     from projector.resources import ProvisioningError
-    from projector.writer import WriterStalled
+    from projector.writer import SnapshotUnavailable, WriterStalled
 
-    known = (PublishError, RegistryUnavailable, ProvisioningError, PipelineStopped, WriterStalled)
+    known = (PublishError, RegistryUnavailable, ProvisioningError, PipelineStopped, WriterStalled,
+             ReplayError, SnapshotUnavailable)  # fmt: skip
     if isinstance(exc, known):
         return str(exc)
     if isinstance(exc, (nats.errors.Error, TimeoutError, ConnectionError)):

@@ -50,7 +50,7 @@ from projector.values import (
     position_key,
 )
 from projector.writer import REASON, SOURCE_SEQ, last_seq_of, log_time_ns
-from seqstate import Delta, RankLoad, decode_deltas
+from seqstate import Delta, RankLoad, SequenceState, decode_deltas
 
 log = logging.getLogger("seqstate.projector")
 
@@ -186,6 +186,24 @@ class Projector:
             self._removed.add(rank)
         log.info("resumed at source seq %d (delta %d) with %d ranks", self.applied_seq,
                  self.delta_seq, len(self.loads))  # fmt: skip
+
+    def reset_to(
+        self, state: SequenceState, applied_seq: int, delta_seq: int, *, stale: set[Rank]
+    ) -> None:
+        """Take ``state``'s read model as the whole truth (``seqstate rebuild``).
+
+        Every rank is written anew, stamped with ``applied_seq``; ranks in ``stale`` that the
+        state does not have are deleted; the position resumes the projector after ``delta_seq``.
+        """
+        self._reset()
+        self._removed.clear()
+        for delta in state.projection():
+            delta.seq = applied_seq
+            self.apply(delta)
+        self._removed = {rank for rank in stale if rank not in self.loads}
+        self.applied_seq, self.delta_seq = applied_seq, delta_seq
+        self.as_of = state.now_ns
+        self._position_dirty = True
 
     def _reset(self) -> None:
         self._removed.update(self.loads, self.blocks)

@@ -1,0 +1,294 @@
+"""Replay: fold the log into a fresh state in process, to any point, and compare or rebuild.
+
+Because every event is applied at its log time, folding the stream again gives the state the
+writer had at any sequence, byte for byte; ``--at`` stops at a log time instead, which answers
+"what did the scheduler see at 12:03:07?". A replay starts from the newest valid snapshot at or
+before its target (so it costs the tail), or from an empty state at ``--from-seq``.
+
+``verify`` replays to the bucket's recorded position and names every key whose value differs.
+``rebuild`` re-derives the whole bucket of a namespace from the write model (stop the
+projector first: the bucket has one writer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.kv import KV_DEL, KV_PURGE
+
+from projector.config import Config
+from projector.projection import Projector
+from projector.snapshots import SnapshotInfo, SnapshotStore
+from projector.values import Position, Rank, decode_blocks, decode_load, decode_position, parse_key
+from projector.writer import first_seq_of, last_seq_of, log_time_ns
+from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
+
+Progress = Callable[[int, int], None]  # (events folded, events to fold)
+
+
+class ReplayError(RuntimeError):
+    """The replay asked for cannot be done exactly; the message says why."""
+
+
+@dataclass
+class Replayed:
+    state: SequenceState
+    first_seq: int  # first event folded (0: none)
+    last_seq: int  # last event folded, or the snapshot's position if none
+    events: int = 0
+    dead_letters: int = 0
+    snapshot: SnapshotInfo | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    at_ns: int | None = None  # the --at bound, when given
+
+    @property
+    def as_of_ns(self) -> int:
+        """The log time the loads are evaluated at."""
+        return self.at_ns if self.at_ns is not None else self.state.now_ns
+
+    def loads(self) -> list[LoadRow]:
+        return self.state.registry.loads(self.as_of_ns)
+
+
+async def fold_stream(
+    nc: Client,
+    config: Config,
+    state: SequenceState,
+    *,
+    start_seq: int,
+    end_seq: int,
+    until_ns: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[int, int, int, int]:
+    """Fold events ``start_seq..end_seq`` (stopping before log time ``until_ns``) into ``state``.
+
+    Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded.
+    """
+    if end_seq < start_seq:
+        return 0, 0, 0, 0
+    js = nc.jetstream()
+    done = asyncio.get_running_loop().create_future()
+    first = last = count = dead = 0
+    total = end_seq - start_seq + 1
+    apply = state.apply
+
+    async def take(msg: Msg) -> None:
+        nonlocal first, last, count, dead
+        if done.done():
+            return
+        seq, at_ns = log_time_ns(msg)
+        if seq > end_seq or (until_ns is not None and at_ns > until_ns):
+            done.set_result(None)
+            return
+        try:
+            apply(decode_event(msg.data), at_ns)
+        except EventDecodeError:
+            dead += 1
+        first = first or seq
+        last = seq
+        count += 1
+        if progress is not None and count % 4096 == 0:
+            progress(seq - start_seq + 1, total)
+        if seq >= end_seq:
+            done.set_result(None)
+
+    sub = await js.subscribe(
+        config.events_subjects,
+        stream=config.events_stream,
+        ordered_consumer=True,
+        idle_heartbeat=1.0,
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+        config=api.ConsumerConfig(opt_start_seq=start_seq),
+        cb=take,
+        pending_msgs_limit=1_000_000,
+        pending_bytes_limit=1 << 30,
+    )
+    try:
+        await done
+    finally:
+        await sub.unsubscribe()
+    if progress is not None:
+        progress(total, total)
+    return first, last, count, dead
+
+
+async def replay(
+    nc: Client,
+    config: Config,
+    *,
+    from_seq: int | None = None,
+    to_seq: int | None = None,
+    at_ns: int | None = None,
+    progress: Progress | None = None,
+) -> Replayed:
+    js = nc.jetstream()
+    newest = await last_seq_of(js, config.events_stream, config.events_subjects)
+    end = newest if to_seq is None else min(to_seq, newest)
+    store = await SnapshotStore(nc, config).open()
+    snapshot: SnapshotInfo | None = None
+    if from_seq is not None:
+        state = SequenceState(expiry_s=config.expiry_s)
+        start = from_seq
+    else:
+        found = await store.newest_valid(at_most_seq=end, at_most_ns=at_ns)
+        if found is not None:
+            state, snapshot = found
+            start = snapshot.applied_seq + 1
+        else:
+            state = SequenceState(expiry_s=config.expiry_s)
+            start = 1
+            oldest = await first_seq_of(js, config.events_stream, config.events_subjects)
+            if oldest > 1 and await _was_trimmed(nc, config, oldest):
+                raise ReplayError(
+                    f"events before sequence {oldest} were trimmed and no valid snapshot covers "
+                    f"them; use --from-seq {oldest} for a partial replay"
+                )
+    first, last, count, dead = await fold_stream(
+        nc, config, state, start_seq=start, end_seq=end, until_ns=at_ns, progress=progress
+    )
+    return Replayed(
+        state=state,
+        first_seq=first,
+        last_seq=last or (snapshot.applied_seq if snapshot else 0),
+        events=count,
+        dead_letters=dead,
+        snapshot=snapshot,
+        skipped=list(store.skipped),
+        at_ns=at_ns,
+    )
+
+
+async def _was_trimmed(nc: Client, config: Config, oldest: int) -> bool:
+    """Whether this namespace's first event is gone (not merely another namespace's first)."""
+    info = await nc.jetstream().stream_info(config.events_stream)
+    return info.state.first_seq > 1 or oldest > info.state.first_seq
+
+
+# ---- the bucket ------------------------------------------------------------------------------
+
+
+@dataclass
+class BucketView:
+    position: Position | None
+    loads: dict[Rank, RankLoad]
+    blocks: dict[Rank, set[int]]
+    unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
+
+
+async def read_bucket(nc: Client, config: Config) -> BucketView:
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    view = BucketView(None, {}, {})
+    watcher = await kv.watch(f"{config.namespace}.>")
+    try:
+        while (entry := await watcher.updates(timeout=30.0)) is not None:
+            if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                continue
+            kind, rank = parse_key(config.namespace, entry.key)
+            try:
+                if kind == "position":
+                    view.position = decode_position(entry.value)
+                elif kind == "load" and rank is not None:
+                    view.loads[rank] = decode_load(entry.value).rank_load()
+                elif kind == "blocks" and rank is not None:
+                    view.blocks[rank] = set(decode_blocks(entry.value)[1])
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                view.unreadable[entry.key] = (rank, str(exc))
+    finally:
+        await watcher.stop()
+    return view
+
+
+def differences(state: SequenceState, bucket: BucketView, namespace: str) -> list[str]:
+    """Each bucket key whose value differs from ``state``'s, with what differs."""
+    out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
+    expected_loads = {rank: slot.load() for rank, slot in state.workers.slots.items()}
+    expected_blocks = {rank: set(slot.blocks.present) for rank, slot in state.workers.slots.items()}
+    for rank in sorted(set(expected_loads) | set(bucket.loads)):
+        key = f"{namespace}.load.{rank[0]}.{rank[1]}"
+        want, got = expected_loads.get(rank), bucket.loads.get(rank)
+        if want is None:
+            out.append(f"{key}: in the bucket, not in the replayed state")
+        elif got is None:
+            if key not in bucket.unreadable:
+                out.append(f"{key}: missing from the bucket")
+        elif want != got:
+            out.append(f"{key}: bucket {_load_text(got)}, replay {_load_text(want)}")
+    for rank in sorted(set(expected_blocks) | set(bucket.blocks)):
+        key = f"{namespace}.blocks.{rank[0]}.{rank[1]}"
+        want_set, got_set = expected_blocks.get(rank, set()), bucket.blocks.get(rank)
+        if got_set is None:
+            if (want_set or rank in expected_loads) and key not in bucket.unreadable:
+                out.append(f"{key}: missing from the bucket")
+        elif want_set != got_set:
+            out.append(f"{key}: {len(got_set - want_set)} hashes too many, "
+                       f"{len(want_set - got_set)} missing")  # fmt: skip
+    return out
+
+
+def _load_text(load: RankLoad) -> str:
+    p = load.prefill
+    return (f"(blocks {load.active_blocks}, requests {load.active_requests}, prefill "
+            f"{p.full_tokens} tokens anchored {p.anchored_since_ns})")  # fmt: skip
+
+
+async def verify(nc: Client, config: Config, *, progress: Progress | None = None) -> list[str]:
+    """Replay to the bucket's position and list the keys that differ (empty: identical)."""
+    bucket = await read_bucket(nc, config)
+    if bucket.position is None:
+        raise ReplayError(f"the bucket holds no position for namespace {config.namespace!r}")
+    replayed = await replay(nc, config, to_seq=bucket.position.applied_seq, progress=progress)
+    if replayed.last_seq != bucket.position.applied_seq:
+        return [f"{config.namespace}.position: bucket at event {bucket.position.applied_seq}, "
+                f"the log ends at {replayed.last_seq}"]  # fmt: skip
+    return differences(replayed.state, bucket, config.namespace)
+
+
+async def rebuild(nc: Client, config: Config, *, progress: Progress | None = None) -> Replayed:
+    """Re-derive the namespace's whole bucket from the write model (projector stopped)."""
+    js = nc.jetstream()
+    delta_seq = await last_seq_of(js, config.deltas_stream, config.deltas_subject)
+    replayed = await replay(nc, config, progress=progress)
+    bucket = await read_bucket(nc, config)
+    projector = Projector(nc, config)
+    unreadable = {rank for rank, _ in bucket.unreadable.values() if rank is not None}
+    projector.reset_to(replayed.state, replayed.last_seq, delta_seq,
+                       stale=set(bucket.loads) | set(bucket.blocks) | unreadable)  # fmt: skip
+    await projector.flush()
+    return replayed
+
+
+# ---- --at ------------------------------------------------------------------------------------
+
+
+def parse_at(text: str, reference_ns: int) -> int:
+    """An ISO 8601 instant (UTC unless it says otherwise), or a time of day on the log's date.
+
+    A bare ``12:03:07`` means that time (UTC) on the day of the log's newest event, or the day
+    before if that would be later than the newest event.
+    """
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            clock = dt.time.fromisoformat(text)
+        except ValueError:
+            raise ReplayError(f"--at {text!r}: not an ISO time or time of day") from None
+        day = dt.datetime.fromtimestamp(reference_ns / 1e9, dt.UTC).date()
+        moment = dt.datetime.combine(day, clock, tzinfo=clock.tzinfo or dt.UTC)
+        if _ns(moment) > reference_ns:
+            moment -= dt.timedelta(days=1)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return _ns(moment)
+
+
+def _ns(moment: dt.datetime) -> int:
+    delta = moment - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000

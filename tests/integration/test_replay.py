@@ -1,0 +1,169 @@
+"""Replay, verify and rebuild against a real server, through the API and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from nats.aio.client import Client
+from pipeline_kit import fresh_config, read_log
+
+from projector.config import Config
+from projector.pipeline import Pipeline
+from projector.publisher import RouterPublisher
+from projector.reader import RegistryView
+from projector.replay import read_bucket, rebuild, replay, verify
+from projector.values import load_key
+from seqstate import EventDecodeError, SequenceState, WorkerAdded, decode_event
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def lifecycle(pub: RouterPublisher, prefix: str, n: int) -> int:
+    last = await pub.publish(WorkerAdded(worker_id=0, dp_size=2))
+    for i in range(n):
+        rid, rank = f"{prefix}{i}", i % 2
+        last = await pub.add(rid, 0, rank, block_hashes=[7, 8, 100 + i], prefill_tokens=50 + i,
+                             expected_prefill_ms=30.0)  # fmt: skip
+        if i % 3 == 1:
+            last = await pub.free(rid, 0, rank)
+    return last
+
+
+async def fold_upto(nc: Client, config: Config, *, seq: int | None = None,
+                    at_ns: int | None = None) -> SequenceState:  # fmt: skip
+    state = SequenceState(expiry_s=config.expiry_s)
+    for s, t, data in await read_log(nc, config):
+        if (seq is not None and s > seq) or (at_ns is not None and t > at_ns):
+            break
+        with contextlib.suppress(EventDecodeError):
+            state.apply(decode_event(data), t)
+    return state
+
+
+async def filled(nc: Client, n: int = 20, **overrides: object) -> tuple[Config, int]:
+    config = fresh_config("r", snapshot_bucket=f"rsnap{id(overrides)}{n}",
+                          snapshot_every_events=9, **overrides)  # fmt: skip
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="rp", config=config)
+        last = await lifecycle(pub, "q", n)
+        await pipeline.wait_applied(last)
+    return config, last
+
+
+async def test_replay_to_any_sequence_equals_the_fold_of_that_prefix(nc: Client) -> None:
+    config, last = await filled(nc)
+    for target in (1, 5, 12, last - 1, last):
+        done = await replay(nc, config, to_seq=target)
+        assert done.last_seq == target
+        assert done.state.snapshot() == (await fold_upto(nc, config, seq=target)).snapshot()
+    whole = await replay(nc, config)
+    assert whole.snapshot is not None  # the writer's snapshots made it cost the tail
+    assert whole.events == last - whole.snapshot.applied_seq
+
+
+async def test_replay_at_a_log_time_stops_there_and_reads_loads_there(nc: Client) -> None:
+    config, _ = await filled(nc)
+    log = await read_log(nc, config)
+    _, t10, _ = log[9]
+    at = t10 + 5_000_000  # 5 ms after the 10th event: decay is read at `at`
+    done = await replay(nc, config, at_ns=at)
+    expected = await fold_upto(nc, config, at_ns=at)
+    assert done.state.snapshot() == expected.snapshot()
+    assert done.as_of_ns == at
+    assert done.loads() == expected.registry.loads(at)
+
+
+async def test_verify_names_the_keys_that_differ(nc: Client) -> None:
+    config, _ = await filled(nc)
+    assert await verify(nc, config) == []
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    key = load_key(config.namespace, (0, 1))
+    value = json.loads((await kv.get(key)).value or b"")
+    value["active_blocks"] += 1
+    await kv.put(key, json.dumps(value).encode())
+    diffs = await verify(nc, config)
+    assert len(diffs) == 1 and diffs[0].startswith(f"{key}: bucket (blocks ")
+
+
+async def test_rebuild_rederives_the_bucket_and_the_projector_resumes_after_it(
+    nc: Client,
+) -> None:
+    config, _ = await filled(nc)
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    await kv.put(load_key(config.namespace, (0, 0)), b'{"garbage": true}')
+    await kv.put(load_key(config.namespace, (5, 0)), b"{}")  # a rank the state never had
+    await kv.delete(f"{config.namespace}.blocks.0.1")
+    diffs = await verify(nc, config)
+    assert len(diffs) == 3 and "unreadable" in diffs[0]
+    done = await rebuild(nc, config)
+    assert await verify(nc, config) == []
+    bucket = await read_bucket(nc, config)
+    assert bucket.position is not None and bucket.position.applied_seq == done.last_seq
+    assert (5, 0) not in bucket.loads
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="rq", config=config)
+        last = await lifecycle(pub, "after", 4)
+        await pipeline.wait_applied(last)
+        assert pipeline.projector.stats.deltas == last - done.last_seq
+    assert await verify(nc, config) == []
+    async with RegistryView(nc, config=config) as view:
+        state = await fold_upto(nc, config)
+        assert view.loads(state.now_ns) == state.registry.loads(state.now_ns)
+
+
+def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
+             "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
+             "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
+    env = {**os.environ, "NATS_URL": url}
+    command = [sys.executable, "-m", "projector", *args, *flags, "--no-progress"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+
+
+async def run_cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(cli, config, url, *args)
+
+
+async def test_the_cli_replays_verifies_rebuilds_and_manages_snapshots(
+    nc: Client, nats_server: object
+) -> None:
+    url = nats_server.url  # type: ignore[attr-defined]
+    config, last = await filled(nc)
+    out = await run_cli(config, url, "replay", "--json", "--to-seq", "10")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    state = await fold_upto(nc, config, seq=10)
+    assert [r["active_requests"] for r in rows] == [
+        r.active_requests for r in state.registry.loads(state.now_ns)
+    ]
+    log = await read_log(nc, config)
+    clock = dt.datetime.fromtimestamp(log[4][1] / 1e9, dt.UTC).time().isoformat()
+    out = await run_cli(config, url, "replay", "--at", clock)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("replayed ")
+    out = await run_cli(config, url, "replay", "--verify")
+    assert out.returncode == 0 and "identical: 0 keys differ" in out.stdout, out.stdout
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    await kv.delete(load_key(config.namespace, (0, 0)))
+    out = await run_cli(config, url, "replay", "--verify")
+    assert out.returncode == 1
+    assert f"{load_key(config.namespace, (0, 0))}: missing from the bucket" in out.stdout
+    out = await run_cli(config, url, "rebuild")
+    assert out.returncode == 0 and f"at event {last}" in out.stdout, out.stderr
+    out = await run_cli(config, url, "replay", "--verify")
+    assert out.returncode == 0, out.stdout
+    out = await run_cli(config, url, "snapshot", "save")
+    assert out.returncode == 0 and "saved and verified" in out.stdout, out.stderr
+    out = await run_cli(config, url, "snapshot", "list")
+    assert out.returncode == 0 and f"{config.namespace}.{last:020d}" in out.stdout
+    out = await run_cli(config, url, "snapshot", "show", "latest")
+    assert out.returncode == 0 and f"event {last}" in out.stdout, out.stderr
+    out = await run_cli(config, url, "replay", "--verify", "--to-seq", "3")
+    assert out.returncode == 1 and out.stderr.startswith("seqstate: error: --verify")
