@@ -25,6 +25,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 
 from projector.config import Config
 from projector.projection import Projector
+from projector.retention import trimmed_below
 from projector.snapshots import SnapshotInfo, SnapshotStore
 from projector.values import Position, Rank, decode_blocks, decode_load, decode_position, parse_key
 from projector.writer import first_seq_of, last_seq_of, log_time_ns
@@ -144,11 +145,12 @@ async def replay(
         else:
             state = SequenceState(expiry_s=config.expiry_s)
             start = 1
-            oldest = await first_seq_of(js, config.events_stream, config.events_subjects)
-            if oldest > 1 and await _was_trimmed(nc, config, oldest):
+            cut = await trimmed_below(nc, config)
+            if cut > 1:
+                oldest = await first_seq_of(js, config.events_stream, config.events_subjects)
                 raise ReplayError(
-                    f"events before sequence {oldest} were trimmed and no valid snapshot covers "
-                    f"them; use --from-seq {oldest} for a partial replay"
+                    f"events before sequence {cut} were trimmed and no valid snapshot covers "
+                    f"them; use --from-seq {oldest or cut} for a partial replay"
                 )
     first, last, count, dead = await fold_stream(
         nc, config, state, start_seq=start, end_seq=end, until_ns=at_ns, progress=progress
@@ -163,12 +165,6 @@ async def replay(
         skipped=list(store.skipped),
         at_ns=at_ns,
     )
-
-
-async def _was_trimmed(nc: Client, config: Config, oldest: int) -> bool:
-    """Whether this namespace's first event is gone (not merely another namespace's first)."""
-    info = await nc.jetstream().stream_info(config.events_stream)
-    return info.state.first_seq > 1 or oldest > info.state.first_seq
 
 
 # ---- the bucket ------------------------------------------------------------------------------

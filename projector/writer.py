@@ -34,6 +34,7 @@ from nats.js.errors import NotFoundError
 from projector.config import Config
 from projector.progress import Progress
 from projector.resources import ensure
+from projector.retention import trim, trimmed_below
 from projector.snapshots import SnapshotStore
 from seqstate import (
     Delta,
@@ -231,18 +232,16 @@ class Writer:
 
     async def _check_coverage(self) -> None:
         """Refuse to fold a log whose beginning was trimmed when no snapshot covers it."""
-        info = await self._js.stream_info(self.config.events_stream)
-        first = info.state.first_seq
-        if self.applied.value == 0 and first > 1 and info.state.messages:
-            first_ours = await first_seq_of(self._js, self.config.events_stream,
-                                            self.config.events_subjects)  # fmt: skip
-            if first_ours > 1:
-                skipped = "; ".join(f"{n}: {why}" for n, why in self._skipped())
-                raise SnapshotUnavailable(
-                    f"events before sequence {first_ours} were trimmed and no valid snapshot "
-                    f"covers them, so the state cannot be rebuilt exactly"
-                    + (f" (skipped {skipped})" if skipped else "")
-                )
+        if self.applied.value:
+            return
+        cut = await trimmed_below(self.nc, self.config)
+        if cut > 1:
+            skipped = "; ".join(f"{n}: {why}" for n, why in self._skipped())
+            raise SnapshotUnavailable(
+                f"events before sequence {cut} were trimmed and no valid snapshot "
+                f"covers them, so the state cannot be rebuilt exactly"
+                + (f" (skipped {skipped})" if skipped else "")
+            )
 
     def _skipped(self) -> list[tuple[str, str]]:
         return self.snapshots.skipped if self.snapshots is not None else []
@@ -286,18 +285,11 @@ class Writer:
 
     async def _trim(self) -> None:
         """Drop events older than the oldest kept snapshot (minus the configured margin)."""
-        keep = self.config.retain_events
-        if keep is None or self.snapshots is None:
+        if self.config.retain_events is None or self.snapshots is None:
             return
         kept = await self.snapshots.list()
-        if not kept:
-            return
-        # Every kept snapshot was read back when saved; trimming below the oldest keeps each
-        # of them usable as a fallback with its whole tail.
-        cut = kept[0].applied_seq + 1 - keep
-        if cut > max(self.stats.trimmed_below, 1):
-            await self._js.purge_stream(self.config.events_stream, seq=cut,
-                                        subject=self.config.events_subjects)  # fmt: skip
+        cut = await trim(self.nc, self.config, kept, self.stats.trimmed_below)
+        if cut != self.stats.trimmed_below:
             self.stats.trimmed_below = cut
             log.info("trimmed events below sequence %d", cut)
 

@@ -15,6 +15,7 @@ from pipeline_kit import fresh_config, read_log
 
 from projector.config import Config
 from projector.publisher import RouterPublisher
+from projector.replay import ReplayError, replay
 from projector.resources import ensure
 from projector.snapshots import SnapshotStore
 from projector.writer import SnapshotUnavailable, Writer, first_seq_of
@@ -170,3 +171,13 @@ async def test_trimming_waits_for_verified_snapshots_and_keeps_each_usable(nc: C
     with pytest.raises(SnapshotUnavailable, match="trimmed and no valid snapshot covers them"):
         async with running(nc, config):
             pass
+    with pytest.raises(ReplayError, match=r"trimmed and no valid snapshot .* --from-seq \d+"):
+        await replay(nc, config)
+    # Another namespace on the same (trimmed) stream has lost nothing: it starts.
+    other = Config(**{**config.__dict__, "namespace": config.namespace + "x"})
+    await ensure(nc, other)
+    pub_x = RouterPublisher(nc, namespace=other.namespace, router_id="s-x", config=other)
+    last_x = await publish(pub_x, workload("x", 3))
+    async with running(nc, other) as writer:
+        await writer.wait_applied(last_x, timeout=10)
+        assert writer.stats.restored_from == 0 and len(writer.state.requests) == 2
