@@ -76,12 +76,15 @@ class SnapshotStore:
         self._store: ObjectStore | None = None
         self.skipped: list[tuple[str, str]] = []
 
-    async def open(self) -> SnapshotStore:
+    async def open(self, *, create: bool = True) -> SnapshotStore:
+        """Open the object store; without ``create``, a missing one reads as empty."""
         js = self.nc.jetstream()
         bucket = self.config.snapshot_bucket
         try:
             self._store = await js.object_store(bucket)
         except BucketNotFoundError:
+            if not create:
+                return self
             self._store = await js.create_object_store(
                 bucket,
                 config=api.ObjectStoreConfig(
@@ -105,6 +108,8 @@ class SnapshotStore:
 
     async def list(self) -> list[SnapshotInfo]:
         """This namespace's snapshots, oldest first."""
+        if self._store is None:
+            return []
         try:
             entries = await self.store.list()
         except NotFoundError:

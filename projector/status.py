@@ -15,6 +15,8 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from projector.config import Config
 from projector.resources import dead_letter_stream
+from projector.retention import trimmed_below
+from projector.snapshots import SnapshotStore
 from projector.values import decode_position, parse_key
 
 
@@ -44,6 +46,9 @@ class StatusReport(msgspec.Struct):
     applied_seq: int
     as_of: str | None
     lag_events: int | None
+    snapshots: int = 0
+    newest_snapshot_seq: int = 0
+    trimmed_below: int = 0
 
 
 async def _stream(nc: Client, name: str) -> StreamStatus:
@@ -80,6 +85,9 @@ async def collect(nc: Client, config: Config) -> StatusReport:
             await watcher.stop()
     except BucketNotFoundError:
         exists = False
+    store = await SnapshotStore(nc, config).open(create=False)
+    snapshots = await store.list()
+    trimmed = await trimmed_below(nc, config)
     version = nc.connected_server_version
     events = streams[0]
     lag = events.last_seq - applied if events.exists and exists else None
@@ -94,6 +102,9 @@ async def collect(nc: Client, config: Config) -> StatusReport:
         applied_seq=applied,
         as_of=as_of,
         lag_events=lag,
+        snapshots=len(snapshots),
+        newest_snapshot_seq=snapshots[-1].applied_seq if snapshots else 0,
+        trimmed_below=trimmed,
     )
 
 
@@ -115,4 +126,10 @@ def format_status(report: StatusReport) -> str:
                      f"{report.applied_seq} (log time {report.as_of or '-'})")  # fmt: skip
     if report.lag_events is not None:
         lines.append(f"lag: {report.lag_events} events behind the log")
+    lines.append(
+        f"snapshots: {report.snapshots}"
+        + (f", newest at event {report.newest_snapshot_seq}" if report.snapshots else "")
+    )
+    lines.append(f"events trimmed below sequence {report.trimmed_below}" if report.trimmed_below
+                 else "events: never trimmed")  # fmt: skip
     return "\n".join(lines)
