@@ -78,7 +78,7 @@ from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.resources import ensure
 from projector.server import NatsServer
-from seqstate import Event, WorkerAdded
+from seqstate import Event, SequenceState, WorkerAdded
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 NS_PER_US: Final = 1_000
@@ -226,7 +226,8 @@ def view_matches_writer(
     view: RegistryView, pipeline: Pipeline, queries: Sequence[tuple[list[int], int]]
 ) -> bool:
     """The view (built from bucket values) answers exactly as the writer's own registry."""
-    registry = pipeline.writer.state.registry
+    # The writer defers its registry (it never reads it): rebuild one from its write model.
+    registry = SequenceState.restore(pipeline.writer.state.snapshot()).registry
     now = view.as_of_ns + 50 * NS_PER_MS
     if view.loads(now) != registry.loads(now):
         return False

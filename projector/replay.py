@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import gc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,11 +29,13 @@ from projector.config import Config
 from projector.projection import Projector
 from projector.retention import trimmed_below
 from projector.snapshots import SnapshotInfo, SnapshotStore
+from projector.stream_reader import fast_fold
 from projector.values import Position, Rank, decode_blocks, decode_load, decode_position, parse_key
 from projector.writer import first_seq_of, last_seq_of, log_time_ns
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
 
 Progress = Callable[[int, int], None]  # (events folded, events to fold)
+log = logging.getLogger("seqstate.replay")
 
 
 class ReplayError(RuntimeError):
@@ -58,6 +62,37 @@ class Replayed:
         return self.state.registry.loads(self.as_of_ns)
 
 
+class _Folder:
+    """Folds ``(seq, log_time_ns, payload)`` in order; either read path feeds it."""
+
+    def __init__(self, state: SequenceState, start_seq: int, end_seq: int,
+                 until_ns: int | None, progress: Progress | None) -> None:  # fmt: skip
+        self.apply = state.apply
+        self.start_seq, self.end_seq, self.until_ns = start_seq, end_seq, until_ns
+        self.progress = progress
+        self.first = self.last = self.count = self.dead = 0
+        self.finished = False
+
+    def __call__(self, seq: int, at_ns: int, data: bytes) -> bool:
+        """Fold one event; False once the range (or the time bound) is done."""
+        if seq > self.end_seq or (self.until_ns is not None and at_ns > self.until_ns):
+            self.finished = True
+            return False
+        try:
+            self.apply(decode_event(data), at_ns)
+        except EventDecodeError:
+            self.dead += 1
+        self.first = self.first or seq
+        self.last = seq
+        self.count += 1
+        if self.progress is not None and not self.count & 4095:
+            self.progress(seq - self.start_seq + 1, self.end_seq - self.start_seq + 1)
+        if seq >= self.end_seq:
+            self.finished = True
+            return False
+        return True
+
+
 async def fold_stream(
     nc: Client,
     config: Config,
@@ -67,37 +102,49 @@ async def fold_stream(
     end_seq: int,
     until_ns: int | None = None,
     progress: Progress | None = None,
+    fast: bool = True,
 ) -> tuple[int, int, int, int]:
     """Fold events ``start_seq..end_seq`` (stopping before log time ``until_ns``) into ``state``.
 
-    Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded.
+    Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded. The registry is
+    rebuilt once at the end instead of after every event. The fast path (a reader process,
+    see :mod:`projector.stream_reader`) is tried first; if it gives up, the fold continues
+    through nats-py from where it stopped.
     """
     if end_seq < start_seq:
         return 0, 0, 0, 0
+    folder = _Folder(state, start_seq, end_seq, until_ns, progress)
+    state.defer_registry()
+    # A replay allocates millions of objects that live on: the cyclic collector would scan
+    # them again and again for cycles that the fold never makes.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        why: str | None = "the fast path is off"
+        if fast:
+            _, why = await fast_fold(nc, config, folder, start_seq=start_seq, end_seq=end_seq)
+            if why is not None and not folder.finished:
+                log.warning("fast replay path stopped (%s); continuing through nats-py", why)
+        if why is not None and not folder.finished:
+            await _fold_through_client(nc, config, folder, max(start_seq, folder.last + 1))
+    finally:
+        if collecting:
+            gc.enable()
+        state.sync_registry()
+    if progress is not None:
+        progress(end_seq - start_seq + 1, end_seq - start_seq + 1)
+    return folder.first, folder.last, folder.count, folder.dead
+
+
+async def _fold_through_client(nc: Client, config: Config, folder: _Folder, start: int) -> None:
     js = nc.jetstream()
     done = asyncio.get_running_loop().create_future()
-    first = last = count = dead = 0
-    total = end_seq - start_seq + 1
-    apply = state.apply
 
     async def take(msg: Msg) -> None:
-        nonlocal first, last, count, dead
         if done.done():
             return
         seq, at_ns = log_time_ns(msg)
-        if seq > end_seq or (until_ns is not None and at_ns > until_ns):
-            done.set_result(None)
-            return
-        try:
-            apply(decode_event(msg.data), at_ns)
-        except EventDecodeError:
-            dead += 1
-        first = first or seq
-        last = seq
-        count += 1
-        if progress is not None and count % 4096 == 0:
-            progress(seq - start_seq + 1, total)
-        if seq >= end_seq:
+        if not folder(seq, at_ns, msg.data) and not done.done():
             done.set_result(None)
 
     sub = await js.subscribe(
@@ -106,7 +153,7 @@ async def fold_stream(
         ordered_consumer=True,
         idle_heartbeat=1.0,
         deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-        config=api.ConsumerConfig(opt_start_seq=start_seq),
+        config=api.ConsumerConfig(opt_start_seq=start),
         cb=take,
         pending_msgs_limit=1_000_000,
         pending_bytes_limit=1 << 30,
@@ -115,9 +162,6 @@ async def fold_stream(
         await done
     finally:
         await sub.unsubscribe()
-    if progress is not None:
-        progress(total, total)
-    return first, last, count, dead
 
 
 async def replay(

@@ -1,0 +1,213 @@
+"""The fast replay path: a reader process speaking the NATS protocol directly, feeding the fold.
+
+nats-py turns each delivered message into a ``Msg`` with parsed headers and runs a callback
+through a queue: 50-55k messages/s on these machines, the ceiling of any replay through it.
+A replay needs none of that: it reads one push consumer's deliveries in order and needs, per
+message, the stream sequence and nanosecond log time (both in the ``$JS.ACK`` reply subject)
+and the payload. So a child process opens its own connection, subscribes to the consumer's
+deliver subject, slices frames out of the socket buffer, answers flow control, and writes the
+triples to a pipe in batches; the parent, on the other core, decodes and folds. The parent owns
+the consumer (created once the child's subscription is in place, deleted at the end) and falls
+back to the nats-py path when the child cannot be used (TLS, a gap, an early exit).
+
+Pipe format: ``RDY\\n`` once subscribed, then frames of a 4-byte big-endian length and a
+msgpack list of ``(seq, log_time_ns, payload)``; a zero length ends the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import struct
+import sys
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+import msgspec
+from nats.aio.client import Client
+from nats.js import api
+
+from projector.config import Config
+
+READY = b"RDY\n"
+_LENGTH = struct.Struct(">I")
+Batch = list[tuple[int, int, bytes]]
+_batch_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(Batch)
+
+
+class ReaderUnavailable(RuntimeError):
+    """The fast path cannot serve this replay; the caller folds through nats-py instead."""
+
+
+# ---- the child ------------------------------------------------------------------------------
+
+
+async def _read(url: str, inbox: str, end_seq: int, out: Callable[[bytes], None]) -> None:
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname or "127.0.0.1",
+                                                   parts.port or 4222, limit=1 << 22)  # fmt: skip
+    await reader.readline()  # INFO
+    connect: dict[str, object] = {"verbose": False, "pedantic": False, "headers": True,
+                                  "no_responders": True, "protocol": 1,
+                                  "name": "seqstate-replay"}  # fmt: skip
+    if parts.username and parts.password is not None:
+        connect.update(user=parts.username, **{"pass": parts.password})
+    elif parts.username:
+        connect["auth_token"] = parts.username
+    writer.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n")
+    writer.write(f"SUB {inbox} 1\r\n".encode() + b"PING\r\n")
+    await writer.drain()
+    pongs = 0
+    while pongs < 2:  # the server has processed CONNECT and SUB
+        line = await reader.readline()
+        if line.startswith(b"-ERR"):
+            raise ReaderUnavailable(line.decode().strip())
+        pongs += line.startswith(b"PONG")
+    out(READY)
+    buf = b""
+    last_cseq = 0
+    quiet_beats = 0  # idle heartbeats since the last delivery
+    while True:
+        chunk = await reader.read(1 << 20)
+        if not chunk:
+            raise ReaderUnavailable("the server closed the connection")
+        buf = buf + chunk if buf else chunk
+        batch: Batch = []
+        pos, size, finished = 0, len(buf), False
+        while True:
+            eol = buf.find(b"\r\n", pos)
+            if eol < 0:
+                break
+            head = buf[pos:eol]
+            if head[:4] == b"HMSG" or head[:3] == b"MSG":
+                fields = head.split(b" ")
+                total = int(fields[-1])
+                start = eol + 2
+                stop = start + total + 2
+                if stop > size:
+                    break
+                headers = int(fields[-2]) if head[0] == 72 else 0  # 'H'
+                reply = fields[3] if len(fields) == (6 if headers else 5) else b""
+                if reply[:8] == b"$JS.ACK.":
+                    tokens = reply.split(b".")
+                    seq, cseq, at_ns = int(tokens[-4]), int(tokens[-3]), int(tokens[-2])
+                    if cseq != last_cseq + 1:
+                        raise ReaderUnavailable(f"delivery gap after consumer sequence {last_cseq}")
+                    last_cseq = cseq
+                    quiet_beats = 0
+                    batch.append((seq, at_ns, buf[start + headers : start + total]))
+                    if seq >= end_seq:
+                        finished = True
+                        break
+                elif b"FlowControl" in buf[start : start + headers] and reply:
+                    writer.write(b"PUB " + reply + b" 0\r\n\r\n")
+                elif b"Idle Heartbeat" in buf[start : start + headers]:
+                    status = buf[start : start + headers]
+                    stalled = status.find(b"Nats-Consumer-Stalled:")
+                    if stalled >= 0:  # a flow-control request we could not see: answer it
+                        subject = status[stalled + 22 : status.find(b"\r\n", stalled)].strip()
+                        writer.write(b"PUB " + subject + b" 0\r\n\r\n")
+                        quiet_beats = 0
+                    else:
+                        quiet_beats += 1
+                    if quiet_beats >= 2:  # two beats and nothing between: the stream has ended
+                        finished = True
+                        break
+                pos = stop
+            elif head == b"PING":
+                writer.write(b"PONG\r\n")
+                pos = eol + 2
+            elif head[:4] == b"-ERR":
+                raise ReaderUnavailable(head.decode())
+            else:
+                pos = eol + 2
+        if batch:
+            payload = _batch_encoder.encode(batch)
+            out(_LENGTH.pack(len(payload)) + payload)
+        if finished:
+            out(_LENGTH.pack(0))
+            writer.close()
+            return
+        buf = buf[pos:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    url, inbox, end_seq = (argv or sys.argv[1:])[:3]
+    stdout = sys.stdout.buffer
+
+    def out(data: bytes) -> None:
+        stdout.write(data)
+        stdout.flush()
+
+    try:
+        asyncio.run(_read(url, inbox, int(end_seq), out))
+    except (ReaderUnavailable, OSError) as exc:
+        print(f"stream reader: {exc}", file=sys.stderr)
+        return 3
+    return 0
+
+
+# ---- the parent -----------------------------------------------------------------------------
+
+
+async def fast_fold(
+    nc: Client,
+    config: Config,
+    apply: Callable[[int, int, bytes], bool],
+    *,
+    start_seq: int,
+    end_seq: int,
+) -> tuple[int, str | None]:
+    """Feed ``apply(seq, log_time_ns, payload)`` with events ``start_seq..end_seq`` in order.
+
+    ``apply`` returns False to stop early. Returns the last sequence fed and, if the fast path
+    gave up before the end, why: the events fed stand, and the caller continues after them.
+    """
+    url = nc.connected_url
+    if url is None or url.scheme not in ("nats", ""):
+        return start_seq - 1, "the fast path speaks plain nats:// only"
+    inbox = f"_INBOX.seqstate-replay.{os.getpid()}.{id(apply)}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "projector.stream_reader", url.geturl(), inbox, str(end_seq),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=1 << 22,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    js = nc.jetstream()
+    consumer: str | None = None
+    last = start_seq - 1
+    try:
+        if await proc.stdout.readexactly(len(READY)) != READY:
+            raise ReaderUnavailable("the reader did not start")
+        info = await js.add_consumer(config.events_stream, api.ConsumerConfig(
+            deliver_subject=inbox, filter_subject=config.events_subjects,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
+            ack_policy=api.AckPolicy.NONE, flow_control=True, idle_heartbeat=1.0,
+            mem_storage=True, max_deliver=1, num_replicas=1, inactive_threshold=30.0,
+        ))  # fmt: skip
+        consumer = info.name
+        while True:
+            (length,) = _LENGTH.unpack(await proc.stdout.readexactly(4))
+            if length == 0:
+                return last, None
+            for seq, at_ns, data in _batch_decoder.decode(await proc.stdout.readexactly(length)):
+                last = seq
+                if not apply(seq, at_ns, data):
+                    return last, None
+    except (asyncio.IncompleteReadError, ReaderUnavailable) as exc:
+        err = (await proc.stderr.read()).decode().strip()
+        return last, err or str(exc) or "the reader stopped early"
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        await proc.wait()
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(config.events_stream, consumer)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
