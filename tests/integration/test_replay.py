@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
@@ -167,3 +168,44 @@ async def test_the_cli_replays_verifies_rebuilds_and_manages_snapshots(
     assert out.returncode == 0 and f"event {last}" in out.stdout, out.stderr
     out = await run_cli(config, url, "replay", "--verify", "--to-seq", "3")
     assert out.returncode == 1 and out.stderr.startswith("seqstate: error: --verify")
+
+
+async def test_the_fast_path_equals_the_client_path_and_falls_back(
+    nc: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from projector.replay import fold_stream
+    from projector.resources import ensure
+    from projector.writer import last_seq_of
+    from seqstate import AddRequest, Free, encode_event
+
+    config = fresh_config("f")
+    await ensure(nc, config)
+    js = nc.jetstream()
+    futures = []
+    for i in range(6000):  # enough bytes for the server to ask for flow control
+        event = (AddRequest(request_id=f"x{i}", worker_id=i % 8,
+                            block_hashes=list(range(i % 40)), prefill_tokens=i)
+                 if i % 3 else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8))  # fmt: skip
+        futures.append(await js.publish_async(config.event_subject(i % 8), encode_event(event)))
+    futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
+    await asyncio.gather(*futures)
+    last = await last_seq_of(js, config.events_stream, config.events_subjects)
+    results = {}
+    for fast in (True, False):
+        state = SequenceState(expiry_s=config.expiry_s)
+        counts = await fold_stream(nc, config, state, start_seq=1, end_seq=last, fast=fast)
+        results[fast] = (counts, state.snapshot(), state.registry.loads(state.now_ns))
+    assert results[True] == results[False]
+    assert results[True][0] == (1, last, last, 1)
+    assert "fast replay path stopped" not in caplog.text  # the fast path did the work
+    caplog.set_level("WARNING", logger="seqstate.replay")
+    # The reader cannot start: the fold goes on through the client and ends the same.
+    monkeypatch.setattr("projector.stream_reader.sys.executable", "/bin/false")
+    state = SequenceState(expiry_s=config.expiry_s)
+    counts = await fold_stream(nc, config, state, start_seq=1, end_seq=last)
+    assert (counts, state.snapshot()) == results[True][:2]
+    assert "fast replay path stopped" in caplog.text
+    # A range inside the log, both ends exact.
+    state = SequenceState(expiry_s=config.expiry_s)
+    counts = await fold_stream(nc, config, state, start_seq=100, end_seq=200)
+    assert counts == (100, 200, 101, 0)
