@@ -92,6 +92,32 @@ class _Folder:
             return False
         return True
 
+    def fold_batch(self, batch: list[tuple[int, int, bytes]]) -> bool:
+        """:meth:`__call__` over a batch, with the per-event work kept in one tight loop."""
+        apply, decode = self.apply, decode_event
+        end = self.end_seq
+        until = self.until_ns if self.until_ns is not None else 1 << 64
+        last, folded, dead = self.last, 0, 0
+        for seq, at_ns, data in batch:
+            if seq > end or at_ns > until:
+                self.finished = True
+                break
+            try:
+                apply(decode(data), at_ns)
+            except EventDecodeError:
+                dead += 1
+            last = seq
+            folded += 1
+            if seq >= end:
+                self.finished = True
+                break
+        if folded and not self.first:
+            self.first = batch[0][0]
+        self.last, self.count, self.dead = last, self.count + folded, self.dead + dead
+        if self.progress is not None and folded:
+            self.progress(last - self.start_seq + 1, end - self.start_seq + 1)
+        return not self.finished
+
 
 async def fold_stream(
     nc: Client,
@@ -122,7 +148,8 @@ async def fold_stream(
     try:
         why: str | None = "the fast path is off"
         if fast:
-            _, why = await fast_fold(nc, config, folder, start_seq=start_seq, end_seq=end_seq)
+            _, why = await fast_fold(nc, config, folder.fold_batch, start_seq=start_seq,
+                                     end_seq=end_seq)  # fmt: skip
             if why is not None and not folder.finished:
                 log.warning("fast replay path stopped (%s); continuing through nats-py", why)
         if why is not None and not folder.finished:

@@ -156,20 +156,20 @@ def main(argv: list[str] | None = None) -> int:
 async def fast_fold(
     nc: Client,
     config: Config,
-    apply: Callable[[int, int, bytes], bool],
+    fold: Callable[[Batch], bool],
     *,
     start_seq: int,
     end_seq: int,
 ) -> tuple[int, str | None]:
-    """Feed ``apply(seq, log_time_ns, payload)`` with events ``start_seq..end_seq`` in order.
+    """Feed ``fold`` batches of ``(seq, log_time_ns, payload)``, ``start_seq..end_seq`` in order.
 
-    ``apply`` returns False to stop early. Returns the last sequence fed and, if the fast path
+    ``fold`` returns False to stop early. Returns the last sequence fed and, if the fast path
     gave up before the end, why: the events fed stand, and the caller continues after them.
     """
     url = nc.connected_url
     if url is None or url.scheme not in ("nats", ""):
         return start_seq - 1, "the fast path speaks plain nats:// only"
-    inbox = f"_INBOX.seqstate-replay.{os.getpid()}.{id(apply)}"
+    inbox = f"_INBOX.seqstate-replay.{os.getpid()}.{id(fold)}"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "projector.stream_reader", url.geturl(), inbox, str(end_seq),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=1 << 22,
@@ -192,9 +192,10 @@ async def fast_fold(
             (length,) = _LENGTH.unpack(await proc.stdout.readexactly(4))
             if length == 0:
                 return last, None
-            for seq, at_ns, data in _batch_decoder.decode(await proc.stdout.readexactly(length)):
-                last = seq
-                if not apply(seq, at_ns, data):
+            batch = _batch_decoder.decode(await proc.stdout.readexactly(length))
+            if batch:
+                last = batch[-1][0]
+                if not fold(batch):
                     return last, None
     except (asyncio.IncompleteReadError, ReaderUnavailable) as exc:
         err = (await proc.stderr.read()).decode().strip()
