@@ -269,7 +269,7 @@ async def cmd_writer(args: argparse.Namespace, config: Config) -> int:
         writer = Writer(nc, config)
         task = asyncio.ensure_future(writer.run())
         try:
-            await until_signal(task)
+            await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
         finally:
             writer.stop()
             with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -284,7 +284,7 @@ async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
         projector = Projector(nc, config)
         task = asyncio.ensure_future(projector.run())
         try:
-            await until_signal(task)
+            await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
         finally:
             projector.stop()
             with contextlib.suppress(Exception, asyncio.CancelledError):

@@ -143,6 +143,7 @@ class Projector:
             return
         if not self.caught_up.is_set() and self.delta_seq >= self._target:
             self.caught_up.set()
+        await asyncio.sleep(0)  # a backlog would otherwise starve the flush loop
 
     def stop(self) -> None:
         self._stopping.set()

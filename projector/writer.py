@@ -333,6 +333,9 @@ class Writer:
             sub = self._sub
             if len(self._batch) >= MAX_BATCH or sub is None or not sub.pending_msgs:
                 await self._publish_batch()
+                # A backlog never makes the callback wait, so it would starve the loop's other
+                # tasks (a snapshot being saved, acks, the ticker): give them a turn per batch.
+                await asyncio.sleep(0)
             if self._snapshot_due():
                 await self._take_snapshot()
         except Exception as exc:  # the callback's errors would be swallowed by the client

@@ -1,0 +1,438 @@
+"""Helpers of the fault tests: restartable pipeline processes, a seeded workload, kill schedules.
+
+A kill point is a number of events published, chosen by ``random.Random(seed)``, never a
+moment in time. Before each kill the test waits until the process it is about to kill has
+shown progress of its own (a delta or a bucket position newer than when it started), so every
+SIGKILL hits a process that is connected and working, never one still importing Python.
+Every wait is on an observable condition with a deadline; a process that dies on its own fails
+the test with its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
+
+from projector.config import Config
+from projector.publisher import RouterPublisher
+from projector.values import Position, decode_position, position_key
+from projector.writer import SOURCE_SEQ, last_seq_of
+from seqstate import (
+    AddRequest,
+    Event,
+    Free,
+    MarkPrefillCompleted,
+    WorkerAdded,
+    WorkerRemoved,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 30.0  # deadline of any single wait: generous, only a hang ever reaches it
+POLL_S = 0.005
+TAIL = 50  # the last steps, published with the final run up and nothing else scheduled
+T = TypeVar("T")
+
+
+def fault_config(tag: str, **overrides: object) -> Config:
+    """A namespace, streams and buckets of their own, so tests sharing a server never meet."""
+    n = uuid.uuid4().hex[:8]
+    return Config(namespace=f"{tag}{n}", events_stream=f"{tag.upper()}EV{n}",
+                  deltas_stream=f"{tag.upper()}DL{n}", registry_bucket=f"{tag}reg{n}",
+                  snapshot_bucket=f"{tag}snap{n}", **overrides)  # type: ignore[arg-type]  # fmt: skip
+
+
+# ---- processes ----------------------------------------------------------------------------------
+
+
+class Service:
+    """``python -m projector <command>`` for one config, restartable; each run logs to a file."""
+
+    def __init__(self, command: str, config: Config, url: str, log_dir: Path) -> None:
+        self.command = command
+        self.config = config
+        self.url = url
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs: list[Path] = []
+        self.kills = 0
+        self.mark = 0  # the progress observed when the current run started
+        self._consumers: set[str] = set()  # the input stream's consumers before this run
+
+    def argv(self) -> list[str]:
+        c = self.config
+        expiry = "off" if c.expiry_s is None else repr(c.expiry_s)
+        return [sys.executable, "-m", "projector", self.command,
+                "--namespace", c.namespace, "--events-stream", c.events_stream,
+                "--deltas-stream", c.deltas_stream, "--registry-bucket", c.registry_bucket,
+                "--snapshot-bucket", c.snapshot_bucket,
+                "--snapshot-every-events", str(c.snapshot_every_events),
+                "--expiry-s", expiry, "--idle-tick-s", repr(c.idle_tick_s),
+                "--log-level", "warning"]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SEQSTATE_") and k != "NATS_URL"}  # fmt: skip
+        env["NATS_URL"] = self.url
+        return env
+
+    @property
+    def input_stream(self) -> str:
+        return self.config.events_stream if self.command == "writer" else self.config.deltas_stream
+
+    async def _consumer_names(self, js: JetStreamContext) -> set[str]:
+        return {info.name for info in await js.consumers_info(self.input_stream)}
+
+    async def start(self, js: JetStreamContext, mark: int) -> None:
+        assert self.proc is None, "already running"
+        self.mark = mark
+        self._consumers = await self._consumer_names(js)
+        name = f"{self.config.registry_bucket}-{self.command}-{len(self.runs) + 1}.log"
+        path = self.log_dir / name
+        self.runs.append(path)
+        with path.open("wb") as out:
+            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.env(), cwd=ROOT)  # fmt: skip
+
+    def kill(self) -> None:
+        proc, self.proc = self.proc, None
+        assert proc is not None, "not running"
+        if proc.poll() is not None:
+            raise AssertionError(f"{self.command} had already exited with {proc.returncode}"
+                                 f"\n{self.logs()}")  # fmt: skip
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        self.kills += 1
+
+    async def wait_ready(self, js: JetStreamContext) -> None:
+        """Until this run has subscribed to its input stream: its SIGTERM handler is in place
+        by then (``until_signal`` installs it before the command's task first runs)."""
+
+        async def new_consumers() -> set[str]:
+            return await self._consumer_names(js) - self._consumers
+
+        await wait_until(new_consumers, bool, f"{self.command} run {len(self.runs)} subscribed",
+                         watch=self)  # fmt: skip
+
+    async def stop(self, timeout: float = WAIT_S) -> int:
+        """SIGTERM (a clean stop) and the exit code."""
+        proc, self.proc = self.proc, None
+        assert proc is not None, "not running"
+        proc.send_signal(signal.SIGTERM)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while proc.poll() is None:
+            if asyncio.get_running_loop().time() > deadline:
+                proc.kill()
+                proc.wait(10)
+                raise AssertionError(f"{self.command} ignored SIGTERM\n{self.logs()}")
+            await asyncio.sleep(0.01)
+        return proc.returncode
+
+    def check(self) -> None:
+        """Fail, with the logs, if the current run exited on its own."""
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.returncode
+            raise AssertionError(f"{self.command} exited on its own with {code}\n{self.logs()}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def logs(self, tail: int = 3000) -> str:
+        parts = []
+        for path in self.runs:
+            text = path.read_text(errors="replace") if path.exists() else "(no log)"
+            parts.append(f"--- {path.name} ---\n{text[-tail:] or '(empty)'}")
+        return "\n".join(parts)
+
+
+async def wait_until(
+    probe: Callable[[], Awaitable[T]],
+    ok: Callable[[T], bool],
+    what: str,
+    *,
+    watch: Service | None = None,
+    timeout: float = WAIT_S,
+    interval: float = POLL_S,
+) -> T:
+    """Poll ``probe`` until ``ok``; fail naming ``what`` (and the process's log) at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    value: T | None = None
+    while True:
+        try:
+            value = await probe()
+        except nats.errors.TimeoutError:  # a busy server: ask again, within the deadline
+            pass
+        else:
+            if ok(value):
+                return value
+        if watch is not None:
+            watch.check()
+        if loop.time() > deadline:
+            logs = f"\n{watch.logs()}" if watch is not None else ""
+            raise AssertionError(f"{what}: not within {timeout:g}s (last seen {value!r}){logs}")
+        await asyncio.sleep(interval)
+
+
+# ---- observing the pipeline -------------------------------------------------------------------
+
+
+async def delta_source_seq(js: JetStreamContext, config: Config) -> int:
+    """The source sequence of the newest delta on the DELTAS stream (0 if none)."""
+    try:
+        raw = await js.get_last_msg(config.deltas_stream, config.deltas_subject)
+    except NotFoundError:
+        return 0
+    return int((raw.headers or {}).get(SOURCE_SEQ, 0))
+
+
+async def bucket_position(js: JetStreamContext, config: Config) -> Position:
+    """The namespace's position key in ``config.registry_bucket`` (zeros if none yet)."""
+    kv = await js.key_value(config.registry_bucket)
+    try:
+        entry = await kv.get(position_key(config.namespace))
+    except KeyNotFoundError:
+        return Position(0, 0, 0)
+    return decode_position(entry.value or b"")
+
+
+async def bucket_values(nc: Client, config: Config) -> dict[str, bytes]:
+    """Every live key of the namespace in ``config.registry_bucket``, with its bytes.
+
+    Read from the bucket's stream (``KeyValue.keys`` filters by substring, not by subject).
+    """
+    bucket = config.registry_bucket
+    prefix = f"$KV.{bucket}."
+    out: dict[str, bytes] = {}
+    for _, headers, data in await read_stream(nc, f"KV_{bucket}", f"{prefix}{config.namespace}.>"):
+        key = headers["subject"][len(prefix) :]
+        if headers.get(KV_OP) in (KV_DEL, KV_PURGE):
+            out.pop(key, None)
+        else:
+            out[key] = data
+    return out
+
+
+async def read_stream(
+    nc: Client, stream: str, subject: str
+) -> list[tuple[int, dict[str, str], bytes]]:
+    """Every message of ``stream`` on ``subject`` as ``(seq, headers, data)``, in order; the
+    headers carry the message's subject too, under ``subject``."""
+    js = nc.jetstream()
+    last = await last_seq_of(js, stream, subject)
+    out: list[tuple[int, dict[str, str], bytes]] = []
+    if last == 0:
+        return out
+    done = asyncio.Event()
+
+    async def take(msg) -> None:  # type: ignore[no-untyped-def]
+        seq = msg.metadata.sequence.stream
+        out.append((seq, {**(msg.headers or {}), "subject": msg.subject}, msg.data))
+        if seq >= last:
+            done.set()
+
+    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, cb=take)
+    try:
+        await asyncio.wait_for(done.wait(), WAIT_S)
+    finally:
+        await sub.unsubscribe()
+    return [entry for entry in out if entry[0] <= last]
+
+
+# ---- the workload -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One publish: an event through the RouterPublisher, or raw bytes straight to a subject."""
+
+    event: Event | None = None
+    subject: str = ""
+    raw: bytes = b""
+
+
+EXTRA_WORKER = 9  # the worker that is registered, removed and registered again
+
+
+def workload(seed: int, config: Config, requests: int) -> list[Step]:
+    """Adds sharing system-prompt prefixes, marks, frees (some of unknown requests), a worker
+    that comes, goes and comes back, and a few malformed messages; ends with a valid event."""
+    rng = random.Random(seed)
+    prompts = [[rng.getrandbits(63) for _ in range(rng.randint(2, 8))] for _ in range(6)]
+    ranks = [(w, r) for w in range(4) for r in range(2)]
+    extra_size = 0
+    live: list[tuple[str, int, int, bool]] = []
+    steps: list[Step] = []
+    malformed = sorted(rng.sample(range(requests // 5, requests - 10), 3))
+    topology = {requests // 4: 2, requests // 2: 0, 3 * requests // 4: 3}  # dp_size; 0: removed
+    garbage = [b"\xc1 not msgpack", msgspec.msgpack.encode([1, {"type": "Nope"}]),
+               msgspec.msgpack.encode([1, {"type": "AddRequest", "worker_id": -1}])]  # fmt: skip
+    for i in range(requests):
+        if i in topology:
+            extra_size = topology[i]
+            event: Event = (WorkerAdded(worker_id=EXTRA_WORKER, dp_size=extra_size) if extra_size
+                            else WorkerRemoved(worker_id=EXTRA_WORKER))  # fmt: skip
+            steps.append(Step(event))
+        if i in malformed:
+            w, r = rng.choice(ranks)
+            steps.append(Step(subject=config.event_subject(w, r), raw=garbage[malformed.index(i)]))
+        if extra_size and rng.random() < 0.25:
+            w, r = EXTRA_WORKER, rng.randrange(extra_size)
+        else:
+            w, r = rng.choice(ranks)
+        rid = f"s{seed}-{i}"
+        blocks = rng.choice(prompts) + [rng.getrandbits(63) for _ in range(rng.randint(0, 6))]
+        steps.append(Step(AddRequest(
+            request_id=rid, worker_id=w, dp_rank=r, block_hashes=blocks,
+            prefill_tokens=rng.randint(16, 4000),
+            expected_prefill_ms=rng.choice([None, round(rng.uniform(5.0, 900.0), 3)]),
+            expected_output_tokens=rng.choice([None, rng.randint(1, 512)]),
+        )))  # fmt: skip
+        live.append((rid, w, r, False))
+        while live and rng.random() < 0.6:
+            j = rng.randrange(len(live))
+            rid, w, r, marked = live[j]
+            if not marked and rng.random() < 0.7:
+                steps.append(Step(MarkPrefillCompleted(request_id=rid, worker_id=w, dp_rank=r)))
+                live[j] = (rid, w, r, True)
+            else:
+                steps.append(Step(Free(request_id=rid, worker_id=w, dp_rank=r)))
+                live.pop(j)
+        if rng.random() < 0.02:  # a Free that overtakes its Add (or never had one)
+            steps.append(Step(Free(request_id=f"ghost{seed}-{i}", worker_id=w, dp_rank=r)))
+    for rid, w, r, _ in live[::2]:
+        steps.append(Step(Free(request_id=rid, worker_id=w, dp_rank=r)))
+    assert steps[-1].event is not None
+    return steps
+
+
+def kill_schedule(seed: int, steps: int, kills: int) -> list[tuple[int, int, bool]]:
+    """``(kill_at, restart_at, late)``: one kill in the first half of each of ``kills`` equal
+    segments of the steps, the restart 0-150 events later (events pile up meanwhile). Half
+    the kills are *late*: the process is first given time to get further (the writer to save
+    a snapshot of its own), the others hit it as soon as it shows progress."""
+    rng = random.Random(f"kills-{seed}")
+    segment = (steps - 200) // kills
+    late = [k % 2 == 1 for k in range(kills)]
+    rng.shuffle(late)
+    out = []
+    for k in range(kills):
+        start = 100 + k * segment
+        kill_at = rng.randrange(start, start + segment // 2)
+        out.append((kill_at, kill_at + rng.choice([0, 0, rng.randint(1, 150)]), late[k]))
+    return out
+
+
+async def run_with_kills(
+    nc: Client,
+    config: Config,
+    steps: list[Step],
+    service: Service,
+    schedule: list[tuple[int, int, bool]],
+    *,
+    progress: Callable[[], Awaitable[int]],
+    late_probe: Callable[[], Awaitable[int]],
+    late_target: Callable[[], Awaitable[int]],
+    router_id: str,
+) -> int:
+    """Publish ``steps`` in order (one acknowledged publish after another) while ``service``
+    runs, is SIGKILLed and restarted by ``schedule``; the stream sequence of the last step.
+
+    ``progress`` is what the service has visibly done (the writer's last delta, the projector's
+    position): an early kill waits, publishing paused, for progress newer than the run's start
+    and kills at once (often mid catch-up). A late kill waits in the background, publishing on,
+    until ``late_probe`` passes what ``late_target`` said at the kill point (a snapshot of what
+    was published by then saved, more positions flushed), then kills and restarts at once; it
+    fires anyway once the
+    publisher reaches its next action (it waits for it: a writer takes snapshots only as events
+    arrive). The last ``TAIL`` steps are published to the final run only, so that its progress
+    reaching the last step proves that this run, not an earlier one, has folded it all.
+    """
+    pub = RouterPublisher(nc, namespace=config.namespace, router_id=router_id, config=config)
+    js = nc.jetstream()
+    kills: dict[int, list[bool]] = collections.defaultdict(list)
+    restarts: collections.Counter[int] = collections.Counter()
+    for kill_at, restart_at, late in schedule:
+        kills[kill_at].append(late)
+        if not late:
+            restarts[restart_at] += 1
+    now = {"step": 0, "last": 0, "started_at": 0}
+    final = len(steps) - TAIL
+    pending: asyncio.Task[None] | None = None
+    force = asyncio.Event()  # the publisher reached its next action: a pending late kill fires
+
+    async def start() -> None:
+        now["started_at"] = now["step"]
+        await service.start(js, await progress())
+
+    async def has_progressed() -> None:
+        await wait_until(progress, lambda seen: seen > service.mark,
+                         f"{service.command} run {len(service.runs)} made progress",
+                         watch=service)  # fmt: skip
+
+    async def late_kill() -> None:
+        await has_progressed()
+        target = await late_target()
+
+        async def seen() -> tuple[int, int]:
+            return await late_probe(), await progress()
+
+        await wait_until(seen, lambda v: v[0] > target or force.is_set(),
+                         f"{service.command} run {len(service.runs)} got further",
+                         watch=service, interval=0.02)  # fmt: skip
+        service.kill()
+        await start()
+
+    await start()
+    try:
+        for i, step in enumerate(steps):
+            now["step"] = i
+            if (i in kills or i in restarts or i == final) and pending is not None:
+                force.set()
+                await pending
+                pending = None
+                force.clear()
+            for late in kills.pop(i, []):
+                if now["started_at"] == i:
+                    # The run started at this very step (a late kill just fired): it can show
+                    # progress only on events published after it started, so kill it later.
+                    kills[i + 25].append(late)
+                    restarts[i + 25] += restarts.pop(i, 0)
+                elif late:
+                    pending = asyncio.create_task(late_kill())
+                else:
+                    await has_progressed()
+                    service.kill()
+            for _ in range(restarts.pop(i, 0)):
+                await start()
+            if step.event is not None:
+                now["last"] = await pub.publish(step.event)
+            else:
+                now["last"] = (await js.publish(step.subject, step.raw)).seq
+            assert i < final or not (kills or restarts), "a kill was deferred into the tail"
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+    return now["last"]

@@ -1,0 +1,113 @@
+"""Issue #4: the projector is SIGKILLed at random points while deltas flow, restarted each time,
+and its bucket ends byte for byte as that of one uninterrupted projector over the same deltas."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import msgspec
+import pytest
+from fault_kit import (
+    Service,
+    bucket_position,
+    bucket_values,
+    delta_source_seq,
+    fault_config,
+    kill_schedule,
+    run_with_kills,
+    wait_until,
+    workload,
+)
+from nats.aio.client import Client
+
+from projector.resources import ensure
+from projector.server import NatsServer
+from projector.values import decode_blocks, decode_load, decode_position, parse_key
+from projector.writer import last_seq_of
+
+KILLS = 4
+
+
+def decoded(namespace: str, values: dict[str, bytes]) -> dict[str, object]:
+    """The bucket's values in readable form, for a failure message that names the difference."""
+    out: dict[str, object] = {}
+    for key, raw in values.items():
+        kind, _ = parse_key(namespace, key)
+        if kind == "load":
+            out[key] = msgspec.to_builtins(decode_load(raw))
+        elif kind == "blocks":
+            seq, hashes = decode_blocks(raw)
+            out[key] = (seq, sorted(hashes))
+        elif kind == "position":
+            out[key] = msgspec.to_builtins(decode_position(raw))
+        else:
+            out[key] = raw
+    return out
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_bucket(
+    nc: Client, nats_server: NatsServer, tmp_path: Path, seed: int
+) -> None:
+    config = fault_config("p", expiry_s=2.0, idle_tick_s=3600.0)
+    # The reference: the same namespace and deltas, into a bucket of its own.
+    reference = dataclasses.replace(config, registry_bucket=f"{config.registry_bucket}-ref")
+    await ensure(nc, config)
+    await ensure(nc, reference)
+    js = nc.jetstream()
+    steps = workload(seed, config, requests=800)
+    writer = Service("writer", config, nats_server.url, tmp_path)
+    projector = Service("projector", config, nats_server.url, tmp_path)
+    uninterrupted = Service("projector", reference, nats_server.url, tmp_path)
+
+    async def applied() -> int:
+        return (await bucket_position(js, config)).applied_seq
+
+    async def applied_ref() -> int:
+        return (await bucket_position(js, reference)).applied_seq
+
+    async def further() -> int:
+        return await applied() + 150
+
+    async def deltas() -> int:
+        return await delta_source_seq(js, config)
+
+    try:
+        await writer.start(js, 0)
+        # A late kill lets the projector apply 150 more events first, publishing on.
+        last = await run_with_kills(nc, config, steps, projector,
+                                    kill_schedule(seed, len(steps), KILLS), progress=applied,
+                                    late_probe=applied, late_target=further,
+                                    router_id=f"fault-p{seed}")  # fmt: skip
+        assert await last_seq_of(js, config.events_stream, config.events_subjects) == last
+        await wait_until(deltas, lambda seq: seq >= last, "the writer caught up", watch=writer)
+        await wait_until(applied, lambda seq: seq >= last, "the last projector caught up",
+                         watch=projector)  # fmt: skip
+        code = await projector.stop()
+        assert code == 0, f"projector exited with {code} on SIGTERM\n{projector.logs()}"
+        code = await writer.stop()
+        assert code == 0, f"writer exited with {code} on SIGTERM\n{writer.logs()}"
+
+        await uninterrupted.start(js, 0)
+        await wait_until(applied_ref, lambda seq: seq >= last,
+                         "the uninterrupted projector caught up", watch=uninterrupted)  # fmt: skip
+        code = await uninterrupted.stop()
+        assert code == 0, f"projector exited with {code} on SIGTERM\n{uninterrupted.logs()}"
+    finally:
+        for service in (projector, writer, uninterrupted):
+            service.close()
+    assert projector.kills == KILLS
+
+    got = await bucket_values(nc, config)
+    want = await bucket_values(nc, reference)
+    ns = config.namespace
+    position = decode_position(want[f"{ns}.position"])
+    assert position.applied_seq == last
+    assert position.delta_seq == await last_seq_of(js, config.deltas_stream, config.deltas_subject)
+    assert any(parse_key(ns, key)[0] == "blocks" for key in want)
+    assert sorted(got) == sorted(want), "the killed projector's keys differ"
+    differing = sorted(key for key in want if got[key] != want[key])
+    shown = [f"{k}: {decoded(ns, {k: got[k]})[k]} != {decoded(ns, {k: want[k]})[k]}"
+             for k in differing[:5]]  # fmt: skip
+    assert not differing, f"{len(differing)} values differ: " + "; ".join(shown)
