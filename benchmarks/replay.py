@@ -1,0 +1,931 @@
+"""Replay a million events from SEQSTATE_EVENTS and restart a writer from a snapshot: issue #4.
+
+Why this exists: issue #4 sets two targets for the log as the source of truth, on this machine:
+
+(r1) replay throughput: fold 1,000,000 events from the stream into a fresh ``SequenceState``
+     with ``projector.replay.fold_stream`` (what ``seqstate replay`` uses: its fast path, a
+     reader process speaking the NATS protocol, when it has one; otherwise nats-py's ordered
+     push consumer), from sequence 1 to the last, no snapshot. Target: at least 100,000
+     events/s;
+(r2) start to ready: with 1,000,000 events in the stream and a snapshot within the last
+     10,000, the time from ``Writer(nc, config)`` to ``writer.caught_up``. Target: under 2 s.
+
+Setup (timed and reported, never part of a target): a fresh embedded nats-server
+(``NatsServer``, temporary store), ``ensure`` with the default ``Config``, 16 ``WorkerAdded``
+on the control subject, then the Mooncake conversation trace's lifecycles (as
+``benchmarks/fold.py`` builds them: AddRequest / MarkPrefillCompleted / Free, 16 workers
+round-robin, timeline order) repeated pass after pass with distinct request ids (``req-<i>.<pass>``)
+until the stream holds ``--events`` messages; the last pass is cut short, so a few requests
+stay live. Each event is encoded with ``seqstate.encode_event`` and sent with
+``js.publish_async`` on ``config.event_subject(worker, rank)``, pipelined (the JetStream
+context bounds the unacknowledged publishes at ``--max-pending``), and every ack future is
+checked. Log time is the publish time: the trace's hours are compressed into the ingest.
+
+(r1) Each run opens a new connection and calls ``fold_stream(start_seq=1, end_seq=last)``;
+the time covers starting the reader process (fast path), creating the consumer, folding every
+message and cleaning up. Each run's final state is encoded with ``state.snapshot()``; all runs
+must give the same bytes. CPU is reported for this process, the reader child (waited for, so
+``RUSAGE_CHILDREN``) and the nats-server (``/proc/<pid>/stat``): with 2 vCPUs, three busy
+processes share 2 CPU-seconds per second. When ``fold_stream`` has the fast path,
+``--client-runs`` runs of ``fold_stream(fast=False)`` (nats-py) are measured for comparison,
+and must fold the same state.
+
+(r2) Untimed preparation: fold in process to ``last - --tail`` (5,000), save that state with
+``SnapshotStore.save`` (stored, read back, compared). The writer restores only a snapshot
+whose deltas are all on SEQSTATE_DELTAS (``Writer._restore``: ``newest_valid(at_most_seq=
+<Seqstate-Source-Seq of the newest DELTAS message>)``), so the DELTAS stream gets one marker
+message: header ``Seqstate-Source-Seq: <last - tail>``, body ``encode_deltas([])``. This is
+the position a writer that ran up to the snapshot would have left behind.
+
+Each run then starts a writer on a new connection and times ``Writer(nc, config)`` →
+``create_task(writer.run())`` → ``writer.caught_up``: ``ensure``, reading the newest delta,
+opening the snapshot store, loading and decoding the snapshot, the coverage check, creating the
+consumer, and folding the 5,000-event tail while publishing its deltas. The phases are timed by
+wrapping the writer's own calls on the instance (``snapshots.newest_valid``,
+``snapshots.fetch``, ``_js.subscribe``; once per run, nothing per message). The run asserts
+``writer.stats.restored_from == last - tail``.
+
+Keeping the runs identical: a writer that ran publishes deltas for the tail (the newest delta
+then says ``last``) and, when stopped, saves a final snapshot at ``last``; the next run would
+restore from that one and fold nothing. So each run stops its writer cleanly (``stop()``, then
+``run()`` returns after every delta is acknowledged and the final snapshot is saved: the run's
+checks include that), and before the next run the script deletes every snapshot except the
+prepared one and recreates SEQSTATE_DELTAS holding only the marker. The stream is deleted, not
+purged, so the server's duplicate window (the writer's deltas carry ``Nats-Msg-Id``) starts
+empty as well and every run publishes its deltas for real. The events stream must still end
+at ``last`` after every run (no Tick slipped in). The writer's final state must equal (r1)'s
+byte for byte: snapshot + tail == full replay.
+
+Profile (when (r1) misses its target, or ``--profile``): (p1) nats-py alone: the ordered
+consumer of the fallback path with a callback that only reads the sequence and log time (and
+keeps the payload); (p1b) the fast path's reader process and pipe alone (``fast_fold`` with a
+callback that folds nothing); (p2) the core alone: ``decode_event`` + ``apply`` over the
+stream's own payloads in process, as ``fold_stream`` folds (registry deferred, GC off) and
+with the registry kept current and GC on; (p3) ``cProfile`` over one ``fold_stream`` (this
+process only, not the reader), grouped by where the time goes; a builtin's time goes to its
+caller's group. cProfile inflates per-call costs of Python code; read shares, not seconds.
+
+Run from the repository root: ``.venv/bin/python benchmarks/replay.py [--runs N] [--json]``
+(``--events 100000`` for a quick look). One invocation builds its own server; nothing is cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import gc
+import hashlib
+import inspect
+import json
+import logging
+import os
+import pstats
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+from fold import DEFAULT_TRACE, fmt_rates, lifecycles, load_trace, positive, round_robin_events
+from fold import timeline as trace_timeline
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import NotFoundError
+from pipeline import collect, connect, git_revision, machine
+
+import seqstate.state
+from projector.config import Config
+from projector.replay import fold_stream
+from projector.resources import ensure
+from projector.server import NatsServer
+from projector.snapshots import SnapshotStore
+from projector.writer import SOURCE_SEQ, Writer, log_time_ns
+from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_deltas, encode_event
+
+REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+TARGET_REPLAY_EVENTS_PER_S: Final = 100_000
+TARGET_READY_S: Final = 2.0
+SNAPSHOT_WITHIN: Final = 10_000  # the issue's "a snapshot within the last 10,000 events"
+WAIT_TIMEOUT_S: Final = 600.0
+
+
+# ---- the workload -------------------------------------------------------------------------
+
+
+def base_events(trace: Path, workers: int) -> list[Event]:
+    """One pass of the trace: every lifecycle event in timeline order, workers round-robin."""
+    requests = lifecycles(load_trace(trace))
+    return [event for _, event in round_robin_events(requests, trace_timeline(requests), workers)]
+
+
+def passes(base: Sequence[Event], count: int) -> Iterator[Event]:
+    """``count`` events: the trace pass after pass, request ids made distinct per pass."""
+    replace = msgspec.structs.replace
+    emitted = 0
+    k = 0
+    while True:
+        for event in base:
+            if emitted == count:
+                return
+            yield replace(event, request_id=f"{event.request_id}.{k}")  # type: ignore[arg-type]
+            emitted += 1
+        k += 1
+
+
+def encoded(
+    config: Config, base: Sequence[Event], total: int, workers: int
+) -> list[tuple[str, bytes]]:
+    """Every message of the stream, ``(subject, payload)``, in publish order."""
+    out = [(config.control_subject, encode_event(WorkerAdded(worker_id=w))) for w in range(workers)]
+    subject = config.event_subject
+    for event in passes(base, total - workers):
+        out.append((subject(event.worker_id, event.dp_rank), encode_event(event)))  # type: ignore[union-attr]
+    return out
+
+
+async def fill(
+    nc: Client, config: Config, messages: Sequence[tuple[str, bytes]], max_pending: int
+) -> dict[str, Any]:
+    """Publish ``messages`` pipelined with ``publish_async``; every ack future is checked."""
+    js = nc.jetstream(publish_async_max_pending=max_pending)
+    acked = failed = duplicates = 0
+    last = 0
+    first_error: list[str] = []
+
+    def settled(future: asyncio.Future[api.PubAck]) -> None:
+        nonlocal acked, failed, duplicates, last
+        if future.cancelled() or future.exception() is not None:
+            failed += 1
+            if not first_error:
+                first_error.append(repr(future.exception() if not future.cancelled() else "cancel"))
+            return
+        ack = future.result()
+        acked += 1
+        duplicates += bool(ack.duplicate)
+        last = max(last, ack.seq)
+
+    publish_async = js.publish_async
+    collect()
+    t0 = time.perf_counter()
+    for subject, payload in messages:
+        future = await publish_async(subject, payload)
+        future.add_done_callback(settled)
+    await asyncio.wait_for(js.publish_async_completed(), WAIT_TIMEOUT_S)
+    seconds = time.perf_counter() - t0
+    await asyncio.sleep(0)  # let the last done-callbacks run
+    total = len(messages)
+    state = (await js.stream_info(config.events_stream)).state
+    if failed or duplicates or acked != total or state.messages != total or last != total:
+        raise RuntimeError(
+            f"setup: sent {total}, acked {acked}, failed {failed} ({first_error}), duplicates "
+            f"{duplicates}; the stream holds {state.messages} messages, last seq {state.last_seq}"
+        )
+    return {
+        "events": total,
+        "seconds": seconds,
+        "events_per_s": total / seconds,
+        "stream_bytes": state.bytes,
+        "last_seq": state.last_seq,
+        "max_pending": max_pending,
+    }
+
+
+def digest(state: SequenceState) -> str:
+    return hashlib.sha256(state.snapshot()).hexdigest()[:16]
+
+
+# ---- (r1) replay throughput ---------------------------------------------------------------
+
+
+class Warnings(logging.Handler):
+    """Collects what ``projector.replay`` logs (e.g. the fast path falling back)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) of another process, from /proc; NaN if unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, TypeError):
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children (the fast path's reader process)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def replay_once(
+    url: str, config: Config, last: int, server_pid: int | None, **options: Any
+) -> dict[str, Any]:
+    nc = await connect(url, "bench-replay")
+    warnings = Warnings()
+    logger = logging.getLogger("seqstate.replay")
+    logger.addHandler(warnings)
+    try:
+        state = SequenceState(expiry_s=config.expiry_s)
+        collect()
+        s0 = process_cpu_s(server_pid)
+        c0, k0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
+        first, last_folded, count, dead = await fold_stream(
+            nc, config, state, start_seq=1, end_seq=last, **options
+        )
+        seconds = time.perf_counter() - t0
+        cpu, child_cpu = time.process_time() - c0, children_cpu_s() - k0
+        server_cpu = process_cpu_s(server_pid) - s0
+    finally:
+        logger.removeHandler(warnings)
+        await nc.drain()
+    if (first, last_folded, count, dead) != (1, last, last, 0):
+        raise RuntimeError(f"replay folded {first}..{last_folded}, {count} events, {dead} dead")
+    return {
+        "options": options,
+        "events": count,
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "child_cpu_s": child_cpu,
+        "server_cpu_s": server_cpu,
+        "events_per_s": count / seconds,
+        "warnings": warnings.messages,
+        "digest": digest(state),
+        "live_requests": len(state.requests),
+        "outcomes": {k: v for k, v in state.counters.items() if v},
+    }
+
+
+def has_fast_path() -> bool:
+    return "fast" in inspect.signature(fold_stream).parameters
+
+
+# ---- (r2) start to ready ------------------------------------------------------------------
+
+
+async def prepare_snapshot(
+    nc: Client, config: Config, snap_seq: int
+) -> tuple[SnapshotStore, dict[str, Any]]:
+    """Fold to ``snap_seq`` in process and store that state as a verified snapshot."""
+    state = SequenceState(expiry_s=config.expiry_s)
+    t0 = time.perf_counter()
+    await fold_stream(nc, config, state, start_seq=1, end_seq=snap_seq)
+    fold_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    data = state.snapshot()
+    encode_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    restored = SequenceState.restore(data)
+    decode_s = time.perf_counter() - t0
+    if restored.snapshot() != data:
+        raise RuntimeError("the snapshot does not survive restore + snapshot")
+    store = await SnapshotStore(nc, config).open()
+    t0 = time.perf_counter()
+    info = await store.save(data, snap_seq, state.now_ns)
+    save_s = time.perf_counter() - t0
+    return store, {
+        "applied_seq": snap_seq,
+        "name": info.name,
+        "bytes": len(data),
+        "live_requests": len(state.requests),
+        "ended_ids": len(state.ended),
+        "tombstones": len(state.tombstones),
+        "fold_s": fold_s,
+        "encode_s": encode_s,
+        "decode_in_process_s": decode_s,
+        "save_s": save_s,
+    }
+
+
+async def reset_for_run(
+    nc: Client, config: Config, store: SnapshotStore, snap_seq: int
+) -> list[str]:
+    """Only the prepared snapshot, and a DELTAS stream holding only the marker at ``snap_seq``."""
+    removed = []
+    for info in await store.list():
+        if info.applied_seq != snap_seq:
+            await store.store.delete(info.name)
+            removed.append(info.name)
+    js = nc.jetstream()
+    with contextlib.suppress(NotFoundError):
+        await js.delete_stream(config.deltas_stream)
+    await ensure(nc, config)
+    await js.publish(config.deltas_subject, encode_deltas([]), headers={SOURCE_SEQ: str(snap_seq)})
+    return removed
+
+
+class PhaseClock:
+    """Wraps awaited methods of one object (on the instance) to record when each call ran."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[float, float]]] = {}
+
+    def wrap(self, obj: object, name: str, label: str) -> None:
+        original: Callable[..., Awaitable[Any]] = getattr(obj, name)
+        calls = self.calls.setdefault(label, [])
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                calls.append((start, time.perf_counter()))
+
+        setattr(obj, name, timed)
+
+    def first(self, label: str) -> tuple[float, float]:
+        """The first call's start and end (later calls, e.g. the stop's snapshot read-back,
+        fall outside the timed start)."""
+        calls = self.calls.get(label) or [(float("nan"), float("nan"))]
+        return calls[0]
+
+
+async def ready_once(
+    url: str, config: Config, last: int, snap_seq: int, want_digest: str | None
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    nc = await connect(url, "bench-writer")
+    connect_s = time.perf_counter() - t0
+    try:
+        collect()
+        clock = PhaseClock()
+        c0, t0 = time.process_time(), time.perf_counter()
+        writer = Writer(nc, config)
+        assert writer.snapshots is not None
+        clock.wrap(writer.snapshots, "newest_valid", "restore")
+        clock.wrap(writer.snapshots, "fetch", "fetch")
+        clock.wrap(writer._js, "subscribe", "subscribe")
+        task = asyncio.create_task(writer.run())
+        ready = asyncio.create_task(writer.caught_up.wait())
+        await asyncio.wait({task, ready}, timeout=WAIT_TIMEOUT_S,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        t_ready = time.perf_counter()
+        cpu = time.process_time() - c0
+        if not ready.done():
+            ready.cancel()
+            if task.done():
+                task.result()  # the writer's own error
+            raise RuntimeError(f"the writer was not ready within {WAIT_TIMEOUT_S:g} s")
+        stats = writer.stats
+        folded_at_ready = stats.applied
+        writer.stop()
+        await asyncio.wait_for(task, WAIT_TIMEOUT_S)  # clean stop: deltas acked, final snapshot
+    finally:
+        await nc.drain()
+    if stats.restored_from != snap_seq:
+        raise RuntimeError(f"the writer restored from {stats.restored_from}, not {snap_seq}")
+    if stats.last_seq != last or stats.applied != last - snap_seq:
+        raise RuntimeError(f"the writer folded {stats.applied} events up to {stats.last_seq}")
+    if stats.deltas_published != last - snap_seq or stats.dead_letters:
+        raise RuntimeError(f"the writer published {stats.deltas_published} deltas, "
+                           f"{stats.dead_letters} dead letters")  # fmt: skip
+    state_digest = digest(writer.state)
+    if want_digest is not None and state_digest != want_digest:
+        raise RuntimeError("snapshot + tail differs from the full replay")
+    r_start, r_end = clock.first("restore")
+    f_start, f_end = clock.first("fetch")
+    s_start, s_end = clock.first("subscribe")
+    return {
+        "seconds": t_ready - t0,
+        "cpu_s": cpu,
+        "connect_s": connect_s,
+        "restored_from": stats.restored_from,
+        "tail_events": folded_at_ready,
+        "phases_s": {
+            "start_before_restore": r_start - t0,  # ensure, newest delta, open the store
+            "snapshot_load": r_end - r_start,  # list, fetch, decode (SequenceState.restore)
+            "snapshot_fetch": f_end - f_start,
+            "snapshot_decode_and_list": (r_end - r_start) - (f_end - f_start),
+            "coverage_and_target": s_start - r_end,  # stream_info, last message of the stream
+            "subscribe": s_end - s_start,  # creating the ordered consumer
+            "tail_fold": t_ready - s_end,  # 5,000 events folded, their deltas published
+        },
+        "tail_events_per_s": folded_at_ready / (t_ready - s_end),
+        "batches_published": stats.batches_published,
+        "snapshots_saved_on_stop": stats.snapshots_saved,
+        "state_equals_full_replay": want_digest is not None and state_digest == want_digest,
+    }
+
+
+# ---- profile ------------------------------------------------------------------------------
+
+
+async def client_alone(url: str, config: Config, last: int) -> tuple[dict[str, Any], list[Any]]:
+    """(p1) fold_stream's subscription with a callback that folds nothing; keeps the payloads."""
+    nc = await connect(url, "bench-client-alone")
+    kept: list[tuple[bytes, int]] = []
+    keep = kept.append
+    try:
+        done = asyncio.get_running_loop().create_future()
+
+        async def take(msg: Msg) -> None:
+            seq, at_ns = log_time_ns(msg)
+            keep((msg.data, at_ns))
+            if seq >= last and not done.done():
+                done.set_result(None)
+
+        collect()
+        c0, t0 = time.process_time(), time.perf_counter()
+        sub = await nc.jetstream().subscribe(
+            config.events_subjects,
+            stream=config.events_stream,
+            ordered_consumer=True,
+            idle_heartbeat=1.0,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            config=api.ConsumerConfig(opt_start_seq=1),
+            cb=take,
+            pending_msgs_limit=1_000_000,
+            pending_bytes_limit=1 << 30,
+        )
+        await asyncio.wait_for(done, WAIT_TIMEOUT_S)
+        seconds = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        await sub.unsubscribe()
+    finally:
+        await nc.drain()
+    return {"events": len(kept), "seconds": seconds, "cpu_s": cpu,
+            "events_per_s": len(kept) / seconds}, kept  # fmt: skip
+
+
+async def reader_alone(url: str, config: Config, last: int) -> dict[str, Any] | None:
+    """(p1b) the fast path's reader process and pipe, feeding a callback that folds nothing."""
+    try:
+        from projector.stream_reader import fast_fold
+    except ImportError:
+        return None
+    nc = await connect(url, "bench-reader-alone")
+    count = 0
+
+    def take(*args: Any) -> bool:
+        """One ``(seq, at_ns, data)`` or, in newer versions, one batch of them."""
+        nonlocal count
+        if len(args) == 1:
+            count += len(args[0])
+            return bool(args[0]) and args[0][-1][0] < last
+        count += 1
+        return bool(args[0] < last)
+
+    try:
+        collect()
+        c0, k0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
+        _, why = await fast_fold(nc, config, take, start_seq=1, end_seq=last)
+        seconds = time.perf_counter() - t0
+        cpu, child_cpu = time.process_time() - c0, children_cpu_s() - k0
+    finally:
+        await nc.drain()
+    return {"events": count, "seconds": seconds, "cpu_s": cpu, "child_cpu_s": child_cpu,
+            "events_per_s": count / seconds, "gave_up": why}  # fmt: skip
+
+
+def fold_payloads(
+    kept: Sequence[tuple[bytes, int]], config: Config, *, like_fold_stream: bool
+) -> float:
+    """Seconds to decode and fold ``kept`` into a fresh state.
+
+    ``like_fold_stream``: as ``fold_stream`` folds when it can (registry deferred and rebuilt
+    once at the end, cyclic GC off); otherwise registry kept current and GC on (fold.py's way).
+    """
+    state = SequenceState(expiry_s=config.expiry_s)
+    apply = state.apply
+    deferred = like_fold_stream and hasattr(state, "defer_registry")
+    collect()
+    if like_fold_stream:
+        gc.disable()
+    try:
+        t0 = time.perf_counter()
+        if deferred:
+            state.defer_registry()
+        for data, at_ns in kept:
+            apply(decode_event(data), at_ns)
+        if deferred:
+            state.sync_registry()
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+
+
+def core_alone(kept: Sequence[tuple[bytes, int]], config: Config) -> dict[str, Any]:
+    """(p2) decode_event + apply over the stream's own payloads and log times, no NATS."""
+    n = len(kept)
+    collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        decoded = [decode_event(data) for data, _ in kept]
+        decode_s = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    del decoded
+    fast_s = fold_payloads(kept, config, like_fold_stream=True)
+    plain_s = fold_payloads(kept, config, like_fold_stream=False)
+    return {
+        "events": n,
+        "decode_us": decode_s / n * 1e6,
+        "like_fold_stream_us": fast_s / n * 1e6,
+        "like_fold_stream_events_per_s": n / fast_s,
+        "registry_current_gc_on_us": plain_s / n * 1e6,
+        "registry_current_gc_on_events_per_s": n / plain_s,
+    }
+
+
+CATEGORIES: Final = (
+    ("seqstate: decode_event", ("seqstate/events",)),
+    ("seqstate: apply (the fold, registry rebuild)", ("seqstate/", "SequenceState", "seqstate.")),
+    ("fold_stream's loop (_Folder / take, log_time_ns)", ("projector/replay", "projector/writer")),
+    ("fast path, this side (pipe reads, batch decode)", ("projector/stream_reader",)),
+    ("nats-py JetStream (ordered-consumer checks, metadata)", ("nats/js/",)),
+    ("nats-py core (read loop, parser, Msg, dispatch)", ("nats/aio/", "nats/protocol/")),
+    ("asyncio (queues, tasks, streams, event loop, epoll)", ("asyncio/", "selectors")),
+)
+OTHER: Final = "other"
+
+
+def categorize(key: tuple[str, int, str]) -> str:
+    text = f"{key[0]}:{key[2]}"
+    for label, needles in CATEGORIES:
+        if any(needle in text for needle in needles):
+            return label
+    return OTHER
+
+
+def grouped(raw: dict[tuple[str, int, str], Any]) -> dict[str, float]:
+    """Own time per category; a builtin's own time goes to the category of each caller."""
+    groups: dict[str, float] = {}
+    for key, (_, _, tottime, _, callers) in raw.items():
+        label = categorize(key)
+        if key[0] == "~" and label == OTHER and callers:
+            for caller, caller_stats in callers.items():
+                share = caller_stats[2]  # own time of this builtin under that caller
+                groups[categorize(caller)] = groups.get(categorize(caller), 0.0) + share
+            continue
+        groups[label] = groups.get(label, 0.0) + tottime
+    return groups
+
+
+async def profiled_replay(url: str, config: Config, last: int, top: int) -> dict[str, Any]:
+    """(p3) cProfile over one fold_stream, grouped by where the time goes."""
+    nc = await connect(url, "bench-profile")
+    profiler = cProfile.Profile()
+    try:
+        state = SequenceState(expiry_s=config.expiry_s)
+        collect()
+        t0 = time.perf_counter()
+        profiler.enable()
+        await fold_stream(nc, config, state, start_seq=1, end_seq=last)
+        profiler.disable()
+        seconds = time.perf_counter() - t0
+    finally:
+        await nc.drain()
+    stats = pstats.Stats(profiler)
+    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in raw.values())
+    groups = grouped(raw)
+    rows = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    functions = []
+    for (filename, line, name), (_, calls, tottime, cumtime, _) in rows:
+        short = "/".join(Path(filename).parts[-2:]) if filename != "~" else ""
+        functions.append({"function": f"{short}:{line}({name})" if short else name,
+                          "calls": calls, "tottime_s": tottime, "cumtime_s": cumtime,
+                          "share": tottime / total})  # fmt: skip
+    return {
+        "wall_s_under_profiler": seconds,
+        "profiled_s": total,
+        "shares": {k: v / total for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top": functions,
+    }
+
+
+# ---- one invocation -----------------------------------------------------------------------
+
+
+async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, Any]:
+    config = Config()
+    result: dict[str, Any] = {}
+    async with NatsServer() as server:
+        nc = await connect(server.url, "bench-setup")
+        try:
+            v = nc.connected_server_version
+            result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            await ensure(nc, config)
+            t0 = time.perf_counter()
+            messages = encoded(config, base, args.events, args.workers)
+            build_s = time.perf_counter() - t0
+            setup = await fill(nc, config, messages, args.max_pending)
+            setup["build_s"] = build_s
+            setup["worker_added"] = args.workers
+            del messages
+            result["setup"] = setup
+            last = setup["last_seq"]
+
+            proc = getattr(server, "_proc", None)  # the server's CPU time, read from /proc
+            pid = proc.pid if proc is not None else None
+            runs = [await replay_once(server.url, config, last, pid) for _ in range(args.runs)]
+            digests = {r["digest"] for r in runs}
+            if len(digests) != 1:
+                raise RuntimeError(f"the replays disagree: {digests}")
+            rates = [r["events_per_s"] for r in runs]
+            result["replay"] = {
+                "runs": runs,
+                "median_events_per_s": statistics.median(rates),
+                "median_seconds": statistics.median(r["seconds"] for r in runs),
+                "target_events_per_s": TARGET_REPLAY_EVENTS_PER_S,
+                "meets_target": statistics.median(rates) >= TARGET_REPLAY_EVENTS_PER_S,
+                "fast_path_available": has_fast_path(),
+            }
+            full_digest = runs[0]["digest"]
+            if has_fast_path() and args.client_runs:
+                client = [
+                    await replay_once(server.url, config, last, pid, fast=False)
+                    for _ in range(args.client_runs)
+                ]
+                if {r["digest"] for r in client} != {full_digest}:
+                    raise RuntimeError("the nats-py path folds a different state")
+                result["replay_client_path"] = {
+                    "runs": client,
+                    "median_events_per_s": statistics.median(r["events_per_s"] for r in client),
+                }
+
+            snap_seq = last - args.tail
+            store, snapshot = await prepare_snapshot(nc, config, snap_seq)
+            result["snapshot"] = snapshot
+            ready_runs = []
+            for _ in range(args.runs):
+                removed = await reset_for_run(nc, config, store, snap_seq)
+                run = await ready_once(server.url, config, last, snap_seq, full_digest)
+                run["snapshots_removed_before"] = removed
+                events_last = (await nc.jetstream().stream_info(config.events_stream)).state
+                if events_last.last_seq != last:
+                    raise RuntimeError(f"the events stream grew to {events_last.last_seq}")
+                ready_runs.append(run)
+            seconds = [r["seconds"] for r in ready_runs]
+            result["ready"] = {
+                "runs": ready_runs,
+                "tail": args.tail,
+                "median_s": statistics.median(seconds),
+                "median_phases_s": {
+                    k: statistics.median(r["phases_s"][k] for r in ready_runs)
+                    for k in ready_runs[0]["phases_s"]
+                },
+                "median_connect_s": statistics.median(r["connect_s"] for r in ready_runs),
+                "target_s": TARGET_READY_S,
+                "meets_target": statistics.median(seconds) < TARGET_READY_S,
+            }
+
+            if args.profile or (not args.no_profile and not result["replay"]["meets_target"]):
+                p1, kept = await client_alone(server.url, config, last)
+                p2 = core_alone(kept, config)
+                del kept
+                p1b = await reader_alone(server.url, config, last)
+                p3 = await profiled_replay(server.url, config, last, args.top)
+                result["profile"] = {"client_alone": p1, "reader_alone": p1b, "core_alone": p2,
+                                     "cprofile": p3}  # fmt: skip
+        finally:
+            await nc.drain()
+    return result
+
+
+def import_time() -> float:
+    """Seconds for a fresh interpreter to import what a writer process imports (once)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import nats, projector.writer, projector.cli"],
+                   check=True, cwd=REPO_ROOT)  # fmt: skip
+    return time.perf_counter() - t0
+
+
+# ---- reporting ----------------------------------------------------------------------------
+
+
+def verdict(ok: bool) -> str:
+    return "MEETS" if ok else "MISSES"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    m, w, r = report["machine"], report["workload"], report["result"]
+    print("seqstate replay and restart benchmark (benchmarks/replay.py)")
+    print(f"  date (UTC) : {m['date_utc']}")
+    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
+    print(
+        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
+        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
+    )
+    print(
+        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
+        f"{r['nats_server']}; msgspec {m['msgspec']}"
+    )
+    print(f"  seqstate   : git {m['git']}; core {m['core']}; compiled {w['compiled_core']}")
+    if m.get("git_at_end", m["git"]) != m["git"]:
+        print(f"  WARNING    : the checkout changed during the run: now {m['git_at_end']}")
+    print(
+        f"  workload   : {w['trace']} ({w['trace_events']:,} events per pass), "
+        f"{w['events']:,} events in the stream ({w['workers']} WorkerAdded + lifecycles, "
+        f"{w['workers']} workers round-robin), {w['runs']} runs each"
+    )
+    s = r["setup"]
+    print(
+        f"\nsetup (untimed for the targets): {s['events']:,} events encoded in "
+        f"{s['build_s']:.1f} s, published in {s['seconds']:.1f} s ({s['events_per_s']:,.0f} "
+        f"events/s, publish_async pipelined, max pending {s['max_pending']}, every ack "
+        f"checked); stream {s['stream_bytes'] / 1e6:.0f} MB"
+    )
+
+    a = r["replay"]
+    path = "fast path (reader process)" if a["fast_path_available"] else "nats-py ordered consumer"
+    print(
+        f"\n(r1) replay throughput: fold_stream(start_seq=1, end_seq={s['last_seq']:,}) into a "
+        f"fresh SequenceState, no snapshot; {path}"
+    )
+    print(
+        f"    median {a['median_events_per_s']:,.0f} events/s ({a['median_seconds']:.2f} s)   "
+        f"target >= {a['target_events_per_s']:,} events/s: {verdict(a['meets_target'])}"
+    )
+    print(f"    runs (events/s): {fmt_rates([x['events_per_s'] for x in a['runs']])}")
+    print(
+        "    CPU this process + reader child + nats-server / wall (per run; 2 vCPUs give "
+        "2 CPU-s per s): "
+        + ", ".join(
+            f"{x['cpu_s']:.2f} + {x['child_cpu_s']:.2f} + {x['server_cpu_s']:.2f} / "
+            f"{x['seconds']:.2f} s"
+            for x in a["runs"]
+        )
+    )
+    fell_back = [msg for x in a["runs"] for msg in x["warnings"]]
+    print(f"    fallbacks or warnings: {fell_back or 'none'}")
+    x = a["runs"][-1]
+    print(f"    every run's final state identical: yes (sha256 {x['digest']}); live at end "
+          f"{x['live_requests']}; outcomes {x['outcomes']}")  # fmt: skip
+    if "replay_client_path" in r:
+        c = r["replay_client_path"]
+        print(
+            f"    for comparison, fold_stream(fast=False) (nats-py ordered consumer): median "
+            f"{c['median_events_per_s']:,.0f} events/s ("
+            + ", ".join(
+                f"{y['events_per_s']:,.0f}/s, CPU {y['cpu_s']:.1f} + server "
+                f"{y['server_cpu_s']:.1f} / {y['seconds']:.1f} s"
+                for y in c["runs"]
+            )
+            + "); same final state"
+        )
+
+    snap, b = r["snapshot"], r["ready"]
+    print(
+        f"\n(r2) start to ready: Writer(nc, config) → writer.caught_up, snapshot at event "
+        f"{snap['applied_seq']:,} (last - {b['tail']:,})"
+    )
+    print(
+        f"    snapshot: {snap['bytes'] / 1e6:.2f} MB ({snap['live_requests']:,} live requests, "
+        f"{snap['ended_ids']:,} ended ids, {snap['tombstones']:,} tombstones); prepared by "
+        f"folding to it in {snap['fold_s']:.1f} s, encoded in {snap['encode_s'] * 1000:.0f} ms, "
+        f"saved + verified in {snap['save_s'] * 1000:.0f} ms; "
+        f"SequenceState.restore in this process {snap['decode_in_process_s'] * 1000:.0f} ms"
+    )
+    print(
+        f"    median {b['median_s'] * 1000:.0f} ms   target < {b['target_s']:g} s: "
+        f"{verdict(b['meets_target'])}   (+ connect {b['median_connect_s'] * 1000:.1f} ms, "
+        f"+ a fresh interpreter's imports {w['import_s'] * 1000:.0f} ms)"
+    )
+    print("    runs (ms): " + ", ".join(f"{x['seconds'] * 1000:.0f}" for x in b["runs"]))
+    labels = {
+        "start_before_restore": "ensure + newest delta + open store",
+        "snapshot_load": "snapshot load (list + fetch + decode)",
+        "snapshot_fetch": "  of which fetch (object store get)",
+        "snapshot_decode_and_list": "  of which list + decode",
+        "coverage_and_target": "coverage check + stream's last seq",
+        "subscribe": "create the ordered consumer",
+        "tail_fold": f"fold the {b['tail']:,}-event tail + its deltas",
+    }
+    for key, label in labels.items():
+        print(f"    {label:<40} median {b['median_phases_s'][key] * 1000:7.1f} ms")
+    x = b["runs"][-1]
+    print(
+        f"    tail: {x['tail_events']:,} events at {x['tail_events_per_s']:,.0f} events/s, "
+        f"{x['batches_published']} delta batches; restored_from == {x['restored_from']:,} and "
+        f"state == full replay in every run: "
+        f"{all(y['state_equals_full_replay'] for y in b['runs'])}"
+    )
+
+    if "profile" in r:
+        p = r["profile"]
+        p1, p1b, p2, p3 = p["client_alone"], p["reader_alone"], p["core_alone"], p["cprofile"]
+        print("\nprofile: where (r1)'s time goes")
+        print(
+            f"    (p1) nats-py alone (the fallback's ordered consumer, callback reads seq/time "
+            f"and keeps the payload): {p1['events_per_s']:,.0f} events/s ({p1['seconds']:.2f} s, "
+            f"CPU {p1['cpu_s']:.2f} s)"
+        )
+        if p1b is not None:
+            print(
+                f"    (p1b) fast path's reader process + pipe alone (callback folds nothing): "
+                f"{p1b['events_per_s']:,.0f} events/s ({p1b['seconds']:.2f} s; CPU parent "
+                f"{p1b['cpu_s']:.2f} s, reader {p1b['child_cpu_s']:.2f} s)"
+                + (f"; gave up: {p1b['gave_up']}" if p1b["gave_up"] else "")
+            )
+        print(
+            f"    (p2) core alone, in process on the stream's payloads: decode "
+            f"{p2['decode_us']:.2f} us/event; decode + apply as fold_stream folds (registry "
+            f"deferred, GC off) {p2['like_fold_stream_us']:.2f} us = "
+            f"{p2['like_fold_stream_events_per_s']:,.0f} events/s; with the registry kept "
+            f"current and GC on {p2['registry_current_gc_on_us']:.2f} us = "
+            f"{p2['registry_current_gc_on_events_per_s']:,.0f} events/s"
+        )
+        print(
+            f"    per event: replay {1e6 / a['median_events_per_s']:.2f} us; nats-py alone "
+            f"{1e6 / p1['events_per_s']:.2f} us"
+            + (f"; reader + pipe alone {1e6 / p1b['events_per_s']:.2f} us" if p1b else "")
+            + f"; fold alone {p2['like_fold_stream_us']:.2f} us"
+        )
+        print(
+            f"    (p3) cProfile over one fold_stream, this process only "
+            f"({p3['wall_s_under_profiler']:.1f} s under the profiler), share of profiled time:"
+        )
+        for label, share in p3["shares"].items():
+            print(f"        {share * 100:5.1f}%  {label}")
+        print("        top functions by own time:")
+        for row in p3["top"]:
+            print(f"        {row['share'] * 100:5.1f}%  {row['calls']:>9,}  {row['function']}")
+    print(f"\nwall time: {report['wall_s']:.1f} s")
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (Mooncake)")
+    p.add_argument("--events", type=positive, default=1_000_000, help="events in the stream")
+    p.add_argument("--runs", type=positive, default=3, help="runs of (r1) and of (r2)")
+    p.add_argument(
+        "--client-runs",
+        type=int,
+        default=1,
+        help="(r1) runs of fold_stream(fast=False), the nats-py path, for comparison (0: none)",
+    )
+    p.add_argument("--tail", type=positive, default=5_000, help="(r2) events after the snapshot")
+    p.add_argument("--workers", type=positive, default=16, help="workers, round-robin")
+    p.add_argument("--max-pending", type=positive, default=4_000, help="setup: unacked publishes")
+    p.add_argument("--profile", action="store_true", help="profile even if (r1) meets its target")
+    p.add_argument("--no-profile", action="store_true", help="never profile")
+    p.add_argument("--top", type=positive, default=12, help="profile: functions listed")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.add_argument("--save", type=Path, default=None, help="also write the JSON document here")
+    args = p.parse_args(argv)
+    if args.tail >= SNAPSHOT_WITHIN:
+        p.error(f"--tail must be below {SNAPSHOT_WITHIN:,} (the issue's snapshot bound)")
+    if args.events <= args.workers + args.tail:
+        p.error("--events must exceed --workers + --tail")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.trace.is_file():
+        print(f"replay.py: trace not found: {args.trace} (pass --trace PATH)", file=sys.stderr)
+        return 2
+    try:
+        base = base_events(args.trace, args.workers)
+    except (OSError, msgspec.DecodeError) as exc:
+        print(f"replay.py: cannot read trace {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    if not base:
+        print(f"replay.py: trace has no requests: {args.trace}", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "workload": {
+            "trace": str(args.trace),
+            "trace_events": len(base),
+            "events": args.events,
+            "workers": args.workers,
+            "runs": args.runs,
+            "tail": args.tail,
+            "compiled_core": (seqstate.state.__file__ or "").endswith(".so"),
+            "import_s": import_time(),
+        },
+    }
+    started = time.perf_counter()
+    report["result"] = asyncio.run(bench(args, base))
+    report["wall_s"] = time.perf_counter() - started
+    # Others may commit or rebuild while this runs: say so if the build changed under us.
+    report["machine"]["git_at_end"] = git_revision()
+    if args.save is not None:
+        args.save.write_text(json.dumps(report, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
