@@ -140,7 +140,7 @@ async def fold_stream(
     if end_seq < start_seq:
         return 0, 0, 0, 0
     folder = _Folder(state, start_seq, end_seq, until_ns, progress)
-    state.defer_registry()
+    state.defer_registry(changes=False)
     # A replay allocates millions of objects that live on: the cyclic collector would scan
     # them again and again for cycles that the fold never makes.
     collecting = gc.isenabled()

@@ -88,6 +88,7 @@ class SequenceState:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.registry = PromptRegistry()
         self._projecting = True  # False while a replay defers the registry (defer_registry)
+        self._changes = True  # False: deltas carry no per-rank changes (defer_registry)
         # One handler per event type: a dict lookup beats a chain of class patterns.
         self._handlers: dict[type, Callable[[Any, int], Delta]] = {
             AddRequest: self._add,
@@ -127,14 +128,17 @@ class SequenceState:
             self.registry.apply(delta)
         return delta
 
-    def defer_registry(self) -> None:
+    def defer_registry(self, *, changes: bool = True) -> None:
         """Stop keeping the registry current until :meth:`sync_registry` (fast replays).
 
         A replay reads the registry once, at its end; keeping the hash index current on every
         event is about a third of the fold's cost. The write model is unaffected, so snapshots
-        are byte-identical either way.
+        are byte-identical either way. With ``changes=False`` the deltas of adds, marks and
+        frees also leave out their per-rank changes (outcome, expiry and topology stay), which
+        a replay that discards them need not build.
         """
         self._projecting = False
+        self._changes = changes
 
     def sync_registry(self) -> None:
         """Rebuild the registry from the write model and keep it current again."""
@@ -142,6 +146,7 @@ class SequenceState:
         for delta in self.projection():
             self.registry.apply(delta)
         self._projecting = True
+        self._changes = True
 
     def apply_all(self, timed_events: Iterable[tuple[object, int]]) -> list[Delta]:
         """Fold ``(event, at_ns)`` pairs in order (tests, replays)."""
@@ -188,6 +193,8 @@ class SequenceState:
         self._owner[request_id] = rank
         if event.lora_name is not None:
             self.requests.lora[request_id] = event.lora_name
+        if not self._changes:
+            return Delta(outcomes.APPLIED, now, _NONE, added_ranks, _NONE, expired)
         return Delta(
             outcomes.APPLIED,
             now,
@@ -215,6 +222,8 @@ class SequenceState:
         slot = self._slots[owner]
         if not slot.mark_prefill_completed(event.request_id, now):
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        if not self._changes:
+            return Delta(outcomes.APPLIED, now)
         return Delta(
             outcomes.APPLIED,
             now,
@@ -233,6 +242,8 @@ class SequenceState:
         slot = self._slots[owner]
         removed = slot.free(request_id, now)
         self.ended.put(request_id, 0, now)
+        if not self._changes:
+            return Delta(outcomes.APPLIED, now)
         return Delta(
             outcomes.APPLIED,
             now,

@@ -53,15 +53,21 @@ def random_log(seed: int, n: int = 600) -> list[tuple[Event, int]]:
     return log
 
 
+@pytest.mark.parametrize("changes", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_deferred_then_synced_equals_current(seed: int) -> None:
+def test_deferred_then_synced_equals_current(seed: int, changes: bool) -> None:
     log = random_log(seed)
     current = SequenceState(expiry_s=60.0)
     deferred = SequenceState(expiry_s=60.0)
-    deferred.defer_registry()
+    deferred.defer_registry(changes=changes)
     for event, at in log:
-        current.apply(event, at)
-        deferred.apply(event, at)
+        full = current.apply(event, at)
+        delta = deferred.apply(event, at)
+        # Outcomes, expiry and topology always agree; per-rank changes only if asked for.
+        assert (delta.outcome, delta.expired, delta.added_ranks, delta.removed_ranks) == (
+            full.outcome, full.expired, full.added_ranks, full.removed_ranks)  # fmt: skip
+        if changes:
+            assert delta == full
     assert deferred.registry.ranks() == []  # nothing was kept current meanwhile
     deferred.sync_registry()
     assert deferred.snapshot() == current.snapshot()
