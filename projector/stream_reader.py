@@ -30,6 +30,7 @@ from nats.aio.client import Client
 from nats.js import api
 
 from projector.config import Config
+from projector.frames import DONE, ERROR, GAP, Parser
 
 READY = b"RDY\n"
 _LENGTH = struct.Struct(">I")
@@ -67,67 +68,26 @@ async def _read(url: str, inbox: str, end_seq: int, out: Callable[[bytes], None]
             raise ReaderUnavailable(line.decode().strip())
         pongs += line.startswith(b"PONG")
     out(READY)
+    parser = Parser(end_seq)
     buf = b""
-    last_cseq = 0
-    quiet_beats = 0  # idle heartbeats since the last delivery
     while True:
         chunk = await reader.read(1 << 20)
         if not chunk:
             raise ReaderUnavailable("the server closed the connection")
         buf = buf + chunk if buf else chunk
         batch: Batch = []
-        pos, size, finished = 0, len(buf), False
-        while True:
-            eol = buf.find(b"\r\n", pos)
-            if eol < 0:
-                break
-            head = buf[pos:eol]
-            if head[:4] == b"HMSG" or head[:3] == b"MSG":
-                fields = head.split(b" ")
-                total = int(fields[-1])
-                start = eol + 2
-                stop = start + total + 2
-                if stop > size:
-                    break
-                headers = int(fields[-2]) if head[0] == 72 else 0  # 'H'
-                reply = fields[3] if len(fields) == (6 if headers else 5) else b""
-                if reply[:8] == b"$JS.ACK.":
-                    tokens = reply.split(b".")
-                    seq, cseq, at_ns = int(tokens[-4]), int(tokens[-3]), int(tokens[-2])
-                    if cseq != last_cseq + 1:
-                        raise ReaderUnavailable(f"delivery gap after consumer sequence {last_cseq}")
-                    last_cseq = cseq
-                    quiet_beats = 0
-                    batch.append((seq, at_ns, buf[start + headers : start + total]))
-                    if seq >= end_seq:
-                        finished = True
-                        break
-                elif b"FlowControl" in buf[start : start + headers] and reply:
-                    writer.write(b"PUB " + reply + b" 0\r\n\r\n")
-                elif b"Idle Heartbeat" in buf[start : start + headers]:
-                    status = buf[start : start + headers]
-                    stalled = status.find(b"Nats-Consumer-Stalled:")
-                    if stalled >= 0:  # a flow-control request we could not see: answer it
-                        subject = status[stalled + 22 : status.find(b"\r\n", stalled)].strip()
-                        writer.write(b"PUB " + subject + b" 0\r\n\r\n")
-                        quiet_beats = 0
-                    else:
-                        quiet_beats += 1
-                    if quiet_beats >= 2:  # two beats and nothing between: the stream has ended
-                        finished = True
-                        break
-                pos = stop
-            elif head == b"PING":
-                writer.write(b"PONG\r\n")
-                pos = eol + 2
-            elif head[:4] == b"-ERR":
-                raise ReaderUnavailable(head.decode())
-            else:
-                pos = eol + 2
+        replies: list[bytes] = []
+        status, pos = parser.parse(buf, 0, batch, replies)
+        if status == ERROR:
+            raise ReaderUnavailable(replies[-1].decode(errors="replace"))
+        if replies:
+            writer.write(b"".join(replies))
         if batch:
             payload = _batch_encoder.encode(batch)
             out(_LENGTH.pack(len(payload)) + payload)
-        if finished:
+        if status == GAP:
+            raise ReaderUnavailable(f"delivery gap after consumer sequence {parser.last_cseq}")
+        if status == DONE:
             out(_LENGTH.pack(0))
             writer.close()
             return
