@@ -34,8 +34,8 @@ def parse(parser: Parser, buf: bytes) -> tuple[int, int, Batch, list[bytes]]:
 
 def test_deliveries_flow_control_and_ping_in_one_buffer() -> None:
     flow = status(b"FlowControl Request", b"$JS.FC.x")
-    buf = (delivery(5, 1, 111, b"a") + b"PING\r\n" + flow
-           + delivery(9, 2, 222, b"bc", headers=False) + delivery(12, 3, 333, b"\r\nd"))  # fmt: skip
+    plain = delivery(9, 2, 222, b"bc", headers=False)
+    buf = delivery(5, 1, 111, b"a") + b"PING\r\n" + flow + plain + delivery(12, 3, 333, b"\r\nd")
     code, pos, batch, replies = parse(Parser(end_seq=100), buf)
     assert (code, pos) == (MORE, len(buf))
     assert batch == [(5, 111, b"a"), (9, 222, b"bc"), (12, 333, b"\r\nd")]
