@@ -102,6 +102,18 @@ Step = tuple[int, int, int]
 # ---- the workload -------------------------------------------------------------------------
 
 
+def read_trace(trace: Path, prog: str) -> list[TraceRecord] | None:
+    """The trace's records, or None after printing one line on why they cannot be had."""
+    if not trace.is_file():
+        print(f"{prog}: trace not found: {trace} (pass --trace PATH)", file=sys.stderr)
+        return None
+    try:
+        return load_trace(trace)
+    except (OSError, msgspec.DecodeError) as exc:
+        print(f"{prog}: cannot read trace {trace}: {exc}", file=sys.stderr)
+        return None
+
+
 def load_trace(path: Path) -> list[TraceRecord]:
     decoder = msgspec.json.Decoder(TraceRecord)
     with path.open("rb") as f:
@@ -645,13 +657,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     trace: Path = args.trace
-    if not trace.is_file():
-        print(f"fold.py: trace not found: {trace} (pass --trace PATH)", file=sys.stderr)
-        return 2
-    try:
-        records = load_trace(trace)
-    except (OSError, msgspec.DecodeError) as exc:
-        print(f"fold.py: cannot read trace {trace}: {exc}", file=sys.stderr)
+    records = read_trace(trace, "fold.py")
+    if records is None:
         return 2
     if args.limit is not None:
         records = records[: args.limit]

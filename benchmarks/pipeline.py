@@ -63,9 +63,9 @@ from fold import (
     cpu_model,
     fmt_rates,
     lifecycles,
-    load_trace,
     percentile,
     positive,
+    read_trace,
     round_robin_events,
     timeline,
 )
@@ -569,13 +569,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     trace: Path = args.trace
-    if not trace.is_file():
-        print(f"pipeline.py: trace not found: {trace} (pass --trace PATH)", file=sys.stderr)
-        return 2
-    try:
-        records = load_trace(trace)
-    except (OSError, msgspec.DecodeError) as exc:
-        print(f"pipeline.py: cannot read trace {trace}: {exc}", file=sys.stderr)
+    records = read_trace(trace, "pipeline.py")
+    if records is None:
         return 2
     if not records:
         print(f"pipeline.py: trace has no requests: {trace}", file=sys.stderr)

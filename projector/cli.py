@@ -21,7 +21,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import msgspec
 import nats
@@ -262,34 +262,35 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-async def cmd_writer(args: argparse.Namespace, config: Config) -> int:
-    from projector.writer import Writer
+class _Consumer(Protocol):
+    async def run(self) -> None: ...
+    def stop(self) -> None: ...
 
+
+async def run_consumer(config: Config, make: Callable[[Client, Config], _Consumer]) -> int:
+    """One consumer until a signal, which *stops* it (final flush, final snapshot)."""
     async with connect(require_url(config), service=True) as nc:
-        writer = Writer(nc, config)
-        task = asyncio.ensure_future(writer.run())
+        consumer = make(nc, config)
+        task = asyncio.ensure_future(consumer.run())
         try:
             await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
         finally:
-            writer.stop()
+            consumer.stop()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await asyncio.wait_for(task, 10)
     return 0
+
+
+async def cmd_writer(args: argparse.Namespace, config: Config) -> int:
+    from projector.writer import Writer
+
+    return await run_consumer(config, Writer)
 
 
 async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
     from projector.projection import Projector
 
-    async with connect(require_url(config), service=True) as nc:
-        projector = Projector(nc, config)
-        task = asyncio.ensure_future(projector.run())
-        try:
-            await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
-        finally:
-            projector.stop()
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(task, 10)
-    return 0
+    return await run_consumer(config, Projector)
 
 
 async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
