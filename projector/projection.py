@@ -30,8 +30,9 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
+from nats.js.kv import KV_DEL, KV_OP
 
+from projector.bucket import read_bucket
 from projector.config import Config
 from projector.progress import Progress
 from projector.resources import ensure
@@ -39,14 +40,10 @@ from projector.values import (
     Position,
     Rank,
     blocks_key,
-    decode_blocks,
-    decode_load,
-    decode_position,
     encode_blocks,
     encode_load,
     encode_position,
     load_key,
-    parse_key,
     position_key,
 )
 from projector.writer import REASON, SOURCE_SEQ, last_seq_of, log_time_ns
@@ -101,8 +98,8 @@ class Projector:
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        resources = await ensure(self.nc, self.config)
-        await self.resume(resources.registry)
+        await ensure(self.nc, self.config)
+        await self.resume()
         target = await last_seq_of(self._js, self.config.deltas_stream, self.config.deltas_subject)
         self._target = target
         if self.delta_seq >= target:
@@ -148,38 +145,28 @@ class Projector:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def resume(self, kv: KeyValue) -> None:
+    async def resume(self) -> None:
         """Load the bucket's values of this namespace back into memory."""
-        ns = self.config.namespace
-        watcher = await kv.watch(f"{ns}.>")
-        try:
-            while (entry := await watcher.updates(timeout=30.0)) is not None:
-                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                    continue
-                kind, rank = parse_key(ns, entry.key)
-                try:
-                    if kind == "position":
-                        pos = decode_position(entry.value)
-                        self.applied_seq, self.as_of, self.delta_seq = (
-                            pos.applied_seq, pos.as_of, pos.delta_seq)  # fmt: skip
-                        self.flushed.value = pos.applied_seq
-                    elif kind == "load" and rank is not None:
-                        value = decode_load(entry.value)
-                        self.loads[rank] = value.rank_load()
-                        self.load_stamps[rank] = (value.applied_seq, value.as_of)
-                        self.blocks.setdefault(rank, set())
-                    elif kind == "blocks" and rank is not None:
-                        stamp, hashes = decode_blocks(entry.value)
-                        self.blocks[rank] = set(hashes)
-                        self.block_stamps[rank] = stamp
-                except (msgspec.DecodeError, ValueError) as exc:
-                    # A damaged value is rewritten from the deltas: rebuild from the start.
-                    log.warning("bucket value %s unreadable (%s): replaying all deltas", entry.key,
-                                exc)  # fmt: skip
-                    self._reset()
-                    return
-        finally:
-            await watcher.stop()
+        bucket = await read_bucket(self.nc, self.config)
+        if bucket.unreadable:
+            # A damaged value is rewritten from the deltas: rebuild from the start.
+            key, (_, why) = next(iter(bucket.unreadable.items()))
+            log.warning("bucket value %s unreadable (%s): replaying all deltas", key, why)
+            self._removed.update(bucket.loads, bucket.blocks)
+            for rank, _ in bucket.unreadable.values():
+                if rank is not None:
+                    self._removed.add(rank)
+            return
+        if (pos := bucket.position) is not None:
+            self.applied_seq, self.as_of, self.delta_seq = pos.applied_seq, pos.as_of, pos.delta_seq
+            self.flushed.value = pos.applied_seq
+        for rank, value in bucket.loads.items():
+            self.loads[rank] = value.rank_load()
+            self.load_stamps[rank] = (value.applied_seq, value.as_of)
+            self.blocks[rank] = set()
+        for rank, (stamp, hashes) in bucket.blocks.items():
+            self.blocks[rank] = hashes
+            self.block_stamps[rank] = stamp
         # A rank whose load key is gone was removed; a blocks value alone is a leftover.
         for rank in [r for r in self.blocks if r not in self.loads]:
             del self.blocks[rank]

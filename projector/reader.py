@@ -29,7 +29,9 @@ from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from projector.bucket import CurrentValues
 from projector.config import Config
+from projector.progress import Progress
 from projector.values import Rank, decode_blocks, decode_load, decode_position, parse_key
 from seqstate import Delta, LoadRow, PotentialLoadRow, PromptRegistry, RankChange
 from seqstate.loads import EMPTY_LOAD
@@ -73,7 +75,7 @@ class RegistryView:
         self._blocks: dict[Rank, set[int]] = {}
         self._clock_offset_ns: int | None = None  # log time minus local monotonic time
         self._heard_at: float | None = None
-        self._progress = asyncio.Condition()
+        self._position = Progress()  # applied_seq, for wait_for
         self._task: asyncio.Task[None] | None = None
         self._watcher: KeyValue.KeyWatcher | None = None
 
@@ -121,16 +123,14 @@ class RegistryView:
         await self.stop()
 
     async def _follow(self, watcher: KeyValue.KeyWatcher, ready: asyncio.Future[None]) -> None:
+        current = CurrentValues(self.nc, self.config)
         async for entry in watcher:
-            if entry is None:  # the watcher's marker: every current value has been delivered
-                if not ready.done():
-                    ready.set_result(None)
-                continue
-            seq = self.applied_seq
-            self.receive(entry.key, entry.value, deleted=entry.operation in (KV_DEL, KV_PURGE))
-            if self.applied_seq != seq:
-                async with self._progress:
-                    self._progress.notify_all()
+            if entry is not None:
+                deleted = entry.operation in (KV_DEL, KV_PURGE)
+                self.receive(entry.key, entry.value, deleted=deleted)
+                self._position.advance(self.applied_seq)
+            if not ready.done() and await current.done_after(entry):
+                ready.set_result(None)
 
     # ---- folding values ---------------------------------------------------------------------
 
@@ -198,7 +198,4 @@ class RegistryView:
 
     async def wait_for(self, seq: int, timeout: float | None = None) -> None:
         """Read-your-writes: return once the view reflects event sequence ``seq``."""
-        async with self._progress:
-            await asyncio.wait_for(
-                self._progress.wait_for(lambda: self.applied_seq >= seq), timeout
-            )
+        await self._position.wait(seq, timeout)

@@ -19,18 +19,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.kv import KV_DEL, KV_PURGE
 
+from projector.bucket import BucketView, read_bucket
 from projector.config import Config
 from projector.projection import Projector
 from projector.retention import trimmed_below
 from projector.snapshots import SnapshotInfo, SnapshotStore
 from projector.stream_reader import fast_fold
-from projector.values import Position, Rank, decode_blocks, decode_load, decode_position, parse_key
 from projector.writer import first_seq_of, last_seq_of, log_time_ns
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
 
@@ -241,45 +239,16 @@ async def replay(
 # ---- the bucket ------------------------------------------------------------------------------
 
 
-@dataclass
-class BucketView:
-    position: Position | None
-    loads: dict[Rank, RankLoad]
-    blocks: dict[Rank, set[int]]
-    unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
-
-
-async def read_bucket(nc: Client, config: Config) -> BucketView:
-    kv = await nc.jetstream().key_value(config.registry_bucket)
-    view = BucketView(None, {}, {})
-    watcher = await kv.watch(f"{config.namespace}.>")
-    try:
-        while (entry := await watcher.updates(timeout=30.0)) is not None:
-            if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                continue
-            kind, rank = parse_key(config.namespace, entry.key)
-            try:
-                if kind == "position":
-                    view.position = decode_position(entry.value)
-                elif kind == "load" and rank is not None:
-                    view.loads[rank] = decode_load(entry.value).rank_load()
-                elif kind == "blocks" and rank is not None:
-                    view.blocks[rank] = set(decode_blocks(entry.value)[1])
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-                view.unreadable[entry.key] = (rank, str(exc))
-    finally:
-        await watcher.stop()
-    return view
-
-
 def differences(state: SequenceState, bucket: BucketView, namespace: str) -> list[str]:
     """Each bucket key whose value differs from ``state``'s, with what differs."""
     out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
     expected_loads = {rank: slot.load() for rank, slot in state.workers.slots.items()}
     expected_blocks = {rank: set(slot.blocks.present) for rank, slot in state.workers.slots.items()}
-    for rank in sorted(set(expected_loads) | set(bucket.loads)):
+    got_loads = {rank: value.rank_load() for rank, value in bucket.loads.items()}
+    got_blocks = {rank: hashes for rank, (_, hashes) in bucket.blocks.items()}
+    for rank in sorted(set(expected_loads) | set(got_loads)):
         key = f"{namespace}.load.{rank[0]}.{rank[1]}"
-        want, got = expected_loads.get(rank), bucket.loads.get(rank)
+        want, got = expected_loads.get(rank), got_loads.get(rank)
         if want is None:
             out.append(f"{key}: in the bucket, not in the replayed state")
         elif got is None:
@@ -287,9 +256,9 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
                 out.append(f"{key}: missing from the bucket")
         elif want != got:
             out.append(f"{key}: bucket {_load_text(got)}, replay {_load_text(want)}")
-    for rank in sorted(set(expected_blocks) | set(bucket.blocks)):
+    for rank in sorted(set(expected_blocks) | set(got_blocks)):
         key = f"{namespace}.blocks.{rank[0]}.{rank[1]}"
-        want_set, got_set = expected_blocks.get(rank, set()), bucket.blocks.get(rank)
+        want_set, got_set = expected_blocks.get(rank, set()), got_blocks.get(rank)
         if got_set is None:
             if (want_set or rank in expected_loads) and key not in bucket.unreadable:
                 out.append(f"{key}: missing from the bucket")

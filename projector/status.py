@@ -13,11 +13,11 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from projector.bucket import read_bucket
 from projector.config import Config
 from projector.resources import dead_letter_stream
 from projector.retention import trimmed_below
 from projector.snapshots import SnapshotStore
-from projector.values import decode_position, parse_key
 
 
 class ConsumerStatus(msgspec.Struct):
@@ -70,19 +70,11 @@ async def collect(nc: Client, config: Config) -> StatusReport:
     streams = [await _stream(nc, name) for name in names]
     ranks, applied, as_of, exists = 0, 0, None, True
     try:
-        kv = await nc.jetstream().key_value(config.registry_bucket)
-        watcher = await kv.watch(f"{config.namespace}.>")
-        try:
-            while (entry := await watcher.updates(timeout=10.0)) is not None:
-                kind, _ = parse_key(config.namespace, entry.key)
-                if kind == "load" and entry.value:
-                    ranks += 1
-                elif kind == "position" and entry.value:
-                    position = decode_position(entry.value)
-                    applied = position.applied_seq
-                    as_of = dt.datetime.fromtimestamp(position.as_of / 1e9, dt.UTC).isoformat()
-        finally:
-            await watcher.stop()
+        bucket = await read_bucket(nc, config, timeout=10.0)
+        ranks = len(bucket.loads)
+        if (position := bucket.position) is not None:
+            applied = position.applied_seq
+            as_of = dt.datetime.fromtimestamp(position.as_of / 1e9, dt.UTC).isoformat()
     except BucketNotFoundError:
         exists = False
     store = await SnapshotStore(nc, config).open(create=False)

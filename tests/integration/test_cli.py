@@ -13,9 +13,10 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
+from projector.bucket import read_bucket
+from projector.config import Config
 from projector.pipeline import Pipeline
 from projector.server import NatsServer
-from projector.values import decode_position, parse_key
 from seqstate import decode_deltas
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,12 +70,12 @@ def test_run_demo_for_ten_seconds_fills_the_bucket(tmp_path: Path) -> None:
             nc = await nats.connect(server.url)
             try:
                 js = nc.jetstream()
-                kv = await js.key_value("seqstate-registry")
-                keys = await kv.keys()
-                ranks = {rank for key in keys
-                         if (kind_rank := parse_key("default", key))[0] == "load"
-                         and (rank := kind_rank[1]) is not None}  # fmt: skip
-                position = decode_position((await kv.get("default.position")).value or b"")
+                # nats-py's kv.keys() can miss values right after a server start: its end
+                # marker may overtake them. read_bucket waits for the last pending one.
+                bucket = await read_bucket(nc, Config())
+                ranks = set(bucket.loads)
+                position = bucket.position
+                assert position is not None
                 events = await js.stream_info("SEQSTATE_EVENTS")
                 deltas = await js.stream_info("SEQSTATE_DELTAS")
                 peak: dict[int, int] = {}

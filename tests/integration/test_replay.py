@@ -15,11 +15,12 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
+from projector.bucket import read_bucket
 from projector.config import Config
 from projector.pipeline import Pipeline
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
-from projector.replay import read_bucket, rebuild, replay, verify
+from projector.replay import rebuild, replay, verify
 from projector.values import load_key
 from seqstate import EventDecodeError, SequenceState, WorkerAdded, decode_event
 

@@ -1,0 +1,95 @@
+"""Reading a namespace's whole bucket back: for a resuming projector, a verify, a status.
+
+One pass of a KV watch over ``<ns>.>`` (current values only), decoded with the codecs of
+:mod:`projector.values`. A value that does not decode is reported, not raised: each caller
+decides what a damaged key means (the projector replays every delta, ``verify`` names it).
+
+nats-py's "no more current values" marker can overtake values the server already sent (it is
+decided from consumer info while deliveries are still queued), so :class:`CurrentValues` also
+waits for the value the server marked as the last pending one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from projector.config import Config
+from projector.values import (
+    LoadValue,
+    Position,
+    Rank,
+    decode_blocks,
+    decode_load,
+    decode_position,
+    parse_key,
+)
+
+
+@dataclass
+class BucketView:
+    position: Position | None = None
+    loads: dict[Rank, LoadValue] = field(default_factory=dict)
+    blocks: dict[Rank, tuple[int, set[int]]] = field(default_factory=dict)  # (stamp, hashes)
+    unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
+
+
+class CurrentValues:
+    """Tells when a watch of ``<ns>.>`` has delivered every value current when it started."""
+
+    def __init__(self, nc: Client, config: Config) -> None:
+        self._js = nc.jetstream()
+        self._stream = f"KV_{config.registry_bucket}"
+        self._subjects = f"$KV.{config.registry_bucket}.{config.namespace}.>"
+        self._marker = False
+        self._last_pending: int | None = None
+
+    async def done_after(self, entry: KeyValue.Entry | None) -> bool:
+        """Feed each watch update (None is nats-py's marker); True once all are in."""
+        if entry is None:
+            self._marker = True
+        else:
+            self._last_pending = entry.delta
+        if not self._marker:
+            return False
+        if self._last_pending is not None:
+            return self._last_pending == 0
+        try:  # the marker and nothing yet: either the namespace has no keys, or they are late
+            await self._js.get_last_msg(self._stream, self._subjects)
+        except NotFoundError:
+            return True
+        return False
+
+
+async def read_bucket(nc: Client, config: Config, *, timeout: float = 30.0) -> BucketView:
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    view = BucketView()
+    current = CurrentValues(nc, config)
+    watcher = await kv.watch(f"{config.namespace}.>")
+    try:
+        while True:
+            entry = await watcher.updates(timeout=timeout)
+            if entry is not None and entry.operation not in (KV_DEL, KV_PURGE) and entry.value:
+                _take(view, config.namespace, entry.key, entry.value)
+            if await current.done_after(entry):
+                return view
+    finally:
+        await watcher.stop()
+
+
+def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
+    kind, rank = parse_key(namespace, key)
+    try:
+        if kind == "position":
+            view.position = decode_position(value)
+        elif kind == "load" and rank is not None:
+            view.loads[rank] = decode_load(value)
+        elif kind == "blocks" and rank is not None:
+            stamp, hashes = decode_blocks(value)
+            view.blocks[rank] = (stamp, set(hashes))
+    except (msgspec.DecodeError, ValueError) as exc:
+        view.unreadable[key] = (rank, str(exc))
