@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
@@ -28,9 +28,9 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
-from projector.config import Config, ConfigError
-from projector.server import NatsServer, NatsServerError
-from seqstate import SCHEMA_VERSION, LoadRow
+from projector.config import Config
+from projector.connection import connect, nats_for, require_url
+from seqstate import SCHEMA_VERSION, LoadRow, SeqstateError
 
 log = logging.getLogger("seqstate")
 
@@ -39,7 +39,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 
-class CliError(Exception):
+class CliError(SeqstateError):
     """An error worth one line to the operator; the message is that line."""
 
 
@@ -150,66 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- plumbing --------------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def connect(url: str, *, service: bool) -> AsyncIterator[Client]:
-    """A client that reconnects forever if ``service``, logging instead of printing tracebacks."""
-
-    closing = connected = False
-
-    async def on_error(exc: Exception) -> None:
-        if connected:  # before that, the failed connect is reported once, below
-            log.warning("nats: %s", exc or type(exc).__name__)
-
-    async def on_disconnect() -> None:
-        if not closing:
-            log.warning("nats: disconnected, reconnecting")
-
-    async def on_reconnect() -> None:
-        log.info("nats: reconnected")
-
-    try:
-        nc = await nats.connect(
-            url,
-            connect_timeout=3,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1 if service else 3,
-            reconnect_time_wait=0.5,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-        )
-    except (OSError, TimeoutError, nats.errors.NoServersError) as exc:
-        raise CliError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
-    connected = True
-    try:
-        yield nc
-    finally:
-        closing = True
-        with contextlib.suppress(Exception):
-            await nc.drain()
-
-
-@contextlib.asynccontextmanager
-async def nats_for(config: Config, store_dir: Path | None) -> AsyncIterator[tuple[Client, str]]:
-    """Connect to ``config.nats_url``, or start an embedded server when it is unset."""
-    if config.nats_url:
-        async with connect(config.nats_url, service=True) as nc:
-            yield nc, config.nats_url
-        return
-    if store_dir is None:
-        raise CliError("NATS_URL is not set (use --nats-url or NATS_URL)")
-    async with NatsServer(store_dir) as server:
-        log.info("embedded nats-server at %s, JetStream in %s", server.url, store_dir)
-        async with connect(server.url, service=True) as nc:
-            yield nc, server.url
-
-
-def require_url(config: Config) -> str:
-    if not config.nats_url:
-        raise CliError("NATS_URL is not set (use --nats-url or NATS_URL)")
-    return config.nats_url
 
 
 async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) -> None:
@@ -574,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(COMMANDS[args.command](args, config))
     except KeyboardInterrupt:
         return 130
-    except (CliError, ConfigError, NatsServerError) as exc:
+    except SeqstateError as exc:
         print(f"seqstate: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:  # one line for anything an operator can act on
@@ -586,26 +526,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _describe(exc: Exception) -> str | None:
-    """One line for the failures an operator can act on; None for a bug (keep the traceback)."""
-    from projector.pipeline import PipelineStopped
-    from projector.publisher import PublishError
-    from projector.reader import RegistryUnavailable
-    from projector.replay import ReplayError
-    from projector.resources import ProvisioningError
-    from projector.writer import SnapshotUnavailable, WriterStalled
-
-    known = (PublishError, RegistryUnavailable, ProvisioningError, PipelineStopped, WriterStalled,
-             ReplayError, SnapshotUnavailable)  # fmt: skip
-    if isinstance(exc, known):
-        return str(exc)
+    """One line for a NATS failure an operator can act on; None for a bug (keep the traceback)."""
     if isinstance(exc, (nats.errors.Error, TimeoutError, ConnectionError)):
         return f"NATS: {exc or type(exc).__name__}"
-    try:
-        from projector.workload import WorkloadError
-    except ImportError:  # pragma: no cover
-        return None
-    if isinstance(exc, WorkloadError):
-        return str(exc)
     return None
 
 

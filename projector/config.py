@@ -11,10 +11,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from seqstate.errors import SeqstateError
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
-class ConfigError(ValueError):
+class ConfigError(SeqstateError, ValueError):
     """A setting that cannot be used; the message names it."""
 
 

@@ -17,9 +17,10 @@ from nats.aio.client import Client
 from projector.config import Config
 from projector.projection import Projector
 from projector.writer import Writer
+from seqstate.errors import SeqstateError
 
 
-class PipelineStopped(RuntimeError):
+class PipelineStopped(SeqstateError, RuntimeError):
     """One of the two consumers ended on its own."""
 
 

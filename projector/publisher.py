@@ -40,6 +40,7 @@ from seqstate import (
     decode_event,
     encode_event,
 )
+from seqstate.errors import SeqstateError
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 # Pause before retry n (1-based): BACKOFF_S * 2**(n-1), capped; gives a stream leader election
@@ -51,7 +52,7 @@ _WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
 _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
 
 
-class PublishError(RuntimeError):
+class PublishError(SeqstateError, RuntimeError):
     """An event could not be stored on the stream; the message names the request and msg-id."""
 
     def __init__(self, message: str, *, msg_id: str, request_id: str | None) -> None:

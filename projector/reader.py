@@ -34,12 +34,13 @@ from projector.config import Config
 from projector.progress import Progress
 from projector.values import Rank, decode_blocks, decode_load, decode_position, parse_key
 from seqstate import Delta, LoadRow, PotentialLoadRow, PromptRegistry, RankChange
+from seqstate.errors import SeqstateError
 from seqstate.loads import EMPTY_LOAD
 
 log = logging.getLogger("seqstate.reader")
 
 
-class RegistryUnavailable(RuntimeError):
+class RegistryUnavailable(SeqstateError, RuntimeError):
     """The bucket does not exist (no projector has run in this account) or cannot be watched."""
 
 

@@ -31,12 +31,13 @@ from projector.snapshots import SnapshotInfo, SnapshotStore
 from projector.stream_reader import fast_fold
 from projector.writer import first_seq_of, last_seq_of, log_time_ns
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
+from seqstate.errors import SeqstateError
 
 Progress = Callable[[int, int], None]  # (events folded, events to fold)
 log = logging.getLogger("seqstate.replay")
 
 
-class ReplayError(RuntimeError):
+class ReplayError(SeqstateError, RuntimeError):
     """The replay asked for cannot be done exactly; the message says why."""
 
 

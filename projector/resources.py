@@ -17,6 +17,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from projector.config import Config
+from seqstate.errors import SeqstateError
 
 # Per-message TTL, atomic batches and counters arrive in 2.11-2.12; we rely on none of them,
 # but an old server silently ignores unknown stream options, so refuse anything older than the
@@ -24,7 +25,7 @@ from projector.config import Config
 MIN_SERVER = (2, 10, 0)
 
 
-class ProvisioningError(RuntimeError):
+class ProvisioningError(SeqstateError, RuntimeError):
     """The server or an existing stream/bucket cannot be made to match the configuration."""
 
 

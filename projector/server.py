@@ -24,11 +24,13 @@ from collections import deque
 from pathlib import Path
 from types import TracebackType
 
+from seqstate.errors import SeqstateError
+
 READY = "Server is ready"
 _LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
 
 
-class NatsServerError(RuntimeError):
+class NatsServerError(SeqstateError, RuntimeError):
     """The embedded server could not be found, started or stopped; the message says which."""
 
 

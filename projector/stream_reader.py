@@ -31,6 +31,7 @@ from nats.js import api
 
 from projector.config import Config
 from projector.frames import DONE, ERROR, GAP, Parser
+from seqstate.errors import SeqstateError
 
 READY = b"RDY\n"
 _LENGTH = struct.Struct(">I")
@@ -39,7 +40,7 @@ _batch_encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(Batch)
 
 
-class ReaderUnavailable(RuntimeError):
+class ReaderUnavailable(SeqstateError, RuntimeError):
     """The fast path cannot serve this replay; the caller folds through nats-py instead."""
 
 

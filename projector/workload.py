@@ -27,6 +27,8 @@ from typing import Annotated, Final, Protocol
 import msgspec
 from msgspec import Meta
 
+from seqstate.errors import SeqstateError
+
 U64_MAX: Final = 2**64 - 1
 
 # ---- the cost model ------------------------------------------------------------------------
@@ -65,7 +67,7 @@ MAX_TURNS: Final = 32
 SYNTHETIC_MAX_DECODE_S: Final = 10.0
 
 
-class WorkloadError(ValueError):
+class WorkloadError(SeqstateError, ValueError):
     """A workload that cannot be replayed; the one-line message names the file and line."""
 
 

@@ -46,6 +46,7 @@ from seqstate import (
     encode_deltas,
     encode_event,
 )
+from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
 
@@ -56,11 +57,11 @@ MAX_BATCH = 256  # deltas per DELTAS message while catching up
 ACK_TIMEOUT_S = 10.0
 
 
-class SnapshotUnavailable(RuntimeError):
+class SnapshotUnavailable(SeqstateError, RuntimeError):
     """The log's beginning is gone and no valid snapshot covers it."""
 
 
-class WriterStalled(RuntimeError):
+class WriterStalled(SeqstateError, RuntimeError):
     """Delta publishes went unacknowledged; the writer stops so a restart can resume cleanly."""
 
 

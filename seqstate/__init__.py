@@ -13,6 +13,7 @@ from seqstate.deltas import (
     encode_delta,
     encode_deltas,
 )
+from seqstate.errors import SeqstateError
 from seqstate.events import (
     SCHEMA_VERSION,
     AddOutputBlock,
@@ -47,6 +48,7 @@ __all__ = [
     "PromptRegistry",
     "RankChange",
     "RankLoad",
+    "SeqstateError",
     "SequenceState",
     "SnapshotError",
     "Tick",

@@ -16,6 +16,8 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta, Struct
 
+from seqstate.errors import SeqstateError
+
 SCHEMA_VERSION: Final = 1
 
 U32_MAX: Final = 2**32 - 1
@@ -38,7 +40,7 @@ DpSize = Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)]
 Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
 
 
-class EventDecodeError(ValueError):
+class EventDecodeError(SeqstateError, ValueError):
     """Raised for any event that cannot be trusted: bad bytes, unknown tag, out-of-range field."""
 
 

@@ -15,6 +15,7 @@ from typing import Final
 import msgspec
 from msgspec import Struct
 
+from seqstate.errors import SeqstateError
 from seqstate.sequences import ActiveSequences, RequestState
 from seqstate.state import SequenceState
 from seqstate.topology import WorkerDpRange, WorkerTopologyError
@@ -23,7 +24,7 @@ SNAPSHOT_VERSION: Final = 1
 MAGIC: Final = b"SQST"
 
 
-class SnapshotError(ValueError):
+class SnapshotError(SeqstateError, ValueError):
     """Bytes that are not a usable snapshot: wrong magic, version, or a damaged body."""
 
 

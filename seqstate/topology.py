@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from msgspec import Struct
 
+from seqstate.errors import SeqstateError
 from seqstate.events import U32_MAX
 from seqstate.sequences import ActiveSequences
 
@@ -34,7 +35,7 @@ class WorkerDpRange(Struct, frozen=True, order=True):
         return range(self.dp_start, self.dp_start + self.dp_size)
 
 
-class WorkerTopologyError(Exception):
+class WorkerTopologyError(SeqstateError):
     """A strict topology call that cannot be honoured (not raised by event application)."""
 
 
