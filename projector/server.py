@@ -69,12 +69,14 @@ class NatsServer:
         name: str = "seqstate",
         binary: str | None = None,
         ready_timeout: float = 10.0,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.host = host
         self.port = port
         self.name = name
         self.binary = binary
         self.ready_timeout = ready_timeout
+        self.extra_args = extra_args  # e.g. ("-c", "tls.conf") for a server with TLS or auth
         self._store_dir = Path(store_dir) if store_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -104,7 +106,7 @@ class NatsServer:
                 f"cannot use {self._store_dir} as the JetStream store: {exc}"
             ) from None
         args = [binary, "-js", "-sd", str(self._store_dir), "-a", self.host,
-                "-p", str(self.port), "-n", self.name]  # fmt: skip
+                "-p", str(self.port), "-n", self.name, *self.extra_args]  # fmt: skip
         try:
             self._proc = subprocess.Popen(
                 args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
