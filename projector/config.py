@@ -1,71 +1,83 @@
 """Names and knobs of the pipeline, from ``SEQSTATE_*`` environment variables (flags mirror them).
 
-Every stream, bucket and durable name is configurable so two deployments (or two test runs)
-can share one NATS account without touching each other.
+Every stream and bucket name is configurable so two deployments (or two test runs) can share
+one NATS account without touching each other. Each field carries its own help text and
+metavar, so the command line is generated from this one list and cannot drift from it.
+
+A bad value is reported in the words the user typed it in: ``--expiry-s 'banana'``,
+``SEQSTATE_EXPIRY_S='banana'`` or ``expiry_s='banana'``, never a Python field name the user
+never saw.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit
 
 from seqstate.errors import SeqstateError
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_SCHEMES = ("nats", "tls", "ws", "wss")
 
 
 class ConfigError(SeqstateError, ValueError):
-    """A setting that cannot be used; the message names it."""
+    """A setting that cannot be used; the message names it as the user gave it."""
+
+    def __init__(self, problem: str, *, setting: str = "", label: str = "") -> None:
+        super().__init__(f"{label}: {problem}" if label else problem)
+        self.problem = problem
+        self.setting = setting  # the Config field, when one is at fault
+
+
+def _setting(default: Any, help: str, metavar: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "metavar": metavar})
 
 
 @dataclass(frozen=True)
 class Config:
-    namespace: str = "default"
-    events_stream: str = "SEQSTATE_EVENTS"
-    deltas_stream: str = "SEQSTATE_DELTAS"
-    registry_bucket: str = "seqstate-registry"
-    snapshot_bucket: str = "seqstate-snapshots"
-    writer_durable: str = "seqstate-writer"
-    projector_durable: str = "seqstate-projector"
-    # JetStream's duplicate window: a retried publish with the same Nats-Msg-Id inside it is
-    # stored once.
-    duplicate_window_s: float = 120.0
-    expiry_s: float | None = 300.0
-    idle_tick_s: float = 5.0
-    flush_interval_s: float = 0.005
-    replicas: int = 1
-    # Snapshots of the write model (issue #4): every N events or T seconds, whichever first;
-    # the newest few are kept. 0 disables that trigger.
-    snapshot_every_events: int = 10_000
-    snapshot_every_s: float = 60.0
-    snapshots_keep: int = 3
-    # Events the writer keeps before the oldest kept snapshot; None never trims the stream.
-    # Trimming happens only after a snapshot has been stored and read back.
-    retain_events: int | None = None
-    nats_url: str | None = None
+    nats_url: str | None = _setting(
+        None, "NATS server URL; several, comma-separated, for a cluster", "URL"
+    )
+    namespace: str = _setting("default", "isolates one deployment's subjects and keys", "NAME")
+    events_stream: str = _setting("SEQSTATE_EVENTS", "stream of lifecycle events", "NAME")
+    deltas_stream: str = _setting("SEQSTATE_DELTAS", "stream of the writer's deltas", "NAME")
+    registry_bucket: str = _setting("seqstate-registry", "KV bucket of the read model", "NAME")
+    snapshot_bucket: str = _setting(
+        "seqstate-snapshots", "object store of write-model snapshots", "NAME"
+    )
+    duplicate_window_s: float = _setting(
+        120.0, "JetStream's duplicate window: a retried publish is stored once", "SECONDS"
+    )
+    expiry_s: float | None = _setting(
+        300.0, "seconds after which an unfreed request expires; 'off' disables", "SECONDS"
+    )
+    idle_tick_s: float = _setting(
+        5.0, "seconds of stream silence before the writer logs a Tick", "SECONDS"
+    )
+    flush_interval_s: float = _setting(
+        0.005, "at most one write per bucket key per this many seconds", "SECONDS"
+    )
+    replicas: int = _setting(1, "replicas of each stream and bucket (1, 3 or 5)", "N")
+    snapshot_every_events: int = _setting(
+        10_000, "snapshot the write model every N events; 0: never by count", "N"
+    )
+    snapshot_every_s: float = _setting(
+        60.0, "snapshot the write model every so many seconds; 0: never by time", "SECONDS"
+    )
+    snapshots_keep: int = _setting(3, "snapshots kept (the newest)", "N")
+    retain_events: int | None = _setting(
+        None, "events kept before the oldest snapshot; 'off' (the default) never trims",
+        "N")  # fmt: skip
 
     def __post_init__(self) -> None:
-        if not _TOKEN.match(self.namespace):
-            raise ConfigError(
-                f"SEQSTATE_NAMESPACE={self.namespace!r}: use letters, digits, '-' and '_' only"
-            )
-        for name in ("events_stream", "deltas_stream"):
-            if not _TOKEN.match(getattr(self, name)):
-                raise ConfigError(f"{name}={getattr(self, name)!r} is not a valid stream name")
-        if self.duplicate_window_s < 120:
-            raise ConfigError("duplicate_window_s must be at least 120 s (retried publishes)")
-        if self.replicas not in (1, 3, 5):
-            raise ConfigError(f"replicas={self.replicas}: use 1, 3 or 5")
-        if self.flush_interval_s <= 0 or self.idle_tick_s <= 0:
-            raise ConfigError("flush_interval_s and idle_tick_s must be positive")
-        if self.snapshot_every_events < 0 or self.snapshot_every_s < 0:
-            raise ConfigError("snapshot_every_events and snapshot_every_s must not be negative")
-        if self.snapshots_keep < 1:
-            raise ConfigError(f"snapshots_keep={self.snapshots_keep}: keep at least 1")
-        if self.retain_events is not None and self.retain_events < 0:
-            raise ConfigError(f"retain_events={self.retain_events}: must not be negative")
+        for name, check in _CHECKS:
+            problem = check(getattr(self, name))
+            if problem:
+                raise ConfigError(problem, setting=name, label=f"{name}={getattr(self, name)!r}")
 
     @property
     def events_subjects(self) -> str:
@@ -88,28 +100,122 @@ class Config:
     def dead_letter_subject(self) -> str:
         return f"seqstate.dead.{self.namespace}"
 
+    def with_namespace(self, namespace: str | None) -> Config:
+        """This configuration for ``namespace`` (itself when None or the same)."""
+        if namespace is None or namespace == self.namespace:
+            return self
+        return Config(**{**self.__dict__, "namespace": namespace})
+
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
-        """Defaults, then ``SEQSTATE_<FIELD>`` (and ``NATS_URL``), then explicit overrides."""
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        flags: Mapping[str, tuple[str, str]] | None = None,
+        **overrides: object,
+    ) -> Config:
+        """Defaults, then ``SEQSTATE_<FIELD>`` (and ``NATS_URL``), then flags, then overrides.
+
+        ``flags`` maps a field to ``(flag, raw text)``: parsed exactly as its environment
+        variable is, and named as the flag in an error.
+        """
         env = os.environ if env is None else env
         values: dict[str, object] = {}
+        labels: dict[str, str] = {}
         for f in fields(cls):
-            key = "NATS_URL" if f.name == "nats_url" else f"SEQSTATE_{f.name.upper()}"
-            if key in env and env[key] != "":
-                values[f.name] = _parse(key, env[key], f.type)
+            key = env_name(f.name)
+            if f.name in (flags or {}):
+                flag, raw = (flags or {})[f.name]
+                labels[f.name] = f"{flag} {raw!r}"
+            elif key in env and env[key] != "":
+                raw = env[key]
+                labels[f.name] = f"{key}={raw!r}"
+            else:
+                continue
+            values[f.name] = _parse(raw, f.type, f.name, labels[f.name])
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        for name in overrides:
+            labels.pop(name, None)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            if exc.setting in labels:
+                raise ConfigError(exc.problem, setting=exc.setting,
+                                  label=labels[exc.setting]) from None  # fmt: skip
+            raise
 
 
-def _parse(key: str, raw: str, kind: object) -> object:
+def env_name(setting: str) -> str:
+    """The environment variable of a Config field: ``NATS_URL`` or ``SEQSTATE_<FIELD>``."""
+    return "NATS_URL" if setting == "nats_url" else f"SEQSTATE_{setting.upper()}"
+
+
+def _parse(raw: str, kind: object, name: str, label: str) -> object:
     kind = str(kind)
+    optional = "None" in kind
+    if optional and raw.strip().lower() in ("none", "off"):
+        return None
     try:
-        if "None" in kind and raw.lower() in ("none", "off"):
-            return None
         if kind.startswith("float"):
             return float(raw)
         if kind.startswith("int"):
             return int(raw)
     except ValueError:
-        raise ConfigError(f"{key}={raw!r} is not a number") from None
+        unit = "seconds" if kind.startswith("float") else "a whole number"
+        hint = f"{unit}, or 'off'" if optional else unit
+        raise ConfigError(f"not a number ({hint})", setting=name, label=label) from None
     return raw
+
+
+def _check_url(url: str | None) -> str:
+    if url is None:
+        return ""
+    for item in url.split(","):
+        item = item.strip()
+        if not _is_nats_url(item):
+            return f"{item!r} is not a NATS URL (nats://host:port; several, comma-separated)"
+    return ""
+
+
+def _is_nats_url(item: str) -> bool:
+    if "://" not in item:
+        # nats-py accepts host:port without a scheme; a bare word is a typo, not a host.
+        item = f"nats://{item}" if re.fullmatch(r"[^\s:/@]+:\d+", item) else ""
+    try:
+        parts = urlsplit(item)
+        _ = parts.port  # raises on a port that is not a number
+    except ValueError:
+        return False
+    return parts.scheme in _SCHEMES and bool(parts.hostname)
+
+
+def _positive(value: float) -> str:
+    return "" if value > 0 else "must be positive"
+
+
+def _not_negative(value: float | None) -> str:
+    return "" if value is None or value >= 0 else "must not be negative"
+
+
+def _name(value: str) -> str:
+    return "" if _TOKEN.match(value) else "use letters, digits, '-' and '_' only"
+
+
+_CHECKS: list[tuple[str, Callable[[Any], str]]] = [
+    ("nats_url", _check_url),
+    ("namespace", _name),
+    ("events_stream", _name),
+    ("deltas_stream", _name),
+    ("registry_bucket", _name),
+    ("snapshot_bucket", _name),
+    ("duplicate_window_s",
+     lambda v: "" if v >= 120 else "must be at least 120 seconds (retried publishes)"),
+    ("expiry_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
+    ("idle_tick_s", _positive),
+    ("flush_interval_s", _positive),
+    ("replicas", lambda v: "" if v in (1, 3, 5) else "use 1, 3 or 5"),
+    ("snapshot_every_events", _not_negative),
+    ("snapshot_every_s", _not_negative),
+    ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
+    ("retain_events", _not_negative),
+]  # fmt: skip

@@ -68,7 +68,7 @@ class RouterPublisher:
         self,
         nc: Client,
         *,
-        namespace: str = "default",
+        namespace: str | None = None,
         router_id: str,
         config: Config | None = None,
         max_pending: int = 256,
@@ -83,7 +83,8 @@ class RouterPublisher:
             raise ValueError(f"retries={retries}: must not be negative")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout}: must be positive")
-        self.config = config if config is not None else Config(namespace=namespace)
+        # One rule, as in RegistryView: ``namespace``, when given, wins over ``config``'s.
+        self.config = (config or Config()).with_namespace(namespace)
         self.router_id = router_id
         self.max_pending = max_pending
         self.retries = retries

@@ -62,9 +62,8 @@ class RegistryView:
         config: Config | None = None,
         initial_timeout: float = 30.0,
     ) -> None:
-        config = config or Config()
-        if namespace is not None and namespace != config.namespace:
-            config = Config(**{**config.__dict__, "namespace": namespace})
+        # One rule, as in RouterPublisher: ``namespace``, when given, wins over ``config``'s.
+        config = (config or Config()).with_namespace(namespace)
         self.nc = nc
         self.config = config
         self.registry = PromptRegistry()

@@ -44,7 +44,12 @@ class EventDecodeError(SeqstateError, ValueError):
     """Raised for any event that cannot be trusted: bad bytes, unknown tag, out-of-range field."""
 
 
-class AddRequest(Struct, tag=True, kw_only=True, omit_defaults=True):
+class _Event(Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Options every event shares. An unknown field is rejected, never ignored: a typo such as
+    ``prefil_tokens`` would otherwise be stored as an event with no prefill, forever."""
+
+
+class AddRequest(_Event, tag=True):
     """A router booked ``request_id`` on a worker rank.
 
     ``prefill_tokens`` is the effective prefill (ISL minus tokens already cached on the chosen
@@ -64,7 +69,9 @@ class AddRequest(Struct, tag=True, kw_only=True, omit_defaults=True):
     lora_name: str | None = None
 
 
-class MarkPrefillCompleted(Struct, tag=True, kw_only=True, omit_defaults=True):
+class MarkPrefillCompleted(
+    Struct, tag=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     """The first output token arrived: the request's prefill load is done, its blocks stay."""
 
     request_id: RequestId
@@ -73,7 +80,7 @@ class MarkPrefillCompleted(Struct, tag=True, kw_only=True, omit_defaults=True):
     router_id: str = ""
 
 
-class Free(Struct, tag=True, kw_only=True, omit_defaults=True):
+class Free(_Event, tag=True):
     """The response ended or was aborted; implies prefill completion."""
 
     request_id: RequestId
@@ -82,7 +89,9 @@ class Free(Struct, tag=True, kw_only=True, omit_defaults=True):
     router_id: str = ""
 
 
-class AddOutputBlock(Struct, tag=True, kw_only=True, omit_defaults=True):
+class AddOutputBlock(
+    Struct, tag=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
     """One more decode block for a request; optionally re-weights its exclusive blocks."""
 
     request_id: RequestId
@@ -91,7 +100,7 @@ class AddOutputBlock(Struct, tag=True, kw_only=True, omit_defaults=True):
     decay_fraction: Fraction | None = None
 
 
-class WorkerAdded(Struct, tag=True, kw_only=True, omit_defaults=True):
+class WorkerAdded(_Event, tag=True):
     """A worker's authoritative data-parallel range: ranks ``dp_start .. dp_start+dp_size``."""
 
     worker_id: WorkerId
@@ -106,13 +115,13 @@ class WorkerAdded(Struct, tag=True, kw_only=True, omit_defaults=True):
             )
 
 
-class WorkerRemoved(Struct, tag=True, kw_only=True, omit_defaults=True):
+class WorkerRemoved(_Event, tag=True):
     """Every rank of the worker goes, with its requests."""
 
     worker_id: WorkerId
 
 
-class Tick(Struct, tag=True, omit_defaults=True):
+class Tick(_Event, tag=True):
     """The log's clock moved with no traffic: gives expiry a logged time."""
 
 
@@ -132,8 +141,26 @@ _version_probe = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
 
 
 def encode_event(event: Event) -> bytes:
-    """Serialize one event (msgpack) inside the versioned envelope."""
-    return _encoder.encode(_Envelope(SCHEMA_VERSION, event))
+    """Serialize one event (msgpack) inside the versioned envelope.
+
+    Raises :class:`EventDecodeError` for an event no reader could decode: an integer beyond
+    64 bits (msgpack's limit), named by its path as a decode error would name it.
+    """
+    try:
+        return _encoder.encode(_Envelope(SCHEMA_VERSION, event))
+    except OverflowError:
+        raise EventDecodeError(_overflow(event)) from None
+
+
+def _overflow(event: Event) -> str:
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, int) and not -(2**63) <= item < 2**64:
+                at = f"$.{name}" if index is None else f"$.{name}[{index}]"
+                return f"invalid event: {item} does not fit in 64 bits - at `{at}`"
+    return "invalid event: an integer does not fit in 64 bits"
 
 
 def decode_event(data: bytes | bytearray | memoryview) -> Event:

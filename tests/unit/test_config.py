@@ -29,11 +29,57 @@ def test_environment_then_overrides() -> None:
     [
         ({"SEQSTATE_NAMESPACE": "a.b"}, "SEQSTATE_NAMESPACE"),
         ({"SEQSTATE_DUPLICATE_WINDOW_S": "abc"}, "SEQSTATE_DUPLICATE_WINDOW_S"),
-        ({"SEQSTATE_DUPLICATE_WINDOW_S": "30"}, "duplicate_window_s"),
-        ({"SEQSTATE_REPLICAS": "2"}, "replicas"),
+        ({"SEQSTATE_DUPLICATE_WINDOW_S": "30"}, "SEQSTATE_DUPLICATE_WINDOW_S='30'"),
+        ({"SEQSTATE_REPLICAS": "2"}, "SEQSTATE_REPLICAS='2': use 1, 3 or 5"),
+        ({"NATS_URL": "garbage"}, "NATS_URL='garbage': 'garbage' is not a NATS URL"),
+        ({"NATS_URL": "nats://a:4222,http://b"}, "'http://b' is not a NATS URL"),
+        ({"NATS_URL": "nats://a:port"}, "'nats://a:port' is not a NATS URL"),
         ({"SEQSTATE_IDLE_TICK_S": "off"}, "SEQSTATE_IDLE_TICK_S"),
     ],
 )
 def test_bad_settings_are_named(env: dict[str, str], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         Config.from_env(env)
+
+
+def test_a_flag_is_named_as_the_user_typed_it_and_wins_over_the_environment() -> None:
+    env = {"SEQSTATE_EXPIRY_S": "banana", "SEQSTATE_FLUSH_INTERVAL_S": "0.5"}
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env(env, flags={"flush_interval_s": ("--flush-interval-s", "-1")})
+    # The environment's bad expiry is reported first only if it is read first: it is.
+    assert str(caught.value) == "SEQSTATE_EXPIRY_S='banana': not a number (seconds, or 'off')"
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({}, flags={"flush_interval_s": ("--flush-interval-s", "-1")})
+    assert str(caught.value) == "--flush-interval-s '-1': must be positive"
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({}, flags={"expiry_s": ("--expiry-s", "banana")})
+    assert str(caught.value) == "--expiry-s 'banana': not a number (seconds, or 'off')"
+    config = Config.from_env(env | {"SEQSTATE_EXPIRY_S": "off"},
+                             flags={"flush_interval_s": ("--flush-interval-s", "0.25")})  # fmt: skip
+    assert (config.expiry_s, config.flush_interval_s) == (None, 0.25)
+
+
+def test_python_callers_see_field_names() -> None:
+    with pytest.raises(ConfigError, match=r"^flush_interval_s=-1: must be positive$"):
+        Config(flush_interval_s=-1)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "nats://127.0.0.1:4222",
+        "tls://u:p@h:1",
+        "127.0.0.1:4222",
+        "nats://a:1, nats://b:2",
+        "ws://h",
+    ],
+)
+def test_nats_urls_that_clients_accept_are_accepted(url: str) -> None:
+    assert Config(nats_url=url).nats_url == url
+
+
+def test_with_namespace() -> None:
+    base = Config(flush_interval_s=0.5)
+    assert base.with_namespace(None) is base and base.with_namespace("default") is base
+    other = base.with_namespace("prod")
+    assert (other.namespace, other.flush_interval_s) == ("prod", 0.5)

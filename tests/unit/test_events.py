@@ -14,6 +14,7 @@ from seqstate import (
     SCHEMA_VERSION,
     AddOutputBlock,
     AddRequest,
+    Event,
     EventDecodeError,
     Free,
     MarkPrefillCompleted,
@@ -102,6 +103,44 @@ def test_hash_above_u64_cannot_be_encoded_in_msgpack() -> None:
     with pytest.raises(OverflowError):
         msgspec.msgpack.encode([1, {"type": "AddRequest", "request_id": "a", "worker_id": 1,
                                     "block_hashes": [2**64]}])  # fmt: skip
+
+
+def test_encoding_an_integer_beyond_64_bits_names_the_field() -> None:
+    event = AddRequest(request_id="a", worker_id=1, block_hashes=[1, 2**64])
+    with pytest.raises(
+        EventDecodeError,
+        match=r"^invalid event: 18446744073709551616 does not fit in 64 bits - at `\$.block_hashes\[1\]`$",
+    ):
+        encode_event(event)
+    with pytest.raises(EventDecodeError, match=r"at `\$.worker_id`"):
+        encode_event(Free(request_id="a", worker_id=2**70))
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "AddRequest",
+        "MarkPrefillCompleted",
+        "Free",
+        "AddOutputBlock",
+        "WorkerAdded",
+        "WorkerRemoved",
+        "Tick",
+    ],
+)
+def test_an_unknown_field_is_rejected_by_name_on_both_wires(tag: str) -> None:
+    fields = (
+        {"request_id": "t", "worker_id": 5}
+        if tag not in ("WorkerAdded", "WorkerRemoved", "Tick")
+        else {}
+    )
+    if tag in ("WorkerAdded", "WorkerRemoved"):
+        fields = {"worker_id": 5}
+    payload = {"type": tag, **fields, "prefil_tokens": 500}
+    with pytest.raises(EventDecodeError, match="unknown field `prefil_tokens`"):
+        decode_event(_raw(payload))
+    with pytest.raises(msgspec.ValidationError, match="unknown field `prefil_tokens`"):
+        msgspec.json.decode(msgspec.json.encode(payload), type=Event)
 
 
 @pytest.mark.parametrize(
