@@ -129,13 +129,8 @@ def test_encoding_an_integer_beyond_64_bits_names_the_field() -> None:
     ],
 )
 def test_an_unknown_field_is_rejected_by_name_on_both_wires(tag: str) -> None:
-    fields = (
-        {"request_id": "t", "worker_id": 5}
-        if tag not in ("WorkerAdded", "WorkerRemoved", "Tick")
-        else {}
-    )
-    if tag in ("WorkerAdded", "WorkerRemoved"):
-        fields = {"worker_id": 5}
+    minimal = {"Tick": {}, "WorkerAdded": {"worker_id": 5}, "WorkerRemoved": {"worker_id": 5}}
+    fields = minimal.get(tag, {"request_id": "t", "worker_id": 5})
     payload = {"type": tag, **fields, "prefil_tokens": 500}
     with pytest.raises(EventDecodeError, match="unknown field `prefil_tokens`"):
         decode_event(_raw(payload))
