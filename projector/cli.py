@@ -15,13 +15,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import fields
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import nats
@@ -30,123 +28,18 @@ from nats.aio.client import Client
 
 from projector.config import Config
 from projector.connection import connect, nats_for, require_url
-from seqstate import SCHEMA_VERSION, LoadRow, SeqstateError
+from projector.flags import build_parser, config_from
+from projector.progress_bar import progress_bar
+from projector.replay import iso
+from seqstate import LoadRow, SeqstateError
 
 log = logging.getLogger("seqstate")
 
-DEFAULT_STORE_DIR = ".seqstate/jetstream"
 EXIT_ERROR = 1
-EXIT_USAGE = 2
 
 
 class CliError(SeqstateError):
     """An error worth one line to the operator; the message is that line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-# ---- flags that mirror SEQSTATE_* ----------------------------------------------------------
-
-_CONFIG_HELP = {
-    "namespace": "isolates one deployment's subjects and keys",
-    "nats_url": "NATS server URL; unset: start an embedded nats-server",
-    "expiry_s": "seconds after which an unfreed request expires ('off' disables)",
-    "idle_tick_s": "seconds of stream silence before the writer logs a Tick",
-    "flush_interval_s": "projector: at most one write per key per this many seconds",
-}
-
-
-def _env_name(field: str) -> str:
-    return "NATS_URL" if field == "nats_url" else f"SEQSTATE_{field.upper()}"
-
-
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("pipeline settings (each mirrors an environment variable)")
-    for f in fields(Config):
-        env = _env_name(f.name)
-        text = _CONFIG_HELP.get(f.name, f"default: {f.default}")
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", metavar=env,
-                           help=f"{text} [{env}]")  # fmt: skip
-    group.add_argument("--log-level", default=os.environ.get("SEQSTATE_LOG_LEVEL", "info"),
-                       choices=["debug", "info", "warning", "error"],
-                       help="[SEQSTATE_LOG_LEVEL]")  # fmt: skip
-
-
-def config_from(args: argparse.Namespace) -> Config:
-    env = dict(os.environ)
-    for f in fields(Config):  # flags are parsed exactly as their environment variables are
-        value = getattr(args, f"cfg_{f.name}", None)
-        if value is not None:
-            env[_env_name(f.name)] = value
-    return Config.from_env(env)
-
-
-def _add_demo_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("demo router")
-    group.add_argument("--workers", type=int, default=8, help="workers to drive (default 8)")
-    group.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per worker")
-    group.add_argument("--trace", type=Path, help="replay a Mooncake-format JSONL trace")
-    group.add_argument("--speedup", type=float,
-                       help="time compression (default: 10 for a trace, 1 otherwise)")  # fmt: skip
-    group.add_argument("--rate", type=float, default=40.0,
-                       help="synthetic arrivals per second (default 40)")  # fmt: skip
-    group.add_argument("--seed", type=int, default=0, help="synthetic workload seed")
-    group.add_argument("--duration", type=float, help="stop after this many seconds")
-    group.add_argument("--no-live", action="store_true", help="no live table; a line per second")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="seqstate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="store_true", help="print the event schema version")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-
-    def command(name: str, text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=text, description=text)
-        _add_config_flags(p)
-        return p
-
-    run = command("run", "writer + projector in one process (embedded nats-server unless NATS_URL)")
-    run.add_argument("--store-dir", type=Path,
-                     default=Path(os.environ.get("SEQSTATE_STORE_DIR", DEFAULT_STORE_DIR)),
-                     help="embedded server's JetStream directory [SEQSTATE_STORE_DIR]")  # fmt: skip
-    run.add_argument("--demo", action="store_true", help="also run the demo router + live view")
-    _add_demo_flags(run)
-    command("writer", "the write-model consumer: SEQSTATE_EVENTS -> SEQSTATE_DELTAS")
-    command("projector", "the read-model consumer: SEQSTATE_DELTAS -> the registry bucket")
-    demo = command("demo", "the demo router alone, against a running pipeline")
-    _add_demo_flags(demo)
-    publish = command("publish", "publish events given as JSON lines (file or '-' for stdin)")
-    publish.add_argument("file", nargs="?", default="-", help="JSON lines; '-' reads stdin")
-    publish.add_argument("--router-id", default=f"cli-{os.getpid()}",
-                         help="msg-id prefix (unique per publisher)")  # fmt: skip
-    loads = command("loads", "print every rank's load from the registry bucket")
-    loads.add_argument("--json", action="store_true", help="JSON lines instead of a table")
-    watch = command("watch", "a live table of the registry bucket")
-    watch.add_argument("--duration", type=float, help="stop after this many seconds")
-    status = command("status", "streams, consumers, the bucket's position and the lag")
-    status.add_argument("--json", action="store_true", help="one JSON object")
-    replay = command("replay", "fold the log into a fresh state and print per-rank loads")
-    replay.add_argument("--from-seq", type=int, metavar="N",
-                        help="start from an empty state at event N (a partial replay)")  # fmt: skip
-    replay.add_argument("--to-seq", type=int, metavar="M", help="stop after event M")
-    replay.add_argument("--at", metavar="TIME",
-                        help="the state at a log time: ISO 8601, or HH:MM:SS (UTC)")  # fmt: skip
-    replay.add_argument("--json", action="store_true", help="JSON lines instead of a table")
-    replay.add_argument("--verify", action="store_true",
-                        help="compare with the bucket; exit 1 naming differing keys")  # fmt: skip
-    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
-    rebuild = command("rebuild", "re-derive the whole bucket from the write model")
-    rebuild.add_argument("--no-progress", action="store_true", help="no progress bar")
-    snapshot = command("snapshot", "write-model snapshots: list, show, save")
-    snapshot.add_argument("action", choices=["list", "show", "save"])
-    snapshot.add_argument("name", nargs="?", default="latest",
-                          help="for show: a snapshot name or 'latest'")  # fmt: skip
-    snapshot.add_argument("--json", action="store_true", help="machine-readable output")
-    snapshot.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
 
 
 # ---- plumbing --------------------------------------------------------------------------------
@@ -176,12 +69,21 @@ async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) ->
             loop.remove_signal_handler(sig)
 
 
-def setup_logging(level: str, console: Any = None) -> None:
-    from rich.logging import RichHandler
+def setup_logging(level: str) -> None:
+    """Rich's columns in a terminal; one plain, unwrapped line per record anywhere else.
 
-    handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
-    logging.basicConfig(level=level.upper(), format="%(name)s: %(message)s", handlers=[handler],
-                        force=True)  # fmt: skip
+    A fixed-width handler would break a URL or a path across lines in a log file or a pipe.
+    """
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, rich_tracebacks=False)
+        form = "%(name)s: %(message)s"
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=form, handlers=[handler], force=True)
 
 
 # ---- commands --------------------------------------------------------------------------------
@@ -190,7 +92,10 @@ def setup_logging(level: str, console: Any = None) -> None:
 async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     from projector.pipeline import Pipeline
 
-    async with nats_for(config, args.store_dir) as (nc, url), Pipeline(nc, config) as pipeline:
+    async with (
+        nats_for(config, args.store_dir, args.port) as (nc, url),
+        Pipeline(nc, config) as pipeline,
+    ):
         log.info("writer and projector running for namespace %r at %s", config.namespace, url)
         if args.demo:
             from projector.demo import run_demo
@@ -272,7 +177,8 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
         last = None
         for event in events:
             last = await pub.publish(event)
-    print(f"published {len(events)} events" + (f", last sequence {last}" if last else ""))
+    count = f"{len(events)} event" + ("" if len(events) == 1 else "s")
+    print(f"published {count}" + (f", last sequence {last}" if last else ""))
     return 0
 
 
@@ -330,34 +236,6 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def progress_bar(enabled: bool, what: str) -> Iterator[Callable[[int, int], None] | None]:
-    """A rich progress bar on stderr with events/s and ETA; None when disabled."""
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskProgressColumn,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TaskProgressColumn(), TextColumn("{task.speed:>9,.0f} events/s"),
-               TimeRemainingColumn())  # fmt: skip
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(what, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
 def print_loads(rows: list[LoadRow], as_json: bool) -> None:
     from projector.live import plain_table
 
@@ -369,13 +247,12 @@ def print_loads(rows: list[LoadRow], as_json: bool) -> None:
 
 
 async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
-    from projector.replay import ReplayError, parse_at, replay, verify
-    from projector.writer import last_seq_of
+    from projector.replay import log_bounds, parse_at, replay, verify
 
     async with connect(require_url(config), service=False) as nc:
         with progress_bar(not args.no_progress, "replay") as progress:
             if args.verify:
-                if args.from_seq or args.to_seq or args.at:
+                if args.from_seq is not None or args.to_seq is not None or args.at:
                     raise CliError("--verify replays to the bucket's position: no range flags")
                 diffs = await verify(nc, config, progress=progress)
                 for line in diffs:
@@ -384,12 +261,7 @@ async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
                 return 1 if diffs else 0
             at_ns = None
             if args.at:
-                js = nc.jetstream()
-                last = await last_seq_of(js, config.events_stream, config.events_subjects)
-                if last == 0:
-                    raise ReplayError("the log is empty")
-                newest = await js.get_msg(config.events_stream, last)
-                at_ns = parse_at(args.at, _stored_ns(newest))
+                at_ns = parse_at(args.at, (await log_bounds(nc, config)).last_ns)
             done = await replay(nc, config, from_seq=args.from_seq, to_seq=args.to_seq,
                                 at_ns=at_ns, progress=progress)  # fmt: skip
     for name, why in done.skipped:
@@ -399,23 +271,9 @@ async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     if not args.json:
         print(f"replayed {done.events} events from {start} to event {done.last_seq}"
               f" ({done.dead_letters} undecodable); loads as of log time "
-              f"{_iso(done.as_of_ns)}")  # fmt: skip
+              f"{iso(done.as_of_ns)}")  # fmt: skip
     print_loads(done.loads(), args.json)
     return 0
-
-
-def _stored_ns(msg: Any) -> int:
-    """A stored message's log time; nats-py parses it to microseconds, enough to pick a day."""
-    import datetime as dt
-
-    moment = msg.time or dt.datetime.now(dt.UTC)
-    return int(moment.timestamp() * 1_000_000) * 1000
-
-
-def _iso(ns: int) -> str:
-    import datetime as dt
-
-    return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat(timespec="microseconds")
 
 
 async def cmd_rebuild(args: argparse.Namespace, config: Config) -> int:
@@ -448,7 +306,7 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
             else:
                 print(f"{'name':<40}{'event':>12}{'bytes':>12}  log time")
                 for info in infos:
-                    when = _iso(info.meta.as_of) if info.meta else "(unreadable description)"
+                    when = iso(info.meta.as_of) if info.meta else "(unreadable description)"
                     print(f"{info.name:<40}{info.applied_seq:>12}{info.size:>12}  {when}")
             return 0
         if args.action == "show":
@@ -469,7 +327,7 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
                 print_loads(rows, True)
             else:
                 print(f"{chosen.name}: event {chosen.applied_seq}, log time "
-                      f"{_iso(state.now_ns)}, {len(state.requests)} requests on "
+                      f"{iso(state.now_ns)}, {len(state.requests)} requests on "
                       f"{len(state.workers.slots)} ranks; {dict(state.counters)}")  # fmt: skip
                 print_loads(rows, False)
             return 0
@@ -499,9 +357,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Awaitable[int]]] = {
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.version:
-        print(f"seqstate event schema {SCHEMA_VERSION}")
-        return 0
     if args.command is None:
         parser.print_help()
         return 0

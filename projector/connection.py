@@ -67,16 +67,26 @@ async def connect(url: str, *, service: bool) -> AsyncIterator[Client]:
 
 
 @contextlib.asynccontextmanager
-async def nats_for(config: Config, store_dir: Path | None) -> AsyncIterator[tuple[Client, str]]:
-    """Connect to ``config.nats_url``, or start an embedded server when it is unset."""
+async def nats_for(
+    config: Config, store_dir: Path | None, port: int = -1
+) -> AsyncIterator[tuple[Client, str]]:
+    """Connect to ``config.nats_url``, or start an embedded server when it is unset.
+
+    The embedded server listens on ``port`` so its URL stays the same across restarts; if the
+    port is taken it listens on a free one and says so, rather than not starting.
+    """
     if config.nats_url:
         async with connect(config.nats_url, service=True) as nc:
             yield nc, config.nats_url
         return
     if store_dir is None:
         raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
-    async with NatsServer(store_dir) as server:
-        log.info("embedded nats-server at %s, JetStream in %s", server.url, store_dir)
+    async with NatsServer(store_dir, port=port, any_port_if_taken=True) as server:
+        if server.fell_back_from is not None:
+            log.warning("port %d is taken: the embedded nats-server listens on %s instead",
+                        server.fell_back_from, server.url)  # fmt: skip
+        log.info("embedded nats-server at %s (export NATS_URL=%s), JetStream in %s",
+                 server.url, server.url, store_dir)  # fmt: skip
         async with connect(server.url, service=True) as nc:
             yield nc, server.url
 

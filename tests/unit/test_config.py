@@ -54,8 +54,8 @@ def test_a_flag_is_named_as_the_user_typed_it_and_wins_over_the_environment() ->
     with pytest.raises(ConfigError) as caught:
         Config.from_env({}, flags={"expiry_s": ("--expiry-s", "banana")})
     assert str(caught.value) == "--expiry-s 'banana': not a number (seconds, or 'off')"
-    config = Config.from_env(env | {"SEQSTATE_EXPIRY_S": "off"},
-                             flags={"flush_interval_s": ("--flush-interval-s", "0.25")})  # fmt: skip
+    flags = {"flush_interval_s": ("--flush-interval-s", "0.25")}
+    config = Config.from_env(env | {"SEQSTATE_EXPIRY_S": "off"}, flags=flags)
     assert (config.expiry_s, config.flush_interval_s) == (None, 0.25)
 
 
