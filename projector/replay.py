@@ -338,14 +338,14 @@ def check_range(
     bounds: LogBounds, *, from_seq: int | None, to_seq: int | None, at_ns: int | None
 ) -> None:
     """Refuse, naming what the log holds, a range that cannot mean anything."""
+    if from_seq is not None and to_seq is not None and from_seq > to_seq:
+        raise ReplayError(f"--from-seq {from_seq} is after --to-seq {to_seq}")
     if not bounds.last_seq:
         raise ReplayError(str(bounds))
     if to_seq is not None and not 1 <= to_seq <= bounds.last_seq:
         raise ReplayError(f"--to-seq {to_seq} is outside the log: {bounds}")
     if from_seq is not None and not bounds.first_seq <= from_seq <= bounds.last_seq:
         raise ReplayError(f"--from-seq {from_seq} is outside the log: {bounds}")
-    if from_seq is not None and to_seq is not None and from_seq > to_seq:
-        raise ReplayError(f"--from-seq {from_seq} is after --to-seq {to_seq}")
     if at_ns is not None and at_ns < bounds.first_ns:
         raise ReplayError(f"--at {iso(at_ns)} is before the first event: {bounds}")
 

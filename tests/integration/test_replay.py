@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
+import struct
 import subprocess
 import sys
+import termios
+import threading
 from pathlib import Path
 
 import pytest
@@ -125,8 +129,46 @@ def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str
              "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
              "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
     env = {**os.environ, "NATS_URL": url}
-    command = [sys.executable, "-m", "projector", *args, *flags, "--no-progress"]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    # The progress bar is on, as a user has it; stderr is a pipe here, a terminal below.
+    command = [sys.executable, "-m", "projector", *args, *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def in_a_terminal(config: Config, url: str, *args: str) -> tuple[int, str, str]:
+    """Run the CLI with stderr on a pseudo-terminal (80x24), as in an operator's shell."""
+    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
+             "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
+             "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
+    env = {**os.environ, "NATS_URL": url, "TERM": "xterm-256color", "COLUMNS": "80"}
+    env.pop("NO_COLOR", None)
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "projector", *args, *flags], env=env,
+                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=slave)  # fmt: skip
+    os.close(slave)
+    screen: list[bytes] = []
+
+    def read_terminal() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                return
+            if not chunk:
+                return
+            screen.append(chunk)
+
+    reader = threading.Thread(target=read_terminal)
+    reader.start()
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        reader.join(10)
+        os.close(master)
+    return proc.returncode, out.decode(), b"".join(screen).decode(errors="replace")
 
 
 async def run_cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -169,6 +211,52 @@ async def test_the_cli_replays_verifies_rebuilds_and_manages_snapshots(
     assert out.returncode == 0 and f"event {last}" in out.stdout, out.stderr
     out = await run_cli(config, url, "replay", "--verify", "--to-seq", "3")
     assert out.returncode == 1 and out.stderr.startswith("seqstate: error: --verify")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("replay",), ("replay", "--verify"), ("replay", "--at", "AT"), ("rebuild",),
+     ("snapshot", "save")],
+)  # fmt: skip
+async def test_long_commands_show_their_progress_bar_in_a_terminal(
+    nc: Client, nats_server: object, args: tuple[str, ...]
+) -> None:
+    url = nats_server.url  # type: ignore[attr-defined]
+    config, last = await filled(nc, 30)
+    log = await read_log(nc, config)
+    at = dt.datetime.fromtimestamp(log[-1][1] / 1e9, dt.UTC).isoformat()
+    args = tuple(at if a == "AT" else a for a in args)
+    code, out, terminal = await asyncio.to_thread(in_a_terminal, config, url, *args)
+    assert "Traceback" not in terminal, terminal
+    assert code == 0, terminal
+    assert out.strip(), "no result printed"
+    if args[0] == "replay" and "--verify" not in args:
+        assert f"to event {last}" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--to-seq", "-5"), "--to-seq -5 is outside the log: the log of namespace {ns!r} holds "
+                             "events 1 to {last}, from "),
+        (("--to-seq", "{beyond}"), "--to-seq {beyond} is outside the log"),
+        (("--from-seq", "10", "--to-seq", "5"), "--from-seq 10 is after --to-seq 5"),
+        (("--from-seq", "0"), "--from-seq 0 is outside the log"),
+        (("--at", "2001-02-03T04:05:06"), "--at 2001-02-03T04:05:06.000000+00:00 is before the "
+                                          "first event: the log of namespace {ns!r} holds"),
+    ],
+)  # fmt: skip
+async def test_replay_refuses_a_range_outside_the_log_naming_the_log(
+    nc: Client, nats_server: object, args: tuple[str, ...], expected: str
+) -> None:
+    url = nats_server.url  # type: ignore[attr-defined]
+    config, last = await filled(nc, 6)
+    fill = {"ns": config.namespace, "last": last, "beyond": last + 1}
+    out = await run_cli(config, url, "replay", *(a.format(**fill) for a in args))
+    assert out.returncode == 1 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("seqstate: error: "), out.stderr
+    assert expected.format(**fill) in lines[0]
 
 
 async def test_the_fast_path_equals_the_client_path_and_falls_back(

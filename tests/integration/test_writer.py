@@ -8,6 +8,7 @@ import itertools
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 
@@ -127,6 +128,25 @@ async def test_malformed_message_goes_to_dead_letters_and_the_next_is_applied(nc
         assert dead.headers is not None
         assert dead.headers[SOURCE_SEQ] == str(bad.seq)
         assert "malformed" in dead.headers[REASON] or "invalid" in dead.headers[REASON]
+
+
+async def test_an_event_with_an_unknown_field_is_dead_lettered_naming_it(nc: Client) -> None:
+    config = fresh_config()
+    await ensure(nc, config)
+    js = nc.jetstream()
+    typo = msgspec.msgpack.encode([1, {"type": "AddRequest", "request_id": "t", "worker_id": 5,
+                                       "block_hashes": [1], "prefil_tokens": 500}])  # fmt: skip
+    bad = await js.publish(config.event_subject(5, 0), typo)
+    good = (await publish(nc, config, [AddRequest(request_id="g", worker_id=5)]))[0]
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(good), 10)
+        assert writer.stats.dead_letters == 1
+        assert writer.state.requests.worker_for("t") is None  # never booked without prefill
+        assert writer.state.requests.worker_for("g") == (5, 0)
+        dead = await js.get_msg(dead_letter_stream(config), subject=config.dead_letter_subject)
+        assert dead.data == typo
+        assert dead.headers is not None and dead.headers[SOURCE_SEQ] == str(bad.seq)
+        assert "unknown field `prefil_tokens`" in dead.headers[REASON]
 
 
 async def test_restart_rebuilds_state_and_republishes_nothing(nc: Client) -> None:
