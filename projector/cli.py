@@ -45,12 +45,27 @@ class CliError(SeqstateError):
 # ---- plumbing --------------------------------------------------------------------------------
 
 
+_stopping: asyncio.Event | None = None
+
+
+def catch_signals() -> asyncio.Event:
+    """From now on SIGINT and SIGTERM stop a long-running command cleanly.
+
+    Called first thing, so a signal that arrives while the command is still starting (the
+    pipeline catching up) is kept and honoured by :func:`until_signal`, not fatal.
+    """
+    global _stopping
+    if _stopping is None:
+        _stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, _stopping.set)
+    return _stopping
+
+
 async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) -> None:
     """Until SIGINT/SIGTERM, the duration, or the first of ``tasks`` ends (its error raised)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = catch_signals()
     waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(t) for t in tasks]
     stopper = asyncio.ensure_future(stop.wait())
     try:
@@ -65,8 +80,6 @@ async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) ->
             fut.cancel()
         # Let each one finish its own clean-up (the demo frees what it has in flight).
         await asyncio.gather(*waits, return_exceptions=True)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 def setup_logging(level: str) -> None:
@@ -92,6 +105,7 @@ def setup_logging(level: str) -> None:
 async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     from projector.pipeline import Pipeline
 
+    catch_signals()
     async with (
         nats_for(config, args.store_dir, args.port) as (nc, url),
         Pipeline(nc, config) as pipeline,
@@ -114,6 +128,7 @@ class _Consumer(Protocol):
 
 async def run_consumer(config: Config, make: Callable[[Client, Config], _Consumer]) -> int:
     """One consumer until a signal, which *stops* it (final flush, final snapshot)."""
+    catch_signals()
     async with connect(require_url(config), service=True) as nc:
         consumer = make(nc, config)
         task = asyncio.ensure_future(consumer.run())
@@ -141,6 +156,7 @@ async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
 async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from projector.demo import run_demo
 
+    catch_signals()
     async with connect(require_url(config), service=True) as nc:
         await until_signal(run_demo(nc, config, args), duration=args.duration)
     return 0
@@ -208,6 +224,7 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
     from projector.live import render
     from projector.reader import RegistryView
 
+    catch_signals()
     console = Console()
     async with (
         connect(require_url(config), service=True) as nc,

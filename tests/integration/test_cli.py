@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -110,9 +111,62 @@ def test_unreachable_nats_is_one_line() -> None:
     assert "cannot reach NATS at nats://127.0.0.1:1" in line
 
 
-def test_bad_setting_is_one_line() -> None:
-    line = one_line_error(seqstate("writer", "--flush-interval-s", "soon"))
-    assert "SEQSTATE_FLUSH_INTERVAL_S" in line
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (("projector", "--flush-interval-s", "soon"), {},
+         "--flush-interval-s 'soon': not a number (seconds)"),
+        (("writer", "--expiry-s", "banana"), {},
+         "--expiry-s 'banana': not a number (seconds, or 'off')"),
+        (("run", "--flush-interval-s", "-1"), {}, "--flush-interval-s '-1': must be positive"),
+        (("writer",), {"SEQSTATE_EXPIRY_S": "banana"},
+         "SEQSTATE_EXPIRY_S='banana': not a number (seconds, or 'off')"),
+        (("loads",), {"NATS_URL": "garbage"},
+         "NATS_URL='garbage': 'garbage' is not a NATS URL"),
+        (("status", "--nats-url", "http://x:1"), {},
+         "--nats-url 'http://x:1': 'http://x:1' is not a NATS URL"),
+    ],
+)  # fmt: skip
+def test_a_bad_setting_is_one_line_naming_it_as_typed(
+    args: tuple[str, ...], env: dict[str, str], said: str
+) -> None:
+    assert one_line_error(seqstate(*args, **env)).startswith(f"seqstate: error: {said}")
+
+
+def test_help_speaks_the_users_language() -> None:
+    helps = {name: seqstate(name, "--help").stdout for name in
+             ("run", "writer", "projector", "demo", "publish", "loads", "watch", "status",
+              "replay", "rebuild", "snapshot")}  # fmt: skip
+    top = seqstate("--help").stdout
+    helps = {name: " ".join(text.split()) for name, text in helps.items()}  # unwrapped
+    for name, text in [*helps.items(), ("", top)]:
+        assert "``" not in text and ":class:" not in text, name  # no markup leaks
+        shown = text.replace("[env SEQSTATE_", "").replace("SEQSTATE_EVENTS", "")
+        assert "SEQSTATE_" not in shown.replace("SEQSTATE_DELTAS", ""), name  # not as metavars
+    assert "unset: start an embedded nats-server" in helps["run"]
+    for name in ("loads", "status", "publish", "writer"):
+        assert "embedded" not in helps[name], name
+        assert "--nats-url URL" in helps[name]
+    for name in ("loads", "watch", "status", "publish", "replay"):  # readers: no writer knobs
+        for knob in ("--flush-interval-s", "--snapshot-every-events", "--idle-tick-s"):
+            assert knob not in helps[name], (name, knob)
+    writer = helps["writer"]
+    assert "(default: 300) [env SEQSTATE_EXPIRY_S]" in writer
+    assert "(default: 10000) [env SEQSTATE_SNAPSHOT_EVERY_EVENTS]" in writer
+    publish = helps["publish"]
+    for event in ("AddRequest", "MarkPrefillCompleted", "Free", "AddOutputBlock", "WorkerAdded",
+                  "WorkerRemoved", "Tick"):  # fmt: skip
+        assert f"{event}:" in publish
+    assert "request_id, worker_id, dp_rank=0, block_hashes=[], prefill_tokens=0," in publish
+    assert "(default: 4222) [env SEQSTATE_PORT]" in helps["run"]
+
+
+def test_version_is_the_package_version() -> None:
+    from importlib.metadata import version
+
+    result = seqstate("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"seqstate {version('seqstate')} (event schema 1)"
 
 
 def test_missing_publish_file_is_one_line(nats_server: NatsServer) -> None:
@@ -154,6 +208,39 @@ async def test_publish_then_loads_and_status(nc: Client, nats_server: NatsServer
         assert rc == 0 and "lag: 0 events behind the log" in out
 
 
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ('{"type":"AddRequest","request_id":"t","worker_id":5,"block_hashes":[1],'
+         '"prefil_tokens":500}', "stdin:1: not an event: Object contains unknown field "
+                                 "`prefil_tokens`"),
+        ('{"type":"AddRequest","request_id":"t","worker_id":5,'
+         '"block_hashes":[18446744073709551616]}',
+         "stdin:1: not an event: invalid event: 18446744073709551616 does not fit in 64 bits - "
+         "at `$.block_hashes[0]`"),
+    ],
+)  # fmt: skip
+async def test_publish_names_a_typo_or_an_overflow_and_publishes_nothing(
+    nats_server: NatsServer, line: str, said: str
+) -> None:
+    config = fresh_config("t")
+    rc, out, err = await aseqstate("publish", "--namespace", config.namespace, "--events-stream",
+                                   config.events_stream, stdin=line.encode(),
+                                   NATS_URL=nats_server.url)  # fmt: skip
+    assert (rc, out) == (1, "")
+    assert err.splitlines() == [f"seqstate: error: {said}"]
+
+
+async def test_publish_counts_in_words(nats_server: NatsServer) -> None:
+    config = fresh_config("w")
+    line = b'{"type": "Free", "request_id": "x", "worker_id": 1}\n'
+    rc, out, err = await aseqstate("publish", "--namespace", config.namespace, "--events-stream",
+                                   config.events_stream, NATS_URL=nats_server.url,
+                                   stdin=line)  # fmt: skip
+    assert rc == 0, err
+    assert out.strip() == "published 1 event, last sequence 1"
+
+
 async def test_publish_rejects_an_invalid_line_naming_it(nats_server: NatsServer) -> None:
     stdin = b'{"type": "Free", "request_id": "x", "worker_id": 1}\n{"type": "Nope"}\n'
     rc, _, err = await aseqstate("publish", stdin=stdin, NATS_URL=nats_server.url)
@@ -183,3 +270,61 @@ def test_run_demo_replays_a_mooncake_trace(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     # The trace ends: the demo stops by itself, every request routed and completed.
     assert "demo: routed 4 requests (4 completed" in result.stdout, result.stdout
+
+
+def started_run(store: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """``seqstate run`` in the background, once it says its pipeline runs; its log so far."""
+    proc = subprocess.Popen([sys.executable, "-m", "projector", "run", "--store-dir", str(store),
+                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(), cwd=REPO)  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+    for line in proc.stderr:  # the pipe ends if the run dies: the loop cannot hang on it
+        lines.append(line)
+        if "writer and projector running" in line:
+            return proc, lines
+    proc.wait()
+    raise AssertionError(f"seqstate run never started: {''.join(lines)}")
+
+
+def stopped(proc: subprocess.Popen[str]) -> str:
+    proc.terminate()
+    _, rest = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    return rest
+
+
+def test_a_second_run_on_the_same_store_refuses_in_one_line(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    first, _ = started_run(store)
+    try:
+        second = seqstate("run", "--store-dir", str(store), "--duration", "5")
+        line = one_line_error(second)
+        assert f"the store {store} is in use by another nats-server" in line
+    finally:
+        stopped(first)
+    # Released with the first run: the store starts again, and its snapshot is still there.
+    again = seqstate("run", "--store-dir", str(store), "--duration", "0.5")
+    assert again.returncode == 0, again.stderr
+
+
+def test_run_listens_on_the_same_port_each_time_and_says_when_it_cannot(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # A long store path: a fixed-width log handler would break this line in two.
+    store = tmp_path / ("a-store-directory-with-a-rather-long-name-" * 3) / "jetstream"
+    url = f"nats://127.0.0.1:{port}"
+    for _ in range(2):
+        proc, lines = started_run(store, "--port", str(port))
+        stopped(proc)
+        said = [line for line in lines if "embedded nats-server at" in line]
+        assert len(said) == 1 and f"at {url} (export NATS_URL={url})" in said[0]
+        assert str(store) in said[0]  # one record, one line: nothing wrapped off a terminal
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        proc, lines = started_run(store, "--port", str(port))
+        stopped(proc)
+    taken = [line for line in lines if f"port {port} is taken" in line]
+    assert len(taken) == 1 and "the embedded nats-server listens on nats://127.0.0.1:" in taken[0]
