@@ -17,7 +17,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -356,7 +356,7 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Awaitable[int]]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Coroutine[Any, Any, int]]] = {
     "run": cmd_run,
     "writer": cmd_writer,
     "projector": cmd_projector,

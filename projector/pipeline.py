@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from types import TracebackType
+from typing import Any
 
 from nats.aio.client import Client
 
@@ -39,8 +40,9 @@ class Pipeline:
             asyncio.create_task(self.projector.run(), name="seqstate-projector"),
         ]
         ready = asyncio.gather(self.writer.caught_up.wait(), self.projector.caught_up.wait())
+        waits: list[asyncio.Future[Any]] = [ready, *self._tasks]
         done, _ = await asyncio.wait(
-            [ready, *self._tasks], timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED
+            waits, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED
         )
         if ready not in done:
             ready.cancel()

@@ -157,8 +157,8 @@ class RegistryView:
                 old = self._blocks.get(rank, set())
                 if rank in self._blocks or new:
                     self._blocks[rank] = new
-                    load = self.registry.load_of(rank) or EMPTY_LOAD
-                    change = RankChange(rank, load, list(old - new), list(new - old))
+                    current = self.registry.load_of(rank) or EMPTY_LOAD
+                    change = RankChange(rank, current, list(old - new), list(new - old))
                     self.registry.apply(Delta("applied", 0, [change]))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.bad_values += 1

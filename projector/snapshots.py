@@ -14,6 +14,7 @@ crash, never a silently wrong state.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot {name} read back differently from what was stored")
         return SnapshotInfo(name, meta, len(state_bytes), "")
 
-    async def prune(self, keep: int) -> list[str]:
+    async def prune(self, keep: int) -> builtins.list[str]:
         """Delete all but the newest ``keep`` snapshots of this namespace; returns their names."""
         snapshots = await self.list()
         doomed = snapshots[: max(0, len(snapshots) - keep)]

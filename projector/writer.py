@@ -132,7 +132,7 @@ class Writer:
         self._snapshot_at = 0.0  # loop time of the last snapshot taken
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
-        self._pending: set[asyncio.Future[object]] = set()
+        self._pending: set[asyncio.Future[api.PubAck]] = set()
         self._slots = asyncio.Semaphore(MAX_PENDING_BATCHES)
         self._published_up_to = 0
         self._last_event_at = 0.0
@@ -189,13 +189,15 @@ class Writer:
             self.caught_up.set()
         # Messages are handled in the subscription's own callback task, one after another:
         # no task or wake-up per message beyond what the client already does.
+        policy, start = self._start_options()
         sub = await self._js.subscribe(
             self.config.events_subjects,
             stream=self.config.events_stream,
             ordered_consumer=True,
             idle_heartbeat=1.0,
             cb=self._on_message,
-            **self._start_options(),
+            deliver_policy=policy,
+            config=start,
         )
         self._sub = sub
         ticker = asyncio.create_task(self._tick_when_idle())
@@ -316,14 +318,12 @@ class Writer:
         assert self._snapshot_task is not None
         await self._snapshot_task
 
-    def _start_options(self) -> dict[str, object]:
+    def _start_options(self) -> tuple[api.DeliverPolicy | None, api.ConsumerConfig | None]:
         """Where the consumer starts: after the restored state's last event (issue #4)."""
         if self.applied.value == 0:
-            return {}
-        return {
-            "deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE,
-            "config": api.ConsumerConfig(opt_start_seq=self.applied.value + 1),
-        }
+            return None, None
+        return (api.DeliverPolicy.BY_START_SEQUENCE,
+                api.ConsumerConfig(opt_start_seq=self.applied.value + 1))  # fmt: skip
 
     async def _on_message(self, msg: Msg) -> None:
         if self._stopping.is_set():
@@ -390,7 +390,7 @@ class Writer:
         self.stats.batches_published += 1
         self.stats.last_delta_seq = last
 
-    def _settled(self, future: asyncio.Future[object]) -> None:
+    def _settled(self, future: asyncio.Future[api.PubAck]) -> None:
         self._pending.discard(future)
         self._slots.release()
         if not future.cancelled() and future.exception() is not None:
