@@ -34,11 +34,12 @@ def python_block(after: str) -> str:
     return match.group(1)
 
 
-async def run_python(code: str, url: str) -> str:
+async def run_python(code: str, url: str, *args: str) -> str:
     env = {**os.environ, "NATS_URL": url}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+        sys.executable, "-c", code, *args, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     return out.decode()
@@ -58,7 +59,7 @@ async def test_the_tour_publishes_then_reads(default_pipeline: str) -> None:
     url = default_pipeline
     out = await run_python(python_block("**Publish from Python**"), url)
     assert out.strip() == "last event 3"
-    out = await run_python(python_block("**Read from Python**"), url)
+    out = await run_python(python_block("**Read from Python**"), url, out.split()[-1])
     rows = [line for line in out.splitlines() if line.startswith("PotentialLoadRow(")]
     assert rows == [
         "PotentialLoadRow(worker_id=3, dp_rank=0, potential_prefill_tokens=1500, "
