@@ -1,0 +1,43 @@
+"""What the router and scheduler APIs check before any I/O: no server needed.
+
+A bad field is refused at the caller, naming it, before it consumes a msg-id; and the two
+client objects agree on how a ``namespace`` argument and a ``config`` combine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from nats.aio.client import Client
+
+from projector.config import Config
+from projector.publisher import RouterPublisher
+from projector.reader import RegistryView
+from seqstate import AddRequest, EventDecodeError
+
+
+def test_a_hash_beyond_64_bits_is_refused_by_name_before_it_takes_a_msg_id() -> None:
+    pub = RouterPublisher(Client(), router_id="r")
+    with pytest.raises(EventDecodeError, match=r"at `\$\.block_hashes\[1\]`"):
+        asyncio.run(pub.add("x", 1, block_hashes=[5, 2**64]))
+    assert pub.router_seq == 0
+
+
+def test_a_misspelt_field_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="prefil_tokens"):
+        AddRequest(request_id="t", worker_id=5, prefil_tokens=500)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: RouterPublisher(Client(), router_id="r", **kw).config,
+    lambda **kw: RegistryView(Client(), **kw).config,
+])  # fmt: skip
+def test_namespace_wins_over_the_config_in_both_clients(make: Callable[..., Config]) -> None:
+    base = Config(namespace="from-config", flush_interval_s=0.5)
+    both = make(namespace="given", config=base)
+    assert (both.namespace, both.flush_interval_s) == ("given", 0.5)
+    assert make(config=base).namespace == "from-config"
+    assert make(namespace="given").namespace == "given"
+    assert make().namespace == "default"
