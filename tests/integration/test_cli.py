@@ -141,7 +141,7 @@ def test_help_speaks_the_users_language() -> None:
     helps = {name: " ".join(text.split()) for name, text in helps.items()}  # unwrapped
     for name, text in [*helps.items(), ("", top)]:
         assert "``" not in text and ":class:" not in text, name  # no markup leaks
-        assert "--writer-durable" not in text, name  # settings that nothing read are gone
+        assert "-durable" not in text, name  # settings that nothing read are gone
         shown = text.replace("[env SEQSTATE_", "").replace("SEQSTATE_EVENTS", "")
         assert "SEQSTATE_" not in shown.replace("SEQSTATE_DELTAS", ""), name  # not as metavars
     assert "unset: start an embedded nats-server" in helps["run"]
