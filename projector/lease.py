@@ -211,8 +211,9 @@ class Lease:
                 log.warning("lease of namespace %r: %r; trying again", self.namespace, exc)
                 await asyncio.sleep(self.poll_s)
                 continue
-            why = "its process is gone" if dead else "not renewed for its TTL"
-            log.warning("took the lease over: %s, %s", describe(holder, self.namespace), why)
+            previous = f"a {holder.kind} ({holder.describe()})" if holder else "an unreadable value"
+            log.warning("took over the lease of namespace %r from %s: %s", self.namespace, previous,
+                        "its process is gone" if dead else "not renewed for its TTL")  # fmt: skip
             break
         self.revision = revision
         self._valid_until = sent + self.ttl_s
