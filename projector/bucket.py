@@ -82,7 +82,7 @@ async def read_bucket(nc: Client, config: Config, *, timeout: float = 30.0) -> B
 
 
 def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
-    kind, rank = parse_key(namespace, key)
+    kind, rank = parse_key(namespace, key)  # the lease, and any other key, is no read model
     try:
         if kind == "position":
             view.position = decode_position(value)

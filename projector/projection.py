@@ -17,6 +17,12 @@ the delta after the recorded position. Replaying deltas the bucket already partl
 harmless: a load is absolute and a block change is a set insert or removal, applied in order.
 Deltas whose source sequence is not past the position are skipped. A delta that does not
 decode is dead-lettered with its reason and counted; the projector goes on.
+
+It writes only under the namespace's lease (:mod:`projector.lease`), taken before it reads the
+bucket back: a second projector of the namespace waits for the first to go, and a
+``seqstate rebuild`` refuses to run meanwhile. Losing the lease to another holder ends the run
+with :class:`~projector.lease.LeaseLost` without another write; a lease not renewed for a
+while (the server away) only holds the writes back, like a failing flush.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from nats.js.kv import KV_DEL, KV_OP
 
 from projector.bucket import read_bucket
 from projector.config import Config
+from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.values import (
@@ -67,11 +74,24 @@ class ProjectorStats:
 
 
 class Projector:
-    """One projector per namespace. ``await projector.run()`` until cancelled or ``stop()``."""
+    """One projector per namespace. ``await projector.run()`` until cancelled or ``stop()``.
 
-    def __init__(self, nc: Client, config: Config) -> None:
+    ``lease_ttl_s``: how long a SIGKILLed projector on another machine keeps a successor
+    waiting; ``lease_renew_s`` (a third of it by default): how often the lease is renewed.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        config: Config,
+        *,
+        lease_ttl_s: float = DEFAULT_TTL_S,
+        lease_renew_s: float | None = None,
+    ) -> None:
         self.nc = nc
         self.config = config
+        self.lease: Lease | None = None  # every write of the bucket checks it first
+        self._lease_ttl_s, self._lease_renew_s = lease_ttl_s, lease_renew_s
         self.stats = ProjectorStats()
         self._js = nc.jetstream()
         self.loads: dict[Rank, RankLoad] = {}
@@ -99,6 +119,43 @@ class Projector:
 
     async def run(self) -> None:
         await ensure(self.nc, self.config)
+        lease = Lease(self.nc, self.config, "projector", ttl_s=self._lease_ttl_s,
+                      renew_s=self._lease_renew_s, on_lost=self._lease_lost)  # fmt: skip
+        if not await self._acquire(lease):
+            return
+        self.lease = lease
+        try:
+            await self._project()
+        finally:
+            await lease.release()
+
+    async def _acquire(self, lease: Lease) -> bool:
+        """Take the lease, waiting as long as a live holder keeps it; False if stopped first."""
+        acquiring = asyncio.ensure_future(lease.acquire(wait=True))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([acquiring, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not acquiring.done():
+                acquiring.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await acquiring
+        if acquiring.cancelled():
+            return False
+        acquiring.result()  # its error, if it failed
+        if self._stopping.is_set():
+            await lease.release()
+            return False
+        return True
+
+    def _lease_lost(self, exc: LeaseLost) -> None:
+        log.error("projector stopping: %s", exc)
+        if self._failure is None:
+            self._failure = exc
+        self._stopping.set()
+
+    async def _project(self) -> None:
         await self.resume()
         target = await last_seq_of(self._js, self.config.deltas_stream, self.config.deltas_subject)
         self._target = target
@@ -118,7 +175,8 @@ class Projector:
             await self._stopping.wait()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            await self.flush()
+            if not isinstance(self._failure, LeaseLost):  # another holder writes now
+                await self.flush()
         finally:
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -274,6 +332,9 @@ class Projector:
             try:
                 await self.flush()
                 backoff = interval
+            except LeaseLost as exc:
+                self._lease_lost(exc)
+                return
             except Exception as exc:  # the bucket must catch up, not die
                 self.stats.flush_failures += 1
                 log.warning("flush failed, retrying in %.2fs: %r", backoff, exc)
@@ -308,6 +369,7 @@ class Projector:
     async def _write(
         self, loads: set[Rank], blocks: set[Rank], removed: set[Rank], position: Position
     ) -> None:
+        self._check_lease()
         ns = self.config.namespace
         puts: list[tuple[str, bytes]] = []
         for rank in sorted(loads):
@@ -324,10 +386,15 @@ class Projector:
         # publish_async has no deadline of its own: an ack lost to a disconnect would hang here.
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), ACK_TIMEOUT_S)
+        self._check_lease()  # the acks can take long: still ours before the position moves?
         await asyncio.wait_for(await self._put(position_key(ns), encode_position(position)),
                                ACK_TIMEOUT_S)  # fmt: skip
         self.stats.keys_written += len(puts)
         self.stats.keys_deleted += 2 * len(removed)
+
+    def _check_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.check()
 
     async def _put(self, key: str, value: bytes, *, delete: bool = False) -> asyncio.Future[object]:
         headers = {KV_OP: KV_DEL} if delete else None

@@ -6,8 +6,9 @@ writer had at any sequence, byte for byte; ``--at`` stops at a log time instead,
 before its target (so it costs the tail), or from an empty state at ``--from-seq``.
 
 ``verify`` replays to the bucket's recorded position and names every key whose value differs.
-``rebuild`` re-derives the whole bucket of a namespace from the write model (stop the
-projector first: the bucket has one writer).
+``rebuild`` re-derives the whole bucket of a namespace from the write model. The bucket has one
+writer, so it takes the namespace's lease (:mod:`projector.lease`) and refuses while a projector
+holds it: waiting for an operator's process to end would look like a hang.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nats.js.api import RawStreamMsg
 
 from projector.bucket import BucketView, read_bucket
 from projector.config import Config
+from projector.lease import DEFAULT_TTL_S, Holder, Lease, LeaseHeld
 from projector.projection import Projector
 from projector.retention import trimmed_below
 from projector.snapshots import SnapshotInfo, SnapshotStore
@@ -289,18 +291,45 @@ async def verify(nc: Client, config: Config, *, progress: Progress | None = None
     return differences(replayed.state, bucket, config.namespace)
 
 
-async def rebuild(nc: Client, config: Config, *, progress: Progress | None = None) -> Replayed:
-    """Re-derive the namespace's whole bucket from the write model (projector stopped)."""
-    js = nc.jetstream()
-    delta_seq = await last_seq_of(js, config.deltas_stream, config.deltas_subject)
-    replayed = await replay(nc, config, progress=progress)
-    bucket = await read_bucket(nc, config)
-    projector = Projector(nc, config)
-    unreadable = {rank for rank, _ in bucket.unreadable.values() if rank is not None}
-    projector.reset_to(replayed.state, replayed.last_seq, delta_seq,
-                       stale=set(bucket.loads) | set(bucket.blocks) | unreadable)  # fmt: skip
-    await projector.flush()
+async def rebuild(
+    nc: Client,
+    config: Config,
+    *,
+    progress: Progress | None = None,
+    lease_ttl_s: float = DEFAULT_TTL_S,
+) -> Replayed:
+    """Re-derive the namespace's whole bucket from the write model, under its lease.
+
+    Raises :class:`~projector.lease.LeaseHeld` at once if a projector (or another rebuild) of
+    the namespace is running; a dead holder's lease is taken over after its TTL.
+    """
+    lease = Lease(nc, config, "rebuild", ttl_s=lease_ttl_s)
+    try:
+        await lease.acquire(wait=False)
+    except LeaseHeld as exc:
+        raise LeaseHeld(_refusal(exc, exc.holder), exc.holder) from None
+    try:
+        js = nc.jetstream()
+        delta_seq = await last_seq_of(js, config.deltas_stream, config.deltas_subject)
+        replayed = await replay(nc, config, progress=progress)
+        # A long fold can starve the renewals: prove the lease is still ours before writing.
+        await lease.renew()
+        bucket = await read_bucket(nc, config)
+        projector = Projector(nc, config)
+        projector.lease = lease
+        unreadable = {rank for rank, _ in bucket.unreadable.values() if rank is not None}
+        projector.reset_to(replayed.state, replayed.last_seq, delta_seq,
+                           stale=set(bucket.loads) | set(bucket.blocks) | unreadable)  # fmt: skip
+        await projector.flush()
+    finally:
+        await lease.release()
     return replayed
+
+
+def _refusal(exc: LeaseHeld, holder: Holder | None) -> str:
+    if holder is not None and holder.kind == "rebuild":
+        return f"{exc}; wait for it to end"
+    return f"{exc}; stop it (or the 'seqstate run' that holds it), then rebuild"
 
 
 # ---- what can be asked for ------------------------------------------------------------------

@@ -16,6 +16,8 @@ RegistryView (reader) cannot drift apart:
   once the flush's other keys are acknowledged. Because a KV watch delivers in stream order, a
   reader that sees position ``n`` already holds every value that reflects ``n``: that is what
   ``RegistryView.wait_for(n)`` waits on. ``delta_seq`` lets a restarted projector resume.
+- ``<ns>.lease``: JSON, who may write the namespace's keys (see :mod:`projector.lease`). Not
+  part of the read model: readers skip it, and its bytes differ from run to run.
 """
 
 from __future__ import annotations
@@ -91,11 +93,16 @@ def position_key(namespace: str) -> str:
     return f"{namespace}.position"
 
 
+def lease_key(namespace: str) -> str:
+    return f"{namespace}.lease"
+
+
 def parse_key(namespace: str, key: str) -> tuple[str, Rank | None]:
-    """``("load", rank)``, ``("blocks", rank)`` or ``("position", None)``; else ``("", None)``."""
+    """``("load", rank)``, ``("blocks", rank)``, ``("position", None)`` or ``("lease", None)``;
+    else ``("", None)``."""
     parts = key.split(".")
-    if len(parts) == 2 and parts[0] == namespace and parts[1] == "position":
-        return "position", None
+    if len(parts) == 2 and parts[0] == namespace and parts[1] in ("position", "lease"):
+        return parts[1], None
     if len(parts) == 4 and parts[0] == namespace and parts[1] in ("load", "blocks"):
         try:
             return parts[1], (int(parts[2]), int(parts[3]))

@@ -33,7 +33,7 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from projector.config import Config
 from projector.publisher import RouterPublisher
-from projector.values import Position, decode_position, position_key
+from projector.values import Position, decode_position, lease_key, position_key
 from projector.writer import SOURCE_SEQ, last_seq_of
 from seqstate import (
     AddRequest,
@@ -218,7 +218,8 @@ async def bucket_position(js: JetStreamContext, config: Config) -> Position:
 
 
 async def bucket_values(nc: Client, config: Config) -> dict[str, bytes]:
-    """Every live key of the namespace in ``config.registry_bucket``, with its bytes.
+    """Every live key of the namespace in ``config.registry_bucket``, with its bytes; not the
+    lease, whose holder differs from run to run by design.
 
     Read from the bucket's stream (``KeyValue.keys`` filters by substring, not by subject).
     """
@@ -227,6 +228,8 @@ async def bucket_values(nc: Client, config: Config) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     for _, headers, data in await read_stream(nc, f"KV_{bucket}", f"{prefix}{config.namespace}.>"):
         key = headers["subject"][len(prefix) :]
+        if key == lease_key(config.namespace):
+            continue
         if headers.get(KV_OP) in (KV_DEL, KV_PURGE):
             out.pop(key, None)
         else:
