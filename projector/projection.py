@@ -40,6 +40,7 @@ from nats.js.kv import KV_DEL, KV_OP
 
 from projector.bucket import read_bucket
 from projector.config import Config
+from projector.dead_letters import DeadLetters
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
@@ -53,7 +54,7 @@ from projector.values import (
     load_key,
     position_key,
 )
-from projector.writer import REASON, SOURCE_SEQ, last_seq_of, log_time_ns
+from projector.writer import last_seq_of, log_time_ns
 from seqstate import Delta, RankLoad, SequenceState, decode_deltas
 
 log = logging.getLogger("seqstate.projector")
@@ -94,6 +95,7 @@ class Projector:
         self._lease_ttl_s, self._lease_renew_s = lease_ttl_s, lease_renew_s
         self.stats = ProjectorStats()
         self._js = nc.jetstream()
+        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
         self.loads: dict[Rank, RankLoad] = {}
         self.blocks: dict[Rank, set[int]] = {}
         # What each value reflects: the source sequence (and log time) of the last delta that
@@ -412,14 +414,5 @@ class Projector:
 
     async def _dead_letter(self, msg: Msg, delta_seq: int, reason: str) -> None:
         self.stats.dead_letters += 1
-        log.warning("dead letter: delta %d: %s", delta_seq, reason)
-        await self._js.publish(
-            self.config.dead_letter_subject,
-            msg.data,
-            headers={
-                "Nats-Msg-Id": f"dead-delta:{self.config.namespace}:{delta_seq}",
-                REASON: reason,
-                SOURCE_SEQ: str(delta_seq),
-                "Seqstate-Subject": msg.subject,
-            },
-        )
+        await self.dead_letters.put(self.config.deltas_stream, delta_seq, msg.subject, msg.data,
+                                    reason)  # fmt: skip

@@ -32,6 +32,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from projector.config import Config
+from projector.dead_letters import SOURCE_SEQ, DeadLetters
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.retention import trim, trimmed_below
@@ -50,8 +51,6 @@ from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
 
-SOURCE_SEQ = "Seqstate-Source-Seq"
-REASON = "Seqstate-Reason"
 MAX_PENDING_BATCHES = 256
 MAX_BATCH = 256  # deltas per DELTAS message while catching up
 ACK_TIMEOUT_S = 10.0
@@ -132,6 +131,7 @@ class Writer:
         self._snapshot_at = 0.0  # loop time of the last snapshot taken
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
+        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
         self._pending: set[asyncio.Future[api.PubAck]] = set()
         self._slots = asyncio.Semaphore(MAX_PENDING_BATCHES)
         self._published_up_to = 0
@@ -414,17 +414,7 @@ class Writer:
 
     async def _dead_letter(self, msg: Msg, seq: int, reason: str) -> None:
         self.stats.dead_letters += 1
-        log.warning("dead letter: seq %d on %s: %s", seq, msg.subject, reason)
-        await self._js.publish(
-            self.config.dead_letter_subject,
-            msg.data,
-            headers={
-                "Nats-Msg-Id": f"dead:{self.config.namespace}:{seq}",
-                REASON: reason,
-                SOURCE_SEQ: str(seq),
-                "Seqstate-Subject": msg.subject,
-            },
-        )
+        await self.dead_letters.put(self.config.events_stream, seq, msg.subject, msg.data, reason)
 
     async def _tick_when_idle(self) -> None:
         loop = asyncio.get_running_loop()

@@ -32,9 +32,10 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from projector.config import Config
+from projector.dead_letters import SOURCE_SEQ
 from projector.publisher import RouterPublisher
 from projector.values import Position, decode_position, lease_key, position_key
-from projector.writer import SOURCE_SEQ, last_seq_of
+from projector.writer import last_seq_of
 from seqstate import (
     AddRequest,
     Event,

@@ -15,13 +15,14 @@ from pipeline_kit import fresh_config, read_log
 
 from projector.bucket import read_bucket
 from projector.config import Config
+from projector.dead_letters import REASON
 from projector.pipeline import Pipeline
 from projector.projection import Projector
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.resources import dead_letter_stream, ensure
 from projector.values import blocks_key, decode_blocks, load_key, position_key
-from projector.writer import REASON, Writer
+from projector.writer import Writer
 from seqstate import SequenceState, WorkerAdded, WorkerRemoved, decode_event
 
 NS_PER_MS = 1_000_000

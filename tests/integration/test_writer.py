@@ -13,8 +13,16 @@ import pytest
 from nats.aio.client import Client
 
 from projector.config import Config
+from projector.dead_letters import (
+    PREFIX_BYTES,
+    REASON,
+    SIZE,
+    SOURCE_SEQ,
+    SOURCE_STREAM,
+    TRUNCATED,
+)
 from projector.resources import dead_letter_stream, ensure
-from projector.writer import REASON, SOURCE_SEQ, Writer
+from projector.writer import Writer
 from seqstate import (
     AddRequest,
     Delta,
@@ -147,6 +155,28 @@ async def test_an_event_with_an_unknown_field_is_dead_lettered_naming_it(nc: Cli
         assert dead.data == typo
         assert dead.headers is not None and dead.headers[SOURCE_SEQ] == str(bad.seq)
         assert "unknown field `prefil_tokens`" in dead.headers[REASON]
+
+
+async def test_a_message_near_the_payload_limit_is_dead_lettered_as_a_prefix(nc: Client) -> None:
+    config = fresh_config()
+    await ensure(nc, config)
+    js = nc.jetstream()
+    huge = b"\xc1" * (nc.max_payload - 10)  # with the reason in headers it could not be stored
+    bad = await js.publish(config.event_subject(1, 0), huge)
+    good = (await publish(nc, config, [AddRequest(request_id="g", worker_id=1)]))[0]
+    for _ in range(2):  # a restarted writer meets it again, and goes on again
+        async with running(nc, config) as writer:
+            await asyncio.wait_for(writer.wait_applied(good), 10)
+            assert writer.state.requests.worker_for("g") == (1, 0)
+    dead = await js.get_msg(dead_letter_stream(config), subject=config.dead_letter_subject)
+    assert dead.seq == 1  # written once: the second writer's copy was a duplicate
+    assert dead.headers is not None
+    assert dead.headers[SOURCE_SEQ] == str(bad.seq)
+    assert dead.headers[SOURCE_STREAM] == config.events_stream
+    assert dead.headers[SIZE] == str(len(huge)) and dead.headers[TRUNCATED] == "true"
+    assert dead.data == huge[: len(dead.data or b"")] and len(dead.data or b"") == PREFIX_BYTES
+    info = await js.stream_info(dead_letter_stream(config))
+    assert info.state.messages == 1
 
 
 async def test_restart_rebuilds_state_and_republishes_nothing(nc: Client) -> None:

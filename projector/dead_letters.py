@@ -1,0 +1,67 @@
+"""Dead letters: where a consumer puts what it cannot read, so that it can go on.
+
+Both consumers (the writer for events, the projector for deltas) dead-letter the same way,
+here. A dead letter must always be storable: a message near the server's payload limit plus
+the reason in headers would exceed it, the server would drop the connection, and the consumer
+would retry the same message forever. So a dead letter carries a bounded prefix of the
+payload and a reference to the original (stream and sequence, where it still is), and says
+how big the original was. Its msg-id is the original's position, so a consumer that crashed
+and re-read the message writes its dead letter once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from nats.js import JetStreamContext
+
+from projector.config import Config
+
+log = logging.getLogger("seqstate.dead")
+
+SOURCE_SEQ = "Seqstate-Source-Seq"
+REASON = "Seqstate-Reason"
+SOURCE_STREAM = "Seqstate-Source-Stream"
+SUBJECT = "Seqstate-Subject"
+SIZE = "Seqstate-Size"  # the original payload's size in bytes
+TRUNCATED = "Seqstate-Truncated"  # present when the payload kept is a prefix
+PREFIX_BYTES = 64 * 1024  # of a large payload, enough to see what it was
+REASON_CHARS = 1000
+HEADROOM = 4096  # for the headers and the protocol line, under the server's limit
+PUBLISH_TIMEOUT_S = 10.0
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """A header value: one line (a CR or LF would end the header), at most ``limit`` chars."""
+    flat = re.sub(r"[\r\n]+", " ", text)
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+class DeadLetters:
+    """Writes a namespace's dead letters and counts them."""
+
+    def __init__(self, js: JetStreamContext, config: Config, *, max_payload: int) -> None:
+        self._js = js
+        self._config = config
+        self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
+        self.count = 0
+
+    async def put(self, stream: str, seq: int, subject: str, payload: bytes, reason: str) -> None:
+        """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it."""
+        self.count += 1
+        log.warning("dead letter: %s %d on %s: %s", stream, seq, subject, one_line(reason, 300))
+        headers = {
+            "Nats-Msg-Id": f"dead:{self._config.namespace}:{stream}:{seq}",
+            REASON: one_line(reason),
+            SOURCE_STREAM: stream,
+            SOURCE_SEQ: str(seq),
+            SUBJECT: one_line(subject, 256),
+            SIZE: str(len(payload)),
+        }
+        kept = payload
+        if len(payload) > self._keep:
+            kept = payload[: self._keep]
+            headers[TRUNCATED] = "true"
+        await self._js.publish(self._config.dead_letter_subject, kept, headers=headers,
+                               timeout=PUBLISH_TIMEOUT_S)  # fmt: skip
