@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
@@ -36,6 +35,7 @@ from seqstate import LoadRow, SeqstateError
 log = logging.getLogger("seqstate")
 
 EXIT_ERROR = 1
+STOP_TIMEOUT_S = 15.0
 
 
 class CliError(SeqstateError):
@@ -127,7 +127,12 @@ class _Consumer(Protocol):
 
 
 async def run_consumer(config: Config, make: Callable[[Client, Config], _Consumer]) -> int:
-    """One consumer until a signal, which *stops* it (final flush, final snapshot)."""
+    """One consumer until a signal, which *stops* it (final flush, final snapshot).
+
+    A consumer that fails, or that fails while stopping, makes the command fail: the error
+    is raised (one line, exit 1) so that its supervisor restarts it, never hidden behind the
+    exit status of a signal.
+    """
     catch_signals()
     async with connect(require_url(config), service=True) as nc:
         consumer = make(nc, config)
@@ -136,8 +141,10 @@ async def run_consumer(config: Config, make: Callable[[Client, Config], _Consume
             await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
         finally:
             consumer.stop()
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(task, 10)
+            done, _ = await asyncio.wait([task], timeout=STOP_TIMEOUT_S)
+        if not done:
+            raise CliError(f"the consumer did not stop within {STOP_TIMEOUT_S:g}s")
+        task.result()  # its failure, if it failed while stopping
     return 0
 
 

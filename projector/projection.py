@@ -44,6 +44,7 @@ from projector.dead_letters import DeadLetters
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
+from projector.tasks import attempt, cancel
 from projector.values import (
     Position,
     Rank,
@@ -175,16 +176,12 @@ class Projector:
         flusher = asyncio.create_task(self._flush_loop())
         try:
             await self._stopping.wait()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            if not isinstance(self._failure, LeaseLost):  # another holder writes now
+            await attempt(sub.unsubscribe())
+            if self._failure is None:  # a failed projector (its lease lost) writes no more
                 await self.flush()
         finally:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await cancel(flusher)
+            await attempt(sub.unsubscribe())
         if self._failure is not None:
             raise self._failure
 

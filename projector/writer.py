@@ -37,6 +37,7 @@ from projector.progress import Progress
 from projector.resources import ensure
 from projector.retention import trim, trimmed_below
 from projector.snapshots import SnapshotStore
+from projector.tasks import attempt, cancel
 from seqstate import (
     Delta,
     EventDecodeError,
@@ -203,20 +204,17 @@ class Writer:
         ticker = asyncio.create_task(self._tick_when_idle())
         try:
             await self._stopping.wait()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await attempt(sub.unsubscribe())
             self._sub = None
             if self._failure is None:
                 await self._publish_batch()
                 await self.flush()
                 await self._final_snapshot()
         finally:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+            await cancel(ticker)
+            await cancel(self._snapshot_task)
             if self._sub is not None:
-                with contextlib.suppress(Exception):
-                    await self._sub.unsubscribe()
+                await attempt(self._sub.unsubscribe())
         if self._failure is not None:
             raise self._failure
 
