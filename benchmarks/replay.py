@@ -413,7 +413,7 @@ async def ready_once(
             "tail_fold": t_ready - s_end,  # 5,000 events folded, their deltas published
         },
         "tail_events_per_s": folded_at_ready / (t_ready - s_end),
-        "batches_published": stats.batches_published,
+        "batches_published": writer.deltas.messages,
         "snapshots_saved_on_stop": stats.snapshots_saved,
         "state_equals_full_replay": want_digest is not None and state_digest == want_digest,
     }

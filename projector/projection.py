@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from nats.js.kv import KV_DEL, KV_OP
 from projector.bucket import read_bucket
 from projector.config import Config
 from projector.dead_letters import DeadLetters
+from projector.delta_log import PREV_SOURCE_SEQ
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
@@ -57,11 +59,16 @@ from projector.values import (
 )
 from projector.writer import last_seq_of, log_time_ns
 from seqstate import Delta, RankLoad, SequenceState, decode_deltas
+from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.projector")
 
 MAX_BACKOFF_S = 2.0
 ACK_TIMEOUT_S = 5.0
+
+
+class DeltaGap(SeqstateError, RuntimeError):
+    """The deltas stream is missing deltas: the projector cannot follow it exactly."""
 
 
 @dataclass
@@ -115,6 +122,7 @@ class Projector:
         self._stopping = asyncio.Event()
         self.flushed = Progress()  # the source sequence the bucket's position reflects
         self._target = 0
+        self._events_last = 0  # the events stream's last sequence, as last looked up
         self._failure: BaseException | None = None
         self.caught_up = asyncio.Event()
 
@@ -268,6 +276,12 @@ class Projector:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await self._dead_letter(msg, delta_seq, f"delta does not decode: {exc}")
             return
+        why = await self._implausible(msg, deltas)
+        if why:
+            await self._dead_letter(msg, delta_seq, why)
+            self._position_dirty = True  # the position still moves past it
+            self._dirty.set()
+            return
         for delta in deltas:
             if delta.seq is not None and delta.seq <= self.applied_seq:
                 self.stats.skipped += 1
@@ -276,6 +290,42 @@ class Projector:
         if not deltas:
             self._position_dirty = True  # the position still moves past an empty batch
             self._dirty.set()
+
+    async def _implausible(self, msg: Msg, deltas: list[Delta]) -> str:
+        """Why this message cannot be a writer's next deltas ("" if it can); raises on a gap.
+
+        A writer chains its messages (each names the event the previous one ended at) and
+        only writes deltas of events the log holds, in order. A message that breaks those
+        rules was not written by a writer of this namespace and is dead-lettered; one that
+        continues from *later* than the bucket means deltas were lost, and applying it would
+        make the bucket wrong for good, so the projector stops and says so.
+        """
+        raw = (msg.headers or {}).get(PREV_SOURCE_SEQ)
+        if raw is None or not raw.isdigit():
+            return f"not a writer's delta: no valid {PREV_SOURCE_SEQ} header"
+        seqs = [d.seq for d in deltas]
+        if any(seq is None for seq in seqs):
+            return "not a writer's delta: a delta without its event sequence"
+        if any(b <= a for a, b in itertools.pairwise(seqs)):  # type: ignore[operator]
+            return "not a writer's delta: its event sequences are out of order"
+        prev = int(raw)
+        if seqs and (seqs[0] or 0) <= prev:
+            return f"not a writer's delta: it starts at event {seqs[0]}, not after {prev}"
+        last = seqs[-1] if seqs else prev
+        if last is not None and last > self._events_last:
+            info = await self._js.stream_info(self.config.events_stream)
+            self._events_last = info.state.last_seq
+            if last > self._events_last:
+                return (f"not a writer's delta: event {last} is beyond the events stream "
+                        f"(its last is {self._events_last})")  # fmt: skip
+        if prev > self.applied_seq:
+            raise DeltaGap(
+                f"the deltas of namespace {self.config.namespace!r} have a gap: message "
+                f"{self.delta_seq} continues from event {prev}, but the bucket reflects event "
+                f"{self.applied_seq}; deltas were lost, so the bucket cannot follow them "
+                f"(`seqstate rebuild` re-derives it from the events)"
+            )
+        return ""
 
     def apply(self, delta: Delta) -> None:
         self.stats.deltas += 1

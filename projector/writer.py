@@ -8,10 +8,10 @@ the DELTAS stream already holds: it reads the source sequence of the last delta 
 up to it silently, and publishes from the next. Issue #4 adds snapshots so that a restart
 costs the tail, not the history.
 
-Deltas folded back to back (a backlog, a replay) travel together: one DELTAS message holds
-up to ``MAX_BATCH`` of them, published as soon as the consumer's backlog is empty, so a live
-event still goes out alone and at once, while catching up costs one publish and one ack per
-batch instead of per event.
+Deltas go to SEQSTATE_DELTAS through a :class:`~projector.delta_log.DeltaLog`: one message
+in flight, each stored right after the previous one (a compare-and-set on the subject's last
+sequence), so the chain has no hole even when the server crashes, and what is folded while a
+message travels gathers into the next one.
 
 A message that does not decode goes to the dead-letter subject with the reason and its
 sequence, is counted, and the writer goes on. When the stream is idle the writer publishes a
@@ -25,44 +25,33 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from projector.config import Config
-from projector.dead_letters import SOURCE_SEQ, DeadLetters
+from projector.dead_letters import DeadLetters
+from projector.delta_log import DeltaLog, WriterStalled
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.retention import trim, trimmed_below
 from projector.snapshots import SnapshotStore
 from projector.tasks import attempt, cancel
 from seqstate import (
-    Delta,
     EventDecodeError,
     SequenceState,
     Tick,
-    decode_deltas,
     decode_event,
-    encode_deltas,
     encode_event,
 )
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
 
-MAX_PENDING_BATCHES = 256
-MAX_BATCH = 256  # deltas per DELTAS message while catching up
-ACK_TIMEOUT_S = 10.0
-
 
 class SnapshotUnavailable(SeqstateError, RuntimeError):
     """The log's beginning is gone and no valid snapshot covers it."""
-
-
-class WriterStalled(SeqstateError, RuntimeError):
-    """Delta publishes went unacknowledged; the writer stops so a restart can resume cleanly."""
 
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:
@@ -98,7 +87,6 @@ class WriterStats:
     applied: int = 0
     dead_letters: int = 0
     deltas_published: int = 0
-    batches_published: int = 0
     ticks_published: int = 0
     last_delta_seq: int = 0  # source sequence of the last delta published
     restored_from: int = 0  # the snapshot's sequence the writer started from (0: none)
@@ -133,49 +121,20 @@ class Writer:
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
         self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
-        self._pending: set[asyncio.Future[api.PubAck]] = set()
-        self._slots = asyncio.Semaphore(MAX_PENDING_BATCHES)
+        self.deltas = DeltaLog(self._js, config, max_payload=nc.max_payload)
         self._published_up_to = 0
         self._last_event_at = 0.0
         self._stopping = asyncio.Event()
         self._failure: BaseException | None = None
-        self._batch: list[Delta] = []
         self._sub: JetStreamContext.PushSubscription | None = None
         self._target = 0
         self.applied = Progress()  # the sequence of the last event folded
         self.caught_up = asyncio.Event()
 
-    async def last_published_source_seq(self) -> int:
-        """The source sequence of the newest readable delta in SEQSTATE_DELTAS (0 if none).
-
-        Something other than a writer may have published to the deltas subject; such a message
-        is stepped over (the projector dead-letters it), never trusted or fatal.
-        """
-        stream, subject = self.config.deltas_stream, self.config.deltas_subject
-        try:
-            raw = await self._js.get_last_msg(stream, subject)
-        except NotFoundError:
-            return 0
-        seq = raw.seq or 0
-        while True:
-            if raw.subject == subject:
-                try:
-                    if raw.headers and SOURCE_SEQ in raw.headers:
-                        return int(raw.headers[SOURCE_SEQ])
-                    return decode_deltas(raw.data or b"")[-1].seq or 0
-                except (ValueError, IndexError, msgspec.DecodeError):
-                    log.warning("delta %d is unreadable; looking further back", seq)
-            seq -= 1
-            if seq < 1:
-                return 0
-            try:
-                raw = await self._js.get_msg(stream, seq)
-            except NotFoundError:
-                return 0
-
     async def run(self) -> None:
         await ensure(self.nc, self.config)
-        self._published_up_to = await self.last_published_source_seq()
+        self._published_up_to = await self.deltas.open()
+        self.stats.last_delta_seq = self._published_up_to
         self._snapshot_at = asyncio.get_running_loop().time()
         if self.snapshots is not None:
             await self.snapshots.open()
@@ -201,17 +160,18 @@ class Writer:
             config=start,
         )
         self._sub = sub
+        self.deltas.start(self._fail)
         ticker = asyncio.create_task(self._tick_when_idle())
         try:
             await self._stopping.wait()
             await attempt(sub.unsubscribe())
             self._sub = None
             if self._failure is None:
-                await self._publish_batch()
                 await self.flush()
                 await self._final_snapshot()
         finally:
             await cancel(ticker)
+            await self.deltas.close()
             await cancel(self._snapshot_task)
             if self._sub is not None:
                 await attempt(self._sub.unsubscribe())
@@ -264,7 +224,6 @@ class Writer:
 
     async def _take_snapshot(self) -> None:
         """Encode now (consistent with the fold), then store in the background."""
-        await self._publish_batch()  # every delta up to here is in flight before the save
         seq, at_ns = self.stats.last_seq, self.state.now_ns
         data = self.state.snapshot()
         self.stats.last_snapshot_seq = seq
@@ -282,8 +241,7 @@ class Writer:
             log.info("snapshot %s saved and verified (%d bytes)", info.name, len(data))
             await self._trim()
         except WriterStalled as exc:
-            self._failure = exc
-            self._stopping.set()
+            self._fail(exc)
         except Exception as exc:  # a snapshot is an optimisation: the log still has it all
             self.stats.snapshot_failures += 1
             log.warning("snapshot at event %d failed: %r", seq, exc)
@@ -328,19 +286,16 @@ class Writer:
             return
         try:
             await self.handle(msg)
-            # Publish what was folded back to back once the backlog is drained (or large).
-            sub = self._sub
-            if len(self._batch) >= MAX_BATCH or sub is None or not sub.pending_msgs:
-                await self._publish_batch()
-                # A backlog never makes the callback wait, so it would starve the loop's other
-                # tasks (a snapshot being saved, acks, the ticker): give them a turn per batch.
-                await asyncio.sleep(0)
+            if self.deltas.backlogged:
+                await self.deltas.room()
+            # A backlog never makes the callback wait, so it would starve the loop's other
+            # tasks (the delta log, a snapshot being saved, the ticker): give them a turn.
+            await asyncio.sleep(0)
             if self._snapshot_due():
                 await self._take_snapshot()
         except Exception as exc:  # the callback's errors would be swallowed by the client
             log.error("writer stopping: %s", exc)
-            self._failure = exc
-            self._stopping.set()
+            self._fail(exc)
             return
         if not self.caught_up.is_set() and self.stats.last_seq >= self._target:
             self.caught_up.set()
@@ -359,56 +314,18 @@ class Writer:
         delta.seq = seq
         self.stats.applied += 1
         if seq > self._published_up_to:
-            self._batch.append(delta)
+            self.deltas.append(delta)
+            self.stats.deltas_published += 1
+            self.stats.last_delta_seq = seq
 
-    async def _publish_batch(self) -> None:
-        if not self._batch:
-            return
-        batch, self._batch = self._batch, []
-        last = batch[-1].seq or 0
-        if self._slots.locked():
-            try:
-                await asyncio.wait_for(self._slots.acquire(), ACK_TIMEOUT_S)
-            except TimeoutError:
-                # Acks lost to a disconnect never arrive (publish_async has no deadline). Stop:
-                # a restarted writer finds the last delta stored and publishes from the next.
-                raise WriterStalled(
-                    f"{MAX_PENDING_BATCHES} delta publishes unacknowledged for {ACK_TIMEOUT_S:g}s"
-                ) from None
-        else:
-            await self._slots.acquire()
-        future = await self._js.publish_async(
-            self.config.deltas_subject,
-            encode_deltas(batch),
-            headers={"Nats-Msg-Id": f"{self.config.namespace}:{last}", SOURCE_SEQ: str(last)},
-        )
-        self._pending.add(future)
-        future.add_done_callback(self._settled)
-        self.stats.deltas_published += len(batch)
-        self.stats.batches_published += 1
-        self.stats.last_delta_seq = last
-
-    def _settled(self, future: asyncio.Future[api.PubAck]) -> None:
-        self._pending.discard(future)
-        self._slots.release()
-        if not future.cancelled() and future.exception() is not None:
-            # A lost delta would leave the projector behind for good: stop loudly.
-            self._failure = WriterStalled(f"delta publish failed: {future.exception()!r}")
-            log.error("%s", self._failure)
-            self._stopping.set()
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self._stopping.set()
 
     async def flush(self) -> None:
-        """Until every delta published so far is acknowledged by the stream."""
-        await self._publish_batch()
-        if self._pending:
-            try:
-                await asyncio.wait_for(
-                    asyncio.gather(*list(self._pending), return_exceptions=True), ACK_TIMEOUT_S
-                )
-            except TimeoutError:
-                raise WriterStalled(
-                    f"{len(self._pending)} delta publishes unacknowledged for {ACK_TIMEOUT_S:g}s"
-                ) from None
+        """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
+        await self.deltas.flush()
 
     async def _dead_letter(self, msg: Msg, seq: int, reason: str) -> None:
         self.stats.dead_letters += 1
@@ -419,8 +336,6 @@ class Writer:
         idle = self.config.idle_tick_s
         while True:
             await asyncio.sleep(idle / 4)
-            if self._batch and self._sub is not None and not self._stopping.is_set():
-                await self._publish_batch()  # a backlog count that never reached zero
             if self._snapshot_due() and not self._stopping.is_set():
                 await self._take_snapshot()  # an idle stream still gets its periodic snapshot
             if not self.caught_up.is_set() or loop.time() - self._last_event_at < idle:

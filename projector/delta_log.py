@@ -1,0 +1,291 @@
+"""The writer's side of SEQSTATE_DELTAS: a gap-free, ordered chain of deltas, one writer at a time.
+
+Pipelined publishes lose the middle of a sequence when the server dies: the messages in flight
+at the crash are gone while later ones, sent after the client reconnected, are stored, and a
+writer restarted after the newest stored delta never sees the hole (the bucket stayed wrong
+for good). So the chain is built one message at a time: a message is sent only once the
+previous one is stored, and carries
+
+- ``Nats-Expected-Last-Subject-Sequence``: the stream sequence of the previous message on this
+  namespace's subject, so the server stores it only right after that one. A second writer of
+  the namespace (or a message from nowhere) breaks the compare-and-set instead of interleaving;
+- ``Seqstate-Prev-Source-Seq``: the source sequence the previous message ended at, so the
+  projector can check that each message continues the last (see projection.py);
+- ``Nats-Msg-Id``: its last source sequence, so a retry after a lost ack is stored once.
+
+One message in flight costs nothing in throughput: while it travels, what the writer folds
+gathers into the next message (up to ``MAX_BATCH`` deltas and under the payload limit), so a
+live event still goes out alone and at once, and a backlog goes out in large batches.
+
+A publish that fails (the server restarting, a leader election) is retried with the same
+headers for ``retry_for_s``; if the server did store it before the failure, the
+compare-and-set reports the subject's last sequence and the message found there is ours. A
+writer that cannot store a delta for that long fails (``WriterStalled``) and its process
+exits non-zero: a restart resumes from the last stored delta, which by construction has no
+hole before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from itertools import islice
+
+import msgspec
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from projector.config import Config
+from projector.dead_letters import SOURCE_SEQ
+from projector.progress import Progress
+from seqstate import Delta, decode_deltas, encode_deltas
+from seqstate.errors import SeqstateError
+
+log = logging.getLogger("seqstate.writer")
+
+PREV_SOURCE_SEQ = "Seqstate-Prev-Source-Seq"
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
+MAX_BATCH = 256  # deltas per message
+MAX_PENDING = 100_000  # deltas folded but not stored; the fold waits beyond this
+HEADROOM = 4096  # under the server's payload limit, for headers and the protocol line
+ACK_TIMEOUT_S = 5.0
+RETRY_FOR_S = 60.0
+MAX_BACKOFF_S = 1.0
+
+
+class WriterStalled(SeqstateError, RuntimeError):
+    """Deltas could not be stored; the writer stops so a restart can resume cleanly."""
+
+
+class AnotherWriter(WriterStalled):
+    """Another writer publishes deltas for this namespace: two writers would corrupt the chain."""
+
+
+class DeltaTooLarge(WriterStalled):
+    """One delta alone exceeds the server's payload limit."""
+
+
+class DeltaLog:
+    """Appends deltas to the namespace's subject of SEQSTATE_DELTAS, in order, without holes."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        config: Config,
+        *,
+        max_payload: int,
+        retry_for_s: float = RETRY_FOR_S,
+    ) -> None:
+        self._js = js
+        self._config = config
+        self._limit = max_payload - HEADROOM
+        self._retry_for_s = retry_for_s
+        self._pending: deque[Delta] = deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.stored = Progress()  # source sequence of the last delta stored
+        self.appended = 0  # source sequence of the last delta appended
+        self.last_stream_seq = 0  # stream sequence of the subject's last message
+        self.failure: BaseException | None = None
+        self.messages = 0
+        self.deltas = 0
+
+    @property
+    def published(self) -> int:
+        """Source sequence of the last delta stored: the chain continues from here."""
+        return self.stored.value
+
+    async def open(self) -> int:
+        """Find where the chain stands (the subject's last message); its source sequence.
+
+        A message on the subject that no writer wrote is stepped over (the projector
+        dead-letters it), never trusted or fatal.
+        """
+        stream, subject = self._config.deltas_stream, self._config.deltas_subject
+        try:
+            raw = await self._js.get_last_msg(stream, subject)
+        except NotFoundError:
+            return 0
+        self.last_stream_seq = seq = raw.seq or 0
+        while True:
+            if raw.subject == subject:
+                source = _source_seq(raw.headers, raw.data)
+                if source is not None:
+                    self.stored.advance(source)
+                    self.appended = source
+                    return source
+                log.warning("delta message %d is not a writer's; looking further back", seq)
+            seq -= 1
+            if seq < 1:
+                return 0
+            try:
+                raw = await self._js.get_msg(stream, seq)
+            except NotFoundError:
+                return 0
+
+    def start(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Start storing in the background; ``on_failure`` hears of a failure once."""
+
+        async def run() -> None:
+            try:
+                await self._run()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                self.failure = exc
+                log.error("writer stopping: %s", exc)
+                on_failure(exc)
+
+        self._task = asyncio.create_task(run(), name="seqstate-deltas")
+
+    async def close(self) -> None:
+        from projector.tasks import cancel
+
+        await cancel(self._task)
+
+    def append(self, delta: Delta) -> None:
+        """Queue ``delta`` (its ``seq`` set, in source order) to be stored after the others."""
+        self._pending.append(delta)
+        self.appended = delta.seq or self.appended
+        self._wake.set()
+
+    @property
+    def backlogged(self) -> bool:
+        return len(self._pending) > MAX_PENDING
+
+    async def room(self) -> None:
+        """Wait while too much is folded but not stored (the server away), or fail."""
+        while self.backlogged and self.failure is None:
+            oldest = self._pending[0].seq or 0
+            try:
+                await self.stored.wait(oldest, timeout=self._retry_for_s + 2 * ACK_TIMEOUT_S)
+            except TimeoutError:
+                raise WriterStalled(f"no delta stored for {self._retry_for_s:g}s while "
+                                    f"{len(self._pending)} wait") from None  # fmt: skip
+        self._raise_failure()
+
+    async def flush(self) -> None:
+        """Until every delta appended so far is stored."""
+        target = self.appended
+        if self.stored.value >= target:
+            return
+        self._raise_failure()
+        waiting = asyncio.ensure_future(self.stored.wait(target))
+        tasks: list[asyncio.Future[None]] = [waiting]
+        if self._task is not None:
+            tasks.append(self._task)
+        try:
+            await asyncio.wait(tasks, timeout=self._retry_for_s + 2 * ACK_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            waiting.cancel()
+        self._raise_failure()
+        if self.stored.value < target:
+            raise WriterStalled(f"deltas up to event {target} were not stored in time "
+                                f"(stored up to event {self.stored.value})")  # fmt: skip
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise WriterStalled(f"deltas are not being stored: {self.failure}")
+
+    # ---- the one message in flight ----------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                count, payload = self._next_message()
+                batch_last = self._pending[count - 1].seq or 0
+                await self._store(payload, batch_last)
+                for _ in range(count):
+                    self._pending.popleft()
+                self.messages += 1
+                self.deltas += count
+
+    def _next_message(self) -> tuple[int, bytes]:
+        """As many pending deltas as fit in one message: ``(count, payload)``."""
+        count = min(len(self._pending), MAX_BATCH)
+        while True:
+            payload = encode_deltas(list(islice(self._pending, count)))
+            if len(payload) <= self._limit:
+                return count, payload
+            if count == 1:
+                seq, size = self._pending[0].seq, len(payload)
+                raise DeltaTooLarge(f"the delta of event {seq} takes {size} bytes, over the "
+                                    f"server's limit of {self._limit + HEADROOM}")  # fmt: skip
+            count //= 2
+
+    async def _store(self, payload: bytes, last: int) -> None:
+        subject = self._config.deltas_subject
+        headers = {
+            "Nats-Msg-Id": f"{self._config.namespace}:{last}",
+            SOURCE_SEQ: str(last),
+            PREV_SOURCE_SEQ: str(self.stored.value),
+            EXPECTED_LAST_SUBJECT_SEQ: str(self.last_stream_seq),
+        }
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._retry_for_s
+        backoff = 0.05
+        while True:
+            try:
+                ack = await self._js.publish(subject, payload, headers=headers,
+                                             timeout=ACK_TIMEOUT_S)  # fmt: skip
+                stored_at = ack.seq
+                break
+            except APIError as exc:
+                if exc.err_code != WRONG_LAST_SEQUENCE:
+                    error: Exception = exc
+                else:
+                    found = await self._after_wrong_last(last)
+                    if found is not None:
+                        stored_at = found
+                        break
+                    headers[EXPECTED_LAST_SUBJECT_SEQ] = str(self.last_stream_seq)
+                    continue
+            except (TimeoutError, nats.errors.Error) as exc:
+                error = exc
+            if loop.time() >= deadline:
+                raise WriterStalled(f"a delta publish failed for {self._retry_for_s:g}s: "
+                                    f"{error!r}") from None  # fmt: skip
+            log.warning("delta publish failed, retrying in %.2fs: %r", backoff, error)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+        self.last_stream_seq = stored_at
+        self.stored.advance(last)
+
+    async def _after_wrong_last(self, last: int) -> int | None:
+        """The subject moved on without us: our own retried message, or someone else's.
+
+        Returns the stream sequence where our message is stored, or None to retry after a
+        foreign message (now expected). Raises if another writer's delta is there.
+        """
+        raw = await self._js.get_last_msg(self._config.deltas_stream, self._config.deltas_subject)
+        seq = raw.seq or 0
+        source = _source_seq(raw.headers, raw.data)
+        if source == last and (raw.headers or {}).get(PREV_SOURCE_SEQ) == str(self.stored.value):
+            return seq  # stored before its ack was lost
+        if source is not None and (raw.headers or {}).get(PREV_SOURCE_SEQ) is not None:
+            raise AnotherWriter(
+                f"another writer stored deltas for namespace {self._config.namespace!r} (up to "
+                f"event {source}, message {seq}): stop the other writer; a restart resumes"
+            )
+        log.warning("delta message %d on %s is not a writer's: stepping over it", seq,
+                    self._config.deltas_subject)  # fmt: skip
+        self.last_stream_seq = seq
+        return None
+
+
+def _source_seq(headers: dict[str, str] | None, data: bytes | None) -> int | None:
+    """The source sequence a writer's delta message ends at; None for anything else."""
+    try:
+        if headers and SOURCE_SEQ in headers:
+            return int(headers[SOURCE_SEQ])
+        deltas = decode_deltas(data or b"")
+        return deltas[-1].seq if deltas else None
+    except (ValueError, IndexError, msgspec.DecodeError):
+        return None
