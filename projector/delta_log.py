@@ -52,7 +52,7 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fail
 MAX_BATCH = 256  # deltas per message
 MAX_PENDING = 100_000  # deltas folded but not stored; the fold waits beyond this
 HEADROOM = 4096  # under the server's payload limit, for headers and the protocol line
-ACK_TIMEOUT_S = 5.0
+ACK_TIMEOUT_S = 2.0  # per attempt: a request in flight when the server died never returns
 RETRY_FOR_S = 60.0
 MAX_BACKOFF_S = 1.0
 

@@ -420,14 +420,7 @@ class Projector:
     ) -> None:
         self._check_lease()
         ns = self.config.namespace
-        puts: list[tuple[str, bytes]] = []
-        for rank in sorted(loads):
-            if (load := self.loads.get(rank)) is not None:
-                seq, as_of = self.load_stamps[rank]
-                puts.append((load_key(ns, rank), encode_load(rank, load, seq, as_of)))
-        for rank in sorted(blocks):
-            if (hashes := self.blocks.get(rank)) is not None:
-                puts.append((blocks_key(ns, rank), encode_blocks(hashes, self.block_stamps[rank])))
+        puts = self.values(loads, blocks)
         futures = [await self._put(key, value) for key, value in puts]
         for rank in sorted(removed):
             futures.append(await self._put(load_key(ns, rank), b"", delete=True))
@@ -440,6 +433,19 @@ class Projector:
                                ACK_TIMEOUT_S)  # fmt: skip
         self.stats.keys_written += len(puts)
         self.stats.keys_deleted += 2 * len(removed)
+
+    def values(self, loads: set[Rank], blocks: set[Rank]) -> list[tuple[str, bytes]]:
+        """The bucket's ``(key, value)`` of these ranks' loads and block sets, as held now."""
+        ns = self.config.namespace
+        puts: list[tuple[str, bytes]] = []
+        for rank in sorted(loads):
+            if (load := self.loads.get(rank)) is not None:
+                seq, as_of = self.load_stamps[rank]
+                puts.append((load_key(ns, rank), encode_load(rank, load, seq, as_of)))
+        for rank in sorted(blocks):
+            if (hashes := self.blocks.get(rank)) is not None:
+                puts.append((blocks_key(ns, rank), encode_blocks(hashes, self.block_stamps[rank])))
+        return puts
 
     def _check_lease(self) -> None:
         if self.lease is not None:

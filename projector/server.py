@@ -226,6 +226,14 @@ class NatsServer:
             self._tmp = None
             self._store_dir = None
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would, keeping its store for a restart (fault tests)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._unlock_store()
+
     def __enter__(self) -> NatsServer:
         return self.start()
 

@@ -25,6 +25,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -32,7 +33,7 @@ from nats.js.errors import NotFoundError
 
 from projector.config import Config
 from projector.dead_letters import DeadLetters
-from projector.delta_log import DeltaLog, WriterStalled
+from projector.delta_log import ACK_TIMEOUT_S, DeltaLog, WriterStalled
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.retention import trim, trimmed_below
@@ -341,11 +342,16 @@ class Writer:
             if not self.caught_up.is_set() or loop.time() - self._last_event_at < idle:
                 continue
             # The msg-id makes concurrent writers (or a retry) log one Tick per position.
-            await self._js.publish(
-                self.config.control_subject,
-                encode_event(Tick()),
-                headers={"Nats-Msg-Id": f"tick:{self.config.namespace}:{self.stats.last_seq}"},
-            )
+            try:
+                await self._js.publish(
+                    self.config.control_subject,
+                    encode_event(Tick()),
+                    headers={"Nats-Msg-Id": f"tick:{self.config.namespace}:{self.stats.last_seq}"},
+                    timeout=ACK_TIMEOUT_S,
+                )
+            except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
+                log.warning("idle Tick not logged: %r", exc)
+                continue
             self.stats.ticks_published += 1
             self._last_event_at = loop.time()
 
