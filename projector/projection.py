@@ -269,29 +269,35 @@ class Projector:
     # ---- folding deltas ---------------------------------------------------------------------
 
     async def handle(self, msg: Msg) -> None:
+        """Apply one DELTAS message. The position moves to it only once it is fully handled:
+        a flush that runs while this awaits (a dead letter, a look-up) must not record a
+        message as handled whose deltas are not applied yet."""
         delta_seq, _ = log_time_ns(msg)
-        self.delta_seq = delta_seq
         try:
             deltas = decode_deltas(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             await self._dead_letter(msg, delta_seq, f"delta does not decode: {exc}")
+            self._passed(delta_seq)
             return
-        why = await self._implausible(msg, deltas)
+        why = await self._implausible(msg, delta_seq, deltas)
         if why:
             await self._dead_letter(msg, delta_seq, why)
-            self._position_dirty = True  # the position still moves past it
-            self._dirty.set()
+            self._passed(delta_seq)
             return
         for delta in deltas:
             if delta.seq is not None and delta.seq <= self.applied_seq:
                 self.stats.skipped += 1
                 continue
             self.apply(delta)
-        if not deltas:
-            self._position_dirty = True  # the position still moves past an empty batch
-            self._dirty.set()
+        self._passed(delta_seq)
 
-    async def _implausible(self, msg: Msg, deltas: list[Delta]) -> str:
+    def _passed(self, delta_seq: int) -> None:
+        """The position moves past message ``delta_seq``, whatever it held."""
+        self.delta_seq = delta_seq
+        self._position_dirty = True
+        self._dirty.set()
+
+    async def _implausible(self, msg: Msg, delta_seq: int, deltas: list[Delta]) -> str:
         """Why this message cannot be a writer's next deltas ("" if it can); raises on a gap.
 
         A writer chains its messages (each names the event the previous one ended at) and
@@ -321,7 +327,7 @@ class Projector:
         if prev > self.applied_seq:
             raise DeltaGap(
                 f"the deltas of namespace {self.config.namespace!r} have a gap: message "
-                f"{self.delta_seq} continues from event {prev}, but the bucket reflects event "
+                f"{delta_seq} continues from event {prev}, but the bucket reflects event "
                 f"{self.applied_seq}; deltas were lost, so the bucket cannot follow them "
                 f"(`seqstate rebuild` re-derives it from the events)"
             )
