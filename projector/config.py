@@ -45,6 +45,11 @@ class Config:
     # Trimming happens only after a snapshot has been stored and read back.
     retain_events: int | None = None
     nats_url: str | None = None
+    # TLS for every connection (PEM paths): the CA that signed the server's certificate (unset:
+    # the system's), and a client certificate with its key for a server that asks for one.
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if not _TOKEN.match(self.namespace):
@@ -66,6 +71,12 @@ class Config:
             raise ConfigError(f"snapshots_keep={self.snapshots_keep}: keep at least 1")
         if self.retain_events is not None and self.retain_events < 0:
             raise ConfigError(f"retain_events={self.retain_events}: must not be negative")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("SEQSTATE_TLS_CERT and SEQSTATE_TLS_KEY: set both or neither")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"SEQSTATE_{name.upper()}={path}: no such file")
 
     @property
     def events_subjects(self) -> str:
