@@ -255,28 +255,36 @@ async def fast_fold(
     js = nc.jetstream()
     consumer: str | None = None
     last = start_seq - 1
+    # The child bounds its own waits; this bounds the parent's should the child misbehave.
+    bound = asyncio.timeout(2 * HANDSHAKE_S)
     try:
-        proc.stdin.write(msgspec.json.encode(params) + b"\n")
-        await proc.stdin.drain()
-        proc.stdin.close()
-        if await proc.stdout.readexactly(len(READY)) != READY:
-            raise ReaderUnavailable("the reader did not start")
-        info = await js.add_consumer(config.events_stream, api.ConsumerConfig(
-            deliver_subject=inbox, filter_subject=config.events_subjects,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
-            ack_policy=api.AckPolicy.NONE, flow_control=True, idle_heartbeat=1.0,
-            mem_storage=True, max_deliver=1, num_replicas=1, inactive_threshold=30.0,
-        ))  # fmt: skip
-        consumer = info.name
-        while True:
-            (length,) = _LENGTH.unpack(await proc.stdout.readexactly(4))
-            if length == 0:
-                return last, None
-            batch = _batch_decoder.decode(await proc.stdout.readexactly(length))
-            if batch:
-                last = batch[-1][0]
-                if not fold(batch):
+        async with bound:
+            proc.stdin.write(msgspec.json.encode(params) + b"\n")
+            await proc.stdin.drain()
+            proc.stdin.close()
+            if await proc.stdout.readexactly(len(READY)) != READY:
+                raise ReaderUnavailable("the reader did not start")
+            info = await js.add_consumer(config.events_stream, api.ConsumerConfig(
+                deliver_subject=inbox, filter_subject=config.events_subjects,
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
+                ack_policy=api.AckPolicy.NONE, flow_control=True, idle_heartbeat=1.0,
+                mem_storage=True, max_deliver=1, num_replicas=1, inactive_threshold=30.0,
+            ))  # fmt: skip
+            consumer = info.name
+            while True:
+                bound.reschedule(asyncio.get_running_loop().time() + 2 * QUIET_S)
+                (length,) = _LENGTH.unpack(await proc.stdout.readexactly(4))
+                if length == 0:
                     return last, None
+                batch = _batch_decoder.decode(await proc.stdout.readexactly(length))
+                if batch:
+                    last = batch[-1][0]
+                    if not fold(batch):
+                        return last, None
+    except TimeoutError:
+        if not bound.expired():
+            raise  # the client's own timeout (add_consumer): not the reader's to hide
+        return last, "the reader went silent"
     except (asyncio.IncompleteReadError, ConnectionError, ReaderUnavailable) as exc:
         err = (await proc.stderr.read()).decode(errors="replace").strip()
         why = err or str(exc) or "the reader stopped early"
