@@ -37,6 +37,9 @@ log = logging.getLogger("seqstate")
 
 # A one-shot command that has no connection after this long says why and exits.
 ONE_SHOT_CONNECT_S = 8.0
+# nats-py reports each failed attempt within connect_timeout (3 s) per step (TCP, TLS, CONNECT)
+# plus reconnect_time_wait: a dial without news for this long is stuck (see _dial).
+STALLED_S = 15.0
 
 
 class ConnectError(SeqstateError, ConnectionError):
@@ -57,8 +60,10 @@ def is_permanent(exc: BaseException) -> bool:
 def describe_failure(exc: BaseException | None, url: str) -> str:
     """One line for a failed connection, naming the server without its secrets."""
     shown = redact(url)
-    if exc is None or isinstance(exc, TimeoutError):
+    if exc is None:
         why = f"cannot reach NATS at {shown}: no connection within {ONE_SHOT_CONNECT_S:.0f} s"
+    elif isinstance(exc, TimeoutError):
+        why = f"cannot reach NATS at {shown}: no answer in time"
     elif _is_auth_refusal(exc) and secrets_in(url):
         why = f"NATS at {shown} refused the credentials (authorization violation)"
     elif _is_auth_refusal(exc):
@@ -93,12 +98,14 @@ class _Callbacks:
         self.closing = False
         self.errors: list[BaseException] = []
         self.refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self.progress = asyncio.Event()  # set at each error nats-py reports while dialing
 
     async def on_error(self, exc: Exception) -> None:
         if not self.dialing:
             log.warning("nats: %s", scrub(str(exc) or type(exc).__name__, self.url))
             return
         self.errors.append(exc)
+        self.progress.set()
         if is_permanent(exc):
             if not self.refused.done():
                 self.refused.set_result(exc)
@@ -113,39 +120,64 @@ class _Callbacks:
         log.info("nats: reconnected")
 
 
+async def _watch(dialing: asyncio.Future[Client], callbacks: _Callbacks, until: float) -> None:
+    """Until the dial ends, is refused, stalls (``STALLED_S`` without news) or time is up."""
+    loop = asyncio.get_running_loop()
+    while not dialing.done() and not callbacks.refused.done() and loop.time() < until:
+        callbacks.progress.clear()
+        news = asyncio.ensure_future(callbacks.progress.wait())
+        either: set[asyncio.Future[Any]] = {dialing, callbacks.refused, news}
+        try:
+            await asyncio.wait(either, timeout=min(STALLED_S, until - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            news.cancel()
+        if news.cancelled() or not news.done():
+            return  # no news: stalled (or connected, refused, out of time: the loop's test)
+
+
 async def _dial(url: str, callbacks: _Callbacks, tls: ssl.SSLContext | None) -> Client:
     """The first connection, or a ConnectError as soon as it is clear there will be none.
 
     nats-py retries a failed first connection, and after a failed TLS handshake its clean-up
     awaits a socket the handshake had taken over, forever (nats-io/nats.py#718): an untrusted
     certificate hung ``seqstate status`` until it was killed. So a permanent refusal (see
-    :func:`is_permanent`) abandons the dial at once, and a one-shot command dials for at
-    most ``ONE_SHOT_CONNECT_S``; a service keeps retrying an unreachable server.
+    :func:`is_permanent`) abandons the dial at once; a dial that stalls (a TLS handshake that
+    timed out) is abandoned and, for a service, started again; a one-shot command dials for
+    at most ``ONE_SHOT_CONNECT_S``, a service until it connects.
     """
-    service = callbacks.service
-    options: dict[str, object] = {"tls": tls} if tls is not None else {}
-    dialing = asyncio.ensure_future(nats.connect(
-        server_urls(url), connect_timeout=3, allow_reconnect=True,
-        max_reconnect_attempts=-1 if service else 3, reconnect_time_wait=0.5,
-        error_cb=callbacks.on_error, disconnected_cb=callbacks.on_disconnect,
-        reconnected_cb=callbacks.on_reconnect, **options,
-    ))  # fmt: skip
-    either: set[asyncio.Future[Any]] = {dialing, callbacks.refused}
-    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED,
-                       timeout=None if service else ONE_SHOT_CONNECT_S)  # fmt: skip
-    if dialing.done() and not dialing.cancelled() and dialing.exception() is None:
-        callbacks.dialing = False
-        return dialing.result()
-    dialing.cancel()
-    await asyncio.wait({dialing}, timeout=2)  # bounded: nats-py may swallow a cancellation
-    cause: BaseException | None = None
+    loop = asyncio.get_running_loop()
+    until = loop.time() + (ONE_SHOT_CONNECT_S if not callbacks.service else float("inf"))
+    options: dict[str, Any] = {"tls": tls} if tls is not None else {}
+    while True:
+        dialing = asyncio.ensure_future(nats.connect(
+            server_urls(url), connect_timeout=3, allow_reconnect=True,
+            max_reconnect_attempts=-1 if callbacks.service else 3, reconnect_time_wait=0.5,
+            error_cb=callbacks.on_error, disconnected_cb=callbacks.on_disconnect,
+            reconnected_cb=callbacks.on_reconnect, **options,
+        ))  # fmt: skip
+        try:
+            await _watch(dialing, callbacks, until)
+        finally:
+            if not dialing.done():
+                dialing.cancel()
+                await asyncio.wait({dialing}, timeout=2)  # nats-py may swallow a cancellation
+        if not dialing.cancelled() and dialing.exception() is None:
+            callbacks.dialing = False
+            return dialing.result()
+        if callbacks.refused.done() or loop.time() >= until or not callbacks.service:
+            raise ConnectError(describe_failure(_cause(dialing, callbacks), url))
+        log.warning("nats: no progress connecting to %s for %.0f s; dialing again", redact(url),
+                    STALLED_S)  # fmt: skip
+
+
+def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseException | None:
+    """The error worth reporting: a permanent refusal, else the last error seen."""
     if callbacks.refused.done():
-        cause = callbacks.refused.result()
-    elif callbacks.errors:
-        cause = callbacks.errors[-1]
-    elif dialing.done() and not dialing.cancelled():
-        cause = dialing.exception()
-    raise ConnectError(describe_failure(cause, url))
+        return callbacks.refused.result()
+    if callbacks.errors:
+        return callbacks.errors[-1]
+    return None if dialing.cancelled() else dialing.exception()
 
 
 @contextlib.asynccontextmanager
