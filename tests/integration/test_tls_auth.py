@@ -1,7 +1,7 @@
 """A server that requires TLS and credentials: nothing shows a secret, everything speaks TLS.
 
-Each test's CA and server certificate are made here; the servers are real nats-servers started
-from a config file. The password server also asks for a client certificate, so the replay
+The CA and the certificates are made here, once per module; the servers are real nats-servers
+started from a config file. The password server also asks for a client certificate, so the replay
 reader must present the same one nats-py does.
 """
 
