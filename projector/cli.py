@@ -134,7 +134,7 @@ async def run_consumer(config: Config, make: Callable[[Client, Config], _Consume
     exit status of a signal.
     """
     catch_signals()
-    async with connect(require_url(config), service=True) as nc:
+    async with connect(require_url(config), service=True, config=config) as nc:
         consumer = make(nc, config)
         task = asyncio.ensure_future(consumer.run())
         try:
@@ -164,7 +164,7 @@ async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from projector.demo import run_demo
 
     catch_signals()
-    async with connect(require_url(config), service=True) as nc:
+    async with connect(require_url(config), service=True, config=config) as nc:
         await until_signal(run_demo(nc, config, args), duration=args.duration)
     return 0
 
@@ -191,7 +191,7 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
             events.append(decode_event(encode_event(decoder.decode(line))))
         except (msgspec.DecodeError, EventDecodeError) as exc:
             raise CliError(f"{name}:{number}: not an event: {exc}") from None
-    async with connect(require_url(config), service=False) as nc:
+    async with connect(require_url(config), service=False, config=config) as nc:
         from projector.resources import ensure
 
         await ensure(nc, config)
@@ -210,7 +210,7 @@ async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
     from projector.reader import RegistryView
 
     async with (
-        connect(require_url(config), service=False) as nc,
+        connect(require_url(config), service=False, config=config) as nc,
         RegistryView(nc, config=config) as view,
     ):
         rows = view.loads()
@@ -234,7 +234,7 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
     catch_signals()
     console = Console()
     async with (
-        connect(require_url(config), service=True) as nc,
+        connect(require_url(config), service=True, config=config) as nc,
         RegistryView(nc, config=config) as view,
     ):
 
@@ -254,7 +254,7 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     from projector.status import collect, format_status
 
-    async with connect(require_url(config), service=False) as nc:
+    async with connect(require_url(config), service=False, config=config) as nc:
         report = await collect(nc, config)
     print(msgspec.json.encode(report).decode() if args.json else format_status(report))
     return 0
@@ -273,7 +273,7 @@ def print_loads(rows: list[LoadRow], as_json: bool) -> None:
 async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from projector.replay import log_bounds, parse_at, replay, verify
 
-    async with connect(require_url(config), service=False) as nc:
+    async with connect(require_url(config), service=False, config=config) as nc:
         with progress_bar(not args.no_progress, "replay") as progress:
             if args.verify:
                 if args.from_seq is not None or args.to_seq is not None or args.at:
@@ -304,7 +304,7 @@ async def cmd_rebuild(args: argparse.Namespace, config: Config) -> int:
     from projector.replay import rebuild
     from projector.resources import ensure
 
-    async with connect(require_url(config), service=False) as nc:
+    async with connect(require_url(config), service=False, config=config) as nc:
         await ensure(nc, config)
         with progress_bar(not args.no_progress, "rebuild") as progress:
             done = await rebuild(nc, config, progress=progress)
@@ -319,7 +319,7 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
     from projector.snapshots import SnapshotStore
     from seqstate import SnapshotError
 
-    async with connect(require_url(config), service=False) as nc:
+    async with connect(require_url(config), service=False, config=config) as nc:
         store = await SnapshotStore(nc, config).open()
         if args.action == "list":
             infos = await store.list()

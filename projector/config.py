@@ -72,12 +72,23 @@ class Config:
     retain_events: int | None = _setting(
         None, "events kept before the oldest snapshot; 'off' (the default) never trims",
         "N")  # fmt: skip
+    tls_ca: str | None = _setting(
+        None, "PEM file of the CA that signed the server's certificate (unset: the system's)",
+        "PATH")  # fmt: skip
+    tls_cert: str | None = _setting(
+        None, "PEM client certificate, for a server that asks for one (with --tls-key)", "PATH"
+    )
+    tls_key: str | None = _setting(None, "PEM key of the client certificate", "PATH")
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS:
             problem = check(getattr(self, name))
             if problem:
                 raise ConfigError(problem, setting=name, label=f"{name}={getattr(self, name)!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            name = "tls_key" if self.tls_key is None else "tls_cert"
+            raise ConfigError("a client certificate needs both tls_cert and tls_key", setting=name,
+                              label=f"{name}={getattr(self, name)!r}")  # fmt: skip
 
     @property
     def events_subjects(self) -> str:
@@ -189,6 +200,10 @@ def _is_nats_url(item: str) -> bool:
     return parts.scheme in _SCHEMES and bool(parts.hostname)
 
 
+def _file(path: str | None) -> str:
+    return "" if path is None or os.path.isfile(path) else "no such file"
+
+
 def _positive(value: float) -> str:
     return "" if value > 0 else "must be positive"
 
@@ -218,4 +233,7 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("snapshot_every_s", _not_negative),
     ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
     ("retain_events", _not_negative),
+    ("tls_ca", _file),
+    ("tls_cert", _file),
+    ("tls_key", _file),
 ]  # fmt: skip

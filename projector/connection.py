@@ -2,66 +2,202 @@
 
 ``connect`` is a client that reconnects forever for a service (writer, projector, ``run``) and
 gives up quickly for a one-shot command; either way its callbacks log instead of printing
-tracebacks. ``nats_for`` starts an embedded nats-server when no URL is configured.
+tracebacks. ``nats_for`` starts an embedded nats-server when no URL is configured. Nothing
+here shows a password or a token: URLs and the client's errors go through
+:mod:`projector.security` first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.errors
 from nats.aio.client import Client
 
 from projector.config import Config
+from projector.security import (
+    client_tls,
+    redact,
+    scrub,
+    secrets_in,
+    server_urls,
+    tls_settings_from_env,
+)
 from projector.server import NatsServer
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate")
+
+# A one-shot command that has no connection after this long says why and exits.
+ONE_SHOT_CONNECT_S = 8.0
+# nats-py reports each failed attempt within connect_timeout (3 s) per step (TCP, TLS, CONNECT)
+# plus reconnect_time_wait: a dial without news for this long is stuck (see _dial).
+STALLED_S = 15.0
 
 
 class ConnectError(SeqstateError, ConnectionError):
     """NATS could not be reached (or refused us); the message says where and why."""
 
 
-@contextlib.asynccontextmanager
-async def connect(url: str, *, service: bool) -> AsyncIterator[Client]:
-    """A client that reconnects forever if ``service``, logging instead of printing tracebacks."""
+def _is_auth_refusal(exc: BaseException) -> bool:
+    return "authorization violation" in str(exc).lower() or isinstance(
+        exc, nats.errors.AuthorizationError
+    )
 
-    closing = connected = False
 
-    async def on_error(exc: Exception) -> None:
-        if connected:  # before that, the failed connect is reported once, below
-            log.warning("nats: %s", exc or type(exc).__name__)
+def is_permanent(exc: BaseException) -> bool:
+    """A refusal no retry can fix: wrong credentials, or a certificate we do not trust."""
+    return _is_auth_refusal(exc) or isinstance(exc, ssl.SSLError)
 
-    async def on_disconnect() -> None:
-        if not closing:
+
+def describe_failure(exc: BaseException | None, url: str) -> str:
+    """One line for a failed connection, naming the server without its secrets."""
+    shown = redact(url)
+    if exc is None:
+        why = f"cannot reach NATS at {shown}: no connection within {ONE_SHOT_CONNECT_S:.0f} s"
+    elif isinstance(exc, TimeoutError):
+        why = f"cannot reach NATS at {shown}: no answer in time"
+    elif _is_auth_refusal(exc) and secrets_in(url):
+        why = f"NATS at {shown} refused the credentials (authorization violation)"
+    elif _is_auth_refusal(exc):
+        why = (f"NATS at {shown} requires credentials (authorization violation): put a user "
+               "and password, or a token, in the URL")  # fmt: skip
+    elif isinstance(exc, ssl.SSLCertVerificationError):
+        reason = exc.verify_message or str(exc)
+        why = (f"the TLS certificate of NATS at {shown} is not trusted ({reason}): set "
+               "SEQSTATE_TLS_CA to the CA file that signed it")  # fmt: skip
+    elif isinstance(exc, ssl.SSLError) and "CERTIFICATE_REQUIRED" in str(exc.reason):
+        why = (f"NATS at {shown} requires a client certificate: set SEQSTATE_TLS_CERT and "
+               "SEQSTATE_TLS_KEY")  # fmt: skip
+    elif isinstance(exc, ssl.SSLError):
+        why = f"TLS handshake with NATS at {shown} failed: {exc.reason or exc}"
+    else:
+        why = f"cannot reach NATS at {shown}: {exc or type(exc).__name__}"
+    return scrub(why, url)
+
+
+def _quiet_tls_eof(record: logging.LogRecord) -> bool:
+    """asyncio warns at every TLS connection nats-py closes (nats-io/nats.py#727): harmless."""
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+class _Callbacks:
+    """nats-py's callbacks: while dialing they collect errors, afterwards they log them."""
+
+    def __init__(self, url: str, *, service: bool) -> None:
+        self.url = url
+        self.service = service
+        self.dialing = True
+        self.closing = False
+        self.errors: list[BaseException] = []
+        self.refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self.progress = asyncio.Event()  # set at each error nats-py reports while dialing
+
+    async def on_error(self, exc: Exception) -> None:
+        if not self.dialing:
+            log.warning("nats: %s", scrub(str(exc) or type(exc).__name__, self.url))
+            return
+        self.errors.append(exc)
+        self.progress.set()
+        if is_permanent(exc):
+            if not self.refused.done():
+                self.refused.set_result(exc)
+        elif self.service and len(self.errors) == 1:
+            log.warning("%s; retrying", describe_failure(exc, self.url))
+
+    async def on_disconnect(self) -> None:
+        if not self.closing:
             log.warning("nats: disconnected, reconnecting")
 
-    async def on_reconnect() -> None:
+    async def on_reconnect(self) -> None:
         log.info("nats: reconnected")
 
-    try:
-        nc = await nats.connect(
-            url,
-            connect_timeout=3,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1 if service else 3,
-            reconnect_time_wait=0.5,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
-        )
-    except (OSError, TimeoutError, nats.errors.NoServersError) as exc:
-        raise ConnectError(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
-    connected = True
+
+async def _watch(dialing: asyncio.Future[Client], callbacks: _Callbacks, until: float) -> None:
+    """Until the dial ends, is refused, stalls (``STALLED_S`` without news) or time is up."""
+    loop = asyncio.get_running_loop()
+    while not dialing.done() and not callbacks.refused.done() and loop.time() < until:
+        callbacks.progress.clear()
+        news = asyncio.ensure_future(callbacks.progress.wait())
+        either: set[asyncio.Future[Any]] = {dialing, callbacks.refused, news}
+        try:
+            await asyncio.wait(either, timeout=min(STALLED_S, until - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            news.cancel()
+        if news.cancelled() or not news.done():
+            return  # no news: stalled (or connected, refused, out of time: the loop's test)
+
+
+async def _dial(url: str, callbacks: _Callbacks, tls: ssl.SSLContext | None) -> Client:
+    """The first connection, or a ConnectError as soon as it is clear there will be none.
+
+    nats-py retries a failed first connection, and after a failed TLS handshake its clean-up
+    awaits a socket the handshake had taken over, forever (nats-io/nats.py#718): an untrusted
+    certificate hung ``seqstate status`` until it was killed. So a permanent refusal (see
+    :func:`is_permanent`) abandons the dial at once; a dial that stalls (a TLS handshake that
+    timed out) is abandoned and, for a service, started again; a one-shot command dials for
+    at most ``ONE_SHOT_CONNECT_S``, a service until it connects.
+    """
+    loop = asyncio.get_running_loop()
+    until = loop.time() + (ONE_SHOT_CONNECT_S if not callbacks.service else float("inf"))
+    options: dict[str, Any] = {"tls": tls} if tls is not None else {}
+    while True:
+        dialing = asyncio.ensure_future(nats.connect(
+            server_urls(url), connect_timeout=3, allow_reconnect=True,
+            max_reconnect_attempts=-1 if callbacks.service else 3, reconnect_time_wait=0.5,
+            error_cb=callbacks.on_error, disconnected_cb=callbacks.on_disconnect,
+            reconnected_cb=callbacks.on_reconnect, **options,
+        ))  # fmt: skip
+        try:
+            await _watch(dialing, callbacks, until)
+        finally:
+            if not dialing.done():
+                dialing.cancel()
+                await asyncio.wait({dialing}, timeout=2)  # nats-py may swallow a cancellation
+        if not dialing.cancelled() and dialing.exception() is None:
+            callbacks.dialing = False
+            return dialing.result()
+        if callbacks.refused.done() or loop.time() >= until or not callbacks.service:
+            raise ConnectError(describe_failure(_cause(dialing, callbacks), url))
+        log.warning("nats: no progress connecting to %s for %.0f s; dialing again", redact(url),
+                    STALLED_S)  # fmt: skip
+
+
+def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseException | None:
+    """The error worth reporting: a permanent refusal, else the last error seen."""
+    if callbacks.refused.done():
+        return callbacks.refused.result()
+    if callbacks.errors:
+        return callbacks.errors[-1]
+    return None if dialing.cancelled() else dialing.exception()
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    url: str, *, service: bool, config: Config | None = None
+) -> AsyncIterator[Client]:
+    """A client that reconnects forever if ``service``, logging instead of printing tracebacks.
+
+    TLS comes from ``config``'s ``tls_*`` settings; without a config, from ``SEQSTATE_TLS_*``.
+    """
+    tls = client_tls(config if config is not None else tls_settings_from_env())
+    asyncio_log = logging.getLogger("asyncio")
+    if _quiet_tls_eof not in asyncio_log.filters:
+        asyncio_log.addFilter(_quiet_tls_eof)
+    callbacks = _Callbacks(url, service=service)
+    nc = await _dial(url, callbacks, tls)
     try:
         yield nc
     finally:
-        closing = True
+        callbacks.closing = True
         with contextlib.suppress(Exception):
             await nc.drain()
 
@@ -73,11 +209,12 @@ async def nats_for(
     """Connect to ``config.nats_url``, or start an embedded server when it is unset.
 
     The embedded server listens on ``port`` so its URL stays the same across restarts; if the
-    port is taken it listens on a free one and says so, rather than not starting.
+    port is taken it listens on a free one and says so, rather than not starting. Yields the
+    client and the server's URL as it may be shown (its secrets masked): callers only log it.
     """
     if config.nats_url:
-        async with connect(config.nats_url, service=True) as nc:
-            yield nc, config.nats_url
+        async with connect(config.nats_url, service=True, config=config) as nc:
+            yield nc, redact(config.nats_url)
         return
     if store_dir is None:
         raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
@@ -87,7 +224,7 @@ async def nats_for(
                         server.fell_back_from, server.url)  # fmt: skip
         log.info("embedded nats-server at %s (export NATS_URL=%s), JetStream in %s",
                  server.url, server.url, store_dir)  # fmt: skip
-        async with connect(server.url, service=True) as nc:
+        async with connect(server.url, service=True, config=config) as nc:
             yield nc, server.url
 
 

@@ -28,7 +28,7 @@ DESCRIPTION = ("A durable, replayable ledger of in-flight LLM requests: run the 
                "publish events, read the registry, replay the log.")  # fmt: skip
 DEFAULT_PORT = 4222  # the NATS convention, so nats://127.0.0.1:4222 works across restarts
 
-CONNECT = ("nats_url", "namespace")
+CONNECT = ("nats_url", "namespace", "tls_ca", "tls_cert", "tls_key")
 NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 PROVISION = ("duplicate_window_s", "replicas")  # what creating the streams and buckets needs
 WRITER = ("expiry_s", "idle_tick_s", "snapshot_every_events", "snapshot_every_s",

@@ -17,6 +17,7 @@ from projector.bucket import read_bucket
 from projector.config import Config
 from projector.resources import dead_letter_stream
 from projector.retention import trimmed_below
+from projector.security import redact
 from projector.snapshots import SnapshotStore
 
 
@@ -85,7 +86,7 @@ async def collect(nc: Client, config: Config) -> StatusReport:
     lag = events.last_seq - applied if events.exists and exists else None
     return StatusReport(
         namespace=config.namespace,
-        server=f"{nc.connected_url.netloc if nc.connected_url else '?'} "
+        server=f"{redact(nc.connected_url.netloc) if nc.connected_url else '?'} "
         f"(nats-server {version.major}.{version.minor}.{version.patch})",
         streams=streams,
         bucket=config.registry_bucket,

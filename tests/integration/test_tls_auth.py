@@ -1,0 +1,391 @@
+"""A server that requires TLS and credentials: nothing shows a secret, everything speaks TLS.
+
+The CA and the certificates are made here, once per module; the servers are real nats-servers
+started from a config file. The password server also asks for a client certificate, so the replay
+reader must present the same one nats-py does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from nats.aio.client import Client
+from pipeline_kit import fresh_config
+
+from projector.config import Config, ConfigError
+from projector.connection import connect
+from projector.replay import fold_stream
+from projector.resources import ensure
+from projector.security import redact, scrub
+from projector.server import NatsServer
+from projector.stream_reader import ReaderParams
+from projector.writer import last_seq_of
+from seqstate import AddRequest, Free, SequenceState, encode_event
+
+REPO = Path(__file__).resolve().parents[2]
+USER, PASSWORD, TOKEN = "alice", "pw-9f3Kq27xWv", "tok-Zx81mQp4Lr"
+HOLD = 30  # a generous bound on any one command: a hang fails the test instead of the run
+
+
+# ---- certificates and servers ------------------------------------------------------------------
+
+
+def _name(common: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
+
+
+def _certificate(
+    subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Name, Any], *,
+    ca: bool = False, hosts: bool = False, client: bool = False,
+) -> x509.Certificate:  # fmt: skip
+    now = dt.datetime.now(dt.UTC)
+    builder = (
+        x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer[0])
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )  # fmt: skip
+    if hosts:
+        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+    if client:
+        usage = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH])
+        builder = builder.add_extension(usage, critical=False)
+    return builder.sign(issuer[1], hashes.SHA256())
+
+
+def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    path.with_suffix(".key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ca.pem; server.pem/.key for 127.0.0.1 and localhost; client.pem/.key."""
+    out = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("seqstate test CA", ca_key, (_name("seqstate test CA"), ca_key), ca=True)
+    _write(out / "ca", ca, ca_key)
+    for name, kind in (("server", {"hosts": True}), ("client", {"client": True})):
+        key = ec.generate_private_key(ec.SECP256R1())
+        _write(out / name, _certificate(name, key, (ca.subject, ca_key), **kind), key)
+    return out
+
+
+def _server(tmp: Path, pki: Path, authorization: dict[str, str], *, verify: bool) -> NatsServer:
+    tls = {"cert_file": str(pki / "server.pem"), "key_file": str(pki / "server.key"),
+           "timeout": 5}  # fmt: skip
+    if verify:  # a client certificate signed by the CA is required
+        tls.update(ca_file=str(pki / "ca.pem"), verify=True)
+    conf = tmp / "server.conf"
+    conf.write_text(f"tls {json.dumps(tls)}\nauthorization {json.dumps(authorization)}\n")
+    return NatsServer(tmp / "jetstream", extra_args=("-c", str(conf)))
+
+
+@pytest.fixture(scope="module")
+def password_server(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[NatsServer]:
+    """TLS with a client certificate, and a user with a password."""
+    tmp = tmp_path_factory.mktemp("password-server")
+    with _server(tmp, pki, {"user": USER, "password": PASSWORD}, verify=True) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[NatsServer]:
+    """TLS, and a token."""
+    tmp = tmp_path_factory.mktemp("token-server")
+    with _server(tmp, pki, {"token": TOKEN}, verify=False) as server:
+        yield server
+
+
+def password_url(server: NatsServer, password: str = PASSWORD) -> str:
+    return f"nats://{USER}:{password}@127.0.0.1:{server.port}"
+
+
+def token_url(server: NatsServer, scheme: str = "nats", host: str = "127.0.0.1") -> str:
+    return f"{scheme}://{TOKEN}@{host}:{server.port}"
+
+
+def tls_env(pki: Path, *, ca: bool = True) -> dict[str, str]:
+    env = {
+        "SEQSTATE_TLS_CERT": str(pki / "client.pem"),
+        "SEQSTATE_TLS_KEY": str(pki / "client.key"),
+    }
+    return {**env, "SEQSTATE_TLS_CA": str(pki / "ca.pem")} if ca else env
+
+
+def tls_config(pki: Path) -> Config:
+    return fresh_config("tls", tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
+                        tls_key=str(pki / "client.key"))  # fmt: skip
+
+
+@pytest.fixture
+async def tnc(password_server: NatsServer, pki: Path) -> AsyncIterator[Client]:
+    """A client of the password server, connected as the CLI connects."""
+    async with connect(password_url(password_server), service=False,
+                       config=Config.from_env(tls_env(pki))) as nc:  # fmt: skip
+        yield nc
+
+
+# ---- the command line --------------------------------------------------------------------------
+
+
+def seqstate(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items()
+             if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
+    clean["COLUMNS"] = "400"  # one log record, one line
+    return subprocess.run([sys.executable, "-m", "projector", *args], capture_output=True,
+                          text=True, timeout=HOLD, env={**clean, **env}, cwd=REPO)  # fmt: skip
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("seqstate: error: ")
+    assert result.stdout == ""
+    return lines[0]
+
+
+def test_status_over_tls_shows_the_server_without_the_password(
+    password_server: NatsServer, pki: Path
+) -> None:
+    for extra in ((), ("--json",)):
+        result = seqstate("status", *extra, NATS_URL=password_url(password_server), **tls_env(pki))
+        assert result.returncode == 0, result.stderr
+        assert f"{USER}:***@127.0.0.1:{password_server.port}" in result.stdout
+        assert PASSWORD not in result.stdout + result.stderr
+
+
+def test_status_with_a_token_hides_the_token(token_server: NatsServer, pki: Path) -> None:
+    result = seqstate("status", NATS_URL=token_url(token_server),
+                      SEQSTATE_TLS_CA=str(pki / "ca.pem"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"on ***@127.0.0.1:{token_server.port}" in result.stdout
+    assert TOKEN not in result.stdout + result.stderr
+
+
+def test_run_logs_the_server_without_the_password(
+    password_server: NatsServer, pki: Path, tmp_path: Path
+) -> None:
+    config = fresh_config("run")
+    result = seqstate("run", "--duration", "3", "--store-dir", str(tmp_path),
+                      "--namespace", config.namespace, "--events-stream", config.events_stream,
+                      "--deltas-stream", config.deltas_stream,
+                      "--registry-bucket", config.registry_bucket,
+                      NATS_URL=password_url(password_server), **tls_env(pki))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert f"running for namespace {config.namespace!r} at nats://{USER}:***@127.0.0.1" in out
+    assert PASSWORD not in out
+
+
+def test_a_wrong_password_fails_in_one_line_saying_so(
+    password_server: NatsServer, pki: Path
+) -> None:
+    wrong = "not-the-pw-4471"
+    result = seqstate("status", NATS_URL=password_url(password_server, wrong), **tls_env(pki))
+    line = one_line_error(result)
+    assert "authorization violation" in line
+    assert f"{USER}:***@127.0.0.1" in line
+    assert wrong not in result.stderr
+
+
+def test_an_untrusted_certificate_fails_in_one_line(password_server: NatsServer, pki: Path) -> None:
+    # Before the fix this hung for as long as anyone waited (HOLD ends the test instead).
+    result = seqstate("status", NATS_URL=password_url(password_server), **tls_env(pki, ca=False))
+    line = one_line_error(result)
+    assert "certificate" in line and "not trusted" in line and "SEQSTATE_TLS_CA" in line
+    assert PASSWORD not in result.stderr
+
+
+def test_tls_settings_are_checked_and_named(pki: Path) -> None:
+    with pytest.raises(ConfigError, match="SEQSTATE_TLS_CERT and SEQSTATE_TLS_KEY"):
+        Config.from_env({"SEQSTATE_TLS_CERT": str(pki / "client.pem")})
+    with pytest.raises(ConfigError, match=r"SEQSTATE_TLS_CA=/nonexistent/ca\.pem"):
+        Config.from_env({"SEQSTATE_TLS_CA": "/nonexistent/ca.pem"})
+    line = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1",
+                                   SEQSTATE_TLS_KEY=str(pki / "client.key")))  # fmt: skip
+    assert "SEQSTATE_TLS_CERT" in line
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://alice:S3cret@host:4222", "nats://alice:***@host:4222"),
+        ("nats://s3cr3t-token@host", "nats://***@host"),
+        ("alice:S3cret@host:4222", "alice:***@host:4222"),
+        (
+            "tls://a:S3cret@h1:4222,tls://a:S3cret@h2:4222",
+            "tls://a:***@h1:4222,tls://a:***@h2:4222",
+        ),
+        ("nats://a:p@ss@host", "nats://a:***@host"),
+        ("nats://host:4222", "nats://host:4222"),
+    ],
+)
+def test_redact_hides_passwords_and_tokens(url: str, shown: str) -> None:
+    assert redact(url) == shown
+    assert scrub(f"failed on {url}", url) == f"failed on {shown}"
+
+
+# ---- the replay reader -------------------------------------------------------------------------
+
+
+async def fill(nc: Client, config: Config, n: int) -> int:
+    """``n`` events (enough for flow control at a few thousand) and one undecodable."""
+    await ensure(nc, config)
+    js = nc.jetstream()
+    futures = []
+    for i in range(n):
+        event = (AddRequest(request_id=f"x{i}", worker_id=i % 8,
+                            block_hashes=list(range(i % 40)), prefill_tokens=i)
+                 if i % 3 else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8))  # fmt: skip
+        futures.append(await js.publish_async(config.event_subject(i % 8), encode_event(event)))
+    futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
+    await asyncio.gather(*futures)
+    return await last_seq_of(js, config.events_stream, config.events_subjects)
+
+
+def record_fast_fold(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str | None]]:
+    """What each fast_fold of fold_stream returned: (last sequence fed, why it gave up)."""
+    from projector import replay
+
+    returned: list[tuple[int, str | None]] = []
+    real = replay.fast_fold
+
+    async def spy(*args: Any, **kwargs: Any) -> tuple[int, str | None]:
+        result = await real(*args, **kwargs)
+        returned.append(result)
+        return result
+
+    monkeypatch.setattr(replay, "fast_fold", spy)
+    return returned
+
+
+def record_reader_argv(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The command line of each process the reader's parent starts, as ``ps`` shows it."""
+    seen: list[bytes] = []
+    real = asyncio.create_subprocess_exec
+
+    async def spy(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        proc = await real(*args, **kwargs)
+        # It waits for its settings on stdin, so it is alive and exec'd here.
+        seen.append(Path(f"/proc/{proc.pid}/cmdline").read_bytes())
+        return proc
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spy)
+    return seen
+
+
+async def both_paths(nc: Client, config: Config, last: int) -> tuple[bytes, bytes]:
+    """The state folded through the fast reader, and through nats-py."""
+    snapshots = []
+    for fast in (True, False):
+        state = SequenceState(expiry_s=config.expiry_s)
+        counts = await fold_stream(nc, config, state, start_seq=1, end_seq=last, fast=fast)
+        assert counts == (1, last, last, 1)
+        snapshots.append(state.snapshot())
+    return snapshots[0], snapshots[1]
+
+
+async def test_a_replay_over_tls_with_a_password_uses_the_fast_reader(
+    tnc: Client, pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tls_config(pki)
+    last = await fill(tnc, config, 6000)
+    returned = record_fast_fold(monkeypatch)
+    argv = record_reader_argv(monkeypatch)
+    fast, client = await both_paths(tnc, config, last)
+    assert returned == [(last, None)]  # the reader did it all, over TLS with a client cert
+    assert fast == client
+    assert len(argv) == 1 and b"projector.stream_reader" in argv[0]
+    for secret in (PASSWORD, USER, "127.0.0.1", "nats://", "@"):
+        assert secret.encode() not in argv[0]
+
+
+async def test_a_replay_with_a_token_uses_the_fast_reader(
+    token_server: NatsServer, pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tls = Config(tls_ca=str(pki / "ca.pem"))
+    # tls:// and a host name this time: the reader checks the name the certificate carries.
+    async with connect(token_url(token_server, "tls", "localhost"), service=False,
+                       config=tls) as nc:  # fmt: skip
+        config = fresh_config("tok", tls_ca=tls.tls_ca)
+        last = await fill(nc, config, 500)
+        returned = record_fast_fold(monkeypatch)
+        argv = record_reader_argv(monkeypatch)
+        fast, client = await both_paths(nc, config, last)
+    assert returned == [(last, None)]
+    assert fast == client
+    assert TOKEN.encode() not in argv[0]
+
+
+async def test_a_reader_refused_by_the_server_falls_back(
+    tnc: Client, pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tls_config(pki)
+    last = await fill(tnc, config, 300)
+    returned = record_fast_fold(monkeypatch)
+    # nats-py's options win over the URL, for the client as for the reader: this one is wrong.
+    monkeypatch.setitem(tnc.options, "user", USER)
+    monkeypatch.setitem(tnc.options, "password", "not-the-pw-4471")
+    fast, client = await both_paths(tnc, config, last)
+    assert fast == client  # nats-py did the work
+    [(fed, why)] = returned
+    assert fed == 0 and why is not None and "Authorization Violation" in why
+    assert "not-the-pw-4471" not in why
+
+
+def run_reader(params: ReaderParams) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "projector.stream_reader"],
+                          input=msgspec.json.encode(params) + b"\n", capture_output=True,
+                          timeout=HOLD, cwd=REPO)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("wrong password", b"-ERR 'Authorization Violation'"),
+        ("no CA", b"certificate verify failed"),
+        ("no client certificate", b"stream reader: "),
+        # Told the client is plain, it still upgrades as the server's INFO asks (or the server
+        # would close on it); the -ERR is for the subject, after a sound handshake.
+        ("plain, bad subject", b"-ERR 'Invalid Subject'"),
+    ],
+)
+def test_the_reader_ends_with_a_reason_whatever_goes_wrong(
+    password_server: NatsServer, pki: Path, case: str, why: bytes
+) -> None:
+    fields: dict[str, Any] = {
+        "host": "127.0.0.1", "port": password_server.port, "inbox": "_INBOX.x", "end_seq": 9,
+        "tls": True, "user": USER, "password": PASSWORD, "ca": str(pki / "ca.pem"),
+        "cert": str(pki / "client.pem"), "key": str(pki / "client.key"),
+    }  # fmt: skip
+    fields.update({
+        "wrong password": {"password": "not-the-pw-4471"},
+        "no CA": {"ca": None},
+        "no client certificate": {"cert": None, "key": None},
+        "plain, bad subject": {"tls": False, "inbox": "a..b"},
+    }[case])  # fmt: skip
+    result = run_reader(ReaderParams(**fields))
+    assert result.returncode == 3 and result.stdout == b"", result.stderr
+    assert result.stderr.startswith(b"stream reader: ") and result.stderr.count(b"\n") == 1
+    assert why in result.stderr, result.stderr
+    assert PASSWORD.encode() not in result.stderr
