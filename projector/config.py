@@ -86,9 +86,12 @@ class Config:
             if problem:
                 raise ConfigError(problem, setting=name, label=f"{name}={getattr(self, name)!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
-            name = "tls_key" if self.tls_key is None else "tls_cert"
-            raise ConfigError("a client certificate needs both tls_cert and tls_key", setting=name,
-                              label=f"{name}={getattr(self, name)!r}")  # fmt: skip
+            given = "tls_cert" if self.tls_key is None else "tls_key"
+            missing = "tls_key" if given == "tls_cert" else "tls_cert"
+            problem = (f"a client certificate needs both: set --{missing.replace('_', '-')} or "
+                       f"{env_name(missing)} too")  # fmt: skip
+            label = f"{given}={getattr(self, given)!r}"
+            raise ConfigError(problem, setting=given, label=label)
 
     @property
     def events_subjects(self) -> str:

@@ -36,7 +36,7 @@ from seqstate.errors import SeqstateError
 log = logging.getLogger("seqstate")
 
 # A one-shot command that has no connection after this long says why and exits.
-ONE_SHOT_CONNECT_S = 8.0
+ONE_SHOT_CONNECT_S = 4.0
 # nats-py reports each failed attempt within connect_timeout (3 s) per step (TCP, TLS, CONNECT)
 # plus reconnect_time_wait: a dial without news for this long is stuck (see _dial).
 STALLED_S = 15.0

@@ -170,6 +170,17 @@ def test_version_is_the_package_version() -> None:
     assert result.stdout.strip() == f"seqstate {version('seqstate')} (event schema 1)"
 
 
+def test_a_server_that_never_answers_fails_in_one_line_within_seconds() -> None:
+    # A host that accepts and then says nothing (no INFO): a one-shot command gives up after
+    # one attempt and a little, instead of retrying for about 14 s as it did.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+        line = one_line_error(seqstate("status", NATS_URL=url, timeout=30))
+    assert line == f"seqstate: error: cannot reach NATS at {url}: no answer in time"
+
+
 def test_missing_publish_file_is_one_line(nats_server: NatsServer) -> None:
     line = one_line_error(seqstate("publish", "/nonexistent.jsonl", NATS_URL=nats_server.url))
     assert "/nonexistent.jsonl" in line

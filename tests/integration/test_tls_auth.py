@@ -217,9 +217,13 @@ def test_an_untrusted_certificate_fails_in_one_line(password_server: NatsServer,
 
 
 def test_tls_settings_are_checked_and_named(pki: Path) -> None:
-    with pytest.raises(ConfigError, match="SEQSTATE_TLS_CERT and SEQSTATE_TLS_KEY"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^SEQSTATE_TLS_CERT='.*client\.pem': a client "
+        r"certificate needs both: set --tls-key or SEQSTATE_TLS_KEY too$",
+    ):
         Config.from_env({"SEQSTATE_TLS_CERT": str(pki / "client.pem")})
-    with pytest.raises(ConfigError, match=r"SEQSTATE_TLS_CA=/nonexistent/ca\.pem"):
+    with pytest.raises(ConfigError, match=r"SEQSTATE_TLS_CA='/nonexistent/ca\.pem': no such file"):
         Config.from_env({"SEQSTATE_TLS_CA": "/nonexistent/ca.pem"})
     line = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1",
                                    SEQSTATE_TLS_KEY=str(pki / "client.key")))  # fmt: skip
