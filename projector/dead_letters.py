@@ -11,15 +11,13 @@ and re-read the message writes its dead letter once.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 
-import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
 
 from projector.config import Config
+from projector.retry import ATTEMPT_TIMEOUT_S, retrying
 
 log = logging.getLogger("seqstate.dead")
 
@@ -32,8 +30,6 @@ TRUNCATED = "Seqstate-Truncated"  # present when the payload kept is a prefix
 PREFIX_BYTES = 64 * 1024  # of a large payload, enough to see what it was
 REASON_CHARS = 1000
 HEADROOM = 4096  # for the headers and the protocol line, under the server's limit
-ATTEMPT_TIMEOUT_S = 2.0  # per attempt: a request in flight when the server died never returns
-RETRY_FOR_S = 60.0  # a server restart or a leader election is ridden out, then it fails
 
 
 def one_line(text: str, limit: int = REASON_CHARS) -> str:
@@ -67,27 +63,7 @@ class DeadLetters:
         if len(payload) > self._keep:
             kept = payload[: self._keep]
             headers[TRUNCATED] = "true"
-        await publish_retrying(self._js, self._config.dead_letter_subject, kept, headers)
-
-
-async def publish_retrying(
-    js: JetStreamContext,
-    subject: str,
-    payload: bytes,
-    headers: dict[str, str],
-    *,
-    retry_for_s: float = RETRY_FOR_S,
-) -> PubAck:
-    """Publish, retrying a failure for ``retry_for_s`` seconds; idempotent by the msg-id."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + retry_for_s
-    backoff = 0.05
-    while True:
-        try:
-            return await js.publish(subject, payload, headers=headers, timeout=ATTEMPT_TIMEOUT_S)
-        except (TimeoutError, nats.errors.Error) as exc:
-            if loop.time() >= deadline:
-                raise
-            log.warning("publish to %s failed, retrying in %.2fs: %r", subject, backoff, exc)
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, 1.0)
+        subject = self._config.dead_letter_subject
+        await retrying(lambda: self._js.publish(subject, kept, headers=headers,
+                                                timeout=ATTEMPT_TIMEOUT_S),
+                       f"dead letter of {stream} {seq}")  # fmt: skip

@@ -46,6 +46,7 @@ from projector.delta_log import PREV_SOURCE_SEQ
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
+from projector.retry import ATTEMPT_TIMEOUT_S, retrying
 from projector.tasks import attempt, cancel
 from projector.values import (
     Position,
@@ -319,7 +320,11 @@ class Projector:
             return f"not a writer's delta: it starts at event {seqs[0]}, not after {prev}"
         last = seqs[-1] if seqs else prev
         if last is not None and last > self._events_last:
-            info = await self._js.stream_info(self.config.events_stream)
+            stream = self.config.events_stream
+            info = await retrying(
+                lambda: asyncio.wait_for(self._js.stream_info(stream), ATTEMPT_TIMEOUT_S),
+                f"looking up stream {stream}",
+            )
             self._events_last = info.state.last_seq
             if last > self._events_last:
                 return (f"not a writer's delta: event {last} is beyond the events stream "

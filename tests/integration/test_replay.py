@@ -224,7 +224,8 @@ async def test_long_commands_show_their_progress_bar_in_a_terminal(
     url = nats_server.url  # type: ignore[attr-defined]
     config, last = await filled(nc, 30)
     log = await read_log(nc, config)
-    at = dt.datetime.fromtimestamp(log[-1][1] / 1e9, dt.UTC).isoformat()
+    # a millisecond after the last event: --at takes microseconds, the log has nanoseconds
+    at = dt.datetime.fromtimestamp(log[-1][1] / 1e9 + 0.001, dt.UTC).isoformat()
     args = tuple(at if a == "AT" else a for a in args)
     code, out, terminal = await asyncio.to_thread(in_a_terminal, config, url, *args)
     assert "Traceback" not in terminal, terminal
