@@ -1,4 +1,5 @@
-"""Helpers shared by the integration tests: fresh names per test, the log as the writer saw it."""
+"""Helpers shared by the integration tests: fresh names per test, a filled log, the log as the
+writer saw it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import itertools
 from nats.aio.client import Client
 
 from projector.config import Config
-from projector.writer import log_time_ns
+from projector.resources import ensure
+from projector.writer import last_seq_of, log_time_ns
+from seqstate import AddRequest, Free, encode_event
 
 _names = itertools.count()
 
@@ -47,3 +50,18 @@ async def read_log(nc: Client, config: Config) -> list[tuple[int, int, bytes]]:
     finally:
         await sub.unsubscribe()
     return [entry for entry in out if entry[0] <= last]
+
+
+async def fill(nc: Client, config: Config, n: int) -> int:
+    """``n`` events (enough for flow control at a few thousand) and one undecodable."""
+    await ensure(nc, config)
+    js = nc.jetstream()
+    futures = []
+    for i in range(n):
+        event = (AddRequest(request_id=f"x{i}", worker_id=i % 8,
+                            block_hashes=list(range(i % 40)), prefill_tokens=i)
+                 if i % 3 else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8))  # fmt: skip
+        futures.append(await js.publish_async(config.event_subject(i % 8), encode_event(event)))
+    futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
+    await asyncio.gather(*futures)
+    return await last_seq_of(js, config.events_stream, config.events_subjects)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from pipeline_kit import fresh_config, read_log
+from pipeline_kit import fill, fresh_config, read_log
 
 from projector.bucket import read_bucket
 from projector.config import Config
@@ -264,22 +264,9 @@ async def test_the_fast_path_equals_the_client_path_and_falls_back(
     nc: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from projector.replay import fold_stream
-    from projector.resources import ensure
-    from projector.writer import last_seq_of
-    from seqstate import AddRequest, Free, encode_event
 
     config = fresh_config("f")
-    await ensure(nc, config)
-    js = nc.jetstream()
-    futures = []
-    for i in range(6000):  # enough bytes for the server to ask for flow control
-        event = (AddRequest(request_id=f"x{i}", worker_id=i % 8,
-                            block_hashes=list(range(i % 40)), prefill_tokens=i)
-                 if i % 3 else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8))  # fmt: skip
-        futures.append(await js.publish_async(config.event_subject(i % 8), encode_event(event)))
-    futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
-    await asyncio.gather(*futures)
-    last = await last_seq_of(js, config.events_stream, config.events_subjects)
+    last = await fill(nc, config, 6000)  # enough bytes for the server to ask for flow control
     results = {}
     for fast in (True, False):
         state = SequenceState(expiry_s=config.expiry_s)

@@ -25,17 +25,15 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from nats.aio.client import Client
-from pipeline_kit import fresh_config
+from pipeline_kit import fill, fresh_config
 
 from projector.config import Config, ConfigError
 from projector.connection import connect
 from projector.replay import fold_stream
-from projector.resources import ensure
 from projector.security import redact, scrub
 from projector.server import NatsServer
 from projector.stream_reader import ReaderParams
-from projector.writer import last_seq_of
-from seqstate import AddRequest, Free, SequenceState, encode_event
+from seqstate import SequenceState
 
 REPO = Path(__file__).resolve().parents[2]
 USER, PASSWORD, TOKEN = "alice", "pw-9f3Kq27xWv", "tok-Zx81mQp4Lr"
@@ -250,21 +248,6 @@ def test_redact_hides_passwords_and_tokens(url: str, shown: str) -> None:
 
 
 # ---- the replay reader -------------------------------------------------------------------------
-
-
-async def fill(nc: Client, config: Config, n: int) -> int:
-    """``n`` events (enough for flow control at a few thousand) and one undecodable."""
-    await ensure(nc, config)
-    js = nc.jetstream()
-    futures = []
-    for i in range(n):
-        event = (AddRequest(request_id=f"x{i}", worker_id=i % 8,
-                            block_hashes=list(range(i % 40)), prefill_tokens=i)
-                 if i % 3 else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8))  # fmt: skip
-        futures.append(await js.publish_async(config.event_subject(i % 8), encode_event(event)))
-    futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
-    await asyncio.gather(*futures)
-    return await last_seq_of(js, config.events_stream, config.events_subjects)
 
 
 def record_fast_fold(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str | None]]:
