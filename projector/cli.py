@@ -103,21 +103,36 @@ def setup_logging(level: str) -> None:
 
 
 async def cmd_run(args: argparse.Namespace, config: Config) -> int:
-    from projector.pipeline import Pipeline
+    """Writer and projector, restarted in process after a failure (and the demo router)."""
+    from projector.pipeline import supervise
 
-    catch_signals()
-    async with (
-        nats_for(config, args.store_dir, args.port) as (nc, url),
-        Pipeline(nc, config) as pipeline,
-    ):
-        log.info("writer and projector running for namespace %r at %s", config.namespace, url)
+    stop = catch_signals()
+    async with nats_for(config, args.store_dir, args.port) as (nc, url):
+        started = asyncio.Event()
+        supervisor = asyncio.ensure_future(supervise(nc, config, started=started))
+        ready, stopped = asyncio.ensure_future(started.wait()), asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([supervisor, ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            stopped.cancel()
+        if supervisor.done():
+            supervisor.result()  # its error: it could not start
+        else:
+            log.info("writer and projector running for namespace %r at %s", config.namespace,
+                     url)  # fmt: skip
+        tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
         if args.demo:
             from projector.demo import run_demo
 
-            await until_signal(pipeline.wait(), run_demo(nc, config, args),
-                               duration=args.duration)  # fmt: skip
-        else:
-            await until_signal(pipeline.wait(), duration=args.duration)
+            tasks.append(run_demo(nc, config, args))
+        try:
+            # The demo stops first (it frees what it has in flight), then the pipeline, so
+            # that the writer and the projector take in those frees before they stop.
+            await until_signal(*tasks, duration=args.duration)
+        finally:
+            supervisor.cancel()
+            await asyncio.wait([supervisor])
     return 0
 
 

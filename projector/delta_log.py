@@ -31,7 +31,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from itertools import islice
+from itertools import islice, pairwise
 
 import msgspec
 import nats.errors
@@ -262,14 +262,15 @@ class DeltaLog:
         """The subject moved on without us: our own retried message, or someone else's.
 
         Returns the stream sequence where our message is stored, or None to retry after a
-        foreign message (now expected). Raises if another writer's delta is there.
+        message no writer wrote (now expected). Raises if another writer's delta is there.
         """
         raw = await self._js.get_last_msg(self._config.deltas_stream, self._config.deltas_subject)
         seq = raw.seq or 0
-        source = _source_seq(raw.headers, raw.data)
-        if source == last and (raw.headers or {}).get(PREV_SOURCE_SEQ) == str(self.stored.value):
+        headers = raw.headers or {}
+        source = _source_seq(headers, raw.data)
+        if source == last and headers.get(PREV_SOURCE_SEQ) == str(self.stored.value):
             return seq  # stored before its ack was lost
-        if source is not None and (raw.headers or {}).get(PREV_SOURCE_SEQ) is not None:
+        if await self._plausible(headers, raw.data):
             raise AnotherWriter(
                 f"another writer stored deltas for namespace {self._config.namespace!r} (up to "
                 f"event {source}, message {seq}): stop the other writer; a restart resumes"
@@ -278,6 +279,37 @@ class DeltaLog:
                     self._config.deltas_subject)  # fmt: skip
         self.last_stream_seq = seq
         return None
+
+    async def _plausible(self, headers: dict[str, str], data: bytes | None) -> bool:
+        """Could a writer of this namespace have stored this message (as the projector asks)?"""
+        try:
+            deltas = decode_deltas(data or b"")
+        except msgspec.DecodeError:
+            return False
+        if chain_problem(headers.get(PREV_SOURCE_SEQ), deltas) or not deltas:
+            return False
+        info = await self._js.stream_info(self._config.events_stream)
+        return (deltas[-1].seq or 0) <= info.state.last_seq
+
+
+def chain_problem(prev: str | None, deltas: list[Delta]) -> str:
+    """Why a DELTAS message cannot be a writer's ("" if it can), by the chain's own rules.
+
+    A writer's message names (``Seqstate-Prev-Source-Seq``) the event the previous message
+    ended at, and holds deltas of later events, each with its sequence, in order. Whether the
+    events exist is for the caller to check against the log.
+    """
+    if prev is None or not prev.isdigit():
+        return f"not a writer's delta: no valid {PREV_SOURCE_SEQ} header"
+    seqs = [d.seq for d in deltas]
+    if any(seq is None for seq in seqs):
+        return "not a writer's delta: a delta without its event sequence"
+    known = [seq for seq in seqs if seq is not None]
+    if any(b <= a for a, b in pairwise(known)):
+        return "not a writer's delta: its event sequences are out of order"
+    if known and known[0] <= int(prev):
+        return f"not a writer's delta: it starts at event {known[0]}, not after {prev}"
+    return ""
 
 
 def _source_seq(headers: dict[str, str] | None, data: bytes | None) -> int | None:

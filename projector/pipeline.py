@@ -4,25 +4,75 @@ They stay two independent consumers (each could run in its own process, as compo
 only supervises them: both start, both are caught up before ``__aenter__`` returns, and if
 either stops on its own (a lost delta publish, a broken connection) the other is stopped too
 and the failure is raised, rather than leaving half a pipeline running.
+
+:func:`supervise` is what a process supervisor does for the separate processes, in process:
+a pipeline that failed is started again after a backoff (each consumer resumes from what it
+stored: the last delta, the bucket's position), and the log says so. A failure that no restart
+can mend (a setting, a trimmed log with no snapshot, a gap in the deltas) ends it instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from types import TracebackType
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 
-from projector.config import Config
-from projector.projection import Projector
-from projector.writer import Writer
+from projector.config import Config, ConfigError
+from projector.projection import DeltaGap, Projector
+from projector.resources import ProvisioningError
+from projector.writer import SnapshotUnavailable, Writer
 from seqstate.errors import SeqstateError
+
+log = logging.getLogger("seqstate")
 
 
 class PipelineStopped(SeqstateError, RuntimeError):
     """One of the two consumers ended on its own."""
+
+
+PERMANENT: tuple[type[BaseException], ...] = (ConfigError, ProvisioningError, SnapshotUnavailable,
+                                             DeltaGap)  # fmt: skip
+STABLE_S = 60.0  # a pipeline that ran this long before failing starts the backoff afresh
+
+
+async def supervise(
+    nc: Client,
+    config: Config,
+    *,
+    started: asyncio.Event | None = None,
+    backoff_s: float = 1.0,
+    max_backoff_s: float = 30.0,
+) -> None:
+    """Run the pipeline until cancelled, restarting it after a failure a restart can mend.
+
+    ``started`` is set once the first pipeline is caught up.
+    """
+    loop = asyncio.get_running_loop()
+    delay = backoff_s
+    restarts = 0
+    while True:
+        began = loop.time()
+        try:
+            async with Pipeline(nc, config) as pipeline:
+                if started is not None:
+                    started.set()
+                if restarts:
+                    log.warning("pipeline running again (restart %d)", restarts)
+                await pipeline.wait()
+        except PERMANENT:
+            raise
+        except (SeqstateError, nats.errors.Error, TimeoutError, ConnectionError) as exc:
+            if loop.time() - began >= STABLE_S:
+                delay = backoff_s
+            restarts += 1
+            log.error("pipeline stopped (%s); restarting it in %gs", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_backoff_s)
 
 
 class Pipeline:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -42,7 +41,7 @@ from nats.js.kv import KV_DEL, KV_OP
 from projector.bucket import read_bucket
 from projector.config import Config
 from projector.dead_letters import DeadLetters
-from projector.delta_log import PREV_SOURCE_SEQ
+from projector.delta_log import PREV_SOURCE_SEQ, chain_problem
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
@@ -308,16 +307,11 @@ class Projector:
         make the bucket wrong for good, so the projector stops and says so.
         """
         raw = (msg.headers or {}).get(PREV_SOURCE_SEQ)
-        if raw is None or not raw.isdigit():
-            return f"not a writer's delta: no valid {PREV_SOURCE_SEQ} header"
+        problem = chain_problem(raw, deltas)
+        if problem:
+            return problem
+        prev = int(raw or 0)
         seqs = [d.seq for d in deltas]
-        if any(seq is None for seq in seqs):
-            return "not a writer's delta: a delta without its event sequence"
-        if any(b <= a for a, b in itertools.pairwise(seqs)):  # type: ignore[operator]
-            return "not a writer's delta: its event sequences are out of order"
-        prev = int(raw)
-        if seqs and (seqs[0] or 0) <= prev:
-            return f"not a writer's delta: it starts at event {seqs[0]}, not after {prev}"
         last = seqs[-1] if seqs else prev
         if last is not None and last > self._events_last:
             stream = self.config.events_stream

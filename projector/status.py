@@ -19,6 +19,7 @@ from projector.resources import dead_letter_stream
 from projector.retention import trimmed_below
 from projector.security import redact
 from projector.snapshots import SnapshotStore
+from projector.writer import last_seq_of
 
 
 class ConsumerStatus(msgspec.Struct):
@@ -50,6 +51,7 @@ class StatusReport(msgspec.Struct):
     snapshots: int = 0
     newest_snapshot_seq: int = 0
     trimmed_below: int = 0
+    position_beyond_log: bool = False  # the bucket claims events the log does not have
 
 
 async def _stream(nc: Client, name: str) -> StreamStatus:
@@ -67,8 +69,8 @@ async def _stream(nc: Client, name: str) -> StreamStatus:
 
 
 async def collect(nc: Client, config: Config) -> StatusReport:
-    names = (config.events_stream, config.deltas_stream, dead_letter_stream(config))
-    streams = [await _stream(nc, name) for name in names]
+    # The bucket first, then the log: the log only grows, so the lag read this way is never
+    # negative unless the bucket's position really is beyond the log (a forged or foreign one).
     ranks, applied, as_of, exists = 0, 0, None, True
     try:
         bucket = await read_bucket(nc, config, timeout=10.0)
@@ -78,12 +80,18 @@ async def collect(nc: Client, config: Config) -> StatusReport:
             as_of = dt.datetime.fromtimestamp(position.as_of / 1e9, dt.UTC).isoformat()
     except BucketNotFoundError:
         exists = False
+    names = (config.events_stream, config.deltas_stream, dead_letter_stream(config))
+    streams = [await _stream(nc, name) for name in names]
     store = await SnapshotStore(nc, config).open(create=False)
     snapshots = await store.list()
     trimmed = await trimmed_below(nc, config)
     version = nc.connected_server_version
     events = streams[0]
-    lag = events.last_seq - applied if events.exists and exists else None
+    lag: int | None = None
+    newest = 0
+    if events.exists and exists:  # this namespace's newest event: the stream may be shared
+        newest = await last_seq_of(nc.jetstream(), config.events_stream, config.events_subjects)
+        lag = max(0, newest - applied)
     return StatusReport(
         namespace=config.namespace,
         server=f"{redact(nc.connected_url.netloc) if nc.connected_url else '?'} "
@@ -98,6 +106,7 @@ async def collect(nc: Client, config: Config) -> StatusReport:
         snapshots=len(snapshots),
         newest_snapshot_seq=snapshots[-1].applied_seq if snapshots else 0,
         trimmed_below=trimmed,
+        position_beyond_log=applied > newest if lag is not None else False,
     )
 
 
@@ -117,7 +126,11 @@ def format_status(report: StatusReport) -> str:
     else:
         lines.append(f"bucket {report.bucket}: {report.ranks} ranks, position event "
                      f"{report.applied_seq} (log time {report.as_of or '-'})")  # fmt: skip
-    if report.lag_events is not None:
+    if report.position_beyond_log:
+        lines.append(f"lag: the bucket's position (event {report.applied_seq}) is beyond the "
+                     "log's newest event: it was not derived from this log (`seqstate replay "
+                     "--verify`, then `seqstate rebuild`)")  # fmt: skip
+    elif report.lag_events is not None:
         lines.append(f"lag: {report.lag_events} events behind the log")
     lines.append(
         f"snapshots: {report.snapshots}"

@@ -10,14 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
 from projector.bucket import read_bucket
 from projector.config import Config
+from projector.lease import Holder
 from projector.pipeline import Pipeline
+from projector.publisher import RouterPublisher
+from projector.reader import RegistryView
 from projector.server import NatsServer
+from projector.values import lease_key
 from seqstate import decode_deltas
 
 REPO = Path(__file__).resolve().parents[2]
@@ -340,3 +345,47 @@ def test_run_listens_on_the_same_port_each_time_and_says_when_it_cannot(tmp_path
         stopped(proc)
     taken = [line for line in lines if f"port {port} is taken" in line]
     assert len(taken) == 1 and "the embedded nats-server listens on nats://127.0.0.1:" in taken[0]
+
+
+def test_run_restarts_a_failed_pipeline_in_process_and_says_so(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc, lines = started_run(tmp_path / "store", "--port", str(port), "--log-level", "info")
+    url = f"nats://127.0.0.1:{port}"
+    try:
+
+        async def break_then_use() -> tuple[int, int]:
+            import nats
+
+            nc = await nats.connect(url)
+            try:
+                # Another holder takes the projector's lease: its projector must stop (a lease
+                # lost is a failure); the run restarts the pipeline, whose new projector waits
+                # out the stranger's short lease and takes over.
+                kv = await nc.jetstream().key_value(Config().registry_bucket)
+                stranger = Holder("projector", "stranger", "elsewhere", 1, "", ttl_s=0.5)
+                await kv.put(lease_key("default"), msgspec.json.encode(stranger))
+                for _ in range(6000):  # until a new projector holds it (60 s at most)
+                    entry = await kv.get(lease_key("default"))
+                    holder = msgspec.json.decode(entry.value or b"{}", type=Holder)
+                    if holder.id != "stranger":
+                        break
+                    await asyncio.sleep(0.01)
+                assert holder.id != "stranger", "no projector took the lease back"
+                pub = RouterPublisher(nc, router_id="restart-test")
+                seq = await pub.add("after-restart", 7, block_hashes=[1, 2])
+                async with RegistryView(nc) as view:
+                    await view.wait_for(seq, timeout=60)
+                    (row,) = view.loads()
+                    return seq, row.active_requests
+            finally:
+                await nc.close()
+
+        _, active = asyncio.run(break_then_use())
+        assert active == 1
+    finally:
+        rest = stopped(proc)
+    log = "".join(lines) + rest
+    assert "pipeline stopped (" in log and "restarting it in 1s" in log, log
+    assert "pipeline running again (restart 1)" in log, log

@@ -16,6 +16,7 @@ from pipeline_kit import fresh_config, read_log
 from projector.bucket import read_bucket
 from projector.config import Config
 from projector.dead_letters import REASON
+from projector.delta_log import PREV_SOURCE_SEQ
 from projector.pipeline import Pipeline
 from projector.projection import Projector
 from projector.publisher import RouterPublisher
@@ -23,7 +24,7 @@ from projector.reader import RegistryView
 from projector.resources import dead_letter_stream, ensure
 from projector.values import blocks_key, decode_blocks, load_key, position_key
 from projector.writer import Writer
-from seqstate import SequenceState, WorkerAdded, WorkerRemoved, decode_event
+from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas
 
 NS_PER_MS = 1_000_000
 PREFIX = [101, 102, 103, 104]
@@ -248,6 +249,40 @@ async def test_a_malformed_delta_is_dead_lettered_and_the_projector_goes_on(nc: 
     dead = await js.get_msg(dead_letter_stream(config), subject=config.dead_letter_subject)
     assert dead.data == b"\x01 not a delta"
     assert dead.headers is not None and "delta does not decode" in dead.headers[REASON]
+
+
+async def test_forged_deltas_are_dead_lettered_and_never_freeze_the_read_model(
+    nc: Client,
+) -> None:
+    config = fresh_config("p")
+    js = nc.jetstream()
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-f", config=config)
+        first = await pub.add("a", 1, block_hashes=[1])
+        await pipeline.wait_applied(first)
+        far = encode_deltas([Delta("applied", 0, seq=10**12)])
+        backwards = encode_deltas([Delta("applied", 0, seq=first + 9),
+                                   Delta("applied", 0, seq=first + 8)])  # fmt: skip
+        forged = [  # what no writer of this namespace would store, with why it cannot be true
+            (far, {PREV_SOURCE_SEQ: str(first)}, "beyond the events stream"),
+            (far, {}, "no valid Seqstate-Prev-Source-Seq header"),
+            (encode_deltas([Delta("applied", 0, seq=first)]), {PREV_SOURCE_SEQ: str(first)},
+             f"it starts at event {first}, not after {first}"),
+            (backwards, {PREV_SOURCE_SEQ: str(first)}, "out of order"),
+        ]  # fmt: skip
+        for data, headers, _ in forged:
+            await js.publish(config.deltas_subject, data, headers=headers)
+        second = await pub.add("b", 2, block_hashes=[2])  # the writer steps over them
+        async with RegistryView(nc, config=config) as view:
+            await view.wait_for(second, timeout=10)
+            assert [(r.worker_id, r.active_requests) for r in view.loads()] == [(1, 1), (2, 1)]
+            assert view.staleness().applied_seq == second  # not 10**12: nothing froze
+        assert pipeline.projector.stats.dead_letters == len(forged)
+    dead = await js.stream_info(dead_letter_stream(config))
+    assert dead.state.messages == len(forged)
+    for n, (_, _, why) in enumerate(forged):
+        msg = await js.get_msg(dead_letter_stream(config), dead.state.first_seq + n)
+        assert msg.headers is not None and why in msg.headers[REASON], msg.headers
 
 
 async def test_two_namespaces_share_streams_and_bucket_and_stay_apart(nc: Client) -> None:
