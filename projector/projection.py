@@ -36,6 +36,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
+from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
 from projector.bucket import read_bucket
@@ -65,6 +66,10 @@ log = logging.getLogger("seqstate.projector")
 
 MAX_BACKOFF_S = 2.0
 ACK_TIMEOUT_S = 5.0
+
+
+class BucketLost(SeqstateError, RuntimeError):
+    """The registry bucket was deleted while the projector ran; a restart recreates it."""
 
 
 class DeltaGap(SeqstateError, RuntimeError):
@@ -161,6 +166,9 @@ class Projector:
         return True
 
     def _lease_lost(self, exc: LeaseLost) -> None:
+        self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
         log.error("projector stopping: %s", exc)
         if self._failure is None:
             self._failure = exc
@@ -391,12 +399,29 @@ class Projector:
                 return
             except Exception as exc:  # the bucket must catch up, not die
                 self.stats.flush_failures += 1
+                if await self._bucket_gone():
+                    self._fail(BucketLost(
+                        f"the bucket {self.config.registry_bucket} was deleted under the "
+                        "projector; a restart recreates it and rewrites it from the deltas"
+                    ))  # fmt: skip
+                    return
                 log.warning("flush failed, retrying in %.2fs: %r", backoff, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             # At most one write per key per interval: the next flush starts no sooner.
             await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+
+    async def _bucket_gone(self) -> bool:
+        """Whether the bucket no longer exists (deleted by hand): no retry can write it then."""
+        try:
+            await asyncio.wait_for(self._js.key_value(self.config.registry_bucket),
+                                   ATTEMPT_TIMEOUT_S)  # fmt: skip
+        except BucketNotFoundError:
+            return True
+        except Exception:  # the server away: not known to be gone
+            return False
+        return False
 
     async def flush(self) -> None:
         """Write every dirty key once, then the position; on failure everything stays dirty."""

@@ -30,19 +30,24 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
+from pipeline_kit import read_log
 
 from projector.config import Config
 from projector.dead_letters import SOURCE_SEQ
+from projector.projection import Projector
 from projector.publisher import RouterPublisher
 from projector.values import Position, decode_position, lease_key, position_key
 from projector.writer import last_seq_of
 from seqstate import (
     AddRequest,
     Event,
+    EventDecodeError,
     Free,
     MarkPrefillCompleted,
+    SequenceState,
     WorkerAdded,
     WorkerRemoved,
+    decode_event,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -441,3 +446,26 @@ async def run_with_kills(
             with contextlib.suppress(BaseException):
                 await pending
     return now["last"]
+
+
+# ---- what an uninterrupted run gives ----------------------------------------------------------
+
+
+async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:
+    """One uninterrupted fold of the whole log: the write model's snapshot, the bucket values a
+    projector given its deltas writes (the lease and position aside), the last event."""
+    state = SequenceState(expiry_s=config.expiry_s)
+    state.defer_registry()  # as the writer folds
+    projector = Projector(nc, config)
+    last = 0
+    for seq, at_ns, data in await read_log(nc, config):
+        last = seq
+        try:
+            event = decode_event(data)
+        except EventDecodeError:
+            continue
+        delta = state.apply(event, at_ns)
+        delta.seq = seq
+        projector.apply(delta)
+    values = dict(projector.values(set(projector.loads), set(projector.blocks)))
+    return state.snapshot(), values, last

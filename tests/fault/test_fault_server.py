@@ -25,21 +25,18 @@ from fault_kit import (
     bucket_values,
     delta_source_seq,
     fault_config,
+    uninterrupted_fold,
     wait_until,
     workload,
 )
 from nats.aio.client import Client
-from pipeline_kit import read_log
 
-from projector.config import Config
-from projector.projection import Projector
 from projector.publisher import PublishError, RouterPublisher
 from projector.resources import ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
 from projector.values import position_key
 from projector.writer import last_seq_of
-from seqstate import EventDecodeError, SequenceState, decode_event
 
 KILLS = 3
 WINDOW = 40  # publishes in flight at once: the writer always has deltas on the wire
@@ -67,26 +64,6 @@ async def publish_until_stored(pub: RouterPublisher, js: object, step: object) -
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.05)
-
-
-async def expected(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:
-    """One uninterrupted fold of the whole log: the write model's snapshot, the bucket values a
-    projector given its deltas writes (the lease and position aside), the last event."""
-    state = SequenceState(expiry_s=config.expiry_s)
-    state.defer_registry()  # as the writer folds
-    projector = Projector(nc, config)
-    last = 0
-    for seq, at_ns, data in await read_log(nc, config):
-        last = seq
-        try:
-            event = decode_event(data)
-        except EventDecodeError:
-            continue
-        delta = state.apply(event, at_ns)
-        delta.seq = seq
-        projector.apply(delta)
-    values = dict(projector.values(set(projector.loads), set(projector.blocks)))
-    return state.snapshot(), values, last
 
 
 @pytest.mark.parametrize(("seed", "also"), [(31, ""), (32, ""), (33, ""), (34, "writer"),
@@ -158,7 +135,7 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
             code = await service.stop()
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
 
-        snapshot, values, logged = await expected(nc, config)
+        snapshot, values, logged = await uninterrupted_fold(nc, config)
         assert logged == last
         store = await SnapshotStore(nc, config).open()
         newest = (await store.list())[-1]

@@ -21,6 +21,7 @@ from projector.pipeline import Pipeline
 from projector.projection import Projector
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
+from projector.replay import verify
 from projector.resources import dead_letter_stream, ensure
 from projector.values import blocks_key, decode_blocks, load_key, position_key
 from projector.writer import Writer
@@ -307,7 +308,6 @@ async def test_two_namespaces_share_streams_and_bucket_and_stay_apart(nc: Client
 
 
 async def test_a_damaged_bucket_value_makes_the_projector_replay_every_delta(nc: Client) -> None:
-    from projector.replay import verify
 
     config = fresh_config("p")
     pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-i", config=config)
