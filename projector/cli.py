@@ -309,7 +309,7 @@ async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
              else f"event {args.from_seq}" if args.from_seq else "the first event")  # fmt: skip
     if not args.json:
         print(f"replayed {done.events} events from {start} to event {done.last_seq}"
-              f" ({done.dead_letters} undecodable); loads as of log time "
+              f" ({done.dead_letters} dead-lettered); loads as of log time "
               f"{iso(done.as_of_ns)}")  # fmt: skip
     print_loads(done.loads(), args.json)
     return 0

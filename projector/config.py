@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from seqstate.bounds import MAX_RANKS, MAX_RANKS_PER_WORKER, RankBounds
 from seqstate.errors import SeqstateError
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -72,6 +73,10 @@ class Config:
     retain_events: int | None = _setting(
         None, "events kept before the oldest snapshot; 'off' (the default) never trims",
         "N")  # fmt: skip
+    max_ranks_per_worker: int = _setting(
+        MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
+    )
+    max_ranks: int = _setting(MAX_RANKS, "ranks in all; an event beyond is dead-lettered", "N")
     tls_ca: str | None = _setting(
         None, "PEM file of the CA that signed the server's certificate (unset: the system's)",
         "PATH")  # fmt: skip
@@ -113,6 +118,10 @@ class Config:
     @property
     def dead_letter_subject(self) -> str:
         return f"seqstate.dead.{self.namespace}"
+
+    @property
+    def rank_bounds(self) -> RankBounds:
+        return RankBounds(self.max_ranks_per_worker, self.max_ranks)
 
     def with_namespace(self, namespace: str | None) -> Config:
         """This configuration for ``namespace`` (itself when None or the same)."""
@@ -236,6 +245,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("snapshot_every_s", _not_negative),
     ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
     ("retain_events", _not_negative),
+    ("max_ranks_per_worker", _positive),
+    ("max_ranks", _positive),
     ("tls_ca", _file),
     ("tls_cert", _file),
     ("tls_key", _file),

@@ -31,8 +31,9 @@ DEFAULT_PORT = 4222  # the NATS convention, so nats://127.0.0.1:4222 works acros
 CONNECT = ("nats_url", "namespace", "tls_ca", "tls_cert", "tls_key")
 NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 PROVISION = ("duplicate_window_s", "replicas")  # what creating the streams and buckets needs
-WRITER = ("expiry_s", "idle_tick_s", "snapshot_every_events", "snapshot_every_s",
-          "snapshots_keep", "retain_events")  # fmt: skip
+FOLD = ("expiry_s", "max_ranks_per_worker", "max_ranks")  # what any fold of the log obeys
+WRITER = (*FOLD, "idle_tick_s", "snapshot_every_events", "snapshot_every_s", "snapshots_keep",
+          "retain_events")  # fmt: skip
 PROJECTOR = ("flush_interval_s",)
 READ = CONNECT + NAMES
 SETTINGS: dict[str, tuple[str, ...]] = {
@@ -44,9 +45,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "loads": READ,
     "watch": READ,
     "status": READ,
-    "replay": (*READ, "expiry_s"),
-    "rebuild": (*READ, *PROVISION, "expiry_s"),
-    "snapshot": (*READ, *PROVISION, "expiry_s", "snapshots_keep"),
+    "replay": (*READ, *FOLD),
+    "rebuild": (*READ, *PROVISION, *FOLD),
+    "snapshot": (*READ, *PROVISION, *FOLD, "snapshots_keep"),
 }
 
 
@@ -77,7 +78,7 @@ def _setting_help(f: Field[Any], command: str) -> str:
     if f.name == "nats_url":
         text += ("; unset: start an embedded nats-server" if command == "run"
                  else "; required")  # fmt: skip
-    elif f.default is not MISSING:
+    elif f.default is not MISSING and not (f.default is None and f.metadata["metavar"] == "PATH"):
         text += f" (default: {_shown(f.default)})"
     return f"{text} [env {env_name(f.name)}]"
 

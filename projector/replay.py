@@ -34,6 +34,7 @@ from projector.snapshots import SnapshotInfo, SnapshotStore
 from projector.stream_reader import fast_fold
 from projector.writer import first_seq_of, last_seq_of, log_time_ns
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
+from seqstate.bounds import RankBounds
 from seqstate.errors import SeqstateError
 
 Progress = Callable[[int, int], None]  # (events folded, events to fold)
@@ -68,8 +69,11 @@ class _Folder:
     """Folds ``(seq, log_time_ns, payload)`` in order; either read path feeds it."""
 
     def __init__(self, state: SequenceState, start_seq: int, end_seq: int,
-                 until_ns: int | None, progress: Progress | None) -> None:  # fmt: skip
+                 until_ns: int | None, progress: Progress | None,
+                 bounds: RankBounds) -> None:  # fmt: skip
         self.apply = state.apply
+        self.state = state
+        self.refusal = bounds.refusal  # what the writer dead-letters, a replay skips too
         self.start_seq, self.end_seq, self.until_ns = start_seq, end_seq, until_ns
         self.progress = progress
         self.first = self.last = self.count = self.dead = 0
@@ -81,9 +85,14 @@ class _Folder:
             self.finished = True
             return False
         try:
-            self.apply(decode_event(data), at_ns)
+            event = decode_event(data)
         except EventDecodeError:
             self.dead += 1
+        else:
+            if self.refusal(self.state, event):
+                self.dead += 1
+            else:
+                self.apply(event, at_ns)
         self.first = self.first or seq
         self.last = seq
         self.count += 1
@@ -96,7 +105,7 @@ class _Folder:
 
     def fold_batch(self, batch: list[tuple[int, int, bytes]]) -> bool:
         """:meth:`__call__` over a batch, with the per-event work kept in one tight loop."""
-        apply, decode = self.apply, decode_event
+        apply, decode, refusal, state = self.apply, decode_event, self.refusal, self.state
         end = self.end_seq
         until = self.until_ns if self.until_ns is not None else 1 << 64
         last, folded, dead = self.last, 0, 0
@@ -105,9 +114,14 @@ class _Folder:
                 self.finished = True
                 break
             try:
-                apply(decode(data), at_ns)
+                event = decode(data)
             except EventDecodeError:
                 dead += 1
+            else:
+                if refusal(state, event):
+                    dead += 1
+                else:
+                    apply(event, at_ns)
             last = seq
             folded += 1
             if seq >= end:
@@ -141,7 +155,7 @@ async def fold_stream(
     """
     if end_seq < start_seq:
         return 0, 0, 0, 0
-    folder = _Folder(state, start_seq, end_seq, until_ns, progress)
+    folder = _Folder(state, start_seq, end_seq, until_ns, progress, config.rank_bounds)
     state.defer_registry(changes=False)
     # A replay allocates millions of objects that live on: the cyclic collector would scan
     # them again and again for cycles that the fold never makes.

@@ -125,6 +125,7 @@ class Writer:
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
         self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
+        self._bounds = config.rank_bounds
         self.deltas = DeltaLog(self._js, config, max_payload=nc.max_payload)
         self._published_up_to = 0
         self._last_event_at = 0.0
@@ -324,6 +325,10 @@ class Writer:
             event = decode_event(msg.data)
         except EventDecodeError as exc:
             await self._dead_letter(msg, seq, str(exc))
+            return
+        refused = self._bounds.refusal(self.state, event)
+        if refused:
+            await self._dead_letter(msg, seq, f"refused: {refused}")
             return
         delta = self.state.apply(event, at_ns)
         delta.seq = seq

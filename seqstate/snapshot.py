@@ -179,7 +179,7 @@ def _rebuild(body: _State) -> SequenceState:
         for request_id, tokens, duration_ns in s.prefills:
             slot.prefill.insert(request_id, tokens, duration_ns, 0)
         slot.prefill.anchor_ns = s.anchor_ns
-        state.workers.slots[rank] = slot
+        state.workers.adopt(rank, slot)
         slot.check_invariants()
     for worker in state.workers.ranges.values():
         worker.validate()

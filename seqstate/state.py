@@ -336,6 +336,8 @@ class SequenceState:
             for dp_rank in worker.ranks():
                 assert (worker.worker_id, dp_rank) in self.workers.slots
         assert sorted(self.registry.ranks()) == sorted(self.workers.slots)
+        by_worker = {(w, r) for w, ranks in self.workers.by_worker.items() for r in ranks}
+        assert by_worker == set(self.workers.slots), "the per-worker index disagrees"
 
     # ---- persistence --------------------------------------------------------------------
 

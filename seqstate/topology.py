@@ -78,12 +78,15 @@ SlotFactory = Callable[[Rank], ActiveSequences]
 class WorkerTable:
     """Ranks and their slots; ``ranges`` are the registered (authoritative) workers."""
 
-    __slots__ = ("make_slot", "ranges", "slots")
+    __slots__ = ("by_worker", "make_slot", "ranges", "slots")
 
     def __init__(self, make_slot: SlotFactory) -> None:
         self.make_slot = make_slot
         self.slots: dict[Rank, ActiveSequences] = {}
         self.ranges: dict[int, WorkerDpRange] = {}
+        # Each worker's ranks in creation order: removing a worker, or counting its ranks,
+        # costs what that worker has, not what the whole table has.
+        self.by_worker: dict[int, dict[int, None]] = {}
 
     @classmethod
     def new(cls, make_slot: SlotFactory, ranges: dict[int, tuple[int, int]]) -> WorkerTable:
@@ -114,8 +117,24 @@ class WorkerTable:
         """Lazily create exactly one rank (no authoritative range); idempotent."""
         if rank in self.slots:
             return TopologyChange()
-        self.slots[rank] = self.make_slot(rank)
+        self.adopt(rank, self.make_slot(rank))
         return TopologyChange(added=[rank])
+
+    def adopt(self, rank: Rank, slot: ActiveSequences) -> None:
+        """Add ``rank`` with ``slot`` (a new one, or one restored from a snapshot)."""
+        self.slots[rank] = slot
+        self.by_worker.setdefault(rank[0], {})[rank[1]] = None
+
+    def _drop(self, rank: Rank) -> None:
+        del self.slots[rank]
+        ranks = self.by_worker[rank[0]]
+        del ranks[rank[1]]
+        if not ranks:
+            del self.by_worker[rank[0]]
+
+    def ranks_of(self, worker_id: int) -> int:
+        """How many ranks the worker has, registered or lazy."""
+        return len(self.by_worker.get(worker_id, ()))
 
     def register_worker(self, worker: WorkerDpRange) -> TopologyChange:
         worker.validate()
@@ -140,7 +159,7 @@ class WorkerTable:
             for dp_rank in old.ranks():
                 rank = (worker.worker_id, dp_rank)
                 if dp_rank not in new_ranks and rank in self.slots:
-                    del self.slots[rank]
+                    self._drop(rank)
                     change.removed.append(rank)
         for dp_rank in new_ranks:
             change.added.extend(self.ensure_worker((worker.worker_id, dp_rank)).added)
@@ -155,9 +174,9 @@ class WorkerTable:
     def remove_worker(self, worker_id: int) -> TopologyChange:
         """Drop every rank with this worker id, registered or lazy; no error if none."""
         self.ranges.pop(worker_id, None)
-        removed = [rank for rank in self.slots if rank[0] == worker_id]
+        removed = [(worker_id, dp_rank) for dp_rank in self.by_worker.get(worker_id, ())]
         for rank in removed:
-            del self.slots[rank]
+            self._drop(rank)
         return TopologyChange(removed=removed)
 
     def reconcile(self, workers: Iterable[WorkerDpRange]) -> TopologyChange:
@@ -171,7 +190,7 @@ class WorkerTable:
         keep = {(w.worker_id, r) for w in wanted.values() for r in w.ranks()}
         change = TopologyChange(removed=[rank for rank in self.slots if rank not in keep])
         for rank in change.removed:
-            del self.slots[rank]
+            self._drop(rank)
         self.ranges = {}
         for worker in wanted.values():
             self.ranges[worker.worker_id] = worker

@@ -464,6 +464,8 @@ async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[st
             event = decode_event(data)
         except EventDecodeError:
             continue
+        if config.rank_bounds.refusal(state, event):
+            continue  # dead-lettered by the writer
         delta = state.apply(event, at_ns)
         delta.seq = seq
         projector.apply(delta)

@@ -21,6 +21,7 @@ from projector.dead_letters import (
     SOURCE_STREAM,
     TRUNCATED,
 )
+from projector.replay import replay
 from projector.resources import dead_letter_stream, ensure
 from projector.writer import Writer
 from seqstate import (
@@ -31,6 +32,7 @@ from seqstate import (
     MarkPrefillCompleted,
     SequenceState,
     Tick,
+    WorkerAdded,
     decode_deltas,
     encode_delta,
     encode_event,
@@ -177,6 +179,33 @@ async def test_a_message_near_the_payload_limit_is_dead_lettered_as_a_prefix(nc:
     assert dead.data == huge[: len(dead.data or b"")] and len(dead.data or b"") == PREFIX_BYTES
     info = await js.stream_info(dead_letter_stream(config))
     assert info.state.messages == 1
+
+
+async def test_events_past_the_rank_bounds_are_dead_lettered_and_replays_agree(
+    nc: Client,
+) -> None:
+    config = fresh_config(snapshot_bucket=f"wsnap{id(nc)}", max_ranks=3000)
+    await ensure(nc, config)
+    # 25 small events asked for 102,400 ranks before the bounds (issue #9).
+    events: list[object] = [WorkerAdded(worker_id=w, dp_size=4096) for w in range(25)]
+    events += [WorkerAdded(worker_id=w, dp_size=1000) for w in range(4)]  # the 4th: > 3000
+    events.append(AddRequest(request_id="g", worker_id=1, dp_rank=999))
+    seqs = await publish(nc, config, events)  # type: ignore[arg-type]
+    async with running(nc, config) as writer:
+        await asyncio.wait_for(writer.wait_applied(seqs[-1]), 10)
+        assert writer.stats.dead_letters == 26
+        assert len(writer.state.workers.slots) == 3000
+        assert writer.state.requests.worker_for("g") == (1, 999)
+        state = writer.state.snapshot()
+    js = nc.jetstream()
+    reasons = [(await js.get_msg(dead_letter_stream(config), n)).headers or {}
+               for n in (1, 26)]  # fmt: skip
+    assert reasons[0][REASON] == ("refused: worker 0 would have 4096 ranks, over the bound of "
+                                  "1024 per worker (max_ranks_per_worker)")  # fmt: skip
+    assert reasons[1][REASON] == ("refused: the write model would hold 4000 ranks, over the "
+                                  "bound of 3000 (max_ranks)")  # fmt: skip
+    replayed = await replay(nc, config, from_seq=seqs[0])
+    assert replayed.state.snapshot() == state and replayed.dead_letters == 26
 
 
 async def test_restart_rebuilds_state_and_republishes_nothing(nc: Client) -> None:
