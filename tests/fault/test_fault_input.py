@@ -1,0 +1,93 @@
+"""Issue #9: hostile input reaches real writer and projector processes: a message just under
+the server's payload limit (it used to wedge the writer: its dead letter did not fit) and 25
+small events asking for 102,400 ranks (250 MB in the writer, 204k keys). Both are
+dead-lettered, the events around them applied, and the final snapshot and bucket are byte for
+byte what one uninterrupted fold of the log gives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fault_kit import (
+    Service,
+    bucket_position,
+    bucket_values,
+    delta_source_seq,
+    fault_config,
+    uninterrupted_fold,
+    wait_until,
+    workload,
+)
+from nats.aio.client import Client
+
+from projector.dead_letters import SIZE, TRUNCATED
+from projector.publisher import RouterPublisher
+from projector.resources import dead_letter_stream, ensure
+from projector.server import NatsServer
+from projector.snapshots import SnapshotStore
+from projector.values import position_key
+from seqstate import WorkerAdded
+
+
+async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_stays_exact(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    config = fault_config("i", expiry_s=2.0, idle_tick_s=3600.0)
+    await ensure(nc, config)
+    js = nc.jetstream()
+    writer = Service("writer", config, nats_server.url, tmp_path)
+    projector = Service("projector", config, nats_server.url, tmp_path)
+    services = [writer, projector]
+    try:
+        for service in services:
+            await service.start(js, 0)
+            await service.wait_ready(js)
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="hostile", config=config)
+        steps = workload(41, config, requests=200)
+        half = len(steps) // 2
+        for step in steps[:half]:
+            await (pub.publish(step.event) if step.event else js.publish(step.subject, step.raw))
+        huge = b"\xc1" * 1_048_566  # as reported: 1,048,566 bytes to a worker's subject
+        await js.publish(config.event_subject(1, 0), huge)
+        for w in range(25):
+            await pub.publish(WorkerAdded(worker_id=100 + w, dp_size=4096))
+        last = 0
+        for step in steps[half:]:
+            last = (await pub.publish(step.event) if step.event
+                    else (await js.publish(step.subject, step.raw)).seq)  # fmt: skip
+
+        async def deltas() -> int:
+            return await delta_source_seq(js, config)
+
+        async def applied() -> int:
+            return (await bucket_position(js, config)).applied_seq
+
+        await wait_until(deltas, lambda seq: seq >= last, "the writer went on", watch=writer)
+        await wait_until(applied, lambda seq: seq >= last, "the projector went on",
+                         watch=projector)  # fmt: skip
+        for service in services:
+            code = await service.stop()
+            assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
+    finally:
+        for service in services:
+            service.close()
+    snapshot, values, logged = await uninterrupted_fold(nc, config)
+    assert logged == last
+    store = await SnapshotStore(nc, config).open()
+    newest = (await store.list())[-1]
+    assert newest.applied_seq == last and await store.fetch(newest.name) == snapshot
+    got = await bucket_values(nc, config)
+    assert got.pop(position_key(config.namespace))
+    assert got == values
+    bombed = {f"{config.namespace}.load.{100 + w}.0" for w in range(25)}
+    assert not bombed & set(got), "a refused worker has ranks in the bucket"
+    dead = await js.stream_info(dead_letter_stream(config))
+    assert dead.state.messages == 3 + 1 + 25  # the workload's malformed three, then ours
+    letters = [await js.get_msg(dead_letter_stream(config), n)
+               for n in range(dead.state.first_seq, dead.state.last_seq + 1)]  # fmt: skip
+    big = [m for m in letters if (m.headers or {}).get(SIZE) == str(len(huge))]
+    assert len(big) == 1 and (big[0].headers or {}).get(TRUNCATED) == "true"
+    refused = [m for m in letters if "max_ranks_per_worker" in (m.headers or {}).get(
+        "Seqstate-Reason", "")]  # fmt: skip
+    assert len(refused) == 25
