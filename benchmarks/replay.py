@@ -238,7 +238,7 @@ async def replay_once(
     logger = logging.getLogger("seqstate.replay")
     logger.addHandler(warnings)
     try:
-        state = SequenceState(expiry_s=config.expiry_s)
+        state = config.new_state()
         collect()
         s0 = process_cpu_s(server_pid)
         c0, k0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
@@ -279,7 +279,7 @@ async def prepare_snapshot(
     nc: Client, config: Config, snap_seq: int
 ) -> tuple[SnapshotStore, dict[str, Any]]:
     """Fold to ``snap_seq`` in process and store that state as a verified snapshot."""
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     t0 = time.perf_counter()
     await fold_stream(nc, config, state, start_seq=1, end_seq=snap_seq)
     fold_s = time.perf_counter() - t0
@@ -497,7 +497,7 @@ def fold_payloads(
     ``like_fold_stream``: as ``fold_stream`` folds when it can (registry deferred and rebuilt
     once at the end, cyclic GC off); otherwise registry kept current and GC on (fold.py's way).
     """
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     apply = state.apply
     deferred = like_fold_stream and hasattr(state, "defer_registry")
     collect()
@@ -579,7 +579,7 @@ async def profiled_replay(url: str, config: Config, last: int, top: int) -> dict
     nc = await connect(url, "bench-profile")
     profiler = cProfile.Profile()
     try:
-        state = SequenceState(expiry_s=config.expiry_s)
+        state = config.new_state()
         collect()
         t0 = time.perf_counter()
         profiler.enable()

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from seqstate.bounds import MAX_RANKS, MAX_RANKS_PER_WORKER, RankBounds
 from seqstate.errors import SeqstateError
+from seqstate.state import SequenceState
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _SCHEMES = ("nats", "tls", "ws", "wss")
@@ -73,6 +74,12 @@ class Config:
     retain_events: int | None = _setting(
         None, "events kept before the oldest snapshot; 'off' (the default) never trims",
         "N")  # fmt: skip
+    forget_lazy_ranks_s: float | None = _setting(
+        600.0, "a rank no WorkerAdded registered, empty this long, is dropped; 'off' keeps it",
+        "SECONDS")  # fmt: skip
+    tick_every_s: float = _setting(
+        60.0, "the writer logs a Tick at least this often, busy or not (expiry, idle ranks)",
+        "SECONDS")  # fmt: skip
     max_ranks_per_worker: int = _setting(
         MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
     )
@@ -118,6 +125,11 @@ class Config:
     @property
     def dead_letter_subject(self) -> str:
         return f"seqstate.dead.{self.namespace}"
+
+    def new_state(self) -> SequenceState:
+        """An empty write model with this configuration's rules: every fold of the log (the
+        writer, a replay) starts from one, so they agree byte for byte."""
+        return SequenceState(expiry_s=self.expiry_s, forget_lazy_after_s=self.forget_lazy_ranks_s)
 
     @property
     def rank_bounds(self) -> RankBounds:
@@ -245,6 +257,9 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("snapshot_every_s", _not_negative),
     ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
     ("retain_events", _not_negative),
+    ("forget_lazy_ranks_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
+     else "must be positive (at most a year), or 'off'"),
+    ("tick_every_s", _positive),
     ("max_ranks_per_worker", _positive),
     ("max_ranks", _positive),
     ("tls_ca", _file),

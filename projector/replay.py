@@ -223,7 +223,7 @@ async def replay(
     store = await SnapshotStore(nc, config).open()
     snapshot: SnapshotInfo | None = None
     if from_seq is not None:
-        state = SequenceState(expiry_s=config.expiry_s)
+        state = config.new_state()
         start = from_seq
     else:
         found = await store.newest_valid(at_most_seq=end, at_most_ns=at_ns)
@@ -231,7 +231,7 @@ async def replay(
             state, snapshot = found
             start = snapshot.applied_seq + 1
         else:
-            state = SequenceState(expiry_s=config.expiry_s)
+            state = config.new_state()
             start = 1
             cut = await trimmed_below(nc, config)
             if cut > 1:

@@ -115,7 +115,7 @@ class Writer:
         self.nc = nc
         self.config = config
         self._given_state = state is not None
-        self.state = state or SequenceState(expiry_s=config.expiry_s)
+        self.state = state or config.new_state()
         # The writer never reads its registry (readers build theirs from the bucket), and
         # keeping it current is about a third of the fold's cost.
         self.state.defer_registry()
@@ -352,13 +352,20 @@ class Writer:
         await self.dead_letters.put(self.config.events_stream, seq, msg.subject, msg.data, reason)
 
     async def _tick_when_idle(self) -> None:
+        """A Tick when the stream has been silent ``idle_tick_s``, and at least every
+        ``tick_every_s`` even when it is busy: each Tick runs every rank's expiry check and
+        forgets idle lazy ranks, which a rank with no traffic of its own would otherwise never
+        get while the others are busy."""
         loop = asyncio.get_running_loop()
-        idle = self.config.idle_tick_s
+        idle, every = self.config.idle_tick_s, self.config.tick_every_s
+        ticked = loop.time()
         while True:
-            await asyncio.sleep(idle / 4)
+            await asyncio.sleep(min(idle, every) / 4)
             if self._snapshot_due() and not self._stopping.is_set():
                 await self._take_snapshot()  # an idle stream still gets its periodic snapshot
-            if not self.caught_up.is_set() or loop.time() - self._last_event_at < idle:
+            now = loop.time()
+            if not self.caught_up.is_set() or (now - self._last_event_at < idle
+                                               and now - ticked < every):  # fmt: skip
                 continue
             # The msg-id makes concurrent writers (or a retry) log one Tick per position.
             try:
@@ -369,10 +376,10 @@ class Writer:
                     timeout=ACK_TIMEOUT_S,
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
-                log.warning("idle Tick not logged: %r", exc)
+                log.warning("Tick not logged: %r", exc)
                 continue
             self.stats.ticks_published += 1
-            self._last_event_at = loop.time()
+            self._last_event_at = ticked = loop.time()
 
     async def wait_applied(self, seq: int, timeout: float | None = None) -> None:
         """Return once the event at stream sequence ``seq`` has been folded."""

@@ -67,6 +67,9 @@ class _State(Struct, array_like=True):
     tombstones: _Memory
     ended: _Memory
     counters: dict[str, int]
+    # Added after version 1 shipped: trailing, with defaults, so older snapshots still decode.
+    forget_lazy_after_s: float | None = None
+    idle_since: list[tuple[int, int, int]] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -115,6 +118,8 @@ def encode_state(state: SequenceState) -> bytes:
         _Memory(list(state.tombstones.items()), state.tombstones.evicted),
         _Memory(list(state.ended.items()), state.ended.evicted),
         state.counters,
+        state.forget_lazy_after_s,
+        [(w, r, since) for (w, r), since in state.idle_since.items()],
     )
     return MAGIC + _encoder.encode(body)
 
@@ -150,6 +155,7 @@ def _rebuild(body: _State) -> SequenceState:
         body.lazy_workers,
         max_tombstones=body.max_tombstones,
         max_ended=body.max_ended,
+        forget_lazy_after_s=body.forget_lazy_after_s,
     )
     state.now_ns = body.now_ns
     for worker_id, dp_start, dp_size in body.ranges:
@@ -191,6 +197,7 @@ def _rebuild(body: _State) -> SequenceState:
     state.ended.load(body.ended.entries)
     state.ended.evicted = body.ended.evicted
     state.counters.update(body.counters)
+    state.idle_since = {(w, r): since for w, r, since in body.idle_since}
     for delta in state.projection():
         state.registry.apply(delta)
     return state

@@ -68,6 +68,7 @@ class SequenceState:
         *,
         max_tombstones: int = MAX_TOMBSTONES,
         max_ended: int = MAX_ENDED,
+        forget_lazy_after_s: float | None = None,
     ) -> None:
         if expiry_s is not None:
             if not expiry_s > 0:
@@ -76,8 +77,17 @@ class SequenceState:
                 raise ValueError(f"expiry_duration must be at most {MAX_EXPIRY_S:.0f} s")
         if max_tombstones < 0 or max_ended < 0:
             raise ValueError("memory capacities must not be negative")
+        if forget_lazy_after_s is not None and not 0 < forget_lazy_after_s <= MAX_EXPIRY_S:
+            raise ValueError(f"forget_lazy_after_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
         self.expiry_s = expiry_s
         self.lazy_workers = lazy_workers
+        # A lazy rank (no WorkerAdded covers it) that a Tick finds empty this long is dropped,
+        # so ranks named once by a stray event do not stay forever. None: never (the default).
+        self.forget_lazy_after_s = forget_lazy_after_s
+        self.forget_lazy_ns: int | None = (
+            None if forget_lazy_after_s is None else round(forget_lazy_after_s * NS_PER_S)
+        )
+        self.idle_since: dict[Rank, int] = {}  # lazy ranks found empty at a Tick: since when
         self.expiry_ns: int | None = None if expiry_s is None else round(expiry_s * NS_PER_S)
         retention_ns = self.expiry_ns or round(DEFAULT_EXPIRY_S * NS_PER_S)
         self.now_ns = 0
@@ -273,7 +283,30 @@ class SequenceState:
                 self._forget(expired, now)
                 all_expired.extend(expired)
                 changes.append(RankChange(rank, slot.load(), removed))
-        return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired)
+        gone = self._idle_lazy_ranks(now) if self.forget_lazy_ns is not None else []
+        return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired,
+                     removed_ranks=gone)  # fmt: skip
+
+    def _idle_lazy_ranks(self, now: int) -> list[Rank]:
+        """Drop the lazy ranks that Ticks have found empty for ``forget_lazy_after_s``."""
+        assert self.forget_lazy_ns is not None
+        ranges = self.workers.ranges
+        seen = self.idle_since
+        idle: dict[Rank, int] = {}
+        gone: list[Rank] = []
+        for rank, slot in self.workers.slots.items():
+            registered = ranges.get(rank[0])
+            if slot.requests or (registered is not None and rank[1] in registered.ranks()):
+                continue
+            since = seen.get(rank, now)
+            if now - since >= self.forget_lazy_ns:
+                gone.append(rank)
+            else:
+                idle[rank] = since
+        for rank in gone:
+            self.workers.forget_rank(rank)
+        self.idle_since = idle
+        return gone
 
     def _forget(self, request_ids: list[str], now: int) -> None:
         """Requests that ended without a Free (expired or dropped with their worker)."""

@@ -132,6 +132,10 @@ class WorkerTable:
         if not ranks:
             del self.by_worker[rank[0]]
 
+    def forget_rank(self, rank: Rank) -> None:
+        """Drop one rank (an idle lazy one); its requests, if any, are the caller's to end."""
+        self._drop(rank)
+
     def ranks_of(self, worker_id: int) -> int:
         """How many ranks the worker has, registered or lazy."""
         return len(self.by_worker.get(worker_id, ()))

@@ -44,7 +44,6 @@ from seqstate import (
     EventDecodeError,
     Free,
     MarkPrefillCompleted,
-    SequenceState,
     WorkerAdded,
     WorkerRemoved,
     decode_event,
@@ -454,7 +453,7 @@ async def run_with_kills(
 async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:
     """One uninterrupted fold of the whole log: the write model's snapshot, the bucket values a
     projector given its deltas writes (the lease and position aside), the last event."""
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     state.defer_registry()  # as the writer folds
     projector = Projector(nc, config)
     last = 0

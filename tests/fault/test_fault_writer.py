@@ -28,7 +28,6 @@ from projector.snapshots import SnapshotStore
 from projector.writer import last_seq_of
 from seqstate import (
     EventDecodeError,
-    SequenceState,
     SnapshotError,
     decode_deltas,
     decode_event,
@@ -77,7 +76,7 @@ async def test_a_writer_killed_at_random_points_ends_as_one_uninterrupted_fold(
     # The reference: one uninterrupted fold of the whole log, at the writer's log times.
     log = await read_log(nc, config)
     assert [seq for seq, _, _ in log] == list(range(1, last + 1))
-    reference = SequenceState(expiry_s=config.expiry_s)
+    reference = config.new_state()
     expected_deltas: list[bytes] = []
     decodable: list[int] = []
     kept = {info.applied_seq: info for info in await store.list()}

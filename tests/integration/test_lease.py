@@ -34,7 +34,7 @@ from projector.replay import rebuild, verify
 from projector.resources import ensure
 from projector.values import lease_key, parse_key, position_key
 from projector.writer import Writer
-from seqstate import SequenceState, WorkerAdded, decode_event
+from seqstate import WorkerAdded, decode_event
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0  # a deadline only a hang reaches
@@ -289,7 +289,7 @@ async def test_readers_ignore_the_lease_key(nc: Client) -> None:
     assert await verify(nc, config) == []
     bucket = await read_bucket(nc, config)
     assert not bucket.unreadable and bucket.position is not None
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     for _, at_ns, data in await read_log(nc, config):
         state.apply(decode_event(data), at_ns)
     async with RegistryView(nc, config=config) as view:

@@ -52,7 +52,7 @@ async def scripted_lifecycle(pub: RouterPublisher) -> int:
 
 
 async def reference_state(nc: Client, config: Config) -> tuple[SequenceState, int]:
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     last_ns = 0
     for _, at_ns, data in await read_log(nc, config):
         state.apply(decode_event(data), at_ns)
@@ -284,6 +284,25 @@ async def test_forged_deltas_are_dead_lettered_and_never_freeze_the_read_model(
     for n, (_, _, why) in enumerate(forged):
         msg = await js.get_msg(dead_letter_stream(config), dead.state.first_seq + n)
         assert msg.headers is not None and why in msg.headers[REASON], msg.headers
+
+
+async def test_an_idle_lazy_rank_is_forgotten_and_its_keys_deleted(nc: Client) -> None:
+    config = fresh_config("p", forget_lazy_ranks_s=0.5, idle_tick_s=0.1)
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-idle", config=config)
+        await pub.publish(WorkerAdded(worker_id=1))
+        await pub.add("stray", 9, block_hashes=[5, 6])  # a rank no WorkerAdded registered
+        last = await pub.free("stray", 9)
+        await pipeline.wait_applied(last)
+        assert (9, 0) in (await read_bucket(nc, config)).loads
+        for _ in range(3000):  # Ticks (every 0.1 s of silence) find it empty, then drop it
+            if (9, 0) not in pipeline.writer.state.workers.slots:
+                break
+            await asyncio.sleep(0.01)
+        await pipeline.wait_applied(pipeline.writer.stats.last_seq)
+    bucket = await read_bucket(nc, config)
+    assert set(bucket.loads) == {(1, 0)} and set(bucket.blocks) <= {(1, 0)}
+    assert await verify(nc, config) == []
 
 
 async def test_two_namespaces_share_streams_and_bucket_and_stay_apart(nc: Client) -> None:

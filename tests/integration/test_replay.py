@@ -44,7 +44,7 @@ async def lifecycle(pub: RouterPublisher, prefix: str, n: int) -> int:
 
 async def fold_upto(nc: Client, config: Config, *, seq: int | None = None,
                     at_ns: int | None = None) -> SequenceState:  # fmt: skip
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     for s, t, data in await read_log(nc, config):
         if (seq is not None and s > seq) or (at_ns is not None and t > at_ns):
             break
@@ -269,7 +269,7 @@ async def test_the_fast_path_equals_the_client_path_and_falls_back(
     last = await fill(nc, config, 6000)  # enough bytes for the server to ask for flow control
     results = {}
     for fast in (True, False):
-        state = SequenceState(expiry_s=config.expiry_s)
+        state = config.new_state()
         counts = await fold_stream(nc, config, state, start_seq=1, end_seq=last, fast=fast)
         results[fast] = (counts, state.snapshot(), state.registry.loads(state.now_ns))
     assert results[True] == results[False]
@@ -278,11 +278,11 @@ async def test_the_fast_path_equals_the_client_path_and_falls_back(
     caplog.set_level("WARNING", logger="seqstate.replay")
     # The reader cannot start: the fold goes on through the client and ends the same.
     monkeypatch.setattr("projector.stream_reader.sys.executable", "/bin/false")
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     counts = await fold_stream(nc, config, state, start_seq=1, end_seq=last)
     assert (counts, state.snapshot()) == results[True][:2]
     assert "fast replay path stopped" in caplog.text
     # A range inside the log, both ends exact.
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     counts = await fold_stream(nc, config, state, start_seq=100, end_seq=200)
     assert counts == (100, 200, 101, 0)

@@ -19,7 +19,7 @@ from projector.replay import ReplayError, replay
 from projector.resources import ensure
 from projector.snapshots import SnapshotStore
 from projector.writer import SnapshotUnavailable, Writer, first_seq_of
-from seqstate import EventDecodeError, SequenceState, decode_event
+from seqstate import EventDecodeError, decode_event
 
 
 def workload(prefix: str, n: int) -> list[tuple[str, dict[str, object]]]:
@@ -49,7 +49,7 @@ async def publish(pub: RouterPublisher, steps: list[tuple[str, dict[str, object]
 
 
 async def full_fold(nc: Client, config: Config) -> bytes:
-    state = SequenceState(expiry_s=config.expiry_s)
+    state = config.new_state()
     for _, at_ns, data in await read_log(nc, config):
         with contextlib.suppress(EventDecodeError):
             state.apply(decode_event(data), at_ns)

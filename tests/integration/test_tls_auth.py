@@ -33,7 +33,6 @@ from projector.replay import fold_stream
 from projector.security import redact, scrub
 from projector.server import NatsServer
 from projector.stream_reader import ReaderParams
-from seqstate import SequenceState
 
 REPO = Path(__file__).resolve().parents[2]
 USER, PASSWORD, TOKEN = "alice", "pw-9f3Kq27xWv", "tok-Zx81mQp4Lr"
@@ -285,7 +284,7 @@ async def both_paths(nc: Client, config: Config, last: int) -> tuple[bytes, byte
     """The state folded through the fast reader, and through nats-py."""
     snapshots = []
     for fast in (True, False):
-        state = SequenceState(expiry_s=config.expiry_s)
+        state = config.new_state()
         counts = await fold_stream(nc, config, state, start_seq=1, end_seq=last, fast=fast)
         assert counts == (1, last, last, 1)
         snapshots.append(state.snapshot())

@@ -30,7 +30,6 @@ from seqstate import (
     Event,
     Free,
     MarkPrefillCompleted,
-    SequenceState,
     Tick,
     WorkerAdded,
     decode_deltas,
@@ -112,7 +111,7 @@ async def test_writer_folds_in_stream_order_at_log_time(nc: Client) -> None:
         deltas = await all_deltas(nc, config)
         assert [d.seq for d in deltas] == seqs
         js = nc.jetstream()
-        reference = SequenceState(expiry_s=config.expiry_s)
+        reference = config.new_state()
         for event, delta in zip(events, deltas, strict=True):
             stored = await js.get_msg(config.events_stream, delta.seq)
             # The writer reads nanoseconds from the delivery; nats-py keeps microseconds.
@@ -221,7 +220,7 @@ async def test_restart_rebuilds_state_and_republishes_nothing(nc: Client) -> Non
         restarted = writer.state.snapshot()
     deltas = await all_deltas(nc, config)
     assert [d.seq for d in deltas] == first + second  # each position published once
-    reference = SequenceState(expiry_s=config.expiry_s)
+    reference = config.new_state()
     for event, delta in zip(lifecycle("b") + lifecycle("c"), deltas, strict=True):
         reference.apply(event, delta.at_ns)
     assert restarted == reference.snapshot()
