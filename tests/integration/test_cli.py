@@ -22,7 +22,7 @@ from projector.pipeline import Pipeline
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.server import NatsServer
-from projector.values import lease_key
+from projector.values import Position, encode_position, lease_key, position_key
 from seqstate import decode_deltas
 
 REPO = Path(__file__).resolve().parents[2]
@@ -256,6 +256,25 @@ async def test_publish_counts_in_words(nats_server: NatsServer) -> None:
                                    stdin=line)  # fmt: skip
     assert rc == 0, err
     assert out.strip() == "published 1 event, last sequence 1"
+
+
+async def test_status_never_shows_a_negative_lag(nc: Client, nats_server: NatsServer) -> None:
+    config = fresh_config("c")
+    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
+             "--deltas-stream", config.deltas_stream, "--registry-bucket",
+             config.registry_bucket]  # fmt: skip
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="lag", config=config)
+        await pipeline.wait_applied(await pub.add("a", 1))
+    # A position no fold of this log could have written (before issue #9, `lag: -999...`).
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    await kv.put(position_key(config.namespace), encode_position(Position(10**12, 0, 1)))
+    rc, out, err = await aseqstate("status", "--json", *flags, NATS_URL=nats_server.url)
+    assert rc == 0, err
+    report = json.loads(out)
+    assert (report["lag_events"], report["position_beyond_log"]) == (0, True)
+    rc, out, err = await aseqstate("status", *flags, NATS_URL=nats_server.url)
+    assert rc == 0 and "is beyond the log's newest event" in out and "lag: -" not in out
 
 
 async def test_publish_rejects_an_invalid_line_naming_it(nats_server: NatsServer) -> None:
