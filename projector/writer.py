@@ -13,9 +13,10 @@ in flight, each stored right after the previous one (a compare-and-set on the su
 sequence), so the chain has no hole even when the server crashes, and what is folded while a
 message travels gathers into the next one.
 
-A message that does not decode goes to the dead-letter subject with the reason and its
-sequence, is counted, and the writer goes on. When the stream is idle the writer publishes a
-Tick, so that expiry happens at a time the log recorded.
+A message that does not decode, or that would pass the rank bounds, goes to the dead-letter
+subject with the reason and its sequence, is counted, and the writer goes on. When the stream
+is idle, and at least every ``tick_every_s`` when it is not, the writer publishes a Tick, so
+that expiry (and forgetting idle lazy ranks) happens at a time the log recorded.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class WriterStats:
     dead_letters: int = 0
     deltas_published: int = 0
     ticks_published: int = 0
-    last_delta_seq: int = 0  # source sequence of the last delta published
+    last_delta_seq: int = 0  # source sequence of the last delta handed to the delta log
     restored_from: int = 0  # the snapshot's sequence the writer started from (0: none)
     snapshots_saved: int = 0
     snapshot_failures: int = 0
