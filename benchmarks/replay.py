@@ -102,11 +102,12 @@ from pipeline import collect, connect, git_revision, machine
 
 import seqstate.state
 from projector.config import Config
+from projector.dead_letters import SOURCE_SEQ
 from projector.replay import fold_stream
 from projector.resources import ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
-from projector.writer import SOURCE_SEQ, Writer, log_time_ns
+from projector.writer import Writer, log_time_ns
 from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_deltas, encode_event
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
