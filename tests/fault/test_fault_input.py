@@ -1,8 +1,9 @@
 """Issue #9: hostile input reaches real writer and projector processes: a message just under
-the server's payload limit (it used to wedge the writer: its dead letter did not fit) and 25
-small events asking for 102,400 ranks (250 MB in the writer, 204k keys). Both are
-dead-lettered, the events around them applied, and the final snapshot and bucket are byte for
-byte what one uninterrupted fold of the log gives.
+the server's payload limit (it used to wedge the writer: its dead letter did not fit), 25
+small events asking for 102,400 ranks (250 MB in the writer, 204k keys), and a forged delta
+for event 10**12 (it froze the read model). All are dead-lettered, the events around them
+applied, and the final snapshot and bucket are byte for byte what one uninterrupted fold of
+the log gives.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from fault_kit import (
 from nats.aio.client import Client
 
 from projector.dead_letters import SIZE, TRUNCATED
+from projector.delta_log import PREV_SOURCE_SEQ
 from projector.publisher import RouterPublisher
 from projector.resources import dead_letter_stream, ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
 from projector.values import position_key
-from seqstate import WorkerAdded
+from seqstate import Delta, WorkerAdded, encode_deltas
 
 
 async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_stays_exact(
@@ -52,6 +54,9 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
         await js.publish(config.event_subject(1, 0), huge)
         for w in range(25):
             await pub.publish(WorkerAdded(worker_id=100 + w, dp_size=4096))
+        # A forged delta that moved the position to 10**12 and froze the read model.
+        forged = encode_deltas([Delta("applied", 0, seq=10**12)])
+        await js.publish(config.deltas_subject, forged, headers={PREV_SOURCE_SEQ: "0"})
         last = 0
         for step in steps[half:]:
             last = (await pub.publish(step.event) if step.event
@@ -83,7 +88,7 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
     bombed = {f"{config.namespace}.load.{100 + w}.0" for w in range(25)}
     assert not bombed & set(got), "a refused worker has ranks in the bucket"
     dead = await js.stream_info(dead_letter_stream(config))
-    assert dead.state.messages == 3 + 1 + 25  # the workload's malformed three, then ours
+    assert dead.state.messages == 3 + 1 + 25 + 1  # the workload's malformed three, then ours
     letters = [await js.get_msg(dead_letter_stream(config), n)
                for n in range(dead.state.first_seq, dead.state.last_seq + 1)]  # fmt: skip
     big = [m for m in letters if (m.headers or {}).get(SIZE) == str(len(huge))]
@@ -91,3 +96,6 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
     refused = [m for m in letters if "max_ranks_per_worker" in (m.headers or {}).get(
         "Seqstate-Reason", "")]  # fmt: skip
     assert len(refused) == 25
+    beyond = [m for m in letters if "beyond the events stream" in (m.headers or {}).get(
+        "Seqstate-Reason", "")]  # fmt: skip
+    assert len(beyond) == 1 and beyond[0].data == forged
