@@ -198,22 +198,28 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
         except OSError as exc:
             raise CliError(f"cannot read {args.file}: {exc.strerror}") from None
         name = args.file
-    events: list[Event] = []
+    events: list[tuple[int, Event]] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:  # the round trip applies every check the writer applies
-            events.append(decode_event(encode_event(decoder.decode(line))))
+            events.append((number, decode_event(encode_event(decoder.decode(line)))))
         except (msgspec.DecodeError, EventDecodeError) as exc:
             raise CliError(f"{name}:{number}: not an event: {exc}") from None
     async with connect(require_url(config), service=False, config=config) as nc:
+        from projector.publisher import EventTooLarge
         from projector.resources import ensure
 
-        await ensure(nc, config)
         pub = RouterPublisher(nc, namespace=config.namespace, router_id=args.router_id,
                               config=config)  # fmt: skip
+        for number, event in events:  # all or nothing: sizes are known once connected
+            try:
+                pub.check(event)
+            except EventTooLarge as exc:
+                raise CliError(f"{name}:{number}: {exc}") from None
+        await ensure(nc, config)
         last = None
-        for event in events:
+        for _, event in events:
             last = await pub.publish(event)
     count = f"{len(events)} event" + ("" if len(events) == 1 else "s")
     print(f"published {count}" + (f", last sequence {last}" if last else ""))

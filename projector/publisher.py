@@ -43,6 +43,8 @@ from seqstate import (
 from seqstate.errors import SeqstateError
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+# An event's delta is about its size plus headers; both must fit under the server's limit.
+EVENT_HEADROOM = 8 * 1024
 # Pause before retry n (1-based): BACKOFF_S * 2**(n-1), capped; gives a stream leader election
 # or a brief disconnect a moment, without slowing a clean failure much.
 BACKOFF_S = 0.05
@@ -50,6 +52,10 @@ MAX_BACKOFF_S = 1.0
 
 _WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
 _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
+
+
+class EventTooLarge(SeqstateError, ValueError):
+    """An event too large for the server to store, or for the writer to store its delta."""
 
 
 class PublishError(SeqstateError, RuntimeError):
@@ -85,6 +91,7 @@ class RouterPublisher:
             raise ValueError(f"timeout={timeout}: must be positive")
         # One rule, as in RegistryView: ``namespace``, when given, wins over ``config``'s.
         self.config = (config or Config()).with_namespace(namespace)
+        self._nc = nc
         self.router_id = router_id
         self.max_pending = max_pending
         self.retries = retries
@@ -180,10 +187,7 @@ class RouterPublisher:
         raises :class:`seqstate.EventDecodeError` here (and consumes no router_seq) instead of
         being dead-lettered downstream.
         """
-        if isinstance(event, _ROUTER_EVENTS) and not event.router_id:
-            event = msgspec.structs.replace(event, router_id=self.router_id)
-        payload = encode_event(event)
-        decode_event(payload)  # constructors skip Meta bounds; the writer will not
+        event, payload = self.check(event)
         subject = self.subject_for(event)
         request_id: str | None = getattr(event, "request_id", None)
 
@@ -200,6 +204,24 @@ class RouterPublisher:
         if self._last_seq is None or ack.seq > self._last_seq:
             self._last_seq = ack.seq
         return ack.seq
+
+    def check(self, event: Event) -> tuple[Event, bytes]:
+        """The event as it will be sent (with this router's id) and its bytes, or the error
+        :meth:`publish` would raise for it: :class:`seqstate.EventDecodeError` for a bad
+        field, :class:`EventTooLarge` for one the server could not store."""
+        if isinstance(event, _ROUTER_EVENTS) and not event.router_id:
+            event = msgspec.structs.replace(event, router_id=self.router_id)
+        payload = encode_event(event)
+        decode_event(payload)  # constructors skip Meta bounds; the writer will not
+        limit = self._nc.max_payload - EVENT_HEADROOM
+        if len(payload) > limit:
+            raise EventTooLarge(
+                f"{_what(event, getattr(event, 'request_id', None))}: {len(payload):,} bytes "
+                f"encoded, over the {limit:,} bytes one event may take (the server's "
+                f"max_payload of {self._nc.max_payload:,} less room for its delta's headers); "
+                "it was not sent"
+            )
+        return event, payload
 
     async def _publish_with_retries(
         self, subject: str, payload: bytes, msg_id: str, request_id: str | None, event: Event

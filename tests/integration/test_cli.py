@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from nats.aio.client import Client
+from nats.js.errors import NotFoundError
 from pipeline_kit import fresh_config
 
 from projector.bucket import read_bucket
@@ -246,6 +247,27 @@ async def test_publish_names_a_typo_or_an_overflow_and_publishes_nothing(
                                    NATS_URL=nats_server.url)  # fmt: skip
     assert (rc, out) == (1, "")
     assert err.splitlines() == [f"seqstate: error: {said}"]
+
+
+async def test_publish_refuses_an_event_too_large_to_store_and_sends_nothing(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    config = fresh_config("t")
+    small = '{"type": "Free", "request_id": "x", "worker_id": 1}'
+    huge = json.dumps({"type": "AddRequest", "request_id": "huge", "worker_id": 1,
+                       "block_hashes": list(range(2**62, 2**62 + 120_000))})  # fmt: skip
+    rc, out, err = await aseqstate("publish", "--namespace", config.namespace, "--events-stream",
+                                   config.events_stream, "--router-id", "cli-test",
+                                   NATS_URL=nats_server.url,
+                                   stdin=f"{small}\n{huge}\n".encode())  # fmt: skip
+    assert (rc, out) == (1, "")
+    assert err.splitlines() == [
+        "seqstate: error: stdin:2: AddRequest for request 'huge': 1,080,083 bytes encoded, over "
+        "the 1,040,384 bytes one event may take (the server's max_payload of 1,048,576 less room "
+        "for its delta's headers); it was not sent"
+    ]
+    with pytest.raises(NotFoundError):  # not even the stream was made: nothing was sent
+        await nc.jetstream().stream_info(config.events_stream)
 
 
 async def test_publish_counts_in_words(nats_server: NatsServer) -> None:

@@ -13,7 +13,7 @@ import pytest
 from nats.aio.client import Client
 
 from projector.config import Config
-from projector.publisher import RouterPublisher
+from projector.publisher import EventTooLarge, RouterPublisher
 from projector.reader import RegistryView
 from seqstate import AddRequest, EventDecodeError
 
@@ -22,6 +22,19 @@ def test_a_hash_beyond_64_bits_is_refused_by_name_before_it_takes_a_msg_id() -> 
     pub = RouterPublisher(Client(), router_id="r")
     with pytest.raises(EventDecodeError, match=r"at `\$\.block_hashes\[1\]`"):
         asyncio.run(pub.add("x", 1, block_hashes=[5, 2**64]))
+    assert pub.router_seq == 0
+
+
+def test_an_event_too_large_to_store_is_refused_in_one_line_before_it_takes_a_msg_id() -> None:
+    pub = RouterPublisher(Client(), router_id="r")  # the limit before a connection: 1 MiB
+    hashes = list(range(2**62, 2**62 + 120_000))  # 9 bytes each: about 1.08 MB
+    with pytest.raises(EventTooLarge) as caught:
+        asyncio.run(pub.add("huge", 1, block_hashes=hashes))
+    assert str(caught.value) == (
+        "AddRequest for request 'huge': 1,080,076 bytes encoded, over the 1,040,384 bytes one "
+        "event may take (the server's max_payload of 1,048,576 less room for its delta's "
+        "headers); it was not sent"
+    )
     assert pub.router_seq == 0
 
 
