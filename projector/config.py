@@ -96,7 +96,9 @@ class Config:
         for name, check in _CHECKS:
             problem = check(getattr(self, name))
             if problem:
-                raise ConfigError(problem, setting=name, label=f"{name}={getattr(self, name)!r}")
+                raise ConfigError(
+                    problem, setting=name, label=f"{name}={_shown(name, getattr(self, name))!r}"
+                )
         if (self.tls_cert is None) != (self.tls_key is None):
             given = "tls_cert" if self.tls_key is None else "tls_key"
             missing = "tls_key" if given == "tls_cert" else "tls_cert"
@@ -161,10 +163,10 @@ class Config:
             key = env_name(f.name)
             if f.name in (flags or {}):
                 flag, raw = (flags or {})[f.name]
-                labels[f.name] = f"{flag} {raw!r}"
+                labels[f.name] = f"{flag} {_shown(f.name, raw)!r}"
             elif key in env and env[key] != "":
                 raw = env[key]
-                labels[f.name] = f"{key}={raw!r}"
+                labels[f.name] = f"{key}={_shown(f.name, raw)!r}"
             else:
                 continue
             values[f.name] = _parse(raw, f.type, f.name, labels[f.name])
@@ -202,13 +204,23 @@ def _parse(raw: str, kind: object, name: str, label: str) -> object:
     return raw
 
 
+def _shown(setting: str, value: object) -> object:
+    """A setting's value as an error may show it: a URL's password or token masked."""
+    if setting != "nats_url" or not isinstance(value, str):
+        return value
+    from projector.security import redact  # here: security reads the TLS settings of Config
+
+    return redact(value)
+
+
 def _check_url(url: str | None) -> str:
     if url is None:
         return ""
     for item in url.split(","):
         item = item.strip()
         if not _is_nats_url(item):
-            return f"{item!r} is not a NATS URL (nats://host:port; several, comma-separated)"
+            return (f"{_shown('nats_url', item)!r} is not a NATS URL (nats://host:port; "
+                    "several, comma-separated)")  # fmt: skip
     return ""
 
 

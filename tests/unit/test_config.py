@@ -83,3 +83,13 @@ def test_with_namespace() -> None:
     assert base.with_namespace(None) is base and base.with_namespace("default") is base
     other = base.with_namespace("prod")
     assert (other.namespace, other.flush_interval_s) == ("prod", 0.5)
+
+
+def test_a_bad_url_is_named_without_its_secret() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({"NATS_URL": "nats://alice:S3cret@host:port"})
+    assert "S3cret" not in str(caught.value)
+    assert str(caught.value).startswith("NATS_URL='nats://alice:***@host:port': ")
+    with pytest.raises(ConfigError) as caught:
+        Config(nats_url="tls://tok3n@host:x")
+    assert "tok3n" not in str(caught.value)
