@@ -45,22 +45,24 @@ class CliError(SeqstateError):
 # ---- plumbing --------------------------------------------------------------------------------
 
 
-_stopping: asyncio.Event | None = None
+_stopping: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}
 
 
 def catch_signals() -> asyncio.Event:
     """From now on SIGINT and SIGTERM stop a long-running command cleanly.
 
     Called first thing, so a signal that arrives while the command is still starting (the
-    pipeline catching up) is kept and honoured by :func:`until_signal`, not fatal.
+    pipeline catching up) is kept and honoured by :func:`until_signal`, not fatal. One event
+    per event loop: ``main`` run twice in one process gets a fresh one each time.
     """
-    global _stopping
-    if _stopping is None:
-        _stopping = asyncio.Event()
-        loop = asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()
+    stop = _stopping.get(loop)
+    if stop is None:
+        _stopping.clear()  # a finished run's loop is closed: nothing of it is needed
+        stop = _stopping[loop] = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, _stopping.set)
-    return _stopping
+            loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) -> None:
@@ -304,11 +306,10 @@ async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
                     print(line)
                 print(f"{'DIVERGED' if diffs else 'identical'}: {len(diffs)} keys differ")
                 return 1 if diffs else 0
-            at_ns = None
-            if args.at:
-                at_ns = parse_at(args.at, (await log_bounds(nc, config)).last_ns)
+            bounds = await log_bounds(nc, config)
+            at_ns = parse_at(args.at, bounds.last_ns) if args.at else None
             done = await replay(nc, config, from_seq=args.from_seq, to_seq=args.to_seq,
-                                at_ns=at_ns, progress=progress)  # fmt: skip
+                                at_ns=at_ns, progress=progress, bounds=bounds)  # fmt: skip
     for name, why in done.skipped:
         print(f"seqstate: skipped snapshot {name}: {why}", file=sys.stderr)
     start = (f"snapshot {done.snapshot.name}" if done.snapshot

@@ -39,17 +39,15 @@ def one_line(text: str, limit: int = REASON_CHARS) -> str:
 
 
 class DeadLetters:
-    """Writes a namespace's dead letters and counts them."""
+    """Writes a namespace's dead letters (each consumer counts its own in its stats)."""
 
     def __init__(self, js: JetStreamContext, config: Config, *, max_payload: int) -> None:
         self._js = js
         self._config = config
         self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
-        self.count = 0
 
     async def put(self, stream: str, seq: int, subject: str, payload: bytes, reason: str) -> None:
         """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it."""
-        self.count += 1
         log.warning("dead letter: %s %d on %s: %s", stream, seq, subject, one_line(reason, 300))
         headers = {
             "Nats-Msg-Id": f"dead:{self._config.namespace}:{stream}:{seq}",

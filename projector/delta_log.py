@@ -41,6 +41,7 @@ from nats.js.errors import APIError, NotFoundError
 from projector.config import Config
 from projector.dead_letters import SOURCE_SEQ
 from projector.progress import Progress
+from projector.tasks import cancel
 from seqstate import Delta, decode_deltas, encode_deltas
 from seqstate.errors import SeqstateError
 
@@ -94,11 +95,6 @@ class DeltaLog:
         self.messages = 0
         self.deltas = 0
 
-    @property
-    def published(self) -> int:
-        """Source sequence of the last delta stored: the chain continues from here."""
-        return self.stored.value
-
     async def open(self) -> int:
         """Find where the chain stands (the subject's last message); its source sequence.
 
@@ -143,8 +139,6 @@ class DeltaLog:
         self._task = asyncio.create_task(run(), name="seqstate-deltas")
 
     async def close(self) -> None:
-        from projector.tasks import cancel
-
         await cancel(self._task)
 
     def append(self, delta: Delta) -> None:

@@ -215,9 +215,14 @@ async def replay(
     to_seq: int | None = None,
     at_ns: int | None = None,
     progress: Progress | None = None,
+    bounds: LogBounds | None = None,
 ) -> Replayed:
+    """The state at the end of the log, at ``to_seq`` or at log time ``at_ns``.
+
+    ``bounds`` is what the log holds, if the caller has just looked it up (``--at`` needs it).
+    """
     js = nc.jetstream()
-    bounds = await log_bounds(nc, config)
+    bounds = bounds or await log_bounds(nc, config)
     check_range(bounds, from_seq=from_seq, to_seq=to_seq, at_ns=at_ns)
     end = bounds.last_seq if to_seq is None else to_seq
     store = await SnapshotStore(nc, config).open()

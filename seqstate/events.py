@@ -69,9 +69,7 @@ class AddRequest(_Event, tag=True):
     lora_name: str | None = None
 
 
-class MarkPrefillCompleted(
-    Struct, tag=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
-):
+class MarkPrefillCompleted(_Event, tag=True):
     """The first output token arrived: the request's prefill load is done, its blocks stay."""
 
     request_id: RequestId
@@ -89,9 +87,7 @@ class Free(_Event, tag=True):
     router_id: str = ""
 
 
-class AddOutputBlock(
-    Struct, tag=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
-):
+class AddOutputBlock(_Event, tag=True):
     """One more decode block for a request; optionally re-weights its exclusive blocks."""
 
     request_id: RequestId
