@@ -2,9 +2,21 @@
 
 A :class:`Delta` is everything :class:`~seqstate.registry.PromptRegistry` needs to follow the
 write model, and nothing it could not get over the wire: topology changes, and per rank the
-prompt hashes that became absent or present plus the rank's new time-free load. The registry
-is updated only from deltas, so the projector that receives them over NATS and the in-process
-registry compute the same read model.
+requests booked (with their prompt hashes) and released (by slot), plus the rank's new
+time-free load. A delta is as large as what its event changed, never as large as the rank's
+active set: an AddRequest carries its own prompt once, a Free or an expiry names slots, and a
+removed rank is one entry. The registry is updated only from deltas, so the projector that
+receives them over NATS and the in-process registry compute the same read model.
+
+Each live request holds a *slot* of its rank: a small integer, the lowest free one when it was
+booked (see :class:`~seqstate.sequences.ActiveSequences`). Slots are part of the write model,
+so they are a pure function of the log; the projector names its per-request bucket keys by
+them, and a Free or an expiry only has to name the slot.
+
+A delta too large for one message (an expiry that releases very many requests) is cut by
+:func:`split_delta` into *parts*: consecutive deltas with the same ``seq``, numbered by
+``part``, all but the last flagged ``more``. Applied in order they change exactly what the whole
+delta changes; a reader treats event ``seq`` as reflected once its last part is applied.
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from typing import Final, Literal
 import msgspec
 from msgspec import Struct
 
+from seqstate.errors import SeqstateError
 from seqstate.loads import RankLoad
 
 Outcome = Literal["applied", "duplicate", "unknown_request", "unknown_worker", "superseded"]
@@ -26,17 +39,26 @@ UNKNOWN_WORKER: Final = "unknown_worker"
 SUPERSEDED: Final = "superseded"
 
 
-class RankChange(Struct, array_like=True, gc=False):
-    """One rank's change: drop ``removed`` first, then add ``stored``, then take ``load``.
+class Booking(Struct, array_like=True, gc=False):
+    """A request booked on a rank: its slot, its id, and the prompt hashes it holds."""
 
-    Removes come first because an add can expire an older request holding the same prefix
-    in the same step; applying in this order leaves the prefix present.
+    slot: int
+    request_id: str
+    hashes: list[int]
+
+
+class RankChange(Struct, array_like=True, gc=False):
+    """One rank's change: free the ``released`` slots first, then take ``booked``, then
+    ``load``.
+
+    Releases come first because an add can expire an older request (perhaps holding the same
+    prefix, perhaps the slot the add then takes) in the same step.
     """
 
     rank: tuple[int, int]
     load: RankLoad
-    removed: list[int] = []
-    stored: list[int] = []
+    released: list[int] = []
+    booked: list[Booking] = []
 
     @property
     def worker_id(self) -> int:
@@ -48,7 +70,10 @@ class RankChange(Struct, array_like=True, gc=False):
 
 
 class Delta(Struct, omit_defaults=True):
-    """What ``SequenceState.apply`` did; ``seq`` is the source stream sequence (writer-set)."""
+    """What ``SequenceState.apply`` did; ``seq`` is the source stream sequence (writer-set).
+
+    ``part``/``more``: see :func:`split_delta`; a delta that was not cut is part 0, not more.
+    """
 
     outcome: Outcome
     at_ns: int
@@ -57,6 +82,8 @@ class Delta(Struct, omit_defaults=True):
     removed_ranks: list[tuple[int, int]] = []
     expired: list[str] = []
     seq: int | None = None
+    part: int = 0
+    more: bool = False
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -81,3 +108,100 @@ def encode_deltas(deltas: list[Delta]) -> bytes:
 
 def decode_deltas(data: bytes | bytearray | memoryview) -> list[Delta]:
     return _batch_decoder.decode(data)
+
+
+class DeltaTooLarge(SeqstateError, ValueError):
+    """One booking alone does not fit the budget: no cut can make its delta fit."""
+
+
+_ENVELOPE: Final = 256  # a part's own fields (outcome, times, seq, part, more) and list headers
+_RANK_ENTRY: Final = 24  # a rank tuple in added_ranks / removed_ranks
+
+
+def _int_size(n: int) -> int:
+    """Bytes msgpack takes for a non-negative int (slots are never negative)."""
+    return 1 if n < 128 else 3 if n < 0x10000 else 5 if n < 0x100000000 else 9
+
+
+def split_delta(delta: Delta, budget: int) -> list[Delta]:
+    """Cut ``delta`` into parts that each encode to at most ``budget`` bytes.
+
+    Deterministic (the same delta and budget give the same parts), so a writer that restarts
+    in the middle of an event's parts can tell which it already stored. The pieces keep their
+    order: removed ranks, added ranks, then each rank change's releases before its bookings,
+    then the expired ids (which the read model does not use; they only report the outcome).
+    A rank's load rides along with every part that touches the rank: it is absolute, so
+    repeating it is harmless. Raises :class:`DeltaTooLarge` if a single booking cannot fit.
+    """
+    if len(encode_delta(delta)) <= budget:
+        return [delta]
+    return _Cutter(delta, budget).cut()
+
+
+class _Cutter:
+    """Fills parts greedily with an upper bound of each piece's encoded size."""
+
+    def __init__(self, delta: Delta, budget: int) -> None:
+        self.delta = delta
+        self.budget = budget
+        self.parts: list[Delta] = []
+        self.current = self._fresh()
+        self.size = _ENVELOPE
+        self.entry: RankChange | None = None  # the change being filled in the current part
+
+    def _fresh(self) -> Delta:
+        return Delta(self.delta.outcome, self.delta.at_ns, seq=self.delta.seq)
+
+    def _fit(self, cost: int) -> None:
+        """Make room for a piece of ``cost`` bytes, starting a new part if needed."""
+        if cost + _ENVELOPE > self.budget:
+            raise DeltaTooLarge(
+                f"one piece of the delta of event {self.delta.seq} takes {cost} bytes, over "
+                f"the budget of {self.budget}"
+            )
+        if self.size + cost > self.budget:
+            self.parts.append(self.current)
+            self.current = self._fresh()
+            self.size = _ENVELOPE
+            self.entry = None
+        self.size += cost
+
+    def _change(self, change: RankChange, head: int, cost: int) -> RankChange:
+        """The current part's entry for ``change``'s rank, with room for ``cost`` more."""
+        if self.entry is not None and self.size + cost <= self.budget:
+            self.size += cost
+            return self.entry
+        self.entry = None
+        self._fit(head + cost)
+        self.entry = RankChange(change.rank, change.load)
+        self.current.changes.append(self.entry)
+        return self.entry
+
+    def cut(self) -> list[Delta]:
+        delta = self.delta
+        for rank in delta.removed_ranks:
+            self._fit(_RANK_ENTRY)
+            self.current.removed_ranks.append(rank)
+        for rank in delta.added_ranks:
+            self._fit(_RANK_ENTRY)
+            self.current.added_ranks.append(rank)
+        for change in delta.changes:
+            head = len(_encoder.encode(RankChange(change.rank, change.load))) + 8
+            self.entry = None
+            if not change.released and not change.booked:
+                self._change(change, head, 0)
+            for slot in change.released:
+                self._change(change, head, _int_size(slot)).released.append(slot)
+            for booking in change.booked:
+                cost = len(_encoder.encode(booking))
+                self._change(change, head, cost).booked.append(booking)
+        self.entry = None
+        for request_id in delta.expired:
+            self._fit(len(request_id.encode()) + 5)
+            self.current.expired.append(request_id)
+        self.parts.append(self.current)
+        last = len(self.parts) - 1
+        for i, part in enumerate(self.parts):
+            part.part = i
+            part.more = i < last
+        return self.parts

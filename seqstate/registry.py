@@ -1,7 +1,13 @@
 """PromptRegistry: the derived read model that schedulers query.
 
 It is not a source of truth: it follows the write model only through :class:`Delta` values,
-so it can live in another process (the projector) or be rebuilt from a snapshot.
+so it can live in another process (the projector, a scheduler's replica) or be rebuilt from a
+snapshot.
+
+Deltas name requests, not hash sets: a booking brings a request's prompt hashes and its slot,
+a release names the slot. So the registry reference-counts each rank's hashes itself, and a
+change costs what the event changed, never the size of the rank's set. Removing a rank
+releases its own requests, not a scan of every hash.
 
 Membership is a map from prompt hash to a bitmask of the ranks on which it is present. Each
 rank owns one bit. The overlap depth of a query on a rank is the length of the longest query
@@ -25,14 +31,25 @@ from seqstate.loads import EMPTY_LOAD, LoadRow, PotentialLoadRow, RankLoad
 Rank = tuple[int, int]
 
 
+class _Holdings:
+    """One rank's booked requests (by slot) and its hashes held more than once."""
+
+    __slots__ = ("bit", "extra", "held")
+
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+        self.held: dict[int, list[int]] = {}  # slot -> the prompt hashes its request holds
+        self.extra: dict[int, int] = {}  # hash -> references beyond the first
+
+
 class PromptRegistry:
     """Per-rank loads plus prompt membership, updated only by :meth:`apply`."""
 
-    __slots__ = ("_all", "_bits", "_free_bits", "_index", "_loads", "_next_bit", "_order")
+    __slots__ = ("_all", "_free_bits", "_index", "_loads", "_next_bit", "_order", "_ranks")
 
     def __init__(self) -> None:
         self._loads: dict[Rank, RankLoad] = {}
-        self._bits: dict[Rank, int] = {}
+        self._ranks: dict[Rank, _Holdings] = {}
         self._index: dict[int, int] = {}
         self._free_bits: list[int] = []
         self._next_bit = 0
@@ -44,73 +61,89 @@ class PromptRegistry:
     def apply(self, delta: Delta) -> None:
         if delta.removed_ranks or delta.added_ranks:
             for rank in delta.removed_ranks:
-                self._remove_rank(tuple(rank))  # type: ignore[arg-type]
+                self._remove_rank((rank[0], rank[1]))
             for rank in delta.added_ranks:
-                self._ensure_rank(tuple(rank))  # type: ignore[arg-type]
-        bits = self._bits
-        # Hashes and masks stay Python objects here (``Any``): compiled code would otherwise
-        # unbox each one and allocate it again for the dict call.
-        index: dict[Any, Any] = self._index
+                self._ensure_rank((rank[0], rank[1]))
+        ranks = self._ranks
         loads = self._loads
         for change in delta.changes:
             rank = change.rank
-            bit = bits.get(rank)
-            if bit is None:
+            holdings = ranks.get(rank)
+            if holdings is None:
                 rank = (rank[0], rank[1])  # a decoded delta may carry a list
-                bit = self._ensure_rank(rank)
-            flag_bits = 1 << bit
-            flag: Any = flag_bits  # boxed once per change
-            mask: int
-            if change.removed:
-                removed: list[Any] = change.removed
-                pop = index.pop
-                for h in removed:
-                    mask = pop(h, flag)
-                    if mask != flag_bits:  # still present on other ranks
-                        index[h] = mask & ~flag_bits
-            if change.stored:
-                stored: list[Any] = change.stored
-                setdefault = index.setdefault
-                for h in stored:
-                    mask = setdefault(h, flag)
-                    if mask != flag_bits:  # already present on other ranks
-                        index[h] = mask | flag_bits
+                holdings = self._ensure_rank(rank)
+            if change.released:
+                held = holdings.held
+                for slot in change.released:
+                    hashes = held.pop(slot, None)
+                    if hashes is not None:
+                        self._drop(holdings, hashes)
+            for booking in change.booked:
+                old = holdings.held.get(booking.slot)
+                if old is not None:  # a slot is released before it is booked again
+                    self._drop(holdings, old)
+                holdings.held[booking.slot] = booking.hashes
+                self._take(holdings, booking.hashes)
             loads[rank] = change.load
 
-    def _ensure_rank(self, rank: Rank) -> int:
-        bit = self._bits.get(rank)
-        if bit is not None:
-            return bit
+    def _take(self, holdings: _Holdings, hashes: list[int]) -> None:
+        # Hashes and masks stay Python objects here (``Any``): compiled code would otherwise
+        # unbox each one and allocate it again for the dict call.
+        index: dict[Any, Any] = self._index
+        get = index.get
+        flag = 1 << holdings.bit
+        extra: dict[Any, Any] = holdings.extra
+        h: Any
+        for h in hashes:
+            mask: int = get(h, 0)
+            if mask & flag:
+                extra[h] = extra.get(h, 0) + 1
+            else:
+                index[h] = mask | flag
+
+    def _drop(self, holdings: _Holdings, hashes: list[int]) -> None:
+        index: dict[Any, Any] = self._index
+        flag = 1 << holdings.bit
+        extra: dict[Any, Any] = holdings.extra
+        h: Any
+        for h in hashes:
+            if extra:
+                count = extra.get(h)
+                if count is not None:
+                    if count == 1:
+                        del extra[h]
+                    else:
+                        extra[h] = count - 1
+                    continue
+            mask: int = index.pop(h, 0)
+            if mask & ~flag:
+                index[h] = mask & ~flag
+
+    def _ensure_rank(self, rank: Rank) -> _Holdings:
+        holdings = self._ranks.get(rank)
+        if holdings is not None:
+            return holdings
         if self._free_bits:
             bit = heapq.heappop(self._free_bits)
         else:
             bit = self._next_bit
             self._next_bit += 1
-        self._bits[rank] = bit
+        holdings = self._ranks[rank] = _Holdings(bit)
         self._all |= 1 << bit
         self._loads[rank] = EMPTY_LOAD
         self._order = None
-        return bit
+        return holdings
 
     def _remove_rank(self, rank: Rank) -> None:
-        bit = self._bits.pop(rank, None)
-        if bit is None:
+        holdings = self._ranks.pop(rank, None)
+        if holdings is None:
             return
         del self._loads[rank]
-        flag = 1 << bit
-        self._all &= ~flag
-        index = self._index
-        dead = []
-        for h, mask in index.items():
-            if mask & flag:
-                mask ^= flag
-                if mask:
-                    index[h] = mask
-                else:
-                    dead.append(h)
-        for h in dead:
-            del index[h]
-        heapq.heappush(self._free_bits, bit)
+        holdings.extra.clear()  # every reference goes: only the first of each counts
+        for hashes in holdings.held.values():
+            self._drop(holdings, hashes)
+        self._all &= ~(1 << holdings.bit)
+        heapq.heappush(self._free_bits, holdings.bit)
         self._order = None
 
     # ---- reads --------------------------------------------------------------------------
@@ -118,7 +151,7 @@ class PromptRegistry:
     def _rows(self) -> list[tuple[int, int, Rank, int]]:
         order = self._order
         if order is None:
-            order = sorted((w, r, (w, r), bit) for (w, r), bit in self._bits.items())
+            order = sorted((w, r, (w, r), h.bit) for (w, r), h in self._ranks.items())
             self._order = order
         return order
 
@@ -150,7 +183,7 @@ class PromptRegistry:
     def overlap_depths(self, block_hashes: Iterable[int]) -> dict[Rank, int]:
         """Longest present prefix of the query per rank; ranks with depth 0 are omitted."""
         depth_by_bit = self._depths(list(block_hashes))
-        return {rank: depth_by_bit[bit] for rank, bit in self._bits.items() if depth_by_bit[bit]}
+        return {rank: depth_by_bit[h.bit] for rank, h in self._ranks.items() if depth_by_bit[h.bit]}
 
     def _depths(self, query: Sequence[int]) -> list[int]:
         n = len(query)
@@ -200,15 +233,19 @@ class PromptRegistry:
     # ---- inspection (tests, operators) ----------------------------------------------------
 
     def hashes_of(self, rank: Rank) -> set[int]:
-        bit = self._bits.get(rank)
-        if bit is None:
+        holdings = self._ranks.get(rank)
+        if holdings is None:
             return set()
-        flag = 1 << bit
-        return {h for h, mask in self._index.items() if mask & flag}
+        return {h for hashes in holdings.held.values() for h in hashes}
+
+    def requests_of(self, rank: Rank) -> dict[int, list[int]]:
+        """The rank's booked requests: slot -> prompt hashes."""
+        holdings = self._ranks.get(rank)
+        return {} if holdings is None else dict(holdings.held)
 
     def membership_size(self) -> int:
         """Number of distinct prompt hashes present on any rank."""
         return len(self._index)
 
     def __len__(self) -> int:
-        return len(self._bits)
+        return len(self._ranks)

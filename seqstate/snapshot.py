@@ -36,6 +36,9 @@ class _Request(Struct, array_like=True):
     marked: bool
     outputs: list[float] | None
     lora_name: str | None
+    # Added after version 1 shipped (trailing, so older snapshots still decode): the slot the
+    # request holds; -1 in an older snapshot, whose requests then take slots 0, 1, ... in order.
+    slot: int = -1
 
 
 class _Slot(Struct, array_like=True):
@@ -96,6 +99,7 @@ def encode_state(state: SequenceState) -> bytes:
                         r.marked,
                         r.outputs,
                         lora.get(rid),
+                        r.slot,
                     )
                     for rid, r in slot.requests.items()
                 ],
@@ -166,18 +170,20 @@ def _rebuild(body: _State) -> SequenceState:
         rank = (s.worker_id, s.dp_rank)
         slot = ActiveSequences(s.last_expiry_check_ns, state.expiry_ns)
         blocks = slot.blocks
-        for r in s.requests:
+        for i, r in enumerate(s.requests):
             if r.request_id in owner:
                 raise ValueError(f"request {r.request_id!r} on two ranks")
             blocks.acquire(r.hashes)
             slot.requests[r.request_id] = RequestState(
-                r.hashes, r.added_ns, r.expected_output_tokens, r.marked, r.outputs
-            )
+                r.hashes, r.added_ns, r.expected_output_tokens, r.marked, r.outputs,
+                i if r.slot < 0 else r.slot,
+            )  # fmt: skip
             if r.outputs:
                 blocks.outputs += len(r.outputs)
             owner[r.request_id] = rank
             if r.lora_name is not None:
                 lora[r.request_id] = r.lora_name
+        slot.restore_slots()
         blocks.fractions = dict(s.fractions)
         blocks.deficit = s.deficit
         blocks.output_weight = s.output_weight

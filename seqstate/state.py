@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from seqstate import deltas as outcomes
-from seqstate.deltas import Delta, RankChange
+from seqstate.deltas import Booking, Delta, RankChange
 from seqstate.events import (
     AddOutputBlock,
     AddRequest,
@@ -181,17 +181,17 @@ class SequenceState:
             slot = self._slots[rank]
             added_ranks.append(rank)
         if slot.expiry_ns is not None and now - slot.last_expiry_check_ns >= EXPIRY_CHECK_NS:
-            expired, removed = slot.expire(now)
+            expired, released = slot.expire(now)
             if expired:
                 self._forget(expired, now)
         else:
-            expired = removed = _NONE
+            expired = released = _NONE
         marked = tombstone == MARK_TOMBSTONE
         if marked:
             self.counters["mark_before_add"] += 1
         self._ended_entries.pop(request_id, None)
         ms = event.expected_prefill_ms
-        stored = slot.add(
+        booked = slot.add(
             request_id,
             event.block_hashes,
             event.prefill_tokens if event.track_prefill_tokens else 0,
@@ -208,7 +208,11 @@ class SequenceState:
         return Delta(
             outcomes.APPLIED,
             now,
-            [RankChange(rank, slot.load(), removed, stored)],
+            [
+                RankChange(
+                    rank, slot.load(), released, [Booking(booked.slot, request_id, booked.hashes)]
+                )
+            ],
             added_ranks,
             _NONE,
             expired,
@@ -250,14 +254,14 @@ class SequenceState:
         if self.requests.lora:
             self.requests.lora.pop(request_id, None)
         slot = self._slots[owner]
-        removed = slot.free(request_id, now)
+        released = slot.free(request_id, now)
         self.ended.put(request_id, 0, now)
         if not self._changes:
             return Delta(outcomes.APPLIED, now)
         return Delta(
             outcomes.APPLIED,
             now,
-            [RankChange(owner, slot.load(), removed, _NONE)],
+            [RankChange(owner, slot.load(), [released], _NONE)],
         )
 
     def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
@@ -278,11 +282,11 @@ class SequenceState:
         changes: list[RankChange] = []
         all_expired: list[str] = []
         for rank, slot in self.workers.slots.items():
-            expired, removed = slot.expire(now)
+            expired, released = slot.expire(now)
             if expired:
                 self._forget(expired, now)
                 all_expired.extend(expired)
-                changes.append(RankChange(rank, slot.load(), removed))
+                changes.append(RankChange(rank, slot.load(), released))
         gone = self._idle_lazy_ranks(now) if self.forget_lazy_ns is not None else []
         return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired,
                      removed_ranks=gone)  # fmt: skip
@@ -394,8 +398,8 @@ class SequenceState:
         """
         changes = []
         for rank, slot in self.workers.slots.items():
-            present = list(slot.blocks.present)
-            changes.append(RankChange(rank, slot.load(), [], present))
+            booked = [Booking(r.slot, rid, r.hashes) for rid, r in slot.requests.items()]
+            changes.append(RankChange(rank, slot.load(), [], booked))
         return [
             Delta(
                 outcome=outcomes.APPLIED,

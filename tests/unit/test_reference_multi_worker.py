@@ -423,7 +423,7 @@ def test_force_expiry_clears_block_membership_index() -> None:
     delta = state.apply(Tick(), 331 * S)
 
     assert delta.expired == ["req-1"]
-    assert [c.removed for c in delta.changes] == [[1, 2, 3]]
+    assert [c.released for c in delta.changes] == [[0]]  # the slot req-1 held
     assert len(state.requests) == 0
     assert state.registry.membership_size() == 0
     row = rows(state, 331)[(1, 0)]
@@ -458,8 +458,8 @@ def test_expiry_then_immediate_readd_preserves_block_membership() -> None:
     assert delta.outcome == "applied"
     assert delta.expired == ["req-1"]
     [change] = delta.changes
-    assert change.removed == [1, 2, 3]  # applied before the store
-    assert change.stored == [1, 2, 3]
+    assert change.released == [0]  # applied before the booking, which reuses the slot
+    assert [(b.slot, b.request_id, b.hashes) for b in change.booked] == [(0, "req-2", [1, 2, 3])]
     assert state.registry.hashes_of((1, 0)) == {1, 2, 3}
     assert state.registry.membership_size() == 3
     row = rows(state, 331)[(1, 0)]

@@ -4,7 +4,8 @@ All five tests are ported with the catalogue's names and numbers. The registry i
 directly with :class:`Delta` / :class:`RankChange` values (Dynamo's
 ``apply_membership_delta_and_load`` / ``replace_worker_load_state`` / topology removal), loads
 given as :class:`RankLoad`. Dynamo's membership deltas are full paths with a start index; ours
-list the hashes that became present (``stored``) or absent (``removed``). "Equals the naive
+book a request's hashes into a slot and release the slot, so "store these hashes" is a booking
+and "remove them" releases the booking that holds them. "Equals the naive
 per-worker prefix scan" is checked against :func:`naive_potential_blocks`, written here.
 
 Skipped: nothing. Departures from Dynamo: none (potential tokens are read with
@@ -14,6 +15,7 @@ Skipped: nothing. Departures from Dynamo: none (potential tokens are read with
 from __future__ import annotations
 
 from seqstate import Delta, PrefillSnapshot, PromptRegistry, RankChange, RankLoad
+from seqstate.deltas import Booking
 
 S = 1_000_000_000
 
@@ -25,14 +27,20 @@ def load(blocks: int, requests: int = 1, prefill: PrefillSnapshot | None = None)
 
 
 def store(registry: PromptRegistry, rank: Rank, hashes: list[int], rank_load: RankLoad) -> None:
+    """Book a request holding ``hashes`` in the rank's lowest free slot."""
+    held = registry.requests_of(rank)
+    slot = min(set(range(len(held) + 1)) - set(held))
+    booking = Booking(slot, f"req-{slot}", hashes)
     registry.apply(
-        Delta(outcome="applied", at_ns=0, changes=[RankChange(rank, rank_load, stored=hashes)])
+        Delta(outcome="applied", at_ns=0, changes=[RankChange(rank, rank_load, booked=[booking])])
     )
 
 
 def remove(registry: PromptRegistry, rank: Rank, hashes: list[int], rank_load: RankLoad) -> None:
+    """Release the booking that holds exactly ``hashes``."""
+    [slot] = [slot for slot, held in registry.requests_of(rank).items() if held == hashes]
     registry.apply(
-        Delta(outcome="applied", at_ns=0, changes=[RankChange(rank, rank_load, removed=hashes)])
+        Delta(outcome="applied", at_ns=0, changes=[RankChange(rank, rank_load, released=[slot])])
     )
 
 

@@ -18,9 +18,10 @@ asserts our rule and departs from the named Dynamo test as follows:
 * ``active_worker_teardown_with_a_live_long_chain_is_iterative``: Dynamo drops the
   ``ActiveSequences`` value; here the 65,536-block chain is released both by a Free and by
   dropping its worker (WorkerRemoved) while the request is live.
-* ``test_prompt_membership_delta_only_reports_first_add_and_last_remove``: our delta names the
-  hashes that became present/absent (``RankChange.stored`` / ``.removed``), the BASE-credit
-  shape (store [1,2], then [3]; remove [1,2,3]), not HEAD's full path plus start index.
+* ``test_prompt_membership_delta_only_reports_first_add_and_last_remove``: our delta books and
+  releases requests (by slot); the membership change is what the registry's rank set gains
+  and loses, the BASE-credit shape (store [1,2], then [3]; remove [1,2,3]), not HEAD's full
+  path plus start index.
 * ``test_generic_block_membership_includes_output_blocks``: our output blocks are weights held
   per request, not random hashes, so the set of active hashes stays {1,2,3} after the output
   block (Dynamo's block-tracker set gains the output hash); the output block shows up in the
@@ -44,6 +45,8 @@ asserts our rule and departs from the named Dynamo test as follows:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
@@ -119,13 +122,17 @@ def slot(state: SequenceState) -> ActiveSequences:
     return found
 
 
-def membership_change(delta: Delta) -> tuple[list[int], list[int]]:
-    """``(stored, removed)`` of the delta's single rank change."""
+def membership_change(
+    state: SequenceState, step: Callable[[], Delta]
+) -> tuple[list[int], list[int]]:
+    """``(stored, removed)``: the hashes the rank's membership gained and lost in ``step``,
+    which must be an applied event touching only this rank."""
+    before = state.registry.hashes_of(RANK)
+    delta = step()
     assert delta.outcome == "applied"
-    assert len(delta.changes) == 1
-    change = delta.changes[0]
-    assert (change.worker_id, change.dp_rank) == RANK
-    return change.stored, change.removed
+    assert [(c.worker_id, c.dp_rank) for c in delta.changes] == [RANK]
+    after = state.registry.hashes_of(RANK)
+    return sorted(after - before), sorted(before - after)
 
 
 def test_active_worker_teardown_with_a_live_long_chain_is_iterative() -> None:
@@ -133,12 +140,10 @@ def test_active_worker_teardown_with_a_live_long_chain_is_iterative() -> None:
     state = SequenceState(expiry_s=None)
 
     # Released by a Free.
-    delta = add(state, "long", chain, 0)
-    assert membership_change(delta) == (chain, [])
+    assert membership_change(state, lambda: add(state, "long", chain, 0)) == (chain, [])
     assert blocks(state) == 65_536
     assert state.registry.overlap_depths(chain) == {RANK: 65_536}
-    delta = free(state, "long", 1)
-    assert membership_change(delta) == ([], chain)
+    assert membership_change(state, lambda: free(state, "long", 1)) == ([], chain)
     assert blocks(state) == 0
     assert state.registry.membership_size() == 0
 
@@ -158,16 +163,22 @@ def test_active_worker_teardown_with_a_live_long_chain_is_iterative() -> None:
 def test_prompt_membership_delta_only_reports_first_add_and_last_remove() -> None:
     state = SequenceState(expiry_s=None)
 
-    d1 = add(state, "r1", [1, 2], 0, tokens=8)
-    assert membership_change(d1) == ([1, 2], [])
-    d2 = add(state, "r2", [1, 2, 3], 0, tokens=12)
-    assert membership_change(d2) == ([3], [])
-    d3 = free(state, "r1", 0)
-    assert membership_change(d3) == ([], [])
-    d4 = free(state, "r2", 0)
-    assert membership_change(d4) == ([], [1, 2, 3])
+    deltas: list[Delta] = []
 
-    for delta in (d1, d2, d3, d4):
+    def step(delta: Delta) -> Delta:
+        deltas.append(delta)
+        return delta
+
+    assert membership_change(state, lambda: step(add(state, "r1", [1, 2], 0, tokens=8))) == (
+        [1, 2],
+        [],
+    )
+    r2 = [1, 2, 3]
+    assert membership_change(state, lambda: step(add(state, "r2", r2, 0, tokens=12))) == ([3], [])
+    assert membership_change(state, lambda: step(free(state, "r1", 0))) == ([], [])
+    assert membership_change(state, lambda: step(free(state, "r2", 0))) == ([], [1, 2, 3])
+
+    for delta in deltas:
         assert delta.expired == []
     assert state.registry.hashes_of(RANK) == set()
     state.check_invariants()
@@ -176,26 +187,24 @@ def test_prompt_membership_delta_only_reports_first_add_and_last_remove() -> Non
 def test_generic_block_membership_includes_output_blocks() -> None:
     state = SequenceState(expiry_s=None)
 
-    delta = add(state, "r1", [1, 2, 3], 0, tokens=12)
-    assert membership_change(delta) == ([1, 2, 3], [])
+    added = membership_change(state, lambda: add(state, "r1", [1, 2, 3], 0, tokens=12))
+    assert added == ([1, 2, 3], [])
     assert state.registry.hashes_of(RANK) == {1, 2, 3}
     assert blocks(state) == 3
 
-    delta = state.apply(AddOutputBlock(request_id="r1", worker_id=WORKER, decay_fraction=0.5), 0)
+    output = AddOutputBlock(request_id="r1", worker_id=WORKER, decay_fraction=0.5)
     # The output block is no prompt hash: membership is unchanged, the block count grows
     # (3 prompt + 1 output blocks, all exclusive to r1 and weighted 0.5 -> 2).
-    assert membership_change(delta) == ([], [])
+    assert membership_change(state, lambda: state.apply(output, 0)) == ([], [])
     assert state.registry.hashes_of(RANK) == {1, 2, 3}
     assert slot(state).blocks.outputs == 1
     assert blocks(state) == 2
 
-    delta = mark(state, "r1", 0)
-    assert membership_change(delta) == ([], [])
+    assert membership_change(state, lambda: mark(state, "r1", 0)) == ([], [])
     assert tokens(state, 0) == 0
     assert state.registry.hashes_of(RANK) == {1, 2, 3}
 
-    delta = free(state, "r1", 0)
-    assert membership_change(delta) == ([], [1, 2, 3])
+    assert membership_change(state, lambda: free(state, "r1", 0)) == ([], [1, 2, 3])
     assert state.registry.hashes_of(RANK) == set()
     assert blocks(state) == 0
     state.check_invariants()

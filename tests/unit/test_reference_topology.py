@@ -158,8 +158,8 @@ def test_reconcile_preserves_existing_worker_state_and_reports_delta() -> None:
     table = make_table({1: (0, 1), 2: (0, 1)})
     slot = table.get((1, 0))
     assert slot is not None
-    stored = slot.add("req-1", [1, 2, 3], 12, None, None, False, 0)
-    assert stored == [1, 2, 3]
+    booked = slot.add("req-1", [1, 2, 3], 12, None, None, False, 0)
+    assert (booked.slot, booked.hashes) == (0, [1, 2, 3])
 
     change = table.reconcile([WorkerDpRange(1, 0, 1), WorkerDpRange(3, 0, 1)])
 

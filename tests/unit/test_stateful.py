@@ -82,6 +82,7 @@ class Live:
     marked: bool
     lora: str | None
     outputs: int = 0
+    slot: int = -1
 
     @property
     def prefilling(self) -> bool:
@@ -90,13 +91,16 @@ class Live:
 
 @dataclass
 class Expected:
-    """What the Delta of one event should say. ``changes`` = (rank, sorted removed, stored)."""
+    """What the Delta of one event should say. ``changes`` = (rank, released slots, bookings
+    as (slot, request id, hashes))."""
 
     outcome: str
     expired: list[str] = field(default_factory=list)
     added_ranks: list[Rank] = field(default_factory=list)
     removed_ranks: list[Rank] = field(default_factory=list)
-    changes: list[tuple[Rank, list[int], list[int]]] = field(default_factory=list)
+    changes: list[tuple[Rank, list[int], list[tuple[int, str, list[int]]]]] = field(
+        default_factory=list
+    )
 
 
 class Model:
@@ -132,6 +136,10 @@ class Model:
 
     def on(self, rank: Rank) -> list[Live]:
         return [r for r in self.live if r.rank == rank]
+
+    def lowest_free_slot(self, rank: Rank) -> int:
+        held = {r.slot for r in self.on(rank)}
+        return next(slot for slot in range(len(held) + 1) if slot not in held)
 
     def present(self, rank: Rank) -> set[int]:
         out: set[int] = set()
@@ -250,11 +258,10 @@ class Model:
         if self.expiry_ns is None or now - self.last_check[rank] < CHECK_INTERVAL_NS:
             return [], []
         self.last_check[rank] = now
-        before = self.present(rank)
         victims = [r for r in self.on(rank) if r.added_ns < now - self.expiry_ns]
         for req in victims:
             self._end(req, now)
-        return [r.rid for r in victims], sorted(before - self.present(rank))
+        return [r.rid for r in victims], [r.slot for r in victims]
 
     def _advance(self, at: int) -> int:
         self.now = max(self.now, at)
@@ -300,11 +307,10 @@ class Model:
         if rank not in self.ranks:
             self._create_rank(rank, now)
             added.append(rank)
-        expired, removed = self._expire(rank, now)
+        expired, released = self._expire(rank, now)
         if kind == MARK:
             self.counters["mark_before_add"] += 1
         self.ended.pop(ev.request_id, None)
-        before = self.present(rank)
         ms = ev.expected_prefill_ms
         req = Live(
             ev.request_id,
@@ -315,12 +321,13 @@ class Model:
             now,
             kind == MARK,
             ev.lora_name,
+            slot=self.lowest_free_slot(rank),
         )
         self.live.append(req)
         if req.prefilling and self.anchor[rank] is None:
             self.anchor[rank] = now
-        stored = [h for h in req.hashes if h not in before]
-        return Expected("applied", expired, added, [], [(rank, removed, stored)])
+        booked = (req.slot, req.rid, list(dict.fromkeys(req.hashes)))
+        return Expected("applied", expired, added, [], [(rank, released, [booked])])
 
     def _owner(self, ev: MarkPrefillCompleted | Free | AddOutputBlock) -> Live | None:
         req = self.find(ev.request_id)
@@ -352,11 +359,8 @@ class Model:
         req = self._owner(ev)
         if req is None:
             return self._unknown(ev.request_id, FREE, now)
-        before = self.present(req.rank)
         self._end(req, now)
-        return Expected(
-            "applied", changes=[(req.rank, sorted(before - self.present(req.rank)), [])]
-        )
+        return Expected("applied", changes=[(req.rank, [req.slot], [])])
 
     def _output(self, ev: AddOutputBlock) -> Expected:
         assert ev.decay_fraction is None
@@ -369,10 +373,10 @@ class Model:
     def _tick(self, now: int) -> Expected:
         exp = Expected("applied")
         for rank in list(self.ranks):
-            expired, removed = self._expire(rank, now)
+            expired, released = self._expire(rank, now)
             if expired:
                 exp.expired.extend(expired)
-                exp.changes.append((rank, removed, []))
+                exp.changes.append((rank, released, []))
         return exp
 
     def _worker_added(self, ev: WorkerAdded, now: int) -> Expected:
@@ -540,7 +544,11 @@ class SeqStateMachine(RuleBasedStateMachine):
         assert delta.expired == exp.expired, (delta.expired, exp.expired)
         assert [tuple(r) for r in delta.added_ranks] == exp.added_ranks
         assert [tuple(r) for r in delta.removed_ranks] == exp.removed_ranks
-        got = [((c.worker_id, c.dp_rank), sorted(c.removed), c.stored) for c in delta.changes]
+        got = [
+            ((c.worker_id, c.dp_rank), c.released,
+             [(b.slot, b.request_id, b.hashes) for b in c.booked])
+            for c in delta.changes
+        ]  # fmt: skip
         assert got == exp.changes, (got, exp.changes)
         for change in delta.changes:
             rank = (change.worker_id, change.dp_rank)
@@ -665,6 +673,7 @@ class SeqStateMachine(RuleBasedStateMachine):
             slot = state.slot(*rank)
             assert slot is not None
             assert list(slot.requests) == [r.rid for r in model.on(rank)]
+            assert [q.slot for q in slot.requests.values()] == [r.slot for r in model.on(rank)]
             queue = model.prefills(rank)
             assert slot.prefill.order == [r.rid for r in queue]
             anchor = model.anchor[rank]
