@@ -23,9 +23,10 @@ from projector.values import (
     LoadValue,
     Position,
     Rank,
-    decode_blocks,
+    RequestValue,
     decode_load,
     decode_position,
+    decode_request,
     parse_key,
 )
 
@@ -34,8 +35,12 @@ from projector.values import (
 class BucketView:
     position: Position | None = None
     loads: dict[Rank, LoadValue] = field(default_factory=dict)
-    blocks: dict[Rank, tuple[int, set[int]]] = field(default_factory=dict)  # (stamp, hashes)
+    slots: dict[Rank, dict[int, RequestValue]] = field(default_factory=dict)  # empty ones too
     unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
+
+    def requests(self, rank: Rank) -> dict[int, RequestValue]:
+        """The rank's occupied slots."""
+        return {slot: v for slot, v in self.slots.get(rank, {}).items() if not v.empty}
 
 
 class CurrentValues:
@@ -82,14 +87,13 @@ async def read_bucket(nc: Client, config: Config, *, timeout: float = 30.0) -> B
 
 
 def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
-    kind, rank = parse_key(namespace, key)  # the lease, and any other key, is no read model
+    kind, rank, slot = parse_key(namespace, key)  # the lease is no read model
     try:
         if kind == "position":
             view.position = decode_position(value)
         elif kind == "load" and rank is not None:
             view.loads[rank] = decode_load(value)
-        elif kind == "blocks" and rank is not None:
-            stamp, hashes = decode_blocks(value)
-            view.blocks[rank] = (stamp, set(hashes))
+        elif kind == "req" and rank is not None:
+            view.slots.setdefault(rank, {})[slot] = decode_request(value)
     except (msgspec.DecodeError, ValueError) as exc:
         view.unreadable[key] = (rank, str(exc))

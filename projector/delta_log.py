@@ -11,7 +11,15 @@ previous one is stored, and carries
   the namespace (or a message from nowhere) breaks the compare-and-set instead of interleaving;
 - ``Seqstate-Prev-Source-Seq``: the source sequence the previous message ended at, so the
   projector can check that each message continues the last (see projection.py);
-- ``Nats-Msg-Id``: its last source sequence, so a retry after a lost ack is stored once.
+- ``Nats-Msg-Id``: its last source sequence (and part), so a retry after a lost ack is
+  stored once.
+
+No message exceeds the server's payload limit: a batch is cut by bytes, and a delta too large
+for a message on its own (an expiry releasing very many requests) is cut into parts
+(:func:`seqstate.deltas.split_delta`, deterministic for a given limit). A message may end in
+the middle of an event's parts; it then says so (``Seqstate-Source-Part``), its
+``Seqstate-Prev-Source-Seq`` successors keep naming the last *whole* event, and a writer
+restarted there skips the parts already stored.
 
 One message in flight costs nothing in throughput: while it travels, what the writer folds
 gathers into the next message (up to ``MAX_BATCH`` deltas and under the payload limit), so a
@@ -43,11 +51,13 @@ from projector.dead_letters import SOURCE_SEQ
 from projector.progress import Progress
 from projector.tasks import cancel
 from seqstate import Delta, decode_deltas, encode_deltas
+from seqstate.deltas import split_delta
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
 
 PREV_SOURCE_SEQ = "Seqstate-Prev-Source-Seq"
+SOURCE_PART = "Seqstate-Source-Part"  # present when a message ends inside an event's parts
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
 MAX_BATCH = 256  # deltas per message
@@ -88,8 +98,10 @@ class DeltaLog:
         self._pending: deque[Delta] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.stored = Progress()  # source sequence of the last delta stored
+        self.stored = Progress()  # the last event whose delta (all its parts) is stored
         self.appended = 0  # source sequence of the last delta appended
+        # (event, part) of the last part stored when the chain ends inside an event's parts.
+        self.stored_part: tuple[int, int] | None = None
         self.last_stream_seq = 0  # stream sequence of the subject's last message
         self.failure: BaseException | None = None
         self.messages = 0
@@ -111,6 +123,10 @@ class DeltaLog:
             if raw.subject == subject:
                 source = _source_seq(raw.headers, raw.data)
                 if source is not None:
+                    part = _source_part(raw.headers)
+                    if part is not None:  # stored up to part ``part`` of event ``source``
+                        self.stored_part = (source, part)
+                        source -= 1
                     self.stored.advance(source)
                     self.appended = source
                     return source
@@ -143,9 +159,21 @@ class DeltaLog:
 
     def append(self, delta: Delta) -> None:
         """Queue ``delta`` (its ``seq`` set, in source order) to be stored after the others."""
-        self._pending.append(delta)
+        if self.stored_part is not None and delta.seq == self.stored_part[0]:
+            # A restart inside this event's parts: store only those not stored yet.
+            done = self.stored_part[1]
+            self.stored_part = None
+            self._pending.extend(p for p in self._split(delta) if p.part > done)
+        else:
+            self._pending.append(delta)
         self.appended = delta.seq or self.appended
         self._wake.set()
+
+    def _split(self, delta: Delta) -> list[Delta]:
+        try:
+            return split_delta(delta, self._limit)
+        except ValueError as exc:
+            raise DeltaTooLarge(str(exc)) from None
 
     @property
     def backlogged(self) -> bool:
@@ -194,8 +222,8 @@ class DeltaLog:
             self._wake.clear()
             while self._pending:
                 count, payload = self._next_message()
-                batch_last = self._pending[count - 1].seq or 0
-                await self._store(payload, batch_last)
+                last = self._pending[count - 1]
+                await self._store(payload, last)
                 for _ in range(count):
                     self._pending.popleft()
                 self.messages += 1
@@ -209,19 +237,26 @@ class DeltaLog:
             if len(payload) <= self._limit:
                 return count, payload
             if count == 1:
-                seq, size = self._pending[0].seq, len(payload)
-                raise DeltaTooLarge(f"the delta of event {seq} takes {size} bytes, over the "
-                                    f"server's limit of {self._limit + HEADROOM}")  # fmt: skip
+                # One delta alone too large: cut it into parts in its place, and go on.
+                parts = self._split(self._pending.popleft())
+                self._pending.extendleft(reversed(parts))
+                count = min(len(self._pending), MAX_BATCH)
+                continue
             count //= 2
 
-    async def _store(self, payload: bytes, last: int) -> None:
+    async def _store(self, payload: bytes, last_delta: Delta) -> None:
         subject = self._config.deltas_subject
+        last = last_delta.seq or 0
+        msg_id = f"{self._config.namespace}:{last}"
         headers = {
-            "Nats-Msg-Id": f"{self._config.namespace}:{last}",
             SOURCE_SEQ: str(last),
             PREV_SOURCE_SEQ: str(self.stored.value),
             EXPECTED_LAST_SUBJECT_SEQ: str(self.last_stream_seq),
         }
+        if last_delta.more:  # the message ends inside the event's parts
+            msg_id = f"{msg_id}.{last_delta.part}"
+            headers[SOURCE_PART] = str(last_delta.part)
+        headers["Nats-Msg-Id"] = msg_id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_for_s
         backoff = 0.05
@@ -235,7 +270,7 @@ class DeltaLog:
                 if exc.err_code != WRONG_LAST_SEQUENCE:
                     error: Exception = exc
                 else:
-                    found = await self._after_wrong_last(last)
+                    found = await self._after_wrong_last(msg_id)
                     if found is not None:
                         stored_at = found
                         break
@@ -250,9 +285,9 @@ class DeltaLog:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
         self.last_stream_seq = stored_at
-        self.stored.advance(last)
+        self.stored.advance(last - 1 if last_delta.more else last)
 
-    async def _after_wrong_last(self, last: int) -> int | None:
+    async def _after_wrong_last(self, msg_id: str) -> int | None:
         """The subject moved on without us: our own retried message, or someone else's.
 
         Returns the stream sequence where our message is stored, or None to retry after a
@@ -262,7 +297,9 @@ class DeltaLog:
         seq = raw.seq or 0
         headers = raw.headers or {}
         source = _source_seq(headers, raw.data)
-        if source == last and headers.get(PREV_SOURCE_SEQ) == str(self.stored.value):
+        if headers.get("Nats-Msg-Id") == msg_id and headers.get(PREV_SOURCE_SEQ) == str(
+            self.stored.value
+        ):
             return seq  # stored before its ack was lost
         if await self._plausible(headers, raw.data):
             raise AnotherWriter(
@@ -295,15 +332,20 @@ def chain_problem(prev: str | None, deltas: list[Delta]) -> str:
     """
     if prev is None or not prev.isdigit():
         return f"not a writer's delta: no valid {PREV_SOURCE_SEQ} header"
-    seqs = [d.seq for d in deltas]
-    if any(seq is None for seq in seqs):
+    if any(d.seq is None for d in deltas):
         return "not a writer's delta: a delta without its event sequence"
-    known = [seq for seq in seqs if seq is not None]
-    if any(b <= a for a, b in pairwise(known)):
-        return "not a writer's delta: its event sequences are out of order"
-    if known and known[0] <= int(prev):
-        return f"not a writer's delta: it starts at event {known[0]}, not after {prev}"
+    for a, b in pairwise(deltas):
+        if not (b.seq > a.seq if not a.more else b.seq == a.seq and b.part == a.part + 1):  # type: ignore[operator]
+            return "not a writer's delta: its event sequences are out of order"
+    if deltas and (deltas[0].seq or 0) <= int(prev):
+        return f"not a writer's delta: it starts at event {deltas[0].seq}, not after {prev}"
     return ""
+
+
+def _source_part(headers: dict[str, str] | None) -> int | None:
+    """The part a writer's message ends at, if it ends inside an event's parts."""
+    raw = (headers or {}).get(SOURCE_PART)
+    return int(raw) if raw is not None and raw.isdigit() else None
 
 
 def _source_seq(headers: dict[str, str] | None, data: bytes | None) -> int | None:

@@ -1,20 +1,21 @@
 """The projector: folds SEQSTATE_DELTAS into the registry bucket that schedulers watch.
 
-It is the single writer of the bucket. Per rank it keeps the latest time-free load and the set
-of active prompt-block hashes (exactly what a :class:`~seqstate.PromptRegistry` learns from
-the deltas, in the per-rank form the bucket stores); the hash-to-ranks index that answers
-potential-load queries is built by each reader from these values, so the projector, which
-never answers a query, does not pay for it.
+It is the single writer of the bucket. What to write is decided by a pure fold, the
+:class:`~projector.image.BucketImage`: a booking becomes its slot's value, a release an empty
+value, a load its rank's load key. The projector keeps each rank's load and slot count, never
+the hashes, so its memory and its cost per delta follow what the delta changed. The
+hash-to-ranks index that answers potential-load queries is built by each reader from the slot
+values, so the projector, which never answers a query, does not pay for it.
 
-Writes are coalesced: a delta only marks its ranks dirty, and a flush at most every
+Writes are coalesced: a delta only marks its keys dirty, and a flush at most every
 ``flush_interval_s`` (5 ms by default) writes each dirty key once, pipelined, then the
 namespace's position key once those writes are acknowledged. Under load a flush simply covers
 more deltas. A flush that fails (a disconnect, a leader election) keeps its keys dirty and is
 retried with backoff: the bucket lags, it never misses a change.
 
-On start the projector reads the bucket back (position, loads and block sets) and resumes from
+On start the projector reads the bucket back (position, loads and slot keys) and resumes from
 the delta after the recorded position. Replaying deltas the bucket already partly reflects is
-harmless: a load is absolute and a block change is a set insert or removal, applied in order.
+harmless: every value is absolute (a load, a slot's request), applied in order.
 Deltas whose source sequence is not past the position are skipped. A delta that does not
 decode is dead-lettered with its reason and counted; the projector goes on.
 
@@ -39,27 +40,19 @@ from nats.js import api
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
-from projector.bucket import read_bucket
+from projector.bucket import BucketView, read_bucket
 from projector.config import Config
 from projector.dead_letters import DeadLetters
 from projector.delta_log import PREV_SOURCE_SEQ, chain_problem
+from projector.image import BucketImage, Write
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.retry import ATTEMPT_TIMEOUT_S, retrying
 from projector.tasks import attempt, cancel
-from projector.values import (
-    Position,
-    Rank,
-    blocks_key,
-    encode_blocks,
-    encode_load,
-    encode_position,
-    load_key,
-    position_key,
-)
+from projector.values import load_key, slot_key
 from projector.writer import last_seq_of, log_time_ns
-from seqstate import Delta, RankLoad, SequenceState, decode_deltas
+from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.projector")
@@ -109,19 +102,8 @@ class Projector:
         self.stats = ProjectorStats()
         self._js = nc.jetstream()
         self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
-        self.loads: dict[Rank, RankLoad] = {}
-        self.blocks: dict[Rank, set[int]] = {}
-        # What each value reflects: the source sequence (and log time) of the last delta that
-        # changed it. A pure function of the delta stream, so a projector that crashed and
-        # resumed writes the very bytes an uninterrupted one writes.
-        self.load_stamps: dict[Rank, tuple[int, int]] = {}
-        self.block_stamps: dict[Rank, int] = {}
-        self.applied_seq = 0  # source (event) sequence of the last delta applied
-        self.as_of = 0  # its log time
-        self.delta_seq = 0  # its sequence in the DELTAS stream
-        self._dirty_loads: set[Rank] = set()
-        self._dirty_blocks: set[Rank] = set()
-        self._removed: set[Rank] = set()
+        self.image = BucketImage(config.namespace)
+        self.delta_seq = 0  # sequence in the DELTAS stream of the last message handled
         self._position_dirty = False
         self._dirty = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -218,61 +200,46 @@ class Projector:
     def stop(self) -> None:
         self._stopping.set()
 
+    @property
+    def applied_seq(self) -> int:
+        """Source (event) sequence of the last event whose delta is wholly applied."""
+        return self.image.applied_seq
+
     async def resume(self) -> None:
-        """Load the bucket's values of this namespace back into memory."""
+        """Load the bucket's values of this namespace back into the image."""
         bucket = await read_bucket(self.nc, self.config)
         if bucket.unreadable:
-            # A damaged value is rewritten from the deltas: rebuild from the start.
+            # A damaged value is rewritten from the deltas: rebuild from the start, deleting
+            # whatever the deltas do not write again.
             key, (_, why) = next(iter(bucket.unreadable.items()))
             log.warning("bucket value %s unreadable (%s): replaying all deltas", key, why)
-            self._removed.update(bucket.loads, bucket.blocks)
-            for rank, _ in bucket.unreadable.values():
-                if rank is not None:
-                    self._removed.add(rank)
+            self.image.owe(every_key(self.config.namespace, bucket))
             return
+        self.image.restore(bucket)
         if (pos := bucket.position) is not None:
-            self.applied_seq, self.as_of, self.delta_seq = pos.applied_seq, pos.as_of, pos.delta_seq
+            self.delta_seq = pos.delta_seq
             self.flushed.value = pos.applied_seq
-        for rank, value in bucket.loads.items():
-            self.loads[rank] = value.rank_load()
-            self.load_stamps[rank] = (value.applied_seq, value.as_of)
-            self.blocks[rank] = set()
-        for rank, (stamp, hashes) in bucket.blocks.items():
-            self.blocks[rank] = hashes
-            self.block_stamps[rank] = stamp
-        # A rank whose load key is gone was removed; a blocks value alone is a leftover.
-        for rank in [r for r in self.blocks if r not in self.loads]:
-            del self.blocks[rank]
-            self.block_stamps.pop(rank, None)
-            self._removed.add(rank)
         log.info("resumed at source seq %d (delta %d) with %d ranks", self.applied_seq,
-                 self.delta_seq, len(self.loads))  # fmt: skip
+                 self.delta_seq, len(self.image.loads))  # fmt: skip
 
     def reset_to(
-        self, state: SequenceState, applied_seq: int, delta_seq: int, *, stale: set[Rank]
+        self, state: SequenceState, applied_seq: int, delta_seq: int, *, stale: list[str]
     ) -> None:
         """Take ``state``'s read model as the whole truth (``seqstate rebuild``).
 
-        Every rank is written anew, stamped with ``applied_seq``; ranks in ``stale`` that the
-        state does not have are deleted; the position resumes the projector after ``delta_seq``.
+        Every rank and live request is written anew, stamped with ``applied_seq``; keys in
+        ``stale`` that the state does not write are deleted; the position resumes the projector
+        after ``delta_seq``.
         """
-        self._reset()
-        self._removed.clear()
+        self.image = BucketImage(self.config.namespace)
         for delta in state.projection():
             delta.seq = applied_seq
-            self.apply(delta)
-        self._removed = {rank for rank in stale if rank not in self.loads}
-        self.applied_seq, self.delta_seq = applied_seq, delta_seq
-        self.as_of = state.now_ns
+            self.image.apply(delta)
+        self.image.as_of = state.now_ns
+        self.image.owe([(key, None) for key in stale])
+        self.delta_seq = delta_seq
+        self.flushed.value = 0
         self._position_dirty = True
-
-    def _reset(self) -> None:
-        self._removed.update(self.loads, self.blocks)
-        self.loads.clear()
-        self.blocks.clear()
-        self.load_stamps.clear()
-        self.block_stamps.clear()
-        self.applied_seq = self.as_of = self.delta_seq = self.flushed.value = 0
 
     # ---- folding deltas ---------------------------------------------------------------------
 
@@ -331,6 +298,16 @@ class Projector:
             if last > self._events_last:
                 return (f"not a writer's delta: event {last} is beyond the events stream "
                         f"(its last is {self._events_last})")  # fmt: skip
+        partial = self.image.partial
+        if (
+            partial is not None
+            and deltas
+            and (deltas[0].seq, deltas[0].part) != (partial[0], partial[1] + 1)
+        ):
+            raise DeltaGap(
+                f"the deltas of namespace {self.config.namespace!r} have a gap: message "
+                f"{delta_seq} does not continue event {partial[0]} after its part {partial[1]}"
+            )
         if prev > self.applied_seq:
             raise DeltaGap(
                 f"the deltas of namespace {self.config.namespace!r} have a gap: message "
@@ -342,45 +319,9 @@ class Projector:
 
     def apply(self, delta: Delta) -> None:
         self.stats.deltas += 1
-        seq = self.applied_seq if delta.seq is None else delta.seq
-        stamp = (seq, delta.at_ns)
-        for rank in delta.removed_ranks:
-            key = (rank[0], rank[1])
-            self.loads.pop(key, None)
-            self.blocks.pop(key, None)
-            self.load_stamps.pop(key, None)
-            self.block_stamps.pop(key, None)
-            self._dirty_loads.discard(key)
-            self._dirty_blocks.discard(key)
-            self._removed.add(key)
-        for rank in delta.added_ranks:
-            self._touch((rank[0], rank[1]), stamp, blocks=True)
-        for change in delta.changes:
-            rank = (change.rank[0], change.rank[1])
-            hashes = self._touch(rank, stamp, blocks=bool(change.removed or change.stored))
-            if change.removed:
-                hashes.difference_update(change.removed)
-            if change.stored:
-                hashes.update(change.stored)
-            self.loads[rank] = change.load
-        self.applied_seq = seq
-        self.as_of = max(self.as_of, delta.at_ns)
+        self.image.apply(delta)
         self._position_dirty = True
         self._dirty.set()
-
-    def _touch(self, rank: Rank, stamp: tuple[int, int], *, blocks: bool) -> set[int]:
-        hashes = self.blocks.get(rank)
-        if hashes is None:
-            hashes = self.blocks[rank] = set()
-            self.loads.setdefault(rank, RankLoad())
-            self._removed.discard(rank)
-            blocks = True  # a rank added anew must overwrite what a removed one left
-        self._dirty_loads.add(rank)
-        self.load_stamps[rank] = stamp
-        if blocks:
-            self._dirty_blocks.add(rank)
-            self.block_stamps[rank] = stamp[0]
-        return hashes
 
     # ---- writing the bucket -------------------------------------------------------------------
 
@@ -424,58 +365,36 @@ class Projector:
         return False
 
     async def flush(self) -> None:
-        """Write every dirty key once, then the position; on failure everything stays dirty."""
+        """Write every key owed once, then the position; on failure everything stays owed."""
         self._dirty.clear()
-        if not (self._position_dirty or self._dirty_loads or self._dirty_blocks or self._removed):
+        if not (self._position_dirty or self.image.dirty):
             return
-        loads, blocks, removed = self._dirty_loads, self._dirty_blocks, self._removed
-        self._dirty_loads, self._dirty_blocks, self._removed = set(), set(), set()
+        writes = self.image.take()
         self._position_dirty = False
-        position = Position(self.applied_seq, self.as_of, self.delta_seq)
+        position = self.image.position(self.delta_seq)
+        applied = self.applied_seq
         try:
-            await self._write(loads, blocks, removed, position)
+            await self._write(writes, position)
         except BaseException:
-            # Put back what this flush owed, unless a later delta superseded it.
-            self._dirty_loads |= {r for r in loads if r in self.loads}
-            self._dirty_blocks |= {r for r in blocks if r in self.blocks}
-            self._removed |= {r for r in removed if r not in self.loads}
+            self.image.owe(writes)  # unless a later delta superseded them
             self._position_dirty = True
             self._dirty.set()
             raise
         self.stats.flushes += 1
-        self.flushed.advance(position.applied_seq)
+        self.flushed.advance(applied)
 
-    async def _write(
-        self, loads: set[Rank], blocks: set[Rank], removed: set[Rank], position: Position
-    ) -> None:
+    async def _write(self, writes: list[Write], position: tuple[str, bytes]) -> None:
         self._check_lease()
-        ns = self.config.namespace
-        puts = self.values(loads, blocks)
-        futures = [await self._put(key, value) for key, value in puts]
-        for rank in sorted(removed):
-            futures.append(await self._put(load_key(ns, rank), b"", delete=True))
-            futures.append(await self._put(blocks_key(ns, rank), b"", delete=True))
+        futures = [await self._put(key, value or b"", delete=value is None)
+                   for key, value in writes]  # fmt: skip
         # publish_async has no deadline of its own: an ack lost to a disconnect would hang here.
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), ACK_TIMEOUT_S)
         self._check_lease()  # the acks can take long: still ours before the position moves?
-        await asyncio.wait_for(await self._put(position_key(ns), encode_position(position)),
-                               ACK_TIMEOUT_S)  # fmt: skip
-        self.stats.keys_written += len(puts)
-        self.stats.keys_deleted += 2 * len(removed)
-
-    def values(self, loads: set[Rank], blocks: set[Rank]) -> list[tuple[str, bytes]]:
-        """The bucket's ``(key, value)`` of these ranks' loads and block sets, as held now."""
-        ns = self.config.namespace
-        puts: list[tuple[str, bytes]] = []
-        for rank in sorted(loads):
-            if (load := self.loads.get(rank)) is not None:
-                seq, as_of = self.load_stamps[rank]
-                puts.append((load_key(ns, rank), encode_load(rank, load, seq, as_of)))
-        for rank in sorted(blocks):
-            if (hashes := self.blocks.get(rank)) is not None:
-                puts.append((blocks_key(ns, rank), encode_blocks(hashes, self.block_stamps[rank])))
-        return puts
+        await asyncio.wait_for(await self._put(*position), ACK_TIMEOUT_S)
+        deleted = sum(value is None for _, value in writes)
+        self.stats.keys_written += len(writes) - deleted
+        self.stats.keys_deleted += deleted
 
     def _check_lease(self) -> None:
         if self.lease is not None:
@@ -499,3 +418,12 @@ class Projector:
         self.stats.dead_letters += 1
         await self.dead_letters.put(self.config.deltas_stream, delta_seq, msg.subject, msg.data,
                                     reason)  # fmt: skip
+
+
+def every_key(namespace: str, bucket: BucketView) -> list[Write]:
+    """A delete of every read-model key the bucket holds (damaged ones too)."""
+    keys = [load_key(namespace, rank) for rank in bucket.loads]
+    keys += [slot_key(namespace, rank, slot) for rank, slots in bucket.slots.items()
+             for slot in slots]  # fmt: skip
+    keys += list(bucket.unreadable)
+    return [(key, None) for key in keys]

@@ -2,9 +2,10 @@
 
 The view watches the namespace's keys and folds each value into a
 :class:`~seqstate.PromptRegistry` as a synthetic :class:`~seqstate.Delta` (a rank's new load,
-the hashes that left or joined its block set, a removed rank), so ``loads`` and
+a slot's request released and the new one booked, a removed rank), so ``loads`` and
 ``potential_loads`` are the core's own code over the same data the writer's registry holds: no
-second implementation of the rules.
+second implementation of the rules. A slot value costs the view the hashes of that one
+request, whatever the size of its rank's set.
 
 Time: values carry their prefill anchors in log time. The view keeps one estimate of the log's
 clock, anchored at receive time: each value received at local monotonic time ``t`` with
@@ -32,8 +33,9 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from projector.bucket import CurrentValues
 from projector.config import Config
 from projector.progress import Progress
-from projector.values import Rank, decode_blocks, decode_load, decode_position, parse_key
+from projector.values import Rank, decode_load, decode_position, decode_request, parse_key
 from seqstate import Delta, LoadRow, PotentialLoadRow, PromptRegistry, RankChange
+from seqstate.deltas import Booking
 from seqstate.errors import SeqstateError
 from seqstate.loads import EMPTY_LOAD
 
@@ -72,7 +74,6 @@ class RegistryView:
         self.values_received = 0
         self.bad_values = 0
         self._initial_timeout = initial_timeout
-        self._blocks: dict[Rank, set[int]] = {}
         self._clock_offset_ns: int | None = None  # log time minus local monotonic time
         self._heard_at: float | None = None
         self._position = Progress()  # applied_seq, for wait_for
@@ -136,7 +137,7 @@ class RegistryView:
 
     def receive(self, key: str, value: bytes | None, *, deleted: bool = False) -> None:
         """Fold one bucket entry into the replica; a damaged value is counted and skipped."""
-        kind, rank = parse_key(self.config.namespace, key)
+        kind, rank, slot = parse_key(self.config.namespace, key)
         if kind == "lease":  # who writes, not what: renewed every second even when nothing moves
             return
         self.values_received += 1
@@ -148,20 +149,22 @@ class RegistryView:
                 self._observe(position.as_of)
             elif kind == "load" and rank is not None:
                 if deleted or not value:
-                    self._blocks.pop(rank, None)
                     self.registry.apply(Delta("applied", 0, removed_ranks=[rank]))
                 else:
                     load = decode_load(value)
                     self._observe(load.as_of)
                     self.registry.apply(Delta("applied", 0, [RankChange(rank, load.rank_load())]))
-            elif kind == "blocks" and rank is not None:
-                new = set() if deleted or not value else set(decode_blocks(value)[1])
-                old = self._blocks.get(rank, set())
-                if rank in self._blocks or new:
-                    self._blocks[rank] = new
-                    current = self.registry.load_of(rank) or EMPTY_LOAD
-                    change = RankChange(rank, current, list(old - new), list(new - old))
-                    self.registry.apply(Delta("applied", 0, [change]))
+            elif kind == "req" and rank is not None:
+                current = self.registry.load_of(rank)
+                if current is None and (deleted or not value):
+                    return  # the rest of a removed rank
+                booked = []
+                if not deleted and value:
+                    request = decode_request(value)
+                    if not request.empty:
+                        booked = [Booking(slot, request.request_id, request.hash_list())]
+                change = RankChange(rank, current or EMPTY_LOAD, [slot], booked)
+                self.registry.apply(Delta("applied", 0, [change]))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.bad_values += 1
             log.warning("skipping unreadable value of %s: %s", key, exc)

@@ -28,10 +28,11 @@ from nats.js.api import RawStreamMsg
 from projector.bucket import BucketView, read_bucket
 from projector.config import Config
 from projector.lease import DEFAULT_TTL_S, Holder, Lease, LeaseHeld
-from projector.projection import Projector
+from projector.projection import Projector, every_key
 from projector.retention import trimmed_below
 from projector.snapshots import SnapshotInfo, SnapshotStore
 from projector.stream_reader import fast_fold
+from projector.values import load_key, slot_key
 from projector.writer import first_seq_of, last_seq_of, log_time_ns
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
 from seqstate.bounds import RankBounds
@@ -264,14 +265,16 @@ async def replay(
 
 
 def differences(state: SequenceState, bucket: BucketView, namespace: str) -> list[str]:
-    """Each bucket key whose value differs from ``state``'s, with what differs."""
+    """Each bucket key whose value differs from ``state``'s, with what differs.
+
+    Slots are part of the write model, so each live request must sit in its own slot's key;
+    a slot key beyond the live ones must hold the empty value.
+    """
     out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
     expected_loads = {rank: slot.load() for rank, slot in state.workers.slots.items()}
-    expected_blocks = {rank: set(slot.blocks.present) for rank, slot in state.workers.slots.items()}
     got_loads = {rank: value.rank_load() for rank, value in bucket.loads.items()}
-    got_blocks = {rank: hashes for rank, (_, hashes) in bucket.blocks.items()}
     for rank in sorted(set(expected_loads) | set(got_loads)):
-        key = f"{namespace}.load.{rank[0]}.{rank[1]}"
+        key = load_key(namespace, rank)
         want, got = expected_loads.get(rank), got_loads.get(rank)
         if want is None:
             out.append(f"{key}: in the bucket, not in the replayed state")
@@ -280,15 +283,27 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
                 out.append(f"{key}: missing from the bucket")
         elif want != got:
             out.append(f"{key}: bucket {_load_text(got)}, replay {_load_text(want)}")
-    for rank in sorted(set(expected_blocks) | set(got_blocks)):
-        key = f"{namespace}.blocks.{rank[0]}.{rank[1]}"
-        want_set, got_set = expected_blocks.get(rank, set()), got_blocks.get(rank)
-        if got_set is None:
-            if (want_set or rank in expected_loads) and key not in bucket.unreadable:
-                out.append(f"{key}: missing from the bucket")
-        elif want_set != got_set:
-            out.append(f"{key}: {len(got_set - want_set)} hashes too many, "
-                       f"{len(want_set - got_set)} missing")  # fmt: skip
+    for rank in sorted(set(state.workers.slots) | set(bucket.slots)):
+        slot_state = state.workers.slots.get(rank)
+        live = {} if slot_state is None else {
+            r.slot: (request_id, r.hashes) for request_id, r in slot_state.requests.items()
+        }  # fmt: skip
+        held = bucket.requests(rank)
+        for slot in sorted(set(live) | set(held)):
+            key = slot_key(namespace, rank, slot)
+            if key in bucket.unreadable:
+                continue
+            want_request, got_value = live.get(slot), held.get(slot)
+            if got_value is None:
+                assert want_request is not None
+                out.append(f"{key}: request {want_request[0]!r} missing from the bucket")
+            elif want_request is None:
+                out.append(f"{key}: request {got_value.request_id!r} in the bucket, not live "
+                           "in the replayed state")  # fmt: skip
+            elif (got_value.request_id, got_value.hash_list()) != want_request:
+                out.append(f"{key}: bucket request {got_value.request_id!r} "
+                           f"({len(got_value.hashes) // 8} hashes), replay {want_request[0]!r} "
+                           f"({len(want_request[1])} hashes)")  # fmt: skip
     return out
 
 
@@ -336,9 +351,8 @@ async def rebuild(
         bucket = await read_bucket(nc, config)
         projector = Projector(nc, config)
         projector.lease = lease
-        unreadable = {rank for rank, _ in bucket.unreadable.values() if rank is not None}
-        projector.reset_to(replayed.state, replayed.last_seq, delta_seq,
-                           stale=set(bucket.loads) | set(bucket.blocks) | unreadable)  # fmt: skip
+        stale = [key for key, _ in every_key(config.namespace, bucket)]
+        projector.reset_to(replayed.state, replayed.last_seq, delta_seq, stale=stale)
         await projector.flush()
     finally:
         await lease.release()

@@ -6,10 +6,17 @@ RegistryView (reader) cannot drift apart:
 - ``<ns>.load.<worker_id>.<dp_rank>``: JSON, readable with ``nats kv get``: the rank's
   time-free load (the prefill part keeps its anchor in log time, decay is evaluated by the
   reader), stamped with the sequence and log time of the event that last changed it.
-- ``<ns>.blocks.<worker_id>.<dp_rank>``: msgpack ``{"applied_seq", "hashes"}``, the hashes being
-  the sorted active prompt-block hashes packed as little-endian u64 (8 bytes each; a msgpack
-  list of random u64s would take 9, and decoding the packed form is one C call), stamped alike.
-  Stamps come from the deltas, never from flush timing, so the bucket's bytes are a pure
+- ``<ns>.req.<worker_id>.<dp_rank>.<slot>``: msgpack ``{"applied_seq", "request_id",
+  "hashes"}``, one live request of the rank: the prompt-block hashes it holds, in prompt order,
+  packed as little-endian u64 (8 bytes each; a msgpack list of random u64s would take 9, and
+  decoding the packed form is one C call). The slot is the request's slot in the write model
+  (the lowest free one of its rank when it was booked), so keys are reused: a rank has as many
+  slot keys as it ever had requests in flight at once, not one per request it ever served,
+  and a free slot holds an empty value (no ``request_id``, no hashes) instead of leaving a
+  delete marker per request in the bucket's stream. A booking writes one key of the size of
+  its prompt, a free writes one small value: the cost of an event follows what it changed.
+  A reader reference-counts each rank's hashes over its slots.
+- Stamps come from the deltas, never from flush timing, so the bucket's bytes are a pure
   function of the log: a projector that crashed and resumed writes what an uninterrupted one
   writes.
 - ``<ns>.position``: JSON ``{"applied_seq", "as_of", "delta_seq"}``, written after every flush
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable
+from typing import NamedTuple
 
 import msgspec
 
@@ -62,9 +69,20 @@ class LoadValue(msgspec.Struct, frozen=True):
         )  # fmt: skip
 
 
-class BlocksValue(msgspec.Struct, frozen=True):
+class RequestValue(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One slot: the request it holds (empty: none) and when that last changed."""
+
     applied_seq: int
-    hashes: bytes
+    request_id: str = ""
+    hashes: bytes = b""
+
+    @property
+    def empty(self) -> bool:
+        return not self.request_id and not self.hashes
+
+    def hash_list(self) -> list[int]:
+        """The packed hashes as ints; raises ``ValueError`` unless a multiple of 8 bytes."""
+        return unpack_hashes(self.hashes)
 
 
 class Position(msgspec.Struct, frozen=True):
@@ -76,7 +94,7 @@ class Position(msgspec.Struct, frozen=True):
 _json = msgspec.json.Encoder()
 _msgpack = msgspec.msgpack.Encoder()
 _load_decoder = msgspec.json.Decoder(LoadValue)
-_blocks_decoder = msgspec.msgpack.Decoder(BlocksValue)
+_request_decoder = msgspec.msgpack.Decoder(RequestValue)
 _position_decoder = msgspec.json.Decoder(Position)
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -85,8 +103,8 @@ def load_key(namespace: str, rank: Rank) -> str:
     return f"{namespace}.load.{rank[0]}.{rank[1]}"
 
 
-def blocks_key(namespace: str, rank: Rank) -> str:
-    return f"{namespace}.blocks.{rank[0]}.{rank[1]}"
+def slot_key(namespace: str, rank: Rank, slot: int) -> str:
+    return f"{namespace}.req.{rank[0]}.{rank[1]}.{slot}"
 
 
 def position_key(namespace: str) -> str:
@@ -97,18 +115,34 @@ def lease_key(namespace: str) -> str:
     return f"{namespace}.lease"
 
 
-def parse_key(namespace: str, key: str) -> tuple[str, Rank | None]:
-    """``("load", rank)``, ``("blocks", rank)``, ``("position", None)`` or ``("lease", None)``;
-    else ``("", None)``."""
+class Key(NamedTuple):
+    """A parsed bucket key: ``kind`` is "load", "req", "position", "lease", or "" (not ours)."""
+
+    kind: str
+    rank: Rank | None = None
+    slot: int = -1
+
+
+NOT_OURS = Key("")
+
+
+def parse_key(namespace: str, key: str) -> Key:
     parts = key.split(".")
-    if len(parts) == 2 and parts[0] == namespace and parts[1] in ("position", "lease"):
-        return parts[1], None
-    if len(parts) == 4 and parts[0] == namespace and parts[1] in ("load", "blocks"):
-        try:
-            return parts[1], (int(parts[2]), int(parts[3]))
-        except ValueError:
-            return "", None
-    return "", None
+    if len(parts) < 2 or parts[0] != namespace:
+        return NOT_OURS
+    kind = parts[1]
+    try:
+        if len(parts) == 2 and kind in ("position", "lease"):
+            return Key(kind)
+        if len(parts) == 4 and kind == "load":
+            return Key(kind, (int(parts[2]), int(parts[3])))
+        if len(parts) == 5 and kind == "req":
+            slot = int(parts[4])
+            if slot >= 0:
+                return Key(kind, (int(parts[2]), int(parts[3])), slot)
+    except ValueError:
+        pass
+    return NOT_OURS
 
 
 def encode_load(rank: Rank, load: RankLoad, applied_seq: int, as_of: int) -> bytes:
@@ -127,21 +161,35 @@ def decode_load(data: bytes) -> LoadValue:
     return _load_decoder.decode(data)
 
 
-def encode_blocks(hashes: Iterable[int], applied_seq: int) -> bytes:
-    packed = array("Q", sorted(hashes))
+def pack_hashes(hashes: list[int]) -> bytes:
+    packed = array("Q", hashes)
     if _BIG_ENDIAN:
         packed.byteswap()
-    return _msgpack.encode(BlocksValue(applied_seq, packed.tobytes()))
+    return packed.tobytes()
 
 
-def decode_blocks(data: bytes) -> tuple[int, array[int]]:
-    """``(applied_seq, hashes)``; raises ``msgspec.DecodeError`` or ``ValueError`` if damaged."""
-    value = _blocks_decoder.decode(data)
+def unpack_hashes(data: bytes) -> list[int]:
     hashes = array("Q")
-    hashes.frombytes(value.hashes)  # ValueError unless a multiple of 8 bytes
+    hashes.frombytes(data)  # ValueError unless a multiple of 8 bytes
     if _BIG_ENDIAN:
         hashes.byteswap()
-    return value.applied_seq, hashes
+    return hashes.tolist()
+
+
+def encode_request(
+    applied_seq: int, request_id: str = "", hashes: list[int] | None = None
+) -> bytes:
+    """A slot's value; without a request, the empty value of a free slot."""
+    packed = pack_hashes(hashes) if hashes else b""
+    return _msgpack.encode(RequestValue(applied_seq, request_id, packed))
+
+
+def decode_request(data: bytes) -> RequestValue:
+    """Raises ``msgspec.DecodeError`` or ``ValueError`` if damaged."""
+    value = _request_decoder.decode(data)
+    if len(value.hashes) % 8:
+        raise ValueError(f"packed hashes of {len(value.hashes)} bytes, not a multiple of 8")
+    return value
 
 
 def encode_position(position: Position) -> bytes:

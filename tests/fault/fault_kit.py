@@ -34,7 +34,7 @@ from pipeline_kit import read_log
 
 from projector.config import Config
 from projector.dead_letters import SOURCE_SEQ
-from projector.projection import Projector
+from projector.image import BucketImage
 from projector.publisher import RouterPublisher
 from projector.values import Position, decode_position, lease_key, position_key
 from projector.writer import last_seq_of
@@ -455,7 +455,7 @@ async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[st
     projector given its deltas writes (the lease and position aside), the last event."""
     state = config.new_state()
     state.defer_registry()  # as the writer folds
-    projector = Projector(nc, config)
+    image = BucketImage(config.namespace)
     last = 0
     for seq, at_ns, data in await read_log(nc, config):
         last = seq
@@ -467,6 +467,5 @@ async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[st
             continue  # dead-lettered by the writer
         delta = state.apply(event, at_ns)
         delta.seq = seq
-        projector.apply(delta)
-    values = dict(projector.values(set(projector.loads), set(projector.blocks)))
-    return state.snapshot(), values, last
+        image.apply(delta)
+    return state.snapshot(), image.everything(), last

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 
 from projector.resources import ensure
 from projector.server import NatsServer
-from projector.values import decode_blocks, decode_load, decode_position, parse_key
+from projector.values import decode_load, decode_position, decode_request, parse_key
 from projector.writer import last_seq_of
 
 KILLS = 4
@@ -33,12 +33,12 @@ def decoded(namespace: str, values: dict[str, bytes]) -> dict[str, object]:
     """The bucket's values in readable form, for a failure message that names the difference."""
     out: dict[str, object] = {}
     for key, raw in values.items():
-        kind, _ = parse_key(namespace, key)
+        kind = parse_key(namespace, key).kind
         if kind == "load":
             out[key] = msgspec.to_builtins(decode_load(raw))
-        elif kind == "blocks":
-            seq, hashes = decode_blocks(raw)
-            out[key] = (seq, sorted(hashes))
+        elif kind == "req":
+            value = decode_request(raw)
+            out[key] = (value.applied_seq, value.request_id, value.hash_list())
         elif kind == "position":
             out[key] = msgspec.to_builtins(decode_position(raw))
         else:
@@ -105,7 +105,7 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
     position = decode_position(want[f"{ns}.position"])
     assert position.applied_seq == last
     assert position.delta_seq == await last_seq_of(js, config.deltas_stream, config.deltas_subject)
-    assert any(parse_key(ns, key)[0] == "blocks" for key in want)
+    assert any(parse_key(ns, key).kind == "req" for key in want)
     assert sorted(got) == sorted(want), "the killed projector's keys differ"
     differing = sorted(key for key in want if got[key] != want[key])
     shown = [f"{k}: {decoded(ns, {k: got[k]})[k]} != {decoded(ns, {k: want[k]})[k]}"

@@ -23,7 +23,7 @@ from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.replay import verify
 from projector.resources import dead_letter_stream, ensure
-from projector.values import blocks_key, decode_blocks, load_key, position_key
+from projector.values import decode_request, load_key, position_key, slot_key
 from projector.writer import Writer
 from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas
 
@@ -92,14 +92,16 @@ async def test_bucket_values_are_readable_and_removed_ranks_are_deleted(nc: Clie
         await pipeline.wait_applied(last)
     kv = await nc.jetstream().key_value(config.registry_bucket)
     bucket = await read_bucket(nc, config)  # kv.keys() can lose a race with its own marker
-    keys = sorted([position_key(config.namespace)] * (bucket.position is not None)
-                  + [load_key(config.namespace, r) for r in bucket.loads]
-                  + [blocks_key(config.namespace, r) for r in bucket.blocks])  # fmt: skip
     ns = config.namespace
+    keys = sorted([position_key(ns)] * (bucket.position is not None)
+                  + [load_key(ns, r) for r in bucket.loads]
+                  + [slot_key(ns, r, s) for r, slots in bucket.slots.items() for s in slots])  # fmt: skip
+    # One key per slot: r1 on (1, 0); r6 reuses the slot r2 freed on (1, 1); r3 and r5 on
+    # (2, 0). The removed lazy worker 7 left none.
     assert keys == sorted(
         [position_key(ns)]
         + [load_key(ns, r) for r in [(1, 0), (1, 1), (2, 0)]]
-        + [blocks_key(ns, r) for r in [(1, 0), (1, 1), (2, 0)]]
+        + [slot_key(ns, r, s) for r, s in [((1, 0), 0), ((1, 1), 0), ((2, 0), 0), ((2, 0), 1)]]
     )
     value = json.loads((await kv.get(load_key(ns, (2, 0)))).value or b"")
     assert value["worker_id"] == 2 and value["dp_rank"] == 0
@@ -107,8 +109,9 @@ async def test_bucket_values_are_readable_and_removed_ranks_are_deleted(nc: Clie
     assert value["active_blocks"] == 5  # PREFIX[:2] ∪ PREFIX + [8]
     assert value["prefill"]["full_tokens"] == 1300
     assert value["applied_seq"] == last - 3  # the event that last changed it: r5's add
-    _, hashes = decode_blocks((await kv.get(blocks_key(ns, (1, 1)))).value or b"")
-    assert sorted(hashes) == sorted([*PREFIX, 2])  # r2 freed, r6 holds PREFIX + [2]
+    r6 = decode_request((await kv.get(slot_key(ns, (1, 1), 0))).value or b"")
+    assert (r6.request_id, r6.hash_list()) == ("r6", [*PREFIX, 2])  # in prompt order
+    assert r6.applied_seq == last
     position = json.loads((await kv.get(position_key(ns))).value or b"")
     assert position["applied_seq"] == last
 
@@ -201,11 +204,11 @@ class RecordingProjector(Projector):
 
     def __init__(self, nc: Client, config: Config) -> None:
         super().__init__(nc, config)
-        self.writes: list[tuple[float, int]] = []
+        self.writes: list[tuple[float, list[str]]] = []
 
-    async def _write(self, loads, blocks, removed, position):  # type: ignore[no-untyped-def]
-        self.writes.append((asyncio.get_running_loop().time(), len(loads) + len(blocks)))
-        await super()._write(loads, blocks, removed, position)
+    async def _write(self, writes, position):  # type: ignore[no-untyped-def]
+        self.writes.append((asyncio.get_running_loop().time(), [key for key, _ in writes]))
+        await super()._write(writes, position)
 
 
 async def test_the_projector_writes_each_key_at_most_once_per_flush_interval(nc: Client) -> None:
@@ -230,9 +233,14 @@ async def test_the_projector_writes_each_key_at_most_once_per_flush_interval(nc:
     starts = [t for t, _ in projector.writes[:looped]]
     assert looped >= 12
     assert min(b - a for a, b in itertools.pairwise(starts)) >= 0.05 * 0.99
-    # 600 deltas each touched one rank: coalesced into far fewer writes of the 4 keys.
+    assert all(len(keys) == len(set(keys)) for _, keys in projector.writes)  # once per flush
+    # 600 deltas each touched one of 2 ranks: their loads coalesced into far fewer writes;
+    # each request's slot key was written once.
     assert projector.stats.deltas == 600
-    assert projector.stats.keys_written <= 4 * len(projector.writes) < 600
+    loads = [key for _, keys in projector.writes for key in keys if ".load." in key]
+    assert len(loads) <= 2 * len(projector.writes) < 600
+    slots = [key for _, keys in projector.writes for key in keys if ".req." in key]
+    assert len(slots) == len(set(slots)) == 600
 
 
 async def test_a_malformed_delta_is_dead_lettered_and_the_projector_goes_on(nc: Client) -> None:
@@ -301,7 +309,7 @@ async def test_an_idle_lazy_rank_is_forgotten_and_its_keys_deleted(nc: Client) -
             await asyncio.sleep(0.01)
         await pipeline.wait_applied(pipeline.writer.stats.last_seq)
     bucket = await read_bucket(nc, config)
-    assert set(bucket.loads) == {(1, 0)} and set(bucket.blocks) <= {(1, 0)}
+    assert set(bucket.loads) == {(1, 0)} and set(bucket.slots) <= {(1, 0)}
     assert await verify(nc, config) == []
 
 
