@@ -39,16 +39,14 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from projector.config import Config
-from projector.dead_letters import SOURCE_SEQ
 from projector.progress import Progress
+from projector.stream import EXPECTED_LAST_SUBJECT_SEQ, PREV_SOURCE_SEQ, SOURCE_SEQ
 from projector.tasks import cancel
 from seqstate import Delta, decode_deltas, encode_deltas
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
 
-PREV_SOURCE_SEQ = "Seqstate-Prev-Source-Seq"
-EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
 MAX_BATCH = 256  # deltas per message
 MAX_PENDING = 100_000  # deltas folded but not stored; the fold waits beyond this

@@ -42,11 +42,12 @@ from nats.js.kv import KV_DEL, KV_OP
 from projector.bucket import read_bucket
 from projector.config import Config
 from projector.dead_letters import DeadLetters
-from projector.delta_log import PREV_SOURCE_SEQ, chain_problem
+from projector.delta_log import chain_problem
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.retry import ATTEMPT_TIMEOUT_S, retrying
+from projector.stream import PREV_SOURCE_SEQ, last_seq_of, log_time_ns
 from projector.tasks import attempt, cancel
 from projector.values import (
     Position,
@@ -58,7 +59,6 @@ from projector.values import (
     load_key,
     position_key,
 )
-from projector.writer import last_seq_of, log_time_ns
 from seqstate import Delta, RankLoad, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 

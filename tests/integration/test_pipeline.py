@@ -16,13 +16,13 @@ from pipeline_kit import fresh_config, read_log
 from projector.bucket import read_bucket
 from projector.config import Config
 from projector.dead_letters import REASON
-from projector.delta_log import PREV_SOURCE_SEQ
 from projector.pipeline import Pipeline
 from projector.projection import Projector
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.replay import verify
 from projector.resources import dead_letter_stream, ensure
+from projector.stream import PREV_SOURCE_SEQ
 from projector.values import blocks_key, decode_blocks, load_key, position_key
 from projector.writer import Writer
 from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas
