@@ -102,12 +102,12 @@ from pipeline import collect, connect, git_revision, machine
 
 import seqstate.state
 from projector.config import Config
-from projector.dead_letters import SOURCE_SEQ
 from projector.replay import fold_stream
 from projector.resources import ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
-from projector.writer import Writer, log_time_ns
+from projector.stream import SOURCE_SEQ, log_time_ns
+from projector.writer import Writer
 from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_deltas, encode_event
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
@@ -544,7 +544,10 @@ def core_alone(kept: Sequence[tuple[bytes, int]], config: Config) -> dict[str, A
 CATEGORIES: Final = (
     ("seqstate: decode_event", ("seqstate/events",)),
     ("seqstate: apply (the fold, registry rebuild)", ("seqstate/", "SequenceState", "seqstate.")),
-    ("fold_stream's loop (_Folder / take, log_time_ns)", ("projector/replay", "projector/writer")),
+    (
+        "fold_stream's loop (_Folder / take, log_time_ns)",
+        ("projector/replay", "projector/stream.py"),
+    ),
     ("fast path, this side (pipe reads, batch decode)", ("projector/stream_reader",)),
     ("nats-py JetStream (ordered-consumer checks, metadata)", ("nats/js/",)),
     ("nats-py core (read loop, parser, Msg, dispatch)", ("nats/aio/", "nats/protocol/")),

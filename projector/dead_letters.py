@@ -18,10 +18,10 @@ from nats.js import JetStreamContext
 
 from projector.config import Config
 from projector.retry import ATTEMPT_TIMEOUT_S, retrying
+from projector.stream import MSG_ID, SOURCE_SEQ
 
 log = logging.getLogger("seqstate.dead")
 
-SOURCE_SEQ = "Seqstate-Source-Seq"
 REASON = "Seqstate-Reason"
 SOURCE_STREAM = "Seqstate-Source-Stream"
 SUBJECT = "Seqstate-Subject"
@@ -50,7 +50,7 @@ class DeadLetters:
         """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it."""
         log.warning("dead letter: %s %d on %s: %s", stream, seq, subject, one_line(reason, 300))
         headers = {
-            "Nats-Msg-Id": f"dead:{self._config.namespace}:{stream}:{seq}",
+            MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",
             REASON: one_line(reason),
             SOURCE_STREAM: stream,
             SOURCE_SEQ: str(seq),

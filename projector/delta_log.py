@@ -47,8 +47,14 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from projector.config import Config
-from projector.dead_letters import SOURCE_SEQ
 from projector.progress import Progress
+from projector.stream import (
+    EXPECTED_LAST_SUBJECT_SEQ,
+    MSG_ID,
+    PREV_SOURCE_SEQ,
+    SOURCE_PART,
+    SOURCE_SEQ,
+)
 from projector.tasks import cancel
 from seqstate import Delta, decode_deltas, encode_deltas
 from seqstate.deltas import split_delta
@@ -56,9 +62,6 @@ from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
 
-PREV_SOURCE_SEQ = "Seqstate-Prev-Source-Seq"
-SOURCE_PART = "Seqstate-Source-Part"  # present when a message ends inside an event's parts
-EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
 MAX_BATCH = 256  # deltas per message
 MAX_PENDING = 100_000  # deltas folded but not stored; the fold waits beyond this
@@ -256,7 +259,7 @@ class DeltaLog:
         if last_delta.more:  # the message ends inside the event's parts
             msg_id = f"{msg_id}.{last_delta.part}"
             headers[SOURCE_PART] = str(last_delta.part)
-        headers["Nats-Msg-Id"] = msg_id
+        headers[MSG_ID] = msg_id
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_for_s
         backoff = 0.05
@@ -297,9 +300,7 @@ class DeltaLog:
         seq = raw.seq or 0
         headers = raw.headers or {}
         source = _source_seq(headers, raw.data)
-        if headers.get("Nats-Msg-Id") == msg_id and headers.get(PREV_SOURCE_SEQ) == str(
-            self.stored.value
-        ):
+        if headers.get(MSG_ID) == msg_id and headers.get(PREV_SOURCE_SEQ) == str(self.stored.value):
             return seq  # stored before its ack was lost
         if await self._plausible(headers, raw.data):
             raise AnotherWriter(

@@ -25,7 +25,8 @@ from nats.aio.client import Client
 from projector.config import Config, ConfigError
 from projector.projection import DeltaGap, Projector
 from projector.resources import ProvisioningError
-from projector.writer import SnapshotUnavailable, Writer
+from projector.snapshotter import SnapshotUnavailable
+from projector.writer import Writer
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate")

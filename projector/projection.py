@@ -43,15 +43,15 @@ from nats.js.kv import KV_DEL, KV_OP
 from projector.bucket import BucketView, read_bucket
 from projector.config import Config
 from projector.dead_letters import DeadLetters
-from projector.delta_log import PREV_SOURCE_SEQ, chain_problem
+from projector.delta_log import chain_problem
 from projector.image import BucketImage, Write
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.retry import ATTEMPT_TIMEOUT_S, retrying
+from projector.stream import PREV_SOURCE_SEQ, last_seq_of, log_time_ns
 from projector.tasks import attempt, cancel
 from projector.values import load_key, slot_key
-from projector.writer import last_seq_of, log_time_ns
 from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 

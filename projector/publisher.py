@@ -31,6 +31,7 @@ from nats.aio.client import Client
 from nats.js.api import PubAck
 
 from projector.config import Config
+from projector.stream import MSG_ID as MSG_ID_HEADER
 from seqstate import (
     AddOutputBlock,
     AddRequest,
@@ -42,7 +43,6 @@ from seqstate import (
 )
 from seqstate.errors import SeqstateError
 
-MSG_ID_HEADER = "Nats-Msg-Id"
 # An event's delta is about its size plus headers; both must fit under the server's limit.
 EVENT_HEADROOM = 8 * 1024
 # Pause before retry n (1-based): BACKOFF_S * 2**(n-1), capped; gives a stream leader election

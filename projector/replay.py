@@ -31,9 +31,9 @@ from projector.lease import DEFAULT_TTL_S, Holder, Lease, LeaseHeld
 from projector.projection import Projector, every_key
 from projector.retention import trimmed_below
 from projector.snapshots import SnapshotInfo, SnapshotStore
+from projector.stream import first_seq_of, last_seq_of, log_time_ns
 from projector.stream_reader import fast_fold
 from projector.values import load_key, slot_key
-from projector.writer import first_seq_of, last_seq_of, log_time_ns
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
 from seqstate.bounds import RankBounds
 from seqstate.errors import SeqstateError

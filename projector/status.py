@@ -19,7 +19,7 @@ from projector.resources import dead_letter_stream
 from projector.retention import trimmed_below
 from projector.security import redact
 from projector.snapshots import SnapshotStore
-from projector.writer import last_seq_of
+from projector.stream import last_seq_of
 
 
 class ConsumerStatus(msgspec.Struct):

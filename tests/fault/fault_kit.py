@@ -33,11 +33,10 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 from pipeline_kit import read_log
 
 from projector.config import Config
-from projector.dead_letters import SOURCE_SEQ
 from projector.image import BucketImage
 from projector.publisher import RouterPublisher
+from projector.stream import SOURCE_SEQ, last_seq_of
 from projector.values import Position, decode_position, lease_key, position_key
-from projector.writer import last_seq_of
 from seqstate import (
     AddRequest,
     Event,

@@ -15,11 +15,11 @@ import msgspec
 from fault_kit import WAIT_S, Service, delta_source_seq, fault_config, wait_until
 from nats.aio.client import Client
 
-from projector.delta_log import PREV_SOURCE_SEQ
 from projector.lease import Holder
 from projector.publisher import RouterPublisher
 from projector.resources import ensure
 from projector.server import NatsServer
+from projector.stream import PREV_SOURCE_SEQ
 from projector.values import lease_key
 from seqstate import Delta, encode_deltas
 

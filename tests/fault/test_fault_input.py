@@ -23,11 +23,11 @@ from fault_kit import (
 from nats.aio.client import Client
 
 from projector.dead_letters import SIZE, TRUNCATED
-from projector.delta_log import PREV_SOURCE_SEQ
 from projector.publisher import RouterPublisher
 from projector.resources import dead_letter_stream, ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
+from projector.stream import PREV_SOURCE_SEQ
 from projector.values import position_key
 from seqstate import Delta, WorkerAdded, encode_deltas
 

@@ -23,8 +23,8 @@ from nats.aio.client import Client
 
 from projector.resources import ensure
 from projector.server import NatsServer
+from projector.stream import last_seq_of
 from projector.values import decode_load, decode_position, decode_request, parse_key
-from projector.writer import last_seq_of
 
 KILLS = 4
 

@@ -35,8 +35,8 @@ from projector.publisher import PublishError, RouterPublisher
 from projector.resources import ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
+from projector.stream import last_seq_of
 from projector.values import position_key
-from projector.writer import last_seq_of
 
 KILLS = 3
 WINDOW = 40  # publishes in flight at once: the writer always has deltas on the wire

@@ -21,11 +21,10 @@ from fault_kit import (
 from nats.aio.client import Client
 from pipeline_kit import read_log
 
-from projector.dead_letters import SOURCE_SEQ
 from projector.resources import ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
-from projector.writer import last_seq_of
+from projector.stream import SOURCE_SEQ, last_seq_of
 from seqstate import (
     EventDecodeError,
     SnapshotError,

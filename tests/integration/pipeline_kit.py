@@ -10,7 +10,7 @@ from nats.aio.client import Client
 
 from projector.config import Config
 from projector.resources import ensure
-from projector.writer import last_seq_of, log_time_ns
+from projector.stream import last_seq_of, log_time_ns
 from seqstate import AddRequest, Free, encode_event
 
 _names = itertools.count()

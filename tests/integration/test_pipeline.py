@@ -16,13 +16,13 @@ from pipeline_kit import fresh_config, read_log
 from projector.bucket import read_bucket
 from projector.config import Config
 from projector.dead_letters import REASON
-from projector.delta_log import PREV_SOURCE_SEQ
 from projector.pipeline import Pipeline
 from projector.projection import Projector
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.replay import verify
 from projector.resources import dead_letter_stream, ensure
+from projector.stream import PREV_SOURCE_SEQ
 from projector.values import decode_request, load_key, position_key, slot_key
 from projector.writer import Writer
 from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas
@@ -93,9 +93,9 @@ async def test_bucket_values_are_readable_and_removed_ranks_are_deleted(nc: Clie
     kv = await nc.jetstream().key_value(config.registry_bucket)
     bucket = await read_bucket(nc, config)  # kv.keys() can lose a race with its own marker
     ns = config.namespace
+    slots = [slot_key(ns, r, s) for r, held in bucket.slots.items() for s in held]
     keys = sorted([position_key(ns)] * (bucket.position is not None)
-                  + [load_key(ns, r) for r in bucket.loads]
-                  + [slot_key(ns, r, s) for r, slots in bucket.slots.items() for s in slots])  # fmt: skip
+                  + [load_key(ns, r) for r in bucket.loads] + slots)  # fmt: skip
     # One key per slot: r1 on (1, 0); r6 reuses the slot r2 freed on (1, 1); r3 and r5 on
     # (2, 0). The removed lazy worker 7 left none.
     assert keys == sorted(

@@ -18,7 +18,9 @@ from projector.publisher import RouterPublisher
 from projector.replay import ReplayError, replay
 from projector.resources import ensure
 from projector.snapshots import SnapshotStore
-from projector.writer import SnapshotUnavailable, Writer, first_seq_of
+from projector.snapshotter import SnapshotUnavailable
+from projector.stream import first_seq_of
+from projector.writer import Writer
 from seqstate import EventDecodeError, decode_event
 
 

@@ -17,12 +17,12 @@ from projector.dead_letters import (
     PREFIX_BYTES,
     REASON,
     SIZE,
-    SOURCE_SEQ,
     SOURCE_STREAM,
     TRUNCATED,
 )
 from projector.replay import replay
 from projector.resources import dead_letter_stream, ensure
+from projector.stream import SOURCE_SEQ
 from projector.writer import Writer
 from seqstate import (
     AddRequest,
