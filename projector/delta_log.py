@@ -66,6 +66,7 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fail
 MAX_BATCH = 256  # deltas per message
 MAX_PENDING = 100_000  # deltas folded but not stored; the fold waits beyond this
 HEADROOM = 4096  # under the server's payload limit, for headers and the protocol line
+EVENT_MARGIN = 1024  # what a delta adds to its event's bytes: its rank, load and envelope
 ACK_TIMEOUT_S = 2.0  # per attempt: a request in flight when the server died never returns
 RETRY_FOR_S = 60.0
 MAX_BACKOFF_S = 1.0
@@ -177,6 +178,11 @@ class DeltaLog:
             return split_delta(delta, self._limit)
         except ValueError as exc:
             raise DeltaTooLarge(str(exc)) from None
+
+    @property
+    def max_event(self) -> int:
+        """The largest event whose delta surely fits one message."""
+        return self._limit - EVENT_MARGIN
 
     @property
     def backlogged(self) -> bool:

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import api
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
@@ -49,8 +48,8 @@ from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.retry import ATTEMPT_TIMEOUT_S, retrying
-from projector.stream import PREV_SOURCE_SEQ, last_seq_of, log_time_ns
-from projector.tasks import attempt, cancel
+from projector.stream import PREV_SOURCE_SEQ, OrderedConsumer, log_time_ns
+from projector.tasks import cancel
 from projector.values import load_key, slot_key
 from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
@@ -108,10 +107,12 @@ class Projector:
         self._dirty = asyncio.Event()
         self._stopping = asyncio.Event()
         self.flushed = Progress()  # the source sequence the bucket's position reflects
-        self._target = 0
         self._events_last = 0  # the events stream's last sequence, as last looked up
         self._failure: BaseException | None = None
-        self.caught_up = asyncio.Event()
+        # The DELTAS stream is read by the shared runner; this projector is its processor.
+        self._consumer = OrderedConsumer(self._js, config.deltas_stream, config.deltas_subject,
+                                         self, on_failure=self._fail)  # fmt: skip
+        self.caught_up = self._consumer.caught_up
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -151,53 +152,29 @@ class Projector:
         self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
-        log.error("projector stopping: %s", exc)
+        log.error("projector stopping: %r", exc)
+        self._consumer.halt()
         if self._failure is None:
             self._failure = exc
         self._stopping.set()
 
     async def _project(self) -> None:
         await self.resume()
-        target = await last_seq_of(self._js, self.config.deltas_stream, self.config.deltas_subject)
-        self._target = target
-        if self.delta_seq >= target:
-            self.caught_up.set()
-        sub = await self._js.subscribe(
-            self.config.deltas_subject,
-            stream=self.config.deltas_stream,
-            ordered_consumer=True,
-            idle_heartbeat=1.0,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            config=api.ConsumerConfig(opt_start_seq=self.delta_seq + 1),
-            cb=self._on_message,
-        )
+        await self._consumer.start(after=self.delta_seq)
         flusher = asyncio.create_task(self._flush_loop())
         try:
             await self._stopping.wait()
-            await attempt(sub.unsubscribe())
+            await self._consumer.stop()
             if self._failure is None:  # a failed projector (its lease lost) writes no more
                 await self.flush()
         finally:
             await cancel(flusher)
-            await attempt(sub.unsubscribe())
+            await self._consumer.stop()
         if self._failure is not None:
             raise self._failure
 
-    async def _on_message(self, msg: Msg) -> None:
-        if self._stopping.is_set():
-            return
-        try:
-            await self.handle(msg)
-        except Exception as exc:  # the client would swallow a callback's error
-            log.error("projector stopping: %r", exc)
-            self._failure = exc
-            self._stopping.set()
-            return
-        if not self.caught_up.is_set() and self.delta_seq >= self._target:
-            self.caught_up.set()
-        await asyncio.sleep(0)  # a backlog would otherwise starve the flush loop
-
     def stop(self) -> None:
+        self._consumer.halt()
         self._stopping.set()
 
     @property

@@ -153,6 +153,13 @@ class Writer:
         seq, at_ns = log_time_ns(msg)
         self.stats.last_seq = seq
         self._last_event_at = asyncio.get_running_loop().time()
+        if len(msg.data) > self.deltas.max_event:
+            # Its delta (the booking of its prompt) could never be stored: refuse it here,
+            # once, rather than stall on it. RouterPublisher refuses it before it is logged.
+            await self._dead_letter(msg, seq, f"refused: an event of {len(msg.data)} bytes; "
+                                    f"its delta would not fit a message (at most "
+                                    f"{self.deltas.max_event} bytes of event)")  # fmt: skip
+            return
         try:
             event = decode_event(msg.data)
         except EventDecodeError as exc:
