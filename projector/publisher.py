@@ -18,16 +18,23 @@ msg-id collision can cause) raises :class:`PublishError` instead of passing as s
 Order: events published one after another (each awaited) are stored in that order. Events
 fired concurrently are stored in some order, and a retried one may land after events published
 later; the writer tolerates that (a Free before its Add leaves a tombstone).
+
+:meth:`RouterPublisher.publish_many` is the batch path, with the same guarantees at a fraction
+of the per-event cost: it checks every event before it sends any, sends them all pipelined in
+the given order with their own msg-ids and collects the acks on one reply subscription of its
+own (no task, future or timer per event). Its order guarantee is in its docstring.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
 from projector.config import Config
@@ -59,12 +66,89 @@ class EventTooLarge(SeqstateError, ValueError):
 
 
 class PublishError(SeqstateError, RuntimeError):
-    """An event could not be stored on the stream; the message names the request and msg-id."""
+    """An event could not be stored on the stream; the message names the request and msg-id.
 
-    def __init__(self, message: str, *, msg_id: str, request_id: str | None) -> None:
+    Raised by :meth:`RouterPublisher.publish_many`, ``sequences`` holds the stream sequence of
+    every event of the call in the given order, ``None`` for each one not stored (the one named
+    and any other that failed); else it is ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        msg_id: str,
+        request_id: str | None,
+        sequences: list[int | None] | None = None,
+    ) -> None:
         super().__init__(message)
         self.msg_id = msg_id
         self.request_id = request_id
+        self.sequences = sequences
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _Ack(msgspec.Struct):
+    """A JetStream publish ack as the server sends it (or its error)."""
+
+    seq: int = 0
+    duplicate: bool = False
+    error: _ApiError | None = None
+
+
+_ACK_DECODER = msgspec.json.Decoder(_Ack)
+_NO_RESPONDERS = "503"
+
+
+class _Round:
+    """One attempt at some events of a :meth:`RouterPublisher.publish_many` call.
+
+    Every event sent gets a reply token of its own; the publisher's reply callback settles it
+    (``seqs``/``errors`` of the call, by index) and the timer expires the ones not acknowledged
+    within the timeout. ``sent`` lists (deadline, token, index) in send order, so deadlines
+    increase along it and the timer only ever looks at its unsettled front.
+    """
+
+    __slots__ = ("call", "cursor", "done", "first", "open", "sending", "sent", "timer")
+
+    def __init__(self, call: _Call, first: bool, done: asyncio.Future[None]) -> None:
+        self.call = call
+        self.first = first  # the first attempt: a duplicate ack means a msg-id collision
+        self.done = done
+        self.open = 0  # sent and not settled
+        self.sending = True
+        self.sent: list[tuple[float, int, int]] = []
+        self.cursor = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _Call:
+    """What one publish_many call knows about its events, by index in the given order."""
+
+    __slots__ = ("errors", "events", "fatal", "msg_ids", "payloads", "seqs", "subjects")
+
+    def __init__(
+        self,
+        events: list[Event],
+        subjects: list[str],
+        payloads: list[bytes],
+        msg_ids: list[str],
+    ) -> None:
+        self.events = events
+        self.subjects = subjects
+        self.payloads = payloads
+        self.msg_ids = msg_ids
+        self.seqs: list[int | None] = [None] * len(events)
+        self.errors: dict[int, list[str]] = {}  # the failed attempts of each event
+        self.fatal: dict[int, PublishError] = {}  # not to be retried (a msg-id collision)
+
+    def request_id(self, i: int) -> str | None:
+        return getattr(self.events[i], "request_id", None)
 
 
 class RouterPublisher:
@@ -105,10 +189,17 @@ class RouterPublisher:
         # One future per call in progress (resolved with None however the call ends): flush
         # waits for those in progress when it is called, so steady traffic cannot starve it.
         self._in_progress: set[asyncio.Future[None]] = set()
+        # publish_many's reply subscription (made at its first call): ``<inbox>.<token>``,
+        # one token per event sent; ``_awaiting`` maps the unsettled ones to their round.
+        self._inbox: str | None = None
+        self._inbox_lock = asyncio.Lock()
+        self._token = 0
+        self._awaiting: dict[int, tuple[_Round, int]] = {}
 
     @property
     def router_seq(self) -> int:
-        """The router_seq of the last event handed to :meth:`publish` (0 before any)."""
+        """The router_seq of the last event handed to :meth:`publish` or :meth:`publish_many`
+        (0 before any)."""
         return self._router_seq
 
     @property
@@ -204,6 +295,205 @@ class RouterPublisher:
         if self._last_seq is None or ack.seq > self._last_seq:
             self._last_seq = ack.seq
         return ack.seq
+
+    async def publish_many(self, events: Iterable[Event]) -> list[int]:
+        """Publish a batch of events; returns their stream sequences, in the given order.
+
+        The same guarantees as :meth:`publish`, per event, at a fraction of its cost per event:
+
+        - Every event is checked (:meth:`check`) before any is sent: a bad or too large one
+          raises (:class:`seqstate.EventDecodeError`, :class:`EventTooLarge`) and nothing of
+          the batch is published or takes a router_seq.
+        - Every event gets its own ``Nats-Msg-Id: <router_id>:<router_seq>``, consecutive in
+          the given order, so a retried one is stored once.
+        - An event whose ack times out, finds no stream or carries an error is sent again with
+          its msg-id, up to ``retries`` times; one that still fails, or whose first attempt is
+          acknowledged as a duplicate (a msg-id collision), makes the call raise
+          :class:`PublishError` naming the first such event in the given order, once every
+          other event of the call is settled. The error's ``sequences`` tell which events of
+          the call were stored (those stay stored: their msg-ids are spent).
+
+        Order: the events are sent in the given order, pipelined on the one connection, and
+        the server stores them in the order it receives them: when no event needs a retry
+        (the normal case), they are stored in the given order, so the sequences returned
+        increase. A retry cannot keep that: an event that needs one is sent again after every
+        event of the call already sent, some of which may be stored by then, and a stored
+        event never moves (its repeat is only deduplicated). So after a retry, the retried
+        events land after those, in their given order among themselves; no event is lost or
+        stored twice. The sequences returned always say where each event landed (they
+        increase if and only if the call was stored in order). Calls awaited one after another
+        are stored in call order, as with :meth:`publish`; a router that must have an event
+        stored after another awaits the call with the first before it publishes the second
+        (the writer tolerates a Free before its Add anyway: it leaves a tombstone).
+
+        At most ``max_pending`` events, of this and every other call, are unacknowledged at
+        once; a batch larger than that is sent as acks free room.
+        """
+        checked = [self.check(event) for event in events]
+        if not checked:
+            return []
+        if self._inbox is None:
+            await self._open_inbox()
+        subject_for = self.subject_for
+        prefix = f"{self.router_id}:"
+        first = self._router_seq + 1
+        self._router_seq += len(checked)
+        call = _Call(
+            [event for event, _ in checked],
+            [subject_for(event) for event, _ in checked],
+            [payload for _, payload in checked],
+            [f"{prefix}{n}" for n in range(first, first + len(checked))],
+        )
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._in_progress.add(done)
+        try:
+            todo: Sequence[int] = range(len(checked))
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                await self._send_round(call, todo, first=attempt == 0)
+                todo = [i for i in todo if call.seqs[i] is None and i not in call.fatal]
+                if not todo:
+                    break
+        finally:
+            self._in_progress.discard(done)
+            done.set_result(None)
+        seqs = call.seqs
+        stored = [seq for seq in seqs if seq is not None]
+        if stored and (self._last_seq is None or max(stored) > self._last_seq):
+            self._last_seq = max(stored)
+        if len(stored) == len(seqs):
+            return stored
+        failed = next(i for i, seq in enumerate(seqs) if seq is None)
+        error = call.fatal.get(failed)
+        if error is None:
+            error = PublishError(
+                f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
+                f"{call.msg_ids[failed]} not acknowledged after {self.retries + 1} attempt(s) "
+                f"to {call.subjects[failed]}: {'; '.join(call.errors.get(failed, ()))}",
+                msg_id=call.msg_ids[failed],
+                request_id=call.request_id(failed),
+            )
+        error.sequences = list(seqs)
+        raise error
+
+    async def _open_inbox(self) -> None:
+        async with self._inbox_lock:
+            if self._inbox is None:
+                inbox = f"{self._nc.new_inbox()}."
+                await self._nc.subscribe(f"{inbox}*", cb=self._on_ack)
+                self._inbox = inbox
+
+    async def _send_round(self, call: _Call, todo: Sequence[int], *, first: bool) -> None:
+        """Send the events ``todo`` (indices, in order) once; return when each is settled."""
+        loop = asyncio.get_running_loop()
+        rnd = _Round(call, first, loop.create_future())
+        publish = self._nc.publish
+        acquire = self._slots.acquire
+        awaiting = self._awaiting
+        sent = rnd.sent
+        inbox = self._inbox
+        subjects, payloads, msg_ids = call.subjects, call.payloads, call.msg_ids
+        timeout = self.timeout
+        now = loop.time
+        try:
+            for i in todo:
+                await acquire()
+                self._token = token = self._token + 1
+                awaiting[token] = (rnd, i)
+                rnd.open += 1
+                deadline = now() + timeout
+                sent.append((deadline, token, i))
+                if rnd.timer is None:
+                    rnd.timer = loop.call_at(deadline, self._expire, rnd)
+                try:
+                    await publish(
+                        subjects[i],
+                        payloads[i],
+                        reply=f"{inbox}{token}",
+                        headers={MSG_ID_HEADER: msg_ids[i]},
+                    )
+                except nats.errors.Error as exc:  # e.g. the connection is closed
+                    if awaiting.pop(token, None) is not None:
+                        self._settle(rnd, i, None, _describe(exc))
+            rnd.sending = False
+            if rnd.open:
+                await rnd.done
+        finally:
+            rnd.sending = False
+            if rnd.timer is not None:
+                rnd.timer.cancel()
+            for _, token, _ in sent[rnd.cursor :]:  # only if cancelled: give back their slots
+                if awaiting.pop(token, None) is not None:
+                    self._slots.release()
+
+    async def _on_ack(self, msg: Msg) -> None:
+        """The reply subscription's callback: settle the event the ack's token names."""
+        assert self._inbox is not None
+        try:
+            token = int(msg.subject[len(self._inbox) :])
+        except ValueError:
+            return
+        entry = self._awaiting.pop(token, None)
+        if entry is None:  # a late ack, after the event timed out: its retry settles it
+            return
+        rnd, i = entry
+        try:
+            ack = _ACK_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            status = (msg.headers or {}).get("Status")
+            if status == _NO_RESPONDERS:
+                problem = _describe(nats.js.errors.NoStreamResponseError())
+            else:
+                problem = f"unreadable ack (status {status}): {msg.data[:200]!r}"
+            self._settle(rnd, i, None, problem)
+            return
+        if ack.error is not None:
+            err = ack.error
+            api_error = nats.js.errors.APIError(
+                code=err.code, err_code=err.err_code, description=err.description
+            )
+            self._settle(rnd, i, None, _describe(api_error))
+        elif ack.duplicate and rnd.first:
+            call = rnd.call
+            request_id = call.request_id(i)
+            call.fatal[i] = PublishError(
+                f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} was already "
+                f"used (stream sequence {ack.seq}), so the event was not stored; another "
+                f"publisher or an earlier run uses router_id {self.router_id!r}",
+                msg_id=call.msg_ids[i],
+                request_id=request_id,
+            )
+            self._settle(rnd, i, None, None)
+        else:
+            self._settle(rnd, i, ack.seq, None)
+
+    def _settle(self, rnd: _Round, i: int, seq: int | None, problem: str | None) -> None:
+        """Event ``i`` of ``rnd`` is acknowledged (``seq``) or failed (``problem``)."""
+        self._slots.release()
+        if seq is not None:
+            rnd.call.seqs[i] = seq
+        elif problem is not None:
+            rnd.call.errors.setdefault(i, []).append(problem)
+        rnd.open -= 1
+        if not rnd.open and not rnd.sending and not rnd.done.done():
+            rnd.done.set_result(None)
+
+    def _expire(self, rnd: _Round) -> None:
+        """The timer: fail the events of ``rnd`` whose ack is overdue, then re-arm."""
+        rnd.timer = None
+        awaiting = self._awaiting
+        sent = rnd.sent
+        now = asyncio.get_running_loop().time()
+        while rnd.cursor < len(sent):
+            deadline, token, i = sent[rnd.cursor]
+            if token in awaiting:
+                if deadline > now:
+                    rnd.timer = asyncio.get_running_loop().call_at(deadline, self._expire, rnd)
+                    return
+                del awaiting[token]
+                self._settle(rnd, i, None, _describe(TimeoutError()))
+            rnd.cursor += 1
 
     def check(self, event: Event) -> tuple[Event, bytes]:
         """The event as it will be sent (with this router's id) and its bytes, or the error

@@ -1,4 +1,5 @@
-"""RouterPublisher against a real nats-server: sequences, msg-ids, dedup, retries, pipelining.
+"""RouterPublisher against a real nats-server: sequences, msg-ids, dedup, retries, pipelining,
+and the batch path ``publish_many``.
 
 The server is shared by the module, so every test gets its own namespace and stream.
 """
@@ -6,17 +7,19 @@ The server is shared by the module, so every test gets its own namespace and str
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
 from projector.config import Config
-from projector.publisher import MSG_ID_HEADER, PublishError, RouterPublisher
+from projector.publisher import MSG_ID_HEADER, EventTooLarge, PublishError, RouterPublisher
 from seqstate import (
     AddRequest,
     EventDecodeError,
@@ -240,3 +243,270 @@ async def test_thousand_concurrent_adds_are_bounded_distinct_and_flushed(
     more = await asyncio.gather(*(pub.free(f"req-{i}", i % 8) for i in range(10)))
     assert len(set(more)) == 10 and min(more) > last
     assert await pub.flush() == max(more)
+
+
+# ---- publish_many: the batch path -----------------------------------------------------------
+
+
+def _adds(count: int, *, start: int = 0, worker: int | None = None) -> list[AddRequest]:
+    return [
+        AddRequest(
+            request_id=f"req-{n}",
+            worker_id=n % 4 if worker is None else worker,
+            block_hashes=[n, n + 1],
+            prefill_tokens=n,
+        )
+        for n in range(start, start + count)
+    ]
+
+
+def _record_sends(nc: Client, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """(subject, msg-id) of every message with a msg-id ``nc`` publishes from now on."""
+    sent: list[tuple[str, str]] = []
+    real = nc.publish
+
+    async def recording(subject: str, payload: bytes = b"", **kw: Any) -> None:
+        msg_id = (kw.get("headers") or {}).get(MSG_ID_HEADER)
+        if msg_id is not None:
+            sent.append((subject, msg_id))
+        await real(subject, payload, **kw)
+
+    monkeypatch.setattr(nc, "publish", recording)
+    return sent
+
+
+async def _stream_order(nc: Client, config: Config, count: int) -> list[tuple[str, Any, str]]:
+    """(subject, event, msg-id) of the stream's first ``count`` messages, in stream order."""
+    first = (await nc.jetstream().stream_info(config.events_stream)).state.first_seq
+    stored = [await _stored(nc, config, seq) for seq in range(first, first + count)]
+    return [(subject, event, headers[MSG_ID_HEADER]) for subject, event, headers in stored]
+
+
+async def test_publish_many_stores_a_call_in_order_with_consecutive_msg_ids(
+    nc: Client, config: Config
+) -> None:
+    pub = RouterPublisher(nc, router_id="b1", config=config)
+    before = await pub.add("req-before", 1)
+    events = [
+        AddRequest(request_id="a", worker_id=3, dp_rank=1, block_hashes=[1, 2], router_id="x"),
+        WorkerAdded(worker_id=9, dp_size=2),
+        MarkPrefillCompleted(request_id="a", worker_id=3, dp_rank=1),
+        Tick(),
+        *_adds(40),
+        Free(request_id="a", worker_id=3, dp_rank=1),
+    ]
+    seqs = await pub.publish_many(iter(events))  # any iterable
+    assert len(seqs) == len(events)
+    assert before < seqs[0] and all(a < b for a, b in itertools.pairwise(seqs))
+    assert pub.router_seq == 1 + len(events) and pub.last_sequence == seqs[-1]
+
+    stored = await _stream_order(nc, config, 1 + len(events))
+    assert [event for _, event, _ in stored[1:]] == [
+        e if isinstance(e, WorkerAdded | Tick) or e.router_id else replace(e, router_id="b1")
+        for e in events
+    ]
+    assert [msg_id for _, _, msg_id in stored] == [f"b1:{n}" for n in range(1, len(events) + 2)]
+    assert [subject for subject, _, _ in stored[1:5]] == [
+        config.event_subject(3, 1), config.control_subject,
+        config.event_subject(3, 1), config.control_subject,
+    ]  # fmt: skip
+    for seq, (subject, event, _) in zip(seqs, stored[1:], strict=True):
+        assert (await _stored(nc, config, seq))[:2] == (subject, event)
+
+    more = await pub.publish_many(_adds(3, start=100))  # msg-ids count on
+    assert min(more) > seqs[-1]
+    assert [(await _stored(nc, config, s))[2][MSG_ID_HEADER] for s in more] == [
+        f"b1:{n}" for n in range(len(events) + 2, len(events) + 5)
+    ]
+    assert pub.pending == 0 and await pub.flush() == more[-1]
+
+
+async def test_publish_many_of_nothing_returns_an_empty_list(nc: Client, config: Config) -> None:
+    pub = RouterPublisher(nc, router_id="none", config=config)
+    assert await pub.publish_many([]) == []
+    assert await pub.publish_many(e for e in ()) == []
+    assert pub.router_seq == 0 and pub.last_sequence is None and pub.pending == 0
+    assert await _stream_messages(nc, config) == 0
+
+
+async def test_publish_many_checks_every_event_before_sending_any(
+    nc: Client, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pub = RouterPublisher(nc, router_id="chk", config=config)
+    sent = _record_sends(nc, monkeypatch)
+    hashes = list(range(2**62, 2**62 + 120_000))  # 9 bytes each: about 1.08 MB
+    huge = AddRequest(request_id="huge", worker_id=1, block_hashes=hashes)
+    with pytest.raises(EventTooLarge, match=r"AddRequest for request 'huge': .* it was not sent"):
+        await pub.publish_many([*_adds(5), huge, *_adds(5, start=5)])
+    with pytest.raises(EventDecodeError, match="request_id"):
+        await pub.publish_many([*_adds(2), AddRequest(request_id="", worker_id=1)])
+    assert sent == [] and pub.router_seq == 0
+    assert await _stream_messages(nc, config) == 0
+
+    seqs = await pub.publish_many(_adds(2))  # nothing was spent: the msg-ids start at 1
+    assert [msg_id for _, msg_id in sent] == ["chk:1", "chk:2"]
+    assert [(await _stored(nc, config, s))[2][MSG_ID_HEADER] for s in seqs] == ["chk:1", "chk:2"]
+
+
+async def test_publish_many_retries_a_lost_ack_with_its_msg_id_and_stores_it_once(
+    nc: Client, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pub = RouterPublisher(nc, router_id="lossy", config=config, timeout=0.3)
+    sent = _record_sends(nc, monkeypatch)
+    real = pub._on_ack
+    dropped: list[str] = []
+
+    async def drop_one_ack(msg: Msg) -> None:
+        token = int(msg.subject.rsplit(".", 1)[1])
+        _, index = pub._awaiting[token]
+        if index == 1 and not dropped:  # the server stored event 1; the router never hears so
+            dropped.append(msg.subject)
+            return
+        await real(msg)
+
+    monkeypatch.setattr(pub, "_on_ack", drop_one_ack)  # before the reply subscription exists
+    events = _adds(4)
+    seqs = await pub.publish_many(events)
+    assert len(dropped) == 1
+    assert [msg_id for _, msg_id in sent] == ["lossy:1", "lossy:2", "lossy:3", "lossy:4", "lossy:2"]
+    assert await _stream_messages(nc, config) == 4  # the repeat was deduplicated...
+    assert all(a < b for a, b in itertools.pairwise(seqs))  # ...and kept its first place
+    stored = await _stream_order(nc, config, 4)
+    assert [event for _, event, _ in stored] == [replace(e, router_id="lossy") for e in events]
+    assert pub.pending == 0 and not pub._awaiting
+
+
+async def test_publish_many_a_retried_event_lands_after_later_ones_and_says_so(
+    nc: Client, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documented order: an event not stored at its first attempt is stored at its retry,
+    after the events of the call already stored; the sequences returned say where."""
+    pub = RouterPublisher(nc, router_id="late", config=config)
+    real = nc.publish
+    diverted: list[str] = []
+
+    async def first_attempt_of_2_finds_no_stream(subject: str, payload: bytes, **kw: Any) -> None:
+        if (kw.get("headers") or {}).get(MSG_ID_HEADER) == "late:2" and not diverted:
+            diverted.append(subject)
+            subject = f"nowhere-{uuid.uuid4().hex}"  # no stream: the server answers 503
+        await real(subject, payload, **kw)
+
+    monkeypatch.setattr(nc, "publish", first_attempt_of_2_finds_no_stream)
+    events = _adds(4)
+    seqs = await pub.publish_many(events)
+    assert diverted == [config.event_subject(1, 0)]
+    assert seqs[1] > seqs[3] and seqs[0] < seqs[2] < seqs[3]  # stored 0, 2, 3, then 1
+    stored = await _stream_order(nc, config, 4)
+    assert [msg_id for _, _, msg_id in stored] == ["late:1", "late:3", "late:4", "late:2"]
+    for seq, event in zip(seqs, events, strict=True):
+        assert (await _stored(nc, config, seq))[1] == replace(event, router_id="late")
+    assert await _stream_messages(nc, config) == 4
+
+
+async def test_publish_many_raises_after_persistent_failure_and_keeps_the_rest(
+    nc: Client,
+) -> None:
+    config = _unique_config()
+    js = nc.jetstream()
+    # The stream takes worker 1's subject only: events for worker 2 find no stream.
+    await js.add_stream(name=config.events_stream, subjects=[config.event_subject(1, 0)])
+    try:
+        pub = RouterPublisher(nc, router_id="part", config=config, retries=2, timeout=0.5)
+        events = [*_adds(1, worker=1), *_adds(1, start=1, worker=2), *_adds(1, start=2, worker=1)]
+        with pytest.raises(PublishError) as raised:
+            await pub.publish_many(events)
+        error = raised.value
+        assert (error.msg_id, error.request_id) == ("part:2", "req-1")
+        assert "req-1" in str(error) and "part:2" in str(error) and "3 attempt" in str(error)
+        assert "NoStreamResponseError" in str(error)
+        assert error.sequences is not None and error.sequences[1] is None
+        first, third = error.sequences[0], error.sequences[2]
+        assert first is not None and third is not None and first < third
+        assert await _stream_messages(nc, config) == 2
+        assert pub.last_sequence == third and pub.pending == 0 and not pub._awaiting
+    finally:
+        await js.delete_stream(config.events_stream)
+
+
+async def test_publish_many_ack_timeouts_retry_same_msg_ids_then_raise(nc: Client) -> None:
+    config = _unique_config()
+    seen: list[str] = []
+
+    async def silent(msg: Msg) -> None:  # a responder that never acks
+        seen.append((msg.headers or {})[MSG_ID_HEADER])
+
+    sub = await nc.subscribe(config.event_subject(5, 0), cb=silent)
+    try:
+        pub = RouterPublisher(nc, router_id="mute", config=config, retries=1, timeout=0.2)
+        events = _adds(3, worker=5)
+        with pytest.raises(PublishError, match=r"req-0.*mute:1.*2 attempt.*ack timed out"):
+            await pub.publish_many(events)
+        await nc.flush()
+        assert seen == ["mute:1", "mute:2", "mute:3"] * 2
+        assert pub.pending == 0 and not pub._awaiting
+        assert pub.router_seq == 3  # the msg-ids were spent
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_publish_many_with_a_reused_router_id_is_not_silently_deduplicated(
+    nc: Client, config: Config
+) -> None:
+    first = RouterPublisher(nc, router_id="dupm", config=config)
+    await first.publish_many(_adds(2))
+    restarted = RouterPublisher(nc, router_id="dupm", config=config)
+    with pytest.raises(PublishError, match=r"'req-10'.*dupm:1.*already used") as raised:
+        await restarted.publish_many(_adds(3, start=10))
+    assert raised.value.sequences is not None
+    assert raised.value.sequences[:2] == [None, None] and raised.value.sequences[2] is not None
+    assert await _stream_messages(nc, config) == 3
+
+
+async def test_publish_many_honours_max_pending_alongside_publish(
+    nc: Client, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pub = RouterPublisher(nc, router_id="win", config=config, max_pending=8)
+    real = nc.publish
+    peak = 0
+
+    async def counting(subject: str, payload: bytes = b"", **kw: Any) -> None:
+        nonlocal peak
+        if kw.get("reply", "").startswith(pub._inbox or "-"):  # publish_many's own sends
+            peak = max(peak, len(pub._awaiting))
+        await real(subject, payload, **kw)
+
+    monkeypatch.setattr(nc, "publish", counting)
+    results = await asyncio.gather(
+        pub.publish_many(_adds(100)),
+        pub.publish_many(_adds(50, start=100)),
+        *(pub.free(f"req-{n}", n % 4) for n in range(20)),
+    )
+    batch_a, batch_b, *frees = results
+    assert isinstance(batch_a, list) and isinstance(batch_b, list)
+    assert 1 < peak <= 8
+    assert all(a < b for a, b in itertools.pairwise(batch_a))
+    assert all(a < b for a, b in itertools.pairwise(batch_b))
+    assert len({*batch_a, *batch_b, *frees}) == 170
+    assert await _stream_messages(nc, config) == 170
+    assert pub.router_seq == 170 and pub.pending == 0 and not pub._awaiting
+
+
+async def test_cancelled_publish_many_gives_back_its_window(nc: Client) -> None:
+    config = _unique_config()
+
+    async def silent(msg: Msg) -> None:
+        pass
+
+    sub = await nc.subscribe(config.event_subject(6, 0), cb=silent)
+    try:
+        pub = RouterPublisher(nc, router_id="cx", config=config, max_pending=2, timeout=30)
+        task = asyncio.create_task(pub.publish_many(_adds(5, worker=6)))
+        while len(pub._awaiting) < 2:  # the window is full, no ack will come
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pub.pending == 0 and not pub._awaiting
+        assert not pub._slots.locked()  # both slots are free again
+    finally:
+        await sub.unsubscribe()
