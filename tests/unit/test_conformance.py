@@ -32,7 +32,6 @@ from projector.values import decode_request, parse_key
 from seqstate import (
     AddOutputBlock,
     AddRequest,
-    Delta,
     Free,
     MarkPrefillCompleted,
     PromptRegistry,
@@ -223,8 +222,9 @@ DPS = st.integers(0, 1)
 
 def _events() -> st.SearchStrategy[object]:
     return st.one_of(
-        st.builds(AddRequest, RIDS, WORKERS, DPS, block_hashes=HASHES,
-                  prefill_tokens=st.integers(0, 500)),  # fmt: skip
+        st.builds(
+            AddRequest, RIDS, WORKERS, DPS, block_hashes=HASHES, prefill_tokens=st.integers(0, 500)
+        ),
         st.builds(Free, RIDS, WORKERS, DPS),
         st.builds(MarkPrefillCompleted, RIDS, WORKERS, DPS),
         st.builds(AddOutputBlock, RIDS, WORKERS, DPS),
