@@ -1,0 +1,257 @@
+"""Real sizes through the real pipeline: a rank past a million active hashes, a backlog of
+large frees, and a server whose payload limit is small enough that deltas must be cut.
+
+Each test asserts exact state (a new RegistryView against a fold of the log, ``verify``) and
+that no stored message exceeds the server's ``max_payload``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+from pipeline_kit import fresh_config, read_log
+
+from projector.config import Config
+from projector.delta_log import DeltaLog
+from projector.image import BucketImage
+from projector.pipeline import Pipeline
+from projector.projection import Projector
+from projector.publisher import EventTooLarge, RouterPublisher
+from projector.reader import RegistryView
+from projector.replay import verify
+from projector.resources import ensure
+from projector.server import NatsServer
+from seqstate import AddRequest, Free, SequenceState, decode_deltas, decode_event, encode_event
+from seqstate.deltas import split_delta
+
+BLOCKS = 1024  # a 16k-token prompt of 16-token blocks
+
+
+def prompt(rng: random.Random, n: int = BLOCKS) -> list[int]:
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+async def fold(nc: Client, config: Config) -> SequenceState:
+    state = config.new_state()
+    for _, at_ns, data in await read_log(nc, config):
+        state.apply(decode_event(data), at_ns)
+    return state
+
+
+async def largest_message(nc: Client, stream: str) -> int:
+    """The largest payload stored in ``stream`` (headers included, as the server counts)."""
+    js = nc.jetstream()
+    info = await js.stream_info(stream)
+    biggest = 0
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        try:
+            msg = await js.get_msg(stream, seq)
+        except nats.js.errors.NotFoundError:
+            continue
+        headers = sum(len(k) + len(v) + 4 for k, v in (msg.headers or {}).items())
+        biggest = max(biggest, len(msg.data or b"") + headers)
+    return biggest
+
+
+async def assert_view_exact(nc: Client, config: Config, queries: list[list[int]]) -> None:
+    state = await fold(nc, config)
+    async with RegistryView(nc, config=config) as view:
+        await view.wait_for(max(seq for seq, _, _ in await read_log(nc, config)))
+        now = state.now_ns
+        assert view.loads(now) == state.registry.loads(now)
+        for query in queries:
+            assert view.potential_loads(query, 1000, now) == state.registry.potential_loads(
+                query, 1000, now
+            )
+        for rank in state.registry.ranks():
+            assert view.registry.hashes_of(rank) == state.registry.hashes_of(rank)
+    assert await verify(nc, config) == []
+
+
+async def test_a_rank_past_a_million_active_hashes_round_trips_exactly(nc: Client) -> None:
+    config = fresh_config("big")
+    rng = random.Random(10)
+    prompts = [prompt(rng) for _ in range(980)]  # 1,003,520 hashes on rank (0, 0)
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="big", config=config)
+        events = [AddRequest(f"big-{i}", 0, block_hashes=p) for i, p in enumerate(prompts)]
+        events += [AddRequest(f"small-{i}", 1, block_hashes=prompts[i][:100]) for i in range(20)]
+        seqs = await pub.publish_many(events)
+        await pipeline.wait_applied(seqs[-1])
+    state = await fold(nc, config)
+    assert len(state.registry.hashes_of((0, 0))) == 980 * BLOCKS > 1_000_000
+    await assert_view_exact(nc, config, [prompts[0], prompts[7][:500], [*prompts[3][:10], 1]])
+    # Free half of them: each Free costs a slot, not the rank's million hashes.
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="big2", config=config)
+        seqs = await pub.publish_many([Free(f"big-{i}", 0) for i in range(0, 980, 2)])
+        await pipeline.wait_applied(seqs[-1])
+        assert pipeline.projector.stats.keys_written < 3 * 490  # a slot and a load per Free
+    await assert_view_exact(nc, config, [prompts[0], prompts[1]])
+    limit = nc.max_payload
+    for stream in (config.deltas_stream, f"KV_{config.registry_bucket}"):
+        assert await largest_message(nc, stream) <= limit
+
+
+async def test_a_backlog_of_adds_and_frees_is_caught_up_without_stalling(nc: Client) -> None:
+    """The issue's crash loop: with the writer stopped, 2,000 AddRequests of 500 unique hashes
+    and then their 2,000 Frees; the writer used to fail on every restart with a batch of Free
+    deltas over the payload limit."""
+    config = fresh_config("backlog")
+    await ensure(nc, config)
+    rng = random.Random(11)
+    pub = RouterPublisher(nc, namespace=config.namespace, router_id="bl", config=config)
+    await pub.publish_many(
+        [AddRequest(f"b{i}", i % 4, block_hashes=prompt(rng, 500)) for i in range(2000)]
+    )
+    seqs = await pub.publish_many([Free(f"b{i}", i % 4) for i in range(2000)])
+    async with Pipeline(nc, config) as pipeline:
+        await asyncio.wait_for(pipeline.wait_applied(seqs[-1]), 120)
+        assert pipeline.writer.stats.dead_letters == 0
+    await assert_view_exact(nc, config, [])
+    assert await largest_message(nc, config.deltas_stream) <= nc.max_payload
+
+
+# ---- a server with a small payload limit -----------------------------------------------------
+
+SMALL = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    tmp = tmp_path_factory.mktemp("small-payload")
+    conf = tmp / "server.conf"
+    conf.write_text(f"max_payload: {SMALL}\n")
+    with NatsServer(tmp / "jetstream", extra_args=("-c", str(conf))) as server:
+        yield server
+
+
+@pytest.fixture
+async def small(small_server: NatsServer) -> AsyncIterator[Client]:
+    client = await nats.connect(small_server.url, max_reconnect_attempts=0)
+    try:
+        yield client
+    finally:
+        await client.drain()
+
+
+async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_exactly(
+    small: Client, tmp_path: Path
+) -> None:
+    """An expiry that releases 3,000 requests of long ids on one rank: its delta takes several
+    messages. Stored part by part (a writer restarted in the middle stores only the rest),
+    applied by a projector, it leaves the bucket of the whole delta."""
+    assert small.max_payload == SMALL
+    config = fresh_config("parts", expiry_s=60.0)
+    await ensure(small, config)
+    pub = RouterPublisher(small, namespace=config.namespace, router_id="pt", config=config)
+    ids = [f"request-with-a-long-id-{i:06d}-" + "x" * 40 for i in range(3000)]
+    seqs = await pub.publish_many([AddRequest(rid, 3, block_hashes=[i, i + 10**6])
+                                   for i, rid in enumerate(ids)])  # fmt: skip
+    tick_seq = seqs[-1]  # the expiry is folded as if at this event, 100 s later
+    state = config.new_state()
+    state.defer_registry()
+    deltas = []
+    for seq, at_ns, data in await read_log(small, config):
+        event = decode_event(data)
+        later = seq == tick_seq
+        if later:  # the last add, 100 s after the others: it expires them all first
+            event = AddRequest("late", 3, block_hashes=[7])
+        delta = state.apply(event, at_ns + (100 * 10**9 if later else 0))
+        delta.seq = seq
+        deltas.append(delta)
+    assert len(deltas[-1].expired) == 2999
+    js = small.jetstream()
+    log = DeltaLog(js, config, max_payload=small.max_payload)
+    parts = split_delta(deltas[-1], SMALL - 4096)
+    assert len(parts) >= 3
+    # A first writer stores everything up to the second part of the last event, then dies.
+    await log.open()
+    failures: list[BaseException] = []
+    log.start(failures.append)
+    for delta in deltas[:-1]:
+        log.append(delta)
+    await log.flush()
+    log._pending.extend(parts[:2])  # what was in flight when it died
+    log.appended = tick_seq
+    log._wake.set()
+    while log.messages < 1 or log._pending:
+        await asyncio.sleep(0.01)
+    await log.close()
+    # Its successor finds the chain ending inside the event and stores only the rest.
+    successor = DeltaLog(js, config, max_payload=small.max_payload)
+    assert await successor.open() == tick_seq - 1
+    assert successor.stored_part == (tick_seq, 1)
+    successor.start(failures.append)
+    successor.append(deltas[-1])
+    await successor.flush()
+    await successor.close()
+    assert not failures
+    messages = await _messages(small, config.deltas_stream)
+    stored = [d for _, _, data in messages for d in decode_deltas(data)]
+    assert [(d.seq, d.part) for d in stored if d.seq == tick_seq] == [
+        (tick_seq, p.part) for p in parts
+    ]
+    assert await largest_message(small, config.deltas_stream) <= SMALL
+    # A projector applies the parts: the bucket is the image of the whole delta.
+    projector = Projector(small, config)
+    task = asyncio.create_task(projector.run())
+    await asyncio.wait_for(projector.wait_flushed(tick_seq), 30)
+    projector.stop()
+    await task
+    image = BucketImage(config.namespace)
+    for delta in deltas:
+        image.apply(delta)
+    want = image.everything()
+    got = {key: value for key, value in (await _bucket(small, config)).items() if key in want}
+    assert got == want
+    assert await largest_message(small, f"KV_{config.registry_bucket}") <= SMALL
+
+
+async def test_an_event_that_cannot_fit_is_refused_at_publish_and_dead_lettered_by_the_writer(
+    small: Client,
+) -> None:
+    config = fresh_config("huge")
+    async with Pipeline(small, config) as pipeline:
+        pub = RouterPublisher(small, namespace=config.namespace, router_id="h", config=config)
+        too_big = AddRequest("huge", 1, block_hashes=list(range(2**40, 2**40 + 7000)))
+        with pytest.raises(EventTooLarge):
+            await pub.publish(too_big)
+        # Published around the publisher, it is dead-lettered once, never retried forever.
+        raw = encode_event(too_big)
+        assert SMALL - 5 * 1024 < len(raw) <= SMALL
+        seq = (await small.jetstream().publish(config.event_subject(1, 0), raw)).seq
+        after = await pub.add("after", 1, block_hashes=[1, 2])
+        await pipeline.wait_applied(after)
+        assert pipeline.writer.stats.dead_letters == 1
+        assert after == seq + 1
+    async with RegistryView(small, config=config) as view:
+        await view.wait_for(after)
+        assert [(r.worker_id, r.active_requests, r.active_blocks) for r in view.loads()] == [
+            (1, 1, 2)
+        ]
+
+
+async def _messages(nc: Client, stream: str) -> list[tuple[int, dict[str, str], bytes]]:
+    js = nc.jetstream()
+    info = await js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        msg = await js.get_msg(stream, seq)
+        out.append((seq, dict(msg.headers or {}), msg.data or b""))
+    return out
+
+
+async def _bucket(nc: Client, config: Config) -> dict[str, bytes]:
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    out = {}
+    for key in await kv.keys():
+        if key.startswith(f"{config.namespace}."):
+            out[key] = (await kv.get(key)).value or b""
+    return out
