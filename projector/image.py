@@ -27,6 +27,7 @@ from projector.values import (
     encode_position,
     encode_request,
     load_key,
+    parse_key,
     position_key,
     slot_key,
 )
@@ -136,14 +137,13 @@ class BucketImage:
 
     def owe(self, writes: list[Write]) -> None:
         """Owe ``writes`` again (a flush failed), unless a later change superseded them."""
-        ns = self.namespace
         for key, value in writes:
-            if key.startswith(f"{ns}.load."):
-                rank = _rank_of(key)
-                if rank in self.loads:
-                    self._dirty_loads.add(rank)
+            parsed = parse_key(self.namespace, key)
+            if parsed.kind == "load" and parsed.rank is not None:
+                if parsed.rank in self.loads:
+                    self._dirty_loads.add(parsed.rank)
                 elif value is None:
-                    self._deleted_loads.add(rank)
+                    self._deleted_loads.add(parsed.rank)
             elif key not in self._slots:
                 self._slots[key] = value
 
@@ -155,8 +155,3 @@ class BucketImage:
     def everything(self) -> dict[str, bytes]:
         """Every key the bucket must hold (no deletes): for an image folded from nothing."""
         return {key: value for key, value in self.take() if value is not None}
-
-
-def _rank_of(key: str) -> Rank:
-    parts = key.split(".")
-    return int(parts[-2]), int(parts[-1])

@@ -28,7 +28,7 @@ from projector.resources import dead_letter_stream, ensure
 from projector.server import NatsServer
 from projector.snapshots import SnapshotStore
 from projector.stream import PREV_SOURCE_SEQ
-from projector.values import position_key
+from projector.values import load_key, position_key
 from seqstate import Delta, WorkerAdded, encode_deltas
 
 
@@ -85,7 +85,7 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
     got = await bucket_values(nc, config)
     assert got.pop(position_key(config.namespace))
     assert got == values
-    bombed = {f"{config.namespace}.load.{100 + w}.0" for w in range(25)}
+    bombed = {load_key(config.namespace, (100 + w, 0)) for w in range(25)}
     assert not bombed & set(got), "a refused worker has ranks in the bucket"
     dead = await js.stream_info(dead_letter_stream(config))
     assert dead.state.messages == 3 + 1 + 25 + 1  # the workload's malformed three, then ours

@@ -24,7 +24,7 @@ from nats.aio.client import Client
 from projector.resources import ensure
 from projector.server import NatsServer
 from projector.stream import last_seq_of
-from projector.values import decode_load, decode_position, decode_request, parse_key
+from projector.values import decode_load, decode_position, decode_request, parse_key, position_key
 
 KILLS = 4
 
@@ -102,7 +102,7 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
     got = await bucket_values(nc, config)
     want = await bucket_values(nc, reference)
     ns = config.namespace
-    position = decode_position(want[f"{ns}.position"])
+    position = decode_position(want[position_key(ns)])
     assert position.applied_seq == last
     assert position.delta_seq == await last_seq_of(js, config.deltas_stream, config.deltas_subject)
     assert any(parse_key(ns, key).kind == "req" for key in want)

@@ -25,7 +25,7 @@ from projector.pipeline import Pipeline
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.replay import rebuild, replay, verify
-from projector.values import load_key
+from projector.values import load_key, slot_key
 from seqstate import EventDecodeError, SequenceState, WorkerAdded, decode_event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,7 +105,7 @@ async def test_rebuild_rederives_the_bucket_and_the_projector_resumes_after_it(
     kv = await nc.jetstream().key_value(config.registry_bucket)
     await kv.put(load_key(config.namespace, (0, 0)), b'{"garbage": true}')
     await kv.put(load_key(config.namespace, (5, 0)), b"{}")  # a rank the state never had
-    await kv.delete(f"{config.namespace}.req.0.1.0")
+    await kv.delete(slot_key(config.namespace, (0, 1), 0))
     diffs = await verify(nc, config)
     assert len(diffs) == 3 and "unreadable" in diffs[0]
     done = await rebuild(nc, config)

@@ -10,6 +10,7 @@ from nats.js import api
 
 from projector.config import Config
 from projector.resources import ProvisioningError, dead_letter_stream, ensure
+from projector.values import load_key
 
 _names = itertools.count()
 
@@ -41,13 +42,13 @@ async def test_ensure_is_idempotent_and_keeps_data(nc: Client) -> None:
     first = await ensure(nc, config)
     js = nc.jetstream()
     ack = await js.publish(config.event_subject(1, 0), b"event")
-    await first.registry.put(f"{config.namespace}.load.1.0", b"{}")
+    await first.registry.put(load_key(config.namespace, (1, 0)), b"{}")
     second = await ensure(nc, config)
     info = await js.stream_info(config.events_stream)
     assert info.state.messages == 1 and info.state.last_seq == ack.seq
     assert info.state.first_seq == first.events.state.first_seq or first.events.state.messages == 0
     assert second.events.config == first.events.config
-    entry = await second.registry.get(f"{config.namespace}.load.1.0")
+    entry = await second.registry.get(load_key(config.namespace, (1, 0)))
     assert entry.value == b"{}"
 
 
