@@ -1,0 +1,133 @@
+"""The bucket image: deltas in, the bucket's writes out; a pure value, no server."""
+
+from __future__ import annotations
+
+from projector.bucket import BucketView
+from projector.image import BucketImage
+from projector.values import (
+    Position,
+    decode_load,
+    decode_position,
+    decode_request,
+    load_key,
+    parse_key,
+    slot_key,
+)
+from seqstate import AddRequest, Free, SequenceState, WorkerRemoved
+from seqstate.deltas import split_delta
+
+S = 1_000_000_000
+NS = "img"
+
+
+def fold(events: list[object], image: BucketImage | None = None, state: SequenceState | None = None,
+         start: int = 1) -> tuple[BucketImage, SequenceState]:  # fmt: skip
+    image = image or BucketImage(NS)
+    state = state or SequenceState(expiry_s=None)
+    for seq, event in enumerate(events, start):
+        delta = state.apply(event, seq * S)
+        delta.seq = seq
+        image.apply(delta)
+    return image, state
+
+
+def test_a_booking_writes_its_slot_and_the_load_once_per_take() -> None:
+    image, _ = fold(
+        [AddRequest("a", 1, block_hashes=[5, 6, 7]), AddRequest("b", 1, block_hashes=[5])]
+    )
+    writes = dict(image.take())
+    assert sorted(writes) == [
+        load_key(NS, (1, 0)),
+        slot_key(NS, (1, 0), 0),
+        slot_key(NS, (1, 0), 1),
+    ]
+    a = decode_request(writes[slot_key(NS, (1, 0), 0)] or b"")
+    assert (a.applied_seq, a.request_id, a.hash_list()) == (1, "a", [5, 6, 7])
+    load = decode_load(writes[load_key(NS, (1, 0))] or b"")
+    assert (load.active_blocks, load.active_requests, load.applied_seq) == (3, 2, 2)
+    assert image.take() == []  # nothing owed any more
+
+
+def test_writes_coalesce_and_a_free_slot_holds_an_empty_value() -> None:
+    image, state = fold(
+        [AddRequest("a", 1, block_hashes=[5]), Free("a", 1), AddRequest("b", 1, block_hashes=[9])]
+    )
+    writes = dict(image.take())
+    b = decode_request(writes[slot_key(NS, (1, 0), 0)] or b"")  # b took the slot a freed
+    assert (b.applied_seq, b.request_id, b.hash_list()) == (3, "b", [9])
+    fold([Free("b", 1)], image, state, start=4)
+    empty = decode_request(dict(image.take())[slot_key(NS, (1, 0), 0)] or b"")
+    assert empty.empty and empty.applied_seq == 4
+
+
+def test_a_removed_rank_deletes_every_slot_key_it_had_and_its_load() -> None:
+    events = [AddRequest(f"r{i}", 2, block_hashes=[i]) for i in range(3)] + [Free("r1", 2)]
+    image, state = fold(events)
+    image.take()
+    fold([WorkerRemoved(2)], image, state, start=5)
+    assert image.take() == [(load_key(NS, (2, 0)), None)] + [
+        (slot_key(NS, (2, 0), slot), None) for slot in range(3)
+    ]
+
+
+def test_a_failed_flush_is_owed_again_unless_superseded() -> None:
+    image, state = fold(
+        [AddRequest("a", 1, block_hashes=[5]), AddRequest("b", 1, block_hashes=[6])]
+    )
+    failed = image.take()
+    fold([Free("a", 1)], image, state, start=3)  # supersedes slot 0 and the load
+    image.owe(failed)
+    writes = dict(image.take())
+    assert decode_request(writes[slot_key(NS, (1, 0), 0)] or b"").empty  # not a's old value
+    assert decode_request(writes[slot_key(NS, (1, 0), 1)] or b"").request_id == "b"
+    assert decode_load(writes[load_key(NS, (1, 0))] or b"").applied_seq == 3
+
+
+def test_a_restored_image_goes_on_writing_what_an_uninterrupted_one_writes() -> None:
+    first = [AddRequest(f"r{i}", i % 2, block_hashes=[i, i + 100]) for i in range(6)] + [
+        Free("r2", 0)
+    ]
+    rest = [AddRequest("late", 0, block_hashes=[1]), Free("r3", 1), WorkerRemoved(1)]
+    whole, _ = fold(first + rest)
+    want = whole.everything()
+    # A projector wrote the first part, stopped; a new one restores from the bucket's values.
+    image, state = fold(first)
+    written = image.everything()
+    view = BucketView(position=decode_position(image.position(7)[1]))
+    for key, value in written.items():
+        kind, rank, slot = parse_key(NS, key)
+        assert rank is not None
+        if kind == "load":
+            view.loads[rank] = decode_load(value)
+        else:
+            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+    resumed = BucketImage(NS)
+    resumed.restore(view)
+    assert resumed.applied_seq == 7
+    fold(rest, resumed, state, start=8)
+    bucket = dict(written)
+    for key, value in resumed.take():
+        if value is None:
+            bucket.pop(key, None)
+        else:
+            bucket[key] = value
+    assert bucket == want
+
+
+def test_an_event_half_applied_in_parts_is_not_yet_reflected() -> None:
+    state = SequenceState(expiry_s=60.0)
+    image = BucketImage(NS)
+    for i in range(200):
+        d = state.apply(AddRequest(f"long-request-id-{i:05d}", 1, block_hashes=[i]), S)
+        d.seq = i + 1
+        image.apply(d)
+    tick = state.apply(AddRequest("new", 1, block_hashes=[1]), 100 * S)  # expires the 200
+    tick.seq = 201
+    parts = split_delta(tick, 1_000)
+    assert len(parts) > 2
+    for part in parts[:-1]:
+        image.apply(part)
+        assert image.applied_seq == 200 and image.partial == (201, part.part)
+    image.apply(parts[-1])
+    assert image.applied_seq == 201 and image.partial is None
+    assert decode_position(image.position(9)[1]) == Position(201, 100 * S, 9)
