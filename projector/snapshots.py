@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import io
 import logging
 from dataclasses import dataclass
 
@@ -160,13 +161,16 @@ class SnapshotStore:
 
     async def fetch(self, name: str) -> bytes:
         """The snapshot's bytes, digest-checked; ``SnapshotError`` names what is wrong."""
+        # Into a buffer: without one, nats-py joins the chunks with ``+=``, which copies the
+        # whole object again for every chunk (about 1.4 GB of copying for a 19 MB snapshot).
+        buffer = io.BytesIO()
         try:
-            result = await self.store.get(name)
+            result = await self.store.get(name, writeinto=buffer)
         except DigestMismatchError:
             raise SnapshotError(f"snapshot {name}: digest mismatch (damaged chunks)") from None
         except (ObjectNotFoundError, NotFoundError, BadObjectMetaError) as exc:
             raise SnapshotError(f"snapshot {name}: {type(exc).__name__}") from None
-        data = bytes(result.data or b"")
+        data = buffer.getvalue()
         if result.info.size != len(data):
             raise SnapshotError(f"snapshot {name}: {len(data)} of {result.info.size} bytes")
         return data
