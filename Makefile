@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 # The hot modules of the core compiled with mypyc (setup.py), rebuilt when any core source changes.
 # SEQSTATE_PURE=0: a compile that fails stops here; setup.py would otherwise fall back to the
 # pure core, and `make test` would test it twice under the name of the compiled one.
@@ -25,6 +26,11 @@ $(NATIVE): $(STAMP) setup.py $(CORE_SRC)
 
 native: $(NATIVE)
 
+# The optional `bench` extra (matplotlib, for benchmarks/scale.py's plot); not a test dependency.
+$(BENCH_STAMP): $(STAMP)
+	SEQSTATE_PURE=1 $(BIN)/python -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
 pure:
 	rm -f seqstate/*.so $(NATIVE)
 
@@ -40,7 +46,7 @@ test: $(NATIVE) lint
 run: $(NATIVE)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo
 
-bench: $(NATIVE)
+bench: $(NATIVE) $(BENCH_STAMP)
 	$(BIN)/python benchmarks/fold.py
 
 clean:
