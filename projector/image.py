@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from projector.values import (
+    EMPTY_SLOT,
     Position,
     Rank,
     encode_load,
@@ -52,6 +53,9 @@ class BucketImage:
         self.as_of = 0  # its log time
         self.partial: tuple[int, int] | None = None  # (event, part) of an event half applied
         self._slots: dict[str, bytes | None] = {}  # slot keys written since the last take
+        # Slot keys the bucket holds empty, as far as the writes taken tell: a request booked
+        # and freed between two takes then costs no write at all (the bytes would not change).
+        self._empty: set[str] = set()
         self._dirty_loads: set[Rank] = set()
         self._deleted_loads: set[Rank] = set()
 
@@ -69,7 +73,9 @@ class BucketImage:
             self._dirty_loads.discard(rank)
             self._deleted_loads.add(rank)
             for slot in range(self.slot_keys.pop(rank, 0)):
-                self._slots[slot_key(ns, rank, slot)] = None
+                key = slot_key(ns, rank, slot)
+                self._slots[key] = None
+                self._empty.discard(key)
         for raw in delta.added_ranks:
             self._touch((raw[0], raw[1]), stamp)
         for change in delta.changes:
@@ -78,7 +84,7 @@ class BucketImage:
             self.loads[rank] = change.load
             keys = self.slot_keys.get(rank, 0)
             for slot in change.released:
-                self._slots[slot_key(ns, rank, slot)] = encode_request(seq)
+                self._slots[slot_key(ns, rank, slot)] = EMPTY_SLOT
                 keys = max(keys, slot + 1)
             for booking in change.booked:
                 key = slot_key(ns, rank, booking.slot)
@@ -112,6 +118,8 @@ class BucketImage:
         for rank, slots in bucket.slots.items():
             if rank in self.loads:
                 self.slot_keys[rank] = max(slots) + 1
+                self._empty.update(slot_key(self.namespace, rank, slot)
+                                   for slot, value in slots.items() if value.empty)  # fmt: skip
             else:
                 for slot in slots:
                     self._slots[slot_key(self.namespace, rank, slot)] = None
@@ -129,7 +137,15 @@ class BucketImage:
         for rank in sorted(self._dirty_loads):
             seq, as_of = self.load_stamps[rank]
             writes.append((load_key(ns, rank), encode_load(rank, self.loads[rank], seq, as_of)))
-        writes.extend(self._slots.items())
+        empty = self._empty
+        for key, value in self._slots.items():
+            if value == EMPTY_SLOT:
+                if key in empty:
+                    continue
+                empty.add(key)
+            else:
+                empty.discard(key)
+            writes.append((key, value))
         self._slots = {}
         self._dirty_loads = set()
         self._deleted_loads = set()
@@ -144,8 +160,10 @@ class BucketImage:
                     self._dirty_loads.add(parsed.rank)
                 elif value is None:
                     self._deleted_loads.add(parsed.rank)
-            elif key not in self._slots:
-                self._slots[key] = value
+            else:
+                self._empty.discard(key)  # what the bucket holds there is not known now
+                if key not in self._slots:
+                    self._slots[key] = value
 
     def position(self, delta_seq: int) -> tuple[str, bytes]:
         return position_key(self.namespace), encode_position(

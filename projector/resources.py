@@ -111,7 +111,7 @@ async def ensure(nc: Client, config: Config) -> Resources:
         js,
         api.KeyValueConfig(
             bucket=config.registry_bucket,
-            description="seqstate PromptRegistry: per-rank load (JSON) and active blocks",
+            description="seqstate PromptRegistry: per-rank loads (JSON), per-request slots",
             history=1,
             storage=storage,
             replicas=config.replicas,

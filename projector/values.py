@@ -12,7 +12,8 @@ RegistryView (reader) cannot drift apart:
   decoding the packed form is one C call). The slot is the request's slot in the write model
   (the lowest free one of its rank when it was booked), so keys are reused: a rank has as many
   slot keys as it ever had requests in flight at once, not one per request it ever served,
-  and a free slot holds an empty value (no ``request_id``, no hashes) instead of leaving a
+  and a free slot holds the empty value (an empty msgpack map, ``EMPTY_SLOT``: no stamp, so a
+  slot freed again is no write at all when the bucket already holds it) instead of leaving a
   delete marker per request in the bucket's stream. A booking writes one key of the size of
   its prompt, a free writes one small value: the cost of an event follows what it changed.
   A reader reference-counts each rank's hashes over its slots.
@@ -70,9 +71,9 @@ class LoadValue(msgspec.Struct, frozen=True):
 
 
 class RequestValue(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One slot: the request it holds (empty: none) and when that last changed."""
+    """One slot: the request it holds, stamped with the event that booked it; or none."""
 
-    applied_seq: int
+    applied_seq: int = 0
     request_id: str = ""
     hashes: bytes = b""
 
@@ -176,12 +177,12 @@ def unpack_hashes(data: bytes) -> list[int]:
     return hashes.tolist()
 
 
-def encode_request(
-    applied_seq: int, request_id: str = "", hashes: list[int] | None = None
-) -> bytes:
-    """A slot's value; without a request, the empty value of a free slot."""
-    packed = pack_hashes(hashes) if hashes else b""
-    return _msgpack.encode(RequestValue(applied_seq, request_id, packed))
+def encode_request(applied_seq: int, request_id: str, hashes: list[int]) -> bytes:
+    """A booked slot's value."""
+    return _msgpack.encode(RequestValue(applied_seq, request_id, pack_hashes(hashes)))
+
+
+EMPTY_SLOT = _msgpack.encode(RequestValue())  # a free slot's value
 
 
 def decode_request(data: bytes) -> RequestValue:

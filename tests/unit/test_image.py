@@ -5,6 +5,7 @@ from __future__ import annotations
 from projector.bucket import BucketView
 from projector.image import BucketImage
 from projector.values import (
+    EMPTY_SLOT,
     Position,
     decode_load,
     decode_position,
@@ -48,7 +49,7 @@ def test_a_booking_writes_its_slot_and_the_load_once_per_take() -> None:
     assert image.take() == []  # nothing owed any more
 
 
-def test_writes_coalesce_and_a_free_slot_holds_an_empty_value() -> None:
+def test_writes_coalesce_and_a_free_slot_holds_the_empty_value() -> None:
     image, state = fold(
         [AddRequest("a", 1, block_hashes=[5]), Free("a", 1), AddRequest("b", 1, block_hashes=[9])]
     )
@@ -56,8 +57,11 @@ def test_writes_coalesce_and_a_free_slot_holds_an_empty_value() -> None:
     b = decode_request(writes[slot_key(NS, (1, 0), 0)] or b"")  # b took the slot a freed
     assert (b.applied_seq, b.request_id, b.hash_list()) == (3, "b", [9])
     fold([Free("b", 1)], image, state, start=4)
-    empty = decode_request(dict(image.take())[slot_key(NS, (1, 0), 0)] or b"")
-    assert empty.empty and empty.applied_seq == 4
+    assert dict(image.take())[slot_key(NS, (1, 0), 0)] == EMPTY_SLOT
+    assert decode_request(EMPTY_SLOT).empty
+    # Booked and freed again between two takes: the bucket already holds the empty value.
+    fold([AddRequest("c", 1, block_hashes=[1]), Free("c", 1)], image, state, start=5)
+    assert [key for key, _ in image.take()] == [load_key(NS, (1, 0))]
 
 
 def test_a_removed_rank_deletes_every_slot_key_it_had_and_its_load() -> None:
