@@ -77,6 +77,9 @@ class Config:
     forget_lazy_ranks_s: float | None = _setting(
         600.0, "a rank no WorkerAdded registered, empty this long, is dropped; 'off' keeps it",
         "SECONDS")  # fmt: skip
+    orphan_after_s: float | None = _setting(
+        30.0, "a router silent this long after a heartbeat has its requests freed (orphaned); "
+        "'off' never", "SECONDS")  # fmt: skip
     tick_every_s: float = _setting(
         60.0, "the writer logs a Tick at least this often, busy or not (expiry, idle ranks)",
         "SECONDS")  # fmt: skip
@@ -131,7 +134,8 @@ class Config:
     def new_state(self) -> SequenceState:
         """An empty write model with this configuration's rules: every fold of the log (the
         writer, a replay) starts from one, so they agree byte for byte."""
-        return SequenceState(expiry_s=self.expiry_s, forget_lazy_after_s=self.forget_lazy_ranks_s)
+        return SequenceState(expiry_s=self.expiry_s, forget_lazy_after_s=self.forget_lazy_ranks_s,
+                             orphan_after_s=self.orphan_after_s)  # fmt: skip
 
     @property
     def rank_bounds(self) -> RankBounds:
@@ -270,6 +274,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
     ("retain_events", _not_negative),
     ("forget_lazy_ranks_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
+     else "must be positive (at most a year), or 'off'"),
+    ("orphan_after_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
      else "must be positive (at most a year), or 'off'"),
     ("tick_every_s", _positive),
     ("max_ranks_per_worker", _positive),

@@ -97,6 +97,7 @@ class DemoRouter:
 
     async def start(self) -> None:
         await ensure(self.nc, self.config)
+        await self.publisher.start()  # heartbeats: if this process dies, its load is freed
         for worker in range(self.workers):
             await self.publisher.publish(WorkerAdded(worker_id=worker, dp_size=self.dp_size))
         await self.view.start()
@@ -156,6 +157,8 @@ class DemoRouter:
         with contextlib.suppress(Exception):
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await asyncio.gather(*(self._free(rid) for rid in list(self._live)))
+        with contextlib.suppress(Exception):  # the frees above left it nothing to free
+            await self.publisher.close()
         last = await self.publisher.flush()
         if last:
             with contextlib.suppress(TimeoutError):

@@ -31,7 +31,13 @@ DEFAULT_PORT = 4222  # the NATS convention, so nats://127.0.0.1:4222 works acros
 CONNECT = ("nats_url", "namespace", "tls_ca", "tls_cert", "tls_key")
 NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 PROVISION = ("duplicate_window_s", "replicas")  # what creating the streams and buckets needs
-FOLD = ("expiry_s", "forget_lazy_ranks_s", "max_ranks_per_worker", "max_ranks")  # every fold
+FOLD = (
+    "expiry_s",
+    "forget_lazy_ranks_s",
+    "orphan_after_s",
+    "max_ranks_per_worker",
+    "max_ranks",
+)  # every fold
 WRITER = (*FOLD, "idle_tick_s", "tick_every_s", "snapshot_every_events", "snapshot_every_s",
           "snapshots_keep", "retain_events")  # fmt: skip
 PROJECTOR = ("flush_interval_s",)

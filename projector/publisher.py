@@ -28,6 +28,8 @@ own (no task, future or timer per event). Its order guarantee is in its docstrin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Iterable, Sequence
 
 import msgspec
@@ -45,10 +47,14 @@ from seqstate import (
     Event,
     Free,
     MarkPrefillCompleted,
+    RouterGoodbye,
+    RouterHeartbeat,
     decode_event,
     encode_event,
 )
 from seqstate.errors import SeqstateError
+
+log = logging.getLogger("seqstate.publisher")
 
 # An event's delta is about its size plus headers; both must fit under the server's limit.
 EVENT_HEADROOM = 8 * 1024
@@ -164,6 +170,7 @@ class RouterPublisher:
         max_pending: int = 256,
         retries: int = 3,
         timeout: float = 5.0,
+        heartbeat_every_s: float = 5.0,
     ) -> None:
         if not router_id:
             raise ValueError("router_id must not be empty")
@@ -173,6 +180,8 @@ class RouterPublisher:
             raise ValueError(f"retries={retries}: must not be negative")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout}: must be positive")
+        if heartbeat_every_s <= 0:
+            raise ValueError(f"heartbeat_every_s={heartbeat_every_s}: must be positive")
         # One rule, as in RegistryView: ``namespace``, when given, wins over ``config``'s.
         self.config = (config or Config()).with_namespace(namespace)
         self._nc = nc
@@ -195,6 +204,49 @@ class RouterPublisher:
         self._inbox_lock = asyncio.Lock()
         self._token = 0
         self._awaiting: dict[int, tuple[_Round, int]] = {}
+        self.heartbeat_every_s = heartbeat_every_s
+        self._heartbeats: asyncio.Task[None] | None = None
+        self.heartbeat_failures = 0
+
+    # ---- lifecycle: heartbeats and goodbye -------------------------------------------------
+
+    async def start(self) -> RouterPublisher:
+        """Heartbeat now and every ``heartbeat_every_s`` until :meth:`close`.
+
+        From its first heartbeat on, the writer holds this router to its word: once it has
+        been silent past the orphan timeout (``orphan_after_s``, 30 s by default), every
+        request it added is freed (outcome ``orphaned``), so a router that crashes leaks no
+        load; and while it beats, the blind age limit never expires its long requests.
+        """
+        if self._heartbeats is None:
+            await self.publish(RouterHeartbeat(router_id=self.router_id))
+            self._heartbeats = asyncio.create_task(self._beat(), name="seqstate-heartbeat")
+        return self
+
+    async def close(self, *, goodbye: bool = True) -> None:
+        """Stop heartbeating; with ``goodbye``, free at once every request still held."""
+        task, self._heartbeats = self._heartbeats, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if goodbye:
+            await self.publish(RouterGoodbye(router_id=self.router_id))
+
+    async def __aenter__(self) -> RouterPublisher:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_every_s)
+            try:
+                await self.publish(RouterHeartbeat(router_id=self.router_id))
+            except PublishError as exc:  # the next beat tries again; the timeout is generous
+                self.heartbeat_failures += 1
+                log.warning("router %s: heartbeat not stored: %s", self.router_id, exc)
 
     @property
     def router_seq(self) -> int:

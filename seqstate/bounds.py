@@ -13,21 +13,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from seqstate.events import AddRequest, Event, WorkerAdded
+from seqstate.events import AddRequest, Event, RouterHeartbeat, WorkerAdded
 from seqstate.state import SequenceState
 
 MAX_RANKS_PER_WORKER: Final = 1024
 MAX_RANKS: Final = 16_384
+# Live routers the write model tracks: each heartbeat of a new router id adds one until it
+# lapses, so a flood of invented ids must not grow the state without bound.
+MAX_ROUTERS: Final = 100_000
 
 
 @dataclass(frozen=True)
 class RankBounds:
     per_worker: int = MAX_RANKS_PER_WORKER
     total: int = MAX_RANKS
+    routers: int = MAX_ROUTERS
 
     def refusal(self, state: SequenceState, event: Event) -> str:
         """Why ``event`` may not be applied ("" if it may)."""
         workers = state.workers
+        if isinstance(event, RouterHeartbeat):
+            if event.router_id in state.routers or len(state.routers) < self.routers:
+                return ""
+            return (f"{len(state.routers)} live routers already, the bound (max_routers); "
+                    f"router {event.router_id!r} is not tracked")  # fmt: skip
         if isinstance(event, AddRequest):
             rank = (event.worker_id, event.dp_rank)
             if rank in workers.slots or not state.lazy_workers:

@@ -84,6 +84,9 @@ class Delta(Struct, omit_defaults=True):
     seq: int | None = None
     part: int = 0
     more: bool = False
+    # Requests freed because their router went silent past the orphan timeout, or said
+    # goodbye (their slots are released in ``changes``), in the order they were freed.
+    orphaned: list[str] = []
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -199,6 +202,9 @@ class _Cutter:
         for request_id in delta.expired:
             self._fit(len(request_id.encode()) + 5)
             self.current.expired.append(request_id)
+        for request_id in delta.orphaned:
+            self._fit(len(request_id.encode()) + 5)
+            self.current.orphaned.append(request_id)
         self.parts.append(self.current)
         last = len(self.parts) - 1
         for i, part in enumerate(self.parts):

@@ -25,6 +25,7 @@ U32_MAX: Final = 2**32 - 1
 MAX_PREFILL_MS: Final = 1e12
 
 RequestId = Annotated[str, Meta(min_length=1)]
+RouterId = Annotated[str, Meta(min_length=1, max_length=256)]
 # msgpack cannot carry an integer above u64, so ge=0 bounds these to u64 on the wire
 # (msgspec rejects an explicit le beyond int64).
 WorkerId = Annotated[int, Meta(ge=0)]
@@ -121,8 +122,30 @@ class Tick(_Event, tag=True):
     """The log's clock moved with no traffic: gives expiry a logged time."""
 
 
+class RouterHeartbeat(_Event, tag=True):
+    """A router is alive. From its first heartbeat on, a router's requests belong to it: they
+    are freed (outcome ``orphaned``) once it has been silent for the orphan timeout, and the
+    blind age limit never expires them while it lives."""
+
+    router_id: RouterId
+
+
+class RouterGoodbye(_Event, tag=True):
+    """A router stops cleanly: every request it still holds is freed now."""
+
+    router_id: RouterId
+
+
 Event = (
-    AddRequest | MarkPrefillCompleted | Free | AddOutputBlock | WorkerAdded | WorkerRemoved | Tick
+    AddRequest
+    | MarkPrefillCompleted
+    | Free
+    | AddOutputBlock
+    | WorkerAdded
+    | WorkerRemoved
+    | Tick
+    | RouterHeartbeat
+    | RouterGoodbye
 )
 
 

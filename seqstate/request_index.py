@@ -12,11 +12,32 @@ Rank = tuple[int, int]
 
 
 class RequestIndex:
-    __slots__ = ("lora", "owner")
+    __slots__ = ("by_router", "lora", "owner", "router_of")
 
     def __init__(self) -> None:
         self.owner: dict[str, Rank] = {}
         self.lora: dict[str, str] = {}
+        # Which router added each request (when it said), and each router's live requests:
+        # a router that goes silent or says goodbye has its own requests freed.
+        self.router_of: dict[str, str] = {}
+        self.by_router: dict[str, set[str]] = {}
+
+    def set_router(self, request_id: str, router_id: str) -> None:
+        self.router_of[request_id] = router_id
+        held = self.by_router.get(router_id)
+        if held is None:
+            self.by_router[router_id] = {request_id}
+        else:
+            held.add(request_id)
+
+    def drop_router(self, request_id: str) -> None:
+        """The request ended: it no longer counts among its router's."""
+        router_id = self.router_of.pop(request_id, None)
+        if router_id is not None:
+            held = self.by_router[router_id]
+            held.discard(request_id)
+            if not held:
+                del self.by_router[router_id]
 
     def __len__(self) -> int:
         return len(self.owner)
@@ -51,6 +72,8 @@ class RequestIndex:
     def remove(self, request_id: str) -> Rank | None:
         """Idempotent; returns the previous owner."""
         self.lora.pop(request_id, None)
+        if self.router_of:
+            self.drop_router(request_id)
         return self.owner.pop(request_id, None)
 
     def remove_requests(self, request_ids: list[str]) -> None:

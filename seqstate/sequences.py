@@ -136,12 +136,18 @@ class ActiveSequences:
         if decay_fraction is not None:
             self.blocks.set_exclusive_fraction(state.hashes, state.outputs, decay_fraction)
 
-    def expire(self, now_ns: int) -> tuple[list[str], list[int]]:
+    def expire(
+        self,
+        now_ns: int,
+        router_of: dict[str, str] | None = None,
+        live_routers: dict[str, int] | None = None,
+    ) -> tuple[list[str], list[int]]:
         """Dynamo's throttled stale-request sweep, on log time.
 
         Runs only if at least 30 s passed since this rank's last check; frees every request
-        added strictly more than the expiry duration before ``now_ns``. Returns the expired
-        ids and the slots they held.
+        added strictly more than the expiry duration before ``now_ns``, except those of a live
+        router (in ``live_routers``, found through ``router_of``): a router that heartbeats
+        vouches for its long requests. Returns the expired ids and the slots they held.
         """
         expiry_ns = self.expiry_ns
         if expiry_ns is None or now_ns - self.last_expiry_check_ns < EXPIRY_CHECK_INTERVAL_NS:
@@ -151,9 +157,14 @@ class ActiveSequences:
         expired: list[str] = []
         released: list[int] = []
         # Requests are in add order and add times never decrease: stop at the first young one.
+        vouched = live_routers if live_routers and router_of else None
         for request_id, state in self.requests.items():
             if state.added_ns >= cutoff:
                 break
+            if vouched is not None and router_of is not None:
+                router_id = router_of.get(request_id)
+                if router_id is not None and router_id in vouched:
+                    continue
             expired.append(request_id)
         for request_id in expired:
             released.append(self.free(request_id, now_ns))

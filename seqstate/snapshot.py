@@ -39,6 +39,7 @@ class _Request(Struct, array_like=True):
     # Added after version 1 shipped (trailing, so older snapshots still decode): the slot the
     # request holds; -1 in an older snapshot, whose requests then take slots 0, 1, ... in order.
     slot: int = -1
+    router_id: str = ""  # who added it ("" when the router did not say): trailing, as above
 
 
 class _Slot(Struct, array_like=True):
@@ -73,6 +74,8 @@ class _State(Struct, array_like=True):
     # Added after version 1 shipped: trailing, with defaults, so older snapshots still decode.
     forget_lazy_after_s: float | None = None
     idle_since: list[tuple[int, int, int]] = []
+    orphan_after_s: float | None = None
+    routers: list[tuple[str, int]] = []  # live routers, oldest heard first
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -81,6 +84,7 @@ _decoder = msgspec.msgpack.Decoder(_State)
 
 def encode_state(state: SequenceState) -> bytes:
     lora = state.requests.lora
+    router_of = state.requests.router_of
     slots = []
     for (worker_id, dp_rank), slot in state.workers.slots.items():
         blocks = slot.blocks
@@ -100,6 +104,7 @@ def encode_state(state: SequenceState) -> bytes:
                         r.outputs,
                         lora.get(rid),
                         r.slot,
+                        router_of.get(rid, ""),
                     )
                     for rid, r in slot.requests.items()
                 ],
@@ -124,6 +129,8 @@ def encode_state(state: SequenceState) -> bytes:
         state.counters,
         state.forget_lazy_after_s,
         [(w, r, since) for (w, r), since in state.idle_since.items()],
+        state.orphan_after_s,
+        list(state.routers.items()),
     )
     return MAGIC + _encoder.encode(body)
 
@@ -160,6 +167,7 @@ def _rebuild(body: _State) -> SequenceState:
         max_tombstones=body.max_tombstones,
         max_ended=body.max_ended,
         forget_lazy_after_s=body.forget_lazy_after_s,
+        orphan_after_s=body.orphan_after_s,
     )
     state.now_ns = body.now_ns
     for worker_id, dp_start, dp_size in body.ranges:
@@ -183,6 +191,8 @@ def _rebuild(body: _State) -> SequenceState:
             owner[r.request_id] = rank
             if r.lora_name is not None:
                 lora[r.request_id] = r.lora_name
+            if r.router_id:
+                state.requests.set_router(r.request_id, r.router_id)
         slot.restore_slots()
         blocks.fractions = dict(s.fractions)
         blocks.deficit = s.deficit
@@ -204,6 +214,7 @@ def _rebuild(body: _State) -> SequenceState:
     state.ended.evicted = body.ended.evicted
     state.counters.update(body.counters)
     state.idle_since = {(w, r): since for w, r, since in body.idle_since}
+    state.routers = dict(body.routers)
     for delta in state.projection():
         state.registry.apply(delta)
     return state

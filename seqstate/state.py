@@ -21,6 +21,8 @@ from seqstate.events import (
     EventDecodeError,
     Free,
     MarkPrefillCompleted,
+    RouterGoodbye,
+    RouterHeartbeat,
     Tick,
     WorkerAdded,
     WorkerRemoved,
@@ -50,6 +52,7 @@ COUNTER_NAMES: Final = (
     "worker_mismatch",
     "tombstoned",
     "mark_before_add",
+    "orphaned",
 )
 
 
@@ -69,6 +72,7 @@ class SequenceState:
         max_tombstones: int = MAX_TOMBSTONES,
         max_ended: int = MAX_ENDED,
         forget_lazy_after_s: float | None = None,
+        orphan_after_s: float | None = None,
     ) -> None:
         if expiry_s is not None:
             if not expiry_s > 0:
@@ -79,6 +83,15 @@ class SequenceState:
             raise ValueError("memory capacities must not be negative")
         if forget_lazy_after_s is not None and not 0 < forget_lazy_after_s <= MAX_EXPIRY_S:
             raise ValueError(f"forget_lazy_after_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
+        if orphan_after_s is not None and not 0 < orphan_after_s <= MAX_EXPIRY_S:
+            raise ValueError(f"orphan_after_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
+        # A router that heartbeated and then stayed silent this long has its requests freed
+        # (outcome ``orphaned``). None: routers are never orphaned (the default).
+        self.orphan_after_s = orphan_after_s
+        self.orphan_ns: int | None = (
+            None if orphan_after_s is None else round(orphan_after_s * NS_PER_S)
+        )
+        self.routers: dict[str, int] = {}  # live routers: last heard of (log time), oldest first
         self.expiry_s = expiry_s
         self.lazy_workers = lazy_workers
         # A lazy rank (no WorkerAdded covers it) that a Tick finds empty this long is dropped,
@@ -106,6 +119,8 @@ class SequenceState:
             Free: self._free,
             AddOutputBlock: self._output_block,
             Tick: self._tick,
+            RouterHeartbeat: self._heartbeat,
+            RouterGoodbye: self._goodbye,
             WorkerAdded: self._worker_added,
             WorkerRemoved: self._worker_removed,
         }
@@ -134,6 +149,8 @@ class SequenceState:
         self.counters[delta.outcome] += 1
         if delta.expired:
             self.counters["expired"] += len(delta.expired)
+        if delta.orphaned:
+            self.counters["orphaned"] += len(delta.orphaned)
         if self._projecting:
             self.registry.apply(delta)
         return delta
@@ -181,7 +198,7 @@ class SequenceState:
             slot = self._slots[rank]
             added_ranks.append(rank)
         if slot.expiry_ns is not None and now - slot.last_expiry_check_ns >= EXPIRY_CHECK_NS:
-            expired, released = slot.expire(now)
+            expired, released = slot.expire(now, self.requests.router_of, self._vouching())
             if expired:
                 self._forget(expired, now)
         else:
@@ -203,6 +220,11 @@ class SequenceState:
         self._owner[request_id] = rank
         if event.lora_name is not None:
             self.requests.lora[request_id] = event.lora_name
+        router_id = event.router_id
+        if router_id:
+            self.requests.set_router(request_id, router_id)
+            if router_id in self.routers:
+                self._heard(router_id, now)
         if not self._changes:
             return Delta(outcomes.APPLIED, now, _NONE, added_ranks, _NONE, expired)
         return Delta(
@@ -228,6 +250,8 @@ class SequenceState:
         return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
 
     def _mark(self, event: MarkPrefillCompleted, now: int) -> Delta:
+        if event.router_id in self.routers:
+            self._heard(event.router_id, now)
         owner = self._owner.get(event.request_id)
         if owner is None:
             return self._unknown(event.request_id, MARK_TOMBSTONE, now)
@@ -245,6 +269,8 @@ class SequenceState:
         )
 
     def _free(self, event: Free, now: int) -> Delta:
+        if event.router_id in self.routers:
+            self._heard(event.router_id, now)
         request_id = event.request_id
         owner = self._owner.pop(request_id, None)
         if owner is None:
@@ -253,6 +279,8 @@ class SequenceState:
             self.counters["worker_mismatch"] += 1
         if self.requests.lora:
             self.requests.lora.pop(request_id, None)
+        if self.requests.router_of:
+            self.requests.drop_router(request_id)
         slot = self._slots[owner]
         released = slot.free(request_id, now)
         self.ended.put(request_id, 0, now)
@@ -279,17 +307,89 @@ class SequenceState:
         )
 
     def _tick(self, _event: Tick, now: int) -> Delta:
-        changes: list[RankChange] = []
+        changes, orphaned = self._orphan_lapsed(now)
         all_expired: list[str] = []
+        router_of, routers = self.requests.router_of, self._vouching()
         for rank, slot in self.workers.slots.items():
-            expired, released = slot.expire(now)
+            expired, released = slot.expire(now, router_of, routers)
             if expired:
                 self._forget(expired, now)
                 all_expired.extend(expired)
                 changes.append(RankChange(rank, slot.load(), released))
         gone = self._idle_lazy_ranks(now) if self.forget_lazy_ns is not None else []
         return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired,
-                     removed_ranks=gone)  # fmt: skip
+                     removed_ranks=gone, orphaned=orphaned)  # fmt: skip
+
+    # ---- routers ----------------------------------------------------------------------------
+
+    def _vouching(self) -> dict[str, int] | None:
+        """The routers whose requests the age limit spares: the live ones, but only while
+        lapsed routers are orphaned (else a router that died would shield its requests
+        forever)."""
+        return self.routers if self.orphan_ns is not None else None
+
+    def _heard(self, router_id: str, now: int) -> None:
+        """A live router was heard from: it moves to the back of the lapse order."""
+        routers = self.routers
+        routers.pop(router_id, None)
+        routers[router_id] = now
+
+    def _heartbeat(self, event: RouterHeartbeat, now: int) -> Delta:
+        changes, orphaned = self._orphan_lapsed(now)
+        self._heard(event.router_id, now)
+        return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, orphaned=orphaned)
+
+    def _goodbye(self, event: RouterGoodbye, now: int) -> Delta:
+        changes, orphaned = self._orphan_lapsed(now)
+        self.routers.pop(event.router_id, None)
+        more, left = self._free_router(event.router_id, now)
+        return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes + more,
+                     orphaned=orphaned + left)  # fmt: skip
+
+    def _orphan_lapsed(self, now: int) -> tuple[list[RankChange], list[str]]:
+        """Free the requests of every router silent for ``orphan_after_s`` (oldest first)."""
+        changes: list[RankChange] = []
+        orphaned: list[str] = []
+        if self.orphan_ns is None:
+            return changes, orphaned
+        routers = self.routers
+        cutoff = now - self.orphan_ns
+        while routers:
+            router_id, heard = next(iter(routers.items()))
+            if heard > cutoff:
+                break
+            del routers[router_id]
+            more, ids = self._free_router(router_id, now)
+            changes += more
+            orphaned += ids
+        return changes, orphaned
+
+    def _free_router(self, router_id: str, now: int) -> tuple[list[RankChange], list[str]]:
+        """Free every live request ``router_id`` added, in a canonical order (rank, add time,
+        id), so that a fold restored from a snapshot frees them exactly as the original."""
+        held = self.requests.by_router.pop(router_id, None)
+        if not held:
+            return [], []
+        owner, slots = self._owner, self._slots
+        order = sorted(
+            held, key=lambda rid: (owner[rid], slots[owner[rid]].requests[rid].added_ns, rid)
+        )
+        changes: list[RankChange] = []
+        lora, router_of = self.requests.lora, self.requests.router_of
+        current: RankChange | None = None
+        for request_id in order:
+            rank = owner.pop(request_id)
+            lora.pop(request_id, None)
+            router_of.pop(request_id, None)
+            slot = slots[rank]
+            released = slot.free(request_id, now)
+            self.ended.put(request_id, 0, now)
+            if current is None or current.rank != rank:
+                current = RankChange(rank, slot.load(), [])
+                changes.append(current)
+            current.released.append(released)
+            current.load = slot.load()
+        return changes, order
 
     def _idle_lazy_ranks(self, now: int) -> list[Rank]:
         """Drop the lazy ranks that Ticks have found empty for ``forget_lazy_after_s``."""
@@ -367,6 +467,11 @@ class SequenceState:
                 owners[request_id] = rank
         assert owners == self.requests.owner, "RequestIndex disagrees with ActiveSequences"
         assert set(self.requests.lora) <= set(owners)
+        assert set(self.requests.router_of) <= set(owners)
+        by_router: dict[str, set[str]] = {}
+        for request_id, router_id in self.requests.router_of.items():
+            by_router.setdefault(router_id, set()).add(request_id)
+        assert by_router == self.requests.by_router, "the per-router index disagrees"
         for request_id in owners:
             assert request_id not in self.tombstones
         for worker in self.workers.ranges.values():

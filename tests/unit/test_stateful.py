@@ -124,6 +124,7 @@ class Model:
             "worker_mismatch": 0,
             "tombstoned": 0,
             "mark_before_add": 0,
+            "orphaned": 0,
         }
 
     # -- reads --

@@ -1,0 +1,63 @@
+"""A router's lifecycle through the pipeline: goodbye frees at once, silence orphans on log
+time, and a replay makes the same decisions."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+from pipeline_kit import fresh_config, read_log
+
+from projector.pipeline import Pipeline
+from projector.publisher import RouterPublisher
+from projector.reader import RegistryView
+from projector.replay import replay, verify
+from seqstate import decode_event
+
+
+async def until(condition: object, what: str, timeout: float = 20.0) -> None:
+    """Poll ``condition()`` until true; fail naming ``what`` after ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_router_that_says_goodbye_has_its_requests_freed_at_once(nc: Client) -> None:
+    config = fresh_config("bye")
+    async with Pipeline(nc, config) as pipeline:
+        other = RouterPublisher(nc, namespace=config.namespace, router_id="stays", config=config)
+        await other.add("kept", 2, block_hashes=[9])
+        async with RouterPublisher(nc, namespace=config.namespace, router_id="leaves",
+                                   config=config) as pub:  # fmt: skip
+            for i in range(3):
+                await pub.add(f"q{i}", 1, block_hashes=[i, 100 + i])
+        last = pipeline.writer.stats.last_seq
+        await pipeline.wait_applied(await other.mark_prefill_completed("kept", 2))
+        assert pipeline.writer.state.counters["orphaned"] == 3
+        assert sorted(pipeline.writer.state.requests.owner) == ["kept"]
+        async with RegistryView(nc, config=config) as view:
+            await view.wait_for(last)
+            assert [(r.worker_id, r.active_requests) for r in view.loads()] == [(1, 0), (2, 1)]
+    kinds = [type(decode_event(data)).__name__ for _, _, data in await read_log(nc, config)]
+    assert kinds[:2] == ["AddRequest", "RouterHeartbeat"] and "RouterGoodbye" in kinds
+    assert await verify(nc, config) == []
+
+
+async def test_a_silent_router_is_orphaned_and_a_replay_decides_the_same(nc: Client) -> None:
+    config = fresh_config("orph", orphan_after_s=1.0, idle_tick_s=0.2)
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="crashes",
+                              config=config, heartbeat_every_s=0.2)  # fmt: skip
+        await pub.start()
+        for i in range(4):
+            await pub.add(f"o{i}", i % 2, block_hashes=[i])
+        await pub.close(goodbye=False)  # as a crash: it just goes silent
+        state = pipeline.writer.state
+        await until(lambda: state.counters["orphaned"] == 4, "the router's requests orphaned")
+        assert state.requests.owner == {} and state.routers == {}
+        await pipeline.wait_applied(pipeline.writer.stats.last_seq)
+    replayed = await replay(nc, config)
+    assert replayed.state.counters["orphaned"] == 4
+    assert replayed.state.snapshot() == state.snapshot()
+    assert await verify(nc, config) == []
