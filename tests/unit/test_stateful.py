@@ -33,6 +33,8 @@ from seqstate import (
     LoadRow,
     MarkPrefillCompleted,
     PotentialLoadRow,
+    RouterGoodbye,
+    RouterHeartbeat,
     SequenceState,
     Tick,
     WorkerAdded,
@@ -83,6 +85,7 @@ class Live:
     lora: str | None
     outputs: int = 0
     slot: int = -1
+    router: str = ""
 
     @property
     def prefilling(self) -> bool:
@@ -101,13 +104,16 @@ class Expected:
     changes: list[tuple[Rank, list[int], list[tuple[int, str, list[int]]]]] = field(
         default_factory=list
     )
+    orphaned: list[str] = field(default_factory=list)
 
 
 class Model:
     """Flat, slow, obviously-correct bookkeeping of the rules."""
 
-    def __init__(self, expiry_ns: int | None, lazy: bool) -> None:
+    def __init__(self, expiry_ns: int | None, lazy: bool, orphan_ns: int | None = None) -> None:
         self.expiry_ns = expiry_ns
+        self.orphan_ns = orphan_ns
+        self.routers: dict[str, int] = {}  # heartbeating routers: last heard, oldest first
         self.lazy = lazy
         self.retention_ns = expiry_ns if expiry_ns is not None else DEFAULT_RETENTION_NS
         self.now = 0
@@ -259,7 +265,12 @@ class Model:
         if self.expiry_ns is None or now - self.last_check[rank] < CHECK_INTERVAL_NS:
             return [], []
         self.last_check[rank] = now
-        victims = [r for r in self.on(rank) if r.added_ns < now - self.expiry_ns]
+        victims = [
+            r
+            for r in self.on(rank)
+            if r.added_ns < now - self.expiry_ns
+            and not (self.orphan_ns is not None and r.router in self.routers)
+        ]
         for req in victims:
             self._end(req, now)
         return [r.rid for r in victims], [r.slot for r in victims]
@@ -283,6 +294,15 @@ class Model:
             exp = self._output(event)
         elif isinstance(event, Tick):
             exp = self._tick(now)
+        elif isinstance(event, RouterHeartbeat):
+            exp = Expected("applied")
+            self._sweep(now, exp)
+            self._heard(event.router_id, now)
+        elif isinstance(event, RouterGoodbye):
+            exp = Expected("applied")
+            self._sweep(now, exp)
+            self.routers.pop(event.router_id, None)
+            self._free_router(event.router_id, now, exp)
         elif isinstance(event, WorkerAdded):
             exp = self._worker_added(event, now)
         elif isinstance(event, WorkerRemoved):
@@ -291,7 +311,35 @@ class Model:
             raise AssertionError(event)
         self.counters[exp.outcome] += 1
         self.counters["expired"] += len(exp.expired)
+        self.counters["orphaned"] += len(exp.orphaned)
         return exp
+
+    def _heard(self, router: str, now: int) -> None:
+        self.routers.pop(router, None)
+        self.routers[router] = now
+
+    def _sweep(self, now: int, exp: Expected) -> None:
+        """Orphan every router silent for the timeout, oldest first."""
+        if self.orphan_ns is None:
+            return
+        for router, heard in list(self.routers.items()):
+            if heard > now - self.orphan_ns:
+                break
+            del self.routers[router]
+            self._free_router(router, now, exp)
+
+    def _free_router(self, router: str, now: int, exp: Expected) -> None:
+        mine = sorted((r for r in self.live if r.router == router),
+                      key=lambda r: (r.rank, r.added_ns, r.rid))  # fmt: skip
+        current: Rank | None = None
+        for req in mine:
+            self._end(req, now)
+            if req.rank == current:
+                exp.changes[-1][1].append(req.slot)
+            else:
+                exp.changes.append((req.rank, [req.slot], []))
+                current = req.rank
+            exp.orphaned.append(req.rid)
 
     def _add(self, ev: AddRequest, now: int) -> Expected:
         if self.find(ev.request_id) is not None:
@@ -323,8 +371,11 @@ class Model:
             kind == MARK,
             ev.lora_name,
             slot=self.lowest_free_slot(rank),
+            router=ev.router_id,
         )
         self.live.append(req)
+        if ev.router_id in self.routers:
+            self._heard(ev.router_id, now)
         if req.prefilling and self.anchor[rank] is None:
             self.anchor[rank] = now
         booked = (req.slot, req.rid, list(dict.fromkeys(req.hashes)))
@@ -373,6 +424,7 @@ class Model:
 
     def _tick(self, now: int) -> Expected:
         exp = Expected("applied")
+        self._sweep(now, exp)
         for rank in list(self.ranks):
             expired, released = self._expire(rank, now)
             if expired:
@@ -465,6 +517,7 @@ def prompt(lineage: int, length: int) -> list[int]:
 def add_event(
     rid: str,
     rank: Rank,
+    router: str,
     lineage: int,
     length: int,
     tokens: int,
@@ -483,6 +536,7 @@ def add_event(
         expected_output_tokens=output_tokens,
         track_prefill_tokens=track,
         lora_name=lora,
+        router_id=router,
     )
 
 
@@ -491,6 +545,8 @@ def worker_added(worker: int, dp_start: int, dp_size: int) -> WorkerAdded:
     size = min(dp_size, len(DP_RANKS) - dp_start)
     return WorkerAdded(worker_id=worker, dp_start=dp_start, dp_size=size)
 
+
+ROUTERS = ("", "ra", "rb")  # "": the add names no router
 
 ADD_ARGS = {
     "rid": IDS,
@@ -501,6 +557,7 @@ ADD_ARGS = {
     "track": TRACK,
     "lora": st.sampled_from([None, None, "a", "b"]),
     "output_tokens": st.none() | st.integers(0, 500),
+    "router": st.sampled_from(ROUTERS),
     "step": STEPS,
 }
 
@@ -525,12 +582,15 @@ class SeqStateMachine(RuleBasedStateMachine):
 
     EXPIRY_S: float | None = 60.0
     LAZY = True
+    ORPHAN_S: float | None = 30.0
 
     def __init__(self) -> None:
         super().__init__()
-        self.state = SequenceState(expiry_s=self.EXPIRY_S, lazy_workers=self.LAZY)
+        self.state = SequenceState(expiry_s=self.EXPIRY_S, lazy_workers=self.LAZY,
+                                   orphan_after_s=self.ORPHAN_S)  # fmt: skip
         expiry_ns = None if self.EXPIRY_S is None else round(self.EXPIRY_S * S)
-        self.model = Model(expiry_ns, self.LAZY)
+        orphan_ns = None if self.ORPHAN_S is None else round(self.ORPHAN_S * S)
+        self.model = Model(expiry_ns, self.LAZY, orphan_ns)
 
     def _apply(self, event: object, step: int) -> None:
         at = max(0, self.model.now + step)
@@ -543,6 +603,7 @@ class SeqStateMachine(RuleBasedStateMachine):
         assert delta.outcome == exp.outcome, (delta, exp)
         assert delta.at_ns == now
         assert delta.expired == exp.expired, (delta.expired, exp.expired)
+        assert delta.orphaned == exp.orphaned, (delta.orphaned, exp.orphaned)
         assert [tuple(r) for r in delta.added_ranks] == exp.added_ranks
         assert [tuple(r) for r in delta.removed_ranks] == exp.removed_ranks
         got = [
@@ -645,6 +706,14 @@ class SeqStateMachine(RuleBasedStateMachine):
     def tick(self, step: int) -> None:
         self._apply(Tick(), step)
 
+    @rule(router=st.sampled_from(ROUTERS[1:]), step=st.one_of(STEPS, BIG_STEPS))
+    def heartbeat(self, router: str, step: int) -> None:
+        self._apply(RouterHeartbeat(router_id=router), step)
+
+    @rule(router=st.sampled_from(ROUTERS[1:]), step=STEPS)
+    def goodbye(self, router: str, step: int) -> None:
+        self._apply(RouterGoodbye(router_id=router), step)
+
     @rule()
     def snapshot_and_restore(self) -> None:
         data = self.state.snapshot()
@@ -668,6 +737,8 @@ class SeqStateMachine(RuleBasedStateMachine):
         )
         assert state.requests.owner == {r.rid: r.rank for r in model.live}
         assert state.requests.lora == {r.rid: r.lora for r in model.live if r.lora is not None}
+        assert state.requests.router_of == {r.rid: r.router for r in model.live if r.router}
+        assert list(state.routers.items()) == list(model.routers.items())
         # Per-rank write model: prefill FIFO, anchor, expiry throttle; registry membership.
         everything: set[int] = set()
         for rank in model.ranks:
@@ -703,9 +774,11 @@ class SeqStateMachine(RuleBasedStateMachine):
 
 
 class NoExpiryMachine(SeqStateMachine):
-    """Expiry disabled: nothing ever expires; ids are remembered for 300 s."""
+    """Expiry disabled: nothing ever expires; ids are remembered for 300 s. Routers are never
+    orphaned either (heartbeats only register them)."""
 
     EXPIRY_S = None
+    ORPHAN_S = None
 
 
 class EagerWorkersMachine(SeqStateMachine):
