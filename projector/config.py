@@ -24,6 +24,7 @@ from seqstate.state import SequenceState
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _SCHEMES = ("nats", "tls", "ws", "wss")
+_HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a name, IPv4, or IPv6 (urlsplit drops the brackets)
 
 
 class ConfigError(SeqstateError, ValueError):
@@ -273,7 +274,8 @@ def _is_nats_url(item: str) -> bool:
         _ = parts.port  # raises on a port that is not a number
     except ValueError:
         return False
-    return parts.scheme in _SCHEMES and bool(parts.hostname)
+    host = parts.hostname or ""
+    return parts.scheme in _SCHEMES and bool(_HOST.fullmatch(host))
 
 
 def _file(path: str | None) -> str:

@@ -539,3 +539,31 @@ async def test_an_nkey_seed_signs_in_and_the_replay_falls_back_to_nats_py(
     assert fast == client  # nats-py did the work: the reader cannot sign a nonce
     [(fed, why)] = returned
     assert fed == 0 and why is not None and "nkeys" in why
+
+
+# ---- a list of servers (the NATS convention for a cluster) -------------------------------------
+
+
+def test_a_comma_separated_server_list_connects_and_is_redacted(
+    password_server: NatsServer, pki: Path
+) -> None:
+    dead = f"nats://{USER}:{PASSWORD}@127.0.0.1:1"  # nothing listens: nats-py tries the next
+    for url in (f"{dead},{password_url(password_server)}",
+                f"{password_url(password_server)} , {dead}"):  # fmt: skip
+        result = seqstate("status", NATS_URL=url, **tls_env(pki))
+        assert result.returncode == 0, result.stderr
+        assert f"{USER}:***@127.0.0.1:{password_server.port}" in result.stdout
+        assert PASSWORD not in result.stdout + result.stderr
+    settings = {"SEQSTATE_NATS_USER": USER, "SEQSTATE_NATS_PASSWORD": PASSWORD}
+    plain = f"nats://127.0.0.1:1,{plain_url(password_server)}"
+    result = seqstate("status", NATS_URL=plain, **settings, **tls_env(pki))
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_server_of_a_list_is_validated_without_showing_secrets() -> None:
+    for flag in (False, True):
+        url = f"nats://{USER}:{PASSWORD}@h1:4222,nats://{USER}:{PASSWORD}@bad host:4222"
+        result = seqstate("status", "--nats-url", url) if flag else seqstate("status", NATS_URL=url)
+        line = one_line_error(result)
+        assert "is not a NATS URL" in line and f"{USER}:***@bad host" in line
+        assert PASSWORD not in line
