@@ -24,6 +24,7 @@ from seqstate.state import SequenceState
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _SCHEMES = ("nats", "tls", "ws", "wss")
+_HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a name, IPv4, or IPv6 (urlsplit drops the brackets)
 
 
 class ConfigError(SeqstateError, ValueError):
@@ -35,8 +36,16 @@ class ConfigError(SeqstateError, ValueError):
         self.setting = setting  # the Config field, when one is at fault
 
 
-def _setting(default: Any, help: str, metavar: str = "") -> Any:
-    return field(default=default, metadata={"help": help, "metavar": metavar})
+# Settings whose value is a secret: never shown (help, errors, a Config's repr).
+SECRET_SETTINGS = ("nats_password", "nats_token")
+# How a client signs in, beside credentials in the URL: one at most.
+_AUTH_METHODS = (("nats_user", "nats_password"), ("nats_token",), ("nats_nkey_seed",),
+                 ("nats_creds",))  # fmt: skip
+
+
+def _setting(default: Any, help: str, metavar: str = "", *, secret: bool = False) -> Any:
+    return field(default=default, repr=not secret,
+                 metadata={"help": help, "metavar": metavar, "secret": secret})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,19 @@ class Config:
         None, "PEM client certificate, for a server that asks for one (with --tls-key)", "PATH"
     )
     tls_key: str | None = _setting(None, "PEM key of the client certificate", "PATH")
+    nats_user: str | None = _setting(None, "NATS user name (with --nats-password)", "USER")
+    nats_password: str | None = _setting(
+        None, "password of --nats-user; prefer the variable: a flag shows in ps", "SECRET",
+        secret=True)  # fmt: skip
+    nats_token: str | None = _setting(
+        None, "NATS authorization token; prefer the variable: a flag shows in ps", "SECRET",
+        secret=True)  # fmt: skip
+    nats_nkey_seed: str | None = _setting(
+        None, "file holding an NKEY user seed (SU...), for a server with nkey users", "PATH"
+    )
+    nats_creds: str | None = _setting(
+        None, "NATS credentials file (user JWT and seed, as nsc writes it)", "PATH"
+    )
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS:
@@ -109,6 +131,23 @@ class Config:
                        f"{env_name(missing)} too")  # fmt: skip
             label = f"{given}={getattr(self, given)!r}"
             raise ConfigError(problem, setting=given, label=label)
+        if (self.nats_user is None) != (self.nats_password is None):
+            given = "nats_user" if self.nats_password is None else "nats_password"
+            missing = "nats_password" if given == "nats_user" else "nats_user"
+            problem = (f"a user and a password go together: set --{missing.replace('_', '-')} or "
+                       f"{env_name(missing)} too")  # fmt: skip
+            label = f"{given}={_shown(given, getattr(self, given))!r}"
+            raise ConfigError(problem, setting=given, label=label)
+        chosen = [names[0] for names in _AUTH_METHODS if getattr(self, names[0]) is not None]
+        if len(chosen) > 1:
+            shown = " and ".join(f"--{n.replace('_', '-')}/{env_name(n)}" for n in chosen)
+            problem = f"{shown}: set one way to sign in, not {len(chosen)}"
+            raise ConfigError(problem, setting=chosen[-1])
+
+    @property
+    def has_credentials(self) -> bool:
+        """Whether a setting (not the URL) says how to sign in."""
+        return any(getattr(self, names[0]) is not None for names in _AUTH_METHODS)
 
     @property
     def events_subjects(self) -> str:
@@ -209,7 +248,9 @@ def _parse(raw: str, kind: object, name: str, label: str) -> object:
 
 
 def _shown(setting: str, value: object) -> object:
-    """A setting's value as an error may show it: a URL's password or token masked."""
+    """A setting's value as an error may show it: a secret, or a URL's password, masked."""
+    if setting in SECRET_SETTINGS and value is not None:
+        return "***"
     if setting != "nats_url" or not isinstance(value, str):
         return value
     from projector.security import redact  # here: security reads the TLS settings of Config
@@ -237,7 +278,8 @@ def _is_nats_url(item: str) -> bool:
         _ = parts.port  # raises on a port that is not a number
     except ValueError:
         return False
-    return parts.scheme in _SCHEMES and bool(parts.hostname)
+    host = parts.hostname or ""
+    return parts.scheme in _SCHEMES and bool(_HOST.fullmatch(host))
 
 
 def _file(path: str | None) -> str:
@@ -283,4 +325,7 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("tls_ca", _file),
     ("tls_cert", _file),
     ("tls_key", _file),
+    ("nats_nkey_seed", _file),
+    ("nats_creds", _file),
+    ("nats_user", lambda v: "" if v is None or v.strip() else "must not be empty"),
 ]  # fmt: skip

@@ -2,9 +2,10 @@
 
 ``connect`` is a client that reconnects forever for a service (writer, projector, ``run``) and
 gives up quickly for a one-shot command; either way its callbacks log instead of printing
-tracebacks. ``nats_for`` starts an embedded nats-server when no URL is configured. Nothing
-here shows a password or a token: URLs and the client's errors go through
-:mod:`projector.security` first.
+tracebacks. ``nats_for`` starts an embedded nats-server when no URL is configured. It signs in
+with the credentials of the URL or of the ``nats_*`` settings (user and password, token, NKEY
+seed file, credentials file). Nothing here shows a password, a token, a seed or a JWT: URLs and
+the client's errors go through :mod:`projector.security` first.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from nats.aio.client import Client
 
 from projector.config import Config
 from projector.security import (
+    auth_options,
     client_tls,
+    config_secrets,
+    connect_settings_from_env,
     redact,
     scrub,
     secrets_in,
     server_urls,
-    tls_settings_from_env,
 )
 from projector.server import NatsServer
 from seqstate.errors import SeqstateError
@@ -57,18 +60,29 @@ def is_permanent(exc: BaseException) -> bool:
     return _is_auth_refusal(exc) or isinstance(exc, ssl.SSLError)
 
 
-def describe_failure(exc: BaseException | None, url: str) -> str:
-    """One line for a failed connection, naming the server without its secrets."""
+def describe_failure(
+    exc: BaseException | None,
+    url: str,
+    *,
+    signed_in: bool = False,
+    secrets: frozenset[str] = frozenset(),
+) -> str:
+    """One line for a failed connection, naming the server without its secrets.
+
+    ``signed_in``: the settings (not the URL) gave credentials; ``secrets``: theirs, to hide.
+    """
     shown = redact(url)
     if exc is None:
         why = f"cannot reach NATS at {shown}: no connection within {ONE_SHOT_CONNECT_S:.0f} s"
     elif isinstance(exc, TimeoutError):
         why = f"cannot reach NATS at {shown}: no answer in time"
-    elif _is_auth_refusal(exc) and secrets_in(url):
+    elif _is_auth_refusal(exc) and (signed_in or secrets_in(url)):
         why = f"NATS at {shown} refused the credentials (authorization violation)"
     elif _is_auth_refusal(exc):
-        why = (f"NATS at {shown} requires credentials (authorization violation): put a user "
-               "and password, or a token, in the URL")  # fmt: skip
+        why = (f"NATS at {shown} requires credentials (authorization violation): set "
+               "SEQSTATE_NATS_USER and SEQSTATE_NATS_PASSWORD, SEQSTATE_NATS_TOKEN, "
+               "SEQSTATE_NATS_NKEY_SEED or SEQSTATE_NATS_CREDS (or use a URL "
+               "with them)")  # fmt: skip
     elif isinstance(exc, ssl.SSLCertVerificationError):
         reason = exc.verify_message or str(exc)
         why = (f"the TLS certificate of NATS at {shown} is not trusted ({reason}): set "
@@ -80,7 +94,7 @@ def describe_failure(exc: BaseException | None, url: str) -> str:
         why = f"TLS handshake with NATS at {shown} failed: {exc.reason or exc}"
     else:
         why = f"cannot reach NATS at {shown}: {exc or type(exc).__name__}"
-    return scrub(why, url)
+    return scrub(why, url, secrets)
 
 
 def _quiet_tls_eof(record: logging.LogRecord) -> bool:
@@ -91,9 +105,14 @@ def _quiet_tls_eof(record: logging.LogRecord) -> bool:
 class _Callbacks:
     """nats-py's callbacks: while dialing they collect errors, afterwards they log them."""
 
-    def __init__(self, url: str, *, service: bool) -> None:
+    def __init__(
+        self, url: str, *, service: bool, signed_in: bool = False,
+        secrets: frozenset[str] = frozenset(),
+    ) -> None:  # fmt: skip
         self.url = url
         self.service = service
+        self.signed_in = signed_in
+        self.secrets = secrets
         self.dialing = True
         self.closing = False
         self.errors: list[BaseException] = []
@@ -102,7 +121,7 @@ class _Callbacks:
 
     async def on_error(self, exc: Exception) -> None:
         if not self.dialing:
-            log.warning("nats: %s", scrub(str(exc) or type(exc).__name__, self.url))
+            log.warning("nats: %s", scrub(str(exc) or type(exc).__name__, self.url, self.secrets))
             return
         self.errors.append(exc)
         self.progress.set()
@@ -110,7 +129,10 @@ class _Callbacks:
             if not self.refused.done():
                 self.refused.set_result(exc)
         elif self.service and len(self.errors) == 1:
-            log.warning("%s; retrying", describe_failure(exc, self.url))
+            log.warning("%s; retrying", self.describe(exc))
+
+    def describe(self, exc: BaseException | None) -> str:
+        return describe_failure(exc, self.url, signed_in=self.signed_in, secrets=self.secrets)
 
     async def on_disconnect(self) -> None:
         if not self.closing:
@@ -136,7 +158,9 @@ async def _watch(dialing: asyncio.Future[Client], callbacks: _Callbacks, until: 
             return  # no news: stalled (or connected, refused, out of time: the loop's test)
 
 
-async def _dial(url: str, callbacks: _Callbacks, tls: ssl.SSLContext | None) -> Client:
+async def _dial(
+    url: str, callbacks: _Callbacks, tls: ssl.SSLContext | None, auth: dict[str, Any]
+) -> Client:
     """The first connection, or a ConnectError as soon as it is clear there will be none.
 
     nats-py retries a failed first connection, and after a failed TLS handshake its clean-up
@@ -148,7 +172,7 @@ async def _dial(url: str, callbacks: _Callbacks, tls: ssl.SSLContext | None) -> 
     """
     loop = asyncio.get_running_loop()
     until = loop.time() + (ONE_SHOT_CONNECT_S if not callbacks.service else float("inf"))
-    options: dict[str, Any] = {"tls": tls} if tls is not None else {}
+    options: dict[str, Any] = {**auth, "tls": tls} if tls is not None else dict(auth)
     while True:
         dialing = asyncio.ensure_future(nats.connect(
             server_urls(url), connect_timeout=3, allow_reconnect=True,
@@ -166,7 +190,7 @@ async def _dial(url: str, callbacks: _Callbacks, tls: ssl.SSLContext | None) -> 
             callbacks.dialing = False
             return dialing.result()
         if callbacks.refused.done() or loop.time() >= until or not callbacks.service:
-            raise ConnectError(describe_failure(_cause(dialing, callbacks), url))
+            raise ConnectError(callbacks.describe(_cause(dialing, callbacks)))
         log.warning("nats: no progress connecting to %s for %.0f s; dialing again", redact(url),
                     STALLED_S)  # fmt: skip
 
@@ -186,14 +210,20 @@ async def connect(
 ) -> AsyncIterator[Client]:
     """A client that reconnects forever if ``service``, logging instead of printing tracebacks.
 
-    TLS comes from ``config``'s ``tls_*`` settings; without a config, from ``SEQSTATE_TLS_*``.
+    TLS and credentials come from ``config``'s ``tls_*`` and ``nats_*`` settings; without a
+    config, from ``SEQSTATE_TLS_*`` and ``SEQSTATE_NATS_*`` (so a router or a scheduler using
+    RouterPublisher or RegistryView connects as the CLI does). Credentials in ``url`` still
+    work; a setting wins over them.
     """
-    tls = client_tls(config if config is not None else tls_settings_from_env())
+    settings = config if config is not None else connect_settings_from_env()
+    tls = client_tls(settings)
+    auth = auth_options(settings)
     asyncio_log = logging.getLogger("asyncio")
     if _quiet_tls_eof not in asyncio_log.filters:
         asyncio_log.addFilter(_quiet_tls_eof)
-    callbacks = _Callbacks(url, service=service)
-    nc = await _dial(url, callbacks, tls)
+    callbacks = _Callbacks(url, service=service, signed_in=settings.has_credentials,
+                           secrets=frozenset(config_secrets(settings)))  # fmt: skip
+    nc = await _dial(url, callbacks, tls, auth)
     try:
         yield nc
     finally:

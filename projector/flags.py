@@ -28,7 +28,8 @@ DESCRIPTION = ("A durable, replayable ledger of in-flight LLM requests: run the 
                "publish events, read the registry, replay the log.")  # fmt: skip
 DEFAULT_PORT = 4222  # the NATS convention, so nats://127.0.0.1:4222 works across restarts
 
-CONNECT = ("nats_url", "namespace", "tls_ca", "tls_cert", "tls_key")
+CONNECT = ("nats_url", "namespace", "tls_ca", "tls_cert", "tls_key", "nats_user", "nats_password",
+           "nats_token", "nats_nkey_seed", "nats_creds")  # fmt: skip
 NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 PROVISION = ("duplicate_window_s", "replicas")  # what creating the streams and buckets needs
 FOLD = (
@@ -84,7 +85,9 @@ def _setting_help(f: Field[Any], command: str) -> str:
     if f.name == "nats_url":
         text += ("; unset: start an embedded nats-server" if command == "run"
                  else "; required")  # fmt: skip
-    elif f.default is not MISSING and not (f.default is None and f.metadata["metavar"] == "PATH"):
+    elif f.default is not MISSING and not (
+        f.default is None and f.metadata["metavar"] in ("PATH", "USER", "SECRET")
+    ):
         text += f" (default: {_shown(f.default)})"
     return f"{text} [env {env_name(f.name)}]"
 

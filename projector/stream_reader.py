@@ -8,13 +8,15 @@ and the payload. So a child process opens its own connection, subscribes to the 
 deliver subject, slices frames out of the socket buffer, answers flow control, and writes the
 triples to a pipe in batches; the parent, on the other core, decodes and folds. The parent owns
 the consumer (created once the child's subscription is in place, deleted at the end) and falls
-back to the nats-py path when the child cannot be used (nkeys, a gap, an early exit).
+back to the nats-py path when the child cannot be used (an NKEY seed or a credentials file:
+signing the server's nonce is nats-py's; a gap, an early exit).
 
 The child connects as the client did: the same server, credentials (user and password, or a
-token) and TLS (whenever the client's connection is TLS or TLS settings are given, with the
-same CA, client certificate and host name check). It gets them on its stdin, never in its
-argv, which ``ps`` shows to every user. Every way its connection can fail (-ERR, end of file,
-a handshake error, silence) ends it with a reason on stderr: it never waits or spins.
+token, from the URL or the ``nats_*`` settings) and TLS (whenever the client's connection is
+TLS or TLS settings are given, with the same CA, client certificate and host name check). It
+gets them on its stdin, never in its argv, which ``ps`` shows to every user. Every way its
+connection can fail (-ERR, end of file, a handshake error, silence) ends it with a reason on
+stderr: it never waits or spins.
 
 Pipe format: ``RDY\\n`` once subscribed, then frames of a 4-byte big-endian length and a
 msgpack list of ``(seq, log_time_ns, payload)``; a zero length ends the stream.
@@ -37,7 +39,7 @@ from nats.js import api
 
 from projector.config import Config
 from projector.frames import DONE, ERROR, GAP, Parser
-from projector.security import scrub, tls_context
+from projector.security import config_secrets, scrub, tls_context
 from seqstate.errors import SeqstateError
 
 READY = b"RDY\n"
@@ -288,7 +290,8 @@ async def fast_fold(
     except (asyncio.IncompleteReadError, ConnectionError, ReaderUnavailable) as exc:
         err = (await proc.stderr.read()).decode(errors="replace").strip()
         why = err or str(exc) or "the reader stopped early"
-        return last, scrub(why, nc.connected_url.geturl() if nc.connected_url else "")
+        url = nc.connected_url.geturl() if nc.connected_url else ""
+        return last, scrub(why, url, config_secrets(config))
     finally:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):

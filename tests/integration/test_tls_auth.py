@@ -375,3 +375,195 @@ def test_the_reader_ends_with_a_reason_whatever_goes_wrong(
     assert result.stderr.startswith(b"stream reader: ") and result.stderr.count(b"\n") == 1
     assert why in result.stderr, result.stderr
     assert PASSWORD.encode() not in result.stderr
+
+
+# ---- credentials from settings (--nats-user/--nats-password, --nats-token, nkeys, creds) ------
+
+
+def plain_url(server: NatsServer) -> str:
+    return f"nats://127.0.0.1:{server.port}"
+
+
+def nkey_pair() -> tuple[str, str]:
+    """A fresh NKEY user: (seed, public key)."""
+    import nkeys  # type: ignore[import-untyped]
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+    kp = nkeys.from_seed(bytearray(seed.encode()))
+    return seed, kp.public_key.decode()
+
+
+@pytest.fixture(scope="module")
+def nkey_user(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer, Path, str]]:
+    """A plain server with one nkey user: (server, its seed file, the seed)."""
+    tmp = tmp_path_factory.mktemp("nkey-server")
+    seed, public = nkey_pair()
+    (tmp / "user.nk").write_text(seed + "\n")
+    conf = tmp / "server.conf"
+    conf.write_text(f"authorization {{ users = [ {{ nkey: {public} }} ] }}\n")
+    with NatsServer(tmp / "jetstream", extra_args=("-c", str(conf))) as server:
+        yield server, tmp / "user.nk", seed
+
+
+def test_status_signs_in_with_the_settings_and_shows_no_secret(
+    password_server: NatsServer, token_server: NatsServer, pki: Path
+) -> None:
+    result = seqstate("status", NATS_URL=plain_url(password_server), SEQSTATE_NATS_USER=USER,
+                      SEQSTATE_NATS_PASSWORD=PASSWORD, **tls_env(pki))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert PASSWORD not in result.stdout + result.stderr
+    result = seqstate("status", "--json", NATS_URL=plain_url(token_server),
+                      SEQSTATE_NATS_TOKEN=TOKEN, SEQSTATE_TLS_CA=str(pki / "ca.pem"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert TOKEN not in result.stdout + result.stderr
+
+
+def test_a_wrong_password_in_the_settings_fails_in_one_line(
+    password_server: NatsServer, pki: Path
+) -> None:
+    wrong = "not-the-pw-8812"
+    result = seqstate("status", "--nats-user", USER, NATS_URL=plain_url(password_server),
+                      SEQSTATE_NATS_PASSWORD=wrong, **tls_env(pki))  # fmt: skip
+    line = one_line_error(result)
+    assert "refused the credentials" in line
+    assert wrong not in result.stderr
+
+
+def test_no_credentials_names_the_settings_that_give_them(
+    password_server: NatsServer, pki: Path
+) -> None:
+    line = one_line_error(seqstate("status", NATS_URL=plain_url(password_server), **tls_env(pki)))
+    assert "requires credentials" in line
+    assert "SEQSTATE_NATS_USER" in line and "SEQSTATE_NATS_CREDS" in line
+
+
+def test_help_and_config_errors_show_no_secret() -> None:
+    env = {"SEQSTATE_NATS_PASSWORD": PASSWORD, "SEQSTATE_NATS_TOKEN": TOKEN}
+    for command in ("run", "writer", "projector", "status", "replay"):
+        result = seqstate(command, "--help", **env)
+        assert result.returncode == 0
+        assert "--nats-password SECRET" in result.stdout and "--nats-creds PATH" in result.stdout
+        assert PASSWORD not in result.stdout and TOKEN not in result.stdout
+    # A password without a user, two ways to sign in: named, never shown.
+    for bad in ({"SEQSTATE_NATS_PASSWORD": PASSWORD},
+                {"SEQSTATE_NATS_USER": USER, "SEQSTATE_NATS_PASSWORD": PASSWORD,
+                 "SEQSTATE_NATS_TOKEN": TOKEN}):  # fmt: skip
+        line = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1", **bad))
+        assert "SEQSTATE_NATS_" in line and PASSWORD not in line and TOKEN not in line
+    config = Config(nats_user=USER, nats_password=PASSWORD)
+    assert PASSWORD not in repr(config) and TOKEN not in repr(Config(nats_token=TOKEN))
+
+
+def test_bad_credential_files_fail_in_one_line_without_their_content(tmp_path: Path) -> None:
+    seed, _ = nkey_pair()
+    cases = {
+        "SEQSTATE_NATS_NKEY_SEED": ("not a seed\n", "not an NKEY user seed file"),
+        "SEQSTATE_NATS_CREDS": (
+            f"-----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n",
+            "not a NATS credentials file",
+        ),
+    }
+    for variable, (content, problem) in cases.items():
+        path = tmp_path / variable
+        path.write_text(content)
+        line = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1",
+                                       **{variable: str(path)}))  # fmt: skip
+        assert f"{variable}={path}: {problem}" in line
+        assert seed not in line
+        missing = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1",
+                                          **{variable: str(tmp_path / "absent")}))  # fmt: skip
+        assert "no such file" in missing
+
+
+def test_a_well_formed_creds_file_becomes_nats_py_user_credentials(tmp_path: Path) -> None:
+    from projector.security import auth_options, config_secrets
+
+    seed, _ = nkey_pair()
+    jwt = "eyJ0eXAiOiJKV1QifQ.eyJzdWIiOiJVQUJDIn0.c2lnbmF0dXJl"
+    creds = tmp_path / "user.creds"
+    creds.write_text(f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+                     "************************* IMPORTANT *************************\n\n"
+                     f"-----BEGIN USER NKEY SEED-----\n{seed}\n"
+                     "------END USER NKEY SEED------\n")  # fmt: skip
+    config = Config(nats_creds=str(creds))
+    assert auth_options(config) == {"user_credentials": str(creds)}
+    assert config_secrets(config) == {jwt, seed}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "failed: nats://alice:{pw}@h:4222 and {pw}",
+        "jwt eyJ0eXAiOiJKV1QifQ.eyJzdWIiOiJVIn0.c2ln in a message",
+        "seed {seed} in a message",
+    ],
+)
+def test_scrub_hides_setting_secrets_seeds_and_jwts(text: str) -> None:
+    seed, _ = nkey_pair()
+    text = text.format(pw=PASSWORD, seed=seed)
+    shown = scrub(text, "nats://127.0.0.1:4222", {PASSWORD})
+    assert PASSWORD not in shown and seed not in shown and "eyJ0eXAi" not in shown
+    assert "***" in shown
+
+
+async def test_a_replay_signed_in_by_the_settings_uses_the_fast_reader(
+    password_server: NatsServer, pki: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = fresh_config("cfgauth", nats_user=USER, nats_password=PASSWORD,
+                          tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
+                          tls_key=str(pki / "client.key"))  # fmt: skip
+    async with connect(plain_url(password_server), service=False, config=config) as nc:
+        last = await fill(nc, config, 500)
+        returned = record_fast_fold(monkeypatch)
+        argv = record_reader_argv(monkeypatch)
+        fast, client = await both_paths(nc, config, last)
+    assert returned == [(last, None)]
+    assert fast == client
+    assert PASSWORD.encode() not in argv[0]
+
+
+async def test_an_nkey_seed_signs_in_and_the_replay_falls_back_to_nats_py(
+    nkey_user: tuple[NatsServer, Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, seed_file, seed = nkey_user
+    result = seqstate("status", NATS_URL=server.url, SEQSTATE_NATS_NKEY_SEED=str(seed_file))
+    assert result.returncode == 0, result.stderr
+    assert seed not in result.stdout + result.stderr
+    line = one_line_error(seqstate("status", NATS_URL=server.url))
+    assert "requires credentials" in line
+    config = fresh_config("nk", nats_nkey_seed=str(seed_file))
+    async with connect(server.url, service=False, config=config) as nc:
+        last = await fill(nc, config, 300)
+        returned = record_fast_fold(monkeypatch)
+        fast, client = await both_paths(nc, config, last)
+    assert fast == client  # nats-py did the work: the reader cannot sign a nonce
+    [(fed, why)] = returned
+    assert fed == 0 and why is not None and "nkeys" in why
+
+
+# ---- a list of servers (the NATS convention for a cluster) -------------------------------------
+
+
+def test_a_comma_separated_server_list_connects_and_is_redacted(
+    password_server: NatsServer, pki: Path
+) -> None:
+    dead = f"nats://{USER}:{PASSWORD}@127.0.0.1:1"  # nothing listens: nats-py tries the next
+    for url in (f"{dead},{password_url(password_server)}",
+                f"{password_url(password_server)} , {dead}"):  # fmt: skip
+        result = seqstate("status", NATS_URL=url, **tls_env(pki))
+        assert result.returncode == 0, result.stderr
+        assert f"{USER}:***@127.0.0.1:{password_server.port}" in result.stdout
+        assert PASSWORD not in result.stdout + result.stderr
+    settings = {"SEQSTATE_NATS_USER": USER, "SEQSTATE_NATS_PASSWORD": PASSWORD}
+    plain = f"nats://127.0.0.1:1,{plain_url(password_server)}"
+    result = seqstate("status", NATS_URL=plain, **settings, **tls_env(pki))
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_server_of_a_list_is_validated_without_showing_secrets() -> None:
+    for flag in (False, True):
+        url = f"nats://{USER}:{PASSWORD}@h1:4222,nats://{USER}:{PASSWORD}@bad host:4222"
+        result = seqstate("status", "--nats-url", url) if flag else seqstate("status", NATS_URL=url)
+        line = one_line_error(result)
+        assert "is not a NATS URL" in line and f"{USER}:***@bad host" in line
+        assert PASSWORD not in line

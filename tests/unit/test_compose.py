@@ -384,3 +384,63 @@ def test_dockerfile_python_satisfies_requires_python(services, pyproject):
             match = re.match(r"(\d+\.\d+(?:\.\d+)?)", base.partition(":")[2])
             assert match, f"{base}: pin a Python version"
             assert Version(match.group(1)) in requires, f"{base} vs requires-python {requires}"
+
+
+# --- production NATS: the role config, the credentials, the monitoring port -----------------
+
+ROLES_CONF = ROOT / "deploy" / "nats-roles.conf"
+SIGNED_IN = {"writer": "writer", "projector": "projector", "demo": "demo"}  # service: NATS user
+
+
+def _role_users() -> set[str]:
+    return set(
+        re.findall(r"\{ user: (\w+), password: \$SEQSTATE_\w+_PASSWORD", ROLES_CONF.read_text())
+    )
+
+
+def test_nats_loads_the_role_config_read_only(services):
+    nats = _nats(services)
+    conf = _option(_argv(nats["command"]), "-c", "--config")
+    assert conf and conf.startswith("/"), f"nats runs without the role config: {nats['command']}"
+    mounts = {target: source for source, target in _volume_mounts(nats)}
+    assert conf in mounts, f"{conf} is not mounted into the nats service"
+    assert (COMPOSE_FILE.parent / str(mounts[conf])).resolve() == ROLES_CONF
+    raw = [v for v in nats["volumes"] if isinstance(v, str) and v.split(":")[1] == conf]
+    assert raw and raw[0].endswith(":ro"), f"mount {conf} read-only: {raw}"
+
+
+def test_every_role_password_comes_from_the_environment_and_is_required(services):
+    wanted = set(re.findall(r"\$(SEQSTATE_\w+_PASSWORD)", ROLES_CONF.read_text()))
+    assert wanted, "the role config has no password variables"
+    env = _environment(_nats(services))
+    for name in wanted:
+        assert name in env, f"the nats service does not pass {name} to the server"
+        # Required (compose refuses to start without it), never a literal shipped default.
+        assert re.fullmatch(rf"\$\{{{name}:\?[^}}]+\}}", env[name]), f"{name}: {env[name]!r}"
+
+
+@pytest.mark.parametrize("name", sorted(SIGNED_IN))
+def test_service_signs_in_as_its_role(services, name):
+    env = _environment(services[name])
+    user = SIGNED_IN[name]
+    assert env.get("SEQSTATE_NATS_USER") == user, env
+    assert user in _role_users(), f"deploy/nats-roles.conf has no user {user!r}"
+    password = env.get("SEQSTATE_NATS_PASSWORD", "")
+    assert password.startswith(f"${{SEQSTATE_{user.upper()}_PASSWORD:?"), password
+    url = urlsplit(env["NATS_URL"])
+    assert url.password is None and url.username is None, "credentials belong in the settings"
+
+
+def test_the_monitoring_port_is_not_published(services):
+    for port in _nats(services).get("ports") or []:
+        target = port["target"] if isinstance(port, dict) else str(port).rsplit(":", 1)[-1]
+        assert int(str(target).split("/")[0]) != 8222, f"8222 is published: {port}"
+
+
+def test_compose_secrets_stay_out_of_git_and_the_image():
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert _ignored(".env", _dockerignore(ROOT))
+    example = (ROOT / "deploy" / "compose.env.example").read_text()
+    for line in example.splitlines():
+        if line.startswith("SEQSTATE_") and "=" in line:
+            assert line.split("=", 1)[1] == "", f"the example ships a password: {line}"

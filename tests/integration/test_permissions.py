@@ -1,0 +1,227 @@
+"""The shipped role config (deploy/nats-roles.conf) on a real nats-server: enough, and no more.
+
+One server per module runs with the role config. The writer and the projector run with their
+own credentials, a router publishes with its credential, a scheduler reads the bucket with
+its credential, and an operator verifies with the replay credential: the loads equal an
+in-process fold of the log exactly, and no client was refused anything. Then a router tries
+to write the bucket and the deltas stream, and a scheduler tries to publish an event: each is
+refused by the server (a permission violation, no ack) and the state is unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats.errors
+import pytest
+from nats.aio.client import Client
+from pipeline_kit import read_log
+
+from projector.config import Config
+from projector.connection import ConnectError, connect
+from projector.projection import Projector
+from projector.publisher import RouterPublisher
+from projector.reader import RegistryView
+from projector.values import load_key
+from projector.writer import Writer
+from seqstate import AddRequest, WorkerAdded, decode_event, encode_event
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
+ROLES = ("router", "scheduler", "writer", "projector", "replay", "demo")
+PASSWORDS = {role: f"pw-{role}-7Qx2" for role in ROLES}
+VIOLATION = "permissions violation"
+NO_ACK_S = 1.0  # how long a refused JetStream publish waits for the ack that never comes
+
+
+@pytest.fixture(scope="module")
+def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A nats-server with the shipped role config; its URL (no credentials in it)."""
+    from projector.server import NatsServer
+
+    env = {f"SEQSTATE_{role.upper()}_PASSWORD": pw for role, pw in PASSWORDS.items()}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the config reads the passwords from the server's environment
+    try:
+        server = NatsServer(tmp_path_factory.mktemp("roles") / "js",
+                            extra_args=("-c", str(ROLES_CONF)))  # fmt: skip
+        server.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def role_config(url: str, role: str, **overrides: object) -> Config:
+    """The default names (the role config is written for them) and this role's credential."""
+    return Config(nats_url=url, nats_user=role, nats_password=PASSWORDS[role],
+                  **overrides)  # type: ignore[arg-type]  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def as_role(url: str, role: str, **overrides: object) -> AsyncIterator[Client]:
+    config = role_config(url, role, **overrides)
+    async with connect(url, service=False, config=config) as nc:
+        yield nc
+
+
+def violations(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if VIOLATION in r.getMessage().lower()]
+
+
+@pytest.fixture
+async def pipeline(roles_server: str) -> AsyncIterator[tuple[Writer, Projector]]:
+    """The writer and the projector, each signed in as itself (a snapshot every 5 events)."""
+    writer_config = role_config(roles_server, "writer", snapshot_every_events=5)
+    projector_config = role_config(roles_server, "projector")
+    async with (
+        connect(roles_server, service=True, config=writer_config) as wnc,
+        connect(roles_server, service=True, config=projector_config) as pnc,
+    ):
+        writer, projector = Writer(wnc, writer_config), Projector(pnc, projector_config)
+        tasks = [asyncio.create_task(writer.run()), asyncio.create_task(projector.run())]
+        started = asyncio.gather(writer.caught_up.wait(), projector.caught_up.wait())
+        done, _ = await asyncio.wait([started, *tasks], timeout=30,
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        assert started in done, [t.exception() for t in tasks if t.done()]
+        try:
+            yield writer, projector
+        finally:
+            writer.stop()
+            projector.stop()
+            await asyncio.wait(tasks, timeout=10)
+            for task in tasks:
+                task.cancel()
+
+
+async def test_each_role_does_its_job_with_its_own_credential(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    async with (
+        as_role(roles_server, "router") as rnc,
+        as_role(roles_server, "scheduler") as snc,
+        as_role(roles_server, "replay") as onc,
+    ):
+        pub = RouterPublisher(rnc, router_id="perm-r", config=Config())
+        await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
+        for i in range(12):
+            await pub.add(f"r{i}", 1, i % 2, block_hashes=[100, 101, 200 + i],
+                          prefill_tokens=100 + i)  # fmt: skip
+        last = await pub.free("r3", 1, 1)
+        async with RegistryView(snc, config=Config()) as view:
+            await view.wait_for(last, timeout=20)
+            state = Config().new_state()
+            last_ns = 0
+            for _, at_ns, data in await read_log(onc, Config()):
+                state.apply(decode_event(data), at_ns)
+                last_ns = at_ns
+            assert view.applied_seq >= last
+            for offset_ns in (0, 10**6, 10**9):
+                now = last_ns + offset_ns
+                assert view.loads(now) == state.registry.loads(now)
+                query = [100, 101, 205]
+                assert view.potential_loads(query, 64, now) == state.registry.potential_loads(
+                    query, 64, now
+                )
+    assert violations(caplog) == []
+
+
+def test_replay_verify_runs_with_the_replay_credential(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    clean = {k: v for k, v in os.environ.items()
+             if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
+    env = {**clean, "NATS_URL": roles_server, "SEQSTATE_NATS_USER": "replay",
+           "SEQSTATE_NATS_PASSWORD": PASSWORDS["replay"], "COLUMNS": "400"}  # fmt: skip
+    for argv in (["replay", "--verify", "--no-progress"], ["status"]):
+        result = subprocess.run([sys.executable, "-m", "projector", *argv], capture_output=True,
+                                text=True, timeout=60, env=env, cwd=REPO)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert PASSWORDS["replay"] not in result.stdout + result.stderr
+        assert VIOLATION not in (result.stdout + result.stderr).lower()
+
+
+async def _refused_publish(nc: Client, subject: str, payload: bytes) -> None:
+    """A JetStream publish the server refuses: no ack comes."""
+    with pytest.raises(nats.errors.TimeoutError):
+        await nc.jetstream(timeout=NO_ACK_S).publish(subject, payload)
+    await nc.flush()  # the server's -ERR came before this PONG: the error callback has run
+
+
+async def _stored_since(nc: Client, stream: str, after: int) -> list[bytes]:
+    """The payloads ``stream`` stored after sequence ``after`` (the pipeline keeps writing)."""
+    js = nc.jetstream()
+    last = (await js.stream_info(stream)).state.last_seq
+    return [(await js.get_msg(stream, seq)).data or b"" for seq in range(after + 1, last + 1)]
+
+
+async def _last_seq(nc: Client, stream: str) -> int:
+    return (await nc.jetstream().stream_info(stream)).state.last_seq
+
+
+def _refused(caplog: pytest.LogCaptureFixture, subject: str) -> bool:
+    """The server said it refused a publish to ``subject`` (nats-py lower-cases its -ERR)."""
+    return any(f'publish to "{subject.lower()}"' in line.lower() for line in violations(caplog))
+
+
+async def test_a_router_cannot_write_the_bucket_or_the_deltas(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    forged_load, forged_delta = b'{"active_blocks": 999}', b"forged delta"
+    async with as_role(roles_server, "router") as rnc, as_role(roles_server, "replay") as onc:
+        last = await RouterPublisher(rnc, router_id="perm-w", config=Config()).publish(
+            WorkerAdded(worker_id=9)
+        )
+        await pipeline[1].wait_flushed(last)
+        kv = await onc.jetstream().key_value("seqstate-registry")
+        key = load_key("default", (9, 0))
+        before = await kv.get(key)
+        deltas_before = await _last_seq(onc, "SEQSTATE_DELTAS")
+        await _refused_publish(rnc, f"$KV.seqstate-registry.{key}", forged_load)
+        await _refused_publish(rnc, "seqstate.deltas.default", forged_delta)
+        with pytest.raises(nats.errors.TimeoutError):  # nor may it read the bucket's stream
+            await rnc.jetstream(timeout=NO_ACK_S).stream_info("KV_seqstate-registry")
+        await rnc.flush()
+        after = await kv.get(key)
+        assert (after.revision, after.value) == (before.revision, before.value)
+        assert forged_delta not in await _stored_since(onc, "SEQSTATE_DELTAS", deltas_before)
+    assert _refused(caplog, f"$KV.seqstate-registry.{key}"), caplog.text
+    assert _refused(caplog, "seqstate.deltas.default"), caplog.text
+
+
+async def test_a_scheduler_cannot_publish_events(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    async with as_role(roles_server, "scheduler") as snc, as_role(roles_server, "replay") as onc:
+        before = await _last_seq(onc, "SEQSTATE_EVENTS")
+        forged = encode_event(AddRequest(request_id="forged", worker_id=1, block_hashes=[1],
+                                         prefill_tokens=1))  # fmt: skip
+        subject = Config().event_subject(1)
+        await _refused_publish(snc, subject, forged)
+        assert forged not in await _stored_since(onc, "SEQSTATE_EVENTS", before)
+    assert _refused(caplog, subject), caplog.text
+
+
+async def test_a_wrong_role_password_is_refused_in_one_line(roles_server: str) -> None:
+    config = Config(nats_url=roles_server, nats_user="writer", nats_password="not-it-55")
+    with pytest.raises(ConnectError) as refused:
+        async with connect(roles_server, service=False, config=config):
+            pass
+    message = str(refused.value)
+    assert "refused the credentials" in message and "not-it-55" not in message
