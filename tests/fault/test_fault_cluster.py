@@ -109,6 +109,26 @@ async def provision(nc: Client, config: Config) -> None:
     await wait_all_current(nc.jetstream(timeout=2.0), config)
 
 
+async def lead_all(nc: Client, js: JetStreamContext, config: Config, leader: str) -> None:
+    """Move the leadership of every stream of ``config`` to ``leader`` (a step-down naming the
+    preferred server), so that killing it makes deltas, bucket and object store elect too."""
+
+    async def leaders() -> dict[str, str | None]:
+        return {stream: (await replica_report(js, stream))[1] for stream in replicated(config)}
+
+    async def moved() -> dict[str, str | None]:
+        seen = await leaders()
+        for stream, who in seen.items():
+            if who not in (leader, None):
+                request = json.dumps({"placement": {"preferred": leader}}).encode()
+                with contextlib.suppress(nats.errors.Error):
+                    await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", request, 2)
+        return seen
+
+    await wait_until(moved, lambda seen: set(seen.values()) == {leader},
+                     f"every stream led by {leader}", interval=0.2)  # fmt: skip
+
+
 async def publish_acked(
     pub: RouterPublisher, js: JetStreamContext, step: Step, errors: list[str]
 ) -> tuple[int, bytes]:
@@ -151,6 +171,9 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
             await service.start(js, 0)
             await service.wait_ready(js)
         view = await RegistryView(nc, config=config).start()  # reads across the kill
+        _, first, _ = await replica_report(js, config.events_stream)
+        assert first is not None
+        await lead_all(nc, js, config, first)  # the kill makes every stream elect
 
         steps = workload(41, config, requests=500)
         kill_at, restart_at = len(steps) * 2 // 5, len(steps) * 3 // 5
@@ -173,7 +196,9 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
             while done["steps"] < kill_at:
                 await asyncio.sleep(0.001)
             _, leader, _ = await replica_report(js, config.events_stream)
+            leaders = [(await replica_report(js, stream))[1] for stream in replicated(config)]
             assert leader is not None
+            assert leaders == [leader] * len(leaders), f"leaders moved: {leaders}"
             killed["name"] = leader
             killed["before"] = str(max(acked))
             cluster.kill(leader)
@@ -233,6 +258,9 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
             service.close()
         with contextlib.suppress(Exception):
             await nc.close()
+        for node in cluster.nodes:  # the next test gets a whole cluster, even after a failure
+            if not node.running:
+                await asyncio.to_thread(cluster.restart, node.name)
 
 
 async def test_seqstate_run_with_3_replicas_against_the_cluster(
