@@ -43,6 +43,7 @@ from nats.js.errors import (
     APIError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
+    NoStreamResponseError,
     ServiceUnavailableError,
 )
 from nats.js.kv import KeyValue
@@ -64,6 +65,7 @@ TRANSIENT: tuple[type[Exception], ...] = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
     ServiceUnavailableError,
+    NoStreamResponseError,  # a 503 to a KV write: the bucket's stream is electing a leader
 )
 _NOT_RELEASED: tuple[type[Exception], ...] = (*TRANSIENT, APIError)
 

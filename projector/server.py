@@ -18,19 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import os
 import re
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import deque
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from seqstate.errors import SeqstateError
 
@@ -101,6 +105,19 @@ class NatsServer:
         if self._proc is None:
             raise NatsServerError("the server is not running")
         return f"nats://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None
+
+    def check_alive(self) -> None:
+        """Raise, with the tail of its log, if the server process has exited on its own."""
+        proc = self._proc
+        if proc is not None and proc.poll() is not None:
+            raise NatsServerError(
+                f"nats-server {self.name} exited with {proc.returncode}: "
+                + " | ".join(list(self.log)[-3:])
+            )
 
     @property
     def store_dir(self) -> Path:
@@ -246,6 +263,189 @@ class NatsServer:
         self.stop()
 
     async def __aenter__(self) -> NatsServer:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+def _free_ports(count: int, host: str) -> list[int]:
+    """``count`` distinct ports free on ``host`` right now (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class NatsCluster:
+    """A JetStream cluster of ``size`` nats-server processes on ``host``, for local testing.
+
+    Every node is a :class:`NatsServer` (named ``<name>-<i>``, store ``<root>/node-<i>``) with
+    a config file of its own: ``cluster { name, listen, routes }`` to every node's route port
+    and a monitoring port (``http``); JetStream and its store come from the command line, as
+    for a single server (the server refuses ``store_dir`` given twice). Client ports are
+    picked by each server at its first start and kept across restarts, route and monitoring
+    ports are picked free before the first start; so :meth:`kill` and :meth:`restart` of a
+    node leave every address (and the store) as it was. Ready means the JetStream meta group
+    has a leader and every other running node is a current peer of it (polled on the leader's
+    ``/jsz``, with a deadline).
+
+    ``with NatsCluster() as cluster:`` or ``async with``; ``cluster.url`` lists every node,
+    comma-separated (``NATS_URL`` accepts that), ``cluster.urls`` is the list.
+    """
+
+    def __init__(
+        self,
+        root: str | Path | None = None,
+        *,
+        size: int = 3,
+        host: str = "127.0.0.1",
+        name: str = "seqstate",
+        binary: str | None = None,
+        ready_timeout: float = 30.0,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"size={size}: a cluster needs a node")
+        self.size = size
+        self.host = host
+        self.name = name
+        self.binary = binary
+        self.ready_timeout = ready_timeout
+        self._root = Path(root) if root is not None else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.nodes: list[NatsServer] = []
+        self._http_ports: list[int] = []
+
+    @property
+    def urls(self) -> list[str]:
+        """Every node's URL, a killed one's too (a restart keeps its port)."""
+        return [f"nats://{self.host}:{node.port}" for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        """Every node's URL, comma-separated."""
+        return ",".join(self.urls)
+
+    def node(self, server_name: str) -> NatsServer:
+        """The node of that server name (as stream info's ``cluster.leader`` names it)."""
+        for node in self.nodes:
+            if node.name == server_name:
+                return node
+        raise KeyError(f"no node named {server_name!r} in {[n.name for n in self.nodes]}")
+
+    def start(self) -> NatsCluster:
+        if self._root is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="seqstate-cluster-")
+            self._root = Path(self._tmp.name)
+        ports = _free_ports(2 * self.size, self.host)
+        routes, self._http_ports = ports[: self.size], ports[self.size :]
+        route_urls = ", ".join(f"nats-route://{self.host}:{port}" for port in routes)
+        try:
+            for i in range(self.size):
+                store = self._root / f"node-{i}"
+                store.mkdir(parents=True, exist_ok=True)
+                conf = self._root / f"node-{i}.conf"
+                conf.write_text(
+                    f"http: {self.host}:{self._http_ports[i]}\n"
+                    f"cluster {{\n  name: {json.dumps(self.name)}\n"
+                    f"  listen: {self.host}:{routes[i]}\n  routes: [{route_urls}]\n}}\n"
+                )
+                node = NatsServer(store, host=self.host, name=f"{self.name}-{i}",
+                                  binary=self.binary, extra_args=("-c", str(conf)))  # fmt: skip
+                self.nodes.append(node)
+                node.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def jsz(self, i: int) -> dict[str, Any]:
+        """Node ``i``'s JetStream monitoring report (``/jsz``)."""
+        url = f"http://{self.host}:{self._http_ports[i]}/jsz"
+        with urllib.request.urlopen(url, timeout=2) as response:
+            report: dict[str, Any] = json.load(response)
+        return report
+
+    def meta_leader(self) -> str | None:
+        """The meta leader's server name, if it has every running node as a current peer."""
+        running = {node.name for node in self.nodes if node.running}
+        for i, node in enumerate(self.nodes):
+            if not node.running:
+                continue
+            try:
+                meta = self.jsz(i).get("meta_cluster") or {}
+            except (OSError, ValueError):
+                continue
+            if meta.get("leader") != node.name:
+                continue
+            current = {r["name"] for r in meta.get("replicas") or [] if r.get("current")}
+            return node.name if running - {node.name} <= current else None
+        return None
+
+    def wait_ready(self, timeout: float | None = None) -> str:
+        """Until the meta group has a leader with every running node current; its name."""
+        deadline = time.monotonic() + (self.ready_timeout if timeout is None else timeout)
+        while True:
+            leader = self.meta_leader()
+            if leader is not None:
+                return leader
+            for node in self.nodes:
+                node.check_alive()
+            if time.monotonic() > deadline:
+                raise NatsServerError(
+                    f"the cluster had no JetStream meta leader with every node current within "
+                    f"{self.ready_timeout:.0f} s"
+                )
+            time.sleep(0.05)
+
+    def kill(self, server_name: str) -> NatsServer:
+        """SIGKILL one node, as a crash would; its store stays for :meth:`restart`."""
+        node = self.node(server_name)
+        node.kill()
+        return node
+
+    def restart(self, server_name: str, *, wait: bool = True) -> NatsServer:
+        """Start a stopped node again on its store and addresses; by default wait until the
+        meta group counts it current again."""
+        node = self.node(server_name)
+        node.start()
+        if wait:
+            self.wait_ready()
+        return node
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self.nodes = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+            self._root = None
+
+    def __enter__(self) -> NatsCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> NatsCluster:
         return await asyncio.to_thread(self.start)
 
     async def __aexit__(

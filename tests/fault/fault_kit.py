@@ -87,6 +87,8 @@ class Service:
                 "--namespace", c.namespace, "--events-stream", c.events_stream,
                 "--deltas-stream", c.deltas_stream, "--registry-bucket", c.registry_bucket,
                 "--snapshot-bucket", c.snapshot_bucket, "--log-level", "warning"]  # fmt: skip
+        if c.replicas != 1:  # a writer's provisioning would otherwise scale the streams to 1
+            argv += ["--replicas", str(c.replicas)]
         if self.command == "writer":  # each command takes the settings it uses, no others
             argv += ["--snapshot-every-events", str(c.snapshot_every_events),
                      "--expiry-s", expiry, "--idle-tick-s", repr(c.idle_tick_s)]  # fmt: skip

@@ -1,0 +1,339 @@
+"""Issue 11, item 4: a 3-node JetStream cluster (``projector.server.NatsCluster``) with R3
+streams, bucket and object store. The stream leader of the events stream is SIGKILLed while
+routers publish and the writer and projector (real processes, given every node's URL
+comma-separated) fold; publishing, folding and reading go on after the election, the node
+restarts on its store and catches up, and the end state equals an uninterrupted fold of the log,
+with every acknowledged event in it. And ``seqstate run --replicas 3`` against the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import nats.errors
+import pytest
+from fault_kit import (
+    ROOT,
+    WAIT_S,
+    Service,
+    Step,
+    bucket_position,
+    bucket_values,
+    delta_source_seq,
+    fault_config,
+    read_stream,
+    uninterrupted_fold,
+    wait_until,
+    workload,
+)
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from projector.config import Config
+from projector.publisher import PublishError, RouterPublisher
+from projector.reader import RegistryView
+from projector.resources import dead_letter_stream, ensure
+from projector.server import NatsCluster
+from projector.snapshots import SnapshotStore
+from projector.values import position_key
+from seqstate import AddRequest, Free, WorkerAdded
+
+WINDOW = 40  # publishes in flight at once
+ELECTION_S = 20.0  # a killed leader stalls publishing 4-9 s (the server's election timeout)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    with NatsCluster(tmp_path_factory.mktemp("cluster")) as started:
+        yield started
+
+
+async def cluster_client(cluster: NatsCluster) -> Client:
+    async def quiet(exc: Exception) -> None:  # a dead node is the point of the test
+        pass
+
+    return await nats.connect(servers=cluster.urls, max_reconnect_attempts=-1,
+                              reconnect_time_wait=0.1, error_cb=quiet,
+                              connect_timeout=2)  # fmt: skip
+
+
+def replicated(config: Config) -> list[str]:
+    """Every stream behind the config: events, deltas, dead letters, bucket, object store."""
+    return [config.events_stream, config.deltas_stream, dead_letter_stream(config),
+            f"KV_{config.registry_bucket}", f"OBJ_{config.snapshot_bucket}"]  # fmt: skip
+
+
+async def replica_report(js: JetStreamContext, stream: str) -> tuple[int, str | None, list[str]]:
+    """``(replicas configured, leader, [name:current/offline of each follower])``."""
+    info = await js.stream_info(stream)
+    cluster = info.cluster
+    assert cluster is not None, f"{stream} has no cluster info"
+    peers = [f"{p.name}:{'current' if p.current and not p.offline else 'behind'}"
+             for p in cluster.replicas or []]  # fmt: skip
+    return info.config.num_replicas or 0, cluster.leader, sorted(peers)
+
+
+async def wait_all_current(js: JetStreamContext, config: Config) -> None:
+    """Until every stream of ``config`` has 3 replicas: a leader and two current followers."""
+
+    async def reports() -> list[tuple[int, str | None, list[str]]]:
+        out = []
+        for stream in replicated(config):
+            try:
+                out.append(await replica_report(js, stream))
+            except (nats.errors.Error, TimeoutError) as exc:  # mid-election: ask again
+                out.append((0, None, [repr(exc)]))
+        return out
+
+    def ok(seen: list[tuple[int, str | None, list[str]]]) -> bool:
+        return all(n == 3 and leader and len(peers) == 2
+                   and all(p.endswith(":current") for p in peers)
+                   for n, leader, peers in seen)  # fmt: skip
+
+    await wait_until(reports, ok, "every stream has 3 current replicas", interval=0.05)
+
+
+async def provision(nc: Client, config: Config) -> None:
+    await ensure(nc, config)
+    await SnapshotStore(nc, config).open()  # the writer would create it: make it R3 now
+    await wait_all_current(nc.jetstream(timeout=2.0), config)
+
+
+async def lead_all(nc: Client, js: JetStreamContext, config: Config, leader: str) -> None:
+    """Move the leadership of every stream of ``config`` to ``leader`` (a step-down naming the
+    preferred server), so that killing it makes deltas, bucket and object store elect too."""
+
+    async def leaders() -> dict[str, str | None]:
+        return {stream: (await replica_report(js, stream))[1] for stream in replicated(config)}
+
+    async def moved() -> dict[str, str | None]:
+        seen = await leaders()
+        for stream, who in seen.items():
+            if who not in (leader, None):
+                request = json.dumps({"placement": {"preferred": leader}}).encode()
+                with contextlib.suppress(nats.errors.Error):
+                    await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", request, 2)
+        return seen
+
+    await wait_until(moved, lambda seen: set(seen.values()) == {leader},
+                     f"every stream led by {leader}", interval=0.2)  # fmt: skip
+
+
+async def publish_acked(
+    pub: RouterPublisher, js: JetStreamContext, step: Step, errors: list[str]
+) -> tuple[int, bytes]:
+    """One step, retried until stored: ``(sequence, bytes stored)``. A PublishError (raised,
+    never silent) is counted, then the step is sent again (a new msg-id: the first attempt
+    may have been stored too, and the fold reads duplicates as the log has them)."""
+    deadline = time.monotonic() + WAIT_S + ELECTION_S
+    while True:
+        try:
+            if step.event is not None:
+                _, payload = pub.check(step.event)
+                return await pub.publish(step.event), payload
+            ack = await js.publish(step.subject, step.raw, timeout=2)
+            return int(ack.seq), step.raw
+        except (PublishError, nats.errors.Error, TimeoutError) as exc:
+            errors.append(type(exc).__name__)
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
+    cluster: NatsCluster, tmp_path: Path
+) -> None:
+    config = fault_config("c", replicas=3, expiry_s=2.0, idle_tick_s=3600.0,
+                          snapshot_every_events=250)  # fmt: skip
+    nc = await cluster_client(cluster)
+    services: list[Service] = []
+    try:
+        await provision(nc, config)
+        js = nc.jetstream(timeout=2.0)  # a call to a node that just died is asked again
+        for stream in replicated(config):
+            replicas, leader, peers = await replica_report(js, stream)
+            assert (replicas, len(peers)) == (3, 2), (stream, replicas, leader, peers)
+        # Every node's URL, comma-separated, as NATS_URL: each process may land on any node.
+        writer = Service("writer", config, cluster.url, tmp_path)
+        projector = Service("projector", config, cluster.url, tmp_path)
+        services = [writer, projector]
+        for service in services:
+            await service.start(js, 0)
+            await service.wait_ready(js)
+        view = await RegistryView(nc, config=config).start()  # reads across the kill
+        _, first, _ = await replica_report(js, config.events_stream)
+        assert first is not None
+        await lead_all(nc, js, config, first)  # the kill makes every stream elect
+
+        steps = workload(41, config, requests=500)
+        kill_at, restart_at = len(steps) * 2 // 5, len(steps) * 3 // 5
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="cluster41",
+                              config=config, retries=3, timeout=2.0)  # fmt: skip
+        acked: dict[int, bytes] = {}
+        errors: list[str] = []
+        done = {"steps": 0}
+        killed: dict[str, str] = {}
+
+        async def publisher() -> None:
+            for start in range(0, len(steps), WINDOW):
+                window = steps[start : start + WINDOW]
+                got = await asyncio.gather(*(publish_acked(pub, js, s, errors) for s in window))
+                for seq, payload in got:
+                    assert acked.setdefault(seq, payload) == payload, f"seq {seq} acked twice"
+                done["steps"] = start + len(window)
+
+        async def crasher() -> None:
+            while done["steps"] < kill_at:
+                await asyncio.sleep(0.001)
+            _, leader, _ = await replica_report(js, config.events_stream)
+            leaders = [(await replica_report(js, stream))[1] for stream in replicated(config)]
+            assert leader is not None
+            assert leaders == [leader] * len(leaders), f"leaders moved: {leaders}"
+            killed["name"] = leader
+            killed["before"] = str(max(acked))
+            cluster.kill(leader)
+            # After the election: events acknowledged, folded and projected past the kill.
+            await wait_until(lambda: asyncio.sleep(0, max(acked)),
+                             lambda seq: seq > int(killed["before"]),
+                             "an event acknowledged after the kill",
+                             timeout=ELECTION_S)  # fmt: skip
+            after = max(acked)
+            await wait_until(lambda: delta_source_seq(js, config), lambda s: s >= after,
+                             "the writer folded past the kill", watch=writer)  # fmt: skip
+            await wait_until(lambda: asyncio.sleep(0, view.applied_seq), lambda s: s >= after,
+                             "the view read past the kill", watch=projector)  # fmt: skip
+            _, new_leader, _ = await replica_report(js, config.events_stream)
+            killed["new"] = new_leader or "?"
+            while done["steps"] < restart_at:
+                await asyncio.sleep(0.001)
+            await asyncio.to_thread(cluster.restart, leader)
+
+        await asyncio.gather(publisher(), crasher())
+        assert killed["new"] != killed["name"]
+        await wait_all_current(js, config)  # the restarted node caught up on every stream
+        last = max(acked)
+        await wait_until(lambda: delta_source_seq(js, config), lambda seq: seq >= last,
+                         "the writer caught up", watch=writer)  # fmt: skip
+        await wait_until(lambda: bucket_position(js, config), lambda p: p.applied_seq >= last,
+                         "the projector caught up", watch=projector)  # fmt: skip
+        await view.wait_for(last, timeout=WAIT_S)
+        for service in services:
+            code = await service.stop()
+            assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
+
+        stored = {seq: data for seq, _, data in
+                  await read_stream(nc, config.events_stream, config.events_subjects)}  # fmt: skip
+        lost = sorted(seq for seq, payload in acked.items() if stored.get(seq) != payload)
+        assert not lost, f"acknowledged but not in the stream: {lost[:10]}"
+        snapshot, values, logged = await uninterrupted_fold(nc, config)
+        assert logged == last == max(stored)
+        store = await SnapshotStore(nc, config).open()
+        newest = (await store.list())[-1]
+        assert newest.applied_seq == last
+        assert await store.fetch(newest.name) == snapshot, "the final snapshot differs"
+        got = await bucket_values(nc, config)
+        assert got.pop(position_key(config.namespace)), "no position"
+        missing = sorted(set(values) - set(got))
+        extra = sorted(set(got) - set(values))
+        differing = sorted(k for k in values if k in got and got[k] != values[k])
+        assert not (missing or extra or differing), (
+            f"bucket differs from an uninterrupted fold: missing {missing[:5]}, extra "
+            f"{extra[:5]}, differing {differing[:5]}"
+        )
+        await view.stop()
+        print(f"killed {killed}, {len(acked)} acked, {len(stored)} stored, "
+              f"{len(errors)} publish errors raised: {sorted(set(errors))}")  # fmt: skip
+    finally:
+        for service in services:
+            service.close()
+        with contextlib.suppress(Exception):
+            await nc.close()
+        for node in cluster.nodes:  # the next test gets a whole cluster, even after a failure
+            if not node.running:
+                await asyncio.to_thread(cluster.restart, node.name)
+
+
+async def test_seqstate_run_with_3_replicas_against_the_cluster(
+    cluster: NatsCluster, tmp_path: Path
+) -> None:
+    """``seqstate run --replicas 3`` with ``NATS_URL`` listing the nodes: R3 streams, bucket
+    and object store; events published are read back by ``seqstate loads --json``; SIGTERM
+    stops it with 0."""
+    config = fault_config("r", replicas=3)
+    seqstate = str(Path(sys.executable).parent / "seqstate")
+    names = ["--namespace", config.namespace, "--events-stream", config.events_stream,
+             "--deltas-stream", config.deltas_stream, "--registry-bucket",
+             config.registry_bucket, "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    env["NATS_URL"] = cluster.url
+    log_path = tmp_path / "run.log"
+    nc = await cluster_client(cluster)
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen([seqstate, "run", "--replicas", "3", *names,
+                                 "--log-level", "warning"], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)  # fmt: skip
+
+    def alive() -> None:
+        if proc.poll() is not None:
+            raise AssertionError(f"seqstate run exited with {proc.returncode}\n"
+                                 f"{log_path.read_text(errors='replace')[-3000:]}")  # fmt: skip
+
+    try:
+        js = nc.jetstream(timeout=2.0)
+
+        async def subscribed() -> int:
+            alive()
+            try:
+                events = await js.consumers_info(config.events_stream)
+                deltas = await js.consumers_info(config.deltas_stream)
+            except nats.errors.Error:  # not provisioned yet
+                return 0
+            return min(len(events), len(deltas))
+
+        await wait_until(subscribed, bool, "the writer and the projector subscribed")
+        await wait_all_current(js, config)  # the object store too: the writer opened it
+        for stream in replicated(config):
+            assert (await replica_report(js, stream))[0] == 3, stream
+
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="clusterrun",
+                              config=config)  # fmt: skip
+        await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
+        for i in range(4):
+            add = AddRequest(request_id=f"q{i}", worker_id=1, dp_rank=i % 2,
+                             block_hashes=[11, 12, 13 + i], prefill_tokens=100)  # fmt: skip
+            await pub.publish(add)
+        last = await pub.publish(Free(request_id="q0", worker_id=1, dp_rank=0))
+        async with RegistryView(nc, config=config) as view:
+            await view.wait_for(last, timeout=WAIT_S)
+            from_view = {(r.worker_id, r.dp_rank): r.active_requests for r in view.loads()}
+        assert from_view == {(1, 0): 1, (1, 1): 2}, from_view
+
+        loads = await asyncio.to_thread(
+            subprocess.run, [seqstate, "loads", "--json", *names], env=env, cwd=ROOT,
+            capture_output=True, timeout=WAIT_S,
+        )  # fmt: skip
+        assert loads.returncode == 0, loads.stderr.decode(errors="replace")
+        rows = [json.loads(line) for line in loads.stdout.decode().splitlines() if line]
+        got = {(r["worker_id"], r["dp_rank"]): r["active_requests"] for r in rows}
+        assert got == from_view, rows
+
+        alive()
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, WAIT_S)
+        assert code == 0, log_path.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        with contextlib.suppress(Exception):
+            await nc.close()
