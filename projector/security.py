@@ -18,6 +18,7 @@ so the two connections trust the same CA and present the same client certificate
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import ssl
@@ -102,7 +103,8 @@ def _read(path: str, setting: str) -> str:
 
 
 def _valid_seed(seed: str) -> bool:
-    import nkeys  # type: ignore[import-untyped]  # nats-py[nkeys]; only when one is used
+    # nats-py[nkeys], untyped; imported only when a seed is used.
+    nkeys = importlib.import_module("nkeys")
 
     try:
         nkeys.from_seed(bytearray(seed.encode())).wipe()

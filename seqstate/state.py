@@ -374,22 +374,19 @@ class SequenceState:
         order = sorted(
             held, key=lambda rid: (owner[rid], slots[owner[rid]].requests[rid].added_ns, rid)
         )
-        changes: list[RankChange] = []
         lora, router_of = self.requests.lora, self.requests.router_of
-        current: RankChange | None = None
+        by_rank: list[tuple[Rank, list[int]]] = []  # the order is by rank: one entry each
         for request_id in order:
             rank = owner.pop(request_id)
             lora.pop(request_id, None)
             router_of.pop(request_id, None)
-            slot = slots[rank]
-            released = slot.free(request_id, now)
+            released = slots[rank].free(request_id, now)
             self.ended.put(request_id, 0, now)
-            if current is None or current.rank != rank:
-                current = RankChange(rank, slot.load(), [])
-                changes.append(current)
-            current.released.append(released)
-            current.load = slot.load()
-        return changes, order
+            if by_rank and by_rank[-1][0] == rank:
+                by_rank[-1][1].append(released)
+            else:
+                by_rank.append((rank, [released]))
+        return [RankChange(rank, slots[rank].load(), freed) for rank, freed in by_rank], order
 
     def _idle_lazy_ranks(self, now: int) -> list[Rank]:
         """Drop the lazy ranks that Ticks have found empty for ``forget_lazy_after_s``."""
