@@ -206,6 +206,7 @@ class RouterPublisher:
         self._awaiting: dict[int, tuple[_Round, int]] = {}
         self.heartbeat_every_s = heartbeat_every_s
         self._heartbeats: asyncio.Task[None] | None = None
+        self._closing = False
         self.heartbeat_failures = 0
 
     # ---- lifecycle: heartbeats and goodbye -------------------------------------------------
@@ -227,9 +228,16 @@ class RouterPublisher:
         """Stop heartbeating; with ``goodbye``, free at once every request still held."""
         task, self._heartbeats = self._heartbeats, None
         if task is not None:
+            # Python 3.11's wait_for can swallow a cancellation that races a publish's ack,
+            # and the loop would beat on: the flag ends it, and the cancel is repeated.
+            self._closing = True
             task.cancel()
+            while not task.done():
+                await asyncio.wait([task], timeout=0.05)
+                task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            self._closing = False
         if goodbye:
             await self.publish(RouterGoodbye(router_id=self.router_id))
 
@@ -240,7 +248,7 @@ class RouterPublisher:
         await self.close()
 
     async def _beat(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.heartbeat_every_s)
             try:
                 await self.publish(RouterHeartbeat(router_id=self.router_id))
