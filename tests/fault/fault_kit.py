@@ -29,14 +29,15 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
-from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
+from pipeline_kit import bucket_values as bucket_values  # the fault tests import it from here
 from pipeline_kit import read_log
+from pipeline_kit import read_stream as read_stream
 
 from projector.config import Config
 from projector.image import BucketImage
 from projector.publisher import RouterPublisher
-from projector.stream import SOURCE_SEQ, last_seq_of
-from projector.values import Position, decode_position, lease_key, position_key
+from projector.stream import SOURCE_SEQ
+from projector.values import Position, decode_position, position_key
 from seqstate import (
     AddRequest,
     Event,
@@ -221,52 +222,6 @@ async def bucket_position(js: JetStreamContext, config: Config) -> Position:
     except KeyNotFoundError:
         return Position(0, 0, 0)
     return decode_position(entry.value or b"")
-
-
-async def bucket_values(nc: Client, config: Config) -> dict[str, bytes]:
-    """Every live key of the namespace in ``config.registry_bucket``, with its bytes; not the
-    lease, whose holder differs from run to run by design.
-
-    Read from the bucket's stream (``KeyValue.keys`` filters by substring, not by subject).
-    """
-    bucket = config.registry_bucket
-    prefix = f"$KV.{bucket}."
-    out: dict[str, bytes] = {}
-    for _, headers, data in await read_stream(nc, f"KV_{bucket}", f"{prefix}{config.namespace}.>"):
-        key = headers["subject"][len(prefix) :]
-        if key == lease_key(config.namespace):
-            continue
-        if headers.get(KV_OP) in (KV_DEL, KV_PURGE):
-            out.pop(key, None)
-        else:
-            out[key] = data
-    return out
-
-
-async def read_stream(
-    nc: Client, stream: str, subject: str
-) -> list[tuple[int, dict[str, str], bytes]]:
-    """Every message of ``stream`` on ``subject`` as ``(seq, headers, data)``, in order; the
-    headers carry the message's subject too, under ``subject``."""
-    js = nc.jetstream()
-    last = await last_seq_of(js, stream, subject)
-    out: list[tuple[int, dict[str, str], bytes]] = []
-    if last == 0:
-        return out
-    done = asyncio.Event()
-
-    async def take(msg) -> None:  # type: ignore[no-untyped-def]
-        seq = msg.metadata.sequence.stream
-        out.append((seq, {**(msg.headers or {}), "subject": msg.subject}, msg.data))
-        if seq >= last:
-            done.set()
-
-    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, cb=take)
-    try:
-        await asyncio.wait_for(done.wait(), WAIT_S)
-    finally:
-        await sub.unsubscribe()
-    return [entry for entry in out if entry[0] <= last]
 
 
 # ---- the workload -------------------------------------------------------------------------------

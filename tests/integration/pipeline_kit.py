@@ -7,10 +7,12 @@ import asyncio
 import itertools
 
 from nats.aio.client import Client
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from projector.config import Config
 from projector.resources import ensure
 from projector.stream import last_seq_of, log_time_ns
+from projector.values import lease_key
 from seqstate import AddRequest, Free, encode_event
 
 _names = itertools.count()
@@ -65,3 +67,52 @@ async def fill(nc: Client, config: Config, n: int) -> int:
     futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
     await asyncio.gather(*futures)
     return await last_seq_of(js, config.events_stream, config.events_subjects)
+
+
+READ_WAIT_S = 30.0  # what reading a stream back may take
+
+
+async def bucket_values(nc: Client, config: Config) -> dict[str, bytes]:
+    """Every live key of the namespace in ``config.registry_bucket``, with its bytes; not the
+    lease, whose holder differs from run to run by design.
+
+    Read from the bucket's stream (``KeyValue.keys`` filters by substring, not by subject).
+    """
+    bucket = config.registry_bucket
+    prefix = f"$KV.{bucket}."
+    out: dict[str, bytes] = {}
+    for _, headers, data in await read_stream(nc, f"KV_{bucket}", f"{prefix}{config.namespace}.>"):
+        key = headers["subject"][len(prefix) :]
+        if key == lease_key(config.namespace):
+            continue
+        if headers.get(KV_OP) in (KV_DEL, KV_PURGE):
+            out.pop(key, None)
+        else:
+            out[key] = data
+    return out
+
+
+async def read_stream(
+    nc: Client, stream: str, subject: str
+) -> list[tuple[int, dict[str, str], bytes]]:
+    """Every message of ``stream`` on ``subject`` as ``(seq, headers, data)``, in order; the
+    headers carry the message's subject too, under ``subject``."""
+    js = nc.jetstream()
+    last = await last_seq_of(js, stream, subject)
+    out: list[tuple[int, dict[str, str], bytes]] = []
+    if last == 0:
+        return out
+    done = asyncio.Event()
+
+    async def take(msg) -> None:  # type: ignore[no-untyped-def]
+        seq = msg.metadata.sequence.stream
+        out.append((seq, {**(msg.headers or {}), "subject": msg.subject}, msg.data))
+        if seq >= last:
+            done.set()
+
+    sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, cb=take)
+    try:
+        await asyncio.wait_for(done.wait(), READ_WAIT_S)
+    finally:
+        await sub.unsubscribe()
+    return [entry for entry in out if entry[0] <= last]

@@ -15,7 +15,7 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client
-from pipeline_kit import fresh_config, read_log
+from pipeline_kit import bucket_values, fresh_config, read_log, read_stream
 
 from projector.config import Config
 from projector.delta_log import DeltaLog
@@ -44,18 +44,17 @@ async def fold(nc: Client, config: Config) -> SequenceState:
     return state
 
 
-async def largest_message(nc: Client, stream: str) -> int:
-    """The largest payload stored in ``stream`` (headers included, as the server counts)."""
-    js = nc.jetstream()
-    info = await js.stream_info(stream)
+async def largest_message(nc: Client, config: Config, stream: str) -> int:
+    """The largest payload stored in the deltas stream or the bucket's (``stream``: "deltas"
+    or "bucket"), headers included, as the server counts."""
+    if stream == "deltas":
+        name, subject = config.deltas_stream, config.deltas_subject
+    else:
+        name, subject = f"KV_{config.registry_bucket}", f"$KV.{config.registry_bucket}.>"
     biggest = 0
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            msg = await js.get_msg(stream, seq)
-        except nats.js.errors.NotFoundError:
-            continue
-        headers = sum(len(k) + len(v) + 4 for k, v in (msg.headers or {}).items())
-        biggest = max(biggest, len(msg.data or b"") + headers)
+    for _, headers, data in await read_stream(nc, name, subject):
+        size = sum(len(k) + len(v) + 4 for k, v in headers.items() if k != "subject")
+        biggest = max(biggest, len(data or b"") + size)
     return biggest
 
 
@@ -95,8 +94,8 @@ async def test_a_rank_past_a_million_active_hashes_round_trips_exactly(nc: Clien
         assert pipeline.projector.stats.keys_written < 3 * 490  # a slot and a load per Free
     await assert_view_exact(nc, config, [prompts[0], prompts[1]])
     limit = nc.max_payload
-    for stream in (config.deltas_stream, f"KV_{config.registry_bucket}"):
-        assert await largest_message(nc, stream) <= limit
+    for stream in ("deltas", "bucket"):
+        assert await largest_message(nc, config, stream) <= limit
 
 
 async def test_a_backlog_of_adds_and_frees_is_caught_up_without_stalling(nc: Client) -> None:
@@ -115,7 +114,7 @@ async def test_a_backlog_of_adds_and_frees_is_caught_up_without_stalling(nc: Cli
         await asyncio.wait_for(pipeline.wait_applied(seqs[-1]), 120)
         assert pipeline.writer.stats.dead_letters == 0
     await assert_view_exact(nc, config, [])
-    assert await largest_message(nc, config.deltas_stream) <= nc.max_payload
+    assert await largest_message(nc, config, "deltas") <= nc.max_payload
 
 
 # ---- a server with a small payload limit -----------------------------------------------------
@@ -193,12 +192,12 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
     await successor.flush()
     await successor.close()
     assert not failures
-    messages = await _messages(small, config.deltas_stream)
+    messages = await read_stream(small, config.deltas_stream, config.deltas_subject)
     stored = [d for _, _, data in messages for d in decode_deltas(data)]
     assert [(d.seq, d.part) for d in stored if d.seq == tick_seq] == [
         (tick_seq, p.part) for p in parts
     ]
-    assert await largest_message(small, config.deltas_stream) <= SMALL
+    assert await largest_message(small, config, "deltas") <= SMALL
     # A projector applies the parts: the bucket is the image of the whole delta.
     projector = Projector(small, config)
     task = asyncio.create_task(projector.run())
@@ -209,9 +208,9 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
     for delta in deltas:
         image.apply(delta)
     want = image.everything()
-    got = {key: value for key, value in (await _bucket(small, config)).items() if key in want}
+    got = {key: value for key, value in (await bucket_values(small, config)).items() if key in want}
     assert got == want
-    assert await largest_message(small, f"KV_{config.registry_bucket}") <= SMALL
+    assert await largest_message(small, config, "bucket") <= SMALL
 
 
 async def test_an_event_that_cannot_fit_is_refused_at_publish_and_dead_lettered_by_the_writer(
@@ -236,22 +235,3 @@ async def test_an_event_that_cannot_fit_is_refused_at_publish_and_dead_lettered_
         assert [(r.worker_id, r.active_requests, r.active_blocks) for r in view.loads()] == [
             (1, 1, 2)
         ]
-
-
-async def _messages(nc: Client, stream: str) -> list[tuple[int, dict[str, str], bytes]]:
-    js = nc.jetstream()
-    info = await js.stream_info(stream)
-    out = []
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        msg = await js.get_msg(stream, seq)
-        out.append((seq, dict(msg.headers or {}), msg.data or b""))
-    return out
-
-
-async def _bucket(nc: Client, config: Config) -> dict[str, bytes]:
-    kv = await nc.jetstream().key_value(config.registry_bucket)
-    out = {}
-    for key in await kv.keys():
-        if key.startswith(f"{config.namespace}."):
-            out[key] = (await kv.get(key)).value or b""
-    return out
