@@ -32,6 +32,7 @@ from setuptools.command.build_ext import build_ext
 NATIVE = [
     "seqstate/blocks.py",
     "seqstate/decay.py",
+    "seqstate/departures.py",
     "seqstate/prefill.py",
     "seqstate/recent.py",
     "seqstate/registry.py",

@@ -44,12 +44,13 @@ class BucketView:
 
 
 class CurrentValues:
-    """Tells when a watch of ``<ns>.>`` has delivered every value current when it started."""
+    """Tells when a watch of ``<ns>.<keys>`` has delivered every value current when it
+    started."""
 
-    def __init__(self, nc: Client, config: Config) -> None:
+    def __init__(self, nc: Client, config: Config, keys: str = ">") -> None:
         self._js = nc.jetstream()
         self._stream = f"KV_{config.registry_bucket}"
-        self._subjects = f"$KV.{config.registry_bucket}.{config.namespace}.>"
+        self._subjects = f"$KV.{config.registry_bucket}.{config.namespace}.{keys}"
         self._marker = False
         self._last_pending: int | None = None
 
@@ -70,11 +71,15 @@ class CurrentValues:
         return False
 
 
-async def read_bucket(nc: Client, config: Config, *, timeout: float = 30.0) -> BucketView:
+async def read_bucket(
+    nc: Client, config: Config, *, timeout: float = 30.0, keys: str = ">"
+) -> BucketView:
+    """The namespace's current values; ``keys`` narrows the read to a key filter below the
+    namespace (``load.>``: every rank's load, none of the requests)."""
     kv = await nc.jetstream().key_value(config.registry_bucket)
     view = BucketView()
-    current = CurrentValues(nc, config)
-    watcher = await kv.watch(f"{config.namespace}.>")
+    current = CurrentValues(nc, config, keys)
+    watcher = await kv.watch(f"{config.namespace}.{keys}")
     try:
         while True:
             entry = await watcher.updates(timeout=timeout)

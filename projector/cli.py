@@ -283,6 +283,60 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
+    from projector.workers import WorkerControl
+
+    if args.action == "list":
+        if args.worker_id is not None:
+            raise CliError("worker list takes no WORKER_ID")
+    elif args.worker_id is None:
+        raise CliError(f"worker {args.action} needs a WORKER_ID")
+    worker_id = int(args.worker_id or 0)
+    async with connect(require_url(config), service=False, config=config) as nc:
+        control = WorkerControl(nc, config=config, wait_s=args.wait)
+        if args.action == "list":
+            workers = await control.workers()
+            if args.json:
+                for worker in workers:
+                    print(msgspec.json.encode(worker).decode())
+            else:
+                print(worker_table(workers))
+            return 0
+        from projector.resources import ensure
+
+        await ensure(nc, config)
+        if args.action == "add":
+            change = await control.add(worker_id, args.dp_start, args.dp_size)
+            done = f"ranks {ranks_text(change.dp_ranks)} in the registry"
+        else:
+            change = await control.remove(worker_id)
+            done = "removed from the registry"
+    if change.applied:
+        print(f"worker {change.worker_id}: {done} (event {change.seq})")
+    else:
+        print(f"worker {change.worker_id}: stored as event {change.seq}; not in the registry "
+              f"yet (is the pipeline running?)")  # fmt: skip
+    return 0
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``0-3``, ``5``, or ``0,2,7``: a worker's ranks as an operator reads them."""
+    if not ranks:
+        return "none"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def worker_table(workers: list[Any]) -> str:
+    lines = [f"{'worker':>10} {'ranks':>10} {'requests':>9} {'blocks':>9} {'prefill tok':>12}"]
+    for w in workers:
+        lines.append(f"{w.worker_id:>10} {ranks_text(w.dp_ranks):>10} {w.active_requests:>9} "
+                     f"{w.active_blocks:>9} {w.prefill_tokens:>12}")  # fmt: skip
+    lines.append(f"{len(workers)} worker" + ("" if len(workers) == 1 else "s"))
+    return "\n".join(lines)
+
+
 def print_loads(rows: list[LoadRow], as_json: bool) -> None:
     from projector.live import plain_table
 
@@ -397,6 +451,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Coroutine[Any, Any, i
     "replay": cmd_replay,
     "rebuild": cmd_rebuild,
     "snapshot": cmd_snapshot,
+    "worker": cmd_worker,
 }
 
 

@@ -89,6 +89,9 @@ class Config:
     orphan_after_s: float | None = _setting(
         30.0, "a router silent this long after a heartbeat has its requests freed (orphaned); "
         "'off' never", "SECONDS")  # fmt: skip
+    worker_grace_s: float = _setting(
+        0.0, "a removed worker added back within this long keeps its requests; 0 (the "
+        "default) drops them at once", "SECONDS")  # fmt: skip
     tick_every_s: float = _setting(
         60.0, "the writer logs a Tick at least this often, busy or not (expiry, idle ranks)",
         "SECONDS")  # fmt: skip
@@ -174,7 +177,8 @@ class Config:
         """An empty write model with this configuration's rules: every fold of the log (the
         writer, a replay) starts from one, so they agree byte for byte."""
         return SequenceState(expiry_s=self.expiry_s, forget_lazy_after_s=self.forget_lazy_ranks_s,
-                             orphan_after_s=self.orphan_after_s)  # fmt: skip
+                             orphan_after_s=self.orphan_after_s,
+                             worker_grace_s=self.worker_grace_s or None)  # fmt: skip
 
     @property
     def rank_bounds(self) -> RankBounds:
@@ -319,6 +323,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
      else "must be positive (at most a year), or 'off'"),
     ("orphan_after_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
      else "must be positive (at most a year), or 'off'"),
+    ("worker_grace_s", lambda v: "" if 0 <= v <= 86_400 * 365
+     else "must be 0 (off) or positive, at most a year"),
     ("tick_every_s", _positive),
     ("max_ranks_per_worker", _positive),
     ("max_ranks", _positive),

@@ -36,6 +36,7 @@ FOLD = (
     "expiry_s",
     "forget_lazy_ranks_s",
     "orphan_after_s",
+    "worker_grace_s",
     "max_ranks_per_worker",
     "max_ranks",
 )  # every fold
@@ -55,6 +56,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "replay": (*READ, *FOLD),
     "rebuild": (*READ, *PROVISION, *FOLD),
     "snapshot": (*READ, *PROVISION, *FOLD, "snapshots_keep"),
+    "worker": (*READ, *PROVISION, "max_ranks_per_worker"),
 }
 
 
@@ -215,4 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help="for show: a snapshot name (default: latest)")  # fmt: skip
     snapshot.add_argument("--json", action="store_true", help="machine-readable output")
     snapshot.add_argument("--no-progress", action="store_true", help="no progress bar")
+    worker = command("worker", "the control plane: add, remove or list workers",
+                     epilog="examples:\n  seqstate worker add 7 --dp-size 2\n"
+                     "  seqstate worker remove 7\n  seqstate worker list")  # fmt: skip
+    worker.add_argument("action", choices=["add", "remove", "list"])
+    worker.add_argument("worker_id", nargs="?", type=int, metavar="WORKER_ID",
+                        help="for add and remove: the worker's id")  # fmt: skip
+    worker.add_argument("--dp-start", type=int, default=0, metavar="N",
+                        help="for add: its first data-parallel rank (default: 0)")  # fmt: skip
+    worker.add_argument("--dp-size", type=int, default=1, metavar="N",
+                        help="for add: how many data-parallel ranks (default: 1)")  # fmt: skip
+    worker.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                        help="wait this long for the registry to show the change; 0: do not "
+                        "wait (default: 10)")  # fmt: skip
+    worker.add_argument("--json", action="store_true", help="for list: JSON lines")
     return parser

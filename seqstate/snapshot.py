@@ -54,6 +54,12 @@ class _Slot(Struct, array_like=True):
     output_weight: float
 
 
+class _Departed(Struct, array_like=True):
+    worker_id: int
+    until_ns: int
+    slots: list[_Slot]
+
+
 class _Memory(Struct, array_like=True):
     entries: list[tuple[str, int, int]]
     evicted: int
@@ -76,45 +82,52 @@ class _State(Struct, array_like=True):
     idle_since: list[tuple[int, int, int]] = []
     orphan_after_s: float | None = None
     routers: list[tuple[str, int]] = []  # live routers, oldest heard first
+    worker_grace_s: float | None = None
+    departed: list[_Departed] = []  # workers removed within their grace, deadline order
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_State)
 
 
-def encode_state(state: SequenceState) -> bytes:
+def _encode_slot(state: SequenceState, rank: tuple[int, int], slot: ActiveSequences) -> _Slot:
     lora = state.requests.lora
     router_of = state.requests.router_of
-    slots = []
-    for (worker_id, dp_rank), slot in state.workers.slots.items():
-        blocks = slot.blocks
-        prefill = slot.prefill
-        slots.append(
-            _Slot(
-                worker_id,
-                dp_rank,
-                slot.last_expiry_check_ns,
-                [
-                    _Request(
-                        rid,
-                        r.hashes,
-                        r.added_ns,
-                        r.expected_output_tokens,
-                        r.marked,
-                        r.outputs,
-                        lora.get(rid),
-                        r.slot,
-                        router_of.get(rid, ""),
-                    )
-                    for rid, r in slot.requests.items()
-                ],
-                [(rid, t, d) for rid, (t, d) in prefill.prefills.items()],
-                prefill.anchor_ns,
-                list(blocks.fractions.items()),
-                blocks.deficit,
-                blocks.output_weight,
+    blocks = slot.blocks
+    prefill = slot.prefill
+    return _Slot(
+        rank[0],
+        rank[1],
+        slot.last_expiry_check_ns,
+        [
+            _Request(
+                rid,
+                r.hashes,
+                r.added_ns,
+                r.expected_output_tokens,
+                r.marked,
+                r.outputs,
+                lora.get(rid),
+                r.slot,
+                router_of.get(rid, ""),
             )
-        )
+            for rid, r in slot.requests.items()
+        ],
+        [(rid, t, d) for rid, (t, d) in prefill.prefills.items()],
+        prefill.anchor_ns,
+        list(blocks.fractions.items()),
+        blocks.deficit,
+        blocks.output_weight,
+    )
+
+
+def encode_state(state: SequenceState) -> bytes:
+    slots = [_encode_slot(state, rank, slot) for rank, slot in state.workers.slots.items()]
+    parked = state.departures.slots
+    departed = [
+        _Departed(worker_id, until, [_encode_slot(state, rank, parked[rank]) for rank in ranks])
+        for worker_id, (until, ranks) in state.departures.workers.items()
+    ]
     body = _State(
         SNAPSHOT_VERSION,
         state.expiry_s,
@@ -131,6 +144,8 @@ def encode_state(state: SequenceState) -> bytes:
         [(w, r, since) for (w, r), since in state.idle_since.items()],
         state.orphan_after_s,
         list(state.routers.items()),
+        state.worker_grace_s,
+        departed,
     )
     return MAGIC + _encoder.encode(body)
 
@@ -168,41 +183,16 @@ def _rebuild(body: _State) -> SequenceState:
         max_ended=body.max_ended,
         forget_lazy_after_s=body.forget_lazy_after_s,
         orphan_after_s=body.orphan_after_s,
+        worker_grace_s=body.worker_grace_s,
     )
     state.now_ns = body.now_ns
     for worker_id, dp_start, dp_size in body.ranges:
         state.workers.ranges[worker_id] = WorkerDpRange(worker_id, dp_start, dp_size)
-    owner = state.requests.owner
-    lora = state.requests.lora
     for s in body.slots:
-        rank = (s.worker_id, s.dp_rank)
-        slot = ActiveSequences(s.last_expiry_check_ns, state.expiry_ns)
-        blocks = slot.blocks
-        for i, r in enumerate(s.requests):
-            if r.request_id in owner:
-                raise ValueError(f"request {r.request_id!r} on two ranks")
-            blocks.acquire(r.hashes)
-            slot.requests[r.request_id] = RequestState(
-                r.hashes, r.added_ns, r.expected_output_tokens, r.marked, r.outputs,
-                i if r.slot < 0 else r.slot,
-            )  # fmt: skip
-            if r.outputs:
-                blocks.outputs += len(r.outputs)
-            owner[r.request_id] = rank
-            if r.lora_name is not None:
-                lora[r.request_id] = r.lora_name
-            if r.router_id:
-                state.requests.set_router(r.request_id, r.router_id)
-        slot.restore_slots()
-        blocks.fractions = dict(s.fractions)
-        blocks.deficit = s.deficit
-        blocks.output_weight = s.output_weight
-        blocks.recount()
-        for request_id, tokens, duration_ns in s.prefills:
-            slot.prefill.insert(request_id, tokens, duration_ns, 0)
-        slot.prefill.anchor_ns = s.anchor_ns
-        state.workers.adopt(rank, slot)
-        slot.check_invariants()
+        state.workers.adopt((s.worker_id, s.dp_rank), _decode_slot(state, s))
+    for d in body.departed:
+        slots = {(s.worker_id, s.dp_rank): _decode_slot(state, s) for s in d.slots}
+        state.departures.restore(d.worker_id, d.until_ns, slots)
     for worker in state.workers.ranges.values():
         worker.validate()
         for dp_rank in worker.ranks():
@@ -218,3 +208,37 @@ def _rebuild(body: _State) -> SequenceState:
     for delta in state.projection():
         state.registry.apply(delta)
     return state
+
+
+def _decode_slot(state: SequenceState, s: _Slot) -> ActiveSequences:
+    """One rank's requests, blocks and prefill, indexed in ``state``'s RequestIndex."""
+    owner = state.requests.owner
+    lora = state.requests.lora
+    rank = (s.worker_id, s.dp_rank)
+    slot = ActiveSequences(s.last_expiry_check_ns, state.expiry_ns)
+    blocks = slot.blocks
+    for i, r in enumerate(s.requests):
+        if r.request_id in owner:
+            raise ValueError(f"request {r.request_id!r} on two ranks")
+        blocks.acquire(r.hashes)
+        slot.requests[r.request_id] = RequestState(
+            r.hashes, r.added_ns, r.expected_output_tokens, r.marked, r.outputs,
+            i if r.slot < 0 else r.slot,
+        )  # fmt: skip
+        if r.outputs:
+            blocks.outputs += len(r.outputs)
+        owner[r.request_id] = rank
+        if r.lora_name is not None:
+            lora[r.request_id] = r.lora_name
+        if r.router_id:
+            state.requests.set_router(r.request_id, r.router_id)
+    slot.restore_slots()
+    blocks.fractions = dict(s.fractions)
+    blocks.deficit = s.deficit
+    blocks.output_weight = s.output_weight
+    blocks.recount()
+    for request_id, tokens, duration_ns in s.prefills:
+        slot.prefill.insert(request_id, tokens, duration_ns, 0)
+    slot.prefill.anchor_ns = s.anchor_ns
+    slot.check_invariants()
+    return slot

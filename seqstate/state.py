@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from seqstate import deltas as outcomes
 from seqstate.deltas import Booking, Delta, RankChange
+from seqstate.departures import Departures
 from seqstate.events import (
     AddOutputBlock,
     AddRequest,
@@ -62,6 +63,8 @@ class SequenceState:
 
     ``expiry_s=None`` disables expiry. ``lazy_workers=False`` rejects requests for ranks no
     ``WorkerAdded`` registered (outcome ``unknown_worker``) instead of creating them.
+    ``worker_grace_s`` keeps a removed worker's requests that long: a re-add within it
+    restores them (see :mod:`seqstate.departures`); None, the default, drops them at once.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class SequenceState:
         max_ended: int = MAX_ENDED,
         forget_lazy_after_s: float | None = None,
         orphan_after_s: float | None = None,
+        worker_grace_s: float | None = None,
     ) -> None:
         if expiry_s is not None:
             if not expiry_s > 0:
@@ -85,6 +89,13 @@ class SequenceState:
             raise ValueError(f"forget_lazy_after_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
         if orphan_after_s is not None and not 0 < orphan_after_s <= MAX_EXPIRY_S:
             raise ValueError(f"orphan_after_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
+        if worker_grace_s is not None and not 0 < worker_grace_s <= MAX_EXPIRY_S:
+            raise ValueError(f"worker_grace_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
+        self.worker_grace_s = worker_grace_s
+        # Removed workers' busy ranks, parked for the grace (empty and unused without one).
+        self.departures = Departures(
+            0 if worker_grace_s is None else round(worker_grace_s * NS_PER_S)
+        )
         # A router that heartbeated and then stayed silent this long has its requests freed
         # (outcome ``orphaned``). None: routers are never orphaned (the default).
         self.orphan_after_s = orphan_after_s
@@ -142,6 +153,8 @@ class SequenceState:
             self.tombstones.prune(now)
         if now > self.ended.due_ns:
             self.ended.prune(now)
+        if now >= self.departures.due_ns:
+            self._lapse_departures(now)
         handler = self._handlers.get(type(event))
         if handler is None:
             raise EventDecodeError(f"not a seqstate event: {type(event).__name__}")
@@ -193,10 +206,17 @@ class SequenceState:
             self.ended.put(request_id, 0, now)
             return Delta(outcome=outcomes.SUPERSEDED, at_ns=now)
         added_ranks: list[Rank] = []
+        hidden = False
         if slot is None:
-            self.workers.ensure_worker(rank)
-            slot = self._slots[rank]
-            added_ranks.append(rank)
+            # A rank of a worker removed within its grace: the request joins its parked
+            # requests, out of sight, and comes back with them if the worker does.
+            slot = self.departures.slots.get(rank) if self.departures.slots else None
+            if slot is None:
+                self.workers.ensure_worker(rank)
+                slot = self._slots[rank]
+                added_ranks.append(rank)
+            else:
+                hidden = True
         if slot.expiry_ns is not None and now - slot.last_expiry_check_ns >= EXPIRY_CHECK_NS:
             expired, released = slot.expire(now, self.requests.router_of, self._vouching())
             if expired:
@@ -225,7 +245,7 @@ class SequenceState:
             self.requests.set_router(request_id, router_id)
             if router_id in self.routers:
                 self._heard(router_id, now)
-        if not self._changes:
+        if hidden or not self._changes:
             return Delta(outcomes.APPLIED, now, _NONE, added_ranks, _NONE, expired)
         return Delta(
             outcomes.APPLIED,
@@ -257,10 +277,13 @@ class SequenceState:
             return self._unknown(event.request_id, MARK_TOMBSTONE, now)
         if owner[0] != event.worker_id or owner[1] != event.dp_rank:
             self.counters["worker_mismatch"] += 1
-        slot = self._slots[owner]
+        slot = self._slots.get(owner)
+        hidden = slot is None
+        if slot is None:
+            slot = self.departures.slots[owner]
         if not slot.mark_prefill_completed(event.request_id, now):
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
-        if not self._changes:
+        if hidden or not self._changes:
             return Delta(outcomes.APPLIED, now)
         return Delta(
             outcomes.APPLIED,
@@ -281,10 +304,13 @@ class SequenceState:
             self.requests.lora.pop(request_id, None)
         if self.requests.router_of:
             self.requests.drop_router(request_id)
-        slot = self._slots[owner]
+        slot = self._slots.get(owner)
+        hidden = slot is None
+        if slot is None:
+            slot = self.departures.slots[owner]
         released = slot.free(request_id, now)
         self.ended.put(request_id, 0, now)
-        if not self._changes:
+        if hidden or not self._changes:
             return Delta(outcomes.APPLIED, now)
         return Delta(
             outcomes.APPLIED,
@@ -298,7 +324,10 @@ class SequenceState:
             return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
         if owner[0] != event.worker_id or owner[1] != event.dp_rank:
             self.counters["worker_mismatch"] += 1
-        slot = self.workers.slots[owner]
+        slot = self._slots.get(owner)
+        if slot is None:  # parked with its departed worker: out of sight
+            self.departures.slots[owner].add_output_block(event.request_id, event.decay_fraction)
+            return Delta(outcome=outcomes.APPLIED, at_ns=now)
         slot.add_output_block(event.request_id, event.decay_fraction)
         return Delta(
             outcome=outcomes.APPLIED,
@@ -370,9 +399,14 @@ class SequenceState:
         held = self.requests.by_router.pop(router_id, None)
         if not held:
             return [], []
-        owner, slots = self._owner, self._slots
+        owner, visible, parked = self._owner, self._slots, self.departures.slots
+
+        def slot_of(rank: Rank) -> ActiveSequences:
+            slot = visible.get(rank)
+            return parked[rank] if slot is None else slot
+
         order = sorted(
-            held, key=lambda rid: (owner[rid], slots[owner[rid]].requests[rid].added_ns, rid)
+            held, key=lambda rid: (owner[rid], slot_of(owner[rid]).requests[rid].added_ns, rid)
         )
         lora, router_of = self.requests.lora, self.requests.router_of
         by_rank: list[tuple[Rank, list[int]]] = []  # the order is by rank: one entry each
@@ -380,13 +414,18 @@ class SequenceState:
             rank = owner.pop(request_id)
             lora.pop(request_id, None)
             router_of.pop(request_id, None)
-            released = slots[rank].free(request_id, now)
+            released = slot_of(rank).free(request_id, now)
             self.ended.put(request_id, 0, now)
             if by_rank and by_rank[-1][0] == rank:
                 by_rank[-1][1].append(released)
             else:
                 by_rank.append((rank, [released]))
-        return [RankChange(rank, slots[rank].load(), freed) for rank, freed in by_rank], order
+        changes = [  # a parked rank is out of the read model's sight
+            RankChange(rank, visible[rank].load(), freed)
+            for rank, freed in by_rank
+            if rank in visible
+        ]
+        return changes, order
 
     def _idle_lazy_ranks(self, now: int) -> list[Rank]:
         """Drop the lazy ranks that Ticks have found empty for ``forget_lazy_after_s``."""
@@ -418,32 +457,75 @@ class SequenceState:
             put(request_id, 0, now)
 
     def _worker_added(self, event: WorkerAdded, now: int) -> Delta:
-        worker = WorkerDpRange(event.worker_id, event.dp_start, event.dp_size)
-        if self.workers.ranges.get(event.worker_id) == worker:
+        worker_id = event.worker_id
+        worker = WorkerDpRange(worker_id, event.dp_start, event.dp_size)
+        if self.workers.ranges.get(worker_id) == worker:
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
-        change = self._dropping_requests(lambda: self.workers.upsert_worker(worker), now)
+        back = self.departures.reclaim(worker_id) if worker_id in self.departures else {}
+        if back:
+            # Back within its grace: the ranks of its new range come back with their
+            # requests; parked ranks outside it end as a removal ends them.
+            in_range = worker.ranks()
+            for rank, slot in back.items():
+                if rank[1] in in_range:
+                    self.workers.adopt(rank, slot)
+                else:
+                    self._forget(list(slot.requests), now)
+        change = self._dropping_requests(worker_id, lambda: self.workers.upsert_worker(worker), now)
+        restored = [rank for rank in back if rank in self._slots]
+        changes = [
+            RankChange(
+                rank,
+                slot.load(),
+                _NONE,
+                [Booking(r.slot, rid, r.hashes) for rid, r in slot.requests.items()],
+            )
+            for rank in restored
+            for slot in (self._slots[rank],)
+        ]
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
-            added_ranks=change.added,
+            changes=changes,
+            added_ranks=restored + change.added,
             removed_ranks=change.removed,
         )
 
     def _worker_removed(self, event: WorkerRemoved, now: int) -> Delta:
         worker_id = event.worker_id
-        if worker_id not in self.workers.ranges and not any(
-            rank[0] == worker_id for rank in self.workers.slots
-        ):
+        if worker_id not in self.workers.ranges and worker_id not in self.workers.by_worker:
             return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
-        change = self._dropping_requests(lambda: self.workers.remove_worker(worker_id), now)
+        if self.worker_grace_s is None:
+            change = self._dropping_requests(
+                worker_id, lambda: self.workers.remove_worker(worker_id), now
+            )
+            return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
+        slots = self._slots
+        busy = {
+            (worker_id, dp_rank): slots[(worker_id, dp_rank)]
+            for dp_rank in self.workers.by_worker.get(worker_id, ())
+            if slots[(worker_id, dp_rank)].requests
+        }
+        change = self.workers.remove_worker(worker_id)
+        self.departures.park(worker_id, busy, now)
         return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
 
-    def _dropping_requests(self, mutate: Callable[[], TopologyChange], now: int) -> TopologyChange:
-        """Run a topology mutation; requests of removed ranks end without a Free."""
-        before = dict(self.workers.slots)
+    def _lapse_departures(self, now: int) -> None:
+        """Workers whose grace ended without a re-add: their requests end now."""
+        for slot in self.departures.lapse(now):
+            self._forget(list(slot.requests), now)
+
+    def _dropping_requests(
+        self, worker_id: int, mutate: Callable[[], TopologyChange], now: int
+    ) -> TopologyChange:
+        """Run a mutation of one worker's ranks; requests of removed ranks end without a Free.
+
+        Only that worker's ranks are looked at, so the cost is what the worker holds."""
+        slots = self._slots
+        before = {r: slots[(worker_id, r)] for r in self.workers.by_worker.get(worker_id, ())}
         change = mutate()
         for rank in change.removed:
-            self._forget(list(before[rank].requests), now)
+            self._forget(list(before[rank[1]].requests), now)
         return change
 
     # ---- reads ------------------------------------------------------------------------------
@@ -457,7 +539,10 @@ class SequenceState:
     def check_invariants(self) -> None:
         """Every cross-structure invariant of the write model (tests and debugging)."""
         owners: dict[str, Rank] = {}
-        for rank, slot in self.workers.slots.items():
+        parked = self.departures.slots
+        assert not set(parked) & set(self.workers.slots), "a rank both parked and visible"
+        assert {r for _, ranks in self.departures.workers.values() for r in ranks} == set(parked)
+        for rank, slot in [*self.workers.slots.items(), *parked.items()]:
             slot.check_invariants()
             for request_id in slot.requests:
                 assert request_id not in owners, f"{request_id!r} live on two ranks"

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
@@ -16,6 +20,7 @@ from projector.values import lease_key
 from seqstate import AddRequest, Free, encode_event
 
 _names = itertools.count()
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fresh_config(prefix: str = "t", **overrides: object) -> Config:
@@ -24,6 +29,30 @@ def fresh_config(prefix: str = "t", **overrides: object) -> Config:
     return Config(namespace=f"{prefix}{n}", events_stream=f"{prefix.upper()}EV{n}",
                   deltas_stream=f"{prefix.upper()}DL{n}", registry_bucket=f"{prefix}reg{n}",
                   **overrides)  # type: ignore[arg-type]  # fmt: skip
+
+
+def name_flags(config: Config) -> list[str]:
+    """The flags that point a ``seqstate`` command at ``config``'s namespace, streams and
+    buckets."""
+    return ["--namespace", config.namespace, "--events-stream", config.events_stream,
+            "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
+            "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
+
+
+def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``seqstate ARGS`` against ``config`` on the server at ``url``, as an operator runs it:
+    its defaults (progress bars included), no setting from this process's environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    env["NATS_URL"] = url
+    command = [sys.executable, "-m", "projector", *args, *name_flags(config)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+
+
+async def run_cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """:func:`cli` without blocking the event loop (the pipeline under test runs on it)."""
+    result = await asyncio.to_thread(cli, config, url, *args)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
 
 
 async def read_log(nc: Client, config: Config) -> list[tuple[int, int, bytes]]:

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
-from pipeline_kit import fresh_config
+from pipeline_kit import fresh_config, name_flags
 
 from projector.bucket import read_bucket
 from projector.config import Config
@@ -194,9 +194,7 @@ def test_missing_publish_file_is_one_line(nats_server: NatsServer) -> None:
 
 async def test_publish_then_loads_and_status(nc: Client, nats_server: NatsServer) -> None:
     config = fresh_config("c")
-    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
-             "--deltas-stream", config.deltas_stream, "--registry-bucket",
-             config.registry_bucket]  # fmt: skip
+    flags = name_flags(config)
     lines = [
         {"type": "WorkerAdded", "worker_id": 3, "dp_size": 2},
         {"type": "AddRequest", "request_id": "a", "worker_id": 3, "dp_rank": 1,
@@ -282,9 +280,7 @@ async def test_publish_counts_in_words(nats_server: NatsServer) -> None:
 
 async def test_status_never_shows_a_negative_lag(nc: Client, nats_server: NatsServer) -> None:
     config = fresh_config("c")
-    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
-             "--deltas-stream", config.deltas_stream, "--registry-bucket",
-             config.registry_bucket]  # fmt: skip
+    flags = name_flags(config)
     async with Pipeline(nc, config) as pipeline:
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="lag", config=config)
         await pipeline.wait_applied(await pub.add("a", 1))

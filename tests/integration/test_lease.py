@@ -21,7 +21,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
-from pipeline_kit import fresh_config, read_log
+from pipeline_kit import fresh_config, read_log, run_cli
 
 from projector.bucket import read_bucket
 from projector.config import Config
@@ -104,16 +104,6 @@ def stranger(pid: int = 1, ttl_s: float = 0.5, pid_space: str = "") -> bytes:
                                       "2000-01-01T00:00:00+00:00", ttl_s, pid_space))  # fmt: skip
 
 
-def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
-             "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
-             "--snapshot-bucket", config.snapshot_bucket, "--log-level", "warning"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
-    env["NATS_URL"] = url
-    command = [sys.executable, "-m", "projector", *args, *flags]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
-
-
 # ---- rebuild ------------------------------------------------------------------------------------
 
 
@@ -135,7 +125,7 @@ async def test_the_cli_rebuild_refuses_in_one_line(nc: Client, nats_server: obje
     url = nats_server.url  # type: ignore[attr-defined]
     config, _ = await filled(nc)
     async with projecting(nc, config):
-        out = await asyncio.to_thread(cli, config, url, "rebuild", "--no-progress")
+        out = await run_cli(config, url, "rebuild", "--no-progress")
     assert out.returncode == 1, out.stdout
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines == [

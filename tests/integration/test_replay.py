@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
-from pipeline_kit import fill, fresh_config, read_log
+from pipeline_kit import fill, fresh_config, name_flags, read_log, run_cli
 
 from projector.bucket import read_bucket
 from projector.config import Config
@@ -124,23 +124,9 @@ async def test_rebuild_rederives_the_bucket_and_the_projector_resumes_after_it(
         assert view.loads(state.now_ns) == state.registry.loads(state.now_ns)
 
 
-def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
-             "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
-             "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
-    env = {**os.environ, "NATS_URL": url}
-    # The progress bar is on, as a user has it; stderr is a pipe here, a terminal below.
-    command = [sys.executable, "-m", "projector", *args, *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
-
-
 def in_a_terminal(config: Config, url: str, *args: str) -> tuple[int, str, str]:
     """Run the CLI with stderr on a pseudo-terminal (80x24), as in an operator's shell."""
-    flags = ["--namespace", config.namespace, "--events-stream", config.events_stream,
-             "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
-             "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
+    flags = name_flags(config)
     env = {**os.environ, "NATS_URL": url, "TERM": "xterm-256color", "COLUMNS": "80"}
     env.pop("NO_COLOR", None)
     master, slave = os.openpty()
@@ -169,10 +155,6 @@ def in_a_terminal(config: Config, url: str, *args: str) -> tuple[int, str, str]:
         reader.join(10)
         os.close(master)
     return proc.returncode, out.decode(), b"".join(screen).decode(errors="replace")
-
-
-async def run_cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return await asyncio.to_thread(cli, config, url, *args)
 
 
 async def test_the_cli_replays_verifies_rebuilds_and_manages_snapshots(

@@ -38,6 +38,7 @@ COMPILED = {
     "_native__mypyc",
     "blocks",
     "decay",
+    "departures",
     "prefill",
     "recent",
     "registry",

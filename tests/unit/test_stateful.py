@@ -110,9 +110,20 @@ class Expected:
 class Model:
     """Flat, slow, obviously-correct bookkeeping of the rules."""
 
-    def __init__(self, expiry_ns: int | None, lazy: bool, orphan_ns: int | None = None) -> None:
+    def __init__(
+        self,
+        expiry_ns: int | None,
+        lazy: bool,
+        orphan_ns: int | None = None,
+        grace_ns: int | None = None,
+    ) -> None:
         self.expiry_ns = expiry_ns
         self.orphan_ns = orphan_ns
+        self.grace_ns = grace_ns
+        # Removed workers within their grace: deadline and parked ranks, removal order; the
+        # parked ranks keep their requests in ``live`` (and their anchor and check times).
+        self.departed: dict[int, tuple[int, list[Rank]]] = {}
+        self.parked: dict[Rank, None] = {}
         self.routers: dict[str, int] = {}  # heartbeating routers: last heard, oldest first
         self.lazy = lazy
         self.retention_ns = expiry_ns if expiry_ns is not None else DEFAULT_RETENTION_NS
@@ -259,7 +270,9 @@ class Model:
         for req in self.on(rank):
             self.live.remove(req)
             self._put_ended(req.rid, now)
-        del self.ranks[rank], self.anchor[rank], self.last_check[rank]
+        self.ranks.pop(rank, None)
+        self.parked.pop(rank, None)
+        del self.anchor[rank], self.last_check[rank]
 
     def _expire(self, rank: Rank, now: int) -> tuple[list[str], list[int]]:
         if self.expiry_ns is None or now - self.last_check[rank] < CHECK_INTERVAL_NS:
@@ -280,6 +293,12 @@ class Model:
         cutoff = self.now - self.retention_ns
         self.ended = {k: t for k, t in self.ended.items() if t >= cutoff}
         self.tombstones = {k: v for k, v in self.tombstones.items() if v[1] >= cutoff}
+        for w, (until, ranks) in list(self.departed.items()):
+            if until > self.now:
+                break
+            del self.departed[w]
+            for rank in ranks:
+                self._drop_rank(rank, self.now)
         return self.now
 
     def apply(self, event: object, at: int) -> Expected:
@@ -334,6 +353,9 @@ class Model:
         current: Rank | None = None
         for req in mine:
             self._end(req, now)
+            if req.rank in self.parked:  # out of the read model's sight
+                exp.orphaned.append(req.rid)
+                continue
             if req.rank == current:
                 exp.changes[-1][1].append(req.slot)
             else:
@@ -353,7 +375,7 @@ class Model:
             self._put_ended(ev.request_id, now)
             return Expected("superseded")
         added: list[Rank] = []
-        if rank not in self.ranks:
+        if rank not in self.ranks and rank not in self.parked:
             self._create_rank(rank, now)
             added.append(rank)
         expired, released = self._expire(rank, now)
@@ -378,6 +400,8 @@ class Model:
             self._heard(ev.router_id, now)
         if req.prefilling and self.anchor[rank] is None:
             self.anchor[rank] = now
+        if rank in self.parked:
+            return Expected("applied", expired)
         booked = (req.slot, req.rid, list(dict.fromkeys(req.hashes)))
         return Expected("applied", expired, added, [], [(rank, released, [booked])])
 
@@ -405,14 +429,14 @@ class Model:
         if req.prefilling:
             self._remove_prefill(req, now)
         req.marked = True
-        return Expected("applied", changes=[(req.rank, [], [])])
+        return Expected("applied", changes=self._seen(req.rank, []))
 
     def _free(self, ev: Free, now: int) -> Expected:
         req = self._owner(ev)
         if req is None:
             return self._unknown(ev.request_id, FREE, now)
         self._end(req, now)
-        return Expected("applied", changes=[(req.rank, [req.slot], [])])
+        return Expected("applied", changes=self._seen(req.rank, [req.slot]))
 
     def _output(self, ev: AddOutputBlock) -> Expected:
         assert ev.decay_fraction is None
@@ -420,7 +444,11 @@ class Model:
         if req is None:
             return Expected("unknown_request")
         req.outputs += 1
-        return Expected("applied", changes=[(req.rank, [], [])])
+        return Expected("applied", changes=self._seen(req.rank, []))
+
+    def _seen(self, rank: Rank, released: list[int]) -> list[tuple[Rank, list[int], list]]:  # type: ignore[type-arg]
+        """The change a read model sees: none for a parked rank."""
+        return [] if rank in self.parked else [(rank, released, [])]
 
     def _tick(self, now: int) -> Expected:
         exp = Expected("applied")
@@ -441,6 +469,16 @@ class Model:
         self.ranges[w] = new
         new_ranks = range(new[0], new[0] + new[1])
         exp = Expected("applied")
+        _, back = self.departed.pop(w, (0, []))
+        for rank in back:  # back within its grace: its range's parked ranks, with requests
+            if rank[1] in new_ranks:
+                del self.parked[rank]
+                self.ranks[rank] = None
+                exp.added_ranks.append(rank)
+                bookings = [(r.slot, r.rid, list(dict.fromkeys(r.hashes))) for r in self.on(rank)]
+                exp.changes.append((rank, [], bookings))
+            else:
+                self._drop_rank(rank, now)
         if old is not None:
             for d in range(old[0], old[0] + old[1]):
                 if d not in new_ranks and (w, d) in self.ranks:
@@ -458,8 +496,20 @@ class Model:
         if w not in self.ranges and not doomed:
             return Expected("unknown_worker")
         self.ranges.pop(w, None)
+        if self.grace_ns is None:
+            for rank in doomed:
+                self._drop_rank(rank, now)
+            return Expected("applied", removed_ranks=doomed)
+        _, parked = self.departed.pop(w, (0, []))
         for rank in doomed:
-            self._drop_rank(rank, now)
+            del self.ranks[rank]
+            if self.on(rank):
+                self.parked[rank] = None
+                parked.append(rank)
+            else:
+                del self.anchor[rank], self.last_check[rank]
+        if parked:
+            self.departed[w] = (now + self.grace_ns, parked)
         return Expected("applied", removed_ranks=doomed)
 
 
@@ -583,14 +633,17 @@ class SeqStateMachine(RuleBasedStateMachine):
     EXPIRY_S: float | None = 60.0
     LAZY = True
     ORPHAN_S: float | None = 30.0
+    GRACE_S: float | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.state = SequenceState(expiry_s=self.EXPIRY_S, lazy_workers=self.LAZY,
-                                   orphan_after_s=self.ORPHAN_S)  # fmt: skip
+                                   orphan_after_s=self.ORPHAN_S,
+                                   worker_grace_s=self.GRACE_S)  # fmt: skip
         expiry_ns = None if self.EXPIRY_S is None else round(self.EXPIRY_S * S)
         orphan_ns = None if self.ORPHAN_S is None else round(self.ORPHAN_S * S)
-        self.model = Model(expiry_ns, self.LAZY, orphan_ns)
+        grace_ns = None if self.GRACE_S is None else round(self.GRACE_S * S)
+        self.model = Model(expiry_ns, self.LAZY, orphan_ns, grace_ns)
 
     def _apply(self, event: object, step: int) -> None:
         at = max(0, self.model.now + step)
@@ -741,6 +794,10 @@ class SeqStateMachine(RuleBasedStateMachine):
         assert state.requests.lora == {r.rid: r.lora for r in model.live if r.lora is not None}
         assert state.requests.router_of == {r.rid: r.router for r in model.live if r.router}
         assert list(state.routers.items()) == list(model.routers.items())
+        assert list(state.departures.slots) == list(model.parked)
+        assert state.departures.workers == model.departed
+        for rank in model.parked:
+            assert list(state.departures.slots[rank].requests) == [r.rid for r in model.on(rank)]
         # Per-rank write model: prefill FIFO, anchor, expiry throttle; registry membership.
         everything: set[int] = set()
         for rank in model.ranks:
@@ -789,11 +846,29 @@ class EagerWorkersMachine(SeqStateMachine):
     LAZY = False
 
 
+class GraceMachine(SeqStateMachine):
+    """A 20 s worker grace: removed workers' busy ranks are parked, out of the read model's
+    sight, still following their requests' events, and come back with a re-add within the
+    grace (the rest of a re-added worker, and a lapsed one, end as a removal ends them)."""
+
+    GRACE_S = 20.0
+
+
+class EagerGraceMachine(GraceMachine):
+    """The grace with lazy_workers=False: an add for a parked rank is unknown_worker."""
+
+    LAZY = False
+
+
 SETTINGS = settings(max_examples=150, stateful_step_count=60, deadline=None)
 SeqStateMachine.TestCase.settings = SETTINGS
 NoExpiryMachine.TestCase.settings = SETTINGS
 EagerWorkersMachine.TestCase.settings = SETTINGS
+GraceMachine.TestCase.settings = SETTINGS
+EagerGraceMachine.TestCase.settings = SETTINGS
 
 TestLazyExpiring = SeqStateMachine.TestCase
 TestNoExpiry = NoExpiryMachine.TestCase
 TestEagerWorkers = EagerWorkersMachine.TestCase
+TestWorkerGrace = GraceMachine.TestCase
+TestEagerWorkerGrace = EagerGraceMachine.TestCase

@@ -1,0 +1,138 @@
+"""The worker control plane (``WorkerControl``, ``seqstate worker add|remove|list``) through a
+real pipeline: a change is confirmed only once the read model shows it, a removal drops the
+worker's keys, and a flap within the grace period keeps a busy worker's bookings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from nats.aio.client import Client
+from pipeline_kit import bucket_values, fresh_config, run_cli
+
+from projector.config import Config
+from projector.pipeline import Pipeline
+from projector.publisher import RouterPublisher
+from projector.replay import verify
+from projector.server import NatsServer
+from projector.workers import WorkerChange, WorkerControl, WorkerNotFound, WorkerRefused
+
+
+def keys_of(values: dict[str, bytes], config: Config, worker_id: int) -> list[str]:
+    ns = config.namespace
+    return sorted(k for k in values
+                  if k.startswith((f"{ns}.load.{worker_id}.", f"{ns}.req.{worker_id}.")))  # fmt: skip
+
+
+async def test_add_list_and_remove_a_worker_and_its_keys(nc: Client) -> None:
+    config = fresh_config("wc")
+    async with Pipeline(nc, config) as pipeline:
+        control = WorkerControl(nc, config=config)
+        added = await control.add(7, dp_size=2)
+        assert (added.worker_id, added.applied, added.dp_ranks) == (7, True, [0, 1])
+        await control.add(8)
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="wc", config=config)
+        await pub.add("a", 7, 1, block_hashes=[1, 2, 3], prefill_tokens=48)
+        await pipeline.wait_applied(await pub.add("b", 8, block_hashes=[4]))
+        listed = await control.workers()
+        assert [(w.worker_id, w.dp_ranks, w.active_requests, w.active_blocks, w.prefill_tokens)
+                for w in listed] == [(7, [0, 1], 1, 3, 48), (8, [0], 1, 1, 0)]  # fmt: skip
+        ns = config.namespace
+        assert keys_of(await bucket_values(nc, config), config, 7) == [
+            f"{ns}.load.7.0", f"{ns}.load.7.1", f"{ns}.req.7.1.0"]  # fmt: skip
+        removed = await control.remove(7)
+        assert (removed.applied, removed.dp_ranks) == (True, [])
+        values = await bucket_values(nc, config)
+        assert keys_of(values, config, 7) == []  # its loads and its request slots, all gone
+        assert keys_of(values, config, 8) != []
+        assert [w.worker_id for w in await control.workers()] == [8]
+        with pytest.raises(WorkerNotFound, match="worker 7 has no rank in the registry"):
+            await control.remove(7)
+    assert await verify(nc, config) == []
+
+
+async def test_a_worker_back_within_the_grace_keeps_its_bookings(nc: Client) -> None:
+    config = fresh_config("wg", worker_grace_s=60.0)
+    async with Pipeline(nc, config) as pipeline:
+        control = WorkerControl(nc, config=config)
+        await control.add(3, dp_size=2)
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="wg", config=config)
+        for i in range(5):
+            await pub.add(f"q{i}", 3, i % 2, block_hashes=[i, 100 + i], prefill_tokens=32)
+        await pipeline.wait_applied(await pub.mark_prefill_completed("q0", 3, 0))
+        before = {w.worker_id: w for w in await control.workers()}[3]
+        busy_keys = keys_of(await bucket_values(nc, config), config, 3)
+        assert before.active_requests == 5 and len(busy_keys) == 2 + 5
+        await control.remove(3)
+        assert await control.workers() == []  # out of sight while it is away
+        await pub.free("q4", 3, 0)  # its requests are still followed
+        back = await control.add(3, dp_size=2)
+        assert back.dp_ranks == [0, 1]
+        after = {w.worker_id: w for w in await control.workers()}[3]
+        assert after.active_requests == 4
+        assert after.active_blocks == before.active_blocks - 2
+        assert after.prefill_tokens == before.prefill_tokens - 32
+    assert await verify(nc, config) == []
+
+
+async def test_without_a_grace_a_re_added_worker_starts_empty(nc: Client) -> None:
+    config = fresh_config("wn")
+    async with Pipeline(nc, config):
+        control = WorkerControl(nc, config=config)
+        await control.add(4)
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="wn", config=config)
+        await pub.add("x", 4, block_hashes=[1])
+        await control.remove(4)
+        await control.add(4)
+        assert [(w.worker_id, w.active_requests) for w in await control.workers()] == [(4, 0)]
+
+
+async def test_refusals_name_the_bound_before_anything_is_published(nc: Client) -> None:
+    config = fresh_config("wr", max_ranks_per_worker=4)
+    async with Pipeline(nc, config) as pipeline:
+        control = WorkerControl(nc, config=config)
+        with pytest.raises(WorkerRefused, match="5 ranks, more than max_ranks_per_worker"):
+            await control.add(1, dp_size=5)
+        with pytest.raises(WorkerRefused, match="worker 1: "):
+            await control.add(1, dp_size=0)
+        assert pipeline.writer.stats.last_seq == 0  # nothing reached the log
+
+
+async def test_without_a_pipeline_a_change_is_stored_and_said_to_be_pending(nc: Client) -> None:
+    config = fresh_config("wp")
+    from projector.resources import ensure
+
+    await ensure(nc, config)
+    change = await WorkerControl(nc, config=config, wait_s=0.3).add(2)
+    assert change == WorkerChange(2, 1, False, [])
+
+
+async def test_the_cli_adds_lists_and_removes_workers(nc: Client, nats_server: NatsServer) -> None:
+    config = fresh_config("wcli")
+    url = nats_server.url
+    async with Pipeline(nc, config):
+        out = await run_cli(config, url, "worker", "add", "9", "--dp-size", "2")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().startswith("worker 9: ranks 0-1 in the registry (event ")
+        out = await run_cli(config, url, "worker", "add", "12", "--dp-start", "3")
+        assert "worker 12: ranks 3 in the registry" in out.stdout
+        out = await run_cli(config, url, "worker", "list")
+        lines = out.stdout.splitlines()
+        assert lines[0].split() == ["worker", "ranks", "requests", "blocks", "prefill", "tok"]
+        assert [line.split()[:2] for line in lines[1:3]] == [["9", "0-1"], ["12", "3"]]
+        assert lines[-1] == "2 workers"
+        out = await run_cli(config, url, "worker", "list", "--json")
+        rows = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [(r["worker_id"], r["dp_ranks"]) for r in rows] == [(9, [0, 1]), (12, [3])]
+        out = await run_cli(config, url, "worker", "remove", "9")
+        assert out.returncode == 0 and out.stdout.startswith("worker 9: removed from the registry")
+        for args, message in [
+            (("remove", "9"), "seqstate: error: worker 9 has no rank in the registry"),
+            (("add",), "seqstate: error: worker add needs a WORKER_ID"),
+            (("list", "3"), "seqstate: error: worker list takes no WORKER_ID"),
+            (("add", "5", "--dp-size", "0"), "seqstate: error: worker 5: "),
+        ]:
+            out = await run_cli(config, url, "worker", *args)
+            lines = [line for line in out.stderr.splitlines() if line.strip()]
+            assert out.returncode == 1 and len(lines) == 1, out.stderr
+            assert lines[0].startswith(message), lines
