@@ -3,12 +3,15 @@
 Running it twice changes nothing; running it for a second namespace adds that namespace's
 subjects to the shared streams. It never deletes a stream. A difference it cannot reconcile
 (the storage type of an existing stream, say) is reported as :class:`ProvisioningError`
-naming the setting, never papered over by recreating the stream and losing its log.
+naming the setting, never papered over by recreating the stream and losing its log. Replicas
+are only ever raised: a process started with the default ``--replicas 1`` against a cluster's
+R3 streams must not quietly strip them of their copies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -23,6 +26,8 @@ from seqstate.errors import SeqstateError
 # but an old server silently ignores unknown stream options, so refuse anything older than the
 # oldest release we test with.
 MIN_SERVER = (2, 10, 0)
+
+log = logging.getLogger(__name__)
 
 
 class ProvisioningError(SeqstateError, RuntimeError):
@@ -134,10 +139,15 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.
         )
     subjects = list(have.subjects or [])
     missing = [s for s in wanted.subjects or [] if s not in subjects]
+    replicas = have.num_replicas or 1
+    if (wanted.num_replicas or 1) < replicas:
+        log.warning("stream %s keeps its %d replicas although this process asks for %d: "
+                    "seqstate never lowers replicas (lower them by hand if you mean to)",
+                    wanted.name, replicas, wanted.num_replicas)  # fmt: skip
     changes = {
         "subjects": subjects + missing,
         "duplicate_window": max(have.duplicate_window or 0, wanted.duplicate_window or 0),
-        "num_replicas": wanted.num_replicas,
+        "num_replicas": max(replicas, wanted.num_replicas or 1),
         "description": wanted.description,
         "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
         "allow_direct": bool(have.allow_direct or wanted.allow_direct),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -264,7 +266,7 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
 
 
 async def test_seqstate_run_with_3_replicas_against_the_cluster(
-    cluster: NatsCluster, tmp_path: Path
+    cluster: NatsCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``seqstate run --replicas 3`` with ``NATS_URL`` listing the nodes: R3 streams, bucket
     and object store; events published are read back by ``seqstate loads --json``; SIGTERM
@@ -326,6 +328,14 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
         rows = [json.loads(line) for line in loads.stdout.decode().splitlines() if line]
         got = {(r["worker_id"], r["dp_rank"]): r["active_requests"] for r in rows}
         assert got == from_view, rows
+
+        # A process started with the default --replicas 1 (a writer someone restarts by hand)
+        # must not strip the cluster's streams of their copies: it keeps them, and says so.
+        with caplog.at_level(logging.WARNING, logger="projector.resources"):
+            await ensure(nc, dataclasses.replace(config, replicas=1))
+        for stream in (config.events_stream, config.deltas_stream):
+            assert (await replica_report(js, stream))[0] == 3, stream
+        assert f"stream {config.events_stream} keeps its 3 replicas" in caplog.text
 
         alive()
         proc.send_signal(signal.SIGTERM)

@@ -19,9 +19,8 @@ from projector.workers import WorkerChange, WorkerControl, WorkerNotFound, Worke
 
 
 def keys_of(values: dict[str, bytes], config: Config, worker_id: int) -> list[str]:
-    ns = config.namespace
-    return sorted(k for k in values
-                  if k.startswith((f"{ns}.load.{worker_id}.", f"{ns}.req.{worker_id}.")))  # fmt: skip
+    mine = (f"{config.namespace}.load.{worker_id}.", f"{config.namespace}.req.{worker_id}.")
+    return sorted(k for k in values if k.startswith(mine))
 
 
 async def test_add_list_and_remove_a_worker_and_its_keys(nc: Client) -> None:
