@@ -15,7 +15,7 @@ import sys
 from projector.config import Config
 from projector.resources import dead_letter_stream
 
-ROLES = ("router", "scheduler", "writer", "projector", "replay", "demo")
+ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo")
 
 
 def read_stream(stream: str) -> list[str]:
@@ -46,6 +46,9 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
                    [config.events_subjects]),
         "scheduler": ("reads the registry bucket (RegistryView: KV get and watch); writes nothing",
                       [*read_stream(registry)]),
+        "control": ("the worker control plane (seqstate worker add|remove|list): topology "
+                    "events on the control subject, and reads the bucket to confirm them",
+                    [config.control_subject, *info, *read_stream(registry)]),
         "writer": ("folds the events (retention purges them), publishes deltas and dead letters, "
                    "keeps snapshots, reads the projector's position in the bucket",
                    [*info, *provision, *read_stream(events), *read_stream(deltas),

@@ -30,12 +30,13 @@ from projector.projection import Projector
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.values import load_key
+from projector.workers import WorkerControl
 from projector.writer import Writer
 from seqstate import AddRequest, WorkerAdded, decode_event, encode_event
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
-ROLES = ("router", "scheduler", "writer", "projector", "replay", "demo")
+ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo")
 PASSWORDS = {role: f"pw-{role}-7Qx2" for role in ROLES}
 VIOLATION = "permissions violation"
 NO_ACK_S = 1.0  # how long a refused JetStream publish waits for the ack that never comes
@@ -216,6 +217,27 @@ async def test_a_scheduler_cannot_publish_events(
         await _refused_publish(snc, subject, forged)
         assert forged not in await _stored_since(onc, "SEQSTATE_EVENTS", before)
     assert _refused(caplog, subject), caplog.text
+
+
+async def test_the_control_role_manages_workers_and_a_scheduler_cannot(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``seqstate worker`` as "control": add, list and remove go through, confirmed by the
+    bucket. A scheduler's credential cannot register a worker: refused, nothing stored."""
+    caplog.set_level(logging.WARNING)
+    async with as_role(roles_server, "control") as cnc:
+        control = WorkerControl(cnc, config=role_config(roles_server, "control"))
+        added = await control.add(31, dp_size=2)
+        assert (added.applied, added.dp_ranks) == (True, [0, 1])
+        assert 31 in [w.worker_id for w in await control.workers()]
+        removed = await control.remove(31)
+        assert removed.applied and removed.dp_ranks == []
+    assert not violations(caplog), violations(caplog)
+    async with as_role(roles_server, "scheduler") as snc, as_role(roles_server, "replay") as onc:
+        before = await _last_seq(onc, "SEQSTATE_EVENTS")
+        forged = encode_event(WorkerAdded(worker_id=32))
+        await _refused_publish(snc, Config().control_subject, forged)
+        assert forged not in await _stored_since(onc, "SEQSTATE_EVENTS", before)
 
 
 async def test_a_wrong_role_password_is_refused_in_one_line(roles_server: str) -> None:

@@ -28,7 +28,8 @@ def test_another_namespace_gets_its_own_subjects() -> None:
 
 
 def test_nats_server_accepts_the_role_config() -> None:
-    roles = ("ROUTER", "SCHEDULER", "WRITER", "PROJECTOR", "REPLAY", "DEMO")
+    generator = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))
+    roles = [role.upper() for role in generator["ROLES"]]
     env = {**os.environ, **{f"SEQSTATE_{role}_PASSWORD": "x" for role in roles}}
     result = subprocess.run([find_binary(), "-c", str(CONF), "-t"], capture_output=True,
                             text=True, timeout=30, env=env)  # fmt: skip
