@@ -421,7 +421,9 @@ class SequenceState:
         worker = WorkerDpRange(event.worker_id, event.dp_start, event.dp_size)
         if self.workers.ranges.get(event.worker_id) == worker:
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
-        change = self._dropping_requests(lambda: self.workers.upsert_worker(worker), now)
+        change = self._dropping_requests(
+            event.worker_id, lambda: self.workers.upsert_worker(worker), now
+        )
         return Delta(
             outcome=outcomes.APPLIED,
             at_ns=now,
@@ -431,19 +433,23 @@ class SequenceState:
 
     def _worker_removed(self, event: WorkerRemoved, now: int) -> Delta:
         worker_id = event.worker_id
-        if worker_id not in self.workers.ranges and not any(
-            rank[0] == worker_id for rank in self.workers.slots
-        ):
+        if worker_id not in self.workers.ranges and worker_id not in self.workers.by_worker:
             return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
-        change = self._dropping_requests(lambda: self.workers.remove_worker(worker_id), now)
+        change = self._dropping_requests(
+            worker_id, lambda: self.workers.remove_worker(worker_id), now
+        )
         return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
 
-    def _dropping_requests(self, mutate: Callable[[], TopologyChange], now: int) -> TopologyChange:
-        """Run a topology mutation; requests of removed ranks end without a Free."""
-        before = dict(self.workers.slots)
+    def _dropping_requests(
+        self, worker_id: int, mutate: Callable[[], TopologyChange], now: int
+    ) -> TopologyChange:
+        """Run a mutation of ``worker_id``'s ranks; requests of removed ranks end without a
+        Free. It costs what the worker has, not what the whole table has."""
+        slots = self._slots
+        before = {r: slots[(worker_id, r)] for r in self.workers.by_worker.get(worker_id, ())}
         change = mutate()
         for rank in change.removed:
-            self._forget(list(before[rank].requests), now)
+            self._forget(list(before[rank[1]].requests), now)
         return change
 
     # ---- reads ------------------------------------------------------------------------------
