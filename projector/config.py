@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from seqstate.bounds import MAX_RANKS, MAX_RANKS_PER_WORKER, RankBounds
 from seqstate.errors import SeqstateError
-from seqstate.state import SequenceState
+from seqstate.state import MAX_ENDED, MAX_TOMBSTONES, SequenceState
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _SCHEMES = ("nats", "tls", "ws", "wss")
@@ -99,6 +99,12 @@ class Config:
         MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
     )
     max_ranks: int = _setting(MAX_RANKS, "ranks in all; an event beyond is dead-lettered", "N")
+    max_tombstones: int = _setting(
+        MAX_TOMBSTONES, "ids of Marks and Frees that came before their Add, remembered at once; "
+        "the oldest beyond are forgotten (counted)", "N")  # fmt: skip
+    max_ended: int = _setting(
+        MAX_ENDED, "ids of ended requests remembered at once (a late repeat is a no-op); the "
+        "oldest beyond are forgotten (counted)", "N")  # fmt: skip
     tls_ca: str | None = _setting(
         None, "PEM file of the CA that signed the server's certificate (unset: the system's)",
         "PATH")  # fmt: skip
@@ -178,7 +184,9 @@ class Config:
         writer, a replay) starts from one, so they agree byte for byte."""
         return SequenceState(expiry_s=self.expiry_s, forget_lazy_after_s=self.forget_lazy_ranks_s,
                              orphan_after_s=self.orphan_after_s,
-                             worker_grace_s=self.worker_grace_s or None)  # fmt: skip
+                             worker_grace_s=self.worker_grace_s or None,
+                             max_tombstones=self.max_tombstones,
+                             max_ended=self.max_ended)  # fmt: skip
 
     @property
     def rank_bounds(self) -> RankBounds:
@@ -328,6 +336,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("tick_every_s", _positive),
     ("max_ranks_per_worker", _positive),
     ("max_ranks", _positive),
+    ("max_tombstones", _not_negative),
+    ("max_ended", _not_negative),
     ("tls_ca", _file),
     ("tls_cert", _file),
     ("tls_key", _file),

@@ -39,6 +39,8 @@ FOLD = (
     "worker_grace_s",
     "max_ranks_per_worker",
     "max_ranks",
+    "max_tombstones",
+    "max_ended",
 )  # every fold
 WRITER = (*FOLD, "idle_tick_s", "tick_every_s", "snapshot_every_events", "snapshot_every_s",
           "snapshots_keep", "retain_events")  # fmt: skip

@@ -2,9 +2,13 @@
 
 Every event gets ``Nats-Msg-Id: <router_id>:<router_seq>`` (``router_seq`` counts from 1 per
 publisher), so a publish retried after a lost ack is stored once: JetStream acknowledges the
-repeat with the original sequence and flags it duplicate. Publishes are pipelined with
-``publish_async``; at most ``max_pending`` of them are unacknowledged at once, and each call
-awaits its own ack, so callers can fire many events concurrently with ``asyncio.gather``.
+repeat with the original sequence and flags it duplicate. A router id may hold any characters
+(1 to 256 of them); in the msg-id, those a header line cannot carry as they are (spaces,
+controls, non-ASCII, and ``%``) are percent-encoded, so no two router ids share msg-ids.
+
+Publishes are pipelined with ``publish_async``; at most ``max_pending`` of them are
+unacknowledged at once, and each call awaits its own ack, so callers can fire many events
+concurrently with ``asyncio.gather``.
 
 A publish is never dropped silently: an ack that times out, finds no stream or carries an error
 is retried (same msg-id) up to ``retries`` times, then the call raises :class:`PublishError`.
@@ -30,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import string
 from collections.abc import Iterable, Sequence
+from urllib.parse import quote
 
 import msgspec
 import nats.errors
@@ -53,6 +59,7 @@ from seqstate import (
     encode_event,
 )
 from seqstate.errors import SeqstateError
+from seqstate.events import MAX_ROUTER_ID
 
 log = logging.getLogger("seqstate.publisher")
 
@@ -64,6 +71,11 @@ BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
 
 _WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
+# Kept as they are in a msg-id: printable ASCII but "%", the escape. A header value is trimmed
+# and its CR/LF turned into spaces on the way out, so " r" and "r", or "a\nb" and "a b", would
+# otherwise share msg-ids: the second router's events refused as duplicates, or lost on a retry.
+_MSG_ID_SAFE = string.punctuation.replace("%", "")
+SHOWN_ID_CHARS = 60  # of an id in an error message
 _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
 
 
@@ -174,6 +186,13 @@ class RouterPublisher:
     ) -> None:
         if not router_id:
             raise ValueError("router_id must not be empty")
+        if len(router_id) > MAX_ROUTER_ID:
+            raise ValueError(f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
+                             "(what a RouterHeartbeat carries)")  # fmt: skip
+        try:
+            self._msg_id_prefix = quote(router_id, safe=_MSG_ID_SAFE) + ":"
+        except UnicodeEncodeError:
+            raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending}: must be at least 1")
         if retries < 0:
@@ -343,7 +362,7 @@ class RouterPublisher:
         request_id: str | None = getattr(event, "request_id", None)
 
         self._router_seq += 1
-        msg_id = f"{self.router_id}:{self._router_seq}"
+        msg_id = f"{self._msg_id_prefix}{self._router_seq}"
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._in_progress.add(done)
         try:
@@ -395,7 +414,7 @@ class RouterPublisher:
         if self._inbox is None:
             await self._open_inbox()
         subject_for = self.subject_for
-        prefix = f"{self.router_id}:"
+        prefix = self._msg_id_prefix
         first = self._router_seq + 1
         self._router_seq += len(checked)
         call = _Call(
@@ -618,7 +637,15 @@ class RouterPublisher:
 
 def _what(event: Event, request_id: str | None) -> str:
     name = type(event).__name__
-    return f"{name} for request {request_id!r}" if request_id is not None else name
+    return f"{name} for request {_shown(request_id)}" if request_id is not None else name
+
+
+def _shown(text: str) -> str:
+    """An id as an error message shows it: quoted, escaped (one line), at most
+    ``SHOWN_ID_CHARS`` of it, and its length when longer."""
+    if len(text) <= SHOWN_ID_CHARS:
+        return repr(text)
+    return f"{text[:SHOWN_ID_CHARS]!r}… ({len(text):,} characters)"
 
 
 def _describe(exc: BaseException) -> str:

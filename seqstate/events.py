@@ -24,8 +24,9 @@ U32_MAX: Final = 2**32 - 1
 # A modeled prefill longer than ~31 years is not a prediction; it is a bug upstream.
 MAX_PREFILL_MS: Final = 1e12
 
+MAX_ROUTER_ID: Final = 256  # characters
 RequestId = Annotated[str, Meta(min_length=1)]
-RouterId = Annotated[str, Meta(min_length=1, max_length=256)]
+RouterId = Annotated[str, Meta(min_length=1, max_length=MAX_ROUTER_ID)]
 # msgpack cannot carry an integer above u64, so ge=0 bounds these to u64 on the wire
 # (msgspec rejects an explicit le beyond int64).
 WorkerId = Annotated[int, Meta(ge=0)]

@@ -34,6 +34,7 @@ from pipeline_kit import read_log
 from pipeline_kit import read_stream as read_stream
 
 from projector.config import Config
+from projector.flags import FOLD
 from projector.image import BucketImage
 from projector.publisher import RouterPublisher
 from projector.stream import SOURCE_SEQ
@@ -83,7 +84,6 @@ class Service:
 
     def argv(self) -> list[str]:
         c = self.config
-        expiry = "off" if c.expiry_s is None else repr(c.expiry_s)
         argv = [sys.executable, "-m", "projector", self.command,
                 "--namespace", c.namespace, "--events-stream", c.events_stream,
                 "--deltas-stream", c.deltas_stream, "--registry-bucket", c.registry_bucket,
@@ -92,7 +92,11 @@ class Service:
             argv += ["--replicas", str(c.replicas)]
         if self.command == "writer":  # each command takes the settings it uses, no others
             argv += ["--snapshot-every-events", str(c.snapshot_every_events),
-                     "--expiry-s", expiry, "--idle-tick-s", repr(c.idle_tick_s)]  # fmt: skip
+                     "--idle-tick-s", repr(c.idle_tick_s)]  # fmt: skip
+            for name in FOLD:  # every rule of the fold, as uninterrupted_fold folds
+                value = getattr(c, name)
+                text = repr(value) if isinstance(value, float) else str(value)
+                argv += [f"--{name.replace('_', '-')}", "off" if value is None else text]
         return argv
 
     def env(self) -> dict[str, str]:

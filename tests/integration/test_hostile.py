@@ -14,18 +14,25 @@ import hypothesis.strategies as st
 import msgspec
 import nats
 from hypothesis import HealthCheck, given, settings
-from pipeline_kit import fresh_config, read_log
+from nats.aio.client import Client
+from pipeline_kit import fresh_config, read_log, read_stream
 
+from projector.bucket import read_bucket
 from projector.config import Config
+from projector.dead_letters import REASON
 from projector.pipeline import Pipeline
 from projector.resources import dead_letter_stream, ensure
 from projector.server import NatsServer
+from projector.stream import SOURCE_SEQ
 from seqstate import (
     SCHEMA_VERSION,
     AddRequest,
+    Event,
     EventDecodeError,
     Free,
     MarkPrefillCompleted,
+    RouterGoodbye,
+    RouterHeartbeat,
     decode_event,
     encode_event,
 )
@@ -123,3 +130,71 @@ async def _run(url: str, config: Config, payloads: list[bytes]) -> None:
         assert dead.state.messages == len(payloads) - len(good)
     finally:
         await nc.drain()
+
+
+async def test_ids_at_their_limits_and_of_any_alphabet_are_applied_or_dead_lettered(
+    nc: Client,
+) -> None:
+    """Broke: nothing; published raw (no RouterPublisher checks), ids at their limits were
+    covered only by chance draws. Expected: request ids of any alphabet (NATS wildcards and
+    dots, controls, spaces, non-ASCII) and any length up to the largest event the writer takes
+    are applied exact, freed by a Free naming them exact, and land exact in the bucket; a
+    256-character router id heartbeats and its goodbye frees its request. Dead-lettered, each
+    with the decoder's reason or the size refusal, changing nothing: an empty request id, one
+    not UTF-8, an event one byte over the writer's limit, an empty router id and 257-character
+    ones. The writer's model is the fold of every other event, and the writer goes on."""
+    config = fresh_config("ids")
+    await ensure(nc, config)
+    js = nc.jetstream()
+    async with Pipeline(nc, config) as pipeline:
+        max_event = pipeline.writer.deltas.max_event
+        overhead = len(encode_event(AddRequest(request_id="x" * 70_000, worker_id=1))) - 70_000
+        longest = "x" * (max_event - overhead)
+        ids = ["*", ">", "a.b", "a.*.>", "\x00\r\n\t", " ", "é路由🙂", "x" * 100_000, longest]
+        good: list[Event] = [AddRequest(request_id=rid, worker_id=1, block_hashes=[i])
+                             for i, rid in enumerate(ids[:-1])]  # fmt: skip
+        good.append(AddRequest(request_id=longest, worker_id=1))
+        assert len(encode_event(good[-1])) == max_event
+        over = encode_event(AddRequest(request_id=longest + "x", worker_id=1))
+        router, odd_router = "r" * 256, "a.*.>\n\x00é"
+        bad = {  # payload -> the reason it is dead-lettered with
+            _raw([SCHEMA_VERSION, {"type": "AddRequest", "request_id": "", "worker_id": 1}]):
+                "invalid event: Expected `str` of length >= 1 - at `$.request_id`",
+            encode_event(AddRequest(request_id="\x01\x02", worker_id=1)).replace(
+                b"\xa2\x01\x02", b"\xa2\xff\xfe"):
+                "malformed event bytes: Invalid UTF-8 encoded string",
+            over: f"refused: an event of {max_event + 1} bytes; its delta would not fit a "
+                  f"message (at most {max_event} bytes of event)",
+            _raw([SCHEMA_VERSION, {"type": "RouterHeartbeat", "router_id": ""}]):
+                "invalid event: Expected `str` of length >= 1 - at `$.router_id`",
+            _raw([SCHEMA_VERSION, {"type": "RouterHeartbeat", "router_id": "r" * 257}]):
+                "invalid event: Expected `str` of length <= 256 - at `$.router_id`",
+            _raw([SCHEMA_VERSION, {"type": "RouterGoodbye", "router_id": "r" * 257}]):
+                "invalid event: Expected `str` of length <= 256 - at `$.router_id`",
+        }  # fmt: skip
+        good += [Free(request_id=rid, worker_id=1) for rid in ids[:3]]
+        good += [RouterHeartbeat(router_id=router),
+                 AddRequest(request_id="owned", worker_id=2, router_id=router),
+                 RouterGoodbye(router_id=router), RouterHeartbeat(router_id=odd_router),
+                 AddRequest(request_id="last", worker_id=2)]  # fmt: skip
+        payloads = [encode_event(event) for event in good]
+        for n, data in enumerate(bad):  # a bad payload after every other good one
+            payloads.insert(2 * n + 1, data)
+        seqs = [(await js.publish(config.event_subject(1), data)).seq for data in payloads]
+        await pipeline.wait_applied(seqs[-1])
+        state = pipeline.writer.state
+        assert pipeline.writer.stats.dead_letters == len(bad)
+    letters = await read_stream(nc, dead_letter_stream(config), config.dead_letter_subject)
+    assert [(int(headers[SOURCE_SEQ]), headers[REASON]) for _, headers, _ in letters] == [
+        (seqs[2 * n + 1], reason) for n, reason in enumerate(bad.values())]  # fmt: skip
+    reference = config.new_state()
+    for _, at_ns, data in await read_log(nc, config):
+        if data not in bad:
+            reference.apply(decode_event(data), at_ns)
+    assert state.snapshot() == reference.snapshot()
+    assert list(state.requests.owner) == [*ids[3:], "last"]
+    assert list(state.routers) == [odd_router]
+    bucket = await read_bucket(nc, config)
+    held = [value.request_id for rank in sorted(bucket.slots)
+            for _, value in sorted(bucket.requests(rank).items())]  # fmt: skip
+    assert held == [*ids[3:], "last"] and not bucket.unreadable

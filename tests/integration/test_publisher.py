@@ -19,12 +19,19 @@ from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
 from projector.config import Config
-from projector.publisher import MSG_ID_HEADER, EventTooLarge, PublishError, RouterPublisher
+from projector.publisher import (
+    EVENT_HEADROOM,
+    MSG_ID_HEADER,
+    EventTooLarge,
+    PublishError,
+    RouterPublisher,
+)
 from seqstate import (
     AddRequest,
     EventDecodeError,
     Free,
     MarkPrefillCompleted,
+    RouterHeartbeat,
     Tick,
     WorkerAdded,
     decode_event,
@@ -202,6 +209,79 @@ async def test_invalid_event_is_rejected_before_publishing(nc: Client, config: C
     assert pub.router_seq == 0
     assert await pub.add("r", 1) == 1
     assert (await _stored(nc, config, 1))[2][MSG_ID_HEADER] == "v:1"
+
+
+ROUTER_IDS = {  # id -> its msg-ids' prefix
+    "r": "r", " r": "%20r", "r ": "r%20", "%20r": "%2520r", "a b": "a%20b", "a\nb": "a%0Ab",
+    "a\r\nb": "a%0D%0Ab", "\t": "%09", "x\x00y\x7f": "x%00y%7F", "é路由🙂":
+    "%C3%A9%E8%B7%AF%E7%94%B1%F0%9F%99%82", "a.*.>": "a.*.>", "*": "*", ">": ">",
+    "r" * 256: "r" * 256,
+}  # fmt: skip
+
+
+async def test_router_ids_of_any_alphabet_publish_with_msg_ids_of_their_own(
+    nc: Client, config: Config
+) -> None:
+    """Broke: nats-py trims a header value and turns its CR and LF into spaces, so the router
+    ids " r" and "r", or "a\\nb" and "a b", published under the same msg-ids: every event of
+    the second router was refused as a duplicate (PublishError, a message broken over lines),
+    or lost had it met the other's on a retry. A 257-character id published adds and then
+    failed at its first heartbeat. Expected: ids of 1 to 256 characters of any alphabet
+    publish, one after another and in a batch, under msg-ids of their own (printable ASCII
+    kept, anything else and "%" percent-encoded) and arrive exact in the events; an empty id,
+    a 257-character one and one that is not UTF-8 are refused when the publisher is made, each
+    with one line."""
+    for rid, prefix in ROUTER_IDS.items():
+        pub = RouterPublisher(nc, router_id=rid, config=config)
+        seqs = [await pub.publish(RouterHeartbeat(router_id=rid))]
+        seqs += await pub.publish_many([AddRequest(request_id="q", worker_id=1)])
+        stored = [await _stored(nc, config, seq) for seq in seqs]
+        assert [event for _, event, _ in stored] == [
+            RouterHeartbeat(router_id=rid),
+            AddRequest(request_id="q", worker_id=1, router_id=rid),
+        ]
+        assert [headers[MSG_ID_HEADER] for _, _, headers in stored] == [
+            f"{prefix}:1",
+            f"{prefix}:2",
+        ]
+    assert await _stream_messages(nc, config) == 2 * len(ROUTER_IDS)
+    too_long = f"router_id {'r' * 60!r}… (257 characters): at most 256 characters"
+    refused = {
+        "": "router_id must not be empty",
+        "r" * 257: f"{too_long} (what a RouterHeartbeat carries)",
+        "r\ud800": "router_id 'r\\ud800': not encodable as UTF-8",
+    }
+    for rid, message in refused.items():
+        with pytest.raises(ValueError) as info:
+            RouterPublisher(nc, router_id=rid, config=config)
+        assert str(info.value) == message
+
+
+async def test_request_ids_of_any_alphabet_are_published_up_to_the_size_limit(
+    nc: Client, config: Config
+) -> None:
+    """Broke: an id too long for an event was echoed whole in the EventTooLarge message (a
+    megabyte on one line). Expected: request ids of any alphabet (NATS wildcards and dots,
+    controls, spaces, non-ASCII, one character, and as long as an event may be) are stored
+    exact; one character longer is refused before it is sent, with one line that shows 60
+    characters of the id and its length, and takes no router_seq."""
+    pub = RouterPublisher(nc, router_id="ids", config=config)
+    limit = nc.max_payload - EVENT_HEADROOM
+    overhead = len(pub.check(AddRequest(request_id="x" * 70_000, worker_id=1))[1]) - 70_000
+    longest = "x" * (limit - overhead)
+    assert len(pub.check(AddRequest(request_id=longest, worker_id=1))[1]) == limit
+    ids = ["*", ">", "a.b", "a.*.>", "\x00\r\n\t", " ", "é路由🙂", "x", longest]
+    seqs = [await pub.add(rid, 1) for rid in ids]
+    assert [(await _stored(nc, config, seq))[1].request_id for seq in seqs] == ids
+    with pytest.raises(EventTooLarge) as info:
+        await pub.add(longest + "x", 1)
+    assert str(info.value) == (
+        f"AddRequest for request {'x' * 60!r}… ({len(longest) + 1:,} characters): {limit + 1:,} "
+        f"bytes encoded, over the {limit:,} bytes one event may take (the server's max_payload "
+        f"of {nc.max_payload:,} less room for its delta's headers); it was not sent"
+    )
+    assert pub.router_seq == len(ids)
+    assert await _stream_messages(nc, config) == len(ids)
 
 
 async def test_thousand_concurrent_adds_are_bounded_distinct_and_flushed(

@@ -15,6 +15,7 @@ import termios
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 from pipeline_kit import fill, fresh_config, name_flags, read_log, run_cli
@@ -25,7 +26,7 @@ from projector.pipeline import Pipeline
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.replay import rebuild, replay, verify
-from projector.values import load_key, slot_key
+from projector.values import decode_request, encode_request, load_key, slot_key
 from seqstate import EventDecodeError, SequenceState, WorkerAdded, decode_event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,6 +123,51 @@ async def test_rebuild_rederives_the_bucket_and_the_projector_resumes_after_it(
     async with RegistryView(nc, config=config) as view:
         state = await fold_upto(nc, config)
         assert view.loads(state.now_ns) == state.registry.loads(state.now_ns)
+
+
+async def test_verify_names_tampered_request_slots_and_rebuild_repairs_them(nc: Client) -> None:
+    """Broke: nothing; request slot values (``<ns>.req.<w>.<r>.<slot>``) were covered only as a
+    deleted key. Tampered here: one hash of a live request flipped (still a valid value),
+    garbage bytes in a second live slot, packed hashes cut short by a byte in a third, and a
+    request that is not live written into a slot key beyond the rank's. Expected: verify
+    names exactly those four keys, each with what is wrong; rebuild rewrites each slot with the
+    request of a fresh fold of the log (and deletes the invented key), and verify is then []."""
+    config, _ = await filled(nc)
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    state = await fold_upto(nc, config)
+    ns = config.namespace
+    live = {slot_key(ns, rank, r.slot): (rid, r.hashes)
+            for rank, slot in state.workers.slots.items()
+            for rid, r in slot.requests.items()}  # fmt: skip
+    flipped, garbage, cut = sorted(live)[:3]
+    value = decode_request((await kv.get(flipped)).value or b"")
+    hashes = value.hash_list()
+    assert (value.request_id, hashes) == live[flipped]
+    hashes[1] ^= 1 << 40
+    await kv.put(flipped, encode_request(value.applied_seq, value.request_id, hashes))
+    await kv.put(garbage, b"\xc1 not msgpack")
+    value = decode_request((await kv.get(cut)).value or b"")
+    short = msgspec.structs.replace(value, hashes=value.hashes[:-1])  # valid msgpack
+    await kv.put(cut, msgspec.msgpack.encode(short))
+    invented = slot_key(ns, (0, 1), 99)
+    await kv.put(invented, encode_request(1, "ghost", [7, 8]))
+    rid, want = live[flipped]
+    assert sorted(await verify(nc, config)) == sorted([
+        f"{flipped}: bucket request {rid!r} ({len(want)} hashes), replay {rid!r} "
+        f"({len(want)} hashes)",
+        f"{garbage}: unreadable (MessagePack data is malformed: invalid opcode '\\xc1' "
+        "(byte 0))",
+        f"{cut}: unreadable (packed hashes of {len(live[cut][1]) * 8 - 1} bytes, not a "
+        "multiple of 8)",
+        f"{invented}: request 'ghost' in the bucket, not live in the replayed state",
+    ])  # fmt: skip
+    await rebuild(nc, config)
+    assert await verify(nc, config) == []
+    for key, (rid, want) in live.items():
+        value = decode_request((await kv.get(key)).value or b"")
+        assert (value.request_id, value.hash_list()) == (rid, want), key
+    bucket = await read_bucket(nc, config)
+    assert 99 not in bucket.slots[(0, 1)] and not bucket.unreadable
 
 
 def in_a_terminal(config: Config, url: str, *args: str) -> tuple[int, str, str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from projector.config import Config, ConfigError
+from seqstate import SequenceState
+from seqstate.state import MAX_ENDED, MAX_TOMBSTONES
 
 
 def test_defaults_follow_the_conventions() -> None:
@@ -57,6 +59,20 @@ def test_a_flag_is_named_as_the_user_typed_it_and_wins_over_the_environment() ->
     flags = {"flush_interval_s": ("--flush-interval-s", "0.25")}
     config = Config.from_env(env | {"SEQSTATE_EXPIRY_S": "off"}, flags=flags)
     assert (config.expiry_s, config.flush_interval_s) == (None, 0.25)
+
+
+def test_the_id_memories_are_sized_by_settings_in_every_fold() -> None:
+    """New settings max_tombstones and max_ended: each fold (the writer, a replay) starts from
+    a state with their capacities, and its snapshots carry them; a negative one is named."""
+    assert (Config().max_tombstones, Config().max_ended) == (MAX_TOMBSTONES, MAX_ENDED)
+    config = Config.from_env({"SEQSTATE_MAX_TOMBSTONES": "5", "SEQSTATE_MAX_ENDED": "0"})
+    state = config.new_state()
+    assert (state.tombstones.capacity, state.ended.capacity) == (5, 0)
+    restored = SequenceState.restore(state.snapshot())
+    assert (restored.tombstones.capacity, restored.ended.capacity) == (5, 0)
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({}, flags={"max_ended": ("--max-ended", "-1")})
+    assert str(caught.value) == "--max-ended '-1': must not be negative"
 
 
 def test_python_callers_see_field_names() -> None:

@@ -17,6 +17,7 @@ from seqstate import (
     WorkerAdded,
     WorkerRemoved,
 )
+from seqstate.recent import STALE_SLACK
 
 S = 1_000_000_000
 
@@ -145,6 +146,30 @@ def test_tombstones_are_bounded_oldest_evicted_first() -> None:
     assert state.tombstones.evicted == 2
     assert state.apply(add("r0"), 10).outcome == "applied"
     assert state.apply(add("r4"), 11).outcome == "superseded"
+
+
+def test_id_memories_stay_within_their_capacity_when_ids_are_consumed_or_reused() -> None:
+    """Broke: a tombstone consumed by its Add, or an id ended again (a reused id), left its
+    old entry in the memory's time queue until the retention (300 s) passed, so the queue, and
+    the ids it held, grew with the event rate whatever the capacity: the 20,000 Free-then-Add
+    pairs below left 20,000 entries in a tombstone memory of capacity 100. Expected: neither
+    queue ever holds more than twice the capacity plus STALE_SLACK; what the memories
+    remember, and evict, is unchanged."""
+    state = SequenceState(max_tombstones=100, max_ended=100)
+    bound = 2 * 100 + STALE_SLACK
+    for i in range(20_000):  # a Free overtakes each Add: the Add consumes its tombstone
+        state.apply(Free(request_id=f"x{i}", worker_id=1), i * 1000)
+        assert state.apply(add(f"x{i}"), i * 1000).outcome == "superseded"
+        assert len(state.tombstones._queue) <= bound and len(state.ended._queue) <= bound
+    for i in range(20_000):  # ten ids, each booked and freed again and again
+        state.apply(add(f"y{i % 10}"), S + i * 1000)
+        assert state.apply(Free(request_id=f"y{i % 10}", worker_id=1), S + i * 1000).outcome == (
+            "applied")  # fmt: skip
+        assert len(state.tombstones._queue) <= bound and len(state.ended._queue) <= bound
+    assert len(state.tombstones) == 0 and state.tombstones.evicted == 0
+    assert [rid for rid, _, _ in state.ended.items()] == [
+        *(f"x{i}" for i in range(19_910, 20_000)), *(f"y{i}" for i in range(10))]  # fmt: skip
+    assert state.ended.evicted == 20_000 - 90
 
 
 def test_duplicate_add_on_any_rank_changes_nothing() -> None:
