@@ -188,6 +188,21 @@ class Config:
                              max_tombstones=self.max_tombstones,
                              max_ended=self.max_ended)  # fmt: skip
 
+    def rules_differing(self, state: SequenceState) -> list[str]:
+        """Where ``state`` (restored from a snapshot) folds by other rules than these settings,
+        one ``setting: snapshot X, configured Y`` each. The snapshot's rules stay in force: a
+        fold that changed its rules halfway would be one no replay could reproduce."""
+
+        def rules(s: SequenceState) -> dict[str, object]:
+            return {"expiry_s": s.expiry_s, "forget_lazy_ranks_s": s.forget_lazy_after_s,
+                    "orphan_after_s": s.orphan_after_s, "worker_grace_s": s.worker_grace_s,
+                    "max_tombstones": s.tombstones.capacity,
+                    "max_ended": s.ended.capacity}  # fmt: skip
+
+        kept, wanted = rules(state), rules(self.new_state())
+        return [f"{name}: snapshot {_rule(kept[name])}, configured {_rule(wanted[name])}"
+                for name in kept if kept[name] != wanted[name]]  # fmt: skip
+
     @property
     def rank_bounds(self) -> RankBounds:
         return RankBounds(self.max_ranks_per_worker, self.max_ranks)
@@ -345,3 +360,7 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("nats_creds", _file),
     ("nats_user", lambda v: "" if v is None or v.strip() else "must not be empty"),
 ]  # fmt: skip
+
+
+def _rule(value: object) -> str:
+    return "off" if value is None else f"{value:g}" if isinstance(value, float) else str(value)

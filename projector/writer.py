@@ -130,6 +130,12 @@ class Writer:
         if found is None:
             return
         state, info = found
+        differing = self.config.rules_differing(state)
+        if differing:
+            log.warning("snapshot %s keeps the rules it was folded by, which differ from this "
+                        "writer's settings (%s): a fold cannot change its rules halfway and "
+                        "still replay the same, so the settings apply only to a log folded "
+                        "from its start", info.name, "; ".join(differing))  # fmt: skip
         self.state = state
         self.state.defer_registry()
         self.stats.last_seq = info.applied_seq

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -183,3 +184,26 @@ async def test_trimming_waits_for_verified_snapshots_and_keeps_each_usable(nc: C
     async with running(nc, other) as writer:
         await writer.wait_applied(last_x, timeout=10)
         assert writer.stats.restored_from == 0 and len(writer.state.requests) == 2
+
+
+async def test_a_writer_restarted_with_other_fold_rules_keeps_the_snapshots_and_says_so(
+    nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Broke: the fold settings changed between two runs (expiry, grace). Expected: the
+    restored state keeps the rules it was folded by (so it still equals a replay of the log),
+    and the writer names each setting that differs, once, at its restore."""
+    config = snap_config(snapshot_every_events=5)
+    pub = RouterPublisher(nc, namespace=config.namespace, router_id="s-r", config=config)
+    await ensure(nc, config)
+    first = await publish(pub, workload("r", 6))
+    async with running(nc, config) as writer:
+        await writer.wait_applied(first, timeout=10)
+    changed = dataclasses.replace(config, expiry_s=60.0, worker_grace_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="seqstate.writer"):
+        async with running(nc, changed) as writer:
+            assert writer.stats.restored_from == first
+            assert (writer.state.expiry_s, writer.state.worker_grace_s) == (300.0, None)
+    warnings = [r.getMessage() for r in caplog.records if "keeps the rules" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert ("(expiry_s: snapshot 300, configured 60; worker_grace_s: snapshot off, "
+            "configured 5)") in warnings[0]  # fmt: skip
