@@ -4,11 +4,20 @@ Running it twice changes nothing; running it for a second namespace adds that na
 subjects to the shared streams. It never deletes a stream. A difference it cannot reconcile
 (the storage type of an existing stream, say) is reported as :class:`ProvisioningError`
 naming the setting, never papered over by recreating the stream and losing its log.
+
+The events stream is the ledger's truth, so it never drops an event to make room: it is kept
+at the discard policy ``new`` (and, under a per-subject limit, ``discard_new_per_subject``).
+It has no limits of its own, but an operator may give it some (or the account's storage may
+run out): a full stream then refuses new events, and ``RouterPublisher`` raises
+``PublishError`` saying so, where the default policy ``old`` would drop the *oldest* events,
+unfolded ones included, without a word. A ``max_age`` on it, which drops events whatever the
+policy, is warned about.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -23,6 +32,8 @@ from seqstate.errors import SeqstateError
 # but an old server silently ignores unknown stream options, so refuse anything older than the
 # oldest release we test with.
 MIN_SERVER = (2, 10, 0)
+
+log = logging.getLogger("seqstate.resources")
 
 
 class ProvisioningError(SeqstateError, RuntimeError):
@@ -81,7 +92,9 @@ async def ensure(nc: Client, config: Config) -> Resources:
             duplicate_window=config.duplicate_window_s,
             num_replicas=config.replicas,
             allow_direct=True,
+            discard=api.DiscardPolicy.NEW,
         ),
+        keep_every_message=True,
     )
     deltas = await _ensure_stream(
         js,
@@ -121,12 +134,20 @@ async def ensure(nc: Client, config: Config) -> Resources:
     return Resources(events, deltas, dead, registry)
 
 
-async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.StreamInfo:
+async def _ensure_stream(
+    js: JetStreamContext, wanted: api.StreamConfig, *, keep_every_message: bool = False
+) -> api.StreamInfo:
+    """``keep_every_message``: a limit makes the stream refuse new messages (discard policy
+    ``new``), never drop old ones; an operator's limits are kept, the policy is not."""
     try:
         info = await js.stream_info(wanted.name)  # type: ignore[arg-type]
     except NotFoundError:
         return await js.add_stream(wanted)
     have = info.config
+    if keep_every_message and have.max_age:
+        log.warning("stream %s has max_age %gs: events older than that are dropped, folded or "
+                    "not (to trim, use --retain-events instead)", wanted.name,
+                    have.max_age)  # fmt: skip
     if have.storage != wanted.storage:
         raise ProvisioningError(
             f"stream {wanted.name} uses {have.storage} storage, the configuration wants "
@@ -142,6 +163,9 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.
         "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
         "allow_direct": bool(have.allow_direct or wanted.allow_direct),
     }
+    if keep_every_message:
+        changes["discard"] = api.DiscardPolicy.NEW
+        changes["discard_new_per_subject"] = bool((have.max_msgs_per_subject or 0) > 0)
     current = {
         "subjects": subjects,
         "duplicate_window": have.duplicate_window,
@@ -150,6 +174,9 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.
         "max_age": have.max_age,
         "allow_direct": bool(have.allow_direct),
     }
+    if keep_every_message:
+        current["discard"] = have.discard
+        current["discard_new_per_subject"] = bool(have.discard_new_per_subject)
     if changes == current:
         return info
     updated = api.StreamConfig.from_response(have.as_dict())
