@@ -56,6 +56,10 @@ TAIL = 50  # the last steps, published with the final run up and nothing else sc
 T = TypeVar("T")
 
 
+def _off(value: float | None) -> str:
+    return "off" if value is None else repr(value)
+
+
 def fault_config(tag: str, **overrides: object) -> Config:
     """A namespace, streams and buckets of their own, so tests sharing a server never meet."""
     n = uuid.uuid4().hex[:8]
@@ -92,7 +96,12 @@ class Service:
             argv += ["--replicas", str(c.replicas)]
         if self.command == "writer":  # each command takes the settings it uses, no others
             argv += ["--snapshot-every-events", str(c.snapshot_every_events),
-                     "--expiry-s", expiry, "--idle-tick-s", repr(c.idle_tick_s)]  # fmt: skip
+                     "--expiry-s", expiry, "--idle-tick-s", repr(c.idle_tick_s),
+                     "--tick-every-s", repr(c.tick_every_s)]  # fmt: skip
+        if self.command in ("writer", "projector"):  # when a lag is worth a warning
+            argv += ["--behind-warn-events", _off(c.behind_warn_events),
+                     "--behind-warn-s", _off(c.behind_warn_s),
+                     "--lag-check-s", repr(c.lag_check_s)]  # fmt: skip
         return argv
 
     def env(self) -> dict[str, str]:
@@ -404,6 +413,18 @@ async def run_with_kills(
 
 
 # ---- what an uninterrupted run gives ----------------------------------------------------------
+
+
+def fold_differences(values: dict[str, bytes], got: dict[str, bytes]) -> str:
+    """Where a bucket's values ``got`` (the position aside) differ from those of an
+    uninterrupted fold (``values``); "" where nowhere."""
+    missing = sorted(set(values) - set(got))
+    extra = sorted(set(got) - set(values))
+    differing = sorted(k for k in values if k in got and got[k] != values[k])
+    if not (missing or extra or differing):
+        return ""
+    return (f"bucket differs from an uninterrupted fold: missing {missing[:5]}, extra "
+            f"{extra[:5]}, differing {differing[:5]}")  # fmt: skip
 
 
 async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:
