@@ -95,6 +95,15 @@ class Config:
     tick_every_s: float = _setting(
         60.0, "the writer logs a Tick at least this often, busy or not (expiry, idle ranks)",
         "SECONDS")  # fmt: skip
+    behind_warn_events: int | None = _setting(
+        50_000, "the writer (projector) warns when this many events wait to be folded (to reach "
+        "the bucket); 'off' never", "N")  # fmt: skip
+    behind_warn_s: float | None = _setting(
+        10.0, "the writer (projector) warns when the oldest event not folded (not in the bucket) "
+        "has waited this long; 'off' never", "SECONDS")  # fmt: skip
+    lag_check_s: float = _setting(
+        2.0, "the writer and the projector look up their lag this often (two small reads)",
+        "SECONDS")  # fmt: skip
     max_ranks_per_worker: int = _setting(
         MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
     )
@@ -349,6 +358,9 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("worker_grace_s", lambda v: "" if 0 <= v <= 86_400 * 365
      else "must be 0 (off) or positive, at most a year"),
     ("tick_every_s", _positive),
+    ("behind_warn_events", lambda v: "" if v is None or v >= 1 else "must be at least 1, or 'off'"),
+    ("behind_warn_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
+    ("lag_check_s", _positive),
     ("max_ranks_per_worker", _positive),
     ("max_ranks", _positive),
     ("max_tombstones", _not_negative),

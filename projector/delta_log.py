@@ -349,6 +349,15 @@ def chain_problem(prev: str | None, deltas: list[Delta]) -> str:
     return ""
 
 
+def covered_source(headers: dict[str, str] | None, data: bytes | None) -> int | None:
+    """The last event whose delta is wholly stored once a writer's DELTAS message is (the one
+    before its last when it ends inside that event's parts); None for anything else."""
+    source = _source_seq(headers, data)
+    if source is None:
+        return None
+    return source - 1 if _source_part(headers) is not None else source
+
+
 def _source_part(headers: dict[str, str] | None) -> int | None:
     """The part a writer's message ends at, if it ends inside an event's parts."""
     raw = (headers or {}).get(SOURCE_PART)

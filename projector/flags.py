@@ -44,17 +44,19 @@ FOLD = (
 )  # every fold
 WRITER = (*FOLD, "idle_tick_s", "tick_every_s", "snapshot_every_events", "snapshot_every_s",
           "snapshots_keep", "retain_events")  # fmt: skip
+BEHIND = ("behind_warn_events", "behind_warn_s")  # when a consumer's lag is worth a warning
+LAG = (*BEHIND, "lag_check_s")  # what the writer and the projector watch of their lag
 PROJECTOR = ("flush_interval_s",)
 READ = CONNECT + NAMES
 SETTINGS: dict[str, tuple[str, ...]] = {
-    "run": READ + PROVISION + WRITER + PROJECTOR,
-    "writer": READ + PROVISION + WRITER,
-    "projector": READ + PROVISION + PROJECTOR,
+    "run": READ + PROVISION + WRITER + PROJECTOR + LAG,
+    "writer": READ + PROVISION + WRITER + LAG,
+    "projector": READ + PROVISION + PROJECTOR + LAG,
     "demo": READ + PROVISION,
     "publish": READ + PROVISION,
     "loads": READ,
     "watch": READ,
-    "status": READ,
+    "status": READ + BEHIND,
     "replay": (*READ, *FOLD),
     "rebuild": (*READ, *PROVISION, *FOLD),
     "snapshot": (*READ, *PROVISION, *FOLD, "snapshots_keep"),

@@ -24,6 +24,10 @@ bucket back: a second projector of the namespace waits for the first to go, and 
 ``seqstate rebuild`` refuses to run meanwhile. Losing the lease to another holder ends the run
 with :class:`~projector.lease.LeaseLost` without another write; a lease not renewed for a
 while (the server away) only holds the writes back, like a failing flush.
+
+Its lag (deltas stored but not yet in the bucket) is looked up every ``lag_check_s``
+(:mod:`projector.lag`): ``projector.lag`` is the last measurement, and the log says when it
+falls behind and when it has caught up, as the writer's does.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from projector.config import Config
 from projector.dead_letters import DeadLetters
 from projector.delta_log import chain_problem
 from projector.image import BucketImage, Write
+from projector.lag import Lag, LagWatch, LagWatched, projector_lag
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.progress import Progress
 from projector.resources import ensure
@@ -79,11 +84,13 @@ class ProjectorStats:
     flush_failures: int = 0
 
 
-class Projector:
+class Projector(LagWatched):
     """One projector per namespace. ``await projector.run()`` until cancelled or ``stop()``.
 
     ``lease_ttl_s``: how long a SIGKILLed projector on another machine keeps a successor
     waiting; ``lease_renew_s`` (a third of it by default): how often the lease is renewed.
+    ``projector.lag`` (the last measurement) and ``await projector.measure_lag()`` (one now):
+    deltas stored but not yet in the bucket, and the oldest one's log time.
     """
 
     def __init__(
@@ -107,12 +114,14 @@ class Projector:
         self._dirty = asyncio.Event()
         self._stopping = asyncio.Event()
         self.flushed = Progress()  # the source sequence the bucket's position reflects
+        self.flushed_delta_seq = 0  # the DELTAS message the bucket's position reflects
         self._events_last = 0  # the events stream's last sequence, as last looked up
         self._failure: BaseException | None = None
         # The DELTAS stream is read by the shared runner; this projector is its processor.
         self._consumer = OrderedConsumer(self._js, config.deltas_stream, config.deltas_subject,
                                          self, on_failure=self._fail)  # fmt: skip
         self.caught_up = self._consumer.caught_up
+        self.lag_watch = LagWatch("projector", self._measure_lag, config, log)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -162,12 +171,14 @@ class Projector:
         await self.resume()
         await self._consumer.start(after=self.delta_seq)
         flusher = asyncio.create_task(self._flush_loop())
+        watcher = asyncio.create_task(self.lag_watch.run(), name="seqstate-projector-lag")
         try:
             await self._stopping.wait()
             await self._consumer.stop()
             if self._failure is None:  # a failed projector (its lease lost) writes no more
                 await self.flush()
         finally:
+            await cancel(watcher)
             await cancel(flusher)
             await self._consumer.stop()
         if self._failure is not None:
@@ -194,7 +205,7 @@ class Projector:
             return
         self.image.restore(bucket)
         if (pos := bucket.position) is not None:
-            self.delta_seq = pos.delta_seq
+            self.delta_seq = self.flushed_delta_seq = pos.delta_seq
             self.flushed.value = pos.applied_seq
         log.info("resumed at source seq %d (delta %d) with %d ranks", self.applied_seq,
                  self.delta_seq, len(self.image.loads))  # fmt: skip
@@ -215,7 +226,7 @@ class Projector:
         self.image.as_of = state.now_ns
         self.image.owe([(key, None) for key in stale])
         self.delta_seq = delta_seq
-        self.flushed.value = 0
+        self.flushed.value = self.flushed_delta_seq = 0
         self._position_dirty = True
 
     # ---- folding deltas ---------------------------------------------------------------------
@@ -348,7 +359,8 @@ class Projector:
             return
         writes = self.image.take()
         self._position_dirty = False
-        position = self.image.position(self.delta_seq)
+        delta_seq = self.delta_seq
+        position = self.image.position(delta_seq)
         applied = self.applied_seq
         try:
             await self._write(writes, position)
@@ -358,6 +370,7 @@ class Projector:
             self._dirty.set()
             raise
         self.stats.flushes += 1
+        self.flushed_delta_seq = max(self.flushed_delta_seq, delta_seq)
         self.flushed.advance(applied)
 
     async def _write(self, writes: list[Write], position: tuple[str, bytes]) -> None:
@@ -384,6 +397,10 @@ class Projector:
             subject, value, headers=headers
         )
         return future
+
+    async def _measure_lag(self) -> Lag:
+        return await projector_lag(self._js, self.config, self.flushed.value,
+                                   self.flushed_delta_seq)  # fmt: skip
 
     async def wait_flushed(self, seq: int) -> None:
         """Return once the bucket's position reflects source sequence ``seq`` or later."""

@@ -6,12 +6,27 @@ repeat with the original sequence and flags it duplicate. A router id may hold a
 (1 to 256 of them); in the msg-id, those a header line cannot carry as they are (spaces,
 controls, non-ASCII, and ``%``) are percent-encoded, so no two router ids share msg-ids.
 
-Publishes are pipelined with ``publish_async``; at most ``max_pending`` of them are
-unacknowledged at once, and each call awaits its own ack, so callers can fire many events
+Publishes are pipelined on the one connection, their acks collected on a reply subscription of
+the publisher's own, and each call awaits its own acks, so callers can fire many events
 concurrently with ``asyncio.gather``.
 
 A publish is never dropped silently: an ack that times out, finds no stream or carries an error
 is retried (same msg-id) up to ``retries`` times, then the call raises :class:`PublishError`.
+A stream that is full (its ``max_msgs``/``max_bytes``, or the server's JetStream storage)
+refuses the event with an error ack, so the call raises :class:`PublishError` saying so, within
+its retries, never blocking. (``ensure`` gives the events stream the discard policy ``new``:
+with the default ``old``, a limit would make the server drop the *oldest* events, unfolded
+ones included, without a word.)
+
+Backpressure: at most ``max_pending`` events, of every call together, are on the wire
+unacknowledged (a retried event takes a slot again for each attempt); a caller beyond that
+waits for a slot, in call order, and is never dropped nor failed for it. So what the publisher
+holds for the server is bounded, however many calls are made or however large a batch is;
+what waits beyond the window belongs to the callers (each waiting :meth:`publish` holds its
+event and its encoded bytes, a :meth:`publish_many` its batch). :attr:`in_flight`,
+:attr:`peak_in_flight`, :attr:`waiting` and :attr:`pending` show where a publisher stands.
+The writer being slow does not slow a publisher: the stream takes the events, and the writer's
+lag shows in ``seqstate status`` and in its log.
 
 ``router_id`` must be unique per publisher *incarnation* within the stream's duplicate window
 (120 s): a restarted router that reuses its id would repeat msg-ids ``<id>:1, <id>:2, ...``,
@@ -43,7 +58,6 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import PubAck
 
 from projector.config import Config
 from projector.stream import MSG_ID as MSG_ID_HEADER
@@ -124,7 +138,7 @@ _NO_RESPONDERS = "503"
 
 
 class _Round:
-    """One attempt at some events of a :meth:`RouterPublisher.publish_many` call.
+    """One attempt at some events of a call (:meth:`RouterPublisher.publish` is a call of one).
 
     Every event sent gets a reply token of its own; the publisher's reply callback settles it
     (``seqs``/``errors`` of the call, by index) and the timer expires the ones not acknowledged
@@ -146,7 +160,7 @@ class _Round:
 
 
 class _Call:
-    """What one publish_many call knows about its events, by index in the given order."""
+    """What one call knows about its events, by index in the given order."""
 
     __slots__ = ("errors", "events", "fatal", "msg_ids", "payloads", "seqs", "subjects")
 
@@ -170,7 +184,15 @@ class _Call:
 
 
 class RouterPublisher:
-    """Publishes one router's lifecycle events, pipelined, deduplicated, never dropped."""
+    """Publishes one router's lifecycle events, pipelined, deduplicated, never dropped.
+
+    ``max_pending`` (256): events unacknowledged at once, of every call together; callers
+    beyond it wait for a slot (in order), never dropped or failed for it. 256 keeps the
+    client's pipeline full (a round trip on loopback takes a fraction of a millisecond) while
+    bounding what is buffered for the server to 256 events (about 0.6 MB of large
+    AddRequests). ``retries`` and ``timeout``: attempts after the first, and the seconds each
+    waits for its ack. ``heartbeat_every_s``: see :meth:`start`.
+    """
 
     def __init__(
         self,
@@ -208,16 +230,19 @@ class RouterPublisher:
         self.max_pending = max_pending
         self.retries = retries
         self.timeout = timeout
-        # Our own semaphore bounds unacknowledged publishes (held across retries too); the
-        # client's internal one gets the same size and so never stalls on its own.
-        self._js = nc.jetstream(timeout=timeout, publish_async_max_pending=max_pending)
+        # One slot per event on the wire; nats-py's publish_async is not used: it leaves its
+        # future pending forever when the ack carries an error (nats-io/nats.py#985), so a
+        # full stream looked like an ack timeout.
         self._slots = asyncio.Semaphore(max_pending)
+        self._in_flight = 0
+        self._peak_in_flight = 0
+        self._waiting = 0
         self._router_seq = 0
         self._last_seq: int | None = None
         # One future per call in progress (resolved with None however the call ends): flush
         # waits for those in progress when it is called, so steady traffic cannot starve it.
         self._in_progress: set[asyncio.Future[None]] = set()
-        # publish_many's reply subscription (made at its first call): ``<inbox>.<token>``,
+        # The reply subscription (made at the first call): ``<inbox>.<token>``,
         # one token per event sent; ``_awaiting`` maps the unsettled ones to their round.
         self._inbox: str | None = None
         self._inbox_lock = asyncio.Lock()
@@ -291,6 +316,21 @@ class RouterPublisher:
         """Calls that have not finished yet (waiting for a slot, an ack or a retry)."""
         return len(self._in_progress)
 
+    @property
+    def in_flight(self) -> int:
+        """Events sent and not yet acknowledged (or failed); never more than ``max_pending``."""
+        return self._in_flight
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most events ever in flight at once (at most ``max_pending``)."""
+        return self._peak_in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Events handed to :meth:`publish` or :meth:`publish_many` that wait for a slot."""
+        return self._waiting
+
     async def add(
         self,
         request_id: str,
@@ -358,22 +398,14 @@ class RouterPublisher:
         being dead-lettered downstream.
         """
         event, payload = self.check(event)
-        subject = self.subject_for(event)
-        request_id: str | None = getattr(event, "request_id", None)
-
         self._router_seq += 1
-        msg_id = f"{self._msg_id_prefix}{self._router_seq}"
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._in_progress.add(done)
+        call = _Call([event], [self.subject_for(event)], [payload],
+                     [f"{self._msg_id_prefix}{self._router_seq}"])  # fmt: skip
         try:
-            async with self._slots:
-                ack = await self._publish_with_retries(subject, payload, msg_id, request_id, event)
-        finally:
-            self._in_progress.discard(done)
-            done.set_result(None)
-        if self._last_seq is None or ack.seq > self._last_seq:
-            self._last_seq = ack.seq
-        return ack.seq
+            return (await self._run(call))[0]
+        except PublishError as exc:
+            exc.sequences = None  # one event: the error names it
+            raise
 
     async def publish_many(self, events: Iterable[Event]) -> list[int]:
         """Publish a batch of events; returns their stream sequences, in the given order.
@@ -411,8 +443,6 @@ class RouterPublisher:
         checked = [self.check(event) for event in events]
         if not checked:
             return []
-        if self._inbox is None:
-            await self._open_inbox()
         subject_for = self.subject_for
         prefix = self._msg_id_prefix
         first = self._router_seq + 1
@@ -423,10 +453,17 @@ class RouterPublisher:
             [payload for _, payload in checked],
             [f"{prefix}{n}" for n in range(first, first + len(checked))],
         )
+        del checked  # the call holds what it needs
+        return await self._run(call)
+
+    async def _run(self, call: _Call) -> list[int]:
+        """Send every event of ``call``, retrying those not stored; their sequences, in order."""
+        if self._inbox is None:
+            await self._open_inbox()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._in_progress.add(done)
         try:
-            todo: Sequence[int] = range(len(checked))
+            todo: Sequence[int] = range(len(call.events))
             for attempt in range(self.retries + 1):
                 if attempt:
                     await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
@@ -446,10 +483,11 @@ class RouterPublisher:
         failed = next(i for i, seq in enumerate(seqs) if seq is None)
         error = call.fatal.get(failed)
         if error is None:
+            attempts = len(call.errors.get(failed, ()))
             error = PublishError(
                 f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
-                f"{call.msg_ids[failed]} not acknowledged after {self.retries + 1} attempt(s) "
-                f"to {call.subjects[failed]}: {'; '.join(call.errors.get(failed, ()))}",
+                f"{call.msg_ids[failed]} not stored after {attempts} attempt(s) to "
+                f"{call.subjects[failed]}: {_reasons(call.errors.get(failed, []))}",
                 msg_id=call.msg_ids[failed],
                 request_id=call.request_id(failed),
             )
@@ -475,9 +513,16 @@ class RouterPublisher:
         subjects, payloads, msg_ids = call.subjects, call.payloads, call.msg_ids
         timeout = self.timeout
         now = loop.time
+        unsent = len(todo)
+        self._waiting += unsent
         try:
             for i in todo:
                 await acquire()
+                self._waiting -= 1
+                unsent -= 1
+                self._in_flight += 1
+                if self._in_flight > self._peak_in_flight:
+                    self._peak_in_flight = self._in_flight
                 self._token = token = self._token + 1
                 awaiting[token] = (rnd, i)
                 rnd.open += 1
@@ -499,12 +544,13 @@ class RouterPublisher:
             if rnd.open:
                 await rnd.done
         finally:
+            self._waiting -= unsent  # only if cancelled: these were never sent
             rnd.sending = False
             if rnd.timer is not None:
                 rnd.timer.cancel()
             for _, token, _ in sent[rnd.cursor :]:  # only if cancelled: give back their slots
                 if awaiting.pop(token, None) is not None:
-                    self._slots.release()
+                    self._release()
 
     async def _on_ack(self, msg: Msg) -> None:
         """The reply subscription's callback: settle the event the ack's token names."""
@@ -547,9 +593,13 @@ class RouterPublisher:
         else:
             self._settle(rnd, i, ack.seq, None)
 
+    def _release(self) -> None:
+        self._in_flight -= 1
+        self._slots.release()
+
     def _settle(self, rnd: _Round, i: int, seq: int | None, problem: str | None) -> None:
         """Event ``i`` of ``rnd`` is acknowledged (``seq``) or failed (``problem``)."""
-        self._slots.release()
+        self._release()
         if seq is not None:
             rnd.call.seqs[i] = seq
         elif problem is not None:
@@ -592,39 +642,6 @@ class RouterPublisher:
             )
         return event, payload
 
-    async def _publish_with_retries(
-        self, subject: str, payload: bytes, msg_id: str, request_id: str | None, event: Event
-    ) -> PubAck:
-        errors: list[str] = []
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
-            try:
-                future = await self._js.publish_async(
-                    subject, payload, headers={MSG_ID_HEADER: msg_id}
-                )
-                # publish_async never times out by itself; wait_for cancels the future on
-                # timeout, which frees the client's slot and ignores a late ack.
-                ack = await asyncio.wait_for(future, self.timeout)
-            except (TimeoutError, nats.errors.Error) as exc:
-                errors.append(_describe(exc))
-                continue
-            if ack.duplicate and attempt == 0:
-                raise PublishError(
-                    f"{_what(event, request_id)}: msg-id {msg_id} was already used (stream "
-                    f"sequence {ack.seq}), so the event was not stored; another publisher or "
-                    f"an earlier run uses router_id {self.router_id!r}",
-                    msg_id=msg_id,
-                    request_id=request_id,
-                )
-            return ack
-        raise PublishError(
-            f"{_what(event, request_id)}: msg-id {msg_id} not acknowledged after "
-            f"{self.retries + 1} attempt(s) to {subject}: {'; '.join(errors)}",
-            msg_id=msg_id,
-            request_id=request_id,
-        )
-
     async def flush(self) -> int | None:
         """Wait for every publish in progress to finish; the highest sequence acknowledged.
 
@@ -633,6 +650,17 @@ class RouterPublisher:
         if self._in_progress:
             await asyncio.wait(list(self._in_progress))
         return self._last_seq
+
+
+def _reasons(errors: list[str]) -> str:
+    """The failed attempts' reasons, a run of the same one said once with its count."""
+    runs: list[tuple[str, int]] = []
+    for error in errors:
+        if runs and runs[-1][0] == error:
+            runs[-1] = (error, runs[-1][1] + 1)
+        else:
+            runs.append((error, 1))
+    return "; ".join(text if n == 1 else f"{text}, {n} times" for text, n in runs) or "?"
 
 
 def _what(event: Event, request_id: str | None) -> str:
@@ -648,8 +676,22 @@ def _shown(text: str) -> str:
     return f"{text[:SHOWN_ID_CHARS]!r}… ({len(text):,} characters)"
 
 
+# JetStream's error codes for a stream that cannot take a message: a limit of its own ("maximum
+# messages exceeded", bytes, messages per subject; with the discard policy new; the code is the
+# generic "store failed"), or the server's or the account's JetStream storage.
+STREAM_LIMIT = 10077
+NO_STORAGE = 10023
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "ack timed out"
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code is not None:
+        said = f"{exc.description} (JetStream error {exc.err_code})"
+        if exc.err_code == STREAM_LIMIT and "exceeded" in (exc.description or ""):
+            return f"the stream is full: {said}"
+        if exc.err_code == NO_STORAGE:
+            return f"JetStream storage is full: {said}"
+        return said
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text

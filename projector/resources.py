@@ -6,6 +6,14 @@ subjects to the shared streams. It never deletes a stream. A difference it canno
 naming the setting, never papered over by recreating the stream and losing its log. Replicas
 are only ever raised: a process started with the default ``--replicas 1`` against a cluster's
 R3 streams must not quietly strip them of their copies.
+
+The events stream is the ledger's truth, so it never drops an event to make room: it is kept
+at the discard policy ``new`` (and, under a per-subject limit, ``discard_new_per_subject``).
+It has no limits of its own, but an operator may give it some (or the account's storage may
+run out): a full stream then refuses new events, and ``RouterPublisher`` raises
+``PublishError`` saying so, where the default policy ``old`` would drop the *oldest* events,
+unfolded ones included, without a word. A ``max_age`` on it, which drops events whatever the
+policy, is warned about.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from seqstate.errors import SeqstateError
 # oldest release we test with.
 MIN_SERVER = (2, 10, 0)
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("seqstate.resources")
 
 
 class ProvisioningError(SeqstateError, RuntimeError):
@@ -86,7 +94,9 @@ async def ensure(nc: Client, config: Config) -> Resources:
             duplicate_window=config.duplicate_window_s,
             num_replicas=config.replicas,
             allow_direct=True,
+            discard=api.DiscardPolicy.NEW,
         ),
+        keep_every_message=True,
     )
     deltas = await _ensure_stream(
         js,
@@ -126,12 +136,20 @@ async def ensure(nc: Client, config: Config) -> Resources:
     return Resources(events, deltas, dead, registry)
 
 
-async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.StreamInfo:
+async def _ensure_stream(
+    js: JetStreamContext, wanted: api.StreamConfig, *, keep_every_message: bool = False
+) -> api.StreamInfo:
+    """``keep_every_message``: a limit makes the stream refuse new messages (discard policy
+    ``new``), never drop old ones; an operator's limits are kept, the policy is not."""
     try:
         info = await js.stream_info(wanted.name)  # type: ignore[arg-type]
     except NotFoundError:
         return await js.add_stream(wanted)
     have = info.config
+    if keep_every_message and have.max_age:
+        log.warning("stream %s has max_age %gs: events older than that are dropped, folded or "
+                    "not (to trim, use --retain-events instead)", wanted.name,
+                    have.max_age)  # fmt: skip
     if have.storage != wanted.storage:
         raise ProvisioningError(
             f"stream {wanted.name} uses {have.storage} storage, the configuration wants "
@@ -152,6 +170,9 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.
         "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
         "allow_direct": bool(have.allow_direct or wanted.allow_direct),
     }
+    if keep_every_message:
+        changes["discard"] = api.DiscardPolicy.NEW
+        changes["discard_new_per_subject"] = bool((have.max_msgs_per_subject or 0) > 0)
     current = {
         "subjects": subjects,
         "duplicate_window": have.duplicate_window,
@@ -160,6 +181,9 @@ async def _ensure_stream(js: JetStreamContext, wanted: api.StreamConfig) -> api.
         "max_age": have.max_age,
         "allow_direct": bool(have.allow_direct),
     }
+    if keep_every_message:
+        current["discard"] = have.discard
+        current["discard_new_per_subject"] = bool(have.discard_new_per_subject)
     if changes == current:
         return info
     updated = api.StreamConfig.from_response(have.as_dict())

@@ -3,6 +3,13 @@
 The writer and the projector read with ordered (ephemeral) consumers, so "lag" is measured
 where it matters: the newest event in the log versus the event the bucket's position says the
 read model reflects. Consumers are listed per stream as the server reports them.
+
+That lag is split in two (:mod:`projector.lag`, the measures the consumers take of themselves):
+the writer's, events not folded yet (the newest event against the last one its stored deltas,
+or its dead letters, cover), and the projector's, deltas not in the bucket yet (the newest
+delta against the bucket's position); each with how long ago the oldest waiting message was
+logged, and whether it reaches a warning threshold (``--behind-warn-events``,
+``--behind-warn-s``).
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from projector.bucket import read_bucket
 from projector.config import Config
+from projector.dead_letters import SOURCE_STREAM
+from projector.delta_log import DeltaLog
+from projector.lag import Lag, describe, over, projector_lag, thresholds, writer_lag
 from projector.resources import dead_letter_stream
 from projector.retention import trimmed_below
 from projector.security import redact
 from projector.snapshots import SnapshotStore
-from projector.stream import last_seq_of
+from projector.stream import SOURCE_SEQ, last_seq_of
 
 
 class ConsumerStatus(msgspec.Struct):
@@ -38,6 +48,22 @@ class StreamStatus(msgspec.Struct):
     consumers: list[ConsumerStatus] = []
 
 
+class LagStatus(msgspec.Struct):
+    """One consumer's lag. The writer: events after ``position`` (the last event its stored
+    deltas or dead letters cover) up to ``newest`` (the log's newest). The projector: events
+    after ``position`` (the bucket's) up to ``newest`` (the newest with a stored delta), in
+    ``messages`` delta messages."""
+
+    position: int
+    newest: int
+    events: int
+    messages: int
+    oldest_log_time: str | None  # of the oldest message waiting (None: none waits)
+    oldest_age_s: float | None
+    behind: bool  # at or over a warning threshold
+    said: str  # the lag in words
+
+
 class StatusReport(msgspec.Struct):
     namespace: str
     server: str
@@ -52,6 +78,9 @@ class StatusReport(msgspec.Struct):
     newest_snapshot_seq: int = 0
     trimmed_below: int = 0
     position_beyond_log: bool = False  # the bucket claims events the log does not have
+    writer: LagStatus | None = None  # None: no events stream
+    projector: LagStatus | None = None  # None: no deltas stream or no bucket
+    warns_at: str = ""  # the warning thresholds in words
 
 
 async def _stream(nc: Client, name: str) -> StreamStatus:
@@ -71,17 +100,28 @@ async def _stream(nc: Client, name: str) -> StreamStatus:
 async def collect(nc: Client, config: Config) -> StatusReport:
     # The bucket first, then the log: the log only grows, so the lag read this way is never
     # negative unless the bucket's position really is beyond the log (a forged or foreign one).
-    ranks, applied, as_of, exists = 0, 0, None, True
+    ranks, applied, delta_seq, as_of, exists = 0, 0, 0, None, True
     try:
         bucket = await read_bucket(nc, config, timeout=10.0)
         ranks = len(bucket.loads)
         if (position := bucket.position) is not None:
-            applied = position.applied_seq
+            applied, delta_seq = position.applied_seq, position.delta_seq
             as_of = dt.datetime.fromtimestamp(position.as_of / 1e9, dt.UTC).isoformat()
     except BucketNotFoundError:
         exists = False
+    js = nc.jetstream()
+    projector = None
+    if exists:  # the bucket, then the deltas: the projector's lag is never negative either
+        projector = _lag_status(config, "projector", await projector_lag(js, config, applied,
+                                                                         delta_seq))  # fmt: skip
+    writer = None
+    folded = await _writer_position(nc, config)  # the deltas, then the log
     names = (config.events_stream, config.deltas_stream, dead_letter_stream(config))
     streams = [await _stream(nc, name) for name in names]
+    if streams[0].exists:
+        writer = _lag_status(config, "writer", await writer_lag(js, config, folded))
+    if not streams[1].exists:
+        projector = None
     store = await SnapshotStore(nc, config).open(create=False)
     snapshots = await store.list()
     trimmed = await trimmed_below(nc, config)
@@ -107,7 +147,35 @@ async def collect(nc: Client, config: Config) -> StatusReport:
         newest_snapshot_seq=snapshots[-1].applied_seq if snapshots else 0,
         trimmed_below=trimmed,
         position_beyond_log=applied > newest if lag is not None else False,
+        writer=writer,
+        projector=projector,
+        warns_at=thresholds(config),
     )
+
+
+async def _writer_position(nc: Client, config: Config) -> int:
+    """The last event the writer has visibly handled: the newest its stored deltas cover, or
+    its newest dead letter, if that is later (0: none)."""
+    js = nc.jetstream()
+    folded = await DeltaLog(js, config, max_payload=nc.max_payload).open()
+    try:
+        raw = await js.get_last_msg(dead_letter_stream(config), config.dead_letter_subject)
+    except NotFoundError:
+        return folded
+    headers = raw.headers or {}
+    seq = headers.get(SOURCE_SEQ, "")
+    if headers.get(SOURCE_STREAM) == config.events_stream and seq.isdigit():
+        folded = max(folded, int(seq))
+    return folded
+
+
+def _lag_status(config: Config, who: str, lag: Lag) -> LagStatus:
+    when = None
+    if lag.oldest_ns is not None:
+        when = dt.datetime.fromtimestamp(lag.oldest_ns / 1e9, dt.UTC).isoformat()
+    age = round(lag.oldest_age_s, 3) if lag.oldest_ns is not None else None
+    return LagStatus(lag.position, lag.newest, lag.events, lag.messages, when, age,
+                     over(config, lag), describe(who, lag))  # fmt: skip
 
 
 def format_status(report: StatusReport) -> str:
@@ -132,6 +200,10 @@ def format_status(report: StatusReport) -> str:
                      "--verify`, then `seqstate rebuild`)")  # fmt: skip
     elif report.lag_events is not None:
         lines.append(f"lag: {report.lag_events} events behind the log")
+    for who, lag in (("writer", report.writer), ("projector", report.projector)):
+        if lag is not None:
+            flag = f"  BEHIND (warns at {report.warns_at})" if lag.behind else ""
+            lines.append(f"{who} lag: {lag.said}{flag}")
     lines.append(
         f"snapshots: {report.snapshots}"
         + (f", newest at event {report.newest_snapshot_seq}" if report.snapshots else "")

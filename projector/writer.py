@@ -18,6 +18,11 @@ A message that does not decode, or that would pass the rank bounds, goes to the 
 subject with the reason and its sequence, is counted, and the writer goes on. When the stream
 is idle, and at least every ``tick_every_s`` when it is not, the writer publishes a Tick, so
 that expiry (and forgetting idle lazy ranks) happens at a time the log recorded.
+
+Its lag (events stored but not folded yet, and how long the oldest has waited) is looked up
+every ``lag_check_s`` (:mod:`projector.lag`): ``writer.lag`` is the last measurement, and the
+log says when the writer falls behind (``behind_warn_events``, ``behind_warn_s``) and when it
+has caught up.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from nats.js import JetStreamContext
 from projector.config import Config
 from projector.dead_letters import DeadLetters
 from projector.delta_log import ACK_TIMEOUT_S, DeltaLog
+from projector.lag import Lag, LagWatch, LagWatched, writer_lag
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.snapshots import SnapshotStore
@@ -61,8 +67,11 @@ class WriterStats(SnapshotStats):
     last_seq: int = 0  # outcomes are counted by the state itself: state.counters
 
 
-class Writer:
-    """One writer per namespace. ``await writer.run()`` until cancelled or ``stop()``."""
+class Writer(LagWatched):
+    """One writer per namespace. ``await writer.run()`` until cancelled or ``stop()``.
+
+    ``writer.lag`` (the last measurement) and ``await writer.measure_lag()`` (one now): events
+    stored but not folded yet, and the oldest one's log time."""
 
     def __init__(
         self,
@@ -96,6 +105,7 @@ class Writer:
                                        self, on_failure=self._fold_failed,
                                        position=self.applied)  # fmt: skip
         self.caught_up = self._events.caught_up
+        self.lag_watch = LagWatch("writer", self._measure_lag, config, log)
 
     async def run(self) -> None:
         await ensure(self.nc, self.config)
@@ -110,6 +120,7 @@ class Writer:
         await self._events.start(after=self.applied.value)
         self.deltas.start(self._fail)
         ticker = asyncio.create_task(self._tick_when_idle())
+        watcher = asyncio.create_task(self.lag_watch.run(), name="seqstate-writer-lag")
         try:
             await self._stopping.wait()
             await self._events.stop()
@@ -117,6 +128,7 @@ class Writer:
                 await self.flush()
                 await self.snapshotter.final(self.state, self.stats.last_seq)
         finally:
+            await cancel(watcher)
             await cancel(ticker)
             await self.deltas.close()
             await self.snapshotter.close()
@@ -229,6 +241,9 @@ class Writer:
                 continue
             self.stats.ticks_published += 1
             self._last_event_at = ticked = loop.time()
+
+    async def _measure_lag(self) -> Lag:
+        return await writer_lag(self._js, self.config, self.applied.value)
 
     async def wait_applied(self, seq: int, timeout: float | None = None) -> None:
         """Return once the event at stream sequence ``seq`` has been folded."""

@@ -57,6 +57,10 @@ TAIL = 50  # the last steps, published with the final run up and nothing else sc
 T = TypeVar("T")
 
 
+def _off(value: float | None) -> str:
+    return "off" if value is None else repr(value)
+
+
 def fault_config(tag: str, **overrides: object) -> Config:
     """A namespace, streams and buckets of their own, so tests sharing a server never meet."""
     n = uuid.uuid4().hex[:8]
@@ -88,15 +92,20 @@ class Service:
                 "--namespace", c.namespace, "--events-stream", c.events_stream,
                 "--deltas-stream", c.deltas_stream, "--registry-bucket", c.registry_bucket,
                 "--snapshot-bucket", c.snapshot_bucket, "--log-level", "warning"]  # fmt: skip
-        if c.replicas != 1:  # a writer's provisioning would otherwise scale the streams to 1
+        if c.replicas != 1:  # as an operator starts a cluster's consumers
             argv += ["--replicas", str(c.replicas)]
         if self.command == "writer":  # each command takes the settings it uses, no others
             argv += ["--snapshot-every-events", str(c.snapshot_every_events),
-                     "--idle-tick-s", repr(c.idle_tick_s)]  # fmt: skip
+                     "--idle-tick-s", repr(c.idle_tick_s),
+                     "--tick-every-s", repr(c.tick_every_s)]  # fmt: skip
             for name in FOLD:  # every rule of the fold, as uninterrupted_fold folds
                 value = getattr(c, name)
                 text = repr(value) if isinstance(value, float) else str(value)
                 argv += [f"--{name.replace('_', '-')}", "off" if value is None else text]
+        if self.command in ("writer", "projector"):  # when a lag is worth a warning
+            argv += ["--behind-warn-events", _off(c.behind_warn_events),
+                     "--behind-warn-s", _off(c.behind_warn_s),
+                     "--lag-check-s", repr(c.lag_check_s)]  # fmt: skip
         return argv
 
     def env(self) -> dict[str, str]:
@@ -408,6 +417,18 @@ async def run_with_kills(
 
 
 # ---- what an uninterrupted run gives ----------------------------------------------------------
+
+
+def fold_differences(values: dict[str, bytes], got: dict[str, bytes]) -> str:
+    """Where a bucket's values ``got`` (the position aside) differ from those of an
+    uninterrupted fold (``values``); "" where nowhere."""
+    missing = sorted(set(values) - set(got))
+    extra = sorted(set(got) - set(values))
+    differing = sorted(k for k in values if k in got and got[k] != values[k])
+    if not (missing or extra or differing):
+        return ""
+    return (f"bucket differs from an uninterrupted fold: missing {missing[:5]}, extra "
+            f"{extra[:5]}, differing {differing[:5]}")  # fmt: skip
 
 
 async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:

@@ -331,7 +331,7 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
 
         # A process started with the default --replicas 1 (a writer someone restarts by hand)
         # must not strip the cluster's streams of their copies: it keeps them, and says so.
-        with caplog.at_level(logging.WARNING, logger="projector.resources"):
+        with caplog.at_level(logging.WARNING, logger="seqstate.resources"):
             await ensure(nc, dataclasses.replace(config, replicas=1))
         for stream in (config.events_stream, config.deltas_stream):
             assert (await replica_report(js, stream))[0] == 3, stream

@@ -16,7 +16,6 @@ import pytest
 from msgspec.structs import replace
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import PubAck
 
 from projector.config import Config
 from projector.publisher import (
@@ -138,27 +137,26 @@ async def test_same_msg_id_twice_is_stored_once(nc: Client, config: Config) -> N
 
 
 async def test_lost_ack_is_retried_with_the_same_msg_id_and_stored_once(
-    nc: Client, config: Config
+    nc: Client, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pub = RouterPublisher(nc, router_id="lossy", config=config, timeout=0.3)
-    real = pub._js.publish_async
+    real = nc.publish
     calls: list[dict[str, str]] = []
 
-    async def drop_first_ack(subject: str, payload: bytes, **kw: Any) -> asyncio.Future[PubAck]:
-        calls.append(dict(kw["headers"]))
-        future = await real(subject, payload, **kw)
-        if len(calls) > 1:
-            return future
-        await future  # the server stored it; the router never hears so
-        return asyncio.get_running_loop().create_future()
+    async def lose_first_ack(subject: str, payload: bytes = b"", **kw: Any) -> None:
+        if (kw.get("headers") or {}).get(MSG_ID_HEADER) is not None:
+            calls.append(dict(kw["headers"]))
+            if len(calls) == 1:  # the server stores it; its ack goes to nobody
+                kw["reply"] = nc.new_inbox()
+        await real(subject, payload, **kw)
 
-    pub._js.publish_async = drop_first_ack  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(nc, "publish", lose_first_ack)
     seq = await pub.add("req-lost", 1)
     assert [c[MSG_ID_HEADER] for c in calls] == ["lossy:1", "lossy:1"]
     assert await _stream_messages(nc, config) == 1
     _, stored, _ = await _stored(nc, config, seq)
     assert stored == AddRequest(request_id="req-lost", worker_id=1, router_id="lossy")
-    assert pub.pending == 0
+    assert pub.pending == 0 and pub.in_flight == 0
 
 
 async def test_no_stream_raises_publish_error_after_retries(nc: Client) -> None:
@@ -285,26 +283,19 @@ async def test_request_ids_of_any_alphabet_are_published_up_to_the_size_limit(
 
 
 async def test_thousand_concurrent_adds_are_bounded_distinct_and_flushed(
-    nc: Client, config: Config
+    nc: Client, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pub = RouterPublisher(nc, router_id="bulk", config=config, max_pending=64)
-    real = pub._js.publish_async
-    outstanding = 0
+    real = nc.publish
     peak = 0
 
-    def settled(_: asyncio.Future[PubAck]) -> None:
-        nonlocal outstanding
-        outstanding -= 1
+    async def counting(subject: str, payload: bytes = b"", **kw: Any) -> None:
+        nonlocal peak
+        if (kw.get("headers") or {}).get(MSG_ID_HEADER) is not None:
+            peak = max(peak, len(pub._awaiting), pub.in_flight)
+        await real(subject, payload, **kw)
 
-    async def counting(subject: str, payload: bytes, **kw: Any) -> asyncio.Future[PubAck]:
-        nonlocal outstanding, peak
-        future = await real(subject, payload, **kw)
-        outstanding += 1
-        peak = max(peak, outstanding)
-        future.add_done_callback(settled)
-        return future
-
-    pub._js.publish_async = counting  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(nc, "publish", counting)
     tasks = [
         asyncio.create_task(pub.add(f"req-{i}", i % 8, block_hashes=range(i % 16)))
         for i in range(1000)
@@ -316,9 +307,10 @@ async def test_thousand_concurrent_adds_are_bounded_distinct_and_flushed(
     seqs = [t.result() for t in tasks]
     assert len(set(seqs)) == 1000
     assert last == max(seqs) == pub.last_sequence
-    assert 1 < peak <= 64
+    assert 1 < peak <= 64 and pub.peak_in_flight == peak
     assert await _stream_messages(nc, config) == 1000
     assert pub.router_seq == 1000 and pub.pending == 0
+    assert (pub.in_flight, pub.waiting) == (0, 0)
 
     more = await asyncio.gather(*(pub.free(f"req-{i}", i % 8) for i in range(10)))
     assert len(set(more)) == 10 and min(more) > last
