@@ -17,6 +17,10 @@ refuses the event with an error ack, so the call raises :class:`PublishError` sa
 its retries, never blocking. (``ensure`` gives the events stream the discard policy ``new``:
 with the default ``old``, a limit would make the server drop the *oldest* events, unfolded
 ones included, without a word.)
+PublishError is the one exception a send that failed raises, whatever failed (an error ack,
+nats-py's errors, a closed connection, the socket): a router whose server dies handles it and
+nothing else. A bad event raises before anything is sent (:class:`seqstate.EventDecodeError`,
+:class:`EventTooLarge`).
 
 Backpressure: at most ``max_pending`` events, of every call together, are on the wire
 unacknowledged (a retried event takes a slot again for each attempt); a caller beyond that
@@ -132,6 +136,12 @@ class _Ack(msgspec.Struct):
     duplicate: bool = False
     error: _ApiError | None = None
 
+
+# What a send or an ack wait can raise while the server is away or the client gave up on it:
+# the client's own errors, and the socket's (TimeoutError is an OSError too). A publish turns
+# each into a retry and, at the end, a PublishError: a router handles one exception, not ours
+# plus nats-py's.
+_CONNECTION_ERRORS = (nats.errors.Error, OSError)
 
 _ACK_DECODER = msgspec.json.Decoder(_Ack)
 _NO_RESPONDERS = "503"
@@ -459,7 +469,17 @@ class RouterPublisher:
     async def _run(self, call: _Call) -> list[int]:
         """Send every event of ``call``, retrying those not stored; their sequences, in order."""
         if self._inbox is None:
-            await self._open_inbox()
+            try:
+                await self._open_inbox()
+            except _CONNECTION_ERRORS as exc:  # e.g. a client that gave up on a dead server
+                raise PublishError(
+                    f"{_what(call.events[0], call.request_id(0))}: msg-id {call.msg_ids[0]} "
+                    f"{'and the rest of the call ' if len(call.events) > 1 else ''}not sent, "
+                    f"no subscription for acks: {_describe(exc)}",
+                    msg_id=call.msg_ids[0],
+                    request_id=call.request_id(0),
+                    sequences=[None] * len(call.events),
+                ) from exc
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._in_progress.add(done)
         try:
@@ -537,7 +557,7 @@ class RouterPublisher:
                         reply=f"{inbox}{token}",
                         headers={MSG_ID_HEADER: msg_ids[i]},
                     )
-                except nats.errors.Error as exc:  # e.g. the connection is closed
+                except _CONNECTION_ERRORS as exc:  # e.g. the connection is closed
                     if awaiting.pop(token, None) is not None:
                         self._settle(rnd, i, None, _describe(exc))
             rnd.sending = False

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import nats
 import pytest
 from msgspec.structs import replace
 from nats.aio.client import Client
@@ -25,6 +26,7 @@ from projector.publisher import (
     PublishError,
     RouterPublisher,
 )
+from projector.server import NatsServer
 from seqstate import (
     AddRequest,
     EventDecodeError,
@@ -582,3 +584,27 @@ async def test_cancelled_publish_many_gives_back_its_window(nc: Client) -> None:
         assert not pub._slots.locked()  # both slots are free again
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_client_that_gave_up_on_its_server_raises_only_publish_error(
+    nats_server: NatsServer, config: Config
+) -> None:
+    """Breaks: the connection, closed for good (what a client with bounded reconnects ends in
+    when its server stays dead), under a publisher that has sent one event by each path and
+    one that has sent none (its first publish_many must still subscribe for acks).
+    Expects: publish and publish_many raise PublishError, the batch's ``sequences`` all None;
+    before, the fresh publisher's first call (which subscribes for acks) let nats-py's
+    ConnectionClosedError out."""
+    client = await nats.connect(nats_server.url, max_reconnect_attempts=0)
+    used = RouterPublisher(client, router_id="gone-a", config=config, retries=1, timeout=0.5)
+    await used.add("before", 1)
+    await used.publish_many(_adds(2))
+    fresh = RouterPublisher(client, router_id="gone-b", config=config, retries=1, timeout=0.5)
+    await client.close()
+    for pub in (used, fresh):
+        with pytest.raises(PublishError, match="connection closed"):
+            await pub.add("after", 1)
+        with pytest.raises(PublishError, match="connection closed") as raised:
+            await pub.publish_many(_adds(3))
+        assert raised.value.sequences == [None, None, None]
+        assert pub.pending == 0
