@@ -45,6 +45,7 @@ from seqstate import (
     EventDecodeError,
     Free,
     MarkPrefillCompleted,
+    SequenceState,
     WorkerAdded,
     WorkerRemoved,
     decode_event,
@@ -431,15 +432,23 @@ def fold_differences(values: dict[str, bytes], got: dict[str, bytes]) -> str:
             f"{extra[:5]}, differing {differing[:5]}")  # fmt: skip
 
 
-async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:
-    """One uninterrupted fold of the whole log: the write model's snapshot, the bucket values a
-    projector given its deltas writes (the lease and position aside), the last event."""
+@dataclass
+class Fold:
+    """One uninterrupted fold of the whole log, as the writer folds it."""
+
+    state: SequenceState  # its registry deferred, as the writer's: ``sync_registry`` to read it
+    image: BucketImage  # what a projector given its deltas writes
+    last: int  # the last event's stream sequence
+    last_ns: int  # that event's log time
+
+
+async def fold_log(nc: Client, config: Config) -> Fold:
     state = config.new_state()
     state.defer_registry()  # as the writer folds
     image = BucketImage(config.namespace)
-    last = 0
+    last = last_ns = 0
     for seq, at_ns, data in await read_log(nc, config):
-        last = seq
+        last, last_ns = seq, at_ns
         try:
             event = decode_event(data)
         except EventDecodeError:
@@ -449,4 +458,11 @@ async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[st
         delta = state.apply(event, at_ns)
         delta.seq = seq
         image.apply(delta)
-    return state.snapshot(), image.everything(), last
+    return Fold(state, image, last, last_ns)
+
+
+async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:
+    """One uninterrupted fold of the whole log: the write model's snapshot, the bucket values a
+    projector given its deltas writes (the lease and position aside), the last event."""
+    fold = await fold_log(nc, config)
+    return fold.state.snapshot(), fold.image.everything(), fold.last
