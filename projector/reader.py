@@ -120,6 +120,7 @@ class RegistryView:
         self._revision = 0  # the bucket stream's sequence of the last entry applied
         self._stirred = 0.0  # monotonic time the watch last delivered anything (leases too)
         self._suspect: int | None = None  # a consumer held back messages at the last check
+        self._unanswered = 0  # consumer checks in a row that got no answer
         self._ready: asyncio.Future[None] | None = None
         self._ready_at: int | None = None  # the revision by which the current values are in
         self._task: asyncio.Task[None] | None = None
@@ -260,10 +261,18 @@ class RegistryView:
         except NotFoundError:
             return True  # the server restarted (or dropped a watch inactive too long)
         except (nats.errors.Error, TimeoutError):
-            return False  # the server is away or busy: ask again after another silence
+            # The server is away or busy, or the watch's consumer lived on a cluster node that
+            # died (its info then never comes): unanswered twice running, the watch is made
+            # anew; where the server is away, that attempt fails and is made again later.
+            self._unanswered += 1
+            return self._unanswered >= 2
+        self._unanswered = 0
+        sent = _delivered(info)[1]
+        if sent < seen:
+            return True  # a consumer that lost its state (recreated on a restarted node)
         # A consumer that says it sent more than arrived, or holds messages back, may only be
         # a delivery on its way: the same answer twice in a row is a stall.
-        behind = _delivered(info)[1] > seen or bool(info.num_pending)
+        behind = sent > seen or bool(info.num_pending)
         if not behind or self._revision != seen:
             self._suspect = None
             return False
@@ -274,6 +283,7 @@ class RegistryView:
     async def _resume(self) -> None:
         await self._unsubscribe()
         self._suspect = None
+        self._unanswered = 0
         try:
             self._sub = await self._watch()
         except (nats.errors.Error, TimeoutError) as exc:
