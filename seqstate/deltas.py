@@ -29,14 +29,36 @@ from msgspec import Struct
 from seqstate.errors import SeqstateError
 from seqstate.loads import RankLoad
 
-Outcome = Literal["applied", "duplicate", "unknown_request", "unknown_worker", "superseded"]
-OUTCOMES: Final = ("applied", "duplicate", "unknown_request", "unknown_worker", "superseded")
+Outcome = Literal[
+    "applied",
+    "duplicate",
+    "unknown_request",
+    "unknown_worker",
+    "superseded",
+    "no_tracker",
+    "worker_exists",
+    "block_size_mismatch",
+]
+OUTCOMES: Final = (
+    "applied",
+    "duplicate",
+    "unknown_request",
+    "unknown_worker",
+    "superseded",
+    # Only in the slot-tracker rules (``SequenceState(slot_tracker=True)``), Dynamo's:
+    "no_tracker",  # a request event while no worker is registered
+    "worker_exists",  # a WorkerAdded for a registered worker: it keeps its range
+    "block_size_mismatch",  # a WorkerAdded naming another block size than the tracker's
+)
 
 APPLIED: Final = "applied"
 DUPLICATE: Final = "duplicate"
 UNKNOWN_REQUEST: Final = "unknown_request"
 UNKNOWN_WORKER: Final = "unknown_worker"
 SUPERSEDED: Final = "superseded"
+NO_TRACKER: Final = "no_tracker"
+WORKER_EXISTS: Final = "worker_exists"
+BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 
 
 class Booking(Struct, array_like=True, gc=False):
@@ -87,6 +109,10 @@ class Delta(Struct, omit_defaults=True):
     # Requests freed because their router went silent past the orphan timeout, or said
     # goodbye (their slots are released in ``changes``), in the order they were freed.
     orphaned: list[str] = []
+    # A duplicate AddRequest: the rank that holds the id already (a caller's error names it).
+    owner: tuple[int, int] | None = None
+    # Under the slot-tracker rules, a WorkerAdded's delta: the tracker's block size after it.
+    block_size: int | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

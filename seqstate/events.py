@@ -39,6 +39,7 @@ OutputTokens = Annotated[int, Meta(ge=0, le=U32_MAX)]
 # memory, so the size is bounded far above any real data-parallel degree.
 MAX_DP_SIZE: Final = 4096
 DpSize = Annotated[int, Meta(ge=1, le=MAX_DP_SIZE)]
+BlockSize = Annotated[int, Meta(ge=1, le=U32_MAX)]
 Fraction = Annotated[float, Meta(ge=0.0, le=1.0)]
 
 
@@ -99,11 +100,15 @@ class AddOutputBlock(_Event, tag=True):
 
 
 class WorkerAdded(_Event, tag=True):
-    """A worker's authoritative data-parallel range: ranks ``dp_start .. dp_start+dp_size``."""
+    """A worker's authoritative data-parallel range: ranks ``dp_start .. dp_start+dp_size``.
+
+    ``block_size`` (tokens per KV block) matters only under the slot-tracker rules, where the
+    first registration fixes it for every worker of the namespace."""
 
     worker_id: WorkerId
     dp_start: DpRank = 0
     dp_size: DpSize = 1
+    block_size: BlockSize | None = None
 
     def __post_init__(self) -> None:
         # Struct constructors skip Meta checks; this one invariant spans two fields.

@@ -84,6 +84,8 @@ class _State(Struct, array_like=True):
     routers: list[tuple[str, int]] = []  # live routers, oldest heard first
     worker_grace_s: float | None = None
     departed: list[_Departed] = []  # workers removed within their grace, deadline order
+    slot_tracker: bool = False
+    block_size: int | None = None  # the tracker's, under the slot-tracker rules
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -146,6 +148,8 @@ def encode_state(state: SequenceState) -> bytes:
         list(state.routers.items()),
         state.worker_grace_s,
         departed,
+        state.slot_tracker,
+        state.block_size,
     )
     return MAGIC + _encoder.encode(body)
 
@@ -184,8 +188,10 @@ def _rebuild(body: _State) -> SequenceState:
         forget_lazy_after_s=body.forget_lazy_after_s,
         orphan_after_s=body.orphan_after_s,
         worker_grace_s=body.worker_grace_s,
+        slot_tracker=body.slot_tracker,
     )
     state.now_ns = body.now_ns
+    state.block_size = body.block_size
     for worker_id, dp_start, dp_size in body.ranges:
         state.workers.ranges[worker_id] = WorkerDpRange(worker_id, dp_start, dp_size)
     for s in body.slots:

@@ -65,6 +65,14 @@ class SequenceState:
     ``WorkerAdded`` registered (outcome ``unknown_worker``) instead of creating them.
     ``worker_grace_s`` keeps a removed worker's requests that long: a re-add within it
     restores them (see :mod:`seqstate.departures`); None, the default, drops them at once.
+
+    ``slot_tracker=True`` folds by the rules of Dynamo's standalone slot tracker (the HTTP
+    drop-in's): workers are strict (``lazy_workers=False``); an AddRequest's rank is checked
+    before its id (an id live elsewhere sent to a bad rank is ``unknown_worker``); registering a
+    registered worker is ``worker_exists`` and changes nothing; the first registration fixes
+    the block size (another is ``block_size_mismatch``) until the last worker is removed,
+    which ends the tracker; and while no worker is registered a request event is
+    ``no_tracker`` and changes (or remembers) nothing.
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class SequenceState:
         forget_lazy_after_s: float | None = None,
         orphan_after_s: float | None = None,
         worker_grace_s: float | None = None,
+        slot_tracker: bool = False,
     ) -> None:
         if expiry_s is not None:
             if not expiry_s > 0:
@@ -91,6 +100,9 @@ class SequenceState:
             raise ValueError(f"orphan_after_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
         if worker_grace_s is not None and not 0 < worker_grace_s <= MAX_EXPIRY_S:
             raise ValueError(f"worker_grace_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
+        if worker_grace_s is not None and slot_tracker:
+            raise ValueError("worker_grace_s has no place under the slot-tracker rules, where "
+                             "an unregistered worker's requests are dropped at once")  # fmt: skip
         self.worker_grace_s = worker_grace_s
         # Removed workers' busy ranks, parked for the grace (empty and unused without one).
         self.departures = Departures(
@@ -104,7 +116,9 @@ class SequenceState:
         )
         self.routers: dict[str, int] = {}  # live routers: last heard of (log time), oldest first
         self.expiry_s = expiry_s
-        self.lazy_workers = lazy_workers
+        self.slot_tracker = slot_tracker
+        self.lazy_workers = lazy_workers and not slot_tracker
+        self.block_size: int | None = None  # the tracker's, under the slot-tracker rules
         # A lazy rank (no WorkerAdded covers it) that a Tick finds empty this long is dropped,
         # so ranks named once by a stray event do not stay forever. None: never (the default).
         self.forget_lazy_after_s = forget_lazy_after_s
@@ -194,9 +208,15 @@ class SequenceState:
 
     def _add(self, event: AddRequest, now: int) -> Delta:
         request_id = event.request_id
-        if request_id in self._owner:
-            return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
         rank = (event.worker_id, event.dp_rank)
+        if self.slot_tracker:  # Dynamo's order: the tracker, the rank, then the id
+            if not self.workers.ranges:
+                return Delta(outcome=outcomes.NO_TRACKER, at_ns=now)
+            if rank not in self._slots:
+                return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
+        owner = self._owner.get(request_id)
+        if owner is not None:
+            return Delta(outcome=outcomes.DUPLICATE, at_ns=now, owner=owner)
         slot = self._slots.get(rank)
         if slot is None and not self.lazy_workers:
             return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
@@ -270,6 +290,8 @@ class SequenceState:
         return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
 
     def _mark(self, event: MarkPrefillCompleted, now: int) -> Delta:
+        if self.slot_tracker and not self.workers.ranges:
+            return Delta(outcome=outcomes.NO_TRACKER, at_ns=now)
         if event.router_id in self.routers:
             self._heard(event.router_id, now)
         owner = self._owner.get(event.request_id)
@@ -292,6 +314,8 @@ class SequenceState:
         )
 
     def _free(self, event: Free, now: int) -> Delta:
+        if self.slot_tracker and not self.workers.ranges:
+            return Delta(outcome=outcomes.NO_TRACKER, at_ns=now)
         if event.router_id in self.routers:
             self._heard(event.router_id, now)
         request_id = event.request_id
@@ -319,6 +343,8 @@ class SequenceState:
         )
 
     def _output_block(self, event: AddOutputBlock, now: int) -> Delta:
+        if self.slot_tracker and not self.workers.ranges:
+            return Delta(outcome=outcomes.NO_TRACKER, at_ns=now)
         owner = self._owner.get(event.request_id)
         if owner is None:
             return Delta(outcome=outcomes.UNKNOWN_REQUEST, at_ns=now)
@@ -459,7 +485,16 @@ class SequenceState:
     def _worker_added(self, event: WorkerAdded, now: int) -> Delta:
         worker_id = event.worker_id
         worker = WorkerDpRange(worker_id, event.dp_start, event.dp_size)
-        if self.workers.ranges.get(worker_id) == worker:
+        if self.slot_tracker:
+            if worker_id in self.workers.ranges:
+                return Delta(outcome=outcomes.WORKER_EXISTS, at_ns=now)
+            wanted = event.block_size
+            if wanted is not None and self.block_size not in (None, wanted):
+                return Delta(outcome=outcomes.BLOCK_SIZE_MISMATCH, at_ns=now,
+                             block_size=self.block_size)  # fmt: skip
+            if self.block_size is None:
+                self.block_size = wanted
+        elif self.workers.ranges.get(worker_id) == worker:
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
         back = self.departures.reclaim(worker_id) if worker_id in self.departures else {}
         if back:
@@ -489,6 +524,7 @@ class SequenceState:
             changes=changes,
             added_ranks=restored + change.added,
             removed_ranks=change.removed,
+            block_size=self.block_size,
         )
 
     def _worker_removed(self, event: WorkerRemoved, now: int) -> Delta:
@@ -499,6 +535,8 @@ class SequenceState:
             change = self._dropping_requests(
                 worker_id, lambda: self.workers.remove_worker(worker_id), now
             )
+            if self.slot_tracker and not self.workers.ranges:
+                self.block_size = None  # the last worker went: so did the tracker
             return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
         slots = self._slots
         busy = {

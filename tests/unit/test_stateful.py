@@ -65,7 +65,9 @@ QUERIES: tuple[list[int], ...] = (
     list(LINEAGES[3][:6]),
     [*LINEAGES[1][:2], 10_001, 10_002],
 )
-OUTCOMES = ("applied", "duplicate", "unknown_request", "unknown_worker", "superseded")
+OUTCOMES = ("applied", "duplicate", "unknown_request", "unknown_worker", "superseded",
+            "no_tracker", "worker_exists", "block_size_mismatch")  # fmt: skip
+BLOCK_SIZES = st.sampled_from((None, 16, 16, 32))
 
 
 # ---- the naive model ------------------------------------------------------------------------
@@ -105,6 +107,8 @@ class Expected:
         default_factory=list
     )
     orphaned: list[str] = field(default_factory=list)
+    owner: Rank | None = None  # a duplicate add's: the rank holding the id
+    block_size: int | None = None  # a WorkerAdded's under the slot-tracker rules
 
 
 class Model:
@@ -116,7 +120,10 @@ class Model:
         lazy: bool,
         orphan_ns: int | None = None,
         grace_ns: int | None = None,
+        tracker: bool = False,
     ) -> None:
+        self.tracker = tracker  # Dynamo's slot-tracker rules (strict workers too)
+        self.block_size: int | None = None
         self.expiry_ns = expiry_ns
         self.orphan_ns = orphan_ns
         self.grace_ns = grace_ns
@@ -364,9 +371,14 @@ class Model:
             exp.orphaned.append(req.rid)
 
     def _add(self, ev: AddRequest, now: int) -> Expected:
-        if self.find(ev.request_id) is not None:
-            return Expected("duplicate")
         rank = (ev.worker_id, ev.dp_rank)
+        if self.tracker and not self.ranges:
+            return Expected("no_tracker")
+        if self.tracker and rank not in self.ranks:
+            return Expected("unknown_worker")
+        live = self.find(ev.request_id)
+        if live is not None:
+            return Expected("duplicate", owner=live.rank)
         if rank not in self.ranks and not self.lazy:
             return Expected("unknown_worker")
         tomb = self.tombstones.pop(ev.request_id, None)
@@ -421,6 +433,8 @@ class Model:
         return Expected("unknown_request")
 
     def _mark(self, ev: MarkPrefillCompleted, now: int) -> Expected:
+        if self.tracker and not self.ranges:
+            return Expected("no_tracker")
         req = self._owner(ev)
         if req is None:
             return self._unknown(ev.request_id, MARK, now)
@@ -432,6 +446,8 @@ class Model:
         return Expected("applied", changes=self._seen(req.rank, []))
 
     def _free(self, ev: Free, now: int) -> Expected:
+        if self.tracker and not self.ranges:
+            return Expected("no_tracker")
         req = self._owner(ev)
         if req is None:
             return self._unknown(ev.request_id, FREE, now)
@@ -440,6 +456,8 @@ class Model:
 
     def _output(self, ev: AddOutputBlock) -> Expected:
         assert ev.decay_fraction is None
+        if self.tracker and not self.ranges:
+            return Expected("no_tracker")
         req = self._owner(ev)
         if req is None:
             return Expected("unknown_request")
@@ -463,7 +481,14 @@ class Model:
     def _worker_added(self, ev: WorkerAdded, now: int) -> Expected:
         w = ev.worker_id
         new = (ev.dp_start, ev.dp_size)
-        if self.ranges.get(w) == new:
+        if self.tracker:
+            if w in self.ranges:
+                return Expected("worker_exists")
+            if ev.block_size is not None and self.block_size not in (None, ev.block_size):
+                return Expected("block_size_mismatch", block_size=self.block_size)
+            if self.block_size is None:
+                self.block_size = ev.block_size
+        elif self.ranges.get(w) == new:
             return Expected("duplicate")
         old = self.ranges.get(w)
         self.ranges[w] = new
@@ -479,6 +504,8 @@ class Model:
                 exp.changes.append((rank, [], bookings))
             else:
                 self._drop_rank(rank, now)
+        if self.tracker:
+            exp.block_size = self.block_size
         if old is not None:
             for d in range(old[0], old[0] + old[1]):
                 if d not in new_ranks and (w, d) in self.ranks:
@@ -499,6 +526,8 @@ class Model:
         if self.grace_ns is None:
             for rank in doomed:
                 self._drop_rank(rank, now)
+            if self.tracker and not self.ranges:
+                self.block_size = None  # the tracker ends with its last worker
             return Expected("applied", removed_ranks=doomed)
         _, parked = self.departed.pop(w, (0, []))
         for rank in doomed:
@@ -590,10 +619,10 @@ def add_event(
     )
 
 
-def worker_added(worker: int, dp_start: int, dp_size: int) -> WorkerAdded:
+def worker_added(worker: int, dp_start: int, dp_size: int, block: int | None = None) -> WorkerAdded:
     """A range within dp ranks 0..2."""
     size = min(dp_size, len(DP_RANKS) - dp_start)
-    return WorkerAdded(worker_id=worker, dp_start=dp_start, dp_size=size)
+    return WorkerAdded(worker_id=worker, dp_start=dp_start, dp_size=size, block_size=block)
 
 
 ROUTERS = ("", "ra", "rb")  # "": the add names no router
@@ -634,16 +663,18 @@ class SeqStateMachine(RuleBasedStateMachine):
     LAZY = True
     ORPHAN_S: float | None = 30.0
     GRACE_S: float | None = None
+    TRACKER = False
 
     def __init__(self) -> None:
         super().__init__()
         self.state = SequenceState(expiry_s=self.EXPIRY_S, lazy_workers=self.LAZY,
-                                   orphan_after_s=self.ORPHAN_S,
-                                   worker_grace_s=self.GRACE_S)  # fmt: skip
+                                   orphan_after_s=self.ORPHAN_S, worker_grace_s=self.GRACE_S,
+                                   slot_tracker=self.TRACKER)  # fmt: skip
         expiry_ns = None if self.EXPIRY_S is None else round(self.EXPIRY_S * S)
         orphan_ns = None if self.ORPHAN_S is None else round(self.ORPHAN_S * S)
         grace_ns = None if self.GRACE_S is None else round(self.GRACE_S * S)
-        self.model = Model(expiry_ns, self.LAZY, orphan_ns, grace_ns)
+        self.model = Model(expiry_ns, self.LAZY and not self.TRACKER, orphan_ns, grace_ns,
+                           self.TRACKER)  # fmt: skip
 
     def _apply(self, event: object, step: int) -> None:
         at = max(0, self.model.now + step)
@@ -657,6 +688,8 @@ class SeqStateMachine(RuleBasedStateMachine):
         assert delta.at_ns == now
         assert delta.expired == exp.expired, (delta.expired, exp.expired)
         assert delta.orphaned == exp.orphaned, (delta.orphaned, exp.orphaned)
+        assert delta.owner == exp.owner, (delta.owner, exp.owner)
+        assert delta.block_size == exp.block_size, (delta.block_size, exp.block_size)
         assert [tuple(r) for r in delta.added_ranks] == exp.added_ranks
         assert [tuple(r) for r in delta.removed_ranks] == exp.removed_ranks
         got = [
@@ -749,13 +782,15 @@ class SeqStateMachine(RuleBasedStateMachine):
         rid, worker, dp = self._target(aim, pick, rid, use_owner, worker, dp)
         self._apply(AddOutputBlock(request_id=rid, worker_id=worker, dp_rank=dp), step)
 
-    @rule(remove=st.booleans(), worker_range=RANGES, step=STEPS)
-    def topology(self, remove: bool, worker_range: tuple[int, int, int], step: int) -> None:
+    @rule(remove=st.booleans(), worker_range=RANGES, step=STEPS, block=BLOCK_SIZES)
+    def topology(
+        self, remove: bool, worker_range: tuple[int, int, int], step: int, block: int | None
+    ) -> None:
         worker, dp_start, dp_size = worker_range
         if remove:
             self._apply(WorkerRemoved(worker_id=worker), step)
         else:
-            self._apply(worker_added(worker, dp_start, dp_size), step)
+            self._apply(worker_added(worker, dp_start, dp_size, block), step)
 
     @rule(step=st.one_of(STEPS, BIG_STEPS))
     def tick(self, step: int) -> None:
@@ -860,15 +895,24 @@ class EagerGraceMachine(GraceMachine):
     LAZY = False
 
 
+class SlotTrackerMachine(SeqStateMachine):
+    """Dynamo's slot-tracker rules: strict workers, the rank checked before the id, a
+    registration never replaced, one block size per tracker, no tracker without a worker."""
+
+    TRACKER = True
+
+
 SETTINGS = settings(max_examples=150, stateful_step_count=60, deadline=None)
 SeqStateMachine.TestCase.settings = SETTINGS
 NoExpiryMachine.TestCase.settings = SETTINGS
 EagerWorkersMachine.TestCase.settings = SETTINGS
 GraceMachine.TestCase.settings = SETTINGS
 EagerGraceMachine.TestCase.settings = SETTINGS
+SlotTrackerMachine.TestCase.settings = SETTINGS
 
 TestLazyExpiring = SeqStateMachine.TestCase
 TestNoExpiry = NoExpiryMachine.TestCase
 TestEagerWorkers = EagerWorkersMachine.TestCase
 TestWorkerGrace = GraceMachine.TestCase
 TestEagerWorkerGrace = EagerGraceMachine.TestCase
+TestSlotTracker = SlotTrackerMachine.TestCase
