@@ -89,6 +89,10 @@ class Config:
     orphan_after_s: float | None = _setting(
         30.0, "a router silent this long after a heartbeat has its requests freed (orphaned); "
         "'off' never", "SECONDS")  # fmt: skip
+    rules: str = _setting(
+        "router", "the fold's rules: 'router' (workers created by their first request, as in "
+        "Dynamo's router) or 'slot-tracker' (strict, as Dynamo's standalone slot tracker)",
+        "RULES")  # fmt: skip
     worker_grace_s: float = _setting(
         0.0, "a removed worker added back within this long keeps its requests; 0 (the "
         "default) drops them at once", "SECONDS")  # fmt: skip
@@ -142,6 +146,12 @@ class Config:
                 raise ConfigError(
                     problem, setting=name, label=f"{name}={_shown(name, getattr(self, name))!r}"
                 )
+        if self.rules == "slot-tracker" and self.worker_grace_s:
+            raise ConfigError(
+                "a worker grace has no place under the 'slot-tracker' rules (an unregistered "
+                "worker's requests are dropped at once, as in Dynamo): leave it 0",
+                setting="worker_grace_s",
+                label=f"worker_grace_s={self.worker_grace_s!r}")  # fmt: skip
         if (self.tls_cert is None) != (self.tls_key is None):
             given = "tls_cert" if self.tls_key is None else "tls_key"
             missing = "tls_key" if given == "tls_cert" else "tls_cert"
@@ -195,7 +205,8 @@ class Config:
                              orphan_after_s=self.orphan_after_s,
                              worker_grace_s=self.worker_grace_s or None,
                              max_tombstones=self.max_tombstones,
-                             max_ended=self.max_ended)  # fmt: skip
+                             max_ended=self.max_ended,
+                             slot_tracker=self.rules == "slot-tracker")  # fmt: skip
 
     def rules_differing(self, state: SequenceState) -> list[str]:
         """Where ``state`` (restored from a snapshot) folds by other rules than these settings,
@@ -203,7 +214,8 @@ class Config:
         fold that changed its rules halfway would be one no replay could reproduce."""
 
         def rules(s: SequenceState) -> dict[str, object]:
-            return {"expiry_s": s.expiry_s, "forget_lazy_ranks_s": s.forget_lazy_after_s,
+            return {"rules": "slot-tracker" if s.slot_tracker else "router",
+                    "expiry_s": s.expiry_s, "forget_lazy_ranks_s": s.forget_lazy_after_s,
                     "orphan_after_s": s.orphan_after_s, "worker_grace_s": s.worker_grace_s,
                     "max_tombstones": s.tombstones.capacity,
                     "max_ended": s.ended.capacity}  # fmt: skip
@@ -355,6 +367,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
      else "must be positive (at most a year), or 'off'"),
     ("orphan_after_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
      else "must be positive (at most a year), or 'off'"),
+    ("rules", lambda v: "" if v in ("router", "slot-tracker")
+     else "use 'router' or 'slot-tracker'"),
     ("worker_grace_s", lambda v: "" if 0 <= v <= 86_400 * 365
      else "must be 0 (off) or positive, at most a year"),
     ("tick_every_s", _positive),

@@ -36,6 +36,7 @@ FOLD = (
     "expiry_s",
     "forget_lazy_ranks_s",
     "orphan_after_s",
+    "rules",
     "worker_grace_s",
     "max_ranks_per_worker",
     "max_ranks",

@@ -109,3 +109,18 @@ def test_a_bad_url_is_named_without_its_secret() -> None:
     with pytest.raises(ConfigError) as caught:
         Config(nats_url="tls://tok3n@host:x")
     assert "tok3n" not in str(caught.value)
+
+
+def test_the_rules_setting_chooses_the_folds_rules_and_refuses_a_grace_with_them() -> None:
+    assert Config().new_state().slot_tracker is False
+    config = Config.from_env({"SEQSTATE_RULES": "slot-tracker"})
+    state = config.new_state()
+    assert (state.slot_tracker, state.lazy_workers) == (True, False)
+    assert config.rules_differing(Config().new_state()) == [
+        "rules: snapshot router, configured slot-tracker"
+    ]
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({}, flags={"rules": ("--rules", "dynamo")})
+    assert str(caught.value) == "--rules 'dynamo': use 'router' or 'slot-tracker'"
+    with pytest.raises(ConfigError, match="worker grace has no place under the 'slot-tracker'"):
+        Config.from_env({"SEQSTATE_RULES": "slot-tracker", "SEQSTATE_WORKER_GRACE_S": "5"})
