@@ -1,0 +1,83 @@
+"""Outcomes learned from the deltas stream: each published event's real outcome, as the writer
+folded it under the slot-tracker rules, reaches the caller that waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client
+from pipeline_kit import fresh_config
+
+from projector.outcomes import EventOutcome, OutcomeForgotten, Outcomes
+from projector.pipeline import Pipeline
+from projector.publisher import RouterPublisher
+from seqstate import AddRequest, Free, MarkPrefillCompleted, WorkerAdded, WorkerRemoved
+
+
+async def test_each_event_gets_the_outcome_the_writer_folded(nc: Client) -> None:
+    config = fresh_config("oc", rules="slot-tracker")
+    async with Pipeline(nc, config):
+        outcomes = await Outcomes(nc, config).start()
+        try:
+            pub = RouterPublisher(nc, namespace=config.namespace, router_id="oc", config=config)
+            events = [
+                AddRequest(request_id="early", worker_id=1, block_hashes=[1]),  # no tracker
+                WorkerAdded(worker_id=1, dp_size=2, block_size=16),
+                WorkerAdded(worker_id=2, block_size=32),  # another block size
+                WorkerAdded(worker_id=1, block_size=16),  # registered already
+                AddRequest(request_id="a", worker_id=1, dp_rank=1, block_hashes=[1, 2]),
+                AddRequest(request_id="a", worker_id=1, block_hashes=[3]),  # a duplicate
+                AddRequest(request_id="a", worker_id=1, dp_rank=5),  # the rank comes first
+                MarkPrefillCompleted(request_id="ghost", worker_id=1),
+                Free(request_id="a", worker_id=1, dp_rank=1),
+                WorkerRemoved(worker_id=1),
+                Free(request_id="a", worker_id=1),  # the tracker is gone
+            ]
+            seqs = await pub.publish_many(events)
+            got = await asyncio.gather(*(outcomes.of(seq, timeout=20) for seq in seqs))
+            assert [(o.outcome, o.owner, o.block_size) for o in got] == [
+                ("no_tracker", None, None),
+                ("applied", None, 16),
+                ("block_size_mismatch", None, 16),
+                ("worker_exists", None, None),
+                ("applied", None, None),
+                ("duplicate", (1, 1), None),
+                ("unknown_worker", None, None),
+                ("unknown_request", None, None),
+                ("applied", None, None),
+                ("applied", None, None),
+                ("no_tracker", None, None),
+            ]
+            assert [o.seq for o in got] == seqs
+            # Asked again after the delta went by: remembered.
+            assert (await outcomes.of(seqs[5])).outcome == "duplicate"
+            # An event the writer refused has no delta: known once a later one is folded.
+            js = nc.jetstream()
+            bad = (await js.publish(config.control_subject, b"\xc1 not an event")).seq
+            after = await pub.publish(WorkerAdded(worker_id=3, block_size=8))
+            assert await outcomes.of(bad, timeout=20) == EventOutcome(bad, None)
+            assert (await outcomes.of(after, timeout=20)).outcome == "applied"
+        finally:
+            await outcomes.stop()
+
+
+async def test_a_follower_started_late_answers_what_is_published_after_it(nc: Client) -> None:
+    config = fresh_config("ol", rules="slot-tracker")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="ol", config=config)
+        first = await pub.publish(WorkerAdded(worker_id=1, block_size=16))
+        await pipeline.wait_applied(first)
+        outcomes = await Outcomes(nc, config, remember=2).start()
+        try:
+            with pytest.raises(OutcomeForgotten):
+                await outcomes.of(first)  # folded before this follower started
+            seqs = [await pub.publish(WorkerAdded(worker_id=1, block_size=16)) for _ in range(3)]
+            assert [(await outcomes.of(s, timeout=20)).outcome for s in seqs[-2:]] == [
+                "worker_exists",
+                "worker_exists",
+            ]
+            with pytest.raises(OutcomeForgotten):
+                await outcomes.of(seqs[0])  # remember=2: the oldest went
+        finally:
+            await outcomes.stop()
