@@ -24,9 +24,11 @@ from projector.values import (
     Position,
     Rank,
     RequestValue,
+    TrackerValue,
     decode_load,
     decode_position,
     decode_request,
+    decode_tracker,
     parse_key,
 )
 
@@ -37,6 +39,7 @@ class BucketView:
     loads: dict[Rank, LoadValue] = field(default_factory=dict)
     slots: dict[Rank, dict[int, RequestValue]] = field(default_factory=dict)  # empty ones too
     unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
+    tracker: TrackerValue | None = None  # under the slot-tracker rules
 
     def requests(self, rank: Rank) -> dict[int, RequestValue]:
         """The rank's occupied slots."""
@@ -100,5 +103,7 @@ def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
             view.loads[rank] = decode_load(value)
         elif kind == "req" and rank is not None:
             view.slots.setdefault(rank, {})[slot] = decode_request(value)
+        elif kind == "tracker":
+            view.tracker = decode_tracker(value)
     except (msgspec.DecodeError, ValueError) as exc:
         view.unreadable[key] = (rank, str(exc))

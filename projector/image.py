@@ -27,10 +27,12 @@ from projector.values import (
     encode_load,
     encode_position,
     encode_request,
+    encode_tracker,
     load_key,
     parse_key,
     position_key,
     slot_key,
+    tracker_key,
 )
 from seqstate import Delta, RankLoad
 from seqstate.loads import EMPTY_LOAD
@@ -58,6 +60,9 @@ class BucketImage:
         self._empty: set[str] = set()
         self._dirty_loads: set[Rank] = set()
         self._deleted_loads: set[Rank] = set()
+        # Under the slot-tracker rules: the block size registrations fixed (None: none yet).
+        self.block_size: int | None = None
+        self._tracker_dirty = False
 
     # ---- folding ----------------------------------------------------------------------------
 
@@ -91,6 +96,11 @@ class BucketImage:
                 self._slots[key] = encode_request(seq, booking.request_id, booking.hashes)
                 keys = max(keys, booking.slot + 1)
             self.slot_keys[rank] = keys
+        if delta.block_size is not None:
+            block_size = delta.block_size or None  # TRACKER_ENDED (0): the tracker is gone
+            if block_size != self.block_size:
+                self.block_size = block_size
+                self._tracker_dirty = True
         if delta.more:
             self.partial = (seq, delta.part)
         else:
@@ -111,6 +121,8 @@ class BucketImage:
         load key is gone are leftovers of a removal that did not finish: owed as deletes."""
         if (pos := bucket.position) is not None:
             self.applied_seq, self.as_of = pos.applied_seq, pos.as_of
+        if bucket.tracker is not None:
+            self.block_size = bucket.tracker.block_size
         for rank, value in bucket.loads.items():
             self.loads[rank] = value.rank_load()
             self.load_stamps[rank] = (value.applied_seq, value.as_of)
@@ -128,7 +140,7 @@ class BucketImage:
 
     @property
     def dirty(self) -> bool:
-        return bool(self._slots or self._dirty_loads or self._deleted_loads)
+        return bool(self._slots or self._dirty_loads or self._deleted_loads or self._tracker_dirty)
 
     def take(self) -> list[Write]:
         """Every write owed since the last take, in a deterministic order; then owe nothing."""
@@ -146,6 +158,12 @@ class BucketImage:
             else:
                 empty.discard(key)
             writes.append((key, value))
+        if self._tracker_dirty:
+            block_size = self.block_size
+            writes.append(
+                (tracker_key(ns), None if block_size is None else encode_tracker(block_size))
+            )
+        self._tracker_dirty = False
         self._slots = {}
         self._dirty_loads = set()
         self._deleted_loads = set()
@@ -160,6 +178,8 @@ class BucketImage:
                     self._dirty_loads.add(parsed.rank)
                 elif value is None:
                     self._deleted_loads.add(parsed.rank)
+            elif parsed.kind == "tracker":
+                self._tracker_dirty = True
             else:
                 self._empty.discard(key)  # what the bucket holds there is not known now
                 if key not in self._slots:

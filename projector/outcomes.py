@@ -41,7 +41,9 @@ class EventOutcome(msgspec.Struct, frozen=True):
     seq: int
     outcome: str | None
     owner: tuple[int, int] | None = None  # a duplicate add's: the rank that holds the id
-    block_size: int | None = None  # a registration's, under the slot-tracker rules
+    # Under the slot-tracker rules: a registration's block size, or 0 (TRACKER_ENDED) for the
+    # removal of the last worker.
+    block_size: int | None = None
 
 
 class Outcomes:

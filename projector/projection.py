@@ -55,7 +55,7 @@ from projector.resources import ensure
 from projector.retry import ATTEMPT_TIMEOUT_S, retrying
 from projector.stream import PREV_SOURCE_SEQ, OrderedConsumer, log_time_ns
 from projector.tasks import cancel
-from projector.values import load_key, slot_key
+from projector.values import load_key, slot_key, tracker_key
 from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 
@@ -420,4 +420,6 @@ def every_key(namespace: str, bucket: BucketView) -> list[Write]:
     keys += [slot_key(namespace, rank, slot) for rank, slots in bucket.slots.items()
              for slot in slots]  # fmt: skip
     keys += list(bucket.unreadable)
+    if bucket.tracker is not None:
+        keys.append(tracker_key(namespace))
     return [(key, None) for key in keys]

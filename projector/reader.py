@@ -35,7 +35,14 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from projector.config import Config
 from projector.progress import Progress
-from projector.values import Rank, decode_load, decode_position, decode_request, parse_key
+from projector.values import (
+    Rank,
+    decode_load,
+    decode_position,
+    decode_request,
+    decode_tracker,
+    parse_key,
+)
 from seqstate import Delta, LoadRow, PotentialLoadRow, PromptRegistry, RankChange
 from seqstate.deltas import Booking
 from seqstate.errors import SeqstateError
@@ -107,6 +114,9 @@ class RegistryView:
         self.values_received = 0
         self.bad_values = 0
         self.resumes = 0  # watches re-created after a stall (a server restart, mostly)
+        # Under the slot-tracker rules: the block size the namespace's workers registered with
+        # (None: no worker registered one, or no worker is left).
+        self.block_size: int | None = None
         self.stall_after_s = stall_after_s
         self._initial_timeout = initial_timeout
         self._clock_offset_ns: int | None = None  # log time minus local monotonic time
@@ -312,6 +322,8 @@ class RegistryView:
                 position = decode_position(value)
                 self.applied_seq = max(self.applied_seq, position.applied_seq)
                 self._observe(position.as_of)
+            elif kind == "tracker":
+                self.block_size = None if deleted or not value else decode_tracker(value).block_size
             elif kind == "load" and rank is not None:
                 if deleted or not value:
                     self.registry.apply(Delta("applied", 0, removed_ranks=[rank]))

@@ -33,7 +33,7 @@ from projector.retention import trimmed_below
 from projector.snapshots import SnapshotInfo, SnapshotStore
 from projector.stream import first_seq_of, last_seq_of, log_time_ns
 from projector.stream_reader import fast_fold
-from projector.values import load_key, slot_key
+from projector.values import load_key, slot_key, tracker_key
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
 from seqstate.bounds import RankBounds
 from seqstate.errors import SeqstateError
@@ -271,6 +271,10 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
     a slot key beyond the live ones must hold the empty value.
     """
     out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
+    got_block = None if bucket.tracker is None else bucket.tracker.block_size
+    if state.block_size != got_block and tracker_key(namespace) not in bucket.unreadable:
+        out.append(f"{tracker_key(namespace)}: bucket block size {got_block}, replay "
+                   f"{state.block_size}")  # fmt: skip
     expected_loads = {rank: slot.load() for rank, slot in state.workers.slots.items()}
     got_loads = {rank: value.rank_load() for rank, value in bucket.loads.items()}
     for rank in sorted(set(expected_loads) | set(got_loads)):

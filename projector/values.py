@@ -116,8 +116,29 @@ def lease_key(namespace: str) -> str:
     return f"{namespace}.lease"
 
 
+def tracker_key(namespace: str) -> str:
+    """The slot-tracker rules' per-namespace value: the block size its workers share."""
+    return f"{namespace}.tracker"
+
+
+class TrackerValue(msgspec.Struct, frozen=True):
+    block_size: int
+
+
+_tracker_decoder = msgspec.json.Decoder(TrackerValue)
+
+
+def encode_tracker(block_size: int) -> bytes:
+    return _json.encode(TrackerValue(block_size))
+
+
+def decode_tracker(data: bytes) -> TrackerValue:
+    return _tracker_decoder.decode(data)
+
+
 class Key(NamedTuple):
-    """A parsed bucket key: ``kind`` is "load", "req", "position", "lease", or "" (not ours)."""
+    """A parsed bucket key: ``kind`` is "load", "req", "position", "lease", "tracker", or ""
+    (not ours)."""
 
     kind: str
     rank: Rank | None = None
@@ -133,7 +154,7 @@ def parse_key(namespace: str, key: str) -> Key:
         return NOT_OURS
     kind = parts[1]
     try:
-        if len(parts) == 2 and kind in ("position", "lease"):
+        if len(parts) == 2 and kind in ("position", "lease", "tracker"):
             return Key(kind)
         if len(parts) == 4 and kind == "load":
             return Key(kind, (int(parts[2]), int(parts[3])))

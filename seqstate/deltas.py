@@ -57,6 +57,7 @@ UNKNOWN_REQUEST: Final = "unknown_request"
 UNKNOWN_WORKER: Final = "unknown_worker"
 SUPERSEDED: Final = "superseded"
 NO_TRACKER: Final = "no_tracker"
+TRACKER_ENDED: Final = 0  # Delta.block_size of the removal that ends a tracker
 WORKER_EXISTS: Final = "worker_exists"
 BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 
@@ -111,7 +112,8 @@ class Delta(Struct, omit_defaults=True):
     orphaned: list[str] = []
     # A duplicate AddRequest: the rank that holds the id already (a caller's error names it).
     owner: tuple[int, int] | None = None
-    # Under the slot-tracker rules, a WorkerAdded's delta: the tracker's block size after it.
+    # Under the slot-tracker rules, a WorkerAdded's delta: the tracker's block size after it;
+    # the WorkerRemoved that removes the last worker: TRACKER_ENDED.
     block_size: int | None = None
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from seqstate import deltas as outcomes
-from seqstate.deltas import Booking, Delta, RankChange
+from seqstate.deltas import TRACKER_ENDED, Booking, Delta, RankChange
 from seqstate.departures import Departures
 from seqstate.events import (
     AddOutputBlock,
@@ -537,6 +537,8 @@ class SequenceState:
             )
             if self.slot_tracker and not self.workers.ranges:
                 self.block_size = None  # the last worker went: so did the tracker
+                return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed,
+                             block_size=TRACKER_ENDED)  # fmt: skip
             return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
         slots = self._slots
         busy = {
@@ -631,5 +633,6 @@ class SequenceState:
                 at_ns=self.now_ns,
                 added_ranks=list(self.workers.slots),
                 changes=changes,
+                block_size=self.block_size,
             )
         ]

@@ -46,7 +46,7 @@ async def test_each_event_gets_the_outcome_the_writer_folded(nc: Client) -> None
                 ("unknown_worker", None, None),
                 ("unknown_request", None, None),
                 ("applied", None, None),
-                ("applied", None, None),
+                ("applied", None, 0),  # the last worker: the tracker ended (TRACKER_ENDED)
                 ("no_tracker", None, None),
             ]
             assert [o.seq for o in got] == seqs

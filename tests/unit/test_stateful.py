@@ -528,6 +528,7 @@ class Model:
                 self._drop_rank(rank, now)
             if self.tracker and not self.ranges:
                 self.block_size = None  # the tracker ends with its last worker
+                return Expected("applied", removed_ranks=doomed, block_size=0)
             return Expected("applied", removed_ranks=doomed)
         _, parked = self.departed.pop(w, (0, []))
         for rank in doomed:
