@@ -23,6 +23,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from projector.config import Config, ConfigError
+from projector.lease import Lease
 from projector.projection import DeltaGap, Projector
 from projector.resources import ProvisioningError
 from projector.snapshotter import SnapshotUnavailable
@@ -77,11 +78,18 @@ async def supervise(
 
 
 class Pipeline:
-    def __init__(self, nc: Client, config: Config, *, start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        config: Config,
+        *,
+        start_timeout: float = 60.0,
+        held_lease: Lease | None = None,
+    ) -> None:
         self.nc = nc
         self.config = config
         self.writer = Writer(nc, config)
-        self.projector = Projector(nc, config)
+        self.projector = Projector(nc, config, held_lease=held_lease)
         self._start_timeout = start_timeout
         self._tasks: list[asyncio.Task[None]] = []
 

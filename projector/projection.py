@@ -100,8 +100,12 @@ class Projector(LagWatched):
         *,
         lease_ttl_s: float = DEFAULT_TTL_S,
         lease_renew_s: float | None = None,
+        held_lease: Lease | None = None,
     ) -> None:
         self.nc = nc
+        # A lease its caller holds already (a standby pipeline's): used, never taken or given
+        # back here; its loss must reach lease_lost.
+        self._held_lease = held_lease
         self.config = config
         self.lease: Lease | None = None  # every write of the bucket checks it first
         self._lease_ttl_s, self._lease_renew_s = lease_ttl_s, lease_renew_s
@@ -127,8 +131,12 @@ class Projector(LagWatched):
 
     async def run(self) -> None:
         await ensure(self.nc, self.config)
+        if self._held_lease is not None:
+            self.lease = self._held_lease
+            await self._project()
+            return
         lease = Lease(self.nc, self.config, "projector", ttl_s=self._lease_ttl_s,
-                      renew_s=self._lease_renew_s, on_lost=self._lease_lost)  # fmt: skip
+                      renew_s=self._lease_renew_s, on_lost=self.lease_lost)  # fmt: skip
         if not await self._acquire(lease):
             return
         self.lease = lease
@@ -157,7 +165,7 @@ class Projector(LagWatched):
             return False
         return True
 
-    def _lease_lost(self, exc: LeaseLost) -> None:
+    def lease_lost(self, exc: LeaseLost) -> None:
         self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
@@ -324,7 +332,7 @@ class Projector(LagWatched):
                 await self.flush()
                 backoff = interval
             except LeaseLost as exc:
-                self._lease_lost(exc)
+                self.lease_lost(exc)
                 return
             except Exception as exc:  # the bucket must catch up, not die
                 self.stats.flush_failures += 1
