@@ -11,6 +11,7 @@ waits for the value the server marked as the last pending one.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import msgspec
@@ -47,13 +48,13 @@ class BucketView:
 
 
 class CurrentValues:
-    """Tells when a watch of ``<ns>.<keys>`` has delivered every value current when it
-    started."""
+    """Tells when a watch of the bucket's keys ``keys`` (a filter, wildcards allowed) has
+    delivered every value current when it started."""
 
-    def __init__(self, nc: Client, config: Config, keys: str = ">") -> None:
+    def __init__(self, nc: Client, bucket: str, keys: str) -> None:
         self._js = nc.jetstream()
-        self._stream = f"KV_{config.registry_bucket}"
-        self._subjects = f"$KV.{config.registry_bucket}.{config.namespace}.{keys}"
+        self._stream = f"KV_{bucket}"
+        self._subjects = f"$KV.{bucket}.{keys}"
         self._marker = False
         self._last_pending: int | None = None
 
@@ -81,8 +82,9 @@ async def read_bucket(
     namespace (``load.>``: every rank's load, none of the requests)."""
     kv = await nc.jetstream().key_value(config.registry_bucket)
     view = BucketView()
-    current = CurrentValues(nc, config, keys)
-    watcher = await kv.watch(f"{config.namespace}.{keys}")
+    keys = f"{config.namespace}.{keys}"
+    current = CurrentValues(nc, config.registry_bucket, keys)
+    watcher = await kv.watch(keys)
     try:
         while True:
             entry = await watcher.updates(timeout=timeout)
@@ -107,3 +109,23 @@ def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
             view.tracker = decode_tracker(value)
     except (msgspec.DecodeError, ValueError) as exc:
         view.unreadable[key] = (rank, str(exc))
+
+
+async def read_trackers(nc: Client, config: Config, *, timeout: float = 30.0) -> dict[str, int]:
+    """Every namespace of the bucket folded by the slot-tracker rules that has a tracker now,
+    with its block size: what a ``serve-http`` starting up must serve (``<ns>.tracker``)."""
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    found: dict[str, int] = {}
+    current = CurrentValues(nc, config.registry_bucket, "*.tracker")
+    watcher = await kv.watch("*.tracker")
+    try:
+        while True:
+            entry = await watcher.updates(timeout=timeout)
+            if entry is not None and entry.value and entry.operation not in (KV_DEL, KV_PURGE):
+                # A damaged value is skipped: verify names it, rebuild repairs it.
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    found[entry.key.split(".", 1)[0]] = decode_tracker(entry.value).block_size
+            if await current.done_after(entry):
+                return found
+    finally:
+        await watcher.stop()

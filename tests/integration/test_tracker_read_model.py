@@ -5,11 +5,13 @@ rebuild."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config
 
+from projector.bucket import read_trackers
 from projector.pipeline import Pipeline
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
@@ -50,3 +52,23 @@ async def test_the_block_size_follows_the_tracker_through_the_bucket(nc: Client)
     await rebuild(nc, config)
     assert await verify(nc, config) == []
     assert json.loads((await bucket_values(nc, config))[key]) == {"block_size": 64}
+
+
+async def test_a_starting_server_finds_every_live_tracker(nc: Client) -> None:
+    """Broke: nothing. Expected: read_trackers lists each slot-tracker namespace with a worker
+    now, with its block size; one whose last worker left, and a router namespace, are not."""
+    shared = fresh_config("tf").registry_bucket  # one bucket, as a deployment has
+    configs = [dataclasses.replace(fresh_config("tf", rules="slot-tracker"), registry_bucket=shared)
+               for _ in range(3)]  # fmt: skip
+    for i, config in enumerate(configs):
+        async with Pipeline(nc, config) as pipeline:
+            pub = RouterPublisher(nc, namespace=config.namespace, router_id="tf", config=config)
+            last = await pub.publish(WorkerAdded(worker_id=1, block_size=16 * (i + 1)))
+            if i == 2:
+                last = await pub.publish(WorkerRemoved(worker_id=1))
+            await pipeline.wait_applied(last)
+    found = await read_trackers(nc, configs[0])
+    assert {ns: found[ns] for ns in found if ns.startswith("tf")} == {
+        configs[0].namespace: 16,
+        configs[1].namespace: 32,
+    }
