@@ -26,7 +26,7 @@ $(NATIVE): $(STAMP) setup.py $(CORE_SRC)
 
 native: $(NATIVE)
 
-# The optional `bench` extra (matplotlib, for benchmarks/scale.py's plot); not a test dependency.
+# The optional `bench` extra (scale.py's plot, http_servers.py's candidates); not a test dependency.
 $(BENCH_STAMP): $(STAMP)
 	SEQSTATE_PURE=1 $(BIN)/python -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
