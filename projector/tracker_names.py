@@ -19,12 +19,14 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from seqstate.errors import SeqstateError
+
 PREFIX: Final = "st-"
 _KEPT = re.compile(rb"[A-Za-z0-9]")
 _NAMESPACE = re.compile(r"^st-((?:[A-Za-z0-9]|_[0-9A-F]{2})*)-((?:[A-Za-z0-9]|_[0-9A-F]{2})*)$")
 
 
-class NotATrackerNamespace(ValueError):
+class NotATrackerNamespace(SeqstateError, ValueError):
     """A namespace that :func:`namespace_for` did not make."""
 
 

@@ -43,9 +43,10 @@ async def test_a_standby_takes_over_a_stopped_and_then_a_dead_holder(
     pub = RouterPublisher(nc, namespace=config.namespace, router_id="sb", config=config)
     clients = [await nats.connect(nats_server.url) for _ in range(3)]
     first, second, third = (StandbyPipeline(c, config, lease_ttl_s=1.5) for c in clients)
-    tasks = [asyncio.create_task(s.run()) for s in (first, second)]
+    tasks = [asyncio.create_task(first.run())]
     try:
         await asyncio.wait_for(first.active.wait(), WAIT_S)
+        tasks.append(asyncio.create_task(second.run()))  # once the first holds the lease
         await pub.publish(WorkerAdded(worker_id=1, block_size=16))
         await applied(nc, config, await book(pub, "a", 5))
         assert not second.active.is_set()  # it waits: one writer per namespace

@@ -1,0 +1,250 @@
+"""The slot-tracker drop-in's logic, apart from the HTTP transport that feeds it.
+
+One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracker answers it
+(../shared/design/slot-tracker-api.md), on top of the pipeline:
+
+- each ``(model_name, routing_group)`` is a namespace (:mod:`projector.tracker_names`) folded
+  by the slot-tracker rules, whose writer and projector run in whichever serving process holds
+  its lease (:class:`~projector.standby.StandbyPipeline`): every process offers to;
+- a mutating call publishes its event and answers with the writer's outcome of it
+  (:class:`~projector.outcomes.Outcomes`), once the process's view of the bucket reflects it,
+  so a read that follows on any connection sees it;
+- reads answer from a :class:`~projector.reader.RegistryView` per namespace.
+
+A call for a namespace this process does not serve yet looks for the tracker in the bucket
+(another process may have created it); with none there, a lifecycle call is ``404 no slot
+tracker`` at once, since no writer runs for a namespace that never had a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError
+
+from projector.bucket import read_trackers
+from projector.config import Config
+from projector.outcomes import Outcomes
+from projector.publisher import RouterPublisher
+from projector.reader import RegistryView
+from projector.resources import ensure
+from projector.slot_api import (
+    OK,
+    AddBody,
+    PotentialLoadsBody,
+    RegisterBody,
+    RequestBody,
+    UnregisterBody,
+    answer,
+    as_u64,
+    event_for,
+    register_problem,
+    request_event,
+)
+from projector.standby import StandbyPipeline
+from projector.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
+from projector.values import tracker_key
+
+log = logging.getLogger("seqstate.slots")
+
+OUTCOME_WAIT_S = 30.0  # a writer taking over a namespace (a lease TTL) fits well within
+JSON_TYPE = "application/json"
+
+_DECODERS: dict[str, msgspec.json.Decoder] = {  # type: ignore[type-arg]
+    "/register": msgspec.json.Decoder(RegisterBody),
+    "/unregister": msgspec.json.Decoder(UnregisterBody),
+    "/add": msgspec.json.Decoder(AddBody),
+    "/prefill_complete": msgspec.json.Decoder(RequestBody),
+    "/free": msgspec.json.Decoder(RequestBody),
+    "/potential_loads": msgspec.json.Decoder(PotentialLoadsBody),
+}
+ROUTES: dict[str, str] = {**dict.fromkeys(_DECODERS, "POST"), "/loads": "GET",
+                          "/workers": "GET", "/health": "GET"}  # fmt: skip
+
+
+class LoadOut(msgspec.Struct):
+    model_name: str
+    routing_group: str
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+
+
+class WorkerOut(msgspec.Struct):
+    worker_id: int
+    model_name: str
+    routing_group: str
+    block_size: int
+    dp_start: int
+    dp_size: int
+
+
+@dataclass
+class _Tracker:
+    model_name: str
+    routing_group: str
+    config: Config
+    standby: StandbyPipeline
+    task: asyncio.Task[None]
+    outcomes: Outcomes
+    view: RegistryView
+    publisher: RouterPublisher
+
+
+class SlotService:
+    """``service = await SlotService(nc, config).start()``; ``await service.call(...)``."""
+
+    def __init__(self, nc: Client, config: Config, *, outcome_wait_s: float = OUTCOME_WAIT_S):
+        self.nc = nc
+        self.config = dataclasses.replace(config, rules="slot-tracker", worker_grace_s=0.0)
+        self.outcome_wait_s = outcome_wait_s
+        self.trackers: dict[str, _Tracker] = {}
+        self._opening: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> SlotService:
+        """Provision, then serve every tracker the bucket holds."""
+        await ensure(self.nc, self.config)
+        for namespace in await read_trackers(self.nc, self.config):
+            with contextlib.suppress(NotATrackerNamespace):
+                await self._open(namespace)
+        return self
+
+    async def stop(self) -> None:
+        for tracker in self.trackers.values():
+            tracker.task.cancel()
+            with contextlib.suppress(BaseException):
+                await tracker.task
+            await tracker.outcomes.stop()
+            await tracker.view.stop()
+        self.trackers = {}
+
+    # ---- the trackers -----------------------------------------------------------------------
+
+    async def _open(self, namespace: str) -> _Tracker:
+        """Serve one namespace: offer to run its pipeline, follow its outcomes and bucket."""
+        lock = self._opening.setdefault(namespace, asyncio.Lock())
+        async with lock:
+            if namespace in self.trackers:
+                return self.trackers[namespace]
+            model, group = tracker_of(namespace)
+            config = self.config.with_namespace(namespace)
+            outcomes = await Outcomes(self.nc, config).start()  # before any publish of ours
+            standby = StandbyPipeline(self.nc, config)
+            task = asyncio.create_task(standby.run(), name=f"seqstate-standby-{namespace}")
+            view = await RegistryView(self.nc, config=config).start()
+            # A msg-id prefix of its own (the events stream is shared by every namespace, and
+            # by every serving process): no two publishers ever deduplicate each other.
+            publisher = RouterPublisher(self.nc, router_id=f"slots-{uuid.uuid4().hex}",
+                                        config=config)  # fmt: skip
+            tracker = _Tracker(model, group, config, standby, task, outcomes, view, publisher)
+            self.trackers[namespace] = tracker
+            log.info("serving tracker model=%s routing_group=%s", model, group)
+            return tracker
+
+    async def _existing(self, namespace: str) -> _Tracker | None:
+        """The namespace's tracker if one exists anywhere (the bucket says), else None."""
+        if namespace in self.trackers:
+            return self.trackers[namespace]
+        kv = await self.nc.jetstream().key_value(self.config.registry_bucket)
+        try:
+            await kv.get(tracker_key(namespace))
+        except KeyNotFoundError:
+            return None
+        return await self._open(namespace)
+
+    # ---- calls ------------------------------------------------------------------------------
+
+    async def call(
+        self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
+    ) -> tuple[int, object]:
+        """One HTTP call: its status and its JSON body (None: an empty body)."""
+        wanted = ROUTES.get(path)
+        if wanted is None:
+            return 404, {"error": "route not found"}
+        if method != wanted:
+            return 405, {"error": "method not allowed"}
+        if path == "/health":
+            return 200, None
+        if path == "/loads":
+            return 200, self._loads(query)
+        if path == "/workers":
+            return 200, self._workers(query)
+        if content_type is None or content_type.split(";")[0].strip().lower() != JSON_TYPE:
+            return 415, {"error": "Expected request with `Content-Type: application/json`"}
+        try:
+            parsed = _DECODERS[path].decode(body)
+        except msgspec.ValidationError as exc:
+            return 422, {"error": f"Failed to deserialize the JSON body into the target type: "
+                                  f"{exc}"}  # fmt: skip
+        except msgspec.DecodeError as exc:
+            return 400, {"error": f"Failed to parse the request body as JSON: {exc}"}
+        namespace = namespace_for(parsed.model_name, parsed.routing_group)
+        if isinstance(parsed, PotentialLoadsBody):
+            return await self._potential(namespace, parsed)
+        if isinstance(parsed, RegisterBody):
+            problem = register_problem(parsed)
+            if problem is not None:
+                return 400, {"error": problem}
+            tracker: _Tracker | None = await self._open(namespace)
+        else:
+            tracker = await self._existing(namespace)
+        if tracker is None:
+            if isinstance(parsed, UnregisterBody):
+                return answer(path, parsed, "unknown_worker")
+            return 404, {"error": f"no slot tracker for {parsed.where()}"}
+        event = (request_event(path, parsed) if isinstance(parsed, RequestBody)
+                 else event_for(parsed))  # fmt: skip
+        seq = await tracker.publisher.publish(event)
+        result = await tracker.outcomes.of(seq, self.outcome_wait_s)
+        await tracker.view.wait_for(seq, self.outcome_wait_s)  # read-your-writes
+        return answer(path, parsed, result.outcome, owner=result.owner,
+                      block_size=result.block_size)  # fmt: skip
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def _matching(self, query: dict[str, str]) -> list[_Tracker]:
+        model, group = query.get("model_name"), query.get("routing_group")
+        return sorted(
+            (t for t in self.trackers.values()
+             if (model is None or t.model_name == model)
+             and (group is None or t.routing_group == group)),
+            key=lambda t: (t.model_name, t.routing_group),
+        )  # fmt: skip
+
+    def _loads(self, query: dict[str, str]) -> list[LoadOut]:
+        out = []
+        for t in self._matching(query):
+            for row in t.view.loads():
+                out.append(LoadOut(t.model_name, t.routing_group, row.worker_id, row.dp_rank,
+                                   row.active_prefill_tokens, row.active_blocks))  # fmt: skip
+        return out
+
+    def _workers(self, query: dict[str, str]) -> list[WorkerOut]:
+        out = []
+        for t in self._matching(query):
+            ranks: dict[int, list[int]] = {}
+            for row in t.view.loads():
+                ranks.setdefault(row.worker_id, []).append(row.dp_rank)
+            block_size = t.view.block_size or 0
+            for worker_id, dp_ranks in sorted(ranks.items()):
+                out.append(WorkerOut(worker_id, t.model_name, t.routing_group, block_size,
+                                     min(dp_ranks), len(dp_ranks)))  # fmt: skip
+        return out
+
+    async def _potential(self, namespace: str, body: PotentialLoadsBody) -> tuple[int, object]:
+        tracker = await self._existing(namespace)
+        if tracker is None or not tracker.view.loads():
+            return 404, {"error": f"no slot tracker for {body.where()}"}
+        hashes = [as_u64(h) for h in body.sequence_hashes]
+        return 200, tracker.view.potential_loads(hashes, body.new_isl_tokens)
+
+
+__all__ = ["OK", "ROUTES", "SlotService"]
