@@ -283,6 +283,29 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
+    """Dynamo's standalone slot-tracker API, durable underneath (see projector/slot_service)."""
+    from projector.http_server import close, serve
+    from projector.slot_service import SlotService
+
+    catch_signals()
+    async with connect(require_url(config), service=True, config=config) as nc:
+        service = await SlotService(nc, config).start()
+        try:
+            server = await serve(service.call, args.host, args.port)
+        except OSError as exc:
+            await service.stop()
+            raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+        log.info("serving the slot-tracker API on http://%s:%d (%d trackers)", args.host,
+                 args.port, len(service.trackers))  # fmt: skip
+        try:
+            await until_signal(server.serve_forever())
+        finally:
+            await close(server)
+            await service.stop()
+    return 0
+
+
 async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
     from projector.workers import WorkerControl
 
@@ -452,6 +475,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Coroutine[Any, Any, i
     "rebuild": cmd_rebuild,
     "snapshot": cmd_snapshot,
     "worker": cmd_worker,
+    "serve-http": cmd_serve_http,
 }
 
 

@@ -62,6 +62,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "rebuild": (*READ, *PROVISION, *FOLD),
     "snapshot": (*READ, *PROVISION, *FOLD, "snapshots_keep"),
     "worker": (*READ, *PROVISION, "max_ranks_per_worker"),
+    # The rules are the slot tracker's, always; a grace has no place there.
+    "serve-http": (*READ, *PROVISION, *(s for s in WRITER if s not in ("rules", "worker_grace_s")),
+                   *PROJECTOR),
 }
 
 
@@ -236,4 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="wait this long for the registry to show the change; 0: do not "
                         "wait (default: 10)")  # fmt: skip
     worker.add_argument("--json", action="store_true", help="for list: JSON lines")
+    serve_http = command("serve-http", "Dynamo's standalone slot-tracker HTTP API, durable: "
+                         "each (model_name, routing_group) a namespace of the ledger")  # fmt: skip
+    serve_http.add_argument("--host", default=os.environ.get("SEQSTATE_HTTP_HOST", "0.0.0.0"),
+                            help="the address to listen on (default: 0.0.0.0, as Dynamo's) "
+                            "[env SEQSTATE_HTTP_HOST]")  # fmt: skip
+    serve_http.add_argument("--port", type=int, metavar="N",
+                            default=int(os.environ.get("SEQSTATE_HTTP_PORT", "8091")),
+                            help="the port (default: 8091, as Dynamo's) "
+                            "[env SEQSTATE_HTTP_PORT]")  # fmt: skip
     return parser

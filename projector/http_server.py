@@ -1,0 +1,186 @@
+"""The HTTP/1.1 transport of ``seqstate serve-http``: httptools' parser on an asyncio Protocol.
+
+Why not a server library: measured on this machine with nothing behind them (BENCHMARKS.md,
+"HTTP layer"), aiohttp, Starlette on uvicorn, a bare ASGI app on uvicorn and granian reach
+23-51% of Dynamo's calls/s at 16 connections (granian excepted, which collapses when
+pipelined) before a single NATS round trip is added; a Protocol on httptools (the parser
+uvicorn itself uses, kept by the uvloop authors) reaches 149-211%. The durable path needs that
+headroom. What a library would have done is kept small and explicit here:
+
+- requests on one connection are handled one after another and answered in order (HTTP/1.1
+  pipelining), as hyper serves axum's: a call sees every effect of the calls before it on its
+  connection (a pipelined add after a register finds the tracker); connections run
+  concurrently;
+- at most ``MAX_IN_FLIGHT`` calls per connection: beyond that the connection stops being read
+  (TCP backpressure), never buffered without bound;
+- a body over ``MAX_BODY`` bytes is 413 (axum's default limit, 2 MiB); a request that does not
+  parse is 400 and the connection closes; ``Connection: close`` and HTTP/1.0 close after the
+  response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from urllib.parse import parse_qsl
+
+import httptools
+import msgspec
+
+log = logging.getLogger("seqstate.http")
+
+MAX_BODY = 2 * 1024 * 1024
+MAX_IN_FLIGHT = 64
+Handler = Callable[[str, str, dict[str, str], str | None, bytes], Awaitable[tuple[int, object]]]
+_ALLOW = {405: b"allow: GET,POST\r\n"}
+
+
+def response(status: int, payload: object, *, close: bool) -> bytes:
+    body = b"" if payload is None else msgspec.json.encode(payload)
+    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+            f"content-length: {len(body)}\r\n").encode()  # fmt: skip
+    if payload is not None:
+        head += b"content-type: application/json\r\n"
+    head += _ALLOW.get(status, b"")
+    if close:
+        head += b"connection: close\r\n"
+    return head + b"\r\n" + body
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.replies: deque[asyncio.Future[bytes]] = deque()
+        self.paused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.url = b""
+        self.content_type: str | None = None
+        self.body: list[bytes] = []
+        self.size = 0
+        self.too_large = False
+        self.close_after = False
+
+    # ---- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reply_now(400, {"error": "upgrades are not supported"}, close=True)
+        except httptools.HttpParserError:
+            self._reply_now(400, {"error": "malformed HTTP request"}, close=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for reply in self.replies:
+            reply.cancel()
+        self.replies.clear()
+        self.transport = None
+
+    # ---- httptools callbacks ----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._reset()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lowered = name.lower()
+        if lowered == b"content-type":
+            self.content_type = value.decode("latin-1")
+        elif lowered == b"connection" and value.lower() == b"close":
+            self.close_after = True
+
+    def on_headers_complete(self) -> None:
+        if self.parser.get_http_version() == "1.0" and not self.parser.should_keep_alive():
+            self.close_after = True
+
+    def on_body(self, body: bytes) -> None:
+        self.size += len(body)
+        if self.size > MAX_BODY:
+            self.too_large = True
+        elif not self.too_large:
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        close = self.close_after
+        if self.too_large:
+            self._reply_now(413, {"error": "Failed to buffer the request body: length limit "
+                                           "exceeded"}, close=close)  # fmt: skip
+            return
+        parsed = httptools.parse_url(self.url)
+        path = parsed.path.decode("utf-8", "replace")
+        query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
+        method = self.parser.get_method().decode("ascii", "replace")
+        args = (method, path, query, self.content_type, b"".join(self.body))
+        before = self.replies[-1] if self.replies else None
+        reply = asyncio.ensure_future(self._answer(args, before, close))
+        self._queue(reply)
+
+    # ---- answering in order -----------------------------------------------------------------
+
+    async def _answer(
+        self,
+        args: tuple[str, str, dict[str, str], str | None, bytes],
+        before: asyncio.Future[bytes] | None,
+        close: bool,
+    ) -> bytes:
+        if before is not None:
+            await asyncio.wait([before])  # its outcome, whatever it is, comes first
+        try:
+            status, payload = await self.handler(*args)
+        except Exception:  # a bug must not take the connection's other calls with it
+            log.exception("call failed")
+            status, payload = 500, {"error": "internal error"}
+        return response(status, payload, close=close)
+
+    def _reply_now(self, status: int, payload: object, *, close: bool) -> None:
+        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        reply.set_result(response(status, payload, close=close))
+        self._queue(reply)
+
+    def _queue(self, reply: asyncio.Future[bytes]) -> None:
+        self.replies.append(reply)
+        reply.add_done_callback(lambda _: self._flush())
+        if len(self.replies) >= MAX_IN_FLIGHT and self.transport is not None and not self.paused:
+            self.transport.pause_reading()
+            self.paused = True
+
+    def _flush(self) -> None:
+        replies, transport = self.replies, self.transport
+        while replies and replies[0].done() and transport is not None:
+            reply = replies.popleft()
+            if reply.cancelled():
+                continue
+            data = reply.result()
+            transport.write(data)
+            if b"\r\nconnection: close\r\n" in data[: data.find(b"\r\n\r\n") + 4]:
+                transport.close()
+                return
+        if self.paused and len(replies) < MAX_IN_FLIGHT // 2 and transport is not None:
+            transport.resume_reading()
+            self.paused = False
+
+
+async def serve(handler: Handler, host: str, port: int) -> asyncio.Server:
+    """Listen on ``host:port``; every connection's calls go to ``handler``."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _Connection(handler), host, port, reuse_address=True)
+
+
+async def close(server: asyncio.Server) -> None:
+    server.close()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(server.wait_closed(), 5)
