@@ -7,9 +7,11 @@ One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracke
   by the slot-tracker rules, whose writer and projector run in whichever serving process holds
   its lease (:class:`~projector.standby.StandbyPipeline`): every process offers to;
 - a mutating call publishes its event and answers with the writer's outcome of it
-  (:class:`~projector.outcomes.Outcomes`), once the process's view of the bucket reflects it,
-  so a read that follows on any connection sees it;
-- reads answer from a :class:`~projector.reader.RegistryView` per namespace.
+  (:class:`~projector.outcomes.Outcomes`), as soon as the writer has folded it;
+- reads answer from a :class:`~projector.reader.RegistryView` per namespace, once it reflects
+  every call this process has answered (read-your-writes, paid by the read that needs it,
+  not by every write); a registration is answered only once the bucket shows it, so another
+  process that is asked about the tracker next finds it there.
 
 A call for a namespace this process does not serve yet looks for the tracker in the bucket
 (another process may have created it); with none there, a lifecycle call is ``404 no slot
@@ -107,6 +109,7 @@ class SlotService:
         self.config = dataclasses.replace(config, rules="slot-tracker", worker_grace_s=0.0)
         self.outcome_wait_s = outcome_wait_s
         self.trackers: dict[str, _Tracker] = {}
+        self._answered: dict[str, int] = {}  # per namespace: the last event answered
         self._opening: dict[str, asyncio.Lock] = {}
 
     async def start(self) -> SlotService:
@@ -174,9 +177,9 @@ class SlotService:
         if path == "/health":
             return 200, None
         if path == "/loads":
-            return 200, self._loads(query)
+            return 200, await self._loads(query)
         if path == "/workers":
-            return 200, self._workers(query)
+            return 200, await self._workers(query)
         if content_type is None or content_type.split(";")[0].strip().lower() != JSON_TYPE:
             return 415, {"error": "Expected request with `Content-Type: application/json`"}
         try:
@@ -204,32 +207,42 @@ class SlotService:
                  else event_for(parsed))  # fmt: skip
         seq = await tracker.publisher.publish(event)
         result = await tracker.outcomes.of(seq, self.outcome_wait_s)
-        await tracker.view.wait_for(seq, self.outcome_wait_s)  # read-your-writes
+        self._answered[namespace] = max(self._answered.get(namespace, 0), seq)
+        if isinstance(parsed, (RegisterBody, UnregisterBody)):
+            await tracker.view.wait_for(seq, self.outcome_wait_s)  # in the bucket for all
         return answer(path, parsed, result.outcome, owner=result.owner,
                       block_size=result.block_size)  # fmt: skip
 
     # ---- reads ------------------------------------------------------------------------------
 
-    def _matching(self, query: dict[str, str]) -> list[_Tracker]:
+    async def _caught_up(self, tracker: _Tracker) -> None:
+        """Until the tracker's view reflects every call this process has answered."""
+        await tracker.view.wait_for(self._answered.get(tracker.config.namespace, 0),
+                                    self.outcome_wait_s)  # fmt: skip
+
+    async def _matching(self, query: dict[str, str]) -> list[_Tracker]:
         model, group = query.get("model_name"), query.get("routing_group")
-        return sorted(
+        found = sorted(
             (t for t in self.trackers.values()
              if (model is None or t.model_name == model)
              and (group is None or t.routing_group == group)),
             key=lambda t: (t.model_name, t.routing_group),
         )  # fmt: skip
+        for tracker in found:
+            await self._caught_up(tracker)
+        return found
 
-    def _loads(self, query: dict[str, str]) -> list[LoadOut]:
+    async def _loads(self, query: dict[str, str]) -> list[LoadOut]:
         out = []
-        for t in self._matching(query):
+        for t in await self._matching(query):
             for row in t.view.loads():
                 out.append(LoadOut(t.model_name, t.routing_group, row.worker_id, row.dp_rank,
                                    row.active_prefill_tokens, row.active_blocks))  # fmt: skip
         return out
 
-    def _workers(self, query: dict[str, str]) -> list[WorkerOut]:
+    async def _workers(self, query: dict[str, str]) -> list[WorkerOut]:
         out = []
-        for t in self._matching(query):
+        for t in await self._matching(query):
             ranks: dict[int, list[int]] = {}
             for row in t.view.loads():
                 ranks.setdefault(row.worker_id, []).append(row.dp_rank)
@@ -241,6 +254,8 @@ class SlotService:
 
     async def _potential(self, namespace: str, body: PotentialLoadsBody) -> tuple[int, object]:
         tracker = await self._existing(namespace)
+        if tracker is not None:
+            await self._caught_up(tracker)
         if tracker is None or not tracker.view.loads():
             return 404, {"error": f"no slot tracker for {body.where()}"}
         hashes = [as_u64(h) for h in body.sequence_hashes]
