@@ -292,7 +292,7 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
     async with connect(require_url(config), service=True, config=config) as nc:
         service = await SlotService(nc, config).start()
         try:
-            server = await serve(service.call, args.host, args.port)
+            server = await serve(service, args.host, args.port)
         except OSError as exc:
             await service.stop()
             raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None

@@ -63,8 +63,12 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "snapshot": (*READ, *PROVISION, *FOLD, "snapshots_keep"),
     "worker": (*READ, *PROVISION, "max_ranks_per_worker"),
     # The rules are the slot tracker's, always; a grace has no place there.
-    "serve-http": (*READ, *PROVISION, *(s for s in WRITER if s not in ("rules", "worker_grace_s")),
-                   *PROJECTOR),
+    "serve-http": (
+        *READ,
+        *PROVISION,
+        *(s for s in WRITER if s not in ("rules", "worker_grace_s")),
+        *PROJECTOR,
+    ),
 }
 
 

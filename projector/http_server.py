@@ -7,10 +7,12 @@ pipelined) before a single NATS round trip is added; a Protocol on httptools (th
 uvicorn itself uses, kept by the uvloop authors) reaches 149-211%. The durable path needs that
 headroom. What a library would have done is kept small and explicit here:
 
-- requests on one connection are handled one after another and answered in order (HTTP/1.1
+- requests on one connection take effect one after another and are answered in order (HTTP/1.1
   pipelining), as hyper serves axum's: a call sees every effect of the calls before it on its
-  connection (a pipelined add after a register finds the tracker); connections run
-  concurrently;
+  connection (a pipelined add after a register finds the tracker). A call is *begun* once the
+  one before it has begun (for a mutation: its event is stored, so the log holds them in
+  order), and a read once every call before it is answered; what is left of each call (the
+  writer's fold of its event) is awaited by all of them at once. Connections run concurrently;
 - at most ``MAX_IN_FLIGHT`` calls per connection: beyond that the connection stops being read
   (TCP backpressure), never buffered without bound;
 - a body over ``MAX_BODY`` bytes is 413 (axum's default limit, 2 MiB); a request that does not
@@ -24,8 +26,9 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from http import HTTPStatus
+from typing import Protocol
 from urllib.parse import parse_qsl
 
 import httptools
@@ -35,17 +38,30 @@ log = logging.getLogger("seqstate.http")
 
 MAX_BODY = 2 * 1024 * 1024
 MAX_IN_FLIGHT = 64
-Handler = Callable[[str, str, dict[str, str], str | None, bytes], Awaitable[tuple[int, object]]]
-_ALLOW = {405: b"allow: GET,POST\r\n"}
+Answer = tuple[int, object]  # status, JSON payload (None: an empty body)
 
 
-def response(status: int, payload: object, *, close: bool) -> bytes:
+class Handler(Protocol):
+    async def begin(
+        self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
+    ) -> Awaitable[Answer]:
+        """Start one call; the call's effects are ordered once this returns."""
+
+    def reads(self, path: str) -> bool:
+        """Whether a call must wait for the answers of those before it to begin."""
+
+    def allowed(self, path: str) -> str | None:
+        """The ``Allow`` header of a route (None: no such route)."""
+
+
+def response(status: int, payload: object, *, close: bool, allow: str | None = None) -> bytes:
     body = b"" if payload is None else msgspec.json.encode(payload)
     head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
             f"content-length: {len(body)}\r\n").encode()  # fmt: skip
     if payload is not None:
         head += b"content-type: application/json\r\n"
-    head += _ALLOW.get(status, b"")
+    if allow is not None:
+        head += f"allow: {allow}\r\n".encode()
     if close:
         head += b"connection: close\r\n"
     return head + b"\r\n" + body
@@ -57,6 +73,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.replies: deque[asyncio.Future[bytes]] = deque()
+        self.begun: asyncio.Future[None] | None = None  # the last call's begin is over
         self.paused = False
         self._reset()
 
@@ -125,8 +142,10 @@ class _Connection(asyncio.Protocol):
         query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
         method = self.parser.get_method().decode("ascii", "replace")
         args = (method, path, query, self.content_type, b"".join(self.body))
-        before = self.replies[-1] if self.replies else None
-        reply = asyncio.ensure_future(self._answer(args, before, close))
+        answered = self.replies[-1] if self.replies and self.handler.reads(path) else None
+        begun = asyncio.get_running_loop().create_future()
+        reply = asyncio.ensure_future(self._answer(args, self.begun, answered, begun, close))
+        self.begun = begun
         self._queue(reply)
 
     # ---- answering in order -----------------------------------------------------------------
@@ -134,17 +153,30 @@ class _Connection(asyncio.Protocol):
     async def _answer(
         self,
         args: tuple[str, str, dict[str, str], str | None, bytes],
-        before: asyncio.Future[bytes] | None,
+        before: asyncio.Future[None] | None,
+        answered: asyncio.Future[bytes] | None,
+        begun: asyncio.Future[None],
         close: bool,
     ) -> bytes:
-        if before is not None:
-            await asyncio.wait([before])  # its outcome, whatever it is, comes first
+        allow = None
         try:
-            status, payload = await self.handler(*args)
+            if before is not None:
+                await before  # set however the call before ended: never raises
+            if answered is not None:
+                await asyncio.wait([answered])  # its outcome, whatever it is, comes first
+            pending = await self.handler.begin(*args)
+            begun.set_result(None)
+            status, payload = await pending
+            if status == 405:
+                allow = self.handler.allowed(args[1])
         except Exception:  # a bug must not take the connection's other calls with it
             log.exception("call failed")
             status, payload = 500, {"error": "internal error"}
-        return response(status, payload, close=close)
+        finally:
+            if not begun.done():
+                begun.set_result(None)
+        data = response(status, payload, close=close, allow=allow)
+        return data[: data.index(b"\r\n\r\n") + 4] if args[0] == "HEAD" else data
 
     def _reply_now(self, status: int, payload: object, *, close: bool) -> None:
         reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()

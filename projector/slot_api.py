@@ -166,4 +166,3 @@ def answer(
         if outcome == "no_tracker":
             return no_tracker
     raise ValueError(f"{route}: no answer for outcome {outcome!r}")
-

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import msgspec
@@ -57,7 +58,6 @@ from projector.values import tracker_key
 log = logging.getLogger("seqstate.slots")
 
 OUTCOME_WAIT_S = 30.0  # a writer taking over a namespace (a lease TTL) fits well within
-JSON_TYPE = "application/json"
 
 _DECODERS: dict[str, msgspec.json.Decoder] = {  # type: ignore[type-arg]
     "/register": msgspec.json.Decoder(RegisterBody),
@@ -67,8 +67,25 @@ _DECODERS: dict[str, msgspec.json.Decoder] = {  # type: ignore[type-arg]
     "/free": msgspec.json.Decoder(RequestBody),
     "/potential_loads": msgspec.json.Decoder(PotentialLoadsBody),
 }
+READS = frozenset({"/loads", "/workers", "/potential_loads"})
 ROUTES: dict[str, str] = {**dict.fromkeys(_DECODERS, "POST"), "/loads": "GET",
                           "/workers": "GET", "/health": "GET"}  # fmt: skip
+
+
+_Body = RegisterBody | UnregisterBody | AddBody | RequestBody
+
+
+def _now(status: int, payload: object) -> asyncio.Future[tuple[int, object]]:
+    answered: asyncio.Future[tuple[int, object]] = asyncio.get_running_loop().create_future()
+    answered.set_result((status, payload))
+    return answered
+
+
+def _is_json(content_type: str) -> bool:
+    """axum's test: ``application/json`` or any ``application/*+json``, parameters aside."""
+    mime = content_type.split(";", 1)[0].strip().lower()
+    kind, _, subtype = mime.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 class LoadOut(msgspec.Struct):
@@ -137,7 +154,7 @@ class SlotService:
         async with lock:
             if namespace in self.trackers:
                 return self.trackers[namespace]
-            model, group = tracker_of(namespace)
+            model, group = tracker_of(namespace, self.config.namespace)
             config = self.config.with_namespace(namespace)
             outcomes = await Outcomes(self.nc, config).start()  # before any publish of ours
             standby = StandbyPipeline(self.nc, config)
@@ -169,45 +186,78 @@ class SlotService:
         self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
     ) -> tuple[int, object]:
         """One HTTP call: its status and its JSON body (None: an empty body)."""
+        return await (await self.begin(method, path, query, content_type, body))
+
+    @staticmethod
+    def allowed(path: str) -> str | None:
+        """A route's ``Allow`` header, as axum lists it."""
+        wanted = ROUTES.get(path)
+        return None if wanted is None else "GET,HEAD" if wanted == "GET" else wanted
+
+    @staticmethod
+    def reads(path: str) -> bool:
+        """A call that must see the answers of every call before it on its connection."""
+        return path in READS
+
+    async def begin(
+        self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
+    ) -> Awaitable[tuple[int, object]]:
+        """One call up to the moment its event is stored; what it returns gives the answer.
+
+        Why two steps: calls pipelined on one connection must take effect in order, so each is
+        begun only once the one before it has begun (its event stored, hence ahead of this one
+        in the log), but the long part, the writer folding the event, is waited for by all of
+        them at once. A read has nothing to store: it is answered here.
+        """
         wanted = ROUTES.get(path)
         if wanted is None:
-            return 404, {"error": "route not found"}
+            return _now(404, {"error": "route not found"})
+        if method == "HEAD" and wanted == "GET":  # as axum routes it: a GET without its body
+            method = "GET"
         if method != wanted:
-            return 405, {"error": "method not allowed"}
+            return _now(405, {"error": "method not allowed"})
         if path == "/health":
-            return 200, None
+            return _now(200, None)
         if path == "/loads":
-            return 200, await self._loads(query)
+            return _now(200, await self._loads(query))
         if path == "/workers":
-            return 200, await self._workers(query)
-        if content_type is None or content_type.split(";")[0].strip().lower() != JSON_TYPE:
-            return 415, {"error": "Expected request with `Content-Type: application/json`"}
+            return _now(200, await self._workers(query))
+        if content_type is None or not _is_json(content_type):
+            return _now(415, {"error": "Expected request with `Content-Type: application/json`"})
         try:
             parsed = _DECODERS[path].decode(body)
         except msgspec.ValidationError as exc:
-            return 422, {"error": f"Failed to deserialize the JSON body into the target type: "
-                                  f"{exc}"}  # fmt: skip
+            return _now(422, {"error": f"Failed to deserialize the JSON body into the target "
+                                       f"type: {exc}"})  # fmt: skip
         except msgspec.DecodeError as exc:
-            return 400, {"error": f"Failed to parse the request body as JSON: {exc}"}
-        namespace = namespace_for(parsed.model_name, parsed.routing_group)
+            return _now(400, {"error": f"Failed to parse the request body as JSON: {exc}"})
+        namespace = namespace_for(parsed.model_name, parsed.routing_group, self.config.namespace)
         if isinstance(parsed, PotentialLoadsBody):
-            return await self._potential(namespace, parsed)
+            return _now(*await self._potential(namespace, parsed))
         if isinstance(parsed, RegisterBody):
             problem = register_problem(parsed)
             if problem is not None:
-                return 400, {"error": problem}
+                return _now(400, {"error": problem})
             tracker: _Tracker | None = await self._open(namespace)
         else:
             tracker = await self._existing(namespace)
         if tracker is None:
             if isinstance(parsed, UnregisterBody):
-                return answer(path, parsed, "unknown_worker")
-            return 404, {"error": f"no slot tracker for {parsed.where()}"}
+                return _now(*answer(path, parsed, "unknown_worker"))
+            return _now(404, {"error": f"no slot tracker for {parsed.where()}"})
         event = (request_event(path, parsed) if isinstance(parsed, RequestBody)
                  else event_for(parsed))  # fmt: skip
         seq = await tracker.publisher.publish(event)
+        return self._finish(tracker, path, parsed, seq)
+
+    async def _finish(
+        self, tracker: _Tracker, path: str, parsed: _Body, seq: int
+    ) -> tuple[int, object]:
+        """The answer to a stored event: the writer's outcome of it."""
         result = await tracker.outcomes.of(seq, self.outcome_wait_s)
-        self._answered[namespace] = max(self._answered.get(namespace, 0), seq)
+        namespace = tracker.config.namespace
+        if seq > self._answered.get(namespace, 0):
+            self._answered[namespace] = seq
         if isinstance(parsed, (RegisterBody, UnregisterBody)):
             await tracker.view.wait_for(seq, self.outcome_wait_s)  # in the bucket for all
         return answer(path, parsed, result.outcome, owner=result.owner,

@@ -11,11 +11,15 @@ for every pair, and no two pairs share a namespace.
     namespace_for("meta-llama/Llama-3.1-8B", "default")
     == "st-meta_2Dllama_2FLlama_2D3_2E1_2D8B-default"
 
-The ``st-`` prefix keeps a drop-in's namespaces apart from a router's own.
+The ``st-`` prefix keeps a drop-in's namespaces apart from a router's own. A deployment other
+than ``default`` (``serve-http --namespace``) adds itself as a third token, so two deployments
+sharing one NATS server (staging and production, say) each keep their own tracker of one
+model: ``namespace_for("Qwen", "default", "staging") == "st-Qwen-default-staging"``.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Final
 
@@ -23,7 +27,8 @@ from seqstate.errors import SeqstateError
 
 PREFIX: Final = "st-"
 _KEPT = re.compile(rb"[A-Za-z0-9]")
-_NAMESPACE = re.compile(r"^st-((?:[A-Za-z0-9]|_[0-9A-F]{2})*)-((?:[A-Za-z0-9]|_[0-9A-F]{2})*)$")
+_TOKEN = r"((?:[A-Za-z0-9]|_[0-9A-F]{2})*)"
+_NAMESPACE = re.compile(rf"^st-{_TOKEN}-{_TOKEN}(?:-{_TOKEN})?$")
 
 
 class NotATrackerNamespace(SeqstateError, ValueError):
@@ -51,17 +56,26 @@ def _decode(token: str) -> str:
     return raw.decode("utf-8")
 
 
-def namespace_for(model_name: str, routing_group: str = "default") -> str:
-    """The namespace of one slot tracker."""
-    return f"{PREFIX}{_encode(model_name)}-{_encode(routing_group)}"
+@functools.lru_cache(maxsize=4096)  # asked once per call: a server sees few distinct names
+def namespace_for(
+    model_name: str, routing_group: str = "default", deployment: str = "default"
+) -> str:
+    """The namespace of one slot tracker of a deployment."""
+    own = "" if deployment == "default" else f"-{_encode(deployment)}"
+    return f"{PREFIX}{_encode(model_name)}-{_encode(routing_group)}{own}"
 
 
-def tracker_of(namespace: str) -> tuple[str, str]:
-    """``(model_name, routing_group)`` of a namespace :func:`namespace_for` made."""
+def tracker_of(namespace: str, deployment: str = "default") -> tuple[str, str]:
+    """``(model_name, routing_group)`` of a namespace :func:`namespace_for` made for
+    ``deployment`` (another deployment's is refused too)."""
     match = _NAMESPACE.match(namespace)
     if match is None:
         raise NotATrackerNamespace(f"{namespace!r} is not a slot tracker's namespace")
     try:
-        return _decode(match.group(1)), _decode(match.group(2))
+        model, group = _decode(match.group(1)), _decode(match.group(2))
+        owner = "default" if match.group(3) is None else _decode(match.group(3))
     except UnicodeDecodeError:
         raise NotATrackerNamespace(f"{namespace!r} does not decode to UTF-8 names") from None
+    if owner != deployment:
+        raise NotATrackerNamespace(f"{namespace!r} is deployment {owner!r}'s, not {deployment!r}")
+    return model, group

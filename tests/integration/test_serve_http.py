@@ -5,94 +5,12 @@ answer alike."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-from collections.abc import AsyncIterator
-from typing import Any
 
+from http_kit import WAIT_S, exchange, rows, serve_http
 from nats.aio.client import Client
-from pipeline_kit import REPO, fresh_config, name_flags
+from pipeline_kit import fresh_config
 
-from projector.config import Config
 from projector.server import NatsServer
-
-WAIT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.asynccontextmanager
-async def serve_http(url: str, config: Config) -> AsyncIterator[int]:
-    """``seqstate serve-http`` with its defaults but the port; yields the port once /health
-    answers."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
-    env["NATS_URL"] = url
-    proc = subprocess.Popen([sys.executable, "-m", "projector", "serve-http", "--host",
-                             "127.0.0.1", "--port", str(port), *name_flags(config)], env=env,
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        deadline = asyncio.get_running_loop().time() + WAIT_S
-        while True:
-            assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode()
-            with contextlib.suppress(OSError):
-                status, _ = (await exchange(port, [("GET", "/health", None)]))[0]
-                if status == 200:
-                    break
-            assert asyncio.get_running_loop().time() < deadline, "serve-http did not answer"
-            await asyncio.sleep(0.05)
-        yield port
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(proc.wait, 20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-async def exchange(port: int, calls: list[tuple[str, str, Any]]) -> list[tuple[int, Any]]:
-    """Send every call on one connection at once (pipelined), then read the answers in order."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        out = b""
-        for method, path, body in calls:
-            data = b"" if body is None else json.dumps(body).encode()
-            out += (f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(data)}\r\n"
-                    + ("content-type: application/json\r\n" if body is not None else "")
-                    + "\r\n").encode() + data  # fmt: skip
-        writer.write(out)
-        answers = []
-        for _ in calls:
-            status_line = await asyncio.wait_for(reader.readline(), WAIT_S)
-            status = int(status_line.split()[1])
-            length = 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode().partition(":")
-                if name.lower() == "content-length":
-                    length = int(value)
-            payload = await reader.readexactly(length)
-            answers.append((status, json.loads(payload) if payload else None))
-        return answers
-    finally:
-        writer.close()
-
-
-def rows(answer: tuple[int, Any]) -> list[tuple[Any, ...]]:
-    assert answer[0] == 200, answer
-    return [(r["model_name"], r["worker_id"], r["dp_rank"], r["active_prefill_tokens"],
-             r["active_decode_blocks"]) for r in answer[1]]  # fmt: skip
 
 
 async def test_a_dynamo_client_session_pipelined_over_one_connection(

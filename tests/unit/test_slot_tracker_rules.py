@@ -15,6 +15,7 @@ from seqstate import (
     Free,
     MarkPrefillCompleted,
     SequenceState,
+    Tick,
     WorkerAdded,
     WorkerRemoved,
 )
@@ -152,6 +153,28 @@ def test_an_early_free_is_remembered_where_dynamo_forgets_it() -> None:
     assert s.apply(MarkPrefillCompleted("early", 1), s.now_ns).outcome == "unknown_request"
     assert add(s, "early", 1, [3], isl=70) == "applied"
     assert loads(s) == [(1, 0, 0, 1)]
+
+
+def test_expiry_runs_on_log_time_as_dynamos_does_on_its_clock() -> None:
+    """Departs from Dynamo in its clock only: a request older than the expiry (300 s by
+    default, as Dynamo's) is reclaimed at the next check of its rank at least 30 s after the
+    last, each check driven by an event's log time (an add on the rank, or the writer's Tick
+    when the stream is idle), so a replay reclaims it at the same point of the log. Dynamo's
+    60 s sweep on its own clock reclaimed at 345-360 s; here it is 300-330 s of log time."""
+    s = tracker()
+    t0 = s.now_ns
+    register(s, 1)
+    assert s.apply(AddRequest("old", 1, 0, block_hashes=[1, 2], prefill_tokens=64),
+                   t0 + 1 * S).outcome == "applied"  # fmt: skip
+    for at_s in range(30, 301, 30):  # a Tick every 30 s: nothing is old enough yet
+        assert s.apply(Tick(), t0 + at_s * S).expired == []
+    assert loads(s) == [(1, 0, 64, 2)]
+    assert s.apply(Tick(), t0 + 330 * S).expired == ["old"]
+    assert loads(s) == [(1, 0, 0, 0)]
+    # Gone as a free leaves it: prefill_complete 404, free 200, the id free for reuse.
+    assert s.apply(MarkPrefillCompleted("old", 1), s.now_ns).outcome == "unknown_request"
+    assert s.apply(Free("old", 1), s.now_ns).outcome == "unknown_request"
+    assert s.apply(AddRequest("old", 1, 0, block_hashes=[3]), s.now_ns).outcome == "applied"
 
 
 def test_snapshots_keep_the_rules_and_the_block_size() -> None:

@@ -28,7 +28,26 @@ def test_every_pair_round_trips_through_a_valid_namespace(model: str, group: str
     assert tracker_of(namespace) == (model, group)
 
 
-@pytest.mark.parametrize("namespace", ["default", "st-a-b-c", "st-a_2", "st-_ZZ-x", "st-_FF-x"])
+@given(st.text(), st.text(), st.text())
+def test_a_deployment_keeps_its_own_trackers(model: str, group: str, deployment: str) -> None:
+    namespace = namespace_for(model, group, deployment)
+    assert Config(namespace=namespace).namespace == namespace
+    assert tracker_of(namespace, deployment) == (model, group)
+    if deployment != "default":
+        assert namespace != namespace_for(model, group)
+        with pytest.raises(NotATrackerNamespace):
+            tracker_of(namespace)
+
+
+def test_a_deployment_is_a_third_token() -> None:
+    assert namespace_for("Qwen", "default", "staging") == "st-Qwen-default-staging"
+    assert namespace_for("Qwen", "default", "default") == "st-Qwen-default"
+    with pytest.raises(NotATrackerNamespace):
+        tracker_of("st-Qwen-default", "staging")
+
+
+@pytest.mark.parametrize("namespace", ["default", "st-a-b-c-d", "st-a_2", "st-_ZZ-x", "st-_FF-x",
+                                       "st-a-b-_FF"])  # fmt: skip
 def test_other_namespaces_are_refused(namespace: str) -> None:
     with pytest.raises(NotATrackerNamespace):
-        tracker_of(namespace)
+        tracker_of(namespace, "c")

@@ -1,0 +1,122 @@
+"""``seqstate serve-http`` as a client meets it: the process started the way the README shows
+it (its defaults, but a free port), and raw HTTP/1.1 over a socket, pipelined when asked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pipeline_kit import REPO, name_flags
+
+from projector.config import Config
+
+WAIT_S = 30.0
+JSON_TYPE = "application/json"
+
+
+class Reply:
+    """One response: ``status``, ``body`` (parsed JSON, None when empty), ``headers`` (lower
+    case names), ``raw`` (the body's bytes)."""
+
+    def __init__(self, status: int, headers: dict[str, str], raw: bytes) -> None:
+        self.status, self.headers, self.raw = status, headers, raw
+        self.body = json.loads(raw) if raw else None
+
+    def __iter__(self) -> Any:  # status, body = reply
+        return iter((self.status, self.body))
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.status, self.body)[index]
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == other if isinstance(other, tuple) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Reply({self.status}, {self.body!r})"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def serve_http(url: str, config: Config, *extra: str) -> AsyncIterator[int]:
+    """``seqstate serve-http`` with its defaults but the port; yields the port once /health
+    answers."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    env["NATS_URL"] = url
+    proc = subprocess.Popen([sys.executable, "-m", "projector", "serve-http", "--host",
+                             "127.0.0.1", "--port", str(port), *name_flags(config), *extra],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while True:
+            assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode()
+            with contextlib.suppress(OSError):
+                status, _ = (await exchange(port, [("GET", "/health", None)]))[0]
+                if status == 200:
+                    break
+            assert asyncio.get_running_loop().time() < deadline, "serve-http did not answer"
+            await asyncio.sleep(0.05)
+        yield port
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def request(method: str, path: str, body: Any = None, *, content_type: str | None = JSON_TYPE,
+            raw: bytes | None = None) -> bytes:  # fmt: skip
+    """One request's bytes: ``body`` as JSON, or ``raw`` bytes as they are."""
+    data = raw if raw is not None else b"" if body is None else json.dumps(body).encode()
+    head = f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(data)}\r\n"
+    if content_type is not None and (body is not None or raw is not None):
+        head += f"content-type: {content_type}\r\n"
+    return (head + "\r\n").encode() + data
+
+
+async def exchange(port: int, calls: list[tuple[str, str, Any] | bytes]) -> list[Reply]:
+    """Send every call on one connection at once (pipelined), then read the answers in order.
+    A call is ``(method, path, JSON body or None)`` or a request's raw bytes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"".join(c if isinstance(c, bytes) else request(*c) for c in calls))
+        answers = []
+        for call in calls:
+            status_line = await asyncio.wait_for(reader.readline(), WAIT_S)
+            status = int(status_line.split()[1])
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode().partition(":")
+                headers[name.strip().lower()] = value.strip()
+            head_only = not isinstance(call, bytes) and call[0] == "HEAD"
+            length = 0 if head_only else int(headers.get("content-length", 0))
+            answers.append(Reply(status, headers, await reader.readexactly(length)))
+        return answers
+    finally:
+        writer.close()
+
+
+def rows(answer: Reply | tuple[int, Any]) -> list[tuple[Any, ...]]:
+    """``/loads`` rows as (model, worker, rank, prefill tokens, blocks)."""
+    status, body = answer
+    assert status == 200, answer
+    return [(r["model_name"], r["worker_id"], r["dp_rank"], r["active_prefill_tokens"],
+             r["active_decode_blocks"]) for r in body]  # fmt: skip
