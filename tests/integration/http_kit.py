@@ -20,6 +20,7 @@ from projector.config import Config
 
 WAIT_S = 30.0
 JSON_TYPE = "application/json"
+RUNNING: dict[int, subprocess.Popen[bytes]] = {}  # port: its serve-http, for a test to kill
 
 
 class Reply:
@@ -70,8 +71,10 @@ async def serve_http(url: str, config: Config, *extra: str) -> AsyncIterator[int
                     break
             assert asyncio.get_running_loop().time() < deadline, "serve-http did not answer"
             await asyncio.sleep(0.05)
+        RUNNING[port] = proc
         yield port
     finally:
+        RUNNING.pop(port, None)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -90,6 +93,13 @@ def request(method: str, path: str, body: Any = None, *, content_type: str | Non
     if content_type is not None and (body is not None or raw is not None):
         head += f"content-type: {content_type}\r\n"
     return (head + "\r\n").encode() + data
+
+
+def kill(port: int) -> None:
+    """SIGKILL the serve-http on ``port``: no goodbye, its lease left to expire."""
+    proc = RUNNING[port]
+    proc.kill()
+    proc.wait(10)
 
 
 async def exchange(port: int, calls: list[tuple[str, str, Any] | bytes]) -> list[Reply]:

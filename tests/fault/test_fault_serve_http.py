@@ -1,0 +1,111 @@
+"""Issue 12: a ``serve-http`` process that runs a tracker's writer and projector is SIGKILLed in
+the middle of a pipelined run while a second one serves on; the second takes the tracker over,
+the first comes back, and in the end both answer ``/loads`` as one uninterrupted fold of the
+log says, and the bucket holds exactly what that fold's deltas write."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+from fault_kit import bucket_position, fault_config, fold_differences, fold_log, wait_until
+from http_kit import exchange, kill, request, rows, serve_http
+from nats.aio.client import Client
+from pipeline_kit import bucket_values
+
+from projector.server import NatsServer
+from projector.tracker_names import namespace_for
+from projector.values import position_key
+
+M = "Qwen/Qwen3-8B"
+WORKERS = 4
+
+
+def calls(seed: int, n: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """Adds sharing prefixes, duplicate adds, marks and frees (some of ids never added)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.getrandbits(63) for _ in range(rng.randint(1, 6))] for _ in range(5)]
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    live: list[str] = []
+    for i in range(n):
+        roll = rng.random()
+        if roll < 0.45 or not live:
+            rid = rng.choice(live) if live and rng.random() < 0.1 else f"r{seed}-{i}"
+            hashes = rng.choice(prefixes) + [rng.getrandbits(63) for _ in range(rng.randint(0, 3))]
+            out.append(("POST", "/add", {
+                "model_name": M, "request_id": rid, "worker_id": rng.randrange(WORKERS),
+                "dp_rank": rng.randrange(2), "sequence_hashes": hashes,
+                "new_isl_tokens": rng.choice([0, 16, 384])}))  # fmt: skip
+            live.append(rid)
+        elif roll < 0.65:
+            body = {"model_name": M, "request_id": rng.choice([*live, "never"])}
+            out.append(("POST", "/prefill_complete", body))
+        else:
+            rid = live.pop(rng.randrange(len(live))) if rng.random() < 0.9 else "ghost"
+            out.append(("POST", "/free", {"model_name": M, "request_id": rid}))
+    return out
+
+
+async def send_then_kill(port: int, chunk: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Pipeline ``chunk`` to ``port`` and SIGKILL the process once its first answer is back:
+    the rest are stored, half-done or never read, wherever the kill finds them."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"".join(request(*call) for call in chunk))
+        await writer.drain()
+        assert (await reader.readline()).startswith(b"HTTP/1.1 ")
+        kill(port)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_a_killed_serving_process_leaves_the_ledger_a_replay_of_the_log(
+    nc: Client, nats_server: NatsServer, seed: int
+) -> None:
+    config = fault_config("fh")
+    tracker = dataclasses.replace(config.with_namespace(namespace_for(M, "default",
+                                                                      config.namespace)),
+                                  rules="slot-tracker", worker_grace_s=0.0)  # fmt: skip
+    work = calls(seed, 400)
+    chunks = [work[i : i + 25] for i in range(0, len(work), 25)]
+    url = nats_server.url
+    async with serve_http(url, config) as first, serve_http(url, config) as second:
+        registered = await exchange(first, [("POST", "/register", {
+            "model_name": M, "worker_id": w, "block_size": 16, "dp_start": 0, "dp_size": 2})
+            for w in range(WORKERS)])  # fmt: skip
+        assert [r.status for r in registered] == [201] * WORKERS
+        # The first registered the tracker, so it runs its writer and projector: kill it with
+        # a chunk in flight, while the second goes on (and takes the tracker over).
+        for n, chunk in enumerate(chunks[:4]):
+            assert all(r.status in (200, 201, 404, 409)
+                       for r in await exchange((first, second)[n % 2], chunk))  # fmt: skip
+        await send_then_kill(first, chunks[4])
+        for chunk in chunks[5:10]:
+            assert all(r.status in (200, 201, 404, 409) for r in await exchange(second, chunk))
+    async with serve_http(url, config) as again, serve_http(url, config) as other:
+        for n, chunk in enumerate(chunks[10:]):
+            assert all(r.status in (200, 201, 404, 409)
+                       for r in await exchange((again, other)[n % 2], chunk))  # fmt: skip
+        fold = await fold_log(nc, tracker)
+        fold.state.sync_registry()
+        want = [(M, r.worker_id, r.dp_rank, r.active_prefill_tokens, r.active_blocks)
+                for r in fold.state.registry.loads(fold.last_ns)]  # fmt: skip
+        assert len(want) == 2 * WORKERS and any(row[4] for row in want)
+        js = nc.jetstream()
+        await wait_until(lambda: bucket_position(js, tracker), lambda p: p.applied_seq == fold.last,
+                         "the bucket at the log's last event")  # fmt: skip
+        for port in (again, other):
+
+            async def loads_of(port: int = port) -> list[tuple[Any, ...]]:
+                return rows((await exchange(port, [("GET", "/loads", None)]))[0])
+
+            assert await wait_until(loads_of, lambda got: got == want, f"/loads on {port}") == want
+    values = await bucket_values(nc, tracker)
+    values.pop(position_key(tracker.namespace))
+    image = fold.image.everything()
+    image.pop(position_key(tracker.namespace), None)
+    assert fold_differences(image, values) == ""
