@@ -236,6 +236,11 @@ class SlotService:
             return _now(*await self._potential(namespace, parsed))
         if isinstance(parsed, RegisterBody):
             problem = register_problem(parsed)
+            if problem is None and parsed.dp_size > self.config.max_ranks_per_worker:
+                # Dynamo has no bound; the ledger does (a worker's ranks are its keys).
+                problem = (f"dp_size {parsed.dp_size} is over this ledger's bound of "
+                           f"{self.config.max_ranks_per_worker} ranks per worker "
+                           "(--max-ranks-per-worker)")  # fmt: skip
             if problem is not None:
                 return _now(400, {"error": problem})
             tracker: _Tracker | None = await self._open(namespace)

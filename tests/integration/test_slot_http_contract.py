@@ -105,6 +105,9 @@ async def test_every_status_and_error_text_of_the_contract(
              {"error": "dp range overflows u32: start=4294967290 size=6"}),
             (reg(1, start=4_294_967_290, size=5), 201, OK),  # ends at u32::MAX: allowed
             (unreg(1), 200, OK),
+            # seqstate's own bound, where Dynamo has none (a worker's ranks are keys)
+            (reg(1, size=1025), 400, {"error": "dp_size 1025 is over this ledger's bound of "
+                                               "1024 ranks per worker (--max-ranks-per-worker)"}),
             (reg(1, size=2), 201, OK),
             (reg(1, start=5, size=1), 409, {"error": f"worker 1 already registered for {W}"}),
             (reg(2, block=32), 409,
