@@ -38,6 +38,12 @@ from projector.outcomes import Outcomes
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
 from projector.resources import ensure
+from projector.serde_errors import (
+    PARSE_PREFIX,
+    accepted_fields,
+    error_for_accepted,
+    extractor_error,
+)
 from projector.slot_api import (
     OK,
     AddBody,
@@ -224,13 +230,21 @@ class SlotService:
             return _now(200, await self._workers(query))
         if content_type is None or not _is_json(content_type):
             return _now(415, {"error": "Expected request with `Content-Type: application/json`"})
+        decoder = _DECODERS[path]
         try:
-            parsed = _DECODERS[path].decode(body)
-        except msgspec.ValidationError as exc:
-            return _now(422, {"error": f"Failed to deserialize the JSON body into the target "
-                                       f"type: {exc}"})  # fmt: skip
-        except msgspec.DecodeError as exc:
-            return _now(400, {"error": f"Failed to parse the request body as JSON: {exc}"})
+            parsed = decoder.decode(body)
+        except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+            refused = extractor_error(path, body)
+            if refused is not None:
+                return _now(refused[0], {"error": refused[1]})
+            try:  # one of the few bodies serde reads and msgspec does not
+                parsed = msgspec.convert(accepted_fields(path, body), decoder.type)
+            except (ValueError, RecursionError, msgspec.ValidationError) as exc:
+                return _now(400, {"error": f"{PARSE_PREFIX}{exc}"})
+        else:
+            refused = error_for_accepted(path, body)
+            if refused is not None:
+                return _now(refused[0], {"error": refused[1]})
         namespace = namespace_for(parsed.model_name, parsed.routing_group, self.config.namespace)
         if isinstance(parsed, PotentialLoadsBody):
             return _now(*await self._potential(namespace, parsed))
