@@ -32,6 +32,15 @@ def read_stream(stream: str) -> list[str]:
     ]  # fmt: skip
 
 
+def subscriptions(config: Config, role: str) -> list[str]:
+    """Per role: the subjects it may subscribe to. Every role gets its inbox; the writer and
+    the projector also answer NATS service discovery (``nats micro``: projector.discovery)
+    and their status endpoint, replying to whoever asked (``allow_responses``)."""
+    if role in ("writer", "projector"):
+        return ["_INBOX.>", "$SRV.>", f"seqstate.svc.{config.namespace}.{role}.>"]
+    return ["_INBOX.>"]
+
+
 def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     """Per role: what it is for, and the subjects it may publish to."""
     events, deltas, dead = config.events_stream, config.deltas_stream, dead_letter_stream(config)
@@ -59,8 +68,9 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
                       [*info, *provision, *read_stream(deltas), *read_stream(registry),
                        f"$KV.{config.registry_bucket}.>"]),
         "replay": ("an operator's read-only tools: replay (--verify), status, loads, watch, "
-                   "snapshot list/show",
-                   [*info, *(subject for s in streams for subject in read_stream(s))]),
+                   "snapshot list/show, nats micro list|info|stats",
+                   [*info, *(subject for s in streams for subject in read_stream(s)), "$SRV.>",
+                    f"seqstate.svc.{config.namespace}.>"]),
         "demo": ("the demo router: a router that also shows the registry's live table",
                  [config.events_subjects, *info, *read_stream(registry)]),
     }  # fmt: skip
@@ -78,7 +88,8 @@ HEADER = """\
 # pair by `nkey: U...`; for JWTs (SEQSTATE_NATS_CREDS) give nsc the same allow lists.
 #
 # Every role subscribes to _INBOX.>: replies (the JetStream API, publish acks) and push
-# consumers' deliveries land there. So a client of this account can read replies meant for
+# consumers' deliveries land there. The writer and the projector also answer `nats micro`
+# discovery ($SRV.>) and their status endpoint, replying to whoever asked. So a client of this account can read replies meant for
 # another's inbox: give a client you do not trust an account of its own.
 #
 # Use: nats-server -js -c deploy/nats-roles.conf   (compose.yaml does).
@@ -97,7 +108,10 @@ def render(config: Config) -> str:
         out.append("          publish: { allow: [")
         out += [f'            "{subject}"' for subject in dict.fromkeys(publish)]
         out.append("          ] }")
-        out.append('          subscribe: { allow: ["_INBOX.>"] }')
+        allowed = ", ".join(f'"{subject}"' for subject in subscriptions(config, role))
+        out.append(f"          subscribe: {{ allow: [{allowed}] }}")
+        if role in ("writer", "projector"):
+            out.append("          allow_responses: true")
         out.append("        } }")
     out += ["    ]", "  }", "}", ""]
     return "\n".join(out)

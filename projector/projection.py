@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -47,6 +48,7 @@ from projector.bucket import BucketView, read_bucket
 from projector.config import Config
 from projector.dead_letters import DeadLetters
 from projector.delta_log import chain_problem
+from projector.discovery import announced
 from projector.image import BucketImage, Write
 from projector.lag import Lag, LagWatch, LagWatched, projector_lag
 from projector.lease import DEFAULT_TTL_S, Lease, LeaseLost
@@ -130,6 +132,20 @@ class Projector(LagWatched):
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def run(self) -> None:
+        async with announced(self.nc, self.config, "projector", self.status):
+            await self._run()
+
+    def status(self) -> dict[str, Any]:
+        """What ``nats micro stats`` and the status endpoint show (projector.discovery)."""
+        lag, stats = self.lag, self.stats
+        return {"kind": "projector", "namespace": self.config.namespace,
+                "applied_seq": self.flushed.value, "delta_seq": self.flushed_delta_seq,
+                "deltas": stats.deltas, "flushes": stats.flushes,
+                "keys_written": stats.keys_written, "keys_deleted": stats.keys_deleted,
+                "dead_letters": stats.dead_letters, "holds_lease": self.lease is not None,
+                "lag_events": lag.events, "lag_s": lag.oldest_age_s}  # fmt: skip
+
+    async def _run(self) -> None:
         await ensure(self.nc, self.config)
         if self._held_lease is not None:
             self.lease = self._held_lease

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
@@ -39,6 +40,7 @@ from nats.js import JetStreamContext
 from projector.config import Config
 from projector.dead_letters import DeadLetters
 from projector.delta_log import ACK_TIMEOUT_S, DeltaLog
+from projector.discovery import announced
 from projector.lag import Lag, LagWatch, LagWatched, writer_lag
 from projector.progress import Progress
 from projector.resources import ensure
@@ -108,6 +110,23 @@ class Writer(LagWatched):
         self.lag_watch = LagWatch("writer", self._measure_lag, config, log)
 
     async def run(self) -> None:
+        async with announced(self.nc, self.config, "writer", self.status):
+            await self._run()
+
+    def status(self) -> dict[str, Any]:
+        """What ``nats micro stats`` and the status endpoint show (projector.discovery)."""
+        lag, stats = self.lag, self.stats
+        return {"kind": "writer", "namespace": self.config.namespace,
+                "applied_seq": self.applied.value, "applied": stats.applied,
+                "deltas_published": stats.deltas_published,
+                "dead_letters": stats.dead_letters, "ticks_published": stats.ticks_published,
+                "last_snapshot_seq": stats.last_snapshot_seq,
+                "snapshots_saved": stats.snapshots_saved, "lag_events": lag.events,
+                "lag_s": lag.oldest_age_s,
+                "outcomes": {k: n for k, n in sorted(self.state.counters.items()) if n},
+                }  # fmt: skip
+
+    async def _run(self) -> None:
         await ensure(self.nc, self.config)
         self._published_up_to = await self.deltas.open()
         self.stats.last_delta_seq = self._published_up_to

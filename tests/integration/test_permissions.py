@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -138,6 +139,12 @@ async def test_each_role_does_its_job_with_its_own_credential(
                 assert view.potential_loads(query, 64, now) == state.registry.potential_loads(
                     query, 64, now
                 )
+        # An operator finds the writer and the projector as NATS services (nats micro).
+        for kind in ("writer", "projector"):
+            info = json.loads((await onc.request(f"$SRV.INFO.seqstate-{kind}", b"", 10)).data)
+            assert info["metadata"]["namespace"] == "default"
+            status = await onc.request(f"seqstate.svc.default.{kind}.status", b"", 10)
+            assert json.loads(status.data)["kind"] == kind
     assert violations(caplog) == []
 
 
