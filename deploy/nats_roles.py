@@ -88,9 +88,10 @@ HEADER = """\
 # pair by `nkey: U...`; for JWTs (SEQSTATE_NATS_CREDS) give nsc the same allow lists.
 #
 # Every role subscribes to _INBOX.>: replies (the JetStream API, publish acks) and push
-# consumers' deliveries land there. The writer and the projector also answer `nats micro`
-# discovery ($SRV.>) and their status endpoint, replying to whoever asked. So a client of this account can read replies meant for
-# another's inbox: give a client you do not trust an account of its own.
+# consumers' deliveries land there. So a client of this account can read replies meant for
+# another's inbox: give a client you do not trust an account of its own. The writer and the
+# projector also answer `nats micro` discovery ($SRV.>) and their status endpoint, replying
+# to whoever asked.
 #
 # Use: nats-server -js -c deploy/nats-roles.conf   (compose.yaml does).
 """

@@ -44,7 +44,7 @@ async def answers(nc: Client, subject: str, config: Config, done: Any) -> list[d
 
 
 def namespace_of(answer: dict[str, Any]) -> str | None:
-    if "metadata" in answer and answer["metadata"]:
+    if answer.get("metadata"):
         return str(answer["metadata"].get("namespace"))
     for endpoint in answer.get("endpoints", []):
         data = endpoint.get("data") or {}
