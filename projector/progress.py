@@ -35,3 +35,19 @@ class Progress:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (seq, next(self._ids), future))
         await asyncio.wait_for(future, timeout)
+
+    def release(self, seq: int) -> None:
+        """Wake the waiters of exactly ``seq`` now: their sequence was settled another way (an
+        event the writer refused, which no later position would name)."""
+        if not any(target == seq for target, _, _ in self._waiters):
+            return
+        kept = []
+        for item in self._waiters:
+            if item[0] == seq:
+                if not item[2].done():
+                    item[2].set_result(None)
+            else:
+                kept.append(item)
+        heapq.heapify(kept)
+        self._waiters = kept
+

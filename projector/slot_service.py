@@ -274,6 +274,8 @@ class SlotService:
     ) -> tuple[int, object]:
         """The answer to a stored event: the writer's outcome of it."""
         result = await tracker.outcomes.of(seq, self.outcome_wait_s)
+        if result.outcome is None:  # refused by the writer: nothing for a view to show
+            return answer(path, parsed, None)
         namespace = tracker.config.namespace
         if seq > self._answered.get(namespace, 0):
             self._answered[namespace] = seq

@@ -325,3 +325,21 @@ async def test_the_transport_as_axum_serves_it(nc: Client, nats_server: NatsServ
         assert [r.status for r in replies] == [201] + [201] * 40 + [200, 200, 200]
         assert rows(replies[41]) == [(M, 5, 0, 200, 40), (M, 5, 1, 200, 40)]
         assert rows(replies[43]) == [(M, 5, 0, 190, 38), (M, 5, 1, 200, 40)]
+
+
+async def test_a_registration_the_writer_refuses_is_a_500_at_once(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """Past ``--max-ranks`` the writer dead-letters the registration: answered 500 as soon as
+    its dead letter is stored (no later event settles it here: the idle Tick is ten minutes
+    away), and the reads after it are not kept waiting for a change that never comes."""
+    async with serve_http(nats_server.url, fresh_config("hm"), "--max-ranks", "2",
+                          "--idle-tick-s", "600") as port:  # fmt: skip
+        await run(port, [
+            (reg(1, size=2), 201, OK),
+            (reg(2), 500, {"error": "the ledger refused the event (see its dead letters)"}),
+            (loads(), 200, load_rows((1, 0, 0, 0), (1, 1, 0, 0))),
+            (add("a", 1, [1]), 201, OK),
+            (loads(), 200, load_rows((1, 0, 0, 1), (1, 1, 0, 0))),
+        ])  # fmt: skip
+
