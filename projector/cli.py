@@ -343,7 +343,8 @@ async def cmd_top(args: argparse.Namespace, config: Config) -> int:
     if args.interval <= 0:
         raise CliError(f"--interval {args.interval:g}: must be positive")
     catch_signals()
-    async with connect(require_url(config), service=True, config=config) as nc:
+    # Live, it rides out a NATS restart as watch does; --once is a one-shot read that fails fast.
+    async with connect(require_url(config), service=not args.once, config=config) as nc:
         view = CountingView(nc, config=config)
         async with view:
             view.reset_counts()  # what the start delivered is the state, not traffic

@@ -32,9 +32,9 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from projector.bucket import read_bucket
+from projector.bucket import BucketView, read_bucket
 from projector.config import Config
 from projector.stream import MSG_ID, first_seq_of, last_seq_of, log_time_ns
 from projector.values import LoadValue, Rank
@@ -62,6 +62,15 @@ class InspectError(SeqstateError, RuntimeError):
 
 def iso(ns: int) -> str:
     return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat(timespec="microseconds")
+
+
+async def bucket(nc: Client, config: Config, keys: str) -> BucketView:
+    """The namespace's current values under ``keys``; a missing bucket is one clear line."""
+    try:
+        return await read_bucket(nc, config, keys=keys)
+    except BucketNotFoundError:
+        raise InspectError(f"bucket {config.registry_bucket!r} does not exist: is a projector "
+                           "running?") from None  # fmt: skip
 
 
 # ---- reading a range of the events stream --------------------------------------------------
@@ -307,8 +316,8 @@ async def inspect_request(
 ) -> RequestReport:
     js = nc.jetstream()
     active: tuple[Rank, int, int] | None = None  # rank, slot, booking event
-    bucket = await read_bucket(nc, config, keys="req.>")
-    for rank, slots in bucket.slots.items():
+    held = await bucket(nc, config, "req.>")
+    for rank, slots in held.slots.items():
         for slot, value in slots.items():
             if value.request_id == request_id:
                 active = (rank, slot, value.applied_seq)
@@ -487,9 +496,9 @@ class WorkerReport:
 
 
 async def inspect_worker(nc: Client, config: Config, worker_id: int) -> WorkerReport:
-    loads = await read_bucket(nc, config, keys=f"load.{worker_id}.*")
-    reqs = await read_bucket(nc, config, keys=f"req.{worker_id}.>")
-    position = (await read_bucket(nc, config, keys="position")).position
+    loads = await bucket(nc, config, f"load.{worker_id}.*")
+    reqs = await bucket(nc, config, f"req.{worker_id}.>")
+    position = (await bucket(nc, config, "position")).position
     if not loads.loads:
         raise InspectError(f"worker {worker_id} is not in the registry of namespace "
                            f"{config.namespace!r}")  # fmt: skip

@@ -4,13 +4,18 @@ scripted lifecycle folded by a real pipeline."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
+import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 
 from nats.aio.client import Client
-from pipeline_kit import REPO, fresh_config, name_flags, run_cli
+from pipeline_kit import REPO, cli, fresh_config, name_flags, run_cli
 
 from projector.config import Config
 from projector.pipeline import Pipeline
@@ -251,3 +256,129 @@ async def test_watch_json_piped_prints_each_change_as_it_happens(
             proc.terminate()
             assert await asyncio.wait_for(proc.wait(), 15) == 0
             assert b"Traceback" not in await proc.stderr.read()
+
+
+class Terminal:
+    """A child process on a pseudo-terminal (160x40); what it drew, read in the background."""
+
+    def __init__(self, config: Config, url: str, *args: str, stdout_too: bool = True) -> None:
+        master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+        env.update(NATS_URL=url, TERM="xterm-256color", COLUMNS="160")
+        env.pop("NO_COLOR", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "projector", *args, *name_flags(config)], env=env, cwd=REPO,
+            stdin=subprocess.DEVNULL, stdout=slave if stdout_too else subprocess.PIPE,
+            stderr=slave,
+        )  # fmt: skip
+        os.close(slave)
+        self.master = master
+        self.chunks: list[bytes] = []
+        self.reader = threading.Thread(target=self._read)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: the child closed its end
+                return
+            if not chunk:
+                return
+            self.chunks.append(chunk)
+
+    @property
+    def screen(self) -> str:
+        return b"".join(self.chunks).decode(errors="replace")
+
+    async def until(self, *texts: str, timeout: float = 20) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not all(t in self.screen for t in texts):
+            assert self.proc.poll() is None, self.screen
+            assert asyncio.get_running_loop().time() < deadline, self.screen
+            await asyncio.sleep(0.05)
+
+    async def finish(self, timeout: float = 30) -> int:
+        code = await asyncio.to_thread(self.proc.wait, timeout)
+        await asyncio.to_thread(self.reader.join, 10)
+        os.close(self.master)
+        return code
+
+
+async def test_top_in_a_terminal_is_live_and_stops_cleanly(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    config = fresh_config("p")
+    async with Pipeline(nc, config) as pipeline:
+        await lifecycle(nc, config, pipeline)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            term = Terminal(config, nats_server.url, "top", "--interval", "0.2")
+            try:
+                await term.until(f"seqstate top · {config.namespace}", "events/s", "adds/s")
+                await term.until("Ctrl-C to quit")
+            finally:
+                term.proc.send_signal(sig)
+            assert await term.finish() == 0, term.screen
+            assert "Traceback" not in term.screen
+
+
+async def test_inspect_request_in_a_terminal_with_its_progress_bar(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    config = fresh_config("q")
+    async with Pipeline(nc, config) as pipeline:
+        seq = await lifecycle(nc, config, pipeline)
+        term = Terminal(config, nats_server.url, "inspect", "request", "r-done",
+                        stdout_too=False)  # fmt: skip
+        out = await asyncio.to_thread(term.proc.stdout.read)  # type: ignore[union-attr]
+        assert await term.finish() == 0, term.screen
+        assert "Traceback" not in term.screen
+        assert f"state:  ended: freed by event {seq['done.free']}" in out.decode()
+
+
+async def test_watch_piped_prints_the_table_at_each_change(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    config = fresh_config("r")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="w", config=config)
+        await pipeline.wait_applied(await pub.publish(WorkerAdded(worker_id=5)))
+        proc = await spawn(config, nats_server.url, "watch")
+        assert proc.stdout is not None and proc.stderr is not None
+
+        async def table() -> list[str]:
+            lines = []
+            while (line := (await asyncio.wait_for(proc.stdout.readline(), 15)).decode()) != "\n":  # type: ignore[union-attr]
+                lines.append(line.rstrip("\n"))
+            return lines
+
+        try:
+            first = await table()
+            assert first[0].split()[:3] == ["worker", "rank", "requests"]
+            assert first[1].split()[:4] == ["5", "0", "0", "0"]
+            s = await pub.add("z", 5, block_hashes=[4, 5, 6])
+            nxt = await table()
+            assert nxt[1].split()[:4] == ["5", "0", "1", "3"]
+            assert int(nxt[-1].split()[-1]) >= s  # "as of event N"
+        finally:
+            proc.terminate()
+            assert await asyncio.wait_for(proc.wait(), 15) == 0
+            assert b"Traceback" not in await proc.stderr.read()
+
+
+async def test_errors_are_one_line(nats_server: NatsServer) -> None:
+    config = fresh_config("e")  # nothing provisioned: no stream, no bucket
+    cases = [
+        (("inspect", "request", "r1"), nats_server.url, "bucket"),
+        (("inspect", "worker", "1"), nats_server.url, "bucket"),
+        (("top", "--once"), nats_server.url, "bucket"),
+        (("top", "--interval", "0"), nats_server.url, "--interval 0: must be positive"),
+        (("inspect", "request", "r1"), "nats://127.0.0.1:1", "cannot reach NATS"),
+        (("top", "--once"), "nats://127.0.0.1:1", "cannot reach NATS"),
+    ]
+    for args, url, said in cases:
+        out = await asyncio.to_thread(cli, config, url, *args)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(lines) == 1, (args, out.stderr)
+        assert lines[0].startswith("seqstate: error: ") and said in lines[0], (args, lines)
