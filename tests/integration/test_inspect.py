@@ -382,3 +382,21 @@ async def test_errors_are_one_line(nats_server: NatsServer) -> None:
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 1 and len(lines) == 1, (args, out.stderr)
         assert lines[0].startswith("seqstate: error: ") and said in lines[0], (args, lines)
+
+
+async def test_inspect_request_names_a_goodbye_that_ended_it(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    url = nats_server.url
+    config = fresh_config("g")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="rtr-b", config=config)
+        await pub.publish(WorkerAdded(worker_id=1))
+        await pub.start()  # its requests are its own from its first heartbeat on
+        await pub.add("r-bye", 1)
+        await pub.close(goodbye=True)  # frees what it holds: r-bye is orphaned by the goodbye
+        bye = await pub.flush() or 0
+        await pipeline.wait_applied(bye)
+        r = await inspect_json(config, url, "request", "r-bye")
+        assert (r["state"], r["router"]) == ("ended", "rtr-b")
+        assert r["detail"] == f"freed by its router's goodbye (event {bye})"
