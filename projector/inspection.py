@@ -481,7 +481,8 @@ class WorkerReport:
         for r in self.ranks:
             p = r.load.prefill
             ms = "-" if r.modeled_remaining_ms is None else f"{r.modeled_remaining_ms} ms"
-            lines.append(f"  rank {r.rank[1]}: {r.load.active_requests} requests, "
+            n = r.load.active_requests
+            lines.append(f"  rank {r.rank[1]}: {n} request{'' if n == 1 else 's'}, "
                          f"{r.load.active_blocks} active blocks")  # fmt: skip
             anchor = ("none" if p.anchored_since_ns is None else
                       f"{p.anchor_tokens} tokens since {iso(p.anchored_since_ns)}"

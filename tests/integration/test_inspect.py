@@ -153,7 +153,7 @@ async def test_inspect_worker_lists_ranks_requests_and_prefill(
 
         out = await run_cli(config, url, "inspect", "worker", "3")
         assert out.returncode == 0, out.stderr
-        assert "rank 1: 1 requests, 3 active blocks" in out.stdout
+        assert "rank 1: 1 request, 3 active blocks" in out.stdout
         assert "r-active  (booked at event" in out.stdout
         assert "prefill queue: 40 tokens queued" in out.stdout
 
