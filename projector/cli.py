@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -248,18 +249,23 @@ async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
-    from projector.live import render
+    """A live table in a terminal; elsewhere (or with --json) a record per change, flushed."""
     from projector.reader import RegistryView
 
     catch_signals()
-    console = Console()
     async with (
         connect(require_url(config), service=True, config=config) as nc,
         RegistryView(nc, config=config) as view,
     ):
+        if args.json or not sys.stdout.isatty():
+            await until_signal(print_changes(view, args.json), duration=args.duration)
+            return 0
+        from rich.console import Console
+        from rich.live import Live
+
+        from projector.live import render
+
+        console = Console()
 
         async def refresh() -> None:
             with Live(console=console, auto_refresh=False) as live:
@@ -271,6 +277,114 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
                     await asyncio.sleep(0.25)
 
         await until_signal(refresh(), duration=args.duration)
+    return 0
+
+
+async def print_changes(view: Any, as_json: bool) -> None:
+    """Until cancelled: each rank whose load changed as one JSON line (a removed rank as
+    ``{"worker_id", "dp_rank", "removed": true}``), or the whole table after each change;
+    every line flushed as it is written. The first output is the current state."""
+    from projector.live import plain_table
+
+    last: dict[tuple[int, int], Any] = {}
+    first = True
+    while True:
+        registry = view.registry
+        current = {rank: registry.load_of(rank) for rank in registry.ranks()}
+        changed = [rank for rank, load in current.items() if last.get(rank) != load]
+        removed = [rank for rank in last if rank not in current]
+        if changed or removed or first:
+            seq = view.applied_seq
+            rows = view.loads()
+            if as_json:
+                by_rank = {(r.worker_id, r.dp_rank): r for r in rows}
+                for rank in sorted(changed):
+                    record = {**msgspec.structs.asdict(by_rank[rank]), "applied_seq": seq}
+                    print(msgspec.json.encode(record).decode(), flush=True)
+                for rank in sorted(removed):
+                    print(msgspec.json.encode({"worker_id": rank[0], "dp_rank": rank[1],
+                                               "removed": True, "applied_seq": seq}).decode(),
+                          flush=True)  # fmt: skip
+            else:
+                print(plain_table(rows) + f"\nas of event {seq}\n", flush=True)
+        first = False
+        last = current
+        with contextlib.suppress(TimeoutError):
+            await view.wait_for(view.applied_seq + 1, timeout=0.5)
+
+
+async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
+    from projector.inspection import inspect_request, inspect_worker
+
+    if args.what == "worker":
+        try:
+            worker_id = int(args.id)
+        except ValueError:
+            raise CliError(f"inspect worker {args.id}: not a worker id (an integer)") from None
+        if worker_id < 0:
+            raise CliError(f"inspect worker {args.id}: not a worker id (an integer >= 0)")
+        async with connect(require_url(config), service=False, config=config) as nc:
+            report = await inspect_worker(nc, config, worker_id)
+        print(msgspec.json.encode(report.as_dict()).decode() if args.json else report.text())
+        return 0
+    if args.window < 1:
+        raise CliError(f"--window {args.window}: must be at least 1")
+    async with connect(require_url(config), service=False, config=config) as nc:
+        with progress_bar(not args.no_progress, "searching the log") as progress:
+            done = await inspect_request(nc, config, args.id, since_seq=args.since_seq,
+                                         window=args.window, progress=progress)  # fmt: skip
+    print(msgspec.json.encode(done.as_dict()).decode() if args.json else done.text())
+    return 0
+
+
+async def cmd_top(args: argparse.Namespace, config: Config) -> int:
+    from projector.top import CountingView, events_per_s, plain, render, sample, worker_rows
+
+    if args.interval <= 0:
+        raise CliError(f"--interval {args.interval:g}: must be positive")
+    catch_signals()
+    # Live, it rides out a NATS restart as watch does; --once is a one-shot read that fails fast.
+    async with connect(require_url(config), service=not args.once, config=config) as nc:
+        view = CountingView(nc, config=config)
+        async with view:
+            view.reset_counts()  # what the start delivered is the state, not traffic
+
+            def emit(before: Any, now: Any) -> None:
+                rows = worker_rows(view, before, now)
+                if args.json:
+                    for row in rows:
+                        print(msgspec.json.encode(row).decode(), flush=True)
+                else:
+                    print(plain(rows, now.applied_seq, events_per_s(before, now)) + "\n",
+                          flush=True)  # fmt: skip
+
+            async def loop() -> None:
+                before = sample(view)
+                if args.once:
+                    await asyncio.sleep(args.interval)
+                    emit(before, sample(view))
+                    return
+                if args.json or not sys.stdout.isatty():
+                    while True:
+                        await asyncio.sleep(args.interval)
+                        now = sample(view)
+                        emit(before, now)
+                        before = now
+                from rich.console import Console
+                from rich.live import Live
+
+                title = f"seqstate top · {config.namespace}"
+                with Live(console=Console(), auto_refresh=False) as live:
+                    prev: Any = None
+                    while True:
+                        now = sample(view)
+                        live.update(render(worker_rows(view, prev, now), title,
+                                           now.applied_seq, events_per_s(prev, now)),
+                                    refresh=True)  # fmt: skip
+                        prev = now
+                        await asyncio.sleep(args.interval)
+
+            await until_signal(loop(), duration=args.duration)
     return 0
 
 
@@ -470,6 +584,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Config], Coroutine[Any, Any, i
     "publish": cmd_publish,
     "loads": cmd_loads,
     "watch": cmd_watch,
+    "inspect": cmd_inspect,
+    "top": cmd_top,
     "status": cmd_status,
     "replay": cmd_replay,
     "rebuild": cmd_rebuild,

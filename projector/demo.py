@@ -22,6 +22,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
+from rich.console import RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
 
 from projector.config import Config
 from projector.publisher import RouterPublisher
@@ -34,6 +38,7 @@ from projector.workload import (
     WorkloadError,
     mooncake,
     synthetic,
+    trace_extent,
 )
 from seqstate import PotentialLoadRow, WorkerAdded
 
@@ -50,6 +55,9 @@ class DemoStats:
     peak_requests: int = 0
     started: float = field(default_factory=time.monotonic)
 
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
     def as_dict(self, view: RegistryView) -> dict[str, object]:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         s = view.staleness()
@@ -62,6 +70,59 @@ class DemoStats:
             "applied seq": s.applied_seq,
             "view age": f"{s.age_s * 1000:.0f} ms",
         }
+
+
+def clock(seconds: float) -> str:
+    """``1:02:03`` or ``2:03``: a span as an operator reads it."""
+    whole = max(int(seconds + 0.5), 0)
+    h, rest = divmod(whole, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+@dataclass
+class ReplayProgress:
+    """Where a replay is: requests routed of the total, the workload's own time, and an ETA.
+
+    ``total`` and ``span_s`` (the workload time of the last arrival) are known for a trace;
+    a synthetic workload has neither (it runs until stopped), and its ETA is the end of
+    ``--duration`` when one is given. The workload time is the replay's wall time times the
+    speed-up, so it is the trace's own clock (``timestamp`` of the lines being replayed).
+    """
+
+    speedup: float
+    total: int | None = None
+    span_s: float | None = None
+    duration_s: float | None = None
+
+    def fields(self, routed: int, elapsed_s: float) -> dict[str, str]:
+        trace_s = elapsed_s * self.speedup
+        out: dict[str, str] = {}
+        if self.total:
+            out["progress"] = f"{routed}/{self.total} ({routed / self.total:.0%})"
+        if self.span_s is not None:
+            trace_s = min(trace_s, self.span_s)
+            out["trace time"] = f"{clock(trace_s)}/{clock(self.span_s)}"
+        else:
+            out["trace time"] = clock(trace_s)
+        eta: float | None = None
+        if self.span_s is not None:
+            eta = (self.span_s - trace_s) / self.speedup
+        if self.duration_s is not None:
+            left = self.duration_s - elapsed_s
+            eta = left if eta is None else min(eta, left)
+        if self.total and routed >= self.total:
+            out["eta"] = "draining"
+        else:
+            out["eta"] = "until stopped" if eta is None else clock(max(eta, 0.0))
+        return out
+
+    def fraction(self, routed: int, elapsed_s: float) -> float | None:
+        if self.total:
+            return min(routed / self.total, 1.0)
+        if self.duration_s:
+            return min(elapsed_s / self.duration_s, 1.0)
+        return None
 
 
 def choose(rows: list[PotentialLoadRow], block_tokens: int) -> PotentialLoadRow:
@@ -166,6 +227,34 @@ class DemoRouter:
         await self.view.stop()
 
 
+def progress_of(args: argparse.Namespace) -> ReplayProgress:
+    """What the replay is measured against: the trace's extent, or only ``--duration``."""
+    if args.trace is not None:
+        total, span_s = trace_extent(args.trace)
+        speedup = 10.0 if args.speedup is None else args.speedup
+        return ReplayProgress(speedup, total, span_s, args.duration)
+    return ReplayProgress(1.0 if args.speedup is None else args.speedup,
+                          duration_s=args.duration)  # fmt: skip
+
+
+def progress_line(progress: ReplayProgress, stats: DemoStats) -> RenderableType:
+    """A bar (when there is a total to measure against) and the progress fields."""
+    elapsed = stats.elapsed()
+    fields = progress.fields(stats.routed, elapsed)
+    text = Text()
+    for i, (key, value) in enumerate(fields.items()):
+        text.append("   " if i else "")
+        text.append(f"{key} ", style="dim")
+        text.append(value, style="bold")
+    fraction = progress.fraction(stats.routed, elapsed)
+    if fraction is None:
+        return text
+    bar = ProgressBar(total=1.0, completed=fraction, width=30)
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(bar, text)
+    return grid
+
+
 def workload_from(args: argparse.Namespace) -> tuple[Iterator[DemoRequest], int, str]:
     """The workload the flags ask for, its block size and a name for the title."""
     if args.trace is not None:
@@ -185,12 +274,13 @@ def workload_from(args: argparse.Namespace) -> tuple[Iterator[DemoRequest], int,
 
 async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None:
     """The demo router plus a live table (or a line per second with ``--no-live``)."""
-    from rich.console import Console
+    from rich.console import Console, Group
     from rich.live import Live
 
     from projector.live import render
 
     workload, block_tokens, name = workload_from(args)
+    progress = progress_of(args)
     router = DemoRouter(nc, config, workers=args.workers, dp_size=args.dp_size,
                         workload=workload, block_tokens=block_tokens)  # fmt: skip
     await router.start()
@@ -201,6 +291,8 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
         if args.no_live or not console.is_terminal:
             while not driver.done():
                 s = router.stats.as_dict(router.view)
+                where = progress.fields(router.stats.routed, router.stats.elapsed())
+                s.update(where)
                 print(" ".join(f"{k}={v}" for k, v in s.items()), flush=True)
                 await asyncio.wait([driver], timeout=1.0)
         else:
@@ -208,7 +300,8 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
                 while not driver.done():
                     table = render(router.view.loads(), title=title,
                                    stats=router.stats.as_dict(router.view))  # fmt: skip
-                    live.update(table, refresh=True)
+                    live.update(Group(table, progress_line(progress, router.stats)),
+                                refresh=True)  # fmt: skip
                     await asyncio.wait([driver], timeout=0.25)
         driver.result()
     finally:

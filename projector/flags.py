@@ -57,6 +57,8 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "publish": READ + PROVISION,
     "loads": READ,
     "watch": READ,
+    "inspect": READ,
+    "top": READ,
     "status": READ + BEHIND,
     "replay": (*READ, *FOLD),
     "rebuild": (*READ, *PROVISION, *FOLD),
@@ -207,6 +209,30 @@ def build_parser() -> argparse.ArgumentParser:
     watch = command("watch", "a live table of the registry bucket")
     watch.add_argument("--duration", type=float, metavar="SECONDS",
                        help="stop after this many seconds")  # fmt: skip
+    watch.add_argument("--json", action="store_true",
+                       help="one JSON object per changed rank, as it changes")  # fmt: skip
+    inspect = command("inspect", "one request's owner, state and events; one worker's ranks",
+                      epilog="examples:\n  seqstate inspect request req-1\n"
+                      "  seqstate inspect request req-1 --since-seq 1   # the whole log\n"
+                      "  seqstate inspect worker 3 --json")  # fmt: skip
+    inspect.add_argument("what", choices=["request", "worker"])
+    inspect.add_argument("id", metavar="ID", help="a request id, or a worker id")
+    inspect.add_argument("--since-seq", type=int, metavar="N",
+                         help="for a request not in the bucket: look for its events from "
+                         "event N on (default: the newest --window events)")  # fmt: skip
+    inspect.add_argument("--window", type=int, default=100_000, metavar="N",
+                         help="for a request not in the bucket: how many of the newest events "
+                         "to look through (default: 100000)")  # fmt: skip
+    inspect.add_argument("--json", action="store_true", help="one JSON object")
+    inspect.add_argument("--no-progress", action="store_true", help="no progress bar")
+    top = command("top", "a live table of workers with their add and free rates")
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                     help="seconds between refreshes; the rates are over this (default: 1)")
+    top.add_argument("--once", action="store_true",
+                     help="print one table (rates over one interval) and exit")  # fmt: skip
+    top.add_argument("--json", action="store_true", help="JSON lines, one per worker")
+    top.add_argument("--duration", type=float, metavar="SECONDS",
+                     help="stop after this many seconds")  # fmt: skip
     status = command("status", "streams, consumers, the bucket's position and the lag")
     status.add_argument("--json", action="store_true", help="one JSON object")
     replay = command("replay", "fold the log into a fresh state and print per-rank loads")

@@ -15,6 +15,7 @@ this module can be tested without NATS.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import math
@@ -417,6 +418,34 @@ class MooncakeWorkload:
             emitted += 1
             if emitted == self.limit:
                 return
+
+
+class _Stamp(msgspec.Struct):
+    timestamp: int = 0
+
+
+_stamp_decoder = msgspec.json.Decoder(_Stamp)
+
+
+def trace_extent(path: str | Path, limit: int | None = None) -> tuple[int, float]:
+    """How many requests a Mooncake trace holds (at most ``limit``) and the trace time of the
+    last one, in seconds: what a replay's progress is measured against. One quick pass (only
+    each line's timestamp is decoded); a line that does not decode is left for the replay to
+    report where it stops."""
+    count, last_ms = 0, 0
+    try:
+        with Path(path).open("rb") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                if limit is not None and count >= limit:
+                    break
+                count += 1
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    last_ms = max(last_ms, _stamp_decoder.decode(raw).timestamp)
+    except OSError as exc:
+        raise WorkloadError(f"mooncake trace {path}: cannot read: {exc.strerror or exc}") from None
+    return count, last_ms / 1000.0
 
 
 def mooncake(

@@ -142,7 +142,7 @@ def test_a_bad_setting_is_one_line_naming_it_as_typed(
 def test_help_speaks_the_users_language() -> None:
     helps = {name: seqstate(name, "--help").stdout for name in
              ("run", "writer", "projector", "demo", "publish", "loads", "watch", "status",
-              "replay", "rebuild", "snapshot")}  # fmt: skip
+              "replay", "rebuild", "snapshot", "inspect", "top")}  # fmt: skip
     top = seqstate("--help").stdout
     helps = {name: " ".join(text.split()) for name, text in helps.items()}  # unwrapped
     for name, text in [*helps.items(), ("", top)]:
@@ -154,7 +154,8 @@ def test_help_speaks_the_users_language() -> None:
     for name in ("loads", "status", "publish", "writer"):
         assert "embedded" not in helps[name], name
         assert "--nats-url URL" in helps[name]
-    for name in ("loads", "watch", "status", "publish", "replay"):  # readers: no writer knobs
+    readers = ("loads", "watch", "status", "publish", "replay", "inspect", "top")
+    for name in readers:  # readers: no writer knobs
         for knob in ("--flush-interval-s", "--snapshot-every-events", "--idle-tick-s"):
             assert knob not in helps[name], (name, knob)
     writer = helps["writer"]
