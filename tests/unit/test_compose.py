@@ -444,3 +444,85 @@ def test_compose_secrets_stay_out_of_git_and_the_image():
     for line in example.splitlines():
         if line.startswith("SEQSTATE_") and "=" in line:
             assert line.split("=", 1)[1] == "", f"the example ships a password: {line}"
+
+
+# --- monitoring: metrics ports, health checks, Prometheus and Grafana -----------------------
+
+MONITORING = ("prometheus", "grafana")
+DEPLOY = ROOT / "deploy"
+
+
+def _metrics_port(service: dict[str, Any]) -> int:
+    return int(_environment(service)["SEQSTATE_METRICS_PORT"])
+
+
+def _mount_source(service: dict[str, Any], target: str) -> Path:
+    mounts = {t: s for s, t in _volume_mounts(service)}
+    assert target in mounts, f"{target} is not mounted: {mounts}"
+    return (COMPOSE_FILE.parent / str(mounts[target])).resolve()
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_pipeline_service_serves_metrics_and_is_healthy_only_when_ready(services, name):
+    service = services[name]
+    port = _metrics_port(service)
+    check = service.get("healthcheck") or {}
+    test = _argv(check.get("test", [])[1:]) if check.get("test", [None])[0] == "CMD" else []
+    assert test[:2] == ["python", "-c"], f"{name}: the image has python, not wget: {check}"
+    assert f"http://127.0.0.1:{port}/readyz" in test[2], test
+    # The probe must fail on a 503: urlopen raises on any HTTP error status.
+    assert "urllib.request.urlopen(" in test[2]
+    # The setting the environment names is one the command reads.
+    parser = projector.cli.build_parser()
+    args = parser.parse_args([name])
+    assert hasattr(args, "metrics_port"), f"`seqstate {name}` takes no --metrics-port"
+
+
+@pytest.mark.parametrize("name", MONITORING)
+def test_monitoring_runs_only_behind_its_profile_on_loopback(services, name):
+    service = services.get(name)
+    assert service is not None, f"compose.yaml has no {name!r} service"
+    assert "monitoring" in (service.get("profiles") or []), f"{name} must not start by default"
+    for port in service.get("ports") or []:
+        assert str(port).startswith("127.0.0.1:"), f"{name} publishes beyond loopback: {port}"
+
+
+def test_prometheus_scrapes_every_pipeline_service_on_its_metrics_port(services):
+    prometheus = services["prometheus"]
+    config_path = _mount_source(prometheus, "/etc/prometheus/prometheus.yml")
+    assert config_path == DEPLOY / "prometheus.yml"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in _argv(prometheus["command"])
+    config = yaml.safe_load(config_path.read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}  # fmt: skip
+    assert targets == {f"{name}:{_metrics_port(services[name])}" for name in PIPELINE}, targets
+
+
+def test_grafana_provisions_the_data_source_and_dashboard_it_names(services):
+    grafana = services["grafana"]
+    provisioning = _mount_source(grafana, "/etc/grafana/provisioning")
+    dashboards = _mount_source(grafana, "/var/lib/grafana/dashboards")
+    assert provisioning == DEPLOY / "grafana" / "provisioning"
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    (source,) = sources["datasources"]
+    prometheus_port = int(str(services["prometheus"]["ports"][0]).rsplit(":", 1)[-1])
+    assert source["url"] == f"http://prometheus:{prometheus_port}"
+    providers = yaml.safe_load((provisioning / "dashboards" / "seqstate.yml").read_text())
+    (provider,) = providers["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    files = sorted(dashboards.glob("*.json"))
+    assert [f.name for f in files] == ["seqstate.json"]
+    dashboard = json.loads(files[0].read_text())
+    home = _environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"/var/lib/grafana/dashboards/{files[0].name}"
+    used = {json.dumps(p["datasource"], sort_keys=True) for p in _panels(dashboard)
+            if p["type"] != "row"}  # fmt: skip
+    assert used == {json.dumps({"type": "prometheus", "uid": source["uid"]}, sort_keys=True)}
+
+
+def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out

@@ -1,0 +1,97 @@
+"""deploy/grafana/dashboards/seqstate.json names only metrics the code exports.
+
+Every PromQL expression of every panel and template variable is read for its metric names
+(identifiers outside label matchers, ranges, grouping clauses and strings, not followed by
+``(``), and each must be a series name the code's registry exposes, histogram and counter
+suffixes included. A renamed metric then fails here, not on an operator's blank panel.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "seqstate.json"
+KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
+            "and", "or", "unless", "inf", "nan"}  # fmt: skip
+IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges and subqueries
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
+    expr = re.sub(r"label_values\(\s*([^,)]+)(?:,[^)]*)?\)", r"(\1)", expr)
+    names = set()
+    for match in IDENT.finditer(expr):
+        rest = expr[match.end():].lstrip()
+        before = expr[: match.start()]
+        if rest.startswith("(") or match.group().lower() in KEYWORDS:
+            continue
+        if before and (before[-1].isdigit() or before[-1] == "."):  # 1e3, 0.5
+            continue
+        names.add(match.group())
+    return names
+
+
+def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+def _expressions(dashboard: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for p in _panels(dashboard) for t in p.get("targets", [])]
+    for variable in dashboard.get("templating", {}).get("list", []):
+        query = variable.get("query")
+        exprs.append(query["query"] if isinstance(query, dict) else str(query))
+    return exprs
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        ('seqstate_lag_events{namespace=~"$namespace"}', {"seqstate_lag_events"}),
+        ("histogram_quantile(0.99, sum by (le, role) (rate(x_bucket{a=\"b\"}[5m])))", {"x_bucket"}),
+        ("topk(10, a) / on (worker) group_left b offset 5m", {"a", "b"}),
+        ("label_values(seqstate_applied_seq, namespace)", {"seqstate_applied_seq"}),
+        ("sum(rate(a_total[1m])) * 1e3 > bool 0.5", {"a_total"}),
+    ],
+)
+def test_metric_names_are_read_from_promql(expr, names):
+    assert metric_names(expr) == names
+
+
+def test_dashboard_is_a_grafana_dashboard_with_unique_panels(dashboard):
+    assert dashboard["uid"] == "seqstate" and dashboard["schemaVersion"] >= 36
+    panels = _panels(dashboard)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), ids
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        refs = [t["refId"] for t in panel.get("targets", [])]
+        assert len(refs) == len(set(refs)), panel["title"]
+        if panel["type"] != "row":
+            assert refs and panel.get("description"), panel["title"]
+
+
+def test_every_metric_the_dashboard_names_is_exported(dashboard, exported_names):
+    named = set().union(*(metric_names(e) for e in _expressions(dashboard)))
+    assert named, "the dashboard names no metric"
+    missing = sorted(named - exported_names)
+    assert not missing, f"the dashboard names metrics the code does not export: {missing}"
