@@ -475,7 +475,7 @@ def test_pipeline_service_serves_metrics_and_is_healthy_only_when_ready(services
     # The setting the environment names is one the command reads.
     parser = projector.cli.build_parser()
     args = parser.parse_args([name])
-    assert hasattr(args, "metrics_port"), f"`seqstate {name}` takes no --metrics-port"
+    assert hasattr(args, "cfg_metrics_port"), f"`seqstate {name}` takes no --metrics-port"
 
 
 @pytest.mark.parametrize("name", MONITORING)
