@@ -28,7 +28,8 @@ UNDECODABLE = "undecodable"  # not an event (a delta) at all, or one with invali
 TOO_LARGE = "too_large"  # an event whose delta could never fit a message
 OUT_OF_BOUNDS = "out_of_bounds"  # an event that would pass the rank bounds
 IMPLAUSIBLE = "implausible"  # a delta no writer of the namespace could have written
-KINDS = (UNDECODABLE, TOO_LARGE, OUT_OF_BOUNDS, IMPLAUSIBLE)
+WRITER_KINDS = (UNDECODABLE, TOO_LARGE, OUT_OF_BOUNDS)  # of events
+PROJECTOR_KINDS = (UNDECODABLE, IMPLAUSIBLE)  # of deltas
 
 REASON = "Seqstate-Reason"
 SOURCE_STREAM = "Seqstate-Source-Stream"
@@ -48,13 +49,16 @@ def one_line(text: str, limit: int = REASON_CHARS) -> str:
 
 class DeadLetters:
     """Writes a namespace's dead letters; ``counts`` holds how many of each kind were written
-    (what the metrics export: read at scrape time, nothing to keep in step)."""
+    (what the metrics export: read at scrape time, nothing to keep in step), for each of the
+    ``kinds`` its consumer can write, so that each is a series from the start."""
 
-    def __init__(self, js: JetStreamContext, config: Config, *, max_payload: int) -> None:
+    def __init__(
+        self, js: JetStreamContext, config: Config, *, max_payload: int, kinds: tuple[str, ...]
+    ) -> None:
         self._js = js
         self._config = config
         self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
-        self.counts: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
 
     async def put(
         self, stream: str, seq: int, subject: str, payload: bytes, reason: str, *, kind: str
@@ -64,7 +68,7 @@ class DeadLetters:
         ``reason`` is free text for whoever reads the dead letter; ``kind`` (one of ``KINDS``)
         is the bounded word it is counted under."""
         if kind not in self.counts:
-            raise ValueError(f"dead letter kind {kind!r}: not one of {KINDS}")
+            raise ValueError(f"dead letter kind {kind!r}: not one of {tuple(self.counts)}")
         log.warning("dead letter: %s %d on %s: %s", stream, seq, subject, one_line(reason, 300))
         headers = {
             MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",

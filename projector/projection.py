@@ -48,7 +48,7 @@ from nats.js.kv import KV_DEL, KV_OP
 
 from projector.bucket import BucketView, read_bucket
 from projector.config import Config
-from projector.dead_letters import IMPLAUSIBLE, UNDECODABLE, DeadLetters
+from projector.dead_letters import IMPLAUSIBLE, PROJECTOR_KINDS, UNDECODABLE, DeadLetters
 from projector.delta_log import chain_problem
 from projector.discovery import announced
 from projector.image import BucketImage, Write
@@ -116,7 +116,8 @@ class Projector(LagWatched):
         self._lease_ttl_s, self._lease_renew_s = lease_ttl_s, lease_renew_s
         self.stats = ProjectorStats()
         self._js = nc.jetstream()
-        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
+        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload,
+                                        kinds=PROJECTOR_KINDS)
         self.image = BucketImage(config.namespace)
         self.delta_seq = 0  # sequence in the DELTAS stream of the last message handled
         self._position_dirty = False

@@ -38,7 +38,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from projector.config import Config
-from projector.dead_letters import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE, DeadLetters
+from projector.dead_letters import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE, WRITER_KINDS, DeadLetters
 from projector.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.discovery import announced
 from projector.lag import Lag, LagWatch, LagWatched, writer_lag
@@ -93,7 +93,8 @@ class Writer(LagWatched):
         self.snapshots: SnapshotStore | None = SnapshotStore(nc, config) if snapshots else None
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
-        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
+        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload,
+                                        kinds=WRITER_KINDS)
         self._bounds = config.rank_bounds
         self.deltas = DeltaLog(self._js, config, max_payload=nc.max_payload)
         self.snapshotter = Snapshotter(nc, config, self.snapshots, self.stats, self.deltas,
