@@ -315,3 +315,54 @@ async def test_a_scheduler_exports_a_views_per_worker_gauges_from_its_own_regist
     assert {name for name, _ in samples} == {
         "seqstate_worker_active_blocks", "seqstate_worker_active_prefill_tokens",
         "seqstate_worker_active_requests", "seqstate_worker_remaining_prefill_ms"}  # fmt: skip
+
+
+async def test_run_exports_each_workers_series_once_from_the_writer(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    config = fresh_config("mr")
+    await ensure(nc, config)
+    last = await publish(nc, config, SCRIPT)
+    port = free_port()
+    async with command(nats_server.url, tmp_path / "run.log", "run", *name_flags(config),
+                       "--idle-tick-s", "3600", "--tick-every-s", "3600", "--lag-check-s", "0.2",
+                       "--metrics-port", str(port)):  # fmt: skip
+        ns = config.namespace
+        both = await scrape_until(port, lambda s: all(
+            pick(s, "seqstate_applied_seq", namespace=ns, role=role) == last
+            and pick(s, "seqstate_lag_events", namespace=ns, role=role) == 0
+            for role in ("writer", "projector")), "both consumers at the last event")
+        _, _, text = await http_get(port, "/metrics")
+        status, _, body = await http_get(port, "/readyz")
+    assert (status, body) == (200, "ready\n")
+    assert gauges(both, ns) == folded_loads(await read_log(nc, config), config)
+    # Once each: three ranks, one sample per gauge and rank (not again from the projector).
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "seqstate_worker_active_requests"]  # fmt: skip
+    assert len(samples) == 3
+    assert pick(both, "seqstate_events_total", namespace=ns, outcome="applied") == APPLIED
+    assert (pick(both, "seqstate_kv_writes_total", namespace=ns) or 0) >= 4
+    assert pick(both, "seqstate_dead_letters_total", namespace=ns, role="writer",
+                reason="undecodable") == 1  # fmt: skip
+
+
+async def test_serve_http_exports_its_trackers_workers(nats_server: NatsServer) -> None:
+    from http_kit import exchange, serve_http
+
+    config = fresh_config("mh")
+    port = free_port()
+    m = {"model_name": "metrics-model"}
+    async with serve_http(nats_server.url, config, "--metrics-port", str(port)) as http:
+        answers = await exchange(http, [
+            ("POST", "/register", {**m, "worker_id": 3, "block_size": 16, "dp_start": 0,
+                                   "dp_size": 2}),
+            ("POST", "/add", {**m, "request_id": "a", "worker_id": 3, "dp_rank": 1,
+                              "sequence_hashes": [11, -12, 13], "new_isl_tokens": 200}),
+        ])  # fmt: skip
+        assert [status for status, _ in answers] == [201, 201]
+        samples = await scrape_until(port, lambda s: any(
+            v == 1 for v in series(s, "seqstate_worker_active_requests", worker="3",
+                                   dp_rank="1").values()), "the tracker's worker")
+        blocks = series(samples, "seqstate_worker_active_blocks", worker="3")
+        assert sorted(blocks.values()) == [0, 3]
+        assert (await http_get(port, "/readyz"))[0] == 200
