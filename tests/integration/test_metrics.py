@@ -366,3 +366,29 @@ async def test_serve_http_exports_its_trackers_workers(nats_server: NatsServer) 
         blocks = series(samples, "seqstate_worker_active_blocks", worker="3")
         assert sorted(blocks.values()) == [0, 3]
         assert (await http_get(port, "/readyz"))[0] == 200
+
+
+async def test_a_bad_or_taken_metrics_port_is_one_line(nats_server: NatsServer) -> None:
+    config = fresh_config("mp")
+
+    async def writer(*args: str) -> str:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "projector", "writer", *name_flags(config), *args,
+            env=cli_env(nats_server.url), cwd=REPO, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)  # fmt: skip
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 1, err
+        lines = [line for line in err.decode().splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("seqstate: error: "), lines
+        return lines[0]
+
+    line = await writer("--metrics-port", "70000")
+    assert line == ("seqstate: error: --metrics-port '70000': not a port: use 0-65535 (0: any "
+                    "free port), or 'off'")  # fmt: skip
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = await writer("--metrics-host", "127.0.0.1", "--metrics-port", str(port),
+                            "--log-level", "error")  # fmt: skip
+    assert line.startswith(f"seqstate: error: cannot listen on 127.0.0.1:{port} for metrics: ")
