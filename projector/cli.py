@@ -450,14 +450,16 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
     catch_signals()
     async with (
         connect(require_url(config), service=True, config=config) as nc,
-        slot_metrics(nc, config, service := SlotService(nc, config)),
+        slot_metrics(nc, config, service := SlotService(nc, config)) as metrics,
     ):
+        metrics.starting = "starting: opening the trackers"
         await service.start()
         try:
             server = await serve(service, args.host, args.port)
         except OSError as exc:
             await service.stop()
             raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+        metrics.starting = ""
         log.info("serving the slot-tracker API on http://%s:%d (%d trackers)", args.host,
                  args.port, len(service.trackers))  # fmt: skip
         try:
@@ -469,7 +471,7 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
 
 
 @contextlib.asynccontextmanager
-async def slot_metrics(nc: Client, config: Config, service: Any) -> AsyncIterator[None]:
+async def slot_metrics(nc: Client, config: Config, service: Any) -> AsyncIterator[Any]:
     """The metrics port of ``serve-http`` (when set): the per-worker gauges from its view of
     each tracker namespace; the counters and positions of the pipelines this replica runs
     (those whose lease it holds: none is required for it to be ready)."""
@@ -488,7 +490,7 @@ async def slot_metrics(nc: Client, config: Config, service: Any) -> AsyncIterato
     metrics.follow(PROJECTOR, lambda: [p.projector for p in pipelines()], per_worker=False,
                    required=False)  # fmt: skip
     async with serving(metrics, config):
-        yield
+        yield metrics
 
 
 async def cmd_worker(args: argparse.Namespace, config: Config) -> int:

@@ -165,6 +165,9 @@ class Metrics:
         self.nc = nc
         self.ready_lag_events = ready_lag_events
         self.sources: list[Source] = []
+        # Not ready for a reason of the command's own while set (serve-http: its API is not
+        # listening yet), whatever the consumers say.
+        self.starting = ""
         self.registry = CollectorRegistry(auto_describe=False)
         self.flush_seconds = Histogram(
             "seqstate_flush_seconds", "one flush: the projector's write of a batch of bucket "
@@ -203,6 +206,8 @@ class Metrics:
         backlog of any size, and only a measurement says it is not."""
         if self.nc is not None and not self.nc.is_connected:
             return False, "nats: disconnected"
+        if self.starting:
+            return False, self.starting
         for source, items in self.consumers():
             if not items and source.required:
                 return False, f"starting: no {source.role} running yet"
