@@ -17,7 +17,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -110,9 +110,13 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     from projector.pipeline import supervise
 
     stop = catch_signals()
-    async with nats_for(config, args.store_dir, args.port) as (nc, url):
+    async with (
+        nats_for(config, args.store_dir, args.port) as (nc, url),
+        pipeline_metrics(nc, config) as on_pipeline,
+    ):
         started = asyncio.Event()
-        supervisor = asyncio.ensure_future(supervise(nc, config, started=started))
+        supervisor = asyncio.ensure_future(supervise(nc, config, started=started,
+                                                     on_pipeline=on_pipeline))  # fmt: skip
         ready, stopped = asyncio.ensure_future(started.wait()), asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait([supervisor, ready, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -139,43 +143,84 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     return 0
 
 
+@contextlib.asynccontextmanager
+async def pipeline_metrics(
+    nc: Client, config: Config
+) -> AsyncIterator[Callable[[Any], None]]:
+    """The metrics port of ``run`` (when set); yields what the supervisor tells of each
+    pipeline it starts (None once one has stopped). The per-worker gauges come from the
+    writer's authoritative state; the projector adds its counters and position only."""
+    from projector.health import serving
+    from projector.metrics import PROJECTOR, WRITER, Metrics
+
+    current: list[Any] = []
+    metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+    metrics.follow(WRITER, lambda: [p.writer for p in current])
+    metrics.follow(PROJECTOR, lambda: [p.projector for p in current], per_worker=False)
+
+    def on_pipeline(pipeline: Any) -> None:
+        current[:] = [] if pipeline is None else [pipeline]
+        if pipeline is not None:
+            metrics.hook(WRITER, pipeline.writer)
+            metrics.hook(PROJECTOR, pipeline.projector)
+
+    async with serving(metrics, config):
+        yield on_pipeline
+
+
 class _Consumer(Protocol):
+    config: Config
+
     async def run(self) -> None: ...
     def stop(self) -> None: ...
 
 
-async def run_consumer(config: Config, make: Callable[[Client, Config], _Consumer]) -> int:
+async def run_consumer(
+    config: Config, make: Callable[[Client, Config], _Consumer], role: str
+) -> int:
     """One consumer until a signal, which *stops* it (final flush, final snapshot).
 
     A consumer that fails, or that fails while stopping, makes the command fail: the error
     is raised (one line, exit 1) so that its supervisor restarts it, never hidden behind the
-    exit status of a signal.
+    exit status of a signal. With ``--metrics-port`` its metrics and health are served
+    meanwhile (``role``: ``writer`` or ``projector``).
     """
+    from projector.health import serving
+    from projector.metrics import Metrics
+
     catch_signals()
     async with connect(require_url(config), service=True, config=config) as nc:
         consumer = make(nc, config)
-        task = asyncio.ensure_future(consumer.run())
-        try:
-            await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
-        finally:
-            consumer.stop()
-            done, _ = await asyncio.wait([task], timeout=STOP_TIMEOUT_S)
-        if not done:
-            raise CliError(f"the consumer did not stop within {STOP_TIMEOUT_S:g}s")
-        task.result()  # its failure, if it failed while stopping
+        metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+        metrics.follow(role, lambda: [consumer])
+        metrics.hook(role, consumer)
+        async with serving(metrics, config):
+            return await _until_stopped(consumer)
+
+
+async def _until_stopped(consumer: _Consumer) -> int:
+    task = asyncio.ensure_future(consumer.run())
+    try:
+        await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
+    finally:
+        consumer.stop()
+        done, _ = await asyncio.wait([task], timeout=STOP_TIMEOUT_S)
+    if not done:
+        raise CliError(f"the consumer did not stop within {STOP_TIMEOUT_S:g}s")
+    task.result()  # its failure, if it failed while stopping
     return 0
 
 
 async def cmd_writer(args: argparse.Namespace, config: Config) -> int:
     from projector.writer import Writer
 
-    return await run_consumer(config, Writer)
+    return await run_consumer(config, Writer, "writer")
 
 
 async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
     from projector.projection import Projector
 
-    return await run_consumer(config, Projector)
+    return await run_consumer(config, Projector, "projector")
 
 
 async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
@@ -403,13 +448,18 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
     from projector.slot_service import SlotService
 
     catch_signals()
-    async with connect(require_url(config), service=True, config=config) as nc:
-        service = await SlotService(nc, config).start()
+    async with (
+        connect(require_url(config), service=True, config=config) as nc,
+        slot_metrics(nc, config, service := SlotService(nc, config)) as metrics,
+    ):
+        metrics.starting = "starting: opening the trackers"
+        await service.start()
         try:
             server = await serve(service, args.host, args.port)
         except OSError as exc:
             await service.stop()
             raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+        metrics.starting = ""
         log.info("serving the slot-tracker API on http://%s:%d (%d trackers)", args.host,
                  args.port, len(service.trackers))  # fmt: skip
         try:
@@ -418,6 +468,29 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
             await close(server)
             await service.stop()
     return 0
+
+
+@contextlib.asynccontextmanager
+async def slot_metrics(nc: Client, config: Config, service: Any) -> AsyncIterator[Any]:
+    """The metrics port of ``serve-http`` (when set): the per-worker gauges from its view of
+    each tracker namespace; the counters and positions of the pipelines this replica runs
+    (those whose lease it holds: none is required for it to be ready)."""
+    from projector.health import serving
+    from projector.metrics import PROJECTOR, VIEW, WRITER, Metrics
+
+    def pipelines() -> list[Any]:
+        return [t.standby.pipeline for t in list(service.trackers.values())
+                if t.standby.pipeline is not None]  # fmt: skip
+
+    metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+    metrics.follow(VIEW, lambda: [t.view for t in list(service.trackers.values())],
+                   required=False)  # fmt: skip
+    metrics.follow(WRITER, lambda: [p.writer for p in pipelines()], per_worker=False,
+                   required=False)  # fmt: skip
+    metrics.follow(PROJECTOR, lambda: [p.projector for p in pipelines()], per_worker=False,
+                   required=False)  # fmt: skip
+    async with serving(metrics, config):
+        yield metrics
 
 
 async def cmd_worker(args: argparse.Namespace, config: Config) -> int:

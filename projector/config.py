@@ -138,6 +138,15 @@ class Config:
     nats_creds: str | None = _setting(
         None, "NATS credentials file (user JWT and seed, as nsc writes it)", "PATH"
     )
+    metrics_port: int | None = _setting(
+        None, "serve Prometheus /metrics, /healthz and /readyz on this port; 0: any free port "
+        "(logged); 'off' (the default): none", "PORT")  # fmt: skip
+    metrics_host: str = _setting(
+        "0.0.0.0", "the address the metrics port listens on (all of them, so that a scraper "
+        "outside the container reaches it)", "HOST")  # fmt: skip
+    ready_lag_events: int = _setting(
+        1000, "/readyz answers 200 only while the last lag measurement is at most this many "
+        "events", "N")  # fmt: skip
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS:
@@ -385,6 +394,11 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("nats_nkey_seed", _file),
     ("nats_creds", _file),
     ("nats_user", lambda v: "" if v is None or v.strip() else "must not be empty"),
+    ("metrics_port", lambda v: "" if v is None or 0 <= v <= 65_535
+     else "not a port: use 0-65535 (0: any free port), or 'off'"),
+    ("metrics_host", lambda v: "" if v.strip() and not any(c.isspace() for c in v)
+     else "not an address: a host name or an IP address"),
+    ("ready_lag_events", _not_negative),
 ]  # fmt: skip
 
 

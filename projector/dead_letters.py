@@ -22,6 +22,15 @@ from projector.stream import MSG_ID, SOURCE_SEQ
 
 log = logging.getLogger("seqstate.dead")
 
+# Why a message was dead-lettered, in one bounded word each: a metric's label
+# (``seqstate_dead_letters_total{reason}``), where the free-text reason could not go.
+UNDECODABLE = "undecodable"  # not an event (a delta) at all, or one with invalid fields
+TOO_LARGE = "too_large"  # an event whose delta could never fit a message
+OUT_OF_BOUNDS = "out_of_bounds"  # an event that would pass the rank bounds
+IMPLAUSIBLE = "implausible"  # a delta no writer of the namespace could have written
+WRITER_KINDS = (UNDECODABLE, TOO_LARGE, OUT_OF_BOUNDS)  # of events
+PROJECTOR_KINDS = (UNDECODABLE, IMPLAUSIBLE)  # of deltas
+
 REASON = "Seqstate-Reason"
 SOURCE_STREAM = "Seqstate-Source-Stream"
 SUBJECT = "Seqstate-Subject"
@@ -39,15 +48,27 @@ def one_line(text: str, limit: int = REASON_CHARS) -> str:
 
 
 class DeadLetters:
-    """Writes a namespace's dead letters (each consumer counts its own in its stats)."""
+    """Writes a namespace's dead letters; ``counts`` holds how many of each kind were written
+    (what the metrics export: read at scrape time, nothing to keep in step), for each of the
+    ``kinds`` its consumer can write, so that each is a series from the start."""
 
-    def __init__(self, js: JetStreamContext, config: Config, *, max_payload: int) -> None:
+    def __init__(
+        self, js: JetStreamContext, config: Config, *, max_payload: int, kinds: tuple[str, ...]
+    ) -> None:
         self._js = js
         self._config = config
         self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
+        self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
 
-    async def put(self, stream: str, seq: int, subject: str, payload: bytes, reason: str) -> None:
-        """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it."""
+    async def put(
+        self, stream: str, seq: int, subject: str, payload: bytes, reason: str, *, kind: str
+    ) -> None:
+        """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it.
+
+        ``reason`` is free text for whoever reads the dead letter; ``kind`` (one of ``KINDS``)
+        is the bounded word it is counted under."""
+        if kind not in self.counts:
+            raise ValueError(f"dead letter kind {kind!r}: not one of {tuple(self.counts)}")
         log.warning("dead letter: %s %d on %s: %s", stream, seq, subject, one_line(reason, 300))
         headers = {
             MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",
@@ -65,3 +86,4 @@ class DeadLetters:
         await retrying(lambda: self._js.publish(subject, kept, headers=headers,
                                                 timeout=ATTEMPT_TIMEOUT_S),
                        f"dead letter of {stream} {seq}")  # fmt: skip
+        self.counts[kind] += 1

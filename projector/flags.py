@@ -48,11 +48,12 @@ WRITER = (*FOLD, "idle_tick_s", "tick_every_s", "snapshot_every_events", "snapsh
 BEHIND = ("behind_warn_events", "behind_warn_s")  # when a consumer's lag is worth a warning
 LAG = (*BEHIND, "lag_check_s")  # what the writer and the projector watch of their lag
 PROJECTOR = ("flush_interval_s",)
+METRICS = ("metrics_port", "metrics_host", "ready_lag_events")  # the long-running consumers'
 READ = CONNECT + NAMES
 SETTINGS: dict[str, tuple[str, ...]] = {
-    "run": READ + PROVISION + WRITER + PROJECTOR + LAG,
-    "writer": READ + PROVISION + WRITER + LAG,
-    "projector": READ + PROVISION + PROJECTOR + LAG,
+    "run": READ + PROVISION + WRITER + PROJECTOR + LAG + METRICS,
+    "writer": READ + PROVISION + WRITER + LAG + METRICS,
+    "projector": READ + PROVISION + PROJECTOR + LAG + METRICS,
     "demo": READ + PROVISION,
     "publish": READ + PROVISION,
     "loads": READ,
@@ -70,6 +71,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
         *PROVISION,
         *(s for s in WRITER if s not in ("rules", "worker_grace_s")),
         *PROJECTOR,
+        *METRICS,
     ),
 }
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -49,23 +50,32 @@ async def supervise(
     started: asyncio.Event | None = None,
     backoff_s: float = 1.0,
     max_backoff_s: float = 30.0,
+    on_pipeline: Callable[[Pipeline | None], None] | None = None,
 ) -> None:
     """Run the pipeline until cancelled, restarting it after a failure a restart can mend.
 
-    ``started`` is set once the first pipeline is caught up.
+    ``started`` is set once the first pipeline is caught up. ``on_pipeline`` is told of each
+    pipeline as it starts (before it has caught up: the metrics report its replay) and told
+    None once it has stopped.
     """
     loop = asyncio.get_running_loop()
     delay = backoff_s
     restarts = 0
+    tell = on_pipeline or (lambda _: None)
     while True:
         began = loop.time()
         try:
-            async with Pipeline(nc, config) as pipeline:
-                if started is not None:
-                    started.set()
-                if restarts:
-                    log.warning("pipeline running again (restart %d)", restarts)
-                await pipeline.wait()
+            pipeline = Pipeline(nc, config)
+            tell(pipeline)
+            try:
+                async with pipeline:
+                    if started is not None:
+                        started.set()
+                    if restarts:
+                        log.warning("pipeline running again (restart %d)", restarts)
+                    await pipeline.wait()
+            finally:
+                tell(None)
         except PERMANENT:
             raise
         except (SeqstateError, nats.errors.Error, TimeoutError, ConnectionError) as exc:

@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +48,7 @@ from nats.js.kv import KV_DEL, KV_OP
 
 from projector.bucket import BucketView, read_bucket
 from projector.config import Config
-from projector.dead_letters import DeadLetters
+from projector.dead_letters import IMPLAUSIBLE, PROJECTOR_KINDS, UNDECODABLE, DeadLetters
 from projector.delta_log import chain_problem
 from projector.discovery import announced
 from projector.image import BucketImage, Write
@@ -84,6 +86,7 @@ class ProjectorStats:
     keys_written: int = 0
     keys_deleted: int = 0
     flush_failures: int = 0
+    kv_writes: int = 0  # puts and deletes of the bucket, position puts included
 
 
 class Projector(LagWatched):
@@ -113,7 +116,8 @@ class Projector(LagWatched):
         self._lease_ttl_s, self._lease_renew_s = lease_ttl_s, lease_renew_s
         self.stats = ProjectorStats()
         self._js = nc.jetstream()
-        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
+        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload,
+                                        kinds=PROJECTOR_KINDS)
         self.image = BucketImage(config.namespace)
         self.delta_seq = 0  # sequence in the DELTAS stream of the last message handled
         self._position_dirty = False
@@ -128,6 +132,8 @@ class Projector(LagWatched):
                                          self, on_failure=self._fail)  # fmt: skip
         self.caught_up = self._consumer.caught_up
         self.lag_watch = LagWatch("projector", self._measure_lag, config, log)
+        # Told how long each flush that wrote took, in seconds (the metrics' histogram).
+        self.on_flush: Callable[[float], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -263,12 +269,12 @@ class Projector(LagWatched):
         try:
             deltas = decode_deltas(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._dead_letter(msg, delta_seq, f"delta does not decode: {exc}")
+            await self._dead_letter(msg, delta_seq, f"delta does not decode: {exc}", UNDECODABLE)
             self._passed(delta_seq)
             return
         why = await self._implausible(msg, delta_seq, deltas)
         if why:
-            await self._dead_letter(msg, delta_seq, why)
+            await self._dead_letter(msg, delta_seq, why, IMPLAUSIBLE)
             self._passed(delta_seq)
             return
         for delta in deltas:
@@ -386,6 +392,7 @@ class Projector(LagWatched):
         delta_seq = self.delta_seq
         position = self.image.position(delta_seq)
         applied = self.applied_seq
+        started = time.perf_counter()
         try:
             await self._write(writes, position)
         except BaseException:
@@ -393,6 +400,8 @@ class Projector(LagWatched):
             self._position_dirty = True
             self._dirty.set()
             raise
+        if self.on_flush is not None:
+            self.on_flush(time.perf_counter() - started)
         self.stats.flushes += 1
         self.flushed_delta_seq = max(self.flushed_delta_seq, delta_seq)
         self.flushed.advance(applied)
@@ -409,6 +418,7 @@ class Projector(LagWatched):
         deleted = sum(value is None for _, value in writes)
         self.stats.keys_written += len(writes) - deleted
         self.stats.keys_deleted += deleted
+        self.stats.kv_writes += len(writes) + 1
 
     def _check_lease(self) -> None:
         if self.lease is not None:
@@ -432,10 +442,10 @@ class Projector(LagWatched):
 
     # ---- bad input --------------------------------------------------------------------------
 
-    async def _dead_letter(self, msg: Msg, delta_seq: int, reason: str) -> None:
+    async def _dead_letter(self, msg: Msg, delta_seq: int, reason: str, kind: str) -> None:
         self.stats.dead_letters += 1
         await self.dead_letters.put(self.config.deltas_stream, delta_seq, msg.subject, msg.data,
-                                    reason)  # fmt: skip
+                                    reason, kind=kind)  # fmt: skip
 
 
 def every_key(namespace: str, bucket: BucketView) -> list[Write]:

@@ -91,6 +91,12 @@ class RegistryView:
     consumer; one that is gone or holds back messages is replaced by one that starts right
     after the last revision the view applied, so no update is lost or applied twice, and
     catching up costs what changed meanwhile, not the size of the bucket.
+
+    Prometheus, opt-in: ``registry.register(projector.metrics.view_collector(view))`` exports
+    the view's per-worker gauges (``seqstate_worker_active_blocks``, ``..._active_prefill_tokens``,
+    ``..._active_requests``, ``..._remaining_prefill_ms``, labels ``namespace, worker, dp_rank``)
+    from the scheduler's own registry, read at scrape time at the log time of the newest value
+    received; nothing is registered unless asked (a scheduler's registry is its own).
     """
 
     def __init__(

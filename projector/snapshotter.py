@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +56,10 @@ class SnapshotStats:
     snapshots_saved: int = 0
     snapshot_failures: int = 0
     last_snapshot_seq: int = 0
+    # The newest snapshot this writer stored (or started from): its size, and when it was
+    # stored (wall clock, seconds since the epoch; None: none known). The metrics read them.
+    last_snapshot_bytes: int = 0
+    last_snapshot_stored_s: float | None = None
     trimmed_below: int = 0  # events below this sequence were trimmed by this writer
 
 
@@ -104,6 +110,8 @@ class Snapshotter:
             return None
         _, info = found
         self.stats.restored_from = self.stats.last_snapshot_seq = info.applied_seq
+        self.stats.last_snapshot_bytes = info.size
+        self.stats.last_snapshot_stored_s = _epoch_s(info.modified)
         log.info("restored the write model from snapshot %s (event %d)", info.name,
                  info.applied_seq)  # fmt: skip
         return found
@@ -194,6 +202,8 @@ class Snapshotter:
         await self._deltas.flush()
         info = await self.store.save(data, seq, at_ns)
         self.stats.snapshots_saved += 1
+        self.stats.last_snapshot_bytes = len(data)
+        self.stats.last_snapshot_stored_s = time.time()
         await self.store.prune(self.config.snapshots_keep)
         log.info("snapshot %s saved and verified (%d bytes)", info.name, len(data))
         await self._trim()
@@ -207,3 +217,18 @@ class Snapshotter:
         if cut != self.stats.trimmed_below:
             self.stats.trimmed_below = cut
             log.info("trimmed events below sequence %d", cut)
+
+
+def _epoch_s(modified: str) -> float | None:
+    """An object's modification time (RFC 3339, nanoseconds maybe) in seconds since the epoch;
+    None when the store gave none (or one that does not parse)."""
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?",
+                         modified.strip())  # fmt: skip
+    if match is None:
+        return None
+    whole, fraction, zone = match.groups()
+    try:
+        at = dt.datetime.fromisoformat(whole + ("+00:00" if zone in (None, "Z") else zone))
+    except ValueError:
+        return None
+    return at.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)

@@ -38,7 +38,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from projector.config import Config
-from projector.dead_letters import DeadLetters
+from projector.dead_letters import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE, WRITER_KINDS, DeadLetters
 from projector.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.discovery import announced
 from projector.lag import Lag, LagWatch, LagWatched, writer_lag
@@ -93,7 +93,8 @@ class Writer(LagWatched):
         self.snapshots: SnapshotStore | None = SnapshotStore(nc, config) if snapshots else None
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
-        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload)
+        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload,
+                                        kinds=WRITER_KINDS)
         self._bounds = config.rank_bounds
         self.deltas = DeltaLog(self._js, config, max_payload=nc.max_payload)
         self.snapshotter = Snapshotter(nc, config, self.snapshots, self.stats, self.deltas,
@@ -195,16 +196,17 @@ class Writer(LagWatched):
             # once, rather than stall on it. RouterPublisher refuses it before it is logged.
             await self._dead_letter(msg, seq, f"refused: an event of {len(msg.data)} bytes; "
                                     f"its delta would not fit a message (at most "
-                                    f"{self.deltas.max_event} bytes of event)")  # fmt: skip
+                                    f"{self.deltas.max_event} bytes of event)",
+                                    TOO_LARGE)  # fmt: skip
             return
         try:
             event = decode_event(msg.data)
         except EventDecodeError as exc:
-            await self._dead_letter(msg, seq, str(exc))
+            await self._dead_letter(msg, seq, str(exc), UNDECODABLE)
             return
         refused = self._bounds.refusal(self.state, event)
         if refused:
-            await self._dead_letter(msg, seq, f"refused: {refused}")
+            await self._dead_letter(msg, seq, f"refused: {refused}", OUT_OF_BOUNDS)
             return
         delta = self.state.apply(event, at_ns)
         delta.seq = seq
@@ -227,9 +229,10 @@ class Writer(LagWatched):
         """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
         await self.deltas.flush()
 
-    async def _dead_letter(self, msg: Msg, seq: int, reason: str) -> None:
+    async def _dead_letter(self, msg: Msg, seq: int, reason: str, kind: str) -> None:
         self.stats.dead_letters += 1
-        await self.dead_letters.put(self.config.events_stream, seq, msg.subject, msg.data, reason)
+        await self.dead_letters.put(self.config.events_stream, seq, msg.subject, msg.data, reason,
+                                    kind=kind)  # fmt: skip
 
     async def _tick_when_idle(self) -> None:
         """A Tick when the stream has been silent ``idle_tick_s``, and at least every

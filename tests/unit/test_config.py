@@ -124,3 +124,34 @@ def test_the_rules_setting_chooses_the_folds_rules_and_refuses_a_grace_with_them
     assert str(caught.value) == "--rules 'dynamo': use 'router' or 'slot-tracker'"
     with pytest.raises(ConfigError, match="worker grace has no place under the 'slot-tracker'"):
         Config.from_env({"SEQSTATE_RULES": "slot-tracker", "SEQSTATE_WORKER_GRACE_S": "5"})
+
+
+def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
+    assert (Config().metrics_port, Config().metrics_host, Config().ready_lag_events) == (
+        None, "0.0.0.0", 1000)  # fmt: skip
+    env = {"SEQSTATE_METRICS_PORT": "9464", "SEQSTATE_READY_LAG_EVENTS": "50"}
+    config = Config.from_env(env)
+    assert (config.metrics_port, config.ready_lag_events) == (9464, 50)
+    assert Config.from_env({"SEQSTATE_METRICS_PORT": "off"}).metrics_port is None
+    assert Config.from_env({}, flags={"metrics_port": ("--metrics-port", "0")}).metrics_port == 0
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({}, flags={"metrics_port": ("--metrics-port", "70000")})
+    assert str(caught.value) == ("--metrics-port '70000': not a port: use 0-65535 (0: any free "
+                                 "port), or 'off'")  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({"SEQSTATE_METRICS_PORT": "http"})
+    assert str(caught.value) == ("SEQSTATE_METRICS_PORT='http': not a number (a whole number, "
+                                 "or 'off')")  # fmt: skip
+    with pytest.raises(ConfigError, match="SEQSTATE_READY_LAG_EVENTS='-1': must not be negative"):
+        Config.from_env({"SEQSTATE_READY_LAG_EVENTS": "-1"})
+    with pytest.raises(ConfigError, match="--metrics-host ' ': not an address"):
+        Config.from_env({}, flags={"metrics_host": ("--metrics-host", " ")})
+
+
+def test_the_metrics_flags_belong_to_the_four_long_running_commands() -> None:
+    from projector.flags import SETTINGS
+
+    having = {command for command, names in SETTINGS.items() if "metrics_port" in names}
+    assert having == {"writer", "projector", "run", "serve-http"}
+    for command in having:
+        assert {"metrics_host", "ready_lag_events"} <= set(SETTINGS[command])
