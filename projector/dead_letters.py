@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from nats.js import JetStreamContext
 
@@ -46,9 +48,17 @@ class DeadLetters:
         self._config = config
         self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
 
-    async def put(self, stream: str, seq: int, subject: str, payload: bytes, reason: str) -> None:
-        """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it."""
-        log.warning("dead letter: %s %d on %s: %s", stream, seq, subject, one_line(reason, 300))
+    async def put(self, stream: str, seq: int, subject: str, payload: bytes, reason: str,
+                  fields: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+        """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it.
+
+        ``fields``: the log context known of the message (its request id, worker...); the log
+        line gives the payload's size, never the payload.
+        """
+        log.warning("dead letter: %s %d on %s (%d bytes): %s", stream, seq, subject,
+                    len(payload), one_line(reason, 300),
+                    extra={**(fields or {}), "stream_seq": seq,
+                           "namespace": self._config.namespace})  # fmt: skip
         headers = {
             MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",
             REASON: one_line(reason),
