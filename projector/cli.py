@@ -107,7 +107,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             supervisor.result()  # its error: it could not start
         else:
             log.info("writer and projector running for namespace %r at %s", config.namespace,
-                     url)  # fmt: skip
+                     url, extra={"namespace": config.namespace})  # fmt: skip
         tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
         if args.demo:
             from projector.demo import run_demo
