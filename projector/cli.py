@@ -29,6 +29,7 @@ from nats.aio.client import Client
 from projector.config import Config
 from projector.connection import connect, nats_for, require_url
 from projector.flags import build_parser, config_from
+from projector.logs import error_line, setup_logging
 from projector.progress_bar import progress_bar
 from projector.replay import iso
 from seqstate import LoadRow, SeqstateError
@@ -85,23 +86,6 @@ async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) ->
         await asyncio.gather(*waits, return_exceptions=True)
 
 
-def setup_logging(level: str) -> None:
-    """Rich's columns in a terminal; one plain, unwrapped line per record anywhere else.
-
-    A fixed-width handler would break a URL or a path across lines in a log file or a pipe.
-    """
-    handler: logging.Handler
-    if sys.stderr.isatty():
-        from rich.logging import RichHandler
-
-        handler = RichHandler(show_path=False, rich_tracebacks=False)
-        form = "%(name)s: %(message)s"
-    else:
-        handler = logging.StreamHandler(sys.stderr)
-        form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level.upper(), format=form, handlers=[handler], force=True)
-
-
 # ---- commands --------------------------------------------------------------------------------
 
 
@@ -127,7 +111,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             supervisor.result()  # its error: it could not start
         else:
             log.info("writer and projector running for namespace %r at %s", config.namespace,
-                     url)  # fmt: skip
+                     url, extra={"namespace": config.namespace})  # fmt: skip
         tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
         if args.demo:
             from projector.demo import run_demo
@@ -679,18 +663,18 @@ def main(argv: list[str] | None = None) -> int:
         trace = getattr(args, "trace", None)
         if trace is not None and not trace.is_file():
             raise CliError(f"--trace {trace}: no such file")
-        setup_logging(args.log_level)
+        setup_logging(args.log_level, args.log_format)
         return asyncio.run(COMMANDS[args.command](args, config))
     except KeyboardInterrupt:
         return 130
     except SeqstateError as exc:
-        print(f"seqstate: error: {exc}", file=sys.stderr)
+        print(error_line(str(exc), args.log_format), file=sys.stderr)
         return EXIT_ERROR
     except Exception as exc:  # one line for anything an operator can act on
         known = _describe(exc)
         if known is None:
             raise
-        print(f"seqstate: error: {known}", file=sys.stderr)
+        print(error_line(known, args.log_format), file=sys.stderr)
         return EXIT_ERROR
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
+from typing import Any
 
 from nats.js import JetStreamContext
 
@@ -61,15 +63,28 @@ class DeadLetters:
         self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
 
     async def put(
-        self, stream: str, seq: int, subject: str, payload: bytes, reason: str, *, kind: str
+        self,
+        stream: str,
+        seq: int,
+        subject: str,
+        payload: bytes,
+        reason: str,
+        *,
+        kind: str,
+        fields: Mapping[str, Any] | None = None,
     ) -> None:
         """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it.
 
         ``reason`` is free text for whoever reads the dead letter; ``kind`` (one of ``KINDS``)
-        is the bounded word it is counted under."""
+        is the bounded word it is counted under. ``fields``: the log context known of the
+        message (its request id, worker...); the log line gives the payload's size, never the
+        payload."""
         if kind not in self.counts:
             raise ValueError(f"dead letter kind {kind!r}: not one of {tuple(self.counts)}")
-        log.warning("dead letter: %s %d on %s: %s", stream, seq, subject, one_line(reason, 300))
+        log.warning("dead letter: %s %d on %s (%d bytes): %s", stream, seq, subject,
+                    len(payload), one_line(reason, 300),
+                    extra={**(fields or {}), "stream_seq": seq,
+                           "namespace": self._config.namespace})  # fmt: skip
         headers = {
             MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",
             REASON: one_line(reason),

@@ -170,7 +170,7 @@ class _Connection(asyncio.Protocol):
             if status == 405:
                 allow = self.handler.allowed(args[1])
         except Exception:  # a bug must not take the connection's other calls with it
-            log.exception("call failed")
+            log.exception("call %s %s failed", args[0], args[1])  # never its body
             status, payload = 500, {"error": "internal error"}
         finally:
             if not begun.done():

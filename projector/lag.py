@@ -174,6 +174,7 @@ class LagWatch:
         self.failures = 0  # measurements that failed (the server away)
         self._measure = measure
         self._log = log
+        self._context = {"namespace": config.namespace}  # the log lines' context
         self._since = 0.0
         self._said = 0.0
         self._worst = 0
@@ -193,7 +194,7 @@ class LagWatch:
                 await self.check()
             except (TimeoutError, nats.errors.Error) as exc:
                 self.failures += 1
-                self._log.debug("%s lag not measured: %r", self.who, exc)
+                self._log.debug("%s lag not measured: %r", self.who, exc, extra=self._context)
             await asyncio.sleep(self.config.lag_check_s)
 
     def _judge(self, lag: Lag, now: float) -> None:
@@ -204,16 +205,17 @@ class LagWatch:
                 self._worst = lag.events
                 self.warnings += 1
                 self._log.warning("%s falling behind: %s (it warns at %s)", self.who,
-                                  describe(self.who, lag), thresholds(self.config))  # fmt: skip
+                                  describe(self.who, lag), thresholds(self.config),
+                                  extra=self._context)  # fmt: skip
             return
         self._worst = max(self._worst, lag.events)
         if not over(self.config, lag, share=CAUGHT_UP):
             self.behind = False
             self._log.warning("%s caught up: %s, after %.1fs behind (at most %s events)",
                               self.who, describe(self.who, lag), now - self._since,
-                              f"{self._worst:,}")  # fmt: skip
+                              f"{self._worst:,}", extra=self._context)  # fmt: skip
         elif now - self._said >= REPEAT_S:
             self._said = now
             self.warnings += 1
             self._log.warning("%s still behind after %.0fs: %s", self.who, now - self._since,
-                              describe(self.who, lag))  # fmt: skip
+                              describe(self.who, lag), extra=self._context)  # fmt: skip

@@ -191,7 +191,8 @@ class Projector(LagWatched):
         self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
-        log.error("projector stopping: %r", exc)
+        log.error("projector stopping: %r", exc, extra={"namespace": self.config.namespace,
+                                                        "stream_seq": self.applied_seq})
         self._consumer.halt()
         if self._failure is None:
             self._failure = exc
@@ -238,7 +239,9 @@ class Projector(LagWatched):
             self.delta_seq = self.flushed_delta_seq = pos.delta_seq
             self.flushed.value = pos.applied_seq
         log.info("resumed at source seq %d (delta %d) with %d ranks", self.applied_seq,
-                 self.delta_seq, len(self.image.loads))  # fmt: skip
+                 self.delta_seq, len(self.image.loads),
+                 extra={"namespace": self.config.namespace,
+                        "stream_seq": self.applied_seq})  # fmt: skip
 
     def reset_to(
         self, state: SequenceState, applied_seq: int, delta_seq: int, *, stale: list[str]

@@ -34,6 +34,7 @@ from nats.js.errors import KeyNotFoundError
 
 from projector.bucket import read_trackers
 from projector.config import Config
+from projector.logs import event_fields
 from projector.outcomes import Outcomes
 from projector.publisher import RouterPublisher
 from projector.reader import RegistryView
@@ -60,6 +61,7 @@ from projector.slot_api import (
 from projector.standby import StandbyPipeline
 from projector.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
 from projector.values import tracker_key
+from seqstate.deltas import APPLIED
 
 log = logging.getLogger("seqstate.slots")
 
@@ -172,7 +174,8 @@ class SlotService:
                                         config=config)  # fmt: skip
             tracker = _Tracker(model, group, config, standby, task, outcomes, view, publisher)
             self.trackers[namespace] = tracker
-            log.info("serving tracker model=%s routing_group=%s", model, group)
+            log.info("serving tracker model=%s routing_group=%s", model, group,
+                     extra={"namespace": namespace})
             return tracker
 
     async def _existing(self, namespace: str) -> _Tracker | None:
@@ -267,13 +270,17 @@ class SlotService:
         event = (request_event(path, parsed) if isinstance(parsed, RequestBody)
                  else event_for(parsed))  # fmt: skip
         seq = await tracker.publisher.publish(event)
-        return self._finish(tracker, path, parsed, seq)
+        return self._finish(tracker, path, parsed, seq, event)
 
     async def _finish(
-        self, tracker: _Tracker, path: str, parsed: _Body, seq: int
+        self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object
     ) -> tuple[int, object]:
         """The answer to a stored event: the writer's outcome of it."""
         result = await tracker.outcomes.of(seq, self.outcome_wait_s)
+        if result.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s", path, result.outcome or "refused by the writer",
+                      extra={**event_fields(event), "stream_seq": seq,
+                             "namespace": tracker.config.namespace})  # fmt: skip
         if result.outcome is None:  # refused by the writer: nothing for a view to show
             return answer(path, parsed, None)
         namespace = tracker.config.namespace

@@ -56,13 +56,15 @@ class StandbyPipeline:
                 async with self.pipeline as pipeline:
                     self.terms += 1
                     self.active.set()
-                    log.info("running namespace %r (term %d)", self.config.namespace, self.terms)
+                    log.info("running namespace %r (term %d)", self.config.namespace, self.terms,
+                             extra={"namespace": self.config.namespace})
                     await pipeline.wait()
             except PERMANENT:
                 raise
             except (SeqstateError, nats.errors.Error, TimeoutError, ConnectionError) as exc:
                 log.warning("namespace %r: pipeline stopped (%s); standing by",
-                            self.config.namespace, exc)  # fmt: skip
+                            self.config.namespace, exc,
+                            extra={"namespace": self.config.namespace})  # fmt: skip
             finally:
                 self.active.clear()
                 self.pipeline = None

@@ -42,6 +42,7 @@ from projector.dead_letters import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE, WRITER
 from projector.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.discovery import announced
 from projector.lag import Lag, LagWatch, LagWatched, writer_lag
+from projector.logs import event_fields
 from projector.progress import Progress
 from projector.resources import ensure
 from projector.snapshots import SnapshotStore
@@ -49,12 +50,15 @@ from projector.snapshotter import SnapshotStats, Snapshotter
 from projector.stream import MSG_ID, OrderedConsumer, log_time_ns
 from projector.tasks import cancel
 from seqstate import (
+    Delta,
+    Event,
     EventDecodeError,
     SequenceState,
     Tick,
     decode_event,
     encode_event,
 )
+from seqstate.deltas import APPLIED
 
 log = logging.getLogger("seqstate.writer")
 
@@ -206,10 +210,13 @@ class Writer(LagWatched):
             return
         refused = self._bounds.refusal(self.state, event)
         if refused:
-            await self._dead_letter(msg, seq, f"refused: {refused}", OUT_OF_BOUNDS)
+            await self._dead_letter(msg, seq, f"refused: {refused}", OUT_OF_BOUNDS,
+                                    event_fields(event))  # fmt: skip
             return
         delta = self.state.apply(event, at_ns)
         delta.seq = seq
+        if delta.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):  # the fold's hot path
+            self._log_oddity(seq, event, delta)
         self.stats.applied += 1
         if seq > self._published_up_to:
             self.deltas.append(delta)
@@ -217,7 +224,8 @@ class Writer(LagWatched):
             self.stats.last_delta_seq = seq
 
     def _fold_failed(self, exc: BaseException) -> None:
-        log.error("writer stopping: %s", exc)
+        log.error("writer stopping: %s", exc, extra={"namespace": self.config.namespace,
+                                                     "stream_seq": self.stats.last_seq})
         self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
@@ -229,10 +237,19 @@ class Writer(LagWatched):
         """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
         await self.deltas.flush()
 
-    async def _dead_letter(self, msg: Msg, seq: int, reason: str, kind: str) -> None:
+    async def _dead_letter(self, msg: Msg, seq: int, reason: str, kind: str,
+                           fields: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.stats.dead_letters += 1
         await self.dead_letters.put(self.config.events_stream, seq, msg.subject, msg.data, reason,
-                                    kind=kind)  # fmt: skip
+                                    kind=kind, fields=fields)  # fmt: skip
+
+    def _log_oddity(self, seq: int, event: Event, delta: Delta) -> None:
+        """A DEBUG line for an event folded to something other than ``applied`` (a duplicate,
+        an unknown request or worker...): which event, what it met, never its block hashes."""
+        owner = f" (held by worker {delta.owner[0]} rank {delta.owner[1]})" if delta.owner else ""
+        log.debug("event %d %s: %s%s", seq, type(event).__name__, delta.outcome, owner,
+                  extra={**event_fields(event), "stream_seq": seq,
+                         "namespace": self.config.namespace})  # fmt: skip
 
     async def _tick_when_idle(self) -> None:
         """A Tick when the stream has been silent ``idle_tick_s``, and at least every

@@ -33,6 +33,7 @@ def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["SEQSTATE_LOG_FORMAT"] = "console"  # errors read as text (JSON: test_cli_logs)
     env.update(extra)
     return env
 

@@ -148,6 +148,7 @@ def seqstate(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items()
              if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
     clean["COLUMNS"] = "400"  # one log record, one line
+    clean["SEQSTATE_LOG_FORMAT"] = "console"  # errors read as text (JSON: test_cli_logs)
     return subprocess.run([sys.executable, "-m", "projector", *args], capture_output=True,
                           text=True, timeout=HOLD, env={**clean, **env}, cwd=REPO)  # fmt: skip
 
