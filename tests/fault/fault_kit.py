@@ -113,7 +113,6 @@ class Service:
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("SEQSTATE_") and k != "NATS_URL"}  # fmt: skip
         env["NATS_URL"] = self.url
-        env["SEQSTATE_LOG_FORMAT"] = "console"  # the markers the tests wait for, as text
         return env
 
     @property

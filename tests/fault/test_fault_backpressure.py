@@ -26,6 +26,7 @@ from fault_kit import (
     uninterrupted_fold,
     wait_until,
 )
+from log_text import plain_lines
 from nats.aio.client import Client
 
 from projector.config import Config
@@ -78,7 +79,7 @@ async def status(config: Config, url: str, *extra: str) -> str:
 
 
 def lines_of(service: Service, marker: str) -> list[str]:
-    return [line for line in service.logs(tail=10**6).splitlines() if marker in line]
+    return [line for line in plain_lines(service.logs(tail=10**6)) if marker in line]
 
 
 async def said(service: Service, marker: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 from fault_kit import WAIT_S, Service, delta_source_seq, fault_config, wait_until
+from log_text import plain_lines
 from nats.aio.client import Client
 
 from projector.lease import Holder
@@ -34,7 +35,7 @@ async def exit_status(service: Service) -> tuple[int, str]:
 
     code = await wait_until(status, lambda c: c is not None, f"{service.command} exited")
     service.proc = None
-    lines = [line for line in service.logs().splitlines() if line.strip()]
+    lines = plain_lines(service.logs())
     assert code is not None
     return code, lines[-1]
 

@@ -44,7 +44,6 @@ def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str
     its defaults (progress bars included), no setting from this process's environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
     env["NATS_URL"] = url
-    env["SEQSTATE_LOG_FORMAT"] = "console"  # errors read as text (JSON: test_cli_logs)
     command = [sys.executable, "-m", "projector", *args, *name_flags(config)]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from pipeline_kit import fresh_config, name_flags
@@ -33,7 +34,6 @@ def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["SEQSTATE_LOG_FORMAT"] = "console"  # errors read as text (JSON: test_cli_logs)
     env.update(extra)
     return env
 
@@ -55,7 +55,7 @@ async def aseqstate(*args: str, stdin: bytes = b"", **env: str) -> tuple[int, st
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = plain_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("seqstate: error: ")
     return lines[0]
@@ -246,7 +246,7 @@ async def test_publish_names_a_typo_or_an_overflow_and_publishes_nothing(
                                    config.events_stream, stdin=line.encode(),
                                    NATS_URL=nats_server.url)  # fmt: skip
     assert (rc, out) == (1, "")
-    assert err.splitlines() == [f"seqstate: error: {said}"]
+    assert plain_lines(err) == [f"seqstate: error: {said}"]
 
 
 async def test_publish_refuses_an_event_too_large_to_store_and_sends_nothing(
@@ -261,7 +261,7 @@ async def test_publish_refuses_an_event_too_large_to_store_and_sends_nothing(
                                    NATS_URL=nats_server.url,
                                    stdin=f"{small}\n{huge}\n".encode())  # fmt: skip
     assert (rc, out) == (1, "")
-    assert err.splitlines() == [
+    assert plain_lines(err) == [
         "seqstate: error: stdin:2: AddRequest for request 'huge': 1,080,083 bytes encoded, over "
         "the 1,040,384 bytes one event may take (the server's max_payload of 1,048,576 less room "
         "for its delta's headers); it was not sent"
@@ -300,7 +300,7 @@ async def test_status_never_shows_a_negative_lag(nc: Client, nats_server: NatsSe
 async def test_publish_rejects_an_invalid_line_naming_it(nats_server: NatsServer) -> None:
     stdin = b'{"type": "Free", "request_id": "x", "worker_id": 1}\n{"type": "Nope"}\n'
     rc, _, err = await aseqstate("publish", stdin=stdin, NATS_URL=nats_server.url)
-    assert rc == 1 and err.startswith("seqstate: error: stdin:2: not an event")
+    assert rc == 1 and plain_lines(err)[0].startswith("seqstate: error: stdin:2: not an event")
 
 
 @pytest.mark.parametrize("command", ["loads", "status"])

@@ -24,6 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import fill, fresh_config
 
@@ -148,14 +149,13 @@ def seqstate(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items()
              if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
     clean["COLUMNS"] = "400"  # one log record, one line
-    clean["SEQSTATE_LOG_FORMAT"] = "console"  # errors read as text (JSON: test_cli_logs)
     return subprocess.run([sys.executable, "-m", "projector", *args], capture_output=True,
                           text=True, timeout=HOLD, env={**clean, **env}, cwd=REPO)  # fmt: skip
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    lines = plain_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("seqstate: error: ")
     assert result.stdout == ""
