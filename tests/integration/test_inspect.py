@@ -14,6 +14,7 @@ import sys
 import termios
 import threading
 
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import REPO, cli, fresh_config, name_flags, run_cli
 
@@ -161,7 +162,7 @@ async def test_inspect_worker_lists_ranks_requests_and_prefill(
                            (("worker", "x"), "not a worker id"),
                            (("request", "r", "--window", "0"), "--window 0")):  # fmt: skip
             out = await run_cli(config, url, "inspect", *args)
-            lines = out.stderr.strip().splitlines()
+            lines = plain_lines(out.stderr)
             assert out.returncode == 1 and len(lines) == 1, out.stderr
             assert lines[0].startswith("seqstate: error: ") and said in lines[0]
 
@@ -379,7 +380,7 @@ async def test_errors_are_one_line(nats_server: NatsServer) -> None:
     ]
     for args, url, said in cases:
         out = await asyncio.to_thread(cli, config, url, *args)
-        lines = out.stderr.strip().splitlines()
+        lines = plain_lines(out.stderr)
         assert out.returncode == 1 and len(lines) == 1, (args, out.stderr)
         assert lines[0].startswith("seqstate: error: ") and said in lines[0], (args, lines)
 

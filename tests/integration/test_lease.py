@@ -18,6 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
@@ -127,7 +128,7 @@ async def test_the_cli_rebuild_refuses_in_one_line(nc: Client, nats_server: obje
     async with projecting(nc, config):
         out = await run_cli(config, url, "rebuild", "--no-progress")
     assert out.returncode == 1, out.stdout
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    lines = plain_lines(out.stderr)
     assert lines == [
         f"seqstate: error: a projector of namespace {config.namespace!r} is running "
         f"({HERE}); stop it (or the 'seqstate run' that holds it), then rebuild"

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import REPO, fill, fresh_config, name_flags, read_log
 from prometheus_client import CollectorRegistry, generate_latest
@@ -378,7 +379,7 @@ async def test_a_bad_or_taken_metrics_port_is_one_line(nats_server: NatsServer) 
             stderr=subprocess.PIPE)  # fmt: skip
         _, err = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 1, err
-        lines = [line for line in err.decode().splitlines() if line.strip()]
+        lines = plain_lines(err.decode())
         assert len(lines) == 1 and lines[0].startswith("seqstate: error: "), lines
         return lines[0]
 

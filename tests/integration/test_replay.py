@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import fill, fresh_config, name_flags, read_log, run_cli
 
@@ -238,7 +239,8 @@ async def test_the_cli_replays_verifies_rebuilds_and_manages_snapshots(
     out = await run_cli(config, url, "snapshot", "show", "latest")
     assert out.returncode == 0 and f"event {last}" in out.stdout, out.stderr
     out = await run_cli(config, url, "replay", "--verify", "--to-seq", "3")
-    assert out.returncode == 1 and out.stderr.startswith("seqstate: error: --verify")
+    assert out.returncode == 1
+    assert plain_lines(out.stderr)[0].startswith("seqstate: error: --verify")
 
 
 @pytest.mark.parametrize(
@@ -283,7 +285,7 @@ async def test_replay_refuses_a_range_outside_the_log_naming_the_log(
     fill = {"ns": config.namespace, "last": last, "beyond": last + 1}
     out = await run_cli(config, url, "replay", *(a.format(**fill) for a in args))
     assert out.returncode == 1 and out.stdout == ""
-    lines = out.stderr.splitlines()
+    lines = plain_lines(out.stderr)
     assert len(lines) == 1 and lines[0].startswith("seqstate: error: "), out.stderr
     assert expected.format(**fill) in lines[0]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config, run_cli
 
@@ -132,6 +133,6 @@ async def test_the_cli_adds_lists_and_removes_workers(nc: Client, nats_server: N
             (("add", "5", "--dp-size", "0"), "seqstate: error: worker 5: "),
         ]:
             out = await run_cli(config, url, "worker", *args)
-            lines = [line for line in out.stderr.splitlines() if line.strip()]
+            lines = plain_lines(out.stderr)
             assert out.returncode == 1 and len(lines) == 1, out.stderr
             assert lines[0].startswith(message), lines
