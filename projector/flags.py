@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from projector.config import Config, env_name
-from projector.logs import add_format_flag
+from projector.logs import add_log_flags
 from seqstate import SCHEMA_VERSION
 from seqstate.events import Event
 
@@ -119,10 +119,7 @@ def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}",
                                metavar=f.metadata["metavar"] or "VALUE",
                                help=_setting_help(f, command))  # fmt: skip
-    group.add_argument("--log-level", default=os.environ.get("SEQSTATE_LOG_LEVEL", "info"),
-                       choices=["debug", "info", "warning", "error"],
-                       help="(default: info) [env SEQSTATE_LOG_LEVEL]")  # fmt: skip
-    add_format_flag(group)
+    add_log_flags(group)
 
 
 def config_from(args: argparse.Namespace) -> Config:

@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -37,6 +37,8 @@ import msgspec
 
 FORMATS = ("auto", "json", "console")
 ENV = "SEQSTATE_LOG_FORMAT"
+LEVELS = ("debug", "info", "warning", "error")
+LEVEL_ENV = "SEQSTATE_LOG_LEVEL"
 # The context a record may carry, in the order it is shown; anything else passed in ``extra``
 # (or set on the record by logging itself) is never written.
 FIELDS = ("request_id", "worker", "dp_rank", "stream_seq", "router_id", "namespace")
@@ -44,20 +46,29 @@ FIELDS = ("request_id", "worker", "dp_rank", "stream_seq", "router_id", "namespa
 _encoder = msgspec.json.Encoder(enc_hook=str)  # an odd value in ``extra`` is shown, not fatal
 
 
-def _log_format(value: str) -> str:
-    """Applied to the flag and to the variable's value alike (argparse checks no default
-    against ``choices``, so a bad ``SEQSTATE_LOG_FORMAT`` would otherwise pass silently)."""
-    if value not in FORMATS:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not a log format (one of {', '.join(FORMATS)}; from --log-format "
-            f"or {ENV})"
-        )
-    return value
+def _one_of(what: str, flag: str, env: str, options: tuple[str, ...]) -> Callable[[str], str]:
+    """A flag's type that names a bad value as typed. Applied to the flag and to the
+    variable's value alike: argparse checks no default against ``choices``, so a bad
+    ``SEQSTATE_LOG_FORMAT`` or ``SEQSTATE_LOG_LEVEL`` would otherwise pass silently."""
+
+    def check(value: str) -> str:
+        if value not in options:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a {what} (one of {', '.join(options)}; from {flag} or {env})"
+            )
+        return value
+
+    return check
 
 
-def add_format_flag(group: argparse._ArgumentGroup) -> None:
-    """``--log-format``, offered with ``--log-level`` on every command."""
-    group.add_argument("--log-format", default=os.environ.get(ENV, "auto"), type=_log_format,
+def add_log_flags(group: argparse._ArgumentGroup) -> None:
+    """``--log-level`` and ``--log-format``, offered on every command."""
+    group.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "info"),
+                       type=_one_of("log level", "--log-level", LEVEL_ENV, LEVELS),
+                       choices=LEVELS, metavar="{" + ",".join(LEVELS) + "}",
+                       help=f"(default: info) [env {LEVEL_ENV}]")  # fmt: skip
+    group.add_argument("--log-format", default=os.environ.get(ENV, "auto"),
+                       type=_one_of("log format", "--log-format", ENV, FORMATS),
                        choices=FORMATS, metavar="{" + ",".join(FORMATS) + "}",
                        help=f"auto: console on a terminal, JSON lines elsewhere "
                        f"(default: auto) [env {ENV}]")  # fmt: skip

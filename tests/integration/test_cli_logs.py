@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, name_flags
 
@@ -152,9 +153,20 @@ async def test_the_final_error_is_a_json_record_under_json(nats_server: NatsServ
     assert len(err.splitlines()) == 1
 
 
-async def test_a_bad_log_format_is_one_usage_line(nats_server: NatsServer) -> None:
-    for args, env in ((("--log-format", "xml"), {}), ((), {"SEQSTATE_LOG_FORMAT": "xml"})):
-        code, _, err = await seqstate("status", *args, url=nats_server.url, **env)
-        assert code == 2, err
-        lines = err.splitlines()
-        assert len(lines) == 1 and "'xml' is not a log format" in lines[0], err
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (("--log-format", "xml"), {}, "'xml' is not a log format"),
+        ((), {"SEQSTATE_LOG_FORMAT": "xml"}, "'xml' is not a log format"),
+        (("--log-level", "loud"), {}, "'loud' is not a log level"),
+        ((), {"SEQSTATE_LOG_LEVEL": "loud"}, "'loud' is not a log level (one of debug, info, "
+         "warning, error; from --log-level or SEQSTATE_LOG_LEVEL)"),
+    ],
+)  # fmt: skip
+async def test_a_bad_log_setting_is_one_usage_line(
+    nats_server: NatsServer, args: tuple[str, ...], env: dict[str, str], said: str
+) -> None:
+    code, _, err = await seqstate("status", *args, url=nats_server.url, **env)
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and said in lines[0], err
