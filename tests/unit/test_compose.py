@@ -21,6 +21,7 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+from test_dashboard import panels
 
 import projector.cli
 
@@ -515,14 +516,7 @@ def test_grafana_provisions_the_data_source_and_dashboard_it_names(services):
     dashboard = json.loads(files[0].read_text())
     home = _environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == f"/var/lib/grafana/dashboards/{files[0].name}"
-    used = {json.dumps(p["datasource"], sort_keys=True) for p in _panels(dashboard)
+    used = {json.dumps(p["datasource"], sort_keys=True) for p in panels(dashboard)
             if p["type"] != "row"}  # fmt: skip
     assert used == {json.dumps({"type": "prometheus", "uid": source["uid"]}, sort_keys=True)}
 
-
-def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for panel in dashboard["panels"]:
-        out.append(panel)
-        out.extend(panel.get("panels", []))
-    return out

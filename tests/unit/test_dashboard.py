@@ -43,7 +43,8 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel, those inside rows included (test_compose reads their data sources)."""
     out: list[dict[str, Any]] = []
     for panel in dashboard["panels"]:
         out.append(panel)
@@ -52,7 +53,7 @@ def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _expressions(dashboard: dict[str, Any]) -> list[str]:
-    exprs = [t["expr"] for p in _panels(dashboard) for t in p.get("targets", [])]
+    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
     for variable in dashboard.get("templating", {}).get("list", []):
         query = variable.get("query")
         exprs.append(query["query"] if isinstance(query, dict) else str(query))
@@ -105,10 +106,10 @@ def test_metric_names_are_read_from_promql(expr, names):
 
 def test_dashboard_is_a_grafana_dashboard_with_unique_panels(dashboard):
     assert dashboard["uid"] == "seqstate" and dashboard["schemaVersion"] >= 36
-    panels = _panels(dashboard)
-    ids = [p["id"] for p in panels]
+    every = panels(dashboard)
+    ids = [p["id"] for p in every]
     assert len(ids) == len(set(ids)), ids
-    for panel in panels:
+    for panel in every:
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
         refs = [t["refId"] for t in panel.get("targets", [])]
