@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import msgspec
 import nats.errors
@@ -47,6 +48,10 @@ from seqstate import Delta, LoadRow, PotentialLoadRow, PromptRegistry, RankChang
 from seqstate.deltas import Booking
 from seqstate.errors import SeqstateError
 from seqstate.loads import EMPTY_LOAD
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.registry import Collector
 
 log = logging.getLogger("seqstate.reader")
 
@@ -92,7 +97,7 @@ class RegistryView:
     after the last revision the view applied, so no update is lost or applied twice, and
     catching up costs what changed meanwhile, not the size of the bucket.
 
-    Prometheus, opt-in: ``registry.register(projector.metrics.view_collector(view))`` exports
+    Prometheus, opt-in: ``view.export_metrics(registry)`` exports
     the view's per-worker gauges (``seqstate_worker_active_blocks``, ``..._active_prefill_tokens``,
     ``..._active_requests``, ``..._remaining_prefill_ms``, labels ``namespace, worker, dp_rank``)
     from the scheduler's own registry, read at scrape time at the log time of the newest value
@@ -359,6 +364,20 @@ class RegistryView:
             self._clock_offset_ns = offset
 
     # ---- reads ------------------------------------------------------------------------------
+
+    def export_metrics(self, registry: CollectorRegistry | None = None) -> Collector:
+        """Opt-in: this view's per-worker gauges in ``registry`` (prometheus_client's default
+        ``REGISTRY``, where a scheduler's own metrics usually are, when None), read at each
+        scrape; the collector is returned for ``registry.unregister``. Several views in one
+        registry: register one ``projector.metrics.view_collector(*views)`` instead (their
+        series share names, so each namespace must be collected once)."""
+        from prometheus_client import REGISTRY
+
+        from projector.metrics import view_collector
+
+        collector = view_collector(self)
+        (REGISTRY if registry is None else registry).register(collector)
+        return collector
 
     def log_now_ns(self) -> int:
         """The view's estimate of the log's current time (receive-time anchored)."""

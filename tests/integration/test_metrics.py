@@ -309,8 +309,13 @@ async def test_a_scheduler_exports_a_views_per_worker_gauges_from_its_own_regist
         async with RegistryView(nc, config=config) as view:
             await view.wait_for(last, timeout=WAIT_S)
             registry = CollectorRegistry()
-            registry.register(view_collector(view))
+            collector = view.export_metrics(registry)
             samples = parse(generate_latest(registry).decode())
+            registry.unregister(collector)
+            assert generate_latest(registry) == b""
+            # Several views (namespaces) in one registry: one collector of them all.
+            registry.register(view_collector(view))
+            assert parse(generate_latest(registry).decode()) == samples
     expected = folded_loads(await read_log(nc, config), config)
     assert gauges(samples, config.namespace) == expected
     assert {name for name, _ in samples} == {
