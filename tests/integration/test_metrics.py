@@ -192,7 +192,8 @@ async def test_writer_and_projector_commands_export_exact_metrics(
 ) -> None:
     config = fresh_config("mx")
     await ensure(nc, config)
-    last = await publish(nc, config, SCRIPT)
+    assert isinstance(SCRIPT[-1], WorkerRemoved)
+    before_removal = await publish(nc, config, SCRIPT[:-1])
     w_port, p_port = free_port(), free_port()
     quiet = ["--idle-tick-s", "3600", "--tick-every-s", "3600"]  # no Tick adds to the counts
     async with (
@@ -204,6 +205,17 @@ async def test_writer_and_projector_commands_export_exact_metrics(
     ):  # fmt: skip
         ns = config.namespace
         caught_up = {"namespace": ns, "role": "writer"}
+        # Worker 9 holds c1 (one block): its series are there before it is removed...
+        for port, role in ((w_port, "writer"), (p_port, "projector")):
+            at = {"namespace": ns, "role": role}
+            seen = await scrape_until(
+                port, lambda s, at=at: pick(s, "seqstate_applied_seq", **at) == before_removal,
+                f"the {role} before the removal")  # fmt: skip
+            nine = {"namespace": ns, "worker": "9", "dp_rank": "0"}
+            assert pick(seen, "seqstate_worker_active_blocks", **nine) == 1
+            assert pick(seen, "seqstate_worker_active_requests", **nine) == 1
+        # ... and gone after it.
+        last = await publish(nc, config, SCRIPT[-1:])
         w = await scrape_until(w_port, lambda s: pick(s, "seqstate_applied_seq", **caught_up)
                                == last and pick(s, "seqstate_lag_events", **caught_up) == 0,
                                "the writer at the last event")  # fmt: skip
