@@ -63,26 +63,22 @@ def _one_of(what: str, flag: str, env: str, options: tuple[str, ...]) -> Callabl
 
 def add_log_flags(group: argparse._ArgumentGroup) -> None:
     """``--log-level`` and ``--log-format``, offered on every command."""
-    group.add_argument("--log-level", default=os.environ.get(LEVEL_ENV, "info"),
-                       type=_one_of("log level", "--log-level", LEVEL_ENV, LEVELS),
-                       choices=LEVELS, metavar="{" + ",".join(LEVELS) + "}",
-                       help=f"(default: info) [env {LEVEL_ENV}]")  # fmt: skip
-    group.add_argument("--log-format", default=os.environ.get(ENV, "auto"),
-                       type=_one_of("log format", "--log-format", ENV, FORMATS),
-                       choices=FORMATS, metavar="{" + ",".join(FORMATS) + "}",
-                       help=f"auto: console on a terminal, JSON lines elsewhere "
-                       f"(default: auto) [env {ENV}]")  # fmt: skip
+    for what, env, options, default, says in (
+        ("log level", LEVEL_ENV, LEVELS, "info", ""),
+        ("log format", ENV, FORMATS, "auto", "auto: console on a terminal, JSON lines elsewhere "),
+    ):
+        flag = "--" + what.replace(" ", "-")
+        group.add_argument(flag, default=os.environ.get(env, default),
+                           type=_one_of(what, flag, env, options), choices=options,
+                           metavar="{" + ",".join(options) + "}",
+                           help=f"{says}(default: {default}) [env {env}]")  # fmt: skip
 
 
 def resolve(fmt: str, stream: TextIO | None = None) -> str:
     """``json`` or ``console``: what ``auto`` means for ``stream`` (stderr by default)."""
     if fmt != "auto":
         return fmt
-    stream = sys.stderr if stream is None else stream
-    try:
-        return "console" if stream.isatty() else "json"
-    except (AttributeError, ValueError):  # a closed or odd stream is no terminal
-        return "json"
+    return "console" if _isatty(sys.stderr if stream is None else stream) else "json"
 
 
 def context(record: logging.LogRecord) -> dict[str, Any]:
@@ -182,6 +178,7 @@ def handler_for(fmt: str, stream: TextIO | None = None) -> logging.Handler:
 
 
 def _isatty(stream: TextIO) -> bool:
+    """A closed or odd stream is no terminal."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

@@ -86,7 +86,12 @@ class ProjectorStats:
     keys_written: int = 0
     keys_deleted: int = 0
     flush_failures: int = 0
-    kv_writes: int = 0  # puts and deletes of the bucket, position puts included
+
+    @property
+    def kv_writes(self) -> int:
+        """Puts and deletes of the bucket: each key written or deleted, and one position put
+        per flush."""
+        return self.keys_written + self.keys_deleted + self.flushes
 
 
 class Projector(LagWatched):
@@ -421,7 +426,6 @@ class Projector(LagWatched):
         deleted = sum(value is None for _, value in writes)
         self.stats.keys_written += len(writes) - deleted
         self.stats.keys_deleted += deleted
-        self.stats.kv_writes += len(writes) + 1
 
     def _check_lease(self) -> None:
         if self.lease is not None:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,16 +218,13 @@ class Snapshotter:
             log.info("trimmed events below sequence %d", cut)
 
 
+
 def _epoch_s(modified: str) -> float | None:
-    """An object's modification time (RFC 3339, nanoseconds maybe) in seconds since the epoch;
-    None when the store gave none (or one that does not parse)."""
-    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?",
-                         modified.strip())  # fmt: skip
-    if match is None:
-        return None
-    whole, fraction, zone = match.groups()
+    """An object's modification time (RFC 3339; Python's parser drops digits past the
+    microsecond) in seconds since the epoch; None when the store gave none, or one that does
+    not parse."""
     try:
-        at = dt.datetime.fromisoformat(whole + ("+00:00" if zone in (None, "Z") else zone))
+        at = dt.datetime.fromisoformat(modified.strip())
     except ValueError:
         return None
-    return at.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)
+    return (at if at.tzinfo else at.replace(tzinfo=dt.UTC)).timestamp()
