@@ -34,9 +34,12 @@ $(BENCH_STAMP): $(STAMP)
 pure:
 	rm -f seqstate/*.so $(NATIVE)
 
+# ruff's lint and format, mypy, and the import contracts of pyproject.toml (the wings' layering).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # The suite runs against the compiled core and again against the pure sources (the reference).
 test: $(NATIVE) lint

@@ -1,6 +1,6 @@
 """What a Prometheus scrape of a seqstate process costs, at real sizes.
 
-Why this exists: the metrics are read from the state when Prometheus asks (projector.metrics),
+Why this exists: the metrics are read from the state when Prometheus asks (projector.ops.metrics),
 so nothing is paid per event; the price is paid per scrape instead, and it should follow the
 number of ranks (one sample of each per-worker gauge per rank), never the number of active
 requests or blocks, which a busy rank counts in the hundreds of thousands. This folds a state
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
-from projector.metrics import WRITER, Metrics
+from projector.ops.metrics import WRITER, Metrics
 from seqstate import AddRequest, SequenceState, WorkerAdded
 
 BLOCK_BASE = 1 << 40

@@ -72,12 +72,12 @@ from fold import (
 from nats.aio.client import Client
 
 import seqstate.state
-from projector.config import Config
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.resources import ensure
-from projector.server import NatsServer
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
 from seqstate import Event, SequenceState, WorkerAdded
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent

@@ -3,7 +3,7 @@
 Why this exists: issue #4 sets two targets for the log as the source of truth, on this machine:
 
 (r1) replay throughput: fold 1,000,000 events from the stream into a fresh ``SequenceState``
-     with ``projector.replay.fold_stream`` (what ``seqstate replay`` uses: its fast path, a
+     with ``projector.ops.replay.fold_stream`` (what ``seqstate replay`` uses: its fast path, a
      reader process speaking the NATS protocol, when it has one; otherwise nats-py's ordered
      push consumer), from sequence 1 to the last, no snapshot. Target: at least 100,000
      events/s;
@@ -101,13 +101,13 @@ from nats.js.errors import NotFoundError
 from pipeline import collect, connect, git_revision, machine
 
 import seqstate.state
-from projector.config import Config
-from projector.replay import fold_stream
-from projector.resources import ensure
-from projector.server import NatsServer
-from projector.snapshots import SnapshotStore
-from projector.stream import SOURCE_SEQ, log_time_ns
-from projector.writer import Writer
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import SOURCE_SEQ, log_time_ns
+from projector.ops.replay import fold_stream
+from projector.wire.config import Config
+from projector.write.writer import Writer
 from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_deltas, encode_event
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
@@ -206,7 +206,7 @@ def digest(state: SequenceState) -> str:
 
 
 class Warnings(logging.Handler):
-    """Collects what ``projector.replay`` logs (e.g. the fast path falling back)."""
+    """Collects what ``projector.ops.replay`` logs (e.g. the fast path falling back)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -463,7 +463,7 @@ async def client_alone(url: str, config: Config, last: int) -> tuple[dict[str, A
 async def reader_alone(url: str, config: Config, last: int) -> dict[str, Any] | None:
     """(p1b) the fast path's reader process and pipe, feeding a callback that folds nothing."""
     try:
-        from projector.stream_reader import fast_fold
+        from projector.nats.stream_reader import fast_fold
     except ImportError:
         return None
     nc = await connect(url, "bench-reader-alone")
@@ -703,7 +703,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
 def import_time() -> float:
     """Seconds for a fresh interpreter to import what a writer process imports (once)."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import nats, projector.writer, projector.cli"],
+    subprocess.run([sys.executable, "-c", "import nats, projector.write.writer, projector.ops.cli"],
                    check=True, cwd=REPO_ROOT)  # fmt: skip
     return time.perf_counter() - t0
 

@@ -52,10 +52,10 @@ import nats
 from nats.aio.client import Client
 
 import seqstate.state
-from projector.config import Config
-from projector.publisher import MSG_ID_HEADER, RouterPublisher
-from projector.resources import ensure
-from projector.server import NatsServer
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.route.publisher import MSG_ID_HEADER, RouterPublisher
+from projector.wire.config import Config
 from seqstate import AddRequest, Event, encode_event
 
 WORKERS: Final = 16

@@ -55,7 +55,7 @@ fresh embedded nats-server (``NatsServer``, temporary store, streams as ``ensure
    is the RSS growth of a process that runs only the view. It then answers ``loads()`` and 24
    ``potential_loads`` queries (prefixes of live requests, some extended by unknown hashes,
    and unknown ones) at one log time, folds the event log itself from scratch
-   (``projector.replay.fold_stream`` into ``config.new_state()``, to the view's position) and
+   (``projector.ops.replay.fold_stream`` into ``config.new_state()``, to the view's position) and
    compares: the view must equal the write model exactly. This process's live view (which
    followed every delta of the churn) is compared with the same answers. The cold start runs
    after the churn, so the bucket holds the steady state: slot keys reused many times.
@@ -108,12 +108,12 @@ from nats.aio.client import Client
 from pipeline import collect, connect, machine
 from replay import process_cpu_s
 
-from projector.config import Config
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.replay import fold_stream
-from projector.resources import ensure
-from projector.server import NatsServer
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.ops.replay import fold_stream
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.wire.config import Config
 from seqstate import AddRequest, Event, Free, MarkPrefillCompleted, WorkerAdded
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import sys
 
-from projector.config import Config
-from projector.resources import dead_letter_stream
+from projector.nats.resources import dead_letter_stream
+from projector.wire.config import Config
 
 ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo")
 
@@ -34,7 +34,7 @@ def read_stream(stream: str) -> list[str]:
 
 def subscriptions(config: Config, role: str) -> list[str]:
     """Per role: the subjects it may subscribe to. Every role gets its inbox; the writer and
-    the projector also answer NATS service discovery (``nats micro``: projector.discovery)
+    the projector also answer NATS service discovery (``nats micro``: projector.nats.discovery)
     and their status endpoint, replying to whoever asked (``allow_responses``)."""
     if role in ("writer", "projector"):
         return ["_INBOX.>", "$SRV.>", f"seqstate.svc.{config.namespace}.{role}.>"]

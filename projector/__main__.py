@@ -1,3 +1,3 @@
-from projector.cli import main
+from projector.ops.cli import main
 
 raise SystemExit(main())

@@ -21,7 +21,7 @@ import pytest
 if TYPE_CHECKING:  # imported in the fixtures, after the core's import hook is in place
     from nats.aio.client import Client
 
-    from projector.server import NatsServer
+    from projector.nats.server import NatsServer
 
 CORE = Path(__file__).resolve().parent.parent / "seqstate"
 PURE = os.environ.get("SEQSTATE_PURE") == "1"
@@ -77,7 +77,7 @@ def pytest_report_header() -> str:
 
 @pytest.fixture(scope="module")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    from projector.server import NatsServer
+    from projector.nats.server import NatsServer
 
     with NatsServer(tmp_path_factory.mktemp("jetstream")) as server:
         yield server

@@ -33,12 +33,12 @@ from pipeline_kit import bucket_values as bucket_values  # the fault tests impor
 from pipeline_kit import read_log
 from pipeline_kit import read_stream as read_stream
 
-from projector.config import Config
-from projector.flags import FOLD
-from projector.image import BucketImage
-from projector.publisher import RouterPublisher
-from projector.stream import SOURCE_SEQ
-from projector.values import Position, decode_position, position_key
+from projector.nats.stream import SOURCE_SEQ
+from projector.ops.flags import FOLD
+from projector.read.image import BucketImage
+from projector.route.publisher import RouterPublisher
+from projector.wire.config import Config
+from projector.wire.values import Position, decode_position, position_key
 from seqstate import (
     AddRequest,
     Event,

@@ -29,12 +29,12 @@ from fault_kit import (
 from log_text import plain_lines
 from nats.aio.client import Client
 
-from projector.config import Config
-from projector.publisher import MSG_ID_HEADER, RouterPublisher
-from projector.resources import ensure
-from projector.server import NatsServer
-from projector.stream import last_seq_of
-from projector.values import position_key
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.nats.stream import last_seq_of
+from projector.route.publisher import MSG_ID_HEADER, RouterPublisher
+from projector.wire.config import Config
+from projector.wire.values import position_key
 from seqstate import AddRequest, Event, Free, MarkPrefillCompleted
 
 BOUND = 64  # the publisher's max_pending

@@ -13,9 +13,9 @@ from fault_kit import WAIT_S, bucket_position, bucket_values, fault_config, unin
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError
 
-from projector.pipeline import supervise
-from projector.publisher import RouterPublisher
-from projector.values import position_key
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import supervise
+from projector.wire.values import position_key
 
 
 async def test_a_bucket_deleted_under_a_running_pipeline_is_recreated_exact(nc: Client) -> None:

@@ -1,4 +1,4 @@
-"""Issue 11, item 4: a 3-node JetStream cluster (``projector.server.NatsCluster``) with R3
+"""Issue 11, item 4: a 3-node JetStream cluster (``projector.nats.server.NatsCluster``) with R3
 streams, bucket and object store. The stream leader of the events stream is SIGKILLed while
 routers publish and the writer and projector (real processes, given every node's URL
 comma-separated) fold; publishing, folding and reading go on after the election, the node
@@ -41,13 +41,13 @@ from fault_kit import (
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from projector.config import Config
-from projector.publisher import PublishError, RouterPublisher
-from projector.reader import RegistryView
-from projector.resources import dead_letter_stream, ensure
-from projector.server import NatsCluster
-from projector.snapshots import SnapshotStore
-from projector.values import position_key
+from projector.nats.resources import dead_letter_stream, ensure
+from projector.nats.server import NatsCluster
+from projector.nats.snapshots import SnapshotStore
+from projector.read.reader import RegistryView
+from projector.route.publisher import PublishError, RouterPublisher
+from projector.wire.config import Config
+from projector.wire.values import position_key
 from seqstate import AddRequest, Free, WorkerAdded
 
 WINDOW = 40  # publishes in flight at once

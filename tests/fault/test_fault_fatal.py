@@ -16,12 +16,12 @@ from fault_kit import WAIT_S, Service, delta_source_seq, fault_config, wait_unti
 from log_text import plain_lines
 from nats.aio.client import Client
 
-from projector.lease import Holder
-from projector.publisher import RouterPublisher
-from projector.resources import ensure
-from projector.server import NatsServer
-from projector.stream import PREV_SOURCE_SEQ
-from projector.values import lease_key
+from projector.nats.lease import Holder
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.nats.stream import PREV_SOURCE_SEQ
+from projector.route.publisher import RouterPublisher
+from projector.wire.values import lease_key
 from seqstate import Delta, encode_deltas
 
 

@@ -23,14 +23,14 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 
-from projector.config import Config
-from projector.dead_letters import REASON
-from projector.publisher import RouterPublisher
-from projector.resources import dead_letter_stream, ensure
-from projector.server import NatsServer
-from projector.snapshots import SnapshotStore
-from projector.stream import SOURCE_SEQ
-from projector.values import load_key, position_key
+from projector.nats.dead_letters import REASON
+from projector.nats.resources import dead_letter_stream, ensure
+from projector.nats.server import NatsServer
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import SOURCE_SEQ
+from projector.route.publisher import RouterPublisher
+from projector.wire.config import Config
+from projector.wire.values import load_key, position_key
 from seqstate import (
     AddRequest,
     Event,

@@ -22,13 +22,13 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 
-from projector.dead_letters import SIZE, TRUNCATED
-from projector.publisher import RouterPublisher
-from projector.resources import dead_letter_stream, ensure
-from projector.server import NatsServer
-from projector.snapshots import SnapshotStore
-from projector.stream import PREV_SOURCE_SEQ
-from projector.values import load_key, position_key
+from projector.nats.dead_letters import SIZE, TRUNCATED
+from projector.nats.resources import dead_letter_stream, ensure
+from projector.nats.server import NatsServer
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import PREV_SOURCE_SEQ
+from projector.route.publisher import RouterPublisher
+from projector.wire.values import load_key, position_key
 from seqstate import Delta, WorkerAdded, encode_deltas
 
 

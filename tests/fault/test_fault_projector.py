@@ -21,10 +21,16 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 
-from projector.resources import ensure
-from projector.server import NatsServer
-from projector.stream import last_seq_of
-from projector.values import decode_load, decode_position, decode_request, parse_key, position_key
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.nats.stream import last_seq_of
+from projector.wire.values import (
+    decode_load,
+    decode_position,
+    decode_request,
+    parse_key,
+    position_key,
+)
 
 KILLS = 4
 

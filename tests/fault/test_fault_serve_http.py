@@ -16,9 +16,9 @@ from http_kit import exchange, kill, request, rows, serve_http
 from nats.aio.client import Client
 from pipeline_kit import bucket_values
 
-from projector.server import NatsServer
-from projector.tracker_names import namespace_for
-from projector.values import position_key
+from projector.http.tracker_names import namespace_for
+from projector.nats.server import NatsServer
+from projector.wire.values import position_key
 
 M = "Qwen/Qwen3-8B"
 WORKERS = 4

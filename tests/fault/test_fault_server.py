@@ -42,13 +42,13 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 
-from projector.publisher import PublishError, RouterPublisher
-from projector.reader import RegistryView
-from projector.resources import ensure
-from projector.server import NatsServer
-from projector.snapshots import SnapshotStore
-from projector.stream import last_seq_of
-from projector.values import position_key
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import last_seq_of
+from projector.read.reader import RegistryView
+from projector.route.publisher import PublishError, RouterPublisher
+from projector.wire.values import position_key
 from seqstate import AddRequest, Event
 
 KILLS = 3

@@ -21,10 +21,10 @@ from fault_kit import (
 from nats.aio.client import Client
 from pipeline_kit import read_log
 
-from projector.resources import ensure
-from projector.server import NatsServer
-from projector.snapshots import SnapshotStore
-from projector.stream import SOURCE_SEQ, last_seq_of
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import SOURCE_SEQ, last_seq_of
 from seqstate import (
     EventDecodeError,
     SnapshotError,

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline_kit import REPO, name_flags
 
-from projector.config import Config
+from projector.wire.config import Config
 
 WAIT_S = 30.0
 JSON_TYPE = "application/json"

@@ -13,10 +13,10 @@ from pathlib import Path
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
-from projector.config import Config
-from projector.resources import ensure
-from projector.stream import last_seq_of, log_time_ns
-from projector.values import lease_key
+from projector.nats.resources import ensure
+from projector.nats.stream import last_seq_of, log_time_ns
+from projector.wire.config import Config
+from projector.wire.values import lease_key
 from seqstate import AddRequest, Free, encode_event
 
 _names = itertools.count()

@@ -17,14 +17,14 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from pipeline_kit import fresh_config, name_flags
 
-from projector.bucket import read_bucket
-from projector.config import Config
-from projector.lease import Holder
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.server import NatsServer
-from projector.values import Position, encode_position, lease_key, position_key
+from projector.nats.lease import Holder
+from projector.nats.server import NatsServer
+from projector.read.bucket import read_bucket
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
+from projector.wire.values import Position, encode_position, lease_key, position_key
 from seqstate import decode_deltas
 
 REPO = Path(__file__).resolve().parents[2]

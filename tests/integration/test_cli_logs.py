@@ -18,8 +18,8 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, name_flags
 
-from projector.config import Config
-from projector.server import NatsServer
+from projector.nats.server import NatsServer
+from projector.wire.config import Config
 
 REPO = Path(__file__).resolve().parents[2]
 EVENTS = [

@@ -8,8 +8,8 @@ import asyncio
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
 
 
 async def test_the_lag_of_each_consumer_is_measured_and_readable(nc: Client) -> None:

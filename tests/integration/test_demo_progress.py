@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline_kit import REPO
 
-from projector.demo import ReplayProgress
+from projector.ops.demo import ReplayProgress
 
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 LINES = 60  # 15 s of the trace: 3 s of arrivals at 5x

@@ -9,9 +9,9 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
-from projector.outcomes import EventOutcome, OutcomeForgotten, Outcomes
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
+from projector.route.outcomes import EventOutcome, OutcomeForgotten, Outcomes
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
 from seqstate import AddRequest, Free, MarkPrefillCompleted, WorkerAdded, WorkerRemoved
 
 

@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log, read_stream
 
-from projector.bucket import read_bucket
-from projector.config import Config
-from projector.dead_letters import REASON
-from projector.pipeline import Pipeline
-from projector.resources import dead_letter_stream, ensure
-from projector.server import NatsServer
-from projector.stream import SOURCE_SEQ
+from projector.nats.dead_letters import REASON
+from projector.nats.resources import dead_letter_stream, ensure
+from projector.nats.server import NatsServer
+from projector.nats.stream import SOURCE_SEQ
+from projector.read.bucket import read_bucket
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
 from seqstate import (
     SCHEMA_VERSION,
     AddRequest,

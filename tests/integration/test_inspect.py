@@ -18,10 +18,10 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import REPO, cli, fresh_config, name_flags, run_cli
 
-from projector.config import Config
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.server import NatsServer
+from projector.nats.server import NatsServer
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
 from seqstate import PrefillSnapshot, WorkerAdded, WorkerRemoved
 
 

@@ -24,17 +24,17 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from pipeline_kit import fresh_config, read_log, run_cli
 
-from projector.bucket import read_bucket
-from projector.config import Config
-from projector.lease import PID_SPACE, Holder, Lease, LeaseHeld, LeaseLost
-from projector.pipeline import Pipeline
-from projector.projection import Projector
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.replay import rebuild, verify
-from projector.resources import ensure
-from projector.values import lease_key, parse_key, position_key
-from projector.writer import Writer
+from projector.nats.lease import PID_SPACE, Holder, Lease, LeaseHeld, LeaseLost
+from projector.nats.resources import ensure
+from projector.ops.replay import rebuild, verify
+from projector.read.bucket import read_bucket
+from projector.read.projection import Projector
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
+from projector.wire.values import lease_key, parse_key, position_key
+from projector.write.writer import Writer
 from seqstate import WorkerAdded, decode_event
 
 REPO = Path(__file__).resolve().parents[2]

@@ -25,13 +25,13 @@ from pipeline_kit import REPO, fill, fresh_config, name_flags, read_log
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from projector.config import Config
-from projector.metrics import view_collector
-from projector.pipeline import Pipeline
-from projector.reader import RegistryView
-from projector.resources import ensure
-from projector.server import NatsServer
-from projector.stream import last_seq_of
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.nats.stream import last_seq_of
+from projector.ops.metrics import view_collector
+from projector.read.reader import RegistryView
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
 from seqstate import (
     AddRequest,
     EventDecodeError,

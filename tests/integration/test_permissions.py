@@ -25,14 +25,14 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import read_log
 
-from projector.config import Config
-from projector.connection import ConnectError, connect
-from projector.projection import Projector
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.values import load_key
-from projector.workers import WorkerControl
-from projector.writer import Writer
+from projector.nats.connection import ConnectError, connect
+from projector.ops.workers import WorkerControl
+from projector.read.projection import Projector
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.wire.config import Config
+from projector.wire.values import load_key
+from projector.write.writer import Writer
 from seqstate import AddRequest, WorkerAdded, decode_event, encode_event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ NO_ACK_S = 1.0  # how long a refused JetStream publish waits for the ack that ne
 @pytest.fixture(scope="module")
 def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A nats-server with the shipped role config; its URL (no credentials in it)."""
-    from projector.server import NatsServer
+    from projector.nats.server import NatsServer
 
     env = {f"SEQSTATE_{role.upper()}_PASSWORD": pw for role, pw in PASSWORDS.items()}
     saved = {k: os.environ.get(k) for k in env}

@@ -13,18 +13,18 @@ import json
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
-from projector.bucket import read_bucket
-from projector.config import Config
-from projector.dead_letters import REASON
-from projector.pipeline import Pipeline
-from projector.projection import Projector
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.replay import verify
-from projector.resources import dead_letter_stream, ensure
-from projector.stream import PREV_SOURCE_SEQ
-from projector.values import decode_request, load_key, position_key, slot_key
-from projector.writer import Writer
+from projector.nats.dead_letters import REASON
+from projector.nats.resources import dead_letter_stream, ensure
+from projector.nats.stream import PREV_SOURCE_SEQ
+from projector.ops.replay import verify
+from projector.read.bucket import read_bucket
+from projector.read.projection import Projector
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
+from projector.wire.values import decode_request, load_key, position_key, slot_key
+from projector.write.writer import Writer
 from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas
 
 NS_PER_MS = 1_000_000

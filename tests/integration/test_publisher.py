@@ -18,15 +18,15 @@ from msgspec.structs import replace
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from projector.config import Config
-from projector.publisher import (
+from projector.nats.server import NatsServer
+from projector.route.publisher import (
     EVENT_HEADROOM,
     MSG_ID_HEADER,
     EventTooLarge,
     PublishError,
     RouterPublisher,
 )
-from projector.server import NatsServer
+from projector.wire.config import Config
 from seqstate import (
     AddRequest,
     EventDecodeError,

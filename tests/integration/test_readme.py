@@ -18,9 +18,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from projector.config import Config
-from projector.pipeline import Pipeline
-from projector.server import NatsServer
+from projector.nats.server import NatsServer
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

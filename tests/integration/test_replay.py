@@ -21,13 +21,13 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import fill, fresh_config, name_flags, read_log, run_cli
 
-from projector.bucket import read_bucket
-from projector.config import Config
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.replay import rebuild, replay, verify
-from projector.values import decode_request, encode_request, load_key, slot_key
+from projector.ops.replay import rebuild, replay, verify
+from projector.read.bucket import read_bucket
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
+from projector.wire.values import decode_request, encode_request, load_key, slot_key
 from seqstate import EventDecodeError, SequenceState, WorkerAdded, decode_event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,7 +293,7 @@ async def test_replay_refuses_a_range_outside_the_log_naming_the_log(
 async def test_the_fast_path_equals_the_client_path_and_falls_back(
     nc: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from projector.replay import fold_stream
+    from projector.ops.replay import fold_stream
 
     config = fresh_config("f")
     last = await fill(nc, config, 6000)  # enough bytes for the server to ask for flow control
@@ -307,7 +307,7 @@ async def test_the_fast_path_equals_the_client_path_and_falls_back(
     assert "fast replay path stopped" not in caplog.text  # the fast path did the work
     caplog.set_level("WARNING", logger="seqstate.replay")
     # The reader cannot start: the fold goes on through the client and ends the same.
-    monkeypatch.setattr("projector.stream_reader.sys.executable", "/bin/false")
+    monkeypatch.setattr("projector.nats.stream_reader.sys.executable", "/bin/false")
     state = config.new_state()
     counts = await fold_stream(nc, config, state, start_seq=1, end_seq=last)
     assert (counts, state.snapshot()) == results[True][:2]

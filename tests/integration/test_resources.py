@@ -8,9 +8,9 @@ import pytest
 from nats.aio.client import Client
 from nats.js import api
 
-from projector.config import Config
-from projector.resources import ProvisioningError, dead_letter_stream, ensure
-from projector.values import load_key
+from projector.nats.resources import ProvisioningError, dead_letter_stream, ensure
+from projector.wire.config import Config
+from projector.wire.values import load_key
 
 _names = itertools.count()
 

@@ -8,10 +8,10 @@ import asyncio
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.replay import replay, verify
+from projector.ops.replay import replay, verify
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
 from seqstate import decode_event
 
 

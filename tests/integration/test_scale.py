@@ -17,16 +17,16 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config, read_log, read_stream
 
-from projector.config import Config
-from projector.delta_log import DeltaLog
-from projector.image import BucketImage
-from projector.pipeline import Pipeline
-from projector.projection import Projector
-from projector.publisher import EventTooLarge, RouterPublisher
-from projector.reader import RegistryView
-from projector.replay import verify
-from projector.resources import ensure
-from projector.server import NatsServer
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.ops.replay import verify
+from projector.read.image import BucketImage
+from projector.read.projection import Projector
+from projector.read.reader import RegistryView
+from projector.route.publisher import EventTooLarge, RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
+from projector.write.delta_log import DeltaLog
 from seqstate import AddRequest, Free, SequenceState, decode_deltas, decode_event, encode_event
 from seqstate.deltas import split_delta
 

@@ -18,10 +18,10 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.server import NatsServer
+from projector.nats.server import NatsServer
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
 from seqstate import (
     AddRequest,
     Event,

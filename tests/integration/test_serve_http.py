@@ -10,7 +10,7 @@ from http_kit import WAIT_S, exchange, rows, serve_http
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
-from projector.server import NatsServer
+from projector.nats.server import NatsServer
 
 
 async def test_a_dynamo_client_session_pipelined_over_one_connection(

@@ -10,7 +10,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from projector.server import NatsServer, NatsServerError, find_binary
+from projector.nats.server import NatsServer, NatsServerError, find_binary
 
 
 async def test_fixture_server_serves_jetstream(nc: Client) -> None:

@@ -16,7 +16,7 @@ from http_kit import exchange, request, rows, serve_http
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
-from projector.server import NatsServer
+from projector.nats.server import NatsServer
 
 OK = {"status": "ok"}
 M = "meta-llama/Llama-3.1-8B"  # a name no namespace token could hold as it is

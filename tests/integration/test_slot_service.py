@@ -14,9 +14,9 @@ import nats
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
-from projector.config import Config
-from projector.server import NatsServer
-from projector.slot_service import SlotService
+from projector.http.slot_service import SlotService
+from projector.nats.server import NatsServer
+from projector.wire.config import Config
 
 JSON = "application/json"
 

@@ -14,14 +14,14 @@ from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import fresh_config, read_log
 
-from projector.config import Config
-from projector.publisher import RouterPublisher
-from projector.replay import ReplayError, replay
-from projector.resources import ensure
-from projector.snapshots import SnapshotStore
-from projector.snapshotter import SnapshotUnavailable
-from projector.stream import first_seq_of
-from projector.writer import Writer
+from projector.nats.resources import ensure
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import first_seq_of
+from projector.ops.replay import ReplayError, replay
+from projector.route.publisher import RouterPublisher
+from projector.wire.config import Config
+from projector.write.snapshotter import SnapshotUnavailable
+from projector.write.writer import Writer
 from seqstate import EventDecodeError, decode_event
 
 

@@ -19,10 +19,10 @@ from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import fresh_config
 
-from projector.config import Config
-from projector.publisher import PublishError, RouterPublisher
-from projector.resources import ensure
-from projector.server import NatsServer
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.route.publisher import PublishError, RouterPublisher
+from projector.wire.config import Config
 from seqstate import Free
 
 

@@ -28,12 +28,12 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import fill, fresh_config
 
-from projector.config import Config, ConfigError
-from projector.connection import connect
-from projector.replay import fold_stream
-from projector.security import redact, scrub
-from projector.server import NatsServer
-from projector.stream_reader import ReaderParams
+from projector.nats.connection import connect
+from projector.nats.security import redact, scrub
+from projector.nats.server import NatsServer
+from projector.nats.stream_reader import ReaderParams
+from projector.ops.replay import fold_stream
+from projector.wire.config import Config, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 USER, PASSWORD, TOKEN = "alice", "pw-9f3Kq27xWv", "tok-Zx81mQp4Lr"
@@ -252,7 +252,7 @@ def test_redact_hides_passwords_and_tokens(url: str, shown: str) -> None:
 
 def record_fast_fold(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str | None]]:
     """What each fast_fold of fold_stream returned: (last sequence fed, why it gave up)."""
-    from projector import replay
+    from projector.ops import replay
 
     returned: list[tuple[int, str | None]] = []
     real = replay.fast_fold
@@ -302,7 +302,7 @@ async def test_a_replay_over_tls_with_a_password_uses_the_fast_reader(
     fast, client = await both_paths(tnc, config, last)
     assert returned == [(last, None)]  # the reader did it all, over TLS with a client cert
     assert fast == client
-    assert len(argv) == 1 and b"projector.stream_reader" in argv[0]
+    assert len(argv) == 1 and b"projector.nats.stream_reader" in argv[0]
     for secret in (PASSWORD, USER, "127.0.0.1", "nats://", "@"):
         assert secret.encode() not in argv[0]
 
@@ -341,7 +341,7 @@ async def test_a_reader_refused_by_the_server_falls_back(
 
 
 def run_reader(params: ReaderParams) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "projector.stream_reader"],
+    return subprocess.run([sys.executable, "-m", "projector.nats.stream_reader"],
                           input=msgspec.json.encode(params) + b"\n", capture_output=True,
                           timeout=HOLD, cwd=REPO)  # fmt: skip
 
@@ -477,7 +477,7 @@ def test_bad_credential_files_fail_in_one_line_without_their_content(tmp_path: P
 
 
 def test_a_well_formed_creds_file_becomes_nats_py_user_credentials(tmp_path: Path) -> None:
-    from projector.security import auth_options, config_secrets
+    from projector.nats.security import auth_options, config_secrets
 
     seed, _ = nkey_pair()
     jwt = "eyJ0eXAiOiJKV1QifQ.eyJzdWIiOiJVQUJDIn0.c2lnbmF0dXJl"

@@ -11,12 +11,12 @@ import json
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config
 
-from projector.bucket import read_trackers
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.reader import RegistryView
-from projector.replay import rebuild, verify
-from projector.values import tracker_key
+from projector.ops.replay import rebuild, verify
+from projector.read.bucket import read_trackers
+from projector.read.reader import RegistryView
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.values import tracker_key
 from seqstate import WorkerAdded, WorkerRemoved
 
 

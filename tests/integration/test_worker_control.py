@@ -11,12 +11,12 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config, run_cli
 
-from projector.config import Config
-from projector.pipeline import Pipeline
-from projector.publisher import RouterPublisher
-from projector.replay import verify
-from projector.server import NatsServer
-from projector.workers import WorkerChange, WorkerControl, WorkerNotFound, WorkerRefused
+from projector.nats.server import NatsServer
+from projector.ops.replay import verify
+from projector.ops.workers import WorkerChange, WorkerControl, WorkerNotFound, WorkerRefused
+from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
+from projector.wire.config import Config
 
 
 def keys_of(values: dict[str, bytes], config: Config, worker_id: int) -> list[str]:
@@ -100,7 +100,7 @@ async def test_refusals_name_the_bound_before_anything_is_published(nc: Client) 
 
 async def test_without_a_pipeline_a_change_is_stored_and_said_to_be_pending(nc: Client) -> None:
     config = fresh_config("wp")
-    from projector.resources import ensure
+    from projector.nats.resources import ensure
 
     await ensure(nc, config)
     change = await WorkerControl(nc, config=config, wait_s=0.3).add(2)

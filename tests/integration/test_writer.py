@@ -12,18 +12,18 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from projector.config import Config
-from projector.dead_letters import (
+from projector.nats.dead_letters import (
     PREFIX_BYTES,
     REASON,
     SIZE,
     SOURCE_STREAM,
     TRUNCATED,
 )
-from projector.replay import replay
-from projector.resources import dead_letter_stream, ensure
-from projector.stream import SOURCE_SEQ
-from projector.writer import Writer
+from projector.nats.resources import dead_letter_stream, ensure
+from projector.nats.stream import SOURCE_SEQ
+from projector.ops.replay import replay
+from projector.wire.config import Config
+from projector.write.writer import Writer
 from seqstate import (
     AddRequest,
     Delta,

@@ -23,7 +23,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from test_dashboard import panels
 
-import projector.cli
+import projector.ops.cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose.yaml"
@@ -172,8 +172,8 @@ def _ignored(relpath: str, patterns: list[str]) -> bool:
 
 
 def _subcommands() -> set[str] | None:
-    """The subcommands registered on projector.cli.build_parser(), or None if it has none."""
-    build_parser = getattr(projector.cli, "build_parser", None)
+    """The subcommands registered on projector.ops.cli.build_parser(), or None if it has none."""
+    build_parser = getattr(projector.ops.cli, "build_parser", None)
     if build_parser is None:
         return None
     parser = build_parser()
@@ -342,7 +342,10 @@ def test_everything_the_dockerfile_copies_is_in_the_build_context(services):
 def test_the_dockerfile_copies_what_pip_install_needs(services, pyproject):
     """pyproject.toml, setup.py, the readme and every package: `pip install .` reads them all."""
     needed = {"pyproject.toml", "setup.py", pyproject["project"]["readme"]}
-    needed |= set(pyproject["tool"]["setuptools"]["packages"])
+    packages = pyproject["tool"]["setuptools"]["packages"]
+    if isinstance(packages, dict):  # packages.find: the top-level packages it includes
+        packages = {name.split(".")[0] for name in packages["find"]["include"]}
+    needed |= set(packages)
     for service in _built_services(services).values():
         _, dockerfile = _build(service)
         copies = [
@@ -474,7 +477,7 @@ def test_pipeline_service_serves_metrics_and_is_healthy_only_when_ready(services
     # The probe must fail on a 503: urlopen raises on any HTTP error status.
     assert "urllib.request.urlopen(" in test[2]
     # The setting the environment names is one the command reads.
-    parser = projector.cli.build_parser()
+    parser = projector.ops.cli.build_parser()
     args = parser.parse_args([name])
     assert hasattr(args, "cfg_metrics_port"), f"`seqstate {name}` takes no --metrics-port"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from projector.config import Config, ConfigError
+from projector.wire.config import Config, ConfigError
 from seqstate import SequenceState
 from seqstate.state import MAX_ENDED, MAX_TOMBSTONES
 
@@ -149,7 +149,7 @@ def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
 
 
 def test_the_metrics_flags_belong_to_the_four_long_running_commands() -> None:
-    from projector.flags import SETTINGS
+    from projector.ops.flags import SETTINGS
 
     having = {command for command, names in SETTINGS.items() if "metrics_port" in names}
     assert having == {"writer", "projector", "run", "serve-http"}

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from projector.metrics import Metrics
+from projector.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "seqstate.json"

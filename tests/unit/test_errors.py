@@ -17,10 +17,10 @@ import seqstate
 from seqstate import SeqstateError
 
 MODULES = sorted(
-    f"{package.__name__}.{info.name}"
+    info.name
     for package in (seqstate, projector)
-    for info in pkgutil.iter_modules(package.__path__)
-    if info.name not in ("__main__",)
+    for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}.")
+    if not info.ispkg and not info.name.endswith(".__main__")
 )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from projector.frames import DONE, ERROR, GAP, MORE, Parser
+from projector.nats.frames import DONE, ERROR, GAP, MORE, Parser
 
 INBOX = b"_INBOX.r.1"
 

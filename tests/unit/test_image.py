@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from projector.bucket import BucketView
-from projector.image import BucketImage
-from projector.values import (
+from projector.read.bucket import BucketView
+from projector.read.image import BucketImage
+from projector.wire.values import (
     EMPTY_SLOT,
     Position,
     decode_load,

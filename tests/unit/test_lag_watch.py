@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from projector.config import Config, ConfigError
-from projector.lag import CAUGHT_UP, REPEAT_S, Lag, LagWatch, describe, over, thresholds
+from projector.nats.lag import CAUGHT_UP, REPEAT_S, Lag, LagWatch, describe, over, thresholds
+from projector.wire.config import Config, ConfigError
 
 NS = 1_000_000_000
 

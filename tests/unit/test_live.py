@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console, RenderableType
 
-from projector.live import BAR_WIDTH, plain_table, render
+from projector.ops.live import BAR_WIDTH, plain_table, render
 from seqstate import LoadRow
 
 HEADER = "worker  rank  requests  active_blocks  prefill_tokens  remaining_prefill_ms"

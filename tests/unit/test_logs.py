@@ -1,4 +1,4 @@
-"""Log formats (projector.logs): JSON lines a pipeline parses, console lines a person reads."""
+"""Log formats (projector.nats.logs): JSON lines a pipeline parses, console lines a person reads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from projector.logs import (
+from projector.nats.logs import (
     FIELDS,
     ConsoleFormatter,
     JsonFormatter,

@@ -8,8 +8,8 @@ import runpy
 import subprocess
 from pathlib import Path
 
-from projector.config import Config
-from projector.server import find_binary
+from projector.nats.server import find_binary
+from projector.wire.config import Config
 
 ROOT = Path(__file__).resolve().parents[1].parent
 CONF = ROOT / "deploy" / "nats-roles.conf"

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 
-from projector.serde_errors import STRUCTS, error_for_accepted, extractor_error
-from projector.slot_service import _DECODERS
+from projector.http.serde_errors import STRUCTS, error_for_accepted, extractor_error
+from projector.http.slot_service import _DECODERS
 
 PREFIX = {
     400: "Failed to parse the request body as JSON: ",

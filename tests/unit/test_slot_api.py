@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from projector.slot_api import (
+from projector.http.slot_api import (
     AddBody,
     RegisterBody,
     RequestBody,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from projector.config import Config
-from projector.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
+from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
+from projector.wire.config import Config
 
 
 @pytest.mark.parametrize(("model", "group", "namespace"), [

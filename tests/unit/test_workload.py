@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from projector.workload import (
+from projector.ops.workload import (
     MOONCAKE_BLOCK_TOKENS,
     DemoRequest,
     MooncakeWorkload,

@@ -1,0 +1,343 @@
+"""The slot-tracker drop-in's logic, apart from the HTTP transport that feeds it.
+
+One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracker answers it
+(../shared/design/slot-tracker-api.md), on top of the pipeline:
+
+- each ``(model_name, routing_group)`` is a namespace (:mod:`projector.http.tracker_names`) folded
+  by the slot-tracker rules, whose writer and projector run in whichever serving process holds
+  its lease (:class:`~projector.run.standby.StandbyPipeline`): every process offers to;
+- a mutating call publishes its event and answers with the writer's outcome of it
+  (:class:`~projector.route.outcomes.Outcomes`), as soon as the writer has folded it;
+- reads answer from a :class:`~projector.read.reader.RegistryView` per namespace, once it reflects
+  every call this process has answered (read-your-writes, paid by the read that needs it,
+  not by every write); a registration is answered only once the bucket shows it, so another
+  process that is asked about the tracker next finds it there.
+
+A call for a namespace this process does not serve yet looks for the tracker in the bucket
+(another process may have created it); with none there, a lifecycle call is ``404 no slot
+tracker`` at once, since no writer runs for a namespace that never had a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError
+
+from projector.http.serde_errors import (
+    PARSE_PREFIX,
+    accepted_fields,
+    error_for_accepted,
+    extractor_error,
+)
+from projector.http.slot_api import (
+    OK,
+    AddBody,
+    PotentialLoadsBody,
+    RegisterBody,
+    RequestBody,
+    UnregisterBody,
+    answer,
+    as_u64,
+    event_for,
+    register_problem,
+    request_event,
+)
+from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
+from projector.nats.logs import event_fields
+from projector.nats.resources import ensure
+from projector.read.bucket import read_trackers
+from projector.read.reader import RegistryView
+from projector.route.outcomes import Outcomes
+from projector.route.publisher import RouterPublisher
+from projector.run.standby import StandbyPipeline
+from projector.wire.config import Config
+from projector.wire.values import tracker_key
+from seqstate.deltas import APPLIED
+
+log = logging.getLogger("seqstate.slots")
+
+OUTCOME_WAIT_S = 30.0  # a writer taking over a namespace (a lease TTL) fits well within
+
+_DECODERS: dict[str, msgspec.json.Decoder] = {  # type: ignore[type-arg]
+    "/register": msgspec.json.Decoder(RegisterBody),
+    "/unregister": msgspec.json.Decoder(UnregisterBody),
+    "/add": msgspec.json.Decoder(AddBody),
+    "/prefill_complete": msgspec.json.Decoder(RequestBody),
+    "/free": msgspec.json.Decoder(RequestBody),
+    "/potential_loads": msgspec.json.Decoder(PotentialLoadsBody),
+}
+READS = frozenset({"/loads", "/workers", "/potential_loads"})
+ROUTES: dict[str, str] = {**dict.fromkeys(_DECODERS, "POST"), "/loads": "GET",
+                          "/workers": "GET", "/health": "GET"}  # fmt: skip
+
+
+_Body = RegisterBody | UnregisterBody | AddBody | RequestBody
+
+
+def _now(status: int, payload: object) -> asyncio.Future[tuple[int, object]]:
+    answered: asyncio.Future[tuple[int, object]] = asyncio.get_running_loop().create_future()
+    answered.set_result((status, payload))
+    return answered
+
+
+def _is_json(content_type: str) -> bool:
+    """axum's test: ``application/json`` or any ``application/*+json``, parameters aside."""
+    mime = content_type.split(";", 1)[0].strip().lower()
+    kind, _, subtype = mime.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+class LoadOut(msgspec.Struct):
+    model_name: str
+    routing_group: str
+    worker_id: int
+    dp_rank: int
+    active_prefill_tokens: int
+    active_decode_blocks: int
+
+
+class WorkerOut(msgspec.Struct):
+    worker_id: int
+    model_name: str
+    routing_group: str
+    block_size: int
+    dp_start: int
+    dp_size: int
+
+
+@dataclass
+class _Tracker:
+    model_name: str
+    routing_group: str
+    config: Config
+    standby: StandbyPipeline
+    task: asyncio.Task[None]
+    outcomes: Outcomes
+    view: RegistryView
+    publisher: RouterPublisher
+
+
+class SlotService:
+    """``service = await SlotService(nc, config).start()``; ``await service.call(...)``."""
+
+    def __init__(self, nc: Client, config: Config, *, outcome_wait_s: float = OUTCOME_WAIT_S):
+        self.nc = nc
+        self.config = dataclasses.replace(config, rules="slot-tracker", worker_grace_s=0.0)
+        self.outcome_wait_s = outcome_wait_s
+        self.trackers: dict[str, _Tracker] = {}
+        self._answered: dict[str, int] = {}  # per namespace: the last event answered
+        self._opening: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> SlotService:
+        """Provision, then serve every tracker the bucket holds."""
+        await ensure(self.nc, self.config)
+        for namespace in await read_trackers(self.nc, self.config):
+            with contextlib.suppress(NotATrackerNamespace):
+                await self._open(namespace)
+        return self
+
+    async def stop(self) -> None:
+        for tracker in self.trackers.values():
+            tracker.task.cancel()
+            with contextlib.suppress(BaseException):
+                await tracker.task
+            await tracker.outcomes.stop()
+            await tracker.view.stop()
+        self.trackers = {}
+
+    # ---- the trackers -----------------------------------------------------------------------
+
+    async def _open(self, namespace: str) -> _Tracker:
+        """Serve one namespace: offer to run its pipeline, follow its outcomes and bucket."""
+        lock = self._opening.setdefault(namespace, asyncio.Lock())
+        async with lock:
+            if namespace in self.trackers:
+                return self.trackers[namespace]
+            model, group = tracker_of(namespace, self.config.namespace)
+            config = self.config.with_namespace(namespace)
+            outcomes = await Outcomes(self.nc, config).start()  # before any publish of ours
+            standby = StandbyPipeline(self.nc, config)
+            task = asyncio.create_task(standby.run(), name=f"seqstate-standby-{namespace}")
+            view = await RegistryView(self.nc, config=config).start()
+            # A msg-id prefix of its own (the events stream is shared by every namespace, and
+            # by every serving process): no two publishers ever deduplicate each other.
+            publisher = RouterPublisher(self.nc, router_id=f"slots-{uuid.uuid4().hex}",
+                                        config=config)  # fmt: skip
+            tracker = _Tracker(model, group, config, standby, task, outcomes, view, publisher)
+            self.trackers[namespace] = tracker
+            log.info("serving tracker model=%s routing_group=%s", model, group,
+                     extra={"namespace": namespace})
+            return tracker
+
+    async def _existing(self, namespace: str) -> _Tracker | None:
+        """The namespace's tracker if one exists anywhere (the bucket says), else None."""
+        if namespace in self.trackers:
+            return self.trackers[namespace]
+        kv = await self.nc.jetstream().key_value(self.config.registry_bucket)
+        try:
+            await kv.get(tracker_key(namespace))
+        except KeyNotFoundError:
+            return None
+        return await self._open(namespace)
+
+    # ---- calls ------------------------------------------------------------------------------
+
+    async def call(
+        self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
+    ) -> tuple[int, object]:
+        """One HTTP call: its status and its JSON body (None: an empty body)."""
+        return await (await self.begin(method, path, query, content_type, body))
+
+    @staticmethod
+    def allowed(path: str) -> str | None:
+        """A route's ``Allow`` header, as axum lists it."""
+        wanted = ROUTES.get(path)
+        return None if wanted is None else "GET,HEAD" if wanted == "GET" else wanted
+
+    @staticmethod
+    def reads(path: str) -> bool:
+        """A call that must see the answers of every call before it on its connection."""
+        return path in READS
+
+    async def begin(
+        self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
+    ) -> Awaitable[tuple[int, object]]:
+        """One call up to the moment its event is stored; what it returns gives the answer.
+
+        Why two steps: calls pipelined on one connection must take effect in order, so each is
+        begun only once the one before it has begun (its event stored, hence ahead of this one
+        in the log), but the long part, the writer folding the event, is waited for by all of
+        them at once. A read has nothing to store: it is answered here.
+        """
+        wanted = ROUTES.get(path)
+        if wanted is None:
+            return _now(404, {"error": "route not found"})
+        if method == "HEAD" and wanted == "GET":  # as axum routes it: a GET without its body
+            method = "GET"
+        if method != wanted:
+            return _now(405, {"error": "method not allowed"})
+        if path == "/health":
+            return _now(200, None)
+        if path == "/loads":
+            return _now(200, await self._loads(query))
+        if path == "/workers":
+            return _now(200, await self._workers(query))
+        if content_type is None or not _is_json(content_type):
+            return _now(415, {"error": "Expected request with `Content-Type: application/json`"})
+        decoder = _DECODERS[path]
+        try:
+            parsed = decoder.decode(body)
+        except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+            refused = extractor_error(path, body)
+            if refused is not None:
+                return _now(refused[0], {"error": refused[1]})
+            try:  # one of the few bodies serde reads and msgspec does not
+                parsed = msgspec.convert(accepted_fields(path, body), decoder.type)
+            except (ValueError, RecursionError, msgspec.ValidationError) as exc:
+                return _now(400, {"error": f"{PARSE_PREFIX}{exc}"})
+        else:
+            refused = error_for_accepted(path, body)
+            if refused is not None:
+                return _now(refused[0], {"error": refused[1]})
+        namespace = namespace_for(parsed.model_name, parsed.routing_group, self.config.namespace)
+        if isinstance(parsed, PotentialLoadsBody):
+            return _now(*await self._potential(namespace, parsed))
+        if isinstance(parsed, RegisterBody):
+            problem = register_problem(parsed)
+            if problem is None and parsed.dp_size > self.config.max_ranks_per_worker:
+                # Dynamo has no bound; the ledger does (a worker's ranks are its keys).
+                problem = (f"dp_size {parsed.dp_size} is over this ledger's bound of "
+                           f"{self.config.max_ranks_per_worker} ranks per worker "
+                           "(--max-ranks-per-worker)")  # fmt: skip
+            if problem is not None:
+                return _now(400, {"error": problem})
+            tracker: _Tracker | None = await self._open(namespace)
+        else:
+            tracker = await self._existing(namespace)
+        if tracker is None:
+            if isinstance(parsed, UnregisterBody):
+                return _now(*answer(path, parsed, "unknown_worker"))
+            return _now(404, {"error": f"no slot tracker for {parsed.where()}"})
+        event = (request_event(path, parsed) if isinstance(parsed, RequestBody)
+                 else event_for(parsed))  # fmt: skip
+        seq = await tracker.publisher.publish(event)
+        return self._finish(tracker, path, parsed, seq, event)
+
+    async def _finish(
+        self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object
+    ) -> tuple[int, object]:
+        """The answer to a stored event: the writer's outcome of it."""
+        result = await tracker.outcomes.of(seq, self.outcome_wait_s)
+        if result.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %s", path, result.outcome or "refused by the writer",
+                      extra={**event_fields(event), "stream_seq": seq,
+                             "namespace": tracker.config.namespace})  # fmt: skip
+        if result.outcome is None:  # refused by the writer: nothing for a view to show
+            return answer(path, parsed, None)
+        namespace = tracker.config.namespace
+        if seq > self._answered.get(namespace, 0):
+            self._answered[namespace] = seq
+        if isinstance(parsed, (RegisterBody, UnregisterBody)):
+            await tracker.view.wait_for(seq, self.outcome_wait_s)  # in the bucket for all
+        return answer(path, parsed, result.outcome, owner=result.owner,
+                      block_size=result.block_size)  # fmt: skip
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    async def _caught_up(self, tracker: _Tracker) -> None:
+        """Until the tracker's view reflects every call this process has answered."""
+        await tracker.view.wait_for(self._answered.get(tracker.config.namespace, 0),
+                                    self.outcome_wait_s)  # fmt: skip
+
+    async def _matching(self, query: dict[str, str]) -> list[_Tracker]:
+        model, group = query.get("model_name"), query.get("routing_group")
+        found = sorted(
+            (t for t in self.trackers.values()
+             if (model is None or t.model_name == model)
+             and (group is None or t.routing_group == group)),
+            key=lambda t: (t.model_name, t.routing_group),
+        )  # fmt: skip
+        for tracker in found:
+            await self._caught_up(tracker)
+        return found
+
+    async def _loads(self, query: dict[str, str]) -> list[LoadOut]:
+        out = []
+        for t in await self._matching(query):
+            for row in t.view.loads():
+                out.append(LoadOut(t.model_name, t.routing_group, row.worker_id, row.dp_rank,
+                                   row.active_prefill_tokens, row.active_blocks))  # fmt: skip
+        return out
+
+    async def _workers(self, query: dict[str, str]) -> list[WorkerOut]:
+        out = []
+        for t in await self._matching(query):
+            ranks: dict[int, list[int]] = {}
+            for row in t.view.loads():
+                ranks.setdefault(row.worker_id, []).append(row.dp_rank)
+            block_size = t.view.block_size or 0
+            for worker_id, dp_ranks in sorted(ranks.items()):
+                out.append(WorkerOut(worker_id, t.model_name, t.routing_group, block_size,
+                                     min(dp_ranks), len(dp_ranks)))  # fmt: skip
+        return out
+
+    async def _potential(self, namespace: str, body: PotentialLoadsBody) -> tuple[int, object]:
+        tracker = await self._existing(namespace)
+        if tracker is not None:
+            await self._caught_up(tracker)
+        if tracker is None or not tracker.view.loads():
+            return 404, {"error": f"no slot tracker for {body.where()}"}
+        hashes = [as_u64(h) for h in body.sequence_hashes]
+        return 200, tracker.view.potential_loads(hashes, body.new_isl_tokens)
+
+
+__all__ = ["OK", "ROUTES", "SlotService"]

@@ -1,0 +1,264 @@
+"""Connecting to NATS: one place that dials, so every command reports a failure the same way.
+
+``connect`` is a client that reconnects forever for a service (writer, projector, ``run``) and
+gives up quickly for a one-shot command; either way its callbacks log instead of printing
+tracebacks. ``nats_for`` starts an embedded nats-server when no URL is configured. It signs in
+with the credentials of the URL or of the ``nats_*`` settings (user and password, token, NKEY
+seed file, credentials file). Nothing here shows a password, a token, a seed or a JWT: URLs and
+the client's errors go through :mod:`projector.nats.security` first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+
+from projector.nats.security import (
+    auth_options,
+    client_tls,
+    config_secrets,
+    connect_settings_from_env,
+    redact,
+    scrub,
+    secrets_in,
+    server_urls,
+)
+from projector.nats.server import NatsServer
+from projector.wire.config import Config
+from seqstate.errors import SeqstateError
+
+log = logging.getLogger("seqstate")
+
+# A one-shot command that has no connection after this long says why and exits.
+ONE_SHOT_CONNECT_S = 4.0
+# nats-py reports each failed attempt within connect_timeout (3 s) per step (TCP, TLS, CONNECT)
+# plus reconnect_time_wait: a dial without news for this long is stuck (see _dial).
+STALLED_S = 15.0
+
+
+class ConnectError(SeqstateError, ConnectionError):
+    """NATS could not be reached (or refused us); the message says where and why."""
+
+
+def _is_auth_refusal(exc: BaseException) -> bool:
+    return "authorization violation" in str(exc).lower() or isinstance(
+        exc, nats.errors.AuthorizationError
+    )
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """A refusal no retry can fix: wrong credentials, or a certificate we do not trust."""
+    return _is_auth_refusal(exc) or isinstance(exc, ssl.SSLError)
+
+
+def describe_failure(
+    exc: BaseException | None,
+    url: str,
+    *,
+    signed_in: bool = False,
+    secrets: frozenset[str] = frozenset(),
+) -> str:
+    """One line for a failed connection, naming the server without its secrets.
+
+    ``signed_in``: the settings (not the URL) gave credentials; ``secrets``: theirs, to hide.
+    """
+    shown = redact(url)
+    if exc is None:
+        why = f"cannot reach NATS at {shown}: no connection within {ONE_SHOT_CONNECT_S:.0f} s"
+    elif isinstance(exc, TimeoutError):
+        why = f"cannot reach NATS at {shown}: no answer in time"
+    elif _is_auth_refusal(exc) and (signed_in or secrets_in(url)):
+        why = f"NATS at {shown} refused the credentials (authorization violation)"
+    elif _is_auth_refusal(exc):
+        why = (f"NATS at {shown} requires credentials (authorization violation): set "
+               "SEQSTATE_NATS_USER and SEQSTATE_NATS_PASSWORD, SEQSTATE_NATS_TOKEN, "
+               "SEQSTATE_NATS_NKEY_SEED or SEQSTATE_NATS_CREDS (or use a URL "
+               "with them)")  # fmt: skip
+    elif isinstance(exc, ssl.SSLCertVerificationError):
+        reason = exc.verify_message or str(exc)
+        why = (f"the TLS certificate of NATS at {shown} is not trusted ({reason}): set "
+               "SEQSTATE_TLS_CA to the CA file that signed it")  # fmt: skip
+    elif isinstance(exc, ssl.SSLError) and "CERTIFICATE_REQUIRED" in str(exc.reason):
+        why = (f"NATS at {shown} requires a client certificate: set SEQSTATE_TLS_CERT and "
+               "SEQSTATE_TLS_KEY")  # fmt: skip
+    elif isinstance(exc, ssl.SSLError):
+        why = f"TLS handshake with NATS at {shown} failed: {exc.reason or exc}"
+    else:
+        why = f"cannot reach NATS at {shown}: {exc or type(exc).__name__}"
+    return scrub(why, url, secrets)
+
+
+def _quiet_tls_eof(record: logging.LogRecord) -> bool:
+    """asyncio warns at every TLS connection nats-py closes (nats-io/nats.py#727): harmless."""
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+class _Callbacks:
+    """nats-py's callbacks: while dialing they collect errors, afterwards they log them."""
+
+    def __init__(
+        self, url: str, *, service: bool, signed_in: bool = False,
+        secrets: frozenset[str] = frozenset(),
+    ) -> None:  # fmt: skip
+        self.url = url
+        self.service = service
+        self.signed_in = signed_in
+        self.secrets = secrets
+        self.dialing = True
+        self.closing = False
+        self.errors: list[BaseException] = []
+        self.refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self.progress = asyncio.Event()  # set at each error nats-py reports while dialing
+
+    async def on_error(self, exc: Exception) -> None:
+        if not self.dialing:
+            log.warning("nats: %s", scrub(str(exc) or type(exc).__name__, self.url, self.secrets))
+            return
+        self.errors.append(exc)
+        self.progress.set()
+        if is_permanent(exc):
+            if not self.refused.done():
+                self.refused.set_result(exc)
+        elif self.service and len(self.errors) == 1:
+            log.warning("%s; retrying", self.describe(exc))
+
+    def describe(self, exc: BaseException | None) -> str:
+        return describe_failure(exc, self.url, signed_in=self.signed_in, secrets=self.secrets)
+
+    async def on_disconnect(self) -> None:
+        if not self.closing:
+            log.warning("nats: disconnected, reconnecting")
+
+    async def on_reconnect(self) -> None:
+        log.info("nats: reconnected")
+
+
+async def _watch(dialing: asyncio.Future[Client], callbacks: _Callbacks, until: float) -> None:
+    """Until the dial ends, is refused, stalls (``STALLED_S`` without news) or time is up."""
+    loop = asyncio.get_running_loop()
+    while not dialing.done() and not callbacks.refused.done() and loop.time() < until:
+        callbacks.progress.clear()
+        news = asyncio.ensure_future(callbacks.progress.wait())
+        either: set[asyncio.Future[Any]] = {dialing, callbacks.refused, news}
+        try:
+            await asyncio.wait(either, timeout=min(STALLED_S, until - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            news.cancel()
+        if news.cancelled() or not news.done():
+            return  # no news: stalled (or connected, refused, out of time: the loop's test)
+
+
+async def _dial(
+    url: str, callbacks: _Callbacks, tls: ssl.SSLContext | None, auth: dict[str, Any]
+) -> Client:
+    """The first connection, or a ConnectError as soon as it is clear there will be none.
+
+    nats-py retries a failed first connection, and after a failed TLS handshake its clean-up
+    awaits a socket the handshake had taken over, forever (nats-io/nats.py#718): an untrusted
+    certificate hung ``seqstate status`` until it was killed. So a permanent refusal (see
+    :func:`is_permanent`) abandons the dial at once; a dial that stalls (a TLS handshake that
+    timed out) is abandoned and, for a service, started again; a one-shot command dials for
+    at most ``ONE_SHOT_CONNECT_S``, a service until it connects.
+    """
+    loop = asyncio.get_running_loop()
+    until = loop.time() + (ONE_SHOT_CONNECT_S if not callbacks.service else float("inf"))
+    options: dict[str, Any] = {**auth, "tls": tls} if tls is not None else dict(auth)
+    while True:
+        dialing = asyncio.ensure_future(nats.connect(
+            server_urls(url), connect_timeout=3, allow_reconnect=True,
+            max_reconnect_attempts=-1 if callbacks.service else 3, reconnect_time_wait=0.5,
+            error_cb=callbacks.on_error, disconnected_cb=callbacks.on_disconnect,
+            reconnected_cb=callbacks.on_reconnect, **options,
+        ))  # fmt: skip
+        try:
+            await _watch(dialing, callbacks, until)
+        finally:
+            if not dialing.done():
+                dialing.cancel()
+                await asyncio.wait({dialing}, timeout=2)  # nats-py may swallow a cancellation
+        if not dialing.cancelled() and dialing.exception() is None:
+            callbacks.dialing = False
+            return dialing.result()
+        if callbacks.refused.done() or loop.time() >= until or not callbacks.service:
+            raise ConnectError(callbacks.describe(_cause(dialing, callbacks)))
+        log.warning("nats: no progress connecting to %s for %.0f s; dialing again", redact(url),
+                    STALLED_S)  # fmt: skip
+
+
+def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseException | None:
+    """The error worth reporting: a permanent refusal, else the last error seen."""
+    if callbacks.refused.done():
+        return callbacks.refused.result()
+    if callbacks.errors:
+        return callbacks.errors[-1]
+    return None if dialing.cancelled() else dialing.exception()
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    url: str, *, service: bool, config: Config | None = None
+) -> AsyncIterator[Client]:
+    """A client that reconnects forever if ``service``, logging instead of printing tracebacks.
+
+    TLS and credentials come from ``config``'s ``tls_*`` and ``nats_*`` settings; without a
+    config, from ``SEQSTATE_TLS_*`` and ``SEQSTATE_NATS_*`` (so a router or a scheduler using
+    RouterPublisher or RegistryView connects as the CLI does). Credentials in ``url`` still
+    work; a setting wins over them.
+    """
+    settings = config if config is not None else connect_settings_from_env()
+    tls = client_tls(settings)
+    auth = auth_options(settings)
+    asyncio_log = logging.getLogger("asyncio")
+    if _quiet_tls_eof not in asyncio_log.filters:
+        asyncio_log.addFilter(_quiet_tls_eof)
+    callbacks = _Callbacks(url, service=service, signed_in=settings.has_credentials,
+                           secrets=frozenset(config_secrets(settings)))  # fmt: skip
+    nc = await _dial(url, callbacks, tls, auth)
+    try:
+        yield nc
+    finally:
+        callbacks.closing = True
+        with contextlib.suppress(Exception):
+            await nc.drain()
+
+
+@contextlib.asynccontextmanager
+async def nats_for(
+    config: Config, store_dir: Path | None, port: int = -1
+) -> AsyncIterator[tuple[Client, str]]:
+    """Connect to ``config.nats_url``, or start an embedded server when it is unset.
+
+    The embedded server listens on ``port`` so its URL stays the same across restarts; if the
+    port is taken it listens on a free one and says so, rather than not starting. Yields the
+    client and the server's URL as it may be shown (its secrets masked): callers only log it.
+    """
+    if config.nats_url:
+        async with connect(config.nats_url, service=True, config=config) as nc:
+            yield nc, redact(config.nats_url)
+        return
+    if store_dir is None:
+        raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
+    async with NatsServer(store_dir, port=port, any_port_if_taken=True) as server:
+        if server.fell_back_from is not None:
+            log.warning("port %d is taken: the embedded nats-server listens on %s instead",
+                        server.fell_back_from, server.url)  # fmt: skip
+        log.info("embedded nats-server at %s (export NATS_URL=%s), JetStream in %s",
+                 server.url, server.url, store_dir)  # fmt: skip
+        async with connect(server.url, service=True, config=config) as nc:
+            yield nc, server.url
+
+
+def require_url(config: Config) -> str:
+    if not config.nats_url:
+        raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
+    return config.nats_url

@@ -1,0 +1,104 @@
+"""Dead letters: where a consumer puts what it cannot read, so that it can go on.
+
+Both consumers (the writer for events, the projector for deltas) dead-letter the same way,
+here. A dead letter must always be storable: a message near the server's payload limit plus
+the reason in headers would exceed it, the server would drop the connection, and the consumer
+would retry the same message forever. So a dead letter carries a bounded prefix of the
+payload and a reference to the original (stream and sequence, where it still is), and says
+how big the original was. Its msg-id is the original's position, so a consumer that crashed
+and re-read the message writes its dead letter once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from nats.js import JetStreamContext
+
+from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
+from projector.nats.stream import MSG_ID, SOURCE_SEQ
+from projector.wire.config import Config
+
+log = logging.getLogger("seqstate.dead")
+
+# Why a message was dead-lettered, in one bounded word each: a metric's label
+# (``seqstate_dead_letters_total{reason}``), where the free-text reason could not go.
+UNDECODABLE = "undecodable"  # not an event (a delta) at all, or one with invalid fields
+TOO_LARGE = "too_large"  # an event whose delta could never fit a message
+OUT_OF_BOUNDS = "out_of_bounds"  # an event that would pass the rank bounds
+IMPLAUSIBLE = "implausible"  # a delta no writer of the namespace could have written
+WRITER_KINDS = (UNDECODABLE, TOO_LARGE, OUT_OF_BOUNDS)  # of events
+PROJECTOR_KINDS = (UNDECODABLE, IMPLAUSIBLE)  # of deltas
+
+REASON = "Seqstate-Reason"
+SOURCE_STREAM = "Seqstate-Source-Stream"
+SUBJECT = "Seqstate-Subject"
+SIZE = "Seqstate-Size"  # the original payload's size in bytes
+TRUNCATED = "Seqstate-Truncated"  # present when the payload kept is a prefix
+PREFIX_BYTES = 64 * 1024  # of a large payload, enough to see what it was
+REASON_CHARS = 1000
+HEADROOM = 4096  # for the headers and the protocol line, under the server's limit
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """A header value: one line (a CR or LF would end the header), at most ``limit`` chars."""
+    flat = re.sub(r"[\r\n]+", " ", text)
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+class DeadLetters:
+    """Writes a namespace's dead letters; ``counts`` holds how many of each kind were written
+    (what the metrics export: read at scrape time, nothing to keep in step), for each of the
+    ``kinds`` its consumer can write, so that each is a series from the start."""
+
+    def __init__(
+        self, js: JetStreamContext, config: Config, *, max_payload: int, kinds: tuple[str, ...]
+    ) -> None:
+        self._js = js
+        self._config = config
+        self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
+        self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
+
+    async def put(
+        self,
+        stream: str,
+        seq: int,
+        subject: str,
+        payload: bytes,
+        reason: str,
+        *,
+        kind: str,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it.
+
+        ``reason`` is free text for whoever reads the dead letter; ``kind`` (one of ``KINDS``)
+        is the bounded word it is counted under. ``fields``: the log context known of the
+        message (its request id, worker...); the log line gives the payload's size, never the
+        payload."""
+        if kind not in self.counts:
+            raise ValueError(f"dead letter kind {kind!r}: not one of {tuple(self.counts)}")
+        log.warning("dead letter: %s %d on %s (%d bytes): %s", stream, seq, subject,
+                    len(payload), one_line(reason, 300),
+                    extra={**(fields or {}), "stream_seq": seq,
+                           "namespace": self._config.namespace})  # fmt: skip
+        headers = {
+            MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",
+            REASON: one_line(reason),
+            SOURCE_STREAM: stream,
+            SOURCE_SEQ: str(seq),
+            SUBJECT: one_line(subject, 256),
+            SIZE: str(len(payload)),
+        }
+        kept = payload
+        if len(payload) > self._keep:
+            kept = payload[: self._keep]
+            headers[TRUNCATED] = "true"
+        subject = self._config.dead_letter_subject
+        await retrying(lambda: self._js.publish(subject, kept, headers=headers,
+                                                timeout=ATTEMPT_TIMEOUT_S),
+                       f"dead letter of {stream} {seq}")  # fmt: skip
+        self.counts[kind] += 1

@@ -1,0 +1,209 @@
+"""Provisioning: the streams and the KV bucket the pipeline needs, created or updated idempotently.
+
+Running it twice changes nothing; running it for a second namespace adds that namespace's
+subjects to the shared streams. It never deletes a stream. A difference it cannot reconcile
+(the storage type of an existing stream, say) is reported as :class:`ProvisioningError`
+naming the setting, never papered over by recreating the stream and losing its log. Replicas
+are only ever raised: a process started with the default ``--replicas 1`` against a cluster's
+R3 streams must not quietly strip them of their copies.
+
+The events stream is the ledger's truth, so it never drops an event to make room: it is kept
+at the discard policy ``new`` (and, under a per-subject limit, ``discard_new_per_subject``).
+It has no limits of its own, but an operator may give it some (or the account's storage may
+run out): a full stream then refuses new events, and ``RouterPublisher`` raises
+``PublishError`` saying so, where the default policy ``old`` would drop the *oldest* events,
+unfolded ones included, without a word. A ``max_age`` on it, which drops events whatever the
+policy, is warned about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from projector.wire.config import Config
+from seqstate.errors import SeqstateError
+
+# Per-message TTL, atomic batches and counters arrive in 2.11-2.12; we rely on none of them,
+# but an old server silently ignores unknown stream options, so refuse anything older than the
+# oldest release we test with.
+MIN_SERVER = (2, 10, 0)
+
+log = logging.getLogger("seqstate.resources")
+
+
+class ProvisioningError(SeqstateError, RuntimeError):
+    """The server or an existing stream/bucket cannot be made to match the configuration."""
+
+
+@dataclass(frozen=True)
+class Resources:
+    events: api.StreamInfo
+    deltas: api.StreamInfo
+    dead_letters: api.StreamInfo
+    registry: KeyValue
+
+
+def dead_letter_stream(config: Config) -> str:
+    return f"{config.events_stream}_DEAD"
+
+
+async def wait_for_jetstream(js: JetStreamContext, timeout: float = 10.0) -> None:
+    """Right after a server (or cluster) starts, management calls can time out: poll first."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            await js.account_info()
+            return
+        except (TimeoutError, APIError) as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ProvisioningError(f"JetStream is not available: {exc!r}") from None
+            await asyncio.sleep(0.2)
+
+
+def check_server(nc: Client) -> None:
+    version = nc.connected_server_version
+    found = (version.major, version.minor, version.patch)
+    if found < MIN_SERVER:
+        wanted = ".".join(map(str, MIN_SERVER))
+        raise ProvisioningError(
+            f"nats-server {'.'.join(map(str, found))} is too old: need {wanted}+"
+        )
+
+
+async def ensure(nc: Client, config: Config) -> Resources:
+    """Create or update every stream and bucket of ``config``; safe to run at every start."""
+    check_server(nc)
+    js = nc.jetstream()
+    await wait_for_jetstream(js)
+    storage = api.StorageType.FILE
+    events = await _ensure_stream(
+        js,
+        api.StreamConfig(
+            name=config.events_stream,
+            description="seqstate lifecycle events (routers publish, the writer folds)",
+            subjects=[config.events_subjects],
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            duplicate_window=config.duplicate_window_s,
+            num_replicas=config.replicas,
+            allow_direct=True,
+            discard=api.DiscardPolicy.NEW,
+        ),
+        keep_every_message=True,
+    )
+    deltas = await _ensure_stream(
+        js,
+        api.StreamConfig(
+            name=config.deltas_stream,
+            description="seqstate write-model deltas (the writer publishes, the projector reads)",
+            subjects=[config.deltas_subject],
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            duplicate_window=config.duplicate_window_s,
+            num_replicas=config.replicas,
+        ),
+    )
+    dead = await _ensure_stream(
+        js,
+        api.StreamConfig(
+            name=dead_letter_stream(config),
+            description="seqstate messages the writer could not decode, with the reason",
+            subjects=[config.dead_letter_subject],
+            storage=storage,
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=7 * 24 * 3600.0,
+            num_replicas=config.replicas,
+        ),
+    )
+    registry = await _ensure_bucket(
+        js,
+        api.KeyValueConfig(
+            bucket=config.registry_bucket,
+            description="seqstate PromptRegistry: per-rank loads (JSON), per-request slots",
+            history=1,
+            storage=storage,
+            replicas=config.replicas,
+            direct=True,
+        ),
+    )
+    return Resources(events, deltas, dead, registry)
+
+
+async def _ensure_stream(
+    js: JetStreamContext, wanted: api.StreamConfig, *, keep_every_message: bool = False
+) -> api.StreamInfo:
+    """``keep_every_message``: a limit makes the stream refuse new messages (discard policy
+    ``new``), never drop old ones; an operator's limits are kept, the policy is not."""
+    try:
+        info = await js.stream_info(wanted.name)  # type: ignore[arg-type]
+    except NotFoundError:
+        return await js.add_stream(wanted)
+    have = info.config
+    if keep_every_message and have.max_age:
+        log.warning("stream %s has max_age %gs: events older than that are dropped, folded or "
+                    "not (to trim, use --retain-events instead)", wanted.name,
+                    have.max_age)  # fmt: skip
+    if have.storage != wanted.storage:
+        raise ProvisioningError(
+            f"stream {wanted.name} uses {have.storage} storage, the configuration wants "
+            f"{wanted.storage}; a stream's storage cannot change in place (migrate it by hand)"
+        )
+    subjects = list(have.subjects or [])
+    missing = [s for s in wanted.subjects or [] if s not in subjects]
+    replicas = have.num_replicas or 1
+    if (wanted.num_replicas or 1) < replicas:
+        log.warning("stream %s keeps its %d replicas although this process asks for %d: "
+                    "seqstate never lowers replicas (lower them by hand if you mean to)",
+                    wanted.name, replicas, wanted.num_replicas)  # fmt: skip
+    changes = {
+        "subjects": subjects + missing,
+        "duplicate_window": max(have.duplicate_window or 0, wanted.duplicate_window or 0),
+        "num_replicas": max(replicas, wanted.num_replicas or 1),
+        "description": wanted.description,
+        "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
+        "allow_direct": bool(have.allow_direct or wanted.allow_direct),
+    }
+    if keep_every_message:
+        changes["discard"] = api.DiscardPolicy.NEW
+        changes["discard_new_per_subject"] = bool((have.max_msgs_per_subject or 0) > 0)
+    current = {
+        "subjects": subjects,
+        "duplicate_window": have.duplicate_window,
+        "num_replicas": have.num_replicas,
+        "description": have.description,
+        "max_age": have.max_age,
+        "allow_direct": bool(have.allow_direct),
+    }
+    if keep_every_message:
+        current["discard"] = have.discard
+        current["discard_new_per_subject"] = bool(have.discard_new_per_subject)
+    if changes == current:
+        return info
+    updated = api.StreamConfig.from_response(have.as_dict())
+    for key, value in changes.items():
+        setattr(updated, key, value)
+    try:
+        return await js.update_stream(updated)
+    except APIError as exc:
+        raise ProvisioningError(f"cannot update stream {wanted.name}: {exc.description}") from None
+
+
+async def _ensure_bucket(js: JetStreamContext, wanted: api.KeyValueConfig) -> KeyValue:
+    try:
+        kv = await js.key_value(wanted.bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(wanted)
+    status = await kv.status()
+    if status.history != wanted.history:
+        raise ProvisioningError(
+            f"bucket {wanted.bucket} keeps history {status.history}, the configuration wants "
+            f"{wanted.history}"
+        )
+    return kv

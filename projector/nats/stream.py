@@ -1,0 +1,162 @@
+"""JetStream plumbing that every reader of the streams shares, so that it is done one way.
+
+The writer, the projector and replay read their streams alike: the same headers link a
+message to the event it stands for, the same reply subject says where and when the log stored
+it, and an ordered push consumer feeds each of them in stream order. Spelled once here, a
+header cannot drift between the side that writes it and the side that reads it.
+
+A consumer's logic is a *processor*: an object whose async ``handle(msg)`` takes one message
+and knows nothing of subscriptions, start positions or the client's quirks. The
+:class:`OrderedConsumer` runs it, as eventsourcing's runners run an ``EventProcessor``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from projector.nats.progress import Progress
+from projector.nats.tasks import attempt
+
+# The server stores a message once per id within its duplicate window: a retry after a lost
+# ack, or a second writer at the same position, cannot store it twice.
+MSG_ID = "Nats-Msg-Id"
+# The event (events-stream sequence) a message stands for: the last a delta message covers,
+# or the one a dead letter could not take.
+SOURCE_SEQ = "Seqstate-Source-Seq"
+# The event the previous delta message ended at: the link that lets a reader of the deltas
+# see a hole, or a message no writer wrote.
+PREV_SOURCE_SEQ = "Seqstate-Prev-Source-Seq"
+# On a DELTAS message that ends inside an event's parts: the part it ends at.
+SOURCE_PART = "Seqstate-Source-Part"
+# A compare-and-set on the subject's last message, so two writers cannot interleave.
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+
+
+def log_time_ns(msg: Msg) -> tuple[int, int]:
+    """``(stream_sequence, timestamp_ns)`` from a JetStream delivery's reply subject.
+
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream_seq>.<consumer_seq>.<ts_ns>.<pending>``
+    (newer servers prefix a domain and account hash): nanoseconds, which the parsed
+    ``msg.metadata.timestamp`` (a datetime) would round to microseconds.
+    """
+    tokens = msg.reply.split(".")
+    return int(tokens[-4]), int(tokens[-2])
+
+
+async def last_seq_of(js: JetStreamContext, stream: str, subjects: str) -> int:
+    """Sequence of the newest message on ``subjects`` (wildcards allowed); 0 if none."""
+    try:
+        return (await js.get_last_msg(stream, subjects)).seq or 0
+    except NotFoundError:
+        return 0
+
+
+async def first_seq_of(js: JetStreamContext, stream: str, subjects: str) -> int:
+    """Sequence of the oldest message on ``subjects`` in ``stream``; 0 if none."""
+    try:
+        msg = await js.get_msg(stream, seq=1, subject=subjects, next=True)
+    except NotFoundError:
+        return 0
+    return msg.seq or 0
+
+
+class Processor(Protocol):
+    async def handle(self, msg: Msg) -> None:
+        """Take one message; an exception stops the consumer that runs it."""
+
+
+class OrderedConsumer:
+    """Runs a processor over ``subjects`` of ``stream``, in stream order, from a position.
+
+    An ordered push consumer is the fastest consumer nats-py has, and gap-free: it resets
+    itself on a missed sequence. The client calls back in one task per subscription, so each
+    message is handled there, one after another, with no task or wake-up of its own. What the
+    client does not do is done here:
+
+    - it swallows a callback's exception, so a processor would fail silently and go on with
+      the next message: the failure is kept in ``failure``, reported once to ``on_failure``,
+      and no further message is handed over;
+    - a backlog never makes the callback wait, so it would starve the loop's other tasks (a
+      processor's background work): after each message the loop gets a turn;
+    - a caller needs to know when the processor has seen what the stream held when it
+      started: ``caught_up`` is set once it has passed the subjects' last sequence as looked
+      up at :meth:`start` (at once if there was nothing to pass).
+
+    ``position`` (a :class:`~projector.nats.progress.Progress`, the caller's or a new one) advances
+    to each message's stream sequence once the processor has handled it.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        stream: str,
+        subjects: str,
+        processor: Processor,
+        *,
+        on_failure: Callable[[BaseException], None],
+        position: Progress | None = None,
+    ) -> None:
+        self.stream = stream
+        self.subjects = subjects
+        self.position = position if position is not None else Progress()
+        self.caught_up = asyncio.Event()
+        self.failure: BaseException | None = None
+        self._js = js
+        self._processor = processor
+        self._on_failure = on_failure
+        self._target = 0
+        self._halted = False
+        self._sub: JetStreamContext.PushSubscription | None = None
+
+    async def start(self, after: int = 0) -> None:
+        """Subscribe from the message after stream sequence ``after`` (0: from the first)."""
+        self.position.advance(after)
+        self._target = await last_seq_of(self._js, self.stream, self.subjects)
+        if self._target <= after:
+            self.caught_up.set()
+        policy, config = None, None
+        if after:
+            policy = api.DeliverPolicy.BY_START_SEQUENCE
+            config = api.ConsumerConfig(opt_start_seq=after + 1)
+        self._sub = await self._js.subscribe(
+            self.subjects,
+            stream=self.stream,
+            ordered_consumer=True,
+            idle_heartbeat=1.0,
+            cb=self._deliver,
+            deliver_policy=policy,
+            config=config,
+        )
+
+    def halt(self) -> None:
+        """Hand no further message over; synchronous, so any callback can call it."""
+        self._halted = True
+
+    async def stop(self) -> None:
+        """Halt, then end the subscription (within bounds: the server may be away)."""
+        self._halted = True
+        if self._sub is not None:
+            await attempt(self._sub.unsubscribe())
+            self._sub = None
+
+    async def _deliver(self, msg: Msg) -> None:
+        if self._halted:
+            return
+        try:
+            await self._processor.handle(msg)
+            await asyncio.sleep(0)
+        except Exception as exc:
+            self._halted = True
+            self.failure = exc
+            self._on_failure(exc)
+            return
+        seq = log_time_ns(msg)[0]
+        if not self.caught_up.is_set() and seq >= self._target:
+            self.caught_up.set()
+        self.position.advance(seq)

@@ -1,0 +1,517 @@
+"""``seqstate inspect``: one request's story, one worker's ranks, from the log and the bucket.
+
+A request's events are found without reading the whole log when that can be avoided:
+
+- An **active** request has a slot in the bucket (``<ns>.req.<w>.<r>.<slot>`` names its id and
+  is stamped with the sequence of the AddRequest that booked it), so its worker and rank are
+  known, and its events are read from that one subject (``seqstate.events.<ns>.<w>.<r>``)
+  from the booking on: the server filters by subject, the client reads only that rank's
+  traffic since the booking.
+- An **ended or unknown** request names no rank in the bucket: its events are looked for in a
+  bounded window of the namespace's events, the newest ``window`` events by default, or from
+  ``since_seq`` on. The report says which window was read, so "no event" is never mistaken
+  for "never existed".
+
+Each event's outcome (applied, duplicate, unknown_request, ...) comes from the writer's delta
+for it, found by a binary search over the deltas stream (a few ``get_msg`` calls per event, no
+scan). How a request ended without a Free (expired, orphaned, dropped with its worker) is
+found by reading the deltas after its booking until one names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from projector.nats.stream import MSG_ID, first_seq_of, last_seq_of, log_time_ns
+from projector.read.bucket import BucketView, read_bucket
+from projector.wire.config import Config
+from projector.wire.values import LoadValue, Rank
+from seqstate import (
+    AddRequest,
+    EventDecodeError,
+    Free,
+    MarkPrefillCompleted,
+    RouterGoodbye,
+    WorkerRemoved,
+    decode_deltas,
+    decode_event,
+)
+from seqstate.deltas import Delta
+from seqstate.errors import SeqstateError
+
+Update = Callable[[int, int], None]
+DEFAULT_WINDOW = 100_000  # newest events of the namespace read for a request not in the bucket
+READ_TIMEOUT_S = 60.0
+
+
+class InspectError(SeqstateError, RuntimeError):
+    """Something an operator asked that cannot be answered (one line)."""
+
+
+def iso(ns: int) -> str:
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat(timespec="microseconds")
+
+
+async def bucket(nc: Client, config: Config, keys: str) -> BucketView:
+    """The namespace's current values under ``keys``; a missing bucket is one clear line."""
+    try:
+        return await read_bucket(nc, config, keys=keys)
+    except BucketNotFoundError:
+        raise InspectError(f"bucket {config.registry_bucket!r} does not exist: is a projector "
+                           "running?") from None  # fmt: skip
+
+
+# ---- reading a range of the events stream --------------------------------------------------
+
+
+@dataclass
+class Found:
+    seq: int
+    log_time_ns: int
+    subject: str
+    msg_id: str | None
+    event: Any  # a decoded Event
+    outcome: str | None = None  # from the writer's delta; see outcome_of
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seq": self.seq, "log_time": iso(self.log_time_ns),
+                "log_time_ns": self.log_time_ns, "type": type(self.event).__name__,
+                "outcome": self.outcome, "subject": self.subject, "msg_id": self.msg_id,
+                "event": msgspec.to_builtins(self.event)}  # fmt: skip
+
+
+async def scan_events(
+    js: JetStreamContext,
+    config: Config,
+    subject: str,
+    start: int,
+    end: int,
+    wanted: Callable[[bytes], bool],
+    progress: Update | None = None,
+) -> list[Found]:
+    """The events on ``subject`` from sequence ``start`` to ``end`` whose bytes ``wanted``
+    accepts and that decode, in order (an ordered consumer: the server filters by subject)."""
+    out: list[Found] = []
+    if end < start:
+        return out
+    done = asyncio.Event()
+    total = end - start + 1
+
+    async def take(msg: Msg) -> None:
+        seq, at_ns = log_time_ns(msg)
+        if seq > end:
+            done.set()
+            return
+        if wanted(msg.data):
+            with contextlib.suppress(EventDecodeError):
+                event = decode_event(msg.data)
+                out.append(Found(seq, at_ns, msg.subject, (msg.headers or {}).get(MSG_ID), event))
+        if progress is not None:
+            progress(seq - start + 1, total)
+        if seq >= end:
+            done.set()
+
+    last = await last_seq_of(js, config.events_stream, subject)
+    if last < start:
+        return out
+    end = min(end, last)
+    sub = await js.subscribe(subject, stream=config.events_stream, ordered_consumer=True,
+                             cb=take, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                             config=api.ConsumerConfig(opt_start_seq=start))  # fmt: skip
+    try:
+        await asyncio.wait_for(done.wait(), READ_TIMEOUT_S)
+    finally:
+        await sub.unsubscribe()
+    return [f for f in out if f.seq <= end]
+
+
+# ---- outcomes from the deltas --------------------------------------------------------------
+
+
+class DeltaIndex:
+    """Finds the writer's delta message for an event by binary search over the deltas stream."""
+
+    def __init__(self, js: JetStreamContext, config: Config) -> None:
+        self.js = js
+        self.stream = config.deltas_stream
+        self.subject = config.deltas_subject
+        self._bounds: tuple[int, int] | None = None
+
+    async def bounds(self) -> tuple[int, int]:
+        if self._bounds is None:
+            last = await last_seq_of(self.js, self.stream, self.subject)
+            first = await first_seq_of(self.js, self.stream, self.subject) if last else 0
+            self._bounds = (first, last)
+        return self._bounds
+
+    async def _at(self, seq: int) -> tuple[int, list[Delta]] | None:
+        try:
+            msg = await self.js.get_msg(self.stream, seq=seq, subject=self.subject, next=True)
+        except NotFoundError:
+            return None
+        try:
+            return msg.seq or seq, decode_deltas(msg.data or b"")
+        except msgspec.DecodeError:
+            return msg.seq or seq, []
+
+    async def locate(self, event_seq: int) -> tuple[str, int, list[Delta]]:
+        """``(where, message_seq, deltas)``: where is "found" (the message holding the event's
+        delta), "before" (the event is older than every stored delta), "after" (not folded
+        yet), or "none" (between two messages: the writer stored no delta for it)."""
+        first, last = await self.bounds()
+        if not last:
+            return "after", 0, []
+        lo, hi = first, last
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            got = await self._at(mid)
+            if got is None or got[0] > hi:
+                hi = mid - 1
+                continue
+            seq, deltas = got
+            seqs = [d.seq for d in deltas if d.seq is not None]
+            if not seqs or event_seq > max(seqs):
+                lo = seq + 1
+            elif event_seq < min(seqs):
+                hi = mid - 1
+            else:
+                return "found", seq, deltas
+        if lo > last:
+            got = await self._at(last)
+            newest = max((d.seq or 0 for d in got[1]), default=0) if got else 0
+            return ("after" if event_seq > newest else "none"), lo, []
+        if hi < first:
+            return "before", first, []
+        return "none", lo, []
+
+    async def outcome_of(self, event_seq: int) -> str:
+        where, _, deltas = await self.locate(event_seq)
+        if where == "found":
+            for d in deltas:
+                if d.seq == event_seq:
+                    return d.outcome
+            return "dead-lettered"
+        return {"before": "unknown (deltas trimmed)", "after": "not folded yet",
+                "none": "dead-lettered"}[where]  # fmt: skip
+
+    async def ending(
+        self,
+        request_id: str,
+        rank: Rank,
+        after_event: int,
+        progress: Update | None = None,
+    ) -> Delta | None:
+        """The first delta after event ``after_event`` that ends ``request_id`` without a Free:
+        an expiry naming it, an orphaning naming it, or the removal of its rank."""
+        where, start, _ = await self.locate(after_event)
+        first, last = await self.bounds()
+        if where == "after" or not last:
+            return None
+        if where == "before":
+            start = first
+        hit: Delta | None = None
+        done = asyncio.Event()
+        total = max(last - start + 1, 1)
+
+        async def take(msg: Msg) -> None:
+            nonlocal hit
+            seq = msg.metadata.sequence.stream
+            if hit is None and seq <= last:
+                with contextlib.suppress(msgspec.DecodeError):
+                    for d in decode_deltas(msg.data):
+                        if (d.seq or 0) <= after_event:
+                            continue
+                        if (request_id in d.expired or request_id in d.orphaned
+                                or any(tuple(r) == rank for r in d.removed_ranks)):  # fmt: skip
+                            hit = d
+                            break
+            if progress is not None:
+                progress(min(seq, last) - start + 1, total)
+            if hit is not None or seq >= last:
+                done.set()
+
+        sub = await self.js.subscribe(self.subject, stream=self.stream, ordered_consumer=True,
+                                      cb=take, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                      config=api.ConsumerConfig(opt_start_seq=start))  # fmt: skip
+        try:
+            await asyncio.wait_for(done.wait(), READ_TIMEOUT_S)
+        finally:
+            await sub.unsubscribe()
+        return hit
+
+
+# ---- a request -----------------------------------------------------------------------------
+
+
+@dataclass
+class RequestReport:
+    request_id: str
+    state: str  # active | ended | tombstoned | refused | unknown
+    detail: str
+    router: str | None = None
+    rank: Rank | None = None
+    slot: int | None = None
+    events: list[Found] = field(default_factory=list)
+    subject: str = ""
+    from_seq: int = 0
+    to_seq: int = 0
+    whole_log: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "state": self.state, "detail": self.detail,
+                "router": self.router,
+                "worker_id": None if self.rank is None else self.rank[0],
+                "dp_rank": None if self.rank is None else self.rank[1], "slot": self.slot,
+                "events": [e.as_dict() for e in self.events],
+                "searched": {"subject": self.subject, "from_seq": self.from_seq,
+                             "to_seq": self.to_seq, "whole_log": self.whole_log}}  # fmt: skip
+
+    def text(self) -> str:
+        where = ("-" if self.rank is None
+                 else f"worker {self.rank[0]}, rank {self.rank[1]}"
+                 + ("" if self.slot is None else f" (slot {self.slot})"))  # fmt: skip
+        lines = [f"request {self.request_id}",
+                 f"  state:  {self.state}: {self.detail}",
+                 f"  router: {self.router or '-'}",
+                 f"  where:  {where}",
+                 f"  events on {self.subject}, sequences {self.from_seq} to {self.to_seq}"
+                 + (" (the whole log)" if self.whole_log else "") + ":"]  # fmt: skip
+        if not self.events:
+            lines.append("    (none)")
+        else:
+            lines.append(f"    {'seq':>10}  {'log time':<32}  {'event':<22}  outcome")
+            for e in self.events:
+                lines.append(f"    {e.seq:>10}  {iso(e.log_time_ns):<32}  "
+                             f"{type(e.event).__name__:<22}  {e.outcome or '-'}")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _router_of(found: Found) -> str | None:
+    router = getattr(found.event, "router_id", "") or None
+    if router is None and found.msg_id and ":" in found.msg_id:
+        router = unquote(found.msg_id.rsplit(":", 1)[0])
+    return router
+
+
+async def inspect_request(
+    nc: Client,
+    config: Config,
+    request_id: str,
+    *,
+    since_seq: int | None = None,
+    window: int = DEFAULT_WINDOW,
+    progress: Update | None = None,
+) -> RequestReport:
+    js = nc.jetstream()
+    active: tuple[Rank, int, int] | None = None  # rank, slot, booking event
+    held = await bucket(nc, config, "req.>")
+    for rank, slots in held.slots.items():
+        for slot, value in slots.items():
+            if value.request_id == request_id:
+                active = (rank, slot, value.applied_seq)
+    last = await last_seq_of(js, config.events_stream, config.events_subjects)
+    first = await first_seq_of(js, config.events_stream, config.events_subjects) if last else 0
+    needle = request_id.encode()
+
+    def wanted(data: bytes) -> bool:
+        if needle not in data:
+            return False
+        try:
+            return getattr(decode_event(data), "request_id", None) == request_id
+        except EventDecodeError:
+            return False
+
+    if active is not None:
+        rank, slot, booked = active
+        subject = config.event_subject(*rank)
+        start = max(booked, first)
+    else:
+        subject = config.events_subjects
+        if since_seq is not None:
+            if since_seq < 1:
+                raise InspectError(f"--since-seq {since_seq}: must be at least 1")
+            start = max(since_seq, first)
+        else:
+            start = max(first, last - window + 1)
+    events = await scan_events(js, config, subject, start, last, wanted, progress) if last else []
+    deltas = DeltaIndex(js, config)
+    for e in events:
+        e.outcome = await deltas.outcome_of(e.seq)
+    report = RequestReport(request_id, "unknown", "", subject=subject, from_seq=start,
+                           to_seq=last, whole_log=start <= first)  # fmt: skip
+    report.events = events
+    adds = [e for e in events if isinstance(e.event, AddRequest)]
+    booked_add = next((e for e in reversed(adds) if e.outcome == "applied"), None)
+    owner = booked_add or (adds[-1] if adds else (events[0] if events else None))
+    report.router = _router_of(owner) if owner else None
+    if active is not None:
+        rank, slot, _ = active
+        report.rank, report.slot = rank, slot
+        report.state = "active"
+        after = 0 if booked_add is None else booked_add.seq
+        marked = any(isinstance(e.event, MarkPrefillCompleted) and e.outcome == "applied"
+                     and e.seq > after for e in events)  # fmt: skip
+        if marked:
+            report.detail = "prefill done"
+        elif booked_add is not None and not booked_add.event.prefill_tokens:
+            report.detail = "no prefill (0 prefill tokens)"
+        else:
+            report.detail = "prefill pending"
+        return report
+    if booked_add is not None:
+        report.rank = (booked_add.event.worker_id, booked_add.event.dp_rank)
+        report.state = "ended"
+        free = next((e for e in events if isinstance(e.event, Free) and e.seq > booked_add.seq
+                     and e.outcome == "applied"), None)  # fmt: skip
+        if free is not None:
+            report.detail = f"freed by event {free.seq} at {iso(free.log_time_ns)}"
+            return report
+        ended = await deltas.ending(request_id, report.rank, booked_add.seq, progress)
+        if ended is None:
+            report.detail = "not in the bucket, and no Free, expiry or worker removal found"
+        elif request_id in ended.expired:
+            report.detail = f"expired at event {ended.seq} (no Free within the expiry)"
+        elif request_id in ended.orphaned:
+            cause = await _event_at(js, config, ended.seq or 0)
+            report.detail = (f"freed by its router's goodbye (event {ended.seq})"
+                             if isinstance(cause, RouterGoodbye) else
+                             f"orphaned at event {ended.seq}: its router went silent")  # fmt: skip
+        else:
+            cause = await _event_at(js, config, ended.seq or 0)
+            what = "worker removed" if isinstance(cause, WorkerRemoved) else "rank removed"
+            report.detail = f"dropped with its rank at event {ended.seq} ({what})"
+        return report
+    if not events:
+        report.detail = (f"no event names it in sequences {start} to {last}"
+                         + ("" if report.whole_log else "; widen with --since-seq"))  # fmt: skip
+        return report
+    superseded = next((e for e in adds if e.outcome == "superseded"), None)
+    if superseded is not None:
+        report.state = "ended"
+        report.rank = (superseded.event.worker_id, superseded.event.dp_rank)
+        report.detail = (f"its AddRequest (event {superseded.seq}) came after its Free: "
+                         "superseded, never booked")  # fmt: skip
+        return report
+    early = [e for e in events if isinstance(e.event, (Free, MarkPrefillCompleted))
+             and e.outcome == "unknown_request"]  # fmt: skip
+    if early and not adds:
+        e = early[-1]
+        report.state = "tombstoned"
+        report.rank = (e.event.worker_id, e.event.dp_rank)
+        report.detail = (f"a {type(e.event).__name__} (event {e.seq}) for an id not live: "
+                         "its AddRequest, if it comes, is handled by the tombstone")  # fmt: skip
+        return report
+    if adds:
+        e = adds[-1]
+        report.state = "refused"
+        report.rank = (e.event.worker_id, e.event.dp_rank)
+        report.detail = f"its AddRequest (event {e.seq}) was not booked: {e.outcome}"
+        return report
+    report.detail = "events name it, but none booked it"
+    return report
+
+
+async def _event_at(js: JetStreamContext, config: Config, seq: int) -> Any:
+    try:
+        msg = await js.get_msg(config.events_stream, seq)
+        return decode_event(msg.data or b"")
+    except (NotFoundError, EventDecodeError):
+        return None
+
+
+# ---- a worker ------------------------------------------------------------------------------
+
+
+@dataclass
+class RankReport:
+    rank: Rank
+    load: LoadValue
+    requests: list[tuple[int, str, int]]  # (slot, request id, booking event)
+    active_prefill_tokens: int
+    modeled_remaining_ms: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        p = self.load.prefill
+        return {"worker_id": self.rank[0], "dp_rank": self.rank[1],
+                "active_requests": self.load.active_requests,
+                "active_blocks": self.load.active_blocks,
+                "requests": [{"slot": s, "request_id": r, "booked_seq": b}
+                             for s, r, b in self.requests],
+                "prefill": {"full_tokens": p.full_tokens, "anchor_tokens": p.anchor_tokens,
+                            "anchor_duration_ns": p.anchor_duration_ns,
+                            "anchored_since_ns": p.anchored_since_ns,
+                            "anchored_since": (None if p.anchored_since_ns is None
+                                               else iso(p.anchored_since_ns)),
+                            "modeled_ms": p.modeled_ms,
+                            "active_tokens": self.active_prefill_tokens,
+                            "modeled_remaining_ms": self.modeled_remaining_ms},
+                "applied_seq": self.load.applied_seq, "as_of": iso(self.load.as_of)}  # fmt: skip
+
+
+@dataclass
+class WorkerReport:
+    worker_id: int
+    ranks: list[RankReport]
+    now_ns: int
+    applied_seq: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "applied_seq": self.applied_seq,
+                "log_time": iso(self.now_ns) if self.now_ns else None,
+                "log_time_ns": self.now_ns,
+                "ranks": [r.as_dict() for r in self.ranks]}  # fmt: skip
+
+    def text(self) -> str:
+        lines = [f"worker {self.worker_id}: {len(self.ranks)} rank"
+                 + ("" if len(self.ranks) == 1 else "s")
+                 + f", as of event {self.applied_seq}"
+                 + (f" (log time {iso(self.now_ns)})" if self.now_ns else "")]  # fmt: skip
+        for r in self.ranks:
+            p = r.load.prefill
+            ms = "-" if r.modeled_remaining_ms is None else f"{r.modeled_remaining_ms} ms"
+            n = r.load.active_requests
+            lines.append(f"  rank {r.rank[1]}: {n} request{'' if n == 1 else 's'}, "
+                         f"{r.load.active_blocks} active blocks")  # fmt: skip
+            anchor = ("none" if p.anchored_since_ns is None else
+                      f"{p.anchor_tokens} tokens since {iso(p.anchored_since_ns)}"
+                      + ("" if p.anchor_duration_ns is None
+                         else f" for {p.anchor_duration_ns / 1e6:g} ms"))  # fmt: skip
+            lines.append(f"    prefill queue: {p.full_tokens} tokens queued, "
+                         f"{r.active_prefill_tokens} still to compute; anchor: {anchor}; "
+                         f"modeled remaining: {ms}")  # fmt: skip
+            for slot, rid, booked in r.requests:
+                lines.append(f"    slot {slot:>4}  {rid}  (booked at event {booked})")
+        return "\n".join(lines)
+
+
+async def inspect_worker(nc: Client, config: Config, worker_id: int) -> WorkerReport:
+    loads = await bucket(nc, config, f"load.{worker_id}.*")
+    reqs = await bucket(nc, config, f"req.{worker_id}.>")
+    position = (await bucket(nc, config, "position")).position
+    if not loads.loads:
+        raise InspectError(f"worker {worker_id} is not in the registry of namespace "
+                           f"{config.namespace!r}")  # fmt: skip
+    # The log time the loads are modeled at: the newest value read, as `seqstate loads` does.
+    now = max([v.as_of for v in loads.loads.values()]
+              + ([position.as_of] if position else []))  # fmt: skip
+    ranks = []
+    for rank in sorted(loads.loads):
+        value = loads.loads[rank]
+        prefill = value.rank_load().prefill
+        held = sorted((slot, v.request_id, v.applied_seq)
+                      for slot, v in reqs.requests(rank).items())  # fmt: skip
+        ranks.append(RankReport(rank, value, held, prefill.active_tokens(now),
+                                prefill.modeled_remaining_ms(now)))  # fmt: skip
+    return WorkerReport(worker_id, ranks, now, position.applied_seq if position else 0)

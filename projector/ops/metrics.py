@@ -1,0 +1,296 @@
+"""Prometheus metrics of a seqstate process, read from the consumers' own state at scrape time.
+
+Why a collector rather than counters bumped on every event: the fold already counts its
+outcomes (``state.counters``), the consumers already count what they wrote, and the per-worker
+loads *are* the state. Reading them when Prometheus asks costs nothing per event, is exactly
+consistent with the state (a counter restored from a snapshot is the snapshot's), and a worker
+that is removed has no series any more by construction. A scrape costs O(ranks).
+
+What a process reports on is a list of :class:`Source`: functions that return the consumers
+(or registry views) alive *now*, because ``seqstate run`` replaces a failed pipeline with a new
+one and ``serve-http`` opens trackers as they are registered. Each namespace's per-worker gauges
+come from the first source that covers it and asks for them, so a process exports them once
+(in ``run``, from the writer's authoritative state, not again from the projector's image).
+
+Only ``seqstate_flush_seconds`` is observed as it happens (a histogram cannot be read back from
+state): the projector and the writer's delta log call a hook, set by :meth:`Metrics.hook`.
+
+Every registry here is the process's own :class:`~prometheus_client.CollectorRegistry`, never the
+global default, so tests and several pipelines in one process never see each other's series.
+Labels are bounded: namespace, role, worker, rank, an outcome or a dead-letter kind; never a
+request id. The core (:mod:`seqstate`) knows nothing of this: the modeled prefill time is
+evaluated at the state's own log time, never a clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from seqstate.decay import active_tokens, modeled_remaining_ms
+from seqstate.loads import RankLoad
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from projector.read.reader import RegistryView
+
+WRITER, PROJECTOR, VIEW = "writer", "projector", "view"
+FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0, 30.0)  # fmt: skip
+WORKER_LABELS = ("namespace", "worker", "dp_rank")
+ROLE_LABELS = ("namespace", "role")
+
+# One rank's gauges: (namespace, worker, dp_rank, load, log time to evaluate the decay at).
+RankRow = tuple[str, int, int, RankLoad, int]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Consumers (or views) of one role that a process reports on, as they are *now*."""
+
+    role: str  # WRITER, PROJECTOR or VIEW
+    items: Callable[[], Iterable[Any]]
+    per_worker: bool = True  # export the per-worker gauges of its namespaces (first one wins)
+    # Readiness: none found means not ready (starting, restarting). A serve-http replica that
+    # runs no tracker's pipeline (another replica holds the leases) is ready all the same.
+    required: bool = True
+
+
+# ---- per-worker gauges -----------------------------------------------------------------------
+
+
+def writer_ranks(writer: Any) -> Iterator[RankRow]:
+    """The writer's authoritative loads, at the log time of its last event."""
+    state, namespace = writer.state, writer.config.namespace
+    now = state.now_ns
+    for (worker, rank), slot in state.workers.slots.items():
+        yield namespace, worker, rank, slot.load(), now
+
+
+def projector_ranks(projector: Any) -> Iterator[RankRow]:
+    """What the projector has folded into its image of the bucket, at that image's log time."""
+    image = projector.image
+    for (worker, rank), load in image.loads.items():
+        yield image.namespace, worker, rank, load, image.as_of
+
+
+def view_ranks(view: RegistryView) -> Iterator[RankRow]:
+    """A registry view's loads, at the log time of the newest value it received."""
+    registry, namespace = view.registry, view.config.namespace
+    for rank in registry.ranks():
+        load = registry.load_of(rank)
+        if load is not None:
+            yield namespace, rank[0], rank[1], load, view.as_of_ns
+
+
+RANKS: dict[str, Callable[[Any], Iterator[RankRow]]] = {
+    WRITER: writer_ranks,
+    PROJECTOR: projector_ranks,
+    VIEW: view_ranks,
+}
+
+
+def worker_families(rows: Iterable[RankRow]) -> list[Metric]:
+    """The four per-(worker, dp_rank) gauges. A rank whose prefill has no modeled duration
+    (Dynamo's MissingExpectedDuration) has no ``remaining_prefill_ms`` sample: unknown is not 0."""
+    blocks = GaugeMetricFamily("seqstate_worker_active_blocks",
+                               "KV blocks held by the rank's active requests", labels=WORKER_LABELS)
+    tokens = GaugeMetricFamily("seqstate_worker_active_prefill_tokens",
+                               "prefill tokens still pending on the rank (decayed at the state's "
+                               "log time)", labels=WORKER_LABELS)  # fmt: skip
+    requests = GaugeMetricFamily("seqstate_worker_active_requests",
+                                 "requests in flight on the rank", labels=WORKER_LABELS)
+    remaining = GaugeMetricFamily("seqstate_worker_remaining_prefill_ms",
+                                  "modeled milliseconds of prefill left on the rank, at the "
+                                  "state's log time", labels=WORKER_LABELS)  # fmt: skip
+    for namespace, worker, rank, load, now in rows:
+        labels = [namespace, str(worker), str(rank)]
+        blocks.add_metric(labels, load.active_blocks)
+        tokens.add_metric(labels, active_tokens(load.prefill, now))
+        requests.add_metric(labels, load.active_requests)
+        ms = modeled_remaining_ms(load.prefill, now)
+        if ms is not None:
+            remaining.add_metric(labels, ms)
+    return [blocks, tokens, requests, remaining]
+
+
+class ViewCollector(Collector):
+    """The per-worker gauges of registry views, for a scheduler's own process (opt-in)::
+
+        registry.register(view_collector(view))
+
+    ``views`` is a list, or a function returning the views alive at each scrape."""
+
+    def __init__(self, views: Iterable[RegistryView] | Callable[[], Iterable[RegistryView]]):
+        self._views = views if callable(views) else (lambda kept=list(views): kept)
+
+    def collect(self) -> Iterator[Metric]:
+        rows: list[RankRow] = []
+        seen: set[str] = set()
+        for view in self._views():
+            if view.config.namespace not in seen:
+                seen.add(view.config.namespace)
+                rows.extend(view_ranks(view))
+        yield from worker_families(rows)
+
+
+def view_collector(
+    *views: RegistryView, each: Callable[[], Iterable[RegistryView]] | None = None
+) -> ViewCollector:
+    """A collector of the views' per-worker gauges (``seqstate_worker_*{namespace, worker,
+    dp_rank}``), read at scrape time; register it in your own registry. ``each``: a function
+    returning the views to report at each scrape, instead of fixed ones."""
+    return ViewCollector(each if each is not None else list(views))
+
+
+# ---- the process's metrics ---------------------------------------------------------------------
+
+
+class Metrics:
+    """One process's registry and what it reports on (see the module docstring).
+
+    ``nc``: the connection whose state ``/readyz`` reports; ``ready_lag_events``: the largest
+    lag (in events) at which a consumer is still ready.
+    """
+
+    def __init__(self, nc: Client | None = None, *, ready_lag_events: int = 1000) -> None:
+        self.nc = nc
+        self.ready_lag_events = ready_lag_events
+        self.sources: list[Source] = []
+        # Not ready for a reason of the command's own while set (serve-http: its API is not
+        # listening yet), whatever the consumers say.
+        self.starting = ""
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.flush_seconds = Histogram(
+            "seqstate_flush_seconds", "one flush: the projector's write of a batch of bucket "
+            "keys (position included), the writer's store of one delta message (retries "
+            "included)", ROLE_LABELS, registry=self.registry, buckets=FLUSH_BUCKETS)  # fmt: skip
+        self.registry.register(_StateCollector(self))
+
+    def follow(self, role: str, items: Callable[[], Iterable[Any]], *, per_worker: bool = True,
+               required: bool = True) -> None:  # fmt: skip
+        """Report on what ``items()`` returns at each scrape (consumers of ``role``, or views)."""
+        if role not in RANKS:
+            raise ValueError(f"role {role!r}: not one of {sorted(RANKS)}")
+        self.sources.append(Source(role, items, per_worker, required))
+
+    def hook(self, role: str, consumer: Any) -> None:
+        """Have ``consumer`` report its flush times into ``seqstate_flush_seconds``."""
+        if role == WRITER and consumer.deltas.on_store is None:
+            consumer.deltas.on_store = self._observer(consumer.config.namespace, role)
+        elif role == PROJECTOR and consumer.on_flush is None:
+            consumer.on_flush = self._observer(consumer.config.namespace, role)
+
+    def _observer(self, namespace: str, role: str) -> Callable[[float], None]:
+        return self.flush_seconds.labels(namespace, role).observe
+
+    def consumers(self) -> Iterator[tuple[Source, list[Any]]]:
+        """Each writer and projector source with what it holds now (views hold no position)."""
+        for source in self.sources:
+            if source.role != VIEW:
+                yield source, list(source.items())
+
+    def readiness(self) -> tuple[bool, str]:
+        """``(ready, why)``: ready while NATS is connected and every consumer has caught up
+        with its input, its last lag measurement at most ``ready_lag_events``.
+
+        A consumer that has not measured its lag yet is not ready: at start it may be folding a
+        backlog of any size, and only a measurement says it is not."""
+        if self.nc is not None and not self.nc.is_connected:
+            return False, "nats: disconnected"
+        if self.starting:
+            return False, self.starting
+        for source, items in self.consumers():
+            if not items and source.required:
+                return False, f"starting: no {source.role} running yet"
+            for consumer in items:
+                lag, namespace = consumer.lag, consumer.config.namespace
+                where = f"({source.role} of namespace {namespace})"
+                if not lag.measured_ns:
+                    return False, f"replaying: lag not measured yet {where}"
+                if not consumer.caught_up.is_set() or lag.events > self.ready_lag_events:
+                    return False, f"replaying: {lag.events} events behind {where}"
+        return True, "ready"
+
+
+class _StateCollector(Collector):
+    """Every metric read from state at scrape time (all but the flush histogram)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        metrics = self._metrics
+        rows: list[RankRow] = []
+        covered: set[str] = set()
+        for source in metrics.sources:
+            items = list(source.items())
+            if source.per_worker:
+                for item in items:
+                    namespace = item.config.namespace
+                    if namespace not in covered:
+                        covered.add(namespace)
+                        rows.extend(RANKS[source.role](item))
+            if source.role != VIEW:
+                for item in items:
+                    metrics.hook(source.role, item)  # one a pipeline started since
+        yield from worker_families(rows)
+        yield from self._counters_and_positions(metrics)
+
+    def _counters_and_positions(self, metrics: Metrics) -> Iterator[Metric]:
+        events = CounterMetricFamily("seqstate_events", "events the writer folded, by the "
+                                     "outcome its fold counted (expired and orphaned: requests)",
+                                     labels=("namespace", "outcome"))  # fmt: skip
+        dead = CounterMetricFamily("seqstate_dead_letters", "messages dead-lettered, by a word "
+                                   "for why", labels=("namespace", "role", "reason"))  # fmt: skip
+        deltas = CounterMetricFamily("seqstate_deltas", "delta messages the writer published",
+                                     labels=("namespace",))  # fmt: skip
+        writes = CounterMetricFamily("seqstate_kv_writes", "bucket puts and deletes the "
+                                     "projector made", labels=("namespace",))  # fmt: skip
+        applied = GaugeMetricFamily("seqstate_applied_seq", "the last event handled (the "
+                                    "projector: whose delta is in the bucket)",
+                                    labels=ROLE_LABELS)  # fmt: skip
+        lag_events = GaugeMetricFamily("seqstate_lag_events", "events stored but not yet handled, "
+                                       "at the last lag measurement", labels=ROLE_LABELS)
+        lag_s = GaugeMetricFamily("seqstate_lag_seconds", "how long the oldest waiting message "
+                                  "had waited, at the last lag measurement", labels=ROLE_LABELS)
+        snap_age = GaugeMetricFamily("seqstate_snapshot_age_seconds", "seconds since the writer "
+                                     "stored its newest snapshot", labels=("namespace",))
+        snap_bytes = GaugeMetricFamily("seqstate_snapshot_bytes", "size of the writer's newest "
+                                       "snapshot", labels=("namespace",))  # fmt: skip
+        seen: set[tuple[str, str]] = set()
+        for source, items in metrics.consumers():
+            role = source.role
+            for c in items:
+                namespace = c.config.namespace
+                if (namespace, role) in seen:
+                    continue
+                seen.add((namespace, role))
+                for kind, n in c.dead_letters.counts.items():
+                    dead.add_metric([namespace, role, kind], n)
+                if role == WRITER:
+                    for outcome, n in c.state.counters.items():
+                        events.add_metric([namespace, outcome], n)
+                    deltas.add_metric([namespace], c.deltas.messages)
+                    applied.add_metric([namespace, role], c.applied.value)
+                    stats = c.stats
+                    if stats.last_snapshot_stored_s is not None:
+                        snap_age.add_metric([namespace], max(0.0, time.time()
+                                                             - stats.last_snapshot_stored_s))
+                        snap_bytes.add_metric([namespace], stats.last_snapshot_bytes)
+                else:
+                    writes.add_metric([namespace], c.stats.kv_writes)
+                    applied.add_metric([namespace, role], c.flushed.value)
+                lag = c.lag
+                if lag.measured_ns:  # never measured: no value, rather than a false 0
+                    lag_events.add_metric([namespace, role], lag.events)
+                    lag_s.add_metric([namespace, role], lag.oldest_age_s)
+        yield from (events, dead, deltas, writes, applied, lag_events, lag_s, snap_age, snap_bytes)

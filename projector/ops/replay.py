@@ -1,0 +1,458 @@
+"""Replay: fold the log into a fresh state in process, to any point, and compare or rebuild.
+
+Because every event is applied at its log time, folding the stream again gives the state the
+writer had at any sequence, byte for byte; ``--at`` stops at a log time instead, which answers
+"what did the scheduler see at 12:03:07?". A replay starts from the newest valid snapshot at or
+before its target (so it costs the tail), or from an empty state at ``--from-seq``.
+
+``verify`` replays to the bucket's recorded position and names every key whose value differs.
+``rebuild`` re-derives the whole bucket of a namespace from the write model. The bucket has one
+writer, so it takes the namespace's lease (:mod:`projector.nats.lease`) and refuses while a
+projector holds it: waiting for an operator's process to end would look like a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.api import RawStreamMsg
+
+from projector.nats.lease import DEFAULT_TTL_S, Holder, Lease, LeaseHeld
+from projector.nats.retention import trimmed_below
+from projector.nats.snapshots import SnapshotInfo, SnapshotStore
+from projector.nats.stream import first_seq_of, last_seq_of, log_time_ns
+from projector.nats.stream_reader import fast_fold
+from projector.read.bucket import BucketView, read_bucket
+from projector.read.projection import Projector, every_key
+from projector.wire.config import Config
+from projector.wire.values import load_key, slot_key, tracker_key
+from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
+from seqstate.bounds import RankBounds
+from seqstate.errors import SeqstateError
+
+Progress = Callable[[int, int], None]  # (events folded, events to fold)
+log = logging.getLogger("seqstate.replay")
+
+
+class ReplayError(SeqstateError, RuntimeError):
+    """The replay asked for cannot be done exactly; the message says why."""
+
+
+@dataclass
+class Replayed:
+    state: SequenceState
+    first_seq: int  # first event folded (0: none)
+    last_seq: int  # last event folded, or the snapshot's position if none
+    events: int = 0
+    dead_letters: int = 0
+    snapshot: SnapshotInfo | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    at_ns: int | None = None  # the --at bound, when given
+
+    @property
+    def as_of_ns(self) -> int:
+        """The log time the loads are evaluated at."""
+        return self.at_ns if self.at_ns is not None else self.state.now_ns
+
+    def loads(self) -> list[LoadRow]:
+        return self.state.registry.loads(self.as_of_ns)
+
+
+class _Folder:
+    """Folds ``(seq, log_time_ns, payload)`` in order; either read path feeds it."""
+
+    def __init__(self, state: SequenceState, start_seq: int, end_seq: int,
+                 until_ns: int | None, progress: Progress | None,
+                 bounds: RankBounds) -> None:  # fmt: skip
+        self.apply = state.apply
+        self.state = state
+        self.refusal = bounds.refusal  # what the writer dead-letters, a replay skips too
+        self.start_seq, self.end_seq, self.until_ns = start_seq, end_seq, until_ns
+        self.progress = progress
+        self.first = self.last = self.count = self.dead = 0
+        self.finished = False
+
+    def __call__(self, seq: int, at_ns: int, data: bytes) -> bool:
+        """Fold one event; False once the range (or the time bound) is done."""
+        if seq > self.end_seq or (self.until_ns is not None and at_ns > self.until_ns):
+            self.finished = True
+            return False
+        try:
+            event = decode_event(data)
+        except EventDecodeError:
+            self.dead += 1
+        else:
+            if self.refusal(self.state, event):
+                self.dead += 1
+            else:
+                self.apply(event, at_ns)
+        self.first = self.first or seq
+        self.last = seq
+        self.count += 1
+        if self.progress is not None and not self.count & 4095:
+            self.progress(seq - self.start_seq + 1, self.end_seq - self.start_seq + 1)
+        if seq >= self.end_seq:
+            self.finished = True
+            return False
+        return True
+
+    def fold_batch(self, batch: list[tuple[int, int, bytes]]) -> bool:
+        """:meth:`__call__` over a batch, with the per-event work kept in one tight loop."""
+        apply, decode, refusal, state = self.apply, decode_event, self.refusal, self.state
+        end = self.end_seq
+        until = self.until_ns if self.until_ns is not None else 1 << 64
+        last, folded, dead = self.last, 0, 0
+        for seq, at_ns, data in batch:
+            if seq > end or at_ns > until:
+                self.finished = True
+                break
+            try:
+                event = decode(data)
+            except EventDecodeError:
+                dead += 1
+            else:
+                if refusal(state, event):
+                    dead += 1
+                else:
+                    apply(event, at_ns)
+            last = seq
+            folded += 1
+            if seq >= end:
+                self.finished = True
+                break
+        if folded and not self.first:
+            self.first = batch[0][0]
+        self.last, self.count, self.dead = last, self.count + folded, self.dead + dead
+        if self.progress is not None and folded:
+            self.progress(last - self.start_seq + 1, end - self.start_seq + 1)
+        return not self.finished
+
+
+async def fold_stream(
+    nc: Client,
+    config: Config,
+    state: SequenceState,
+    *,
+    start_seq: int,
+    end_seq: int,
+    until_ns: int | None = None,
+    progress: Progress | None = None,
+    fast: bool = True,
+) -> tuple[int, int, int, int]:
+    """Fold events ``start_seq..end_seq`` (stopping before log time ``until_ns``) into ``state``.
+
+    Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded. The registry is
+    rebuilt once at the end instead of after every event. The fast path (a reader process,
+    see :mod:`projector.nats.stream_reader`) is tried first; if it gives up, the fold continues
+    through nats-py from where it stopped.
+    """
+    if end_seq < start_seq:
+        return 0, 0, 0, 0
+    folder = _Folder(state, start_seq, end_seq, until_ns, progress, config.rank_bounds)
+    state.defer_registry(changes=False)
+    # A replay allocates millions of objects that live on: the cyclic collector would scan
+    # them again and again for cycles that the fold never makes.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        why: str | None = "the fast path is off"
+        if fast:
+            _, why = await fast_fold(nc, config, folder.fold_batch, start_seq=start_seq,
+                                     end_seq=end_seq)  # fmt: skip
+            if why is not None and not folder.finished:
+                log.warning("fast replay path stopped (%s); continuing through nats-py", why)
+        if why is not None and not folder.finished:
+            await _fold_through_client(nc, config, folder, max(start_seq, folder.last + 1))
+    finally:
+        if collecting:
+            gc.enable()
+        state.sync_registry()
+    if progress is not None:
+        progress(end_seq - start_seq + 1, end_seq - start_seq + 1)
+    return folder.first, folder.last, folder.count, folder.dead
+
+
+async def _fold_through_client(nc: Client, config: Config, folder: _Folder, start: int) -> None:
+    js = nc.jetstream()
+    done = asyncio.get_running_loop().create_future()
+
+    async def take(msg: Msg) -> None:
+        if done.done():
+            return
+        seq, at_ns = log_time_ns(msg)
+        if not folder(seq, at_ns, msg.data) and not done.done():
+            done.set_result(None)
+
+    sub = await js.subscribe(
+        config.events_subjects,
+        stream=config.events_stream,
+        ordered_consumer=True,
+        idle_heartbeat=1.0,
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+        config=api.ConsumerConfig(opt_start_seq=start),
+        cb=take,
+        pending_msgs_limit=1_000_000,
+        pending_bytes_limit=1 << 30,
+    )
+    try:
+        await done
+    finally:
+        await sub.unsubscribe()
+
+
+async def replay(
+    nc: Client,
+    config: Config,
+    *,
+    from_seq: int | None = None,
+    to_seq: int | None = None,
+    at_ns: int | None = None,
+    progress: Progress | None = None,
+    bounds: LogBounds | None = None,
+) -> Replayed:
+    """The state at the end of the log, at ``to_seq`` or at log time ``at_ns``.
+
+    ``bounds`` is what the log holds, if the caller has just looked it up (``--at`` needs it).
+    """
+    js = nc.jetstream()
+    bounds = bounds or await log_bounds(nc, config)
+    check_range(bounds, from_seq=from_seq, to_seq=to_seq, at_ns=at_ns)
+    end = bounds.last_seq if to_seq is None else to_seq
+    store = await SnapshotStore(nc, config).open()
+    snapshot: SnapshotInfo | None = None
+    if from_seq is not None:
+        state = config.new_state()
+        start = from_seq
+    else:
+        found = await store.newest_valid(at_most_seq=end, at_most_ns=at_ns)
+        if found is not None:
+            state, snapshot = found
+            start = snapshot.applied_seq + 1
+        else:
+            state = config.new_state()
+            start = 1
+            cut = await trimmed_below(nc, config)
+            if cut > 1:
+                oldest = await first_seq_of(js, config.events_stream, config.events_subjects)
+                raise ReplayError(
+                    f"events before sequence {cut} were trimmed and no valid snapshot covers "
+                    f"them; use --from-seq {oldest or cut} for a partial replay"
+                )
+    first, last, count, dead = await fold_stream(
+        nc, config, state, start_seq=start, end_seq=end, until_ns=at_ns, progress=progress
+    )
+    return Replayed(
+        state=state,
+        first_seq=first,
+        last_seq=last or (snapshot.applied_seq if snapshot else 0),
+        events=count,
+        dead_letters=dead,
+        snapshot=snapshot,
+        skipped=list(store.skipped),
+        at_ns=at_ns,
+    )
+
+
+# ---- the bucket ------------------------------------------------------------------------------
+
+
+def differences(state: SequenceState, bucket: BucketView, namespace: str) -> list[str]:
+    """Each bucket key whose value differs from ``state``'s, with what differs.
+
+    Slots are part of the write model, so each live request must sit in its own slot's key;
+    a slot key beyond the live ones must hold the empty value.
+    """
+    out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
+    got_block = None if bucket.tracker is None else bucket.tracker.block_size
+    if state.block_size != got_block and tracker_key(namespace) not in bucket.unreadable:
+        out.append(f"{tracker_key(namespace)}: bucket block size {got_block}, replay "
+                   f"{state.block_size}")  # fmt: skip
+    expected_loads = {rank: slot.load() for rank, slot in state.workers.slots.items()}
+    got_loads = {rank: value.rank_load() for rank, value in bucket.loads.items()}
+    for rank in sorted(set(expected_loads) | set(got_loads)):
+        key = load_key(namespace, rank)
+        want, got = expected_loads.get(rank), got_loads.get(rank)
+        if want is None:
+            out.append(f"{key}: in the bucket, not in the replayed state")
+        elif got is None:
+            if key not in bucket.unreadable:
+                out.append(f"{key}: missing from the bucket")
+        elif want != got:
+            out.append(f"{key}: bucket {_load_text(got)}, replay {_load_text(want)}")
+    for rank in sorted(set(state.workers.slots) | set(bucket.slots)):
+        slot_state = state.workers.slots.get(rank)
+        live = {} if slot_state is None else {
+            r.slot: (request_id, r.hashes) for request_id, r in slot_state.requests.items()
+        }  # fmt: skip
+        held = bucket.requests(rank)
+        for slot in sorted(set(live) | set(held)):
+            key = slot_key(namespace, rank, slot)
+            if key in bucket.unreadable:
+                continue
+            want_request, got_value = live.get(slot), held.get(slot)
+            if got_value is None:
+                assert want_request is not None
+                out.append(f"{key}: request {want_request[0]!r} missing from the bucket")
+            elif want_request is None:
+                out.append(f"{key}: request {got_value.request_id!r} in the bucket, not live "
+                           "in the replayed state")  # fmt: skip
+            elif (got_value.request_id, got_value.hash_list()) != want_request:
+                out.append(f"{key}: bucket request {got_value.request_id!r} "
+                           f"({len(got_value.hashes) // 8} hashes), replay {want_request[0]!r} "
+                           f"({len(want_request[1])} hashes)")  # fmt: skip
+    return out
+
+
+def _load_text(load: RankLoad) -> str:
+    p = load.prefill
+    return (f"(blocks {load.active_blocks}, requests {load.active_requests}, prefill "
+            f"{p.full_tokens} tokens anchored {p.anchored_since_ns})")  # fmt: skip
+
+
+async def verify(nc: Client, config: Config, *, progress: Progress | None = None) -> list[str]:
+    """Replay to the bucket's position and list the keys that differ (empty: identical)."""
+    bucket = await read_bucket(nc, config)
+    if bucket.position is None:
+        raise ReplayError(f"the bucket holds no position for namespace {config.namespace!r}")
+    replayed = await replay(nc, config, to_seq=bucket.position.applied_seq, progress=progress)
+    if replayed.last_seq != bucket.position.applied_seq:
+        return [f"{config.namespace}.position: bucket at event {bucket.position.applied_seq}, "
+                f"the log ends at {replayed.last_seq}"]  # fmt: skip
+    return differences(replayed.state, bucket, config.namespace)
+
+
+async def rebuild(
+    nc: Client,
+    config: Config,
+    *,
+    progress: Progress | None = None,
+    lease_ttl_s: float = DEFAULT_TTL_S,
+) -> Replayed:
+    """Re-derive the namespace's whole bucket from the write model, under its lease.
+
+    Raises :class:`~projector.nats.lease.LeaseHeld` at once if a projector (or another rebuild) of
+    the namespace is running; a dead holder's lease is taken over after its TTL.
+    """
+    lease = Lease(nc, config, "rebuild", ttl_s=lease_ttl_s)
+    try:
+        await lease.acquire(wait=False)
+    except LeaseHeld as exc:
+        raise LeaseHeld(_refusal(exc, exc.holder), exc.holder) from None
+    try:
+        js = nc.jetstream()
+        delta_seq = await last_seq_of(js, config.deltas_stream, config.deltas_subject)
+        replayed = await replay(nc, config, progress=progress)
+        # A long fold can starve the renewals: prove the lease is still ours before writing.
+        await lease.renew()
+        bucket = await read_bucket(nc, config)
+        projector = Projector(nc, config)
+        projector.lease = lease
+        stale = [key for key, _ in every_key(config.namespace, bucket)]
+        projector.reset_to(replayed.state, replayed.last_seq, delta_seq, stale=stale)
+        await projector.flush()
+    finally:
+        await lease.release()
+    return replayed
+
+
+def _refusal(exc: LeaseHeld, holder: Holder | None) -> str:
+    if holder is not None and holder.kind == "rebuild":
+        return f"{exc}; wait for it to end"
+    return f"{exc}; stop it (or the 'seqstate run' that holds it), then rebuild"
+
+
+# ---- what can be asked for ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogBounds:
+    """The namespace's events in the log: sequences and log times of the oldest and newest."""
+
+    namespace: str
+    first_seq: int  # 0: the log of this namespace is empty
+    last_seq: int
+    first_ns: int
+    last_ns: int
+
+    def __str__(self) -> str:
+        if not self.last_seq:
+            return f"the log of namespace {self.namespace!r} is empty"
+        return (f"the log of namespace {self.namespace!r} holds events {self.first_seq} to "
+                f"{self.last_seq}, from {iso(self.first_ns)} to {iso(self.last_ns)}")  # fmt: skip
+
+
+async def log_bounds(nc: Client, config: Config) -> LogBounds:
+    js = nc.jetstream()
+    stream, subjects = config.events_stream, config.events_subjects
+    last = await last_seq_of(js, stream, subjects)
+    if last == 0:
+        return LogBounds(config.namespace, 0, 0, 0, 0)
+    first = await first_seq_of(js, stream, subjects) or last
+    first_msg, last_msg = await js.get_msg(stream, first), await js.get_msg(stream, last)
+    return LogBounds(config.namespace, first, last, _stored_ns(first_msg), _stored_ns(last_msg))
+
+
+def check_range(
+    bounds: LogBounds, *, from_seq: int | None, to_seq: int | None, at_ns: int | None
+) -> None:
+    """Refuse, naming what the log holds, a range that cannot mean anything."""
+    if from_seq is not None and to_seq is not None and from_seq > to_seq:
+        raise ReplayError(f"--from-seq {from_seq} is after --to-seq {to_seq}")
+    if not bounds.last_seq:
+        raise ReplayError(str(bounds))
+    if to_seq is not None and not 1 <= to_seq <= bounds.last_seq:
+        raise ReplayError(f"--to-seq {to_seq} is outside the log: {bounds}")
+    if from_seq is not None and not bounds.first_seq <= from_seq <= bounds.last_seq:
+        raise ReplayError(f"--from-seq {from_seq} is outside the log: {bounds}")
+    if at_ns is not None and at_ns < bounds.first_ns:
+        raise ReplayError(f"--at {iso(at_ns)} is before the first event: {bounds}")
+
+
+def _stored_ns(msg: RawStreamMsg) -> int:
+    """A stored message's log time, to the microsecond (what nats-py parses)."""
+    moment = msg.time
+    if moment is None:  # pragma: no cover - the server always stamps stored messages
+        raise ReplayError(f"event {msg.seq} has no log time")
+    return _ns(moment)
+
+
+def iso(ns: int) -> str:
+    return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat(timespec="microseconds")
+
+
+# ---- --at ------------------------------------------------------------------------------------
+
+
+def parse_at(text: str, reference_ns: int) -> int:
+    """An ISO 8601 instant (UTC unless it says otherwise), or a time of day on the log's date.
+
+    A bare ``12:03:07`` means that time (UTC) on the day of the log's newest event, or the day
+    before if that would be later than the newest event.
+    """
+    try:
+        moment = dt.datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            clock = dt.time.fromisoformat(text)
+        except ValueError:
+            raise ReplayError(f"--at {text!r}: not an ISO time or time of day") from None
+        day = dt.datetime.fromtimestamp(reference_ns / 1e9, dt.UTC).date()
+        moment = dt.datetime.combine(day, clock, tzinfo=clock.tzinfo or dt.UTC)
+        if _ns(moment) > reference_ns:
+            moment -= dt.timedelta(days=1)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return _ns(moment)
+
+
+def _ns(moment: dt.datetime) -> int:
+    delta = moment - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000

@@ -1,0 +1,213 @@
+"""``seqstate status``: what an operator asks first: is it keeping up, and where is it?
+
+The writer and the projector read with ordered (ephemeral) consumers, so "lag" is measured
+where it matters: the newest event in the log versus the event the bucket's position says the
+read model reflects. Consumers are listed per stream as the server reports them.
+
+That lag is split in two (:mod:`projector.nats.lag`, the measures the consumers take of themselves):
+the writer's, events not folded yet (the newest event against the last one its stored deltas,
+or its dead letters, cover), and the projector's, deltas not in the bucket yet (the newest
+delta against the bucket's position); each with how long ago the oldest waiting message was
+logged, and whether it reaches a warning threshold (``--behind-warn-events``,
+``--behind-warn-s``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from projector.nats.dead_letters import SOURCE_STREAM
+from projector.nats.lag import Lag, describe, over, projector_lag, thresholds, writer_lag
+from projector.nats.resources import dead_letter_stream
+from projector.nats.retention import trimmed_below
+from projector.nats.security import redact
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import SOURCE_SEQ, last_seq_of
+from projector.read.bucket import read_bucket
+from projector.wire.config import Config
+from projector.write.delta_log import DeltaLog
+
+
+class ConsumerStatus(msgspec.Struct):
+    name: str
+    pending: int
+    delivered_seq: int
+
+
+class StreamStatus(msgspec.Struct):
+    name: str
+    exists: bool
+    messages: int = 0
+    bytes: int = 0
+    first_seq: int = 0
+    last_seq: int = 0
+    consumers: list[ConsumerStatus] = []
+
+
+class LagStatus(msgspec.Struct):
+    """One consumer's lag. The writer: events after ``position`` (the last event its stored
+    deltas or dead letters cover) up to ``newest`` (the log's newest). The projector: events
+    after ``position`` (the bucket's) up to ``newest`` (the newest with a stored delta), in
+    ``messages`` delta messages."""
+
+    position: int
+    newest: int
+    events: int
+    messages: int
+    oldest_log_time: str | None  # of the oldest message waiting (None: none waits)
+    oldest_age_s: float | None
+    behind: bool  # at or over a warning threshold
+    said: str  # the lag in words
+
+
+class StatusReport(msgspec.Struct):
+    namespace: str
+    server: str
+    streams: list[StreamStatus]
+    bucket: str
+    bucket_exists: bool
+    ranks: int
+    applied_seq: int
+    as_of: str | None
+    lag_events: int | None
+    snapshots: int = 0
+    newest_snapshot_seq: int = 0
+    trimmed_below: int = 0
+    position_beyond_log: bool = False  # the bucket claims events the log does not have
+    writer: LagStatus | None = None  # None: no events stream
+    projector: LagStatus | None = None  # None: no deltas stream or no bucket
+    warns_at: str = ""  # the warning thresholds in words
+
+
+async def _stream(nc: Client, name: str) -> StreamStatus:
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        return StreamStatus(name, False)
+    consumers = []
+    for c in await js.consumers_info(name):
+        delivered = c.delivered.stream_seq if c.delivered and c.delivered.stream_seq else 0
+        consumers.append(ConsumerStatus(c.name or "", c.num_pending or 0, delivered))
+    s = info.state
+    return StreamStatus(name, True, s.messages, s.bytes, s.first_seq, s.last_seq, consumers)
+
+
+async def collect(nc: Client, config: Config) -> StatusReport:
+    # The bucket first, then the log: the log only grows, so the lag read this way is never
+    # negative unless the bucket's position really is beyond the log (a forged or foreign one).
+    ranks, applied, delta_seq, as_of, exists = 0, 0, 0, None, True
+    try:
+        bucket = await read_bucket(nc, config, timeout=10.0)
+        ranks = len(bucket.loads)
+        if (position := bucket.position) is not None:
+            applied, delta_seq = position.applied_seq, position.delta_seq
+            as_of = dt.datetime.fromtimestamp(position.as_of / 1e9, dt.UTC).isoformat()
+    except BucketNotFoundError:
+        exists = False
+    js = nc.jetstream()
+    projector = None
+    if exists:  # the bucket, then the deltas: the projector's lag is never negative either
+        projector = _lag_status(config, "projector", await projector_lag(js, config, applied,
+                                                                         delta_seq))  # fmt: skip
+    writer = None
+    folded = await _writer_position(nc, config)  # the deltas, then the log
+    names = (config.events_stream, config.deltas_stream, dead_letter_stream(config))
+    streams = [await _stream(nc, name) for name in names]
+    if streams[0].exists:
+        writer = _lag_status(config, "writer", await writer_lag(js, config, folded))
+    if not streams[1].exists:
+        projector = None
+    store = await SnapshotStore(nc, config).open(create=False)
+    snapshots = await store.list()
+    trimmed = await trimmed_below(nc, config)
+    version = nc.connected_server_version
+    events = streams[0]
+    lag: int | None = None
+    newest = 0
+    if events.exists and exists:  # this namespace's newest event: the stream may be shared
+        newest = await last_seq_of(nc.jetstream(), config.events_stream, config.events_subjects)
+        lag = max(0, newest - applied)
+    return StatusReport(
+        namespace=config.namespace,
+        server=f"{redact(nc.connected_url.netloc) if nc.connected_url else '?'} "
+        f"(nats-server {version.major}.{version.minor}.{version.patch})",
+        streams=streams,
+        bucket=config.registry_bucket,
+        bucket_exists=exists,
+        ranks=ranks,
+        applied_seq=applied,
+        as_of=as_of,
+        lag_events=lag,
+        snapshots=len(snapshots),
+        newest_snapshot_seq=snapshots[-1].applied_seq if snapshots else 0,
+        trimmed_below=trimmed,
+        position_beyond_log=applied > newest if lag is not None else False,
+        writer=writer,
+        projector=projector,
+        warns_at=thresholds(config),
+    )
+
+
+async def _writer_position(nc: Client, config: Config) -> int:
+    """The last event the writer has visibly handled: the newest its stored deltas cover, or
+    its newest dead letter, if that is later (0: none)."""
+    js = nc.jetstream()
+    folded = await DeltaLog(js, config, max_payload=nc.max_payload).open()
+    try:
+        raw = await js.get_last_msg(dead_letter_stream(config), config.dead_letter_subject)
+    except NotFoundError:
+        return folded
+    headers = raw.headers or {}
+    seq = headers.get(SOURCE_SEQ, "")
+    if headers.get(SOURCE_STREAM) == config.events_stream and seq.isdigit():
+        folded = max(folded, int(seq))
+    return folded
+
+
+def _lag_status(config: Config, who: str, lag: Lag) -> LagStatus:
+    when = None
+    if lag.oldest_ns is not None:
+        when = dt.datetime.fromtimestamp(lag.oldest_ns / 1e9, dt.UTC).isoformat()
+    age = round(lag.oldest_age_s, 3) if lag.oldest_ns is not None else None
+    return LagStatus(lag.position, lag.newest, lag.events, lag.messages, when, age,
+                     over(config, lag), describe(who, lag))  # fmt: skip
+
+
+def format_status(report: StatusReport) -> str:
+    lines = [f"namespace {report.namespace!r} on {report.server}", ""]
+    lines.append(f"{'stream':<24}{'messages':>10}{'bytes':>12}{'first':>10}{'last':>10}")
+    for s in report.streams:
+        if not s.exists:
+            lines.append(f"{s.name:<24}  (missing)")
+            continue
+        lines.append(f"{s.name:<24}{s.messages:>10}{s.bytes:>12}{s.first_seq:>10}{s.last_seq:>10}")
+        for c in s.consumers:
+            lines.append(f"  consumer {c.name}: pending {c.pending}, delivered {c.delivered_seq}")
+    lines.append("")
+    if not report.bucket_exists:
+        lines.append(f"bucket {report.bucket}: missing (no projector has run)")
+    else:
+        lines.append(f"bucket {report.bucket}: {report.ranks} ranks, position event "
+                     f"{report.applied_seq} (log time {report.as_of or '-'})")  # fmt: skip
+    if report.position_beyond_log:
+        lines.append(f"lag: the bucket's position (event {report.applied_seq}) is beyond the "
+                     "log's newest event: it was not derived from this log (`seqstate replay "
+                     "--verify`, then `seqstate rebuild`)")  # fmt: skip
+    elif report.lag_events is not None:
+        lines.append(f"lag: {report.lag_events} events behind the log")
+    for who, lag in (("writer", report.writer), ("projector", report.projector)):
+        if lag is not None:
+            flag = f"  BEHIND (warns at {report.warns_at})" if lag.behind else ""
+            lines.append(f"{who} lag: {lag.said}{flag}")
+    lines.append(
+        f"snapshots: {report.snapshots}"
+        + (f", newest at event {report.newest_snapshot_seq}" if report.snapshots else "")
+    )
+    lines.append(f"events trimmed below sequence {report.trimmed_below}" if report.trimmed_below
+                 else "events: never trimmed")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""Reading a namespace's whole bucket back: for a resuming projector, a verify, a status.
+
+One pass of a KV watch over ``<ns>.>`` (current values only), decoded with the codecs of
+:mod:`projector.wire.values`. A value that does not decode is reported, not raised: each caller
+decides what a damaged key means (the projector replays every delta, ``verify`` names it).
+
+nats-py's "no more current values" marker can overtake values the server already sent (it is
+decided from consumer info while deliveries are still queued), so :class:`CurrentValues` also
+waits for the value the server marked as the last pending one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+
+from projector.wire.config import Config
+from projector.wire.values import (
+    LoadValue,
+    Position,
+    Rank,
+    RequestValue,
+    TrackerValue,
+    decode_load,
+    decode_position,
+    decode_request,
+    decode_tracker,
+    parse_key,
+)
+
+
+@dataclass
+class BucketView:
+    position: Position | None = None
+    loads: dict[Rank, LoadValue] = field(default_factory=dict)
+    slots: dict[Rank, dict[int, RequestValue]] = field(default_factory=dict)  # empty ones too
+    unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
+    tracker: TrackerValue | None = None  # under the slot-tracker rules
+
+    def requests(self, rank: Rank) -> dict[int, RequestValue]:
+        """The rank's occupied slots."""
+        return {slot: v for slot, v in self.slots.get(rank, {}).items() if not v.empty}
+
+
+class CurrentValues:
+    """Tells when a watch of the bucket's keys ``keys`` (a filter, wildcards allowed) has
+    delivered every value current when it started."""
+
+    def __init__(self, nc: Client, bucket: str, keys: str) -> None:
+        self._js = nc.jetstream()
+        self._stream = f"KV_{bucket}"
+        self._subjects = f"$KV.{bucket}.{keys}"
+        self._marker = False
+        self._last_pending: int | None = None
+
+    async def done_after(self, entry: KeyValue.Entry | None) -> bool:
+        """Feed each watch update (None is nats-py's marker); True once all are in."""
+        if entry is None:
+            self._marker = True
+        else:
+            self._last_pending = entry.delta
+        if not self._marker:
+            return False
+        if self._last_pending is not None:
+            return self._last_pending == 0
+        try:  # the marker and nothing yet: either the namespace has no keys, or they are late
+            await self._js.get_last_msg(self._stream, self._subjects)
+        except NotFoundError:
+            return True
+        return False
+
+
+async def read_bucket(
+    nc: Client, config: Config, *, timeout: float = 30.0, keys: str = ">"
+) -> BucketView:
+    """The namespace's current values; ``keys`` narrows the read to a key filter below the
+    namespace (``load.>``: every rank's load, none of the requests)."""
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    view = BucketView()
+    keys = f"{config.namespace}.{keys}"
+    current = CurrentValues(nc, config.registry_bucket, keys)
+    watcher = await kv.watch(keys)
+    try:
+        while True:
+            entry = await watcher.updates(timeout=timeout)
+            if entry is not None and entry.operation not in (KV_DEL, KV_PURGE) and entry.value:
+                _take(view, config.namespace, entry.key, entry.value)
+            if await current.done_after(entry):
+                return view
+    finally:
+        await watcher.stop()
+
+
+def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
+    kind, rank, slot = parse_key(namespace, key)  # the lease is no read model
+    try:
+        if kind == "position":
+            view.position = decode_position(value)
+        elif kind == "load" and rank is not None:
+            view.loads[rank] = decode_load(value)
+        elif kind == "req" and rank is not None:
+            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+        elif kind == "tracker":
+            view.tracker = decode_tracker(value)
+    except (msgspec.DecodeError, ValueError) as exc:
+        view.unreadable[key] = (rank, str(exc))
+
+
+async def read_trackers(nc: Client, config: Config, *, timeout: float = 30.0) -> dict[str, int]:
+    """Every namespace of the bucket folded by the slot-tracker rules that has a tracker now,
+    with its block size: what a ``serve-http`` starting up must serve (``<ns>.tracker``)."""
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    found: dict[str, int] = {}
+    current = CurrentValues(nc, config.registry_bucket, "*.tracker")
+    watcher = await kv.watch("*.tracker")
+    try:
+        while True:
+            entry = await watcher.updates(timeout=timeout)
+            if entry is not None and entry.value and entry.operation not in (KV_DEL, KV_PURGE):
+                # A damaged value is skipped: verify names it, rebuild repairs it.
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    found[entry.key.split(".", 1)[0]] = decode_tracker(entry.value).block_size
+            if await current.done_after(entry):
+                return found
+    finally:
+        await watcher.stop()

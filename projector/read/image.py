@@ -1,0 +1,195 @@
+"""The bucket image: the registry bucket's keys and values as a pure function of the deltas.
+
+The projector, ``seqstate rebuild`` and ``seqstate replay --verify`` all need to know what the
+bucket must hold after a run of deltas. This fold is that knowledge, with no I/O: deltas go
+in, ``(key, value)`` writes come out (``None``: delete the key). The projector feeds it the
+DELTAS stream and writes what :meth:`BucketImage.take` hands it; ``rebuild`` feeds it the
+write model's projection; tests feed it lists of deltas.
+
+What it keeps is what the next delta's writes depend on, and no more: each rank's load and
+stamp, and how many slot keys the rank has (so a removed rank's keys can all be deleted). The
+hashes of a booking are encoded into its slot's value at once and not kept: the projector's
+memory follows the number of ranks, not the number of active hashes.
+
+Writes are coalesced: a key changed twice before :meth:`take` is written once, with its last
+value; a rank's load is encoded at :meth:`take` time. So the bytes written depend only on the
+deltas, never on when a flush happened.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from projector.wire.values import (
+    EMPTY_SLOT,
+    Position,
+    Rank,
+    encode_load,
+    encode_position,
+    encode_request,
+    encode_tracker,
+    load_key,
+    parse_key,
+    position_key,
+    slot_key,
+    tracker_key,
+)
+from seqstate import Delta, RankLoad
+from seqstate.loads import EMPTY_LOAD
+
+if TYPE_CHECKING:
+    from projector.read.bucket import BucketView
+
+Write = tuple[str, bytes | None]  # (key, value); None deletes the key
+
+
+class BucketImage:
+    """One namespace's bucket, folded from deltas. See the module docstring."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.loads: dict[Rank, RankLoad] = {}
+        self.load_stamps: dict[Rank, tuple[int, int]] = {}  # (source seq, log time)
+        self.slot_keys: dict[Rank, int] = {}  # the rank has slot keys 0 .. n-1
+        self.applied_seq = 0  # the last event whose delta (every part of it) is applied
+        self.as_of = 0  # its log time
+        self.partial: tuple[int, int] | None = None  # (event, part) of an event half applied
+        self._slots: dict[str, bytes | None] = {}  # slot keys written since the last take
+        # Slot keys the bucket holds empty, as far as the writes taken tell: a request booked
+        # and freed between two takes then costs no write at all (the bytes would not change).
+        self._empty: set[str] = set()
+        self._dirty_loads: set[Rank] = set()
+        self._deleted_loads: set[Rank] = set()
+        # Under the slot-tracker rules: the block size registrations fixed (None: none yet).
+        self.block_size: int | None = None
+        self._tracker_dirty = False
+
+    # ---- folding ----------------------------------------------------------------------------
+
+    def apply(self, delta: Delta) -> None:
+        """Fold one delta (or one part of one). ``delta.seq`` None keeps the current stamp."""
+        seq = self.applied_seq if delta.seq is None else delta.seq
+        stamp = (seq, delta.at_ns)
+        ns = self.namespace
+        for raw in delta.removed_ranks:
+            rank = (raw[0], raw[1])
+            self.loads.pop(rank, None)
+            self.load_stamps.pop(rank, None)
+            self._dirty_loads.discard(rank)
+            self._deleted_loads.add(rank)
+            for slot in range(self.slot_keys.pop(rank, 0)):
+                key = slot_key(ns, rank, slot)
+                self._slots[key] = None
+                self._empty.discard(key)
+        for raw in delta.added_ranks:
+            self._touch((raw[0], raw[1]), stamp)
+        for change in delta.changes:
+            rank = (change.rank[0], change.rank[1])
+            self._touch(rank, stamp)
+            self.loads[rank] = change.load
+            keys = self.slot_keys.get(rank, 0)
+            for slot in change.released:
+                self._slots[slot_key(ns, rank, slot)] = EMPTY_SLOT
+                keys = max(keys, slot + 1)
+            for booking in change.booked:
+                key = slot_key(ns, rank, booking.slot)
+                self._slots[key] = encode_request(seq, booking.request_id, booking.hashes)
+                keys = max(keys, booking.slot + 1)
+            self.slot_keys[rank] = keys
+        if delta.block_size is not None:
+            block_size = delta.block_size or None  # TRACKER_ENDED (0): the tracker is gone
+            if block_size != self.block_size:
+                self.block_size = block_size
+                self._tracker_dirty = True
+        if delta.more:
+            self.partial = (seq, delta.part)
+        else:
+            self.partial = None
+            self.applied_seq = seq
+        self.as_of = max(self.as_of, delta.at_ns)
+
+    def _touch(self, rank: Rank, stamp: tuple[int, int]) -> None:
+        if rank not in self.loads:
+            self.loads[rank] = EMPTY_LOAD
+            self.slot_keys.setdefault(rank, 0)
+            self._deleted_loads.discard(rank)
+        self.load_stamps[rank] = stamp
+        self._dirty_loads.add(rank)
+
+    def restore(self, bucket: BucketView) -> None:
+        """Start from the bucket's values (a projector resuming). Slot keys of a rank whose
+        load key is gone are leftovers of a removal that did not finish: owed as deletes."""
+        if (pos := bucket.position) is not None:
+            self.applied_seq, self.as_of = pos.applied_seq, pos.as_of
+        if bucket.tracker is not None:
+            self.block_size = bucket.tracker.block_size
+        for rank, value in bucket.loads.items():
+            self.loads[rank] = value.rank_load()
+            self.load_stamps[rank] = (value.applied_seq, value.as_of)
+            self.slot_keys[rank] = 0
+        for rank, slots in bucket.slots.items():
+            if rank in self.loads:
+                self.slot_keys[rank] = max(slots) + 1
+                self._empty.update(slot_key(self.namespace, rank, slot)
+                                   for slot, value in slots.items() if value.empty)  # fmt: skip
+            else:
+                for slot in slots:
+                    self._slots[slot_key(self.namespace, rank, slot)] = None
+
+    # ---- what to write ----------------------------------------------------------------------
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._slots or self._dirty_loads or self._deleted_loads or self._tracker_dirty)
+
+    def take(self) -> list[Write]:
+        """Every write owed since the last take, in a deterministic order; then owe nothing."""
+        ns = self.namespace
+        writes: list[Write] = [(load_key(ns, rank), None) for rank in sorted(self._deleted_loads)]
+        for rank in sorted(self._dirty_loads):
+            seq, as_of = self.load_stamps[rank]
+            writes.append((load_key(ns, rank), encode_load(rank, self.loads[rank], seq, as_of)))
+        empty = self._empty
+        for key, value in self._slots.items():
+            if value == EMPTY_SLOT:
+                if key in empty:
+                    continue
+                empty.add(key)
+            else:
+                empty.discard(key)
+            writes.append((key, value))
+        if self._tracker_dirty:
+            block_size = self.block_size
+            writes.append(
+                (tracker_key(ns), None if block_size is None else encode_tracker(block_size))
+            )
+        self._tracker_dirty = False
+        self._slots = {}
+        self._dirty_loads = set()
+        self._deleted_loads = set()
+        return writes
+
+    def owe(self, writes: list[Write]) -> None:
+        """Owe ``writes`` again (a flush failed), unless a later change superseded them."""
+        for key, value in writes:
+            parsed = parse_key(self.namespace, key)
+            if parsed.kind == "load" and parsed.rank is not None:
+                if parsed.rank in self.loads:
+                    self._dirty_loads.add(parsed.rank)
+                elif value is None:
+                    self._deleted_loads.add(parsed.rank)
+            elif parsed.kind == "tracker":
+                self._tracker_dirty = True
+            else:
+                self._empty.discard(key)  # what the bucket holds there is not known now
+                if key not in self._slots:
+                    self._slots[key] = value
+
+    def position(self, delta_seq: int) -> tuple[str, bytes]:
+        return position_key(self.namespace), encode_position(
+            Position(self.applied_seq, self.as_of, delta_seq)
+        )
+
+    def everything(self) -> dict[str, bytes]:
+        """Every key the bucket must hold (no deletes): for an image folded from nothing."""
+        return {key: value for key, value in self.take() if value is not None}

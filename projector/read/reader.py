@@ -1,0 +1,408 @@
+"""RegistryView: a scheduler's local replica of the registry bucket; reads in microseconds.
+
+The view watches the namespace's keys and folds each value into a
+:class:`~seqstate.PromptRegistry` as a synthetic :class:`~seqstate.Delta` (a rank's new load,
+a slot's request released and the new one booked, a removed rank), so ``loads`` and
+``potential_loads`` are the core's own code over the same data the writer's registry holds: no
+second implementation of the rules. A slot value costs the view the hashes of that one
+request, whatever the size of its rank's set.
+
+Time: values carry their prefill anchors in log time. The view keeps one estimate of the log's
+clock, anchored at receive time: each value received at local monotonic time ``t`` with
+``as_of = a`` proves the log had reached at least ``a`` by ``t``, so the estimate is the largest
+``a + (now - t)`` seen. No clock synchronisation is needed between the scheduler and the
+server. Passing ``now_ns`` explicitly evaluates decay at that log time instead (exact
+comparisons, replays).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
+
+from projector.nats.progress import Progress
+from projector.wire.config import Config
+from projector.wire.values import (
+    Rank,
+    decode_load,
+    decode_position,
+    decode_request,
+    decode_tracker,
+    parse_key,
+)
+from seqstate import Delta, LoadRow, PotentialLoadRow, PromptRegistry, RankChange
+from seqstate.deltas import Booking
+from seqstate.errors import SeqstateError
+from seqstate.loads import EMPTY_LOAD
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.registry import Collector
+
+log = logging.getLogger("seqstate.reader")
+
+
+class RegistryUnavailable(SeqstateError, RuntimeError):
+    """The bucket does not exist (no projector has run in this account) or cannot be watched."""
+
+
+def _delivered(info: api.ConsumerInfo) -> tuple[int, int]:
+    """The consumer sequence and stream sequence of the last message a consumer sent."""
+    if info.delivered is None:
+        return 0, 0
+    return info.delivered.consumer_seq, info.delivered.stream_seq
+
+
+@dataclass(frozen=True)
+class Staleness:
+    applied_seq: int  # the newest event sequence the view reflects
+    as_of_ns: int  # the log time of that event
+    age_s: float  # seconds since the view last heard from the projector (inf: never)
+
+
+STALL_AFTER_S = 3.0  # a projector renews its lease every second: this much silence is news
+# The watch's idle heartbeat. nats-py re-creates an ordered consumer only after two missed
+# heartbeats, and again two heartbeats later if that failed (a server still restarting): with
+# its 5 s default a view went 10-20 s stale at every server restart. The view's own check
+# (:meth:`RegistryView._guard`) does that job within ``stall_after_s`` of silence, so the
+# heartbeat is kept long: it costs every idle watch traffic, and the view needs it for
+# nothing, the check asking the server directly whether anything is held back.
+HEARTBEAT_S = 30.0
+INACTIVE_S = 300.0  # a watch whose client went away is deleted by the server after this
+_MARKER_REASON = "Nats-Marker-Reason"  # nats-server 2.11+ places TTL markers with it
+_MARKERS = {"MaxAge": KV_PURGE, "Purge": KV_PURGE, "Remove": KV_DEL}
+
+
+class RegistryView:
+    """``async with RegistryView(nc, namespace="prod") as view: view.potential_loads(...)``.
+
+    The watch outlives the server. An ordered consumer lives in the server's memory, so a
+    server restart ends it while the client reconnects and waits on, seeing nothing. Whenever
+    the watch has been silent for ``stall_after_s``, the view asks the server about its
+    consumer; one that is gone or holds back messages is replaced by one that starts right
+    after the last revision the view applied, so no update is lost or applied twice, and
+    catching up costs what changed meanwhile, not the size of the bucket.
+
+    Prometheus, opt-in: ``view.export_metrics(registry)`` exports
+    the view's per-worker gauges (``seqstate_worker_active_blocks``, ``..._active_prefill_tokens``,
+    ``..._active_requests``, ``..._remaining_prefill_ms``, labels ``namespace, worker, dp_rank``)
+    from the scheduler's own registry, read at scrape time at the log time of the newest value
+    received; nothing is registered unless asked (a scheduler's registry is its own).
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        namespace: str | None = None,
+        config: Config | None = None,
+        initial_timeout: float = 30.0,
+        stall_after_s: float = STALL_AFTER_S,
+    ) -> None:
+        if stall_after_s <= 0:
+            raise ValueError(f"stall_after_s={stall_after_s}: must be positive")
+        # One rule, as in RouterPublisher: ``namespace``, when given, wins over ``config``'s.
+        config = (config or Config()).with_namespace(namespace)
+        self.nc = nc
+        self.config = config
+        self.registry = PromptRegistry()
+        self.applied_seq = 0
+        self.as_of_ns = 0
+        self.values_received = 0
+        self.bad_values = 0
+        self.resumes = 0  # watches re-created after a stall (a server restart, mostly)
+        # Under the slot-tracker rules: the block size the namespace's workers registered with
+        # (None: no worker registered one, or no worker is left).
+        self.block_size: int | None = None
+        self.stall_after_s = stall_after_s
+        self._initial_timeout = initial_timeout
+        self._clock_offset_ns: int | None = None  # log time minus local monotonic time
+        self._heard_at: float | None = None
+        self._position = Progress()  # applied_seq, for wait_for
+        self._stream = f"KV_{config.registry_bucket}"
+        self._prefix = f"$KV.{config.registry_bucket}."
+        self._js: JetStreamContext | None = None  # made by start: a view can fold without one
+        self._sub: JetStreamContext.PushSubscription | None = None
+        self._generation = 0  # of the current watch: a replaced one's stragglers are ignored
+        self._revision = 0  # the bucket stream's sequence of the last entry applied
+        self._stirred = 0.0  # monotonic time the watch last delivered anything (leases too)
+        self._suspect: int | None = None  # a consumer held back messages at the last check
+        self._unanswered = 0  # consumer checks in a row that got no answer
+        self._ready: asyncio.Future[None] | None = None
+        self._ready_at: int | None = None  # the revision by which the current values are in
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> RegistryView:
+        """Watch the bucket; returns once the current values have been received."""
+        self._js = self.nc.jetstream()
+        try:
+            await self._js.key_value(self.config.registry_bucket)
+        except BucketNotFoundError:
+            raise RegistryUnavailable(
+                f"bucket {self.config.registry_bucket!r} does not exist: is a projector running?"
+            ) from None
+        ready = self._ready = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(self._initial_timeout):
+                self._sub = sub = await self._watch()
+                info = await sub.consumer_info()
+                # nats-py's own "no more current values" marker is decided from consumer info
+                # while deliveries are still queued; a revision cannot overtake anything.
+                pending, (sent, stream_seq) = info.num_pending or 0, _delivered(info)
+                if pending == 0 and not ready.done():
+                    self._ready_at = stream_seq if sent else 0
+                    if self._revision >= self._ready_at:
+                        ready.set_result(None)
+                await asyncio.shield(ready)
+        except BaseException:
+            await self.stop()
+            raise
+        self._task = asyncio.create_task(self._guard(), name="seqstate-view-guard")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._generation += 1
+        await self._unsubscribe()
+
+    async def __aenter__(self) -> RegistryView:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # ---- the watch --------------------------------------------------------------------------
+
+    async def _watch(self) -> JetStreamContext.PushSubscription:
+        """An ordered consumer of the namespace's keys: their current values at first, and
+        after a stall every entry newer than the last one applied."""
+        self._generation += 1
+        generation = self._generation
+
+        async def deliver(msg: Msg) -> None:
+            if generation == self._generation:
+                self._deliver(msg)
+
+        if self._ready is not None and self._ready.done():
+            policy = api.DeliverPolicy.BY_START_SEQUENCE
+            config = api.ConsumerConfig(opt_start_seq=self._revision + 1)
+        else:  # still loading: every current value, and whatever follows
+            policy, config = api.DeliverPolicy.LAST_PER_SUBJECT, None
+            if self._revision:  # a stall while loading: what was applied stays applied
+                policy = api.DeliverPolicy.BY_START_SEQUENCE
+                config = api.ConsumerConfig(opt_start_seq=self._revision + 1)
+        self._stirred = time.monotonic()
+        assert self._js is not None, "start() makes it"
+        return await self._js.subscribe(
+            f"{self._prefix}{self.config.namespace}.>",
+            stream=self._stream,
+            cb=deliver,
+            ordered_consumer=True,
+            deliver_policy=policy,
+            config=config,
+            idle_heartbeat=HEARTBEAT_S,
+            inactive_threshold=INACTIVE_S,
+        )
+
+    def _deliver(self, msg: Msg) -> None:
+        meta = msg.metadata
+        revision = meta.sequence.stream
+        if revision <= self._revision:
+            return  # applied already (a watch that restarted behind the last one)
+        self._revision = revision
+        self._stirred = time.monotonic()
+        headers = msg.headers
+        deleted = False
+        if headers:
+            op = headers.get(KV_OP)
+            if op is None and _MARKER_REASON in headers:
+                op = _MARKERS.get(headers[_MARKER_REASON])
+                if op is None:
+                    return  # a marker of a kind not known yet: no value
+            deleted = op in (KV_DEL, KV_PURGE)
+        self.receive(msg.subject[len(self._prefix) :], msg.data, deleted=deleted)
+        self._position.advance(self.applied_seq)
+        ready, ready_at = self._ready, self._ready_at
+        if (
+            ready is not None
+            and not ready.done()
+            and (meta.num_pending == 0 or (ready_at is not None and revision >= ready_at))
+        ):
+            ready.set_result(None)
+
+    async def _guard(self) -> None:
+        """After each silence of ``stall_after_s``: is the watch still there? If not, a new one.
+
+        Self-contained on purpose: the client and its reconnect callbacks belong to the caller.
+        """
+        while not self.nc.is_closed:
+            wait = self._stirred + self.stall_after_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            self._stirred = time.monotonic()  # the next check after another silence
+            try:
+                if await self._stalled():
+                    await self._resume()
+            except Exception:  # a view that stops checking would go stale without a word
+                log.exception("registry watch check failed; checking again")
+
+    async def _stalled(self) -> bool:
+        sub = self._sub
+        if sub is None:
+            return True  # the last attempt to re-create it failed
+        seen = self._revision
+        try:
+            info = await sub.consumer_info()
+        except NotFoundError:
+            return True  # the server restarted (or dropped a watch inactive too long)
+        except (nats.errors.Error, TimeoutError):
+            # The server is away or busy, or the watch's consumer lived on a cluster node that
+            # died (its info then never comes): unanswered twice running, the watch is made
+            # anew; where the server is away, that attempt fails and is made again later.
+            self._unanswered += 1
+            return self._unanswered >= 2
+        self._unanswered = 0
+        sent = _delivered(info)[1]
+        if sent < seen:
+            return True  # a consumer that lost its state (recreated on a restarted node)
+        # A consumer that says it sent more than arrived, or holds messages back, may only be
+        # a delivery on its way: the same answer twice in a row is a stall.
+        behind = sent > seen or bool(info.num_pending)
+        if not behind or self._revision != seen:
+            self._suspect = None
+            return False
+        stuck = self._suspect == seen
+        self._suspect = seen
+        return stuck
+
+    async def _resume(self) -> None:
+        await self._unsubscribe()
+        self._suspect = None
+        self._unanswered = 0
+        try:
+            self._sub = await self._watch()
+        except (nats.errors.Error, TimeoutError) as exc:
+            log.warning("registry watch not re-created yet, retrying: %s", exc)
+            return
+        self.resumes += 1
+        log.info("registry watch re-created after revision %d", self._revision)
+
+    async def _unsubscribe(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+    # ---- folding values ---------------------------------------------------------------------
+
+    def receive(self, key: str, value: bytes | None, *, deleted: bool = False) -> None:
+        """Fold one bucket entry into the replica; a damaged value is counted and skipped."""
+        kind, rank, slot = parse_key(self.config.namespace, key)
+        if kind == "lease":  # who writes, not what: renewed every second even when nothing moves
+            return
+        self.values_received += 1
+        self._heard_at = time.monotonic()
+        try:
+            if kind == "position" and not deleted and value:
+                position = decode_position(value)
+                self.applied_seq = max(self.applied_seq, position.applied_seq)
+                self._observe(position.as_of)
+            elif kind == "tracker":
+                self.block_size = None if deleted or not value else decode_tracker(value).block_size
+            elif kind == "load" and rank is not None:
+                if deleted or not value:
+                    self.registry.apply(Delta("applied", 0, removed_ranks=[rank]))
+                else:
+                    load = decode_load(value)
+                    self._observe(load.as_of)
+                    self.registry.apply(Delta("applied", 0, [RankChange(rank, load.rank_load())]))
+            elif kind == "req" and rank is not None:
+                current = self.registry.load_of(rank)
+                if current is None and (deleted or not value):
+                    return  # the rest of a removed rank
+                booked = []
+                if not deleted and value:
+                    request = decode_request(value)
+                    if not request.empty:
+                        booked = [Booking(slot, request.request_id, request.hash_list())]
+                change = RankChange(rank, current or EMPTY_LOAD, [slot], booked)
+                self.registry.apply(Delta("applied", 0, [change]))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self.bad_values += 1
+            log.warning("skipping unreadable value of %s: %s", key, exc)
+
+    def _observe(self, as_of_ns: int) -> None:
+        self.as_of_ns = max(self.as_of_ns, as_of_ns)
+        offset = as_of_ns - time.monotonic_ns()
+        if self._clock_offset_ns is None or offset > self._clock_offset_ns:
+            self._clock_offset_ns = offset
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def export_metrics(self, registry: CollectorRegistry | None = None) -> Collector:
+        """Opt-in: this view's per-worker gauges in ``registry`` (prometheus_client's default
+        ``REGISTRY``, where a scheduler's own metrics usually are, when None), read at each
+        scrape; the collector is returned for ``registry.unregister``. Several views in one
+        registry: register one ``projector.ops.metrics.view_collector(*views)`` instead (their
+        series share names, so each namespace must be collected once)."""
+        from prometheus_client import REGISTRY
+
+        from projector.ops.metrics import view_collector
+
+        collector = view_collector(self)
+        (REGISTRY if registry is None else registry).register(collector)
+        return collector
+
+    def log_now_ns(self) -> int:
+        """The view's estimate of the log's current time (receive-time anchored)."""
+        if self._clock_offset_ns is None:
+            return time.time_ns()
+        return time.monotonic_ns() + self._clock_offset_ns
+
+    def loads(self, now_ns: int | None = None) -> list[LoadRow]:
+        """One row per rank, sorted by (worker_id, dp_rank); decay at ``now_ns`` (log time)."""
+        return self.registry.loads(self.log_now_ns() if now_ns is None else now_ns)
+
+    def potential_loads(
+        self, block_hashes: Sequence[int], isl_tokens: int, now_ns: int | None = None
+    ) -> list[PotentialLoadRow]:
+        """What each rank's load would be with this request booked there (see PromptRegistry)."""
+        now = self.log_now_ns() if now_ns is None else now_ns
+        return self.registry.potential_loads(block_hashes, isl_tokens, now)
+
+    def overlap_depths(self, block_hashes: Sequence[int]) -> dict[Rank, int]:
+        return self.registry.overlap_depths(block_hashes)
+
+    def staleness(self) -> Staleness:
+        age = float("inf") if self._heard_at is None else time.monotonic() - self._heard_at
+        return Staleness(self.applied_seq, self.as_of_ns, age)
+
+    async def wait_for(self, seq: int, timeout: float | None = None) -> None:
+        """Read-your-writes: return once the view reflects event sequence ``seq``."""
+        await self._position.wait(seq, timeout)

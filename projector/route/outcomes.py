@@ -1,0 +1,147 @@
+"""What the writer made of each event, learned from the deltas stream.
+
+A caller that must answer with the real outcome of its event (the slot-tracker drop-in: 201
+for an add booked, 409 for a duplicate, 404 for an unknown rank) cannot guess it before the
+writer has folded the event: only the fold knows what else happened first. Every delta the
+writer stores names its event's sequence and outcome (and, for a duplicate add, the rank that
+holds the id), so one ordered consumer of the namespace's deltas, started before the caller
+publishes, hands each waiting call its outcome: one subscription per process and namespace,
+whatever the number of calls, and no request/reply round trip to the writer.
+
+An event that has no delta was refused by the writer (dead-lettered): :meth:`Outcomes.of`
+says so with ``outcome=None`` as soon as its dead letter is stored (a second ordered consumer,
+of the namespace's dead letters, which only costs when there are some), or once a later
+event's delta arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from projector.nats.dead_letters import SOURCE_STREAM
+from projector.nats.progress import Progress
+from projector.nats.resources import dead_letter_stream
+from projector.nats.stream import SOURCE_SEQ, OrderedConsumer, last_seq_of
+from projector.wire.config import Config
+from seqstate import decode_deltas
+from seqstate.errors import SeqstateError
+
+REMEMBER = 65_536  # outcomes kept for calls that ask after their delta went by
+REMEMBER_REFUSED = 1_024  # refused events kept for calls that ask after their dead letter
+
+
+class OutcomeForgotten(SeqstateError, LookupError):
+    """Asked for an event older than the outcomes still remembered."""
+
+
+class OutcomesStopped(SeqstateError, RuntimeError):
+    """The deltas could not be followed (the consumer failed)."""
+
+
+class EventOutcome(msgspec.Struct, frozen=True):
+    """``outcome`` None: the writer stored no delta for the event (it was dead-lettered)."""
+
+    seq: int
+    outcome: str | None
+    owner: tuple[int, int] | None = None  # a duplicate add's: the rank that holds the id
+    # Under the slot-tracker rules: a registration's block size, or 0 (TRACKER_ENDED) for the
+    # removal of the last worker.
+    block_size: int | None = None
+
+
+class Outcomes:
+    """``outcomes = await Outcomes(nc, config).start()``, then ``await outcomes.of(seq)``."""
+
+    def __init__(self, nc: Client, config: Config, *, remember: int = REMEMBER) -> None:
+        self.config = config
+        self.remember = remember
+        self._js = nc.jetstream()
+        self._seen = Progress()  # the highest event sequence a delta has named
+        self._recent: dict[int, EventOutcome] = {}  # in sequence order, the oldest first
+        self._oldest = 0  # the lowest sequence still answerable (older ones are forgotten)
+        self._consumer: OrderedConsumer | None = None
+        self._refused: dict[int, None] = {}  # events the writer dead-lettered, oldest first
+        self._dead: OrderedConsumer | None = None
+
+    async def start(self) -> Outcomes:
+        """Follow the deltas from the newest one stored: what is published after this returns
+        is always answered."""
+        self._consumer = OrderedConsumer(
+            self._js, self.config.deltas_stream, self.config.deltas_subject, self,
+            on_failure=lambda exc: self._seen.advance(2**63),
+        )  # fmt: skip
+        newest = await last_seq_of(self._js, self.config.deltas_stream, self.config.deltas_subject)
+        if newest:
+            msg = await self._js.get_msg(self.config.deltas_stream, seq=newest)
+            deltas = decode_deltas(msg.data or b"")
+            self._oldest = max((d.seq or 0 for d in deltas), default=0) + 1
+        await self._consumer.start(after=newest)
+        dead, subject = dead_letter_stream(self.config), self.config.dead_letter_subject
+        # A failure here only loses the early answer: a later delta still settles the call.
+        self._dead = OrderedConsumer(self._js, dead, subject, _Refusals(self),
+                                     on_failure=lambda exc: None)  # fmt: skip
+        await self._dead.start(after=await last_seq_of(self._js, dead, subject))
+        return self
+
+    def refused(self, seq: int) -> None:
+        """The writer dead-lettered event ``seq``: answer its caller now."""
+        self._refused[seq] = None
+        while len(self._refused) > REMEMBER_REFUSED:
+            del self._refused[next(iter(self._refused))]
+        self._seen.release(seq)
+
+    async def stop(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+        if self._dead is not None:
+            await self._dead.stop()
+
+    async def handle(self, msg: Msg) -> None:
+        """One deltas message: each event's outcome (its first part carries it)."""
+        recent = self._recent
+        last = 0
+        for delta in decode_deltas(msg.data):
+            seq = delta.seq
+            if seq is None or delta.part:
+                continue
+            recent[seq] = EventOutcome(seq, delta.outcome, delta.owner, delta.block_size)
+            last = seq
+        while len(recent) > self.remember:
+            oldest = next(iter(recent))
+            del recent[oldest]
+            self._oldest = oldest + 1
+        if last:
+            self._seen.advance(last)
+
+    async def of(self, seq: int, timeout: float | None = None) -> EventOutcome:
+        """The outcome of event ``seq``, once the writer has stored its delta (or a later
+        one); ``TimeoutError`` after ``timeout`` seconds."""
+        if seq in self._refused:
+            return EventOutcome(seq, None)
+        await self._seen.wait(seq, timeout)
+        if self._consumer is not None and self._consumer.failure is not None:
+            raise OutcomesStopped(f"the deltas stopped: {self._consumer.failure!r}")
+        found = self._recent.get(seq)
+        if found is not None:
+            return found
+        if seq < self._oldest:
+            raise OutcomeForgotten(f"event {seq} is older than the outcomes still remembered")
+        return EventOutcome(seq, None)
+
+
+class _Refusals:
+    """The dead letters of one namespace: those of its events stream name a refused event."""
+
+    def __init__(self, outcomes: Outcomes) -> None:
+        self._outcomes = outcomes
+
+    async def handle(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        if headers.get(SOURCE_STREAM) == self._outcomes.config.events_stream:
+            with contextlib.suppress(KeyError, ValueError):
+                self._outcomes.refused(int(headers[SOURCE_SEQ]))
+

@@ -1,0 +1,717 @@
+"""RouterPublisher: how a router puts lifecycle events on the SEQSTATE_EVENTS stream.
+
+Every event gets ``Nats-Msg-Id: <router_id>:<router_seq>`` (``router_seq`` counts from 1 per
+publisher), so a publish retried after a lost ack is stored once: JetStream acknowledges the
+repeat with the original sequence and flags it duplicate. A router id may hold any characters
+(1 to 256 of them); in the msg-id, those a header line cannot carry as they are (spaces,
+controls, non-ASCII, and ``%``) are percent-encoded, so no two router ids share msg-ids.
+
+Publishes are pipelined on the one connection, their acks collected on a reply subscription of
+the publisher's own, and each call awaits its own acks, so callers can fire many events
+concurrently with ``asyncio.gather``.
+
+A publish is never dropped silently: an ack that times out, finds no stream or carries an error
+is retried (same msg-id) up to ``retries`` times, then the call raises :class:`PublishError`.
+A stream that is full (its ``max_msgs``/``max_bytes``, or the server's JetStream storage)
+refuses the event with an error ack, so the call raises :class:`PublishError` saying so, within
+its retries, never blocking. (``ensure`` gives the events stream the discard policy ``new``:
+with the default ``old``, a limit would make the server drop the *oldest* events, unfolded
+ones included, without a word.)
+PublishError is the one exception a send that failed raises, whatever failed (an error ack,
+nats-py's errors, a closed connection, the socket): a router whose server dies handles it and
+nothing else. A bad event raises before anything is sent (:class:`seqstate.EventDecodeError`,
+:class:`EventTooLarge`).
+
+Backpressure: at most ``max_pending`` events, of every call together, are on the wire
+unacknowledged (a retried event takes a slot again for each attempt); a caller beyond that
+waits for a slot, in call order, and is never dropped nor failed for it. So what the publisher
+holds for the server is bounded, however many calls are made or however large a batch is;
+what waits beyond the window belongs to the callers (each waiting :meth:`publish` holds its
+event and its encoded bytes, a :meth:`publish_many` its batch). :attr:`in_flight`,
+:attr:`peak_in_flight`, :attr:`waiting` and :attr:`pending` show where a publisher stands.
+The writer being slow does not slow a publisher: the stream takes the events, and the writer's
+lag shows in ``seqstate status`` and in its log.
+
+``router_id`` must be unique per publisher *incarnation* within the stream's duplicate window
+(120 s): a restarted router that reuses its id would repeat msg-ids ``<id>:1, <id>:2, ...``,
+which JetStream would silently discard as duplicates. Include something per-process in it
+(host, pid, a random suffix). As a guard, a duplicate ack on a *first* attempt (which only a
+msg-id collision can cause) raises :class:`PublishError` instead of passing as success.
+
+Order: events published one after another (each awaited) are stored in that order. Events
+fired concurrently are stored in some order, and a retried one may land after events published
+later; the writer tolerates that (a Free before its Add leaves a tombstone).
+
+:meth:`RouterPublisher.publish_many` is the batch path, with the same guarantees at a fraction
+of the per-event cost: it checks every event before it sends any, sends them all pipelined in
+the given order with their own msg-ids and collects the acks on one reply subscription of its
+own (no task, future or timer per event). Its order guarantee is in its docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import string
+from collections.abc import Iterable, Sequence
+from urllib.parse import quote
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from projector.nats.stream import MSG_ID as MSG_ID_HEADER
+from projector.wire.config import Config
+from seqstate import (
+    AddOutputBlock,
+    AddRequest,
+    Event,
+    Free,
+    MarkPrefillCompleted,
+    RouterGoodbye,
+    RouterHeartbeat,
+    decode_event,
+    encode_event,
+)
+from seqstate.errors import SeqstateError
+from seqstate.events import MAX_ROUTER_ID
+
+log = logging.getLogger("seqstate.publisher")
+
+# An event's delta is about its size plus headers; both must fit under the server's limit.
+EVENT_HEADROOM = 8 * 1024
+# Pause before retry n (1-based): BACKOFF_S * 2**(n-1), capped; gives a stream leader election
+# or a brief disconnect a moment, without slowing a clean failure much.
+BACKOFF_S = 0.05
+MAX_BACKOFF_S = 1.0
+
+_WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
+# Kept as they are in a msg-id: printable ASCII but "%", the escape. A header value is trimmed
+# and its CR/LF turned into spaces on the way out, so " r" and "r", or "a\nb" and "a b", would
+# otherwise share msg-ids: the second router's events refused as duplicates, or lost on a retry.
+_MSG_ID_SAFE = string.punctuation.replace("%", "")
+SHOWN_ID_CHARS = 60  # of an id in an error message
+_ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
+
+
+class EventTooLarge(SeqstateError, ValueError):
+    """An event too large for the server to store, or for the writer to store its delta."""
+
+
+class PublishError(SeqstateError, RuntimeError):
+    """An event could not be stored on the stream; the message names the request and msg-id.
+
+    Raised by :meth:`RouterPublisher.publish_many`, ``sequences`` holds the stream sequence of
+    every event of the call in the given order, ``None`` for each one not stored (the one named
+    and any other that failed); else it is ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        msg_id: str,
+        request_id: str | None,
+        sequences: list[int | None] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.msg_id = msg_id
+        self.request_id = request_id
+        self.sequences = sequences
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _Ack(msgspec.Struct):
+    """A JetStream publish ack as the server sends it (or its error)."""
+
+    seq: int = 0
+    duplicate: bool = False
+    error: _ApiError | None = None
+
+
+# What a send or an ack wait can raise while the server is away or the client gave up on it:
+# the client's own errors, and the socket's (TimeoutError is an OSError too). A publish turns
+# each into a retry and, at the end, a PublishError: a router handles one exception, not ours
+# plus nats-py's.
+_CONNECTION_ERRORS = (nats.errors.Error, OSError)
+
+_ACK_DECODER = msgspec.json.Decoder(_Ack)
+_NO_RESPONDERS = "503"
+
+
+class _Round:
+    """One attempt at some events of a call (:meth:`RouterPublisher.publish` is a call of one).
+
+    Every event sent gets a reply token of its own; the publisher's reply callback settles it
+    (``seqs``/``errors`` of the call, by index) and the timer expires the ones not acknowledged
+    within the timeout. ``sent`` lists (deadline, token, index) in send order, so deadlines
+    increase along it and the timer only ever looks at its unsettled front.
+    """
+
+    __slots__ = ("call", "cursor", "done", "first", "open", "sending", "sent", "timer")
+
+    def __init__(self, call: _Call, first: bool, done: asyncio.Future[None]) -> None:
+        self.call = call
+        self.first = first  # the first attempt: a duplicate ack means a msg-id collision
+        self.done = done
+        self.open = 0  # sent and not settled
+        self.sending = True
+        self.sent: list[tuple[float, int, int]] = []
+        self.cursor = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class _Call:
+    """What one call knows about its events, by index in the given order."""
+
+    __slots__ = ("errors", "events", "fatal", "msg_ids", "payloads", "seqs", "subjects")
+
+    def __init__(
+        self,
+        events: list[Event],
+        subjects: list[str],
+        payloads: list[bytes],
+        msg_ids: list[str],
+    ) -> None:
+        self.events = events
+        self.subjects = subjects
+        self.payloads = payloads
+        self.msg_ids = msg_ids
+        self.seqs: list[int | None] = [None] * len(events)
+        self.errors: dict[int, list[str]] = {}  # the failed attempts of each event
+        self.fatal: dict[int, PublishError] = {}  # not to be retried (a msg-id collision)
+
+    def request_id(self, i: int) -> str | None:
+        return getattr(self.events[i], "request_id", None)
+
+
+class RouterPublisher:
+    """Publishes one router's lifecycle events, pipelined, deduplicated, never dropped.
+
+    ``max_pending`` (256): events unacknowledged at once, of every call together; callers
+    beyond it wait for a slot (in order), never dropped or failed for it. 256 keeps the
+    client's pipeline full (a round trip on loopback takes a fraction of a millisecond) while
+    bounding what is buffered for the server to 256 events (about 0.6 MB of large
+    AddRequests). ``retries`` and ``timeout``: attempts after the first, and the seconds each
+    waits for its ack. ``heartbeat_every_s``: see :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        namespace: str | None = None,
+        router_id: str,
+        config: Config | None = None,
+        max_pending: int = 256,
+        retries: int = 3,
+        timeout: float = 5.0,
+        heartbeat_every_s: float = 5.0,
+    ) -> None:
+        if not router_id:
+            raise ValueError("router_id must not be empty")
+        if len(router_id) > MAX_ROUTER_ID:
+            raise ValueError(f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
+                             "(what a RouterHeartbeat carries)")  # fmt: skip
+        try:
+            self._msg_id_prefix = quote(router_id, safe=_MSG_ID_SAFE) + ":"
+        except UnicodeEncodeError:
+            raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
+        if max_pending < 1:
+            raise ValueError(f"max_pending={max_pending}: must be at least 1")
+        if retries < 0:
+            raise ValueError(f"retries={retries}: must not be negative")
+        if timeout <= 0:
+            raise ValueError(f"timeout={timeout}: must be positive")
+        if heartbeat_every_s <= 0:
+            raise ValueError(f"heartbeat_every_s={heartbeat_every_s}: must be positive")
+        # One rule, as in RegistryView: ``namespace``, when given, wins over ``config``'s.
+        self.config = (config or Config()).with_namespace(namespace)
+        self._nc = nc
+        self.router_id = router_id
+        self.max_pending = max_pending
+        self.retries = retries
+        self.timeout = timeout
+        # One slot per event on the wire; nats-py's publish_async is not used: it leaves its
+        # future pending forever when the ack carries an error (nats-io/nats.py#985), so a
+        # full stream looked like an ack timeout.
+        self._slots = asyncio.Semaphore(max_pending)
+        self._in_flight = 0
+        self._peak_in_flight = 0
+        self._waiting = 0
+        self._router_seq = 0
+        self._last_seq: int | None = None
+        # One future per call in progress (resolved with None however the call ends): flush
+        # waits for those in progress when it is called, so steady traffic cannot starve it.
+        self._in_progress: set[asyncio.Future[None]] = set()
+        # The reply subscription (made at the first call): ``<inbox>.<token>``,
+        # one token per event sent; ``_awaiting`` maps the unsettled ones to their round.
+        self._inbox: str | None = None
+        self._inbox_lock = asyncio.Lock()
+        self._token = 0
+        self._awaiting: dict[int, tuple[_Round, int]] = {}
+        self.heartbeat_every_s = heartbeat_every_s
+        self._heartbeats: asyncio.Task[None] | None = None
+        self._closing = False
+        self.heartbeat_failures = 0
+
+    # ---- lifecycle: heartbeats and goodbye -------------------------------------------------
+
+    async def start(self) -> RouterPublisher:
+        """Heartbeat now and every ``heartbeat_every_s`` until :meth:`close`.
+
+        From its first heartbeat on, the writer holds this router to its word: once it has
+        been silent past the orphan timeout (``orphan_after_s``, 30 s by default), every
+        request it added is freed (outcome ``orphaned``), so a router that crashes leaks no
+        load; and while it beats, the blind age limit never expires its long requests.
+        """
+        if self._heartbeats is None:
+            await self.publish(RouterHeartbeat(router_id=self.router_id))
+            self._heartbeats = asyncio.create_task(self._beat(), name="seqstate-heartbeat")
+        return self
+
+    async def close(self, *, goodbye: bool = True) -> None:
+        """Stop heartbeating; with ``goodbye``, free at once every request still held."""
+        task, self._heartbeats = self._heartbeats, None
+        if task is not None:
+            # Python 3.11's wait_for can swallow a cancellation that races a publish's ack,
+            # and the loop would beat on: the flag ends it, and the cancel is repeated.
+            self._closing = True
+            task.cancel()
+            while not task.done():
+                await asyncio.wait([task], timeout=0.05)
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            self._closing = False
+        if goodbye:
+            await self.publish(RouterGoodbye(router_id=self.router_id))
+
+    async def __aenter__(self) -> RouterPublisher:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _beat(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.heartbeat_every_s)
+            try:
+                await self.publish(RouterHeartbeat(router_id=self.router_id))
+            except PublishError as exc:  # the next beat tries again; the timeout is generous
+                self.heartbeat_failures += 1
+                log.warning("router %s: heartbeat not stored: %s", self.router_id, exc)
+
+    @property
+    def router_seq(self) -> int:
+        """The router_seq of the last event handed to :meth:`publish` or :meth:`publish_many`
+        (0 before any)."""
+        return self._router_seq
+
+    @property
+    def last_sequence(self) -> int | None:
+        """The highest stream sequence acknowledged so far (None if none)."""
+        return self._last_seq
+
+    @property
+    def pending(self) -> int:
+        """Calls that have not finished yet (waiting for a slot, an ack or a retry)."""
+        return len(self._in_progress)
+
+    @property
+    def in_flight(self) -> int:
+        """Events sent and not yet acknowledged (or failed); never more than ``max_pending``."""
+        return self._in_flight
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most events ever in flight at once (at most ``max_pending``)."""
+        return self._peak_in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Events handed to :meth:`publish` or :meth:`publish_many` that wait for a slot."""
+        return self._waiting
+
+    async def add(
+        self,
+        request_id: str,
+        worker_id: int,
+        dp_rank: int = 0,
+        block_hashes: Iterable[int] = (),
+        prefill_tokens: int = 0,
+        expected_prefill_ms: float | None = None,
+        expected_output_tokens: int | None = None,
+        track_prefill_tokens: bool = True,
+        lora_name: str | None = None,
+    ) -> int:
+        """Publish an AddRequest; returns its stream sequence."""
+        return await self.publish(
+            AddRequest(
+                request_id=request_id,
+                worker_id=worker_id,
+                dp_rank=dp_rank,
+                block_hashes=list(block_hashes),
+                prefill_tokens=prefill_tokens,
+                expected_prefill_ms=expected_prefill_ms,
+                expected_output_tokens=expected_output_tokens,
+                track_prefill_tokens=track_prefill_tokens,
+                router_id=self.router_id,
+                lora_name=lora_name,
+            )
+        )
+
+    async def mark_prefill_completed(
+        self, request_id: str, worker_id: int, dp_rank: int = 0
+    ) -> int:
+        """Publish a MarkPrefillCompleted; returns its stream sequence."""
+        return await self.publish(
+            MarkPrefillCompleted(
+                request_id=request_id,
+                worker_id=worker_id,
+                dp_rank=dp_rank,
+                router_id=self.router_id,
+            )
+        )
+
+    async def free(self, request_id: str, worker_id: int, dp_rank: int = 0) -> int:
+        """Publish a Free; returns its stream sequence."""
+        return await self.publish(
+            Free(
+                request_id=request_id,
+                worker_id=worker_id,
+                dp_rank=dp_rank,
+                router_id=self.router_id,
+            )
+        )
+
+    def subject_for(self, event: Event) -> str:
+        """Worker events go to ``<ns>.<worker_id>.<dp_rank>``; Tick and topology to control."""
+        if isinstance(event, _WORKER_EVENTS):
+            return self.config.event_subject(event.worker_id, event.dp_rank)
+        return self.config.control_subject
+
+    async def publish(self, event: Event) -> int:
+        """Publish any seqstate event; returns its stream sequence.
+
+        An AddRequest, MarkPrefillCompleted or Free with an empty ``router_id`` gets this
+        publisher's. The event is validated as the writer will decode it, so a bad field
+        raises :class:`seqstate.EventDecodeError` here (and consumes no router_seq) instead of
+        being dead-lettered downstream.
+        """
+        event, payload = self.check(event)
+        self._router_seq += 1
+        call = _Call([event], [self.subject_for(event)], [payload],
+                     [f"{self._msg_id_prefix}{self._router_seq}"])  # fmt: skip
+        try:
+            return (await self._run(call))[0]
+        except PublishError as exc:
+            exc.sequences = None  # one event: the error names it
+            raise
+
+    async def publish_many(self, events: Iterable[Event]) -> list[int]:
+        """Publish a batch of events; returns their stream sequences, in the given order.
+
+        The same guarantees as :meth:`publish`, per event, at a fraction of its cost per event:
+
+        - Every event is checked (:meth:`check`) before any is sent: a bad or too large one
+          raises (:class:`seqstate.EventDecodeError`, :class:`EventTooLarge`) and nothing of
+          the batch is published or takes a router_seq.
+        - Every event gets its own ``Nats-Msg-Id: <router_id>:<router_seq>``, consecutive in
+          the given order, so a retried one is stored once.
+        - An event whose ack times out, finds no stream or carries an error is sent again with
+          its msg-id, up to ``retries`` times; one that still fails, or whose first attempt is
+          acknowledged as a duplicate (a msg-id collision), makes the call raise
+          :class:`PublishError` naming the first such event in the given order, once every
+          other event of the call is settled. The error's ``sequences`` tell which events of
+          the call were stored (those stay stored: their msg-ids are spent).
+
+        Order: the events are sent in the given order, pipelined on the one connection, and
+        the server stores them in the order it receives them: when no event needs a retry
+        (the normal case), they are stored in the given order, so the sequences returned
+        increase. A retry cannot keep that: an event that needs one is sent again after every
+        event of the call already sent, some of which may be stored by then, and a stored
+        event never moves (its repeat is only deduplicated). So after a retry, the retried
+        events land after those, in their given order among themselves; no event is lost or
+        stored twice. The sequences returned always say where each event landed (they
+        increase if and only if the call was stored in order). Calls awaited one after another
+        are stored in call order, as with :meth:`publish`; a router that must have an event
+        stored after another awaits the call with the first before it publishes the second
+        (the writer tolerates a Free before its Add anyway: it leaves a tombstone).
+
+        At most ``max_pending`` events, of this and every other call, are unacknowledged at
+        once; a batch larger than that is sent as acks free room.
+        """
+        checked = [self.check(event) for event in events]
+        if not checked:
+            return []
+        subject_for = self.subject_for
+        prefix = self._msg_id_prefix
+        first = self._router_seq + 1
+        self._router_seq += len(checked)
+        call = _Call(
+            [event for event, _ in checked],
+            [subject_for(event) for event, _ in checked],
+            [payload for _, payload in checked],
+            [f"{prefix}{n}" for n in range(first, first + len(checked))],
+        )
+        del checked  # the call holds what it needs
+        return await self._run(call)
+
+    async def _run(self, call: _Call) -> list[int]:
+        """Send every event of ``call``, retrying those not stored; their sequences, in order."""
+        if self._inbox is None:
+            try:
+                await self._open_inbox()
+            except _CONNECTION_ERRORS as exc:  # e.g. a client that gave up on a dead server
+                raise PublishError(
+                    f"{_what(call.events[0], call.request_id(0))}: msg-id {call.msg_ids[0]} "
+                    f"{'and the rest of the call ' if len(call.events) > 1 else ''}not sent, "
+                    f"no subscription for acks: {_describe(exc)}",
+                    msg_id=call.msg_ids[0],
+                    request_id=call.request_id(0),
+                    sequences=[None] * len(call.events),
+                ) from exc
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._in_progress.add(done)
+        try:
+            todo: Sequence[int] = range(len(call.events))
+            for attempt in range(self.retries + 1):
+                if attempt:
+                    await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
+                await self._send_round(call, todo, first=attempt == 0)
+                todo = [i for i in todo if call.seqs[i] is None and i not in call.fatal]
+                if not todo:
+                    break
+        finally:
+            self._in_progress.discard(done)
+            done.set_result(None)
+        seqs = call.seqs
+        stored = [seq for seq in seqs if seq is not None]
+        if stored and (self._last_seq is None or max(stored) > self._last_seq):
+            self._last_seq = max(stored)
+        if len(stored) == len(seqs):
+            return stored
+        failed = next(i for i, seq in enumerate(seqs) if seq is None)
+        error = call.fatal.get(failed)
+        if error is None:
+            attempts = len(call.errors.get(failed, ()))
+            error = PublishError(
+                f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
+                f"{call.msg_ids[failed]} not stored after {attempts} attempt(s) to "
+                f"{call.subjects[failed]}: {_reasons(call.errors.get(failed, []))}",
+                msg_id=call.msg_ids[failed],
+                request_id=call.request_id(failed),
+            )
+        error.sequences = list(seqs)
+        raise error
+
+    async def _open_inbox(self) -> None:
+        async with self._inbox_lock:
+            if self._inbox is None:
+                inbox = f"{self._nc.new_inbox()}."
+                await self._nc.subscribe(f"{inbox}*", cb=self._on_ack)
+                self._inbox = inbox
+
+    async def _send_round(self, call: _Call, todo: Sequence[int], *, first: bool) -> None:
+        """Send the events ``todo`` (indices, in order) once; return when each is settled."""
+        loop = asyncio.get_running_loop()
+        rnd = _Round(call, first, loop.create_future())
+        publish = self._nc.publish
+        acquire = self._slots.acquire
+        awaiting = self._awaiting
+        sent = rnd.sent
+        inbox = self._inbox
+        subjects, payloads, msg_ids = call.subjects, call.payloads, call.msg_ids
+        timeout = self.timeout
+        now = loop.time
+        unsent = len(todo)
+        self._waiting += unsent
+        try:
+            for i in todo:
+                await acquire()
+                self._waiting -= 1
+                unsent -= 1
+                self._in_flight += 1
+                if self._in_flight > self._peak_in_flight:
+                    self._peak_in_flight = self._in_flight
+                self._token = token = self._token + 1
+                awaiting[token] = (rnd, i)
+                rnd.open += 1
+                deadline = now() + timeout
+                sent.append((deadline, token, i))
+                if rnd.timer is None:
+                    rnd.timer = loop.call_at(deadline, self._expire, rnd)
+                try:
+                    await publish(
+                        subjects[i],
+                        payloads[i],
+                        reply=f"{inbox}{token}",
+                        headers={MSG_ID_HEADER: msg_ids[i]},
+                    )
+                except _CONNECTION_ERRORS as exc:  # e.g. the connection is closed
+                    if awaiting.pop(token, None) is not None:
+                        self._settle(rnd, i, None, _describe(exc))
+            rnd.sending = False
+            if rnd.open:
+                await rnd.done
+        finally:
+            self._waiting -= unsent  # only if cancelled: these were never sent
+            rnd.sending = False
+            if rnd.timer is not None:
+                rnd.timer.cancel()
+            for _, token, _ in sent[rnd.cursor :]:  # only if cancelled: give back their slots
+                if awaiting.pop(token, None) is not None:
+                    self._release()
+
+    async def _on_ack(self, msg: Msg) -> None:
+        """The reply subscription's callback: settle the event the ack's token names."""
+        assert self._inbox is not None
+        try:
+            token = int(msg.subject[len(self._inbox) :])
+        except ValueError:
+            return
+        entry = self._awaiting.pop(token, None)
+        if entry is None:  # a late ack, after the event timed out: its retry settles it
+            return
+        rnd, i = entry
+        try:
+            ack = _ACK_DECODER.decode(msg.data)
+        except msgspec.DecodeError:
+            status = (msg.headers or {}).get("Status")
+            if status == _NO_RESPONDERS:
+                problem = _describe(nats.js.errors.NoStreamResponseError())
+            else:
+                problem = f"unreadable ack (status {status}): {msg.data[:200]!r}"
+            self._settle(rnd, i, None, problem)
+            return
+        if ack.error is not None:
+            err = ack.error
+            api_error = nats.js.errors.APIError(
+                code=err.code, err_code=err.err_code, description=err.description
+            )
+            self._settle(rnd, i, None, _describe(api_error))
+        elif ack.duplicate and rnd.first:
+            call = rnd.call
+            request_id = call.request_id(i)
+            call.fatal[i] = PublishError(
+                f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} was already "
+                f"used (stream sequence {ack.seq}), so the event was not stored; another "
+                f"publisher or an earlier run uses router_id {self.router_id!r}",
+                msg_id=call.msg_ids[i],
+                request_id=request_id,
+            )
+            self._settle(rnd, i, None, None)
+        else:
+            self._settle(rnd, i, ack.seq, None)
+
+    def _release(self) -> None:
+        self._in_flight -= 1
+        self._slots.release()
+
+    def _settle(self, rnd: _Round, i: int, seq: int | None, problem: str | None) -> None:
+        """Event ``i`` of ``rnd`` is acknowledged (``seq``) or failed (``problem``)."""
+        self._release()
+        if seq is not None:
+            rnd.call.seqs[i] = seq
+        elif problem is not None:
+            rnd.call.errors.setdefault(i, []).append(problem)
+        rnd.open -= 1
+        if not rnd.open and not rnd.sending and not rnd.done.done():
+            rnd.done.set_result(None)
+
+    def _expire(self, rnd: _Round) -> None:
+        """The timer: fail the events of ``rnd`` whose ack is overdue, then re-arm."""
+        rnd.timer = None
+        awaiting = self._awaiting
+        sent = rnd.sent
+        now = asyncio.get_running_loop().time()
+        while rnd.cursor < len(sent):
+            deadline, token, i = sent[rnd.cursor]
+            if token in awaiting:
+                if deadline > now:
+                    rnd.timer = asyncio.get_running_loop().call_at(deadline, self._expire, rnd)
+                    return
+                del awaiting[token]
+                self._settle(rnd, i, None, _describe(TimeoutError()))
+            rnd.cursor += 1
+
+    def check(self, event: Event) -> tuple[Event, bytes]:
+        """The event as it will be sent (with this router's id) and its bytes, or the error
+        :meth:`publish` would raise for it: :class:`seqstate.EventDecodeError` for a bad
+        field, :class:`EventTooLarge` for one the server could not store."""
+        if isinstance(event, _ROUTER_EVENTS) and not event.router_id:
+            event = msgspec.structs.replace(event, router_id=self.router_id)
+        payload = encode_event(event)
+        decode_event(payload)  # constructors skip Meta bounds; the writer will not
+        limit = self._nc.max_payload - EVENT_HEADROOM
+        if len(payload) > limit:
+            raise EventTooLarge(
+                f"{_what(event, getattr(event, 'request_id', None))}: {len(payload):,} bytes "
+                f"encoded, over the {limit:,} bytes one event may take (the server's "
+                f"max_payload of {self._nc.max_payload:,} less room for its delta's headers); "
+                "it was not sent"
+            )
+        return event, payload
+
+    async def flush(self) -> int | None:
+        """Wait for every publish in progress to finish; the highest sequence acknowledged.
+
+        A publish that ends in :class:`PublishError` raises to its own caller, not here.
+        """
+        if self._in_progress:
+            await asyncio.wait(list(self._in_progress))
+        return self._last_seq
+
+
+def _reasons(errors: list[str]) -> str:
+    """The failed attempts' reasons, a run of the same one said once with its count."""
+    runs: list[tuple[str, int]] = []
+    for error in errors:
+        if runs and runs[-1][0] == error:
+            runs[-1] = (error, runs[-1][1] + 1)
+        else:
+            runs.append((error, 1))
+    return "; ".join(text if n == 1 else f"{text}, {n} times" for text, n in runs) or "?"
+
+
+def _what(event: Event, request_id: str | None) -> str:
+    name = type(event).__name__
+    return f"{name} for request {_shown(request_id)}" if request_id is not None else name
+
+
+def _shown(text: str) -> str:
+    """An id as an error message shows it: quoted, escaped (one line), at most
+    ``SHOWN_ID_CHARS`` of it, and its length when longer."""
+    if len(text) <= SHOWN_ID_CHARS:
+        return repr(text)
+    return f"{text[:SHOWN_ID_CHARS]!r}… ({len(text):,} characters)"
+
+
+# JetStream's error codes for a stream that cannot take a message: a limit of its own ("maximum
+# messages exceeded", bytes, messages per subject; with the discard policy new; the code is the
+# generic "store failed"), or the server's or the account's JetStream storage.
+STREAM_LIMIT = 10077
+NO_STORAGE = 10023
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "ack timed out"
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code is not None:
+        said = f"{exc.description} (JetStream error {exc.err_code})"
+        if exc.err_code == STREAM_LIMIT and "exceeded" in (exc.description or ""):
+            return f"the stream is full: {said}"
+        if exc.err_code == NO_STORAGE:
+            return f"JetStream storage is full: {said}"
+        return said
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text

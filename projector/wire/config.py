@@ -1,0 +1,406 @@
+"""Names and knobs of the pipeline, from ``SEQSTATE_*`` environment variables (flags mirror them).
+
+Every stream and bucket name is configurable so two deployments (or two test runs) can share
+one NATS account without touching each other. Each field carries its own help text and
+metavar, so the command line is generated from this one list and cannot drift from it.
+
+A bad value is reported in the words the user typed it in: ``--expiry-s 'banana'``,
+``SEQSTATE_EXPIRY_S='banana'`` or ``expiry_s='banana'``, never a Python field name the user
+never saw.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from seqstate.bounds import MAX_RANKS, MAX_RANKS_PER_WORKER, RankBounds
+from seqstate.errors import SeqstateError
+from seqstate.state import MAX_ENDED, MAX_TOMBSTONES, SequenceState
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_SCHEMES = ("nats", "tls", "ws", "wss")
+_HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a name, IPv4, or IPv6 (urlsplit drops the brackets)
+
+
+class ConfigError(SeqstateError, ValueError):
+    """A setting that cannot be used; the message names it as the user gave it."""
+
+    def __init__(self, problem: str, *, setting: str = "", label: str = "") -> None:
+        super().__init__(f"{label}: {problem}" if label else problem)
+        self.problem = problem
+        self.setting = setting  # the Config field, when one is at fault
+
+
+# Settings whose value is a secret: never shown (help, errors, a Config's repr).
+SECRET_SETTINGS = ("nats_password", "nats_token")
+# How a client signs in, beside credentials in the URL: one at most.
+_AUTH_METHODS = (("nats_user", "nats_password"), ("nats_token",), ("nats_nkey_seed",),
+                 ("nats_creds",))  # fmt: skip
+
+
+def _setting(default: Any, help: str, metavar: str = "", *, secret: bool = False) -> Any:
+    return field(default=default, repr=not secret,
+                 metadata={"help": help, "metavar": metavar, "secret": secret})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Config:
+    nats_url: str | None = _setting(
+        None, "NATS server URL; several, comma-separated, for a cluster", "URL"
+    )
+    namespace: str = _setting("default", "isolates one deployment's subjects and keys", "NAME")
+    events_stream: str = _setting("SEQSTATE_EVENTS", "stream of lifecycle events", "NAME")
+    deltas_stream: str = _setting("SEQSTATE_DELTAS", "stream of the writer's deltas", "NAME")
+    registry_bucket: str = _setting("seqstate-registry", "KV bucket of the read model", "NAME")
+    snapshot_bucket: str = _setting(
+        "seqstate-snapshots", "object store of write-model snapshots", "NAME"
+    )
+    duplicate_window_s: float = _setting(
+        120.0, "JetStream's duplicate window: a retried publish is stored once", "SECONDS"
+    )
+    expiry_s: float | None = _setting(
+        300.0, "seconds after which an unfreed request expires; 'off' disables", "SECONDS"
+    )
+    idle_tick_s: float = _setting(
+        5.0, "seconds of stream silence before the writer logs a Tick", "SECONDS"
+    )
+    flush_interval_s: float = _setting(
+        0.005, "at most one write per bucket key per this many seconds", "SECONDS"
+    )
+    replicas: int = _setting(1, "replicas of each stream and bucket (1, 3 or 5)", "N")
+    snapshot_every_events: int = _setting(
+        10_000, "snapshot the write model every N events; 0: never by count", "N"
+    )
+    snapshot_every_s: float = _setting(
+        60.0, "snapshot the write model every so many seconds; 0: never by time", "SECONDS"
+    )
+    snapshots_keep: int = _setting(3, "snapshots kept (the newest)", "N")
+    retain_events: int | None = _setting(
+        None, "events kept before the oldest snapshot; 'off' (the default) never trims",
+        "N")  # fmt: skip
+    forget_lazy_ranks_s: float | None = _setting(
+        600.0, "a rank no WorkerAdded registered, empty this long, is dropped; 'off' keeps it",
+        "SECONDS")  # fmt: skip
+    orphan_after_s: float | None = _setting(
+        30.0, "a router silent this long after a heartbeat has its requests freed (orphaned); "
+        "'off' never", "SECONDS")  # fmt: skip
+    rules: str = _setting(
+        "router", "the fold's rules: 'router' (workers created by their first request, as in "
+        "Dynamo's router) or 'slot-tracker' (strict, as Dynamo's standalone slot tracker)",
+        "RULES")  # fmt: skip
+    worker_grace_s: float = _setting(
+        0.0, "a removed worker added back within this long keeps its requests; 0 (the "
+        "default) drops them at once", "SECONDS")  # fmt: skip
+    tick_every_s: float = _setting(
+        60.0, "the writer logs a Tick at least this often, busy or not (expiry, idle ranks)",
+        "SECONDS")  # fmt: skip
+    behind_warn_events: int | None = _setting(
+        50_000, "the writer (projector) warns when this many events wait to be folded (to reach "
+        "the bucket); 'off' never", "N")  # fmt: skip
+    behind_warn_s: float | None = _setting(
+        10.0, "the writer (projector) warns when the oldest event not folded (not in the bucket) "
+        "has waited this long; 'off' never", "SECONDS")  # fmt: skip
+    lag_check_s: float = _setting(
+        2.0, "the writer and the projector look up their lag this often (two small reads)",
+        "SECONDS")  # fmt: skip
+    max_ranks_per_worker: int = _setting(
+        MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
+    )
+    max_ranks: int = _setting(MAX_RANKS, "ranks in all; an event beyond is dead-lettered", "N")
+    max_tombstones: int = _setting(
+        MAX_TOMBSTONES, "ids of Marks and Frees that came before their Add, remembered at once; "
+        "the oldest beyond are forgotten (counted)", "N")  # fmt: skip
+    max_ended: int = _setting(
+        MAX_ENDED, "ids of ended requests remembered at once (a late repeat is a no-op); the "
+        "oldest beyond are forgotten (counted)", "N")  # fmt: skip
+    tls_ca: str | None = _setting(
+        None, "PEM file of the CA that signed the server's certificate (unset: the system's)",
+        "PATH")  # fmt: skip
+    tls_cert: str | None = _setting(
+        None, "PEM client certificate, for a server that asks for one (with --tls-key)", "PATH"
+    )
+    tls_key: str | None = _setting(None, "PEM key of the client certificate", "PATH")
+    nats_user: str | None = _setting(None, "NATS user name (with --nats-password)", "USER")
+    nats_password: str | None = _setting(
+        None, "password of --nats-user; prefer the variable: a flag shows in ps", "SECRET",
+        secret=True)  # fmt: skip
+    nats_token: str | None = _setting(
+        None, "NATS authorization token; prefer the variable: a flag shows in ps", "SECRET",
+        secret=True)  # fmt: skip
+    nats_nkey_seed: str | None = _setting(
+        None, "file holding an NKEY user seed (SU...), for a server with nkey users", "PATH"
+    )
+    nats_creds: str | None = _setting(
+        None, "NATS credentials file (user JWT and seed, as nsc writes it)", "PATH"
+    )
+    metrics_port: int | None = _setting(
+        None, "serve Prometheus /metrics, /healthz and /readyz on this port; 0: any free port "
+        "(logged); 'off' (the default): none", "PORT")  # fmt: skip
+    metrics_host: str = _setting(
+        "0.0.0.0", "the address the metrics port listens on (all of them, so that a scraper "
+        "outside the container reaches it)", "HOST")  # fmt: skip
+    ready_lag_events: int = _setting(
+        1000, "/readyz answers 200 only while the last lag measurement is at most this many "
+        "events", "N")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        for name, check in _CHECKS:
+            problem = check(getattr(self, name))
+            if problem:
+                raise ConfigError(
+                    problem, setting=name, label=f"{name}={_shown(name, getattr(self, name))!r}"
+                )
+        if self.rules == "slot-tracker" and self.worker_grace_s:
+            raise ConfigError(
+                "a worker grace has no place under the 'slot-tracker' rules (an unregistered "
+                "worker's requests are dropped at once, as in Dynamo): leave it 0",
+                setting="worker_grace_s",
+                label=f"worker_grace_s={self.worker_grace_s!r}")  # fmt: skip
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given = "tls_cert" if self.tls_key is None else "tls_key"
+            missing = "tls_key" if given == "tls_cert" else "tls_cert"
+            problem = (f"a client certificate needs both: set --{missing.replace('_', '-')} or "
+                       f"{env_name(missing)} too")  # fmt: skip
+            label = f"{given}={getattr(self, given)!r}"
+            raise ConfigError(problem, setting=given, label=label)
+        if (self.nats_user is None) != (self.nats_password is None):
+            given = "nats_user" if self.nats_password is None else "nats_password"
+            missing = "nats_password" if given == "nats_user" else "nats_user"
+            problem = (f"a user and a password go together: set --{missing.replace('_', '-')} or "
+                       f"{env_name(missing)} too")  # fmt: skip
+            label = f"{given}={_shown(given, getattr(self, given))!r}"
+            raise ConfigError(problem, setting=given, label=label)
+        chosen = [names[0] for names in _AUTH_METHODS if getattr(self, names[0]) is not None]
+        if len(chosen) > 1:
+            shown = " and ".join(f"--{n.replace('_', '-')}/{env_name(n)}" for n in chosen)
+            problem = f"{shown}: set one way to sign in, not {len(chosen)}"
+            raise ConfigError(problem, setting=chosen[-1])
+
+    @property
+    def has_credentials(self) -> bool:
+        """Whether a setting (not the URL) says how to sign in."""
+        return any(getattr(self, names[0]) is not None for names in _AUTH_METHODS)
+
+    @property
+    def events_subjects(self) -> str:
+        """Every event subject of this namespace: ``seqstate.events.<ns>.<worker>.<rank>``."""
+        return f"seqstate.events.{self.namespace}.>"
+
+    def event_subject(self, worker_id: int, dp_rank: int = 0) -> str:
+        return f"seqstate.events.{self.namespace}.{worker_id}.{dp_rank}"
+
+    @property
+    def control_subject(self) -> str:
+        """Events that name no worker (Tick) and topology events."""
+        return f"seqstate.events.{self.namespace}.control"
+
+    @property
+    def deltas_subject(self) -> str:
+        return f"seqstate.deltas.{self.namespace}"
+
+    @property
+    def dead_letter_subject(self) -> str:
+        return f"seqstate.dead.{self.namespace}"
+
+    def new_state(self) -> SequenceState:
+        """An empty write model with this configuration's rules: every fold of the log (the
+        writer, a replay) starts from one, so they agree byte for byte."""
+        return SequenceState(expiry_s=self.expiry_s, forget_lazy_after_s=self.forget_lazy_ranks_s,
+                             orphan_after_s=self.orphan_after_s,
+                             worker_grace_s=self.worker_grace_s or None,
+                             max_tombstones=self.max_tombstones,
+                             max_ended=self.max_ended,
+                             slot_tracker=self.rules == "slot-tracker")  # fmt: skip
+
+    def rules_differing(self, state: SequenceState) -> list[str]:
+        """Where ``state`` (restored from a snapshot) folds by other rules than these settings,
+        one ``setting: snapshot X, configured Y`` each. The snapshot's rules stay in force: a
+        fold that changed its rules halfway would be one no replay could reproduce."""
+
+        def rules(s: SequenceState) -> dict[str, object]:
+            return {"rules": "slot-tracker" if s.slot_tracker else "router",
+                    "expiry_s": s.expiry_s, "forget_lazy_ranks_s": s.forget_lazy_after_s,
+                    "orphan_after_s": s.orphan_after_s, "worker_grace_s": s.worker_grace_s,
+                    "max_tombstones": s.tombstones.capacity,
+                    "max_ended": s.ended.capacity}  # fmt: skip
+
+        kept, wanted = rules(state), rules(self.new_state())
+        return [f"{name}: snapshot {_rule(kept[name])}, configured {_rule(wanted[name])}"
+                for name in kept if kept[name] != wanted[name]]  # fmt: skip
+
+    @property
+    def rank_bounds(self) -> RankBounds:
+        return RankBounds(self.max_ranks_per_worker, self.max_ranks)
+
+    def with_namespace(self, namespace: str | None) -> Config:
+        """This configuration for ``namespace`` (itself when None or the same)."""
+        if namespace is None or namespace == self.namespace:
+            return self
+        return Config(**{**self.__dict__, "namespace": namespace})
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        flags: Mapping[str, tuple[str, str]] | None = None,
+        **overrides: object,
+    ) -> Config:
+        """Defaults, then ``SEQSTATE_<FIELD>`` (and ``NATS_URL``), then flags, then overrides.
+
+        ``flags`` maps a field to ``(flag, raw text)``: parsed exactly as its environment
+        variable is, and named as the flag in an error.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        labels: dict[str, str] = {}
+        for f in fields(cls):
+            key = env_name(f.name)
+            if f.name in (flags or {}):
+                flag, raw = (flags or {})[f.name]
+                labels[f.name] = f"{flag} {_shown(f.name, raw)!r}"
+            elif key in env and env[key] != "":
+                raw = env[key]
+                labels[f.name] = f"{key}={_shown(f.name, raw)!r}"
+            else:
+                continue
+            values[f.name] = _parse(raw, f.type, f.name, labels[f.name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        for name in overrides:
+            labels.pop(name, None)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            if exc.setting in labels:
+                raise ConfigError(exc.problem, setting=exc.setting,
+                                  label=labels[exc.setting]) from None  # fmt: skip
+            raise
+
+
+def env_name(setting: str) -> str:
+    """The environment variable of a Config field: ``NATS_URL`` or ``SEQSTATE_<FIELD>``."""
+    return "NATS_URL" if setting == "nats_url" else f"SEQSTATE_{setting.upper()}"
+
+
+def _parse(raw: str, kind: object, name: str, label: str) -> object:
+    kind = str(kind)
+    optional = "None" in kind
+    if optional and raw.strip().lower() in ("none", "off"):
+        return None
+    try:
+        if kind.startswith("float"):
+            return float(raw)
+        if kind.startswith("int"):
+            return int(raw)
+    except ValueError:
+        unit = "seconds" if kind.startswith("float") else "a whole number"
+        hint = f"{unit}, or 'off'" if optional else unit
+        raise ConfigError(f"not a number ({hint})", setting=name, label=label) from None
+    return raw
+
+
+def _shown(setting: str, value: object) -> object:
+    """A setting's value as an error may show it: a secret, or a URL's password, masked."""
+    if setting in SECRET_SETTINGS and value is not None:
+        return "***"
+    if setting != "nats_url" or not isinstance(value, str):
+        return value
+    from projector.nats.security import redact  # here: security reads the TLS settings of Config
+
+    return redact(value)
+
+
+def _check_url(url: str | None) -> str:
+    if url is None:
+        return ""
+    for item in url.split(","):
+        item = item.strip()
+        if not _is_nats_url(item):
+            return (f"{_shown('nats_url', item)!r} is not a NATS URL (nats://host:port; "
+                    "several, comma-separated)")  # fmt: skip
+    return ""
+
+
+def _is_nats_url(item: str) -> bool:
+    if "://" not in item:
+        # nats-py accepts host:port without a scheme; a bare word is a typo, not a host.
+        item = f"nats://{item}" if re.fullmatch(r"[^\s:/@]+:\d+", item) else ""
+    try:
+        parts = urlsplit(item)
+        _ = parts.port  # raises on a port that is not a number
+    except ValueError:
+        return False
+    host = parts.hostname or ""
+    return parts.scheme in _SCHEMES and bool(_HOST.fullmatch(host))
+
+
+def _file(path: str | None) -> str:
+    return "" if path is None or os.path.isfile(path) else "no such file"
+
+
+def _positive(value: float) -> str:
+    return "" if value > 0 else "must be positive"
+
+
+def _not_negative(value: float | None) -> str:
+    return "" if value is None or value >= 0 else "must not be negative"
+
+
+def _name(value: str) -> str:
+    return "" if _TOKEN.match(value) else "use letters, digits, '-' and '_' only"
+
+
+_CHECKS: list[tuple[str, Callable[[Any], str]]] = [
+    ("nats_url", _check_url),
+    ("namespace", _name),
+    ("events_stream", _name),
+    ("deltas_stream", _name),
+    ("registry_bucket", _name),
+    ("snapshot_bucket", _name),
+    ("duplicate_window_s",
+     lambda v: "" if v >= 120 else "must be at least 120 seconds (retried publishes)"),
+    ("expiry_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
+    ("idle_tick_s", _positive),
+    ("flush_interval_s", _positive),
+    ("replicas", lambda v: "" if v in (1, 3, 5) else "use 1, 3 or 5"),
+    ("snapshot_every_events", _not_negative),
+    ("snapshot_every_s", _not_negative),
+    ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
+    ("retain_events", _not_negative),
+    ("forget_lazy_ranks_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
+     else "must be positive (at most a year), or 'off'"),
+    ("orphan_after_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
+     else "must be positive (at most a year), or 'off'"),
+    ("rules", lambda v: "" if v in ("router", "slot-tracker")
+     else "use 'router' or 'slot-tracker'"),
+    ("worker_grace_s", lambda v: "" if 0 <= v <= 86_400 * 365
+     else "must be 0 (off) or positive, at most a year"),
+    ("tick_every_s", _positive),
+    ("behind_warn_events", lambda v: "" if v is None or v >= 1 else "must be at least 1, or 'off'"),
+    ("behind_warn_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
+    ("lag_check_s", _positive),
+    ("max_ranks_per_worker", _positive),
+    ("max_ranks", _positive),
+    ("max_tombstones", _not_negative),
+    ("max_ended", _not_negative),
+    ("tls_ca", _file),
+    ("tls_cert", _file),
+    ("tls_key", _file),
+    ("nats_nkey_seed", _file),
+    ("nats_creds", _file),
+    ("nats_user", lambda v: "" if v is None or v.strip() else "must not be empty"),
+    ("metrics_port", lambda v: "" if v is None or 0 <= v <= 65_535
+     else "not a port: use 0-65535 (0: any free port), or 'off'"),
+    ("metrics_host", lambda v: "" if v.strip() and not any(c.isspace() for c in v)
+     else "not an address: a host name or an IP address"),
+    ("ready_lag_events", _not_negative),
+]  # fmt: skip
+
+
+def _rule(value: object) -> str:
+    return "off" if value is None else f"{value:g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,230 @@
+"""The writer's snapshots (issue #4): so that a restart folds the tail, not the history.
+
+A snapshot is taken between two events, so that it is exactly the fold up to one sequence
+and a restart from it rebuilds the very state an uninterrupted writer has; it is encoded at
+once for that reason and stored in the background, so the fold does not wait on the server.
+It is stored only once every delta it reflects is: a restart from a snapshot ahead of the
+deltas would skip them. A save is bounded in time: a snapshot is an optimisation, the log
+still holds everything, so a failed one is counted and the writer goes on.
+
+Each saved snapshot is read back (by the store) before older ones are pruned and the events
+only they needed are trimmed; a start that finds the beginning of the log trimmed and no valid
+snapshot to cover it refuses, since it could not rebuild the state exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+
+from projector.nats.retention import trim, trimmed_below
+from projector.nats.snapshots import SnapshotInfo, SnapshotStore
+from projector.nats.tasks import cancel
+from projector.wire.config import Config
+from projector.write.delta_log import DeltaLog, WriterStalled
+from seqstate import SequenceState
+from seqstate.errors import SeqstateError
+
+log = logging.getLogger("seqstate.writer")  # an operator reads these as the writer's lines
+
+SNAPSHOT_TIMEOUT_S = 30.0  # a snapshot not stored by then is given up: the log has it all
+# The share of the fold's time that encoding snapshots may take. Encoding holds the event loop
+# (the snapshot must be one consistent cut of the fold), and its cost grows with the model: at
+# 2M active hashes it takes tens of milliseconds. Snapshotting every 10,000 events at 10k
+# events/s would then stall the fold for several percent of its time, and every event behind
+# a stall waits for it. So the next snapshot is not due before the last encode's duration,
+# divided by this share, has passed: restarts fold a slightly longer tail, events stay fresh.
+ENCODE_SHARE = 0.02
+FINAL_SNAPSHOT_S = 10.0  # what a clean stop spends on snapshots, within the CLI's 15 s
+
+
+class SnapshotUnavailable(SeqstateError, RuntimeError):
+    """The log's beginning is gone and no valid snapshot covers it."""
+
+
+@dataclass
+class SnapshotStats:
+    restored_from: int = 0  # the snapshot's sequence the writer started from (0: none)
+    snapshots_saved: int = 0
+    snapshot_failures: int = 0
+    last_snapshot_seq: int = 0
+    # The newest snapshot this writer stored (or started from): its size, and when it was
+    # stored (wall clock, seconds since the epoch; None: none known). The metrics read them.
+    last_snapshot_bytes: int = 0
+    last_snapshot_stored_s: float | None = None
+    trimmed_below: int = 0  # events below this sequence were trimmed by this writer
+
+
+class Snapshotter:
+    """Snapshots of one writer's fold, kept in ``store`` (None: the writer takes none).
+
+    The fold tells it where it stands (its state and the sequence of its last event) after
+    each event and on each idle round; ``on_failure`` hears of a delta log that stalled under
+    a save, which stops the writer as any stalled delta does.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        config: Config,
+        store: SnapshotStore | None,
+        stats: SnapshotStats,
+        deltas: DeltaLog,
+        *,
+        on_failure: Callable[[BaseException], None],
+    ) -> None:
+        self.nc = nc
+        self.config = config
+        self.store = store
+        self.stats = stats
+        self._deltas = deltas
+        self._on_failure = on_failure
+        self._task: asyncio.Task[None] | None = None
+        self._taken_at = 0.0  # loop time of the last snapshot taken
+        self._encode_s = 0.0  # how long encoding it took
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        """``(name, why)`` of each snapshot a restore passed over."""
+        return self.store.skipped if self.store is not None else []
+
+    async def open(self) -> None:
+        self._taken_at = asyncio.get_running_loop().time()
+        if self.store is not None:
+            await self.store.open()
+
+    async def restore(self, at_most_seq: int) -> tuple[SequenceState, SnapshotInfo] | None:
+        """The newest valid snapshot at or before ``at_most_seq``, whose deltas are all stored."""
+        if self.store is None:
+            return None
+        found = await self.store.newest_valid(at_most_seq=at_most_seq)
+        if found is None:
+            return None
+        _, info = found
+        self.stats.restored_from = self.stats.last_snapshot_seq = info.applied_seq
+        self.stats.last_snapshot_bytes = info.size
+        self.stats.last_snapshot_stored_s = _epoch_s(info.modified)
+        log.info("restored the write model from snapshot %s (event %d)", info.name,
+                 info.applied_seq)  # fmt: skip
+        return found
+
+    async def check_coverage(self, applied_seq: int) -> None:
+        """Refuse to fold a log whose beginning was trimmed when no snapshot covers it."""
+        if applied_seq:
+            return
+        cut = await trimmed_below(self.nc, self.config)
+        if cut > 1:
+            skipped = "; ".join(f"{n}: {why}" for n, why in self.skipped)
+            raise SnapshotUnavailable(
+                f"events before sequence {cut} were trimmed and no valid snapshot "
+                f"covers them, so the state cannot be rebuilt exactly"
+                + (f" (skipped {skipped})" if skipped else "")
+            )
+
+    def due(self, seq: int) -> bool:
+        """Whether the fold at event ``seq`` is owed a snapshot, by events or by seconds."""
+        if self.store is None or seq <= self.stats.last_snapshot_seq:
+            return False
+        if self._task is not None and not self._task.done():
+            return False
+        since = asyncio.get_running_loop().time() - self._taken_at
+        if since < self._encode_s / ENCODE_SHARE:
+            return False
+        every = self.config.snapshot_every_events
+        if every and seq - self.stats.last_snapshot_seq >= every:
+            return True
+        every_s = self.config.snapshot_every_s
+        return bool(every_s) and since >= every_s
+
+    def take_if_due(self, state: SequenceState, seq: int) -> None:
+        if self.due(seq):
+            self.take(state, seq)
+
+    def take(self, state: SequenceState, seq: int) -> None:
+        """Encode ``state`` now, while it is the fold up to ``seq``; store it in the background."""
+        at_ns = state.now_ns
+        started = time.perf_counter()
+        data = state.snapshot()
+        self._encode_s = time.perf_counter() - started
+        self.stats.last_snapshot_seq = seq
+        self._taken_at = asyncio.get_running_loop().time()
+        self._task = asyncio.create_task(self._save(data, seq, at_ns))
+
+    async def now(self, state: SequenceState, seq: int) -> None:
+        """Take and store a snapshot of the fold so far (operators, tests)."""
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+        self.take(state, seq)
+        assert self._task is not None
+        await self._task
+
+    async def final(self, state: SequenceState, seq: int) -> None:
+        """On a clean stop: the last snapshot, within ``FINAL_SNAPSHOT_S`` (a stop must end)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FINAL_SNAPSHOT_S
+        if self._task is not None:
+            await asyncio.wait([self._task], timeout=FINAL_SNAPSHOT_S / 2)
+            await cancel(self._task)
+        if self.store is not None and seq > self.stats.last_snapshot_seq:
+            self.take(state, seq)
+            assert self._task is not None
+            await asyncio.wait([self._task], timeout=max(0.0, deadline - loop.time()))
+            if not self._task.done():
+                log.warning("the final snapshot did not finish in time: a restart folds a "
+                            "longer tail")  # fmt: skip
+                await cancel(self._task)
+
+    async def close(self) -> None:
+        await cancel(self._task)
+
+    async def _save(self, data: bytes, seq: int, at_ns: int) -> None:
+        try:
+            # A save caught in a server restart can wait on a reply that never comes.
+            await asyncio.wait_for(self._store(data, seq, at_ns), SNAPSHOT_TIMEOUT_S)
+        except WriterStalled as exc:
+            self._on_failure(exc)
+        except Exception as exc:  # a snapshot is an optimisation: the log still has it all
+            self.stats.snapshot_failures += 1
+            log.warning("snapshot at event %d failed: %r", seq, exc)
+
+    async def _store(self, data: bytes, seq: int, at_ns: int) -> None:
+        assert self.store is not None
+        # A snapshot must never get ahead of the deltas: a restart from it would skip them.
+        await self._deltas.flush()
+        info = await self.store.save(data, seq, at_ns)
+        self.stats.snapshots_saved += 1
+        self.stats.last_snapshot_bytes = len(data)
+        self.stats.last_snapshot_stored_s = time.time()
+        await self.store.prune(self.config.snapshots_keep)
+        log.info("snapshot %s saved and verified (%d bytes)", info.name, len(data))
+        await self._trim()
+
+    async def _trim(self) -> None:
+        """Drop events older than the oldest kept snapshot (minus the configured margin)."""
+        if self.config.retain_events is None or self.store is None:
+            return
+        kept = await self.store.list()
+        cut = await trim(self.nc, self.config, kept, self.stats.trimmed_below)
+        if cut != self.stats.trimmed_below:
+            self.stats.trimmed_below = cut
+            log.info("trimmed events below sequence %d", cut)
+
+
+
+def _epoch_s(modified: str) -> float | None:
+    """An object's modification time (RFC 3339; Python's parser drops digits past the
+    microsecond) in seconds since the epoch; None when the store gave none, or one that does
+    not parse."""
+    try:
+        at = dt.datetime.fromisoformat(modified.strip())
+    except ValueError:
+        return None
+    return (at if at.tzinfo else at.replace(tzinfo=dt.UTC)).timestamp()

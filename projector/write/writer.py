@@ -1,0 +1,299 @@
+"""The writer: folds SEQSTATE_EVENTS, in stream order, into the write model and publishes deltas.
+
+Each event is applied at its JetStream timestamp (the time the log received it), so a replay
+anywhere rebuilds the same state. The writer is a processor for an
+:class:`~projector.nats.stream.OrderedConsumer`, which hands it the events in stream order, gap-
+free, from the first message, so a restarted writer rebuilds its state from the log; it
+republishes no delta the DELTAS stream already holds: it reads the source sequence of the last
+delta first, folds up to it silently, and publishes from the next. Its
+:class:`~projector.write.snapshotter.Snapshotter` lets a restart start from a snapshot instead,
+so that it costs the tail, not the history.
+
+Deltas go to SEQSTATE_DELTAS through a :class:`~projector.write.delta_log.DeltaLog`: one message
+in flight, each stored right after the previous one (a compare-and-set on the subject's last
+sequence), so the chain has no hole even when the server crashes, and what is folded while a
+message travels gathers into the next one.
+
+A message that does not decode, or that would pass the rank bounds, goes to the dead-letter
+subject with the reason and its sequence, is counted, and the writer goes on. When the stream is
+idle, and at least every ``tick_every_s`` when it is not, the writer publishes a Tick, so that
+expiry (and forgetting idle lazy ranks) happens at a time the log recorded.
+
+Its lag (events stored but not folded yet, and how long the oldest has waited) is looked up
+every ``lag_check_s`` (:mod:`projector.nats.lag`): ``writer.lag`` is the last measurement, and
+the log says when the writer falls behind (``behind_warn_events``, ``behind_warn_s``) and when
+it has caught up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from projector.nats.dead_letters import (
+    OUT_OF_BOUNDS,
+    TOO_LARGE,
+    UNDECODABLE,
+    WRITER_KINDS,
+    DeadLetters,
+)
+from projector.nats.discovery import announced
+from projector.nats.lag import Lag, LagWatch, LagWatched, writer_lag
+from projector.nats.logs import event_fields
+from projector.nats.progress import Progress
+from projector.nats.resources import ensure
+from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import MSG_ID, OrderedConsumer, log_time_ns
+from projector.nats.tasks import cancel
+from projector.wire.config import Config
+from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
+from projector.write.snapshotter import SnapshotStats, Snapshotter
+from seqstate import (
+    Delta,
+    Event,
+    EventDecodeError,
+    SequenceState,
+    Tick,
+    decode_event,
+    encode_event,
+)
+from seqstate.deltas import APPLIED
+
+log = logging.getLogger("seqstate.writer")
+
+
+@dataclass
+class WriterStats(SnapshotStats):
+    applied: int = 0
+    dead_letters: int = 0
+    deltas_published: int = 0
+    ticks_published: int = 0
+    last_delta_seq: int = 0  # source sequence of the last delta handed to the delta log
+    last_seq: int = 0  # outcomes are counted by the state itself: state.counters
+
+
+class Writer(LagWatched):
+    """One writer per namespace. ``await writer.run()`` until cancelled or ``stop()``.
+
+    ``writer.lag`` (the last measurement) and ``await writer.measure_lag()`` (one now): events
+    stored but not folded yet, and the oldest one's log time."""
+
+    def __init__(
+        self,
+        nc: Client,
+        config: Config,
+        state: SequenceState | None = None,
+        *,
+        snapshots: bool = True,
+    ) -> None:
+        self.nc = nc
+        self.config = config
+        self._given_state = state is not None
+        self.state = state or config.new_state()
+        # The writer never reads its registry (readers build theirs from the bucket), and
+        # keeping it current is about a third of the fold's cost.
+        self.state.defer_registry()
+        self.snapshots: SnapshotStore | None = SnapshotStore(nc, config) if snapshots else None
+        self.stats = WriterStats()
+        self._js: JetStreamContext = nc.jetstream()
+        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload,
+                                        kinds=WRITER_KINDS)
+        self._bounds = config.rank_bounds
+        self.deltas = DeltaLog(self._js, config, max_payload=nc.max_payload)
+        self.snapshotter = Snapshotter(nc, config, self.snapshots, self.stats, self.deltas,
+                                       on_failure=self._fail)  # fmt: skip
+        self._published_up_to = 0
+        self._last_event_at = 0.0
+        self._stopping = asyncio.Event()
+        self._failure: BaseException | None = None
+        self.applied = Progress()  # the sequence of the last event folded
+        self._events = OrderedConsumer(self._js, config.events_stream, config.events_subjects,
+                                       self, on_failure=self._fold_failed,
+                                       position=self.applied)  # fmt: skip
+        self.caught_up = self._events.caught_up
+        self.lag_watch = LagWatch("writer", self._measure_lag, config, log)
+
+    async def run(self) -> None:
+        async with announced(self.nc, self.config, "writer", self.status):
+            await self._run()
+
+    def status(self) -> dict[str, Any]:
+        """What ``nats micro stats`` and the status endpoint show (projector.nats.discovery)."""
+        lag, stats = self.lag, self.stats
+        return {"kind": "writer", "namespace": self.config.namespace,
+                "applied_seq": self.applied.value, "applied": stats.applied,
+                "deltas_published": stats.deltas_published,
+                "dead_letters": stats.dead_letters, "ticks_published": stats.ticks_published,
+                "last_snapshot_seq": stats.last_snapshot_seq,
+                "snapshots_saved": stats.snapshots_saved, "lag_events": lag.events,
+                "lag_s": lag.oldest_age_s,
+                "outcomes": {k: n for k, n in sorted(self.state.counters.items()) if n},
+                }  # fmt: skip
+
+    async def _run(self) -> None:
+        await ensure(self.nc, self.config)
+        self._published_up_to = await self.deltas.open()
+        self.stats.last_delta_seq = self._published_up_to
+        await self.snapshotter.open()
+        if not self._given_state:
+            await self._restore()
+        await self.snapshotter.check_coverage(self.applied.value)
+        # The stream may carry other namespaces: caught up means up to this namespace's newest
+        # event, and a restored state starts the consumer after its last one.
+        await self._events.start(after=self.applied.value)
+        self.deltas.start(self._fail)
+        ticker = asyncio.create_task(self._tick_when_idle())
+        watcher = asyncio.create_task(self.lag_watch.run(), name="seqstate-writer-lag")
+        try:
+            await self._stopping.wait()
+            await self._events.stop()
+            if self._failure is None:
+                await self.flush()
+                await self.snapshotter.final(self.state, self.stats.last_seq)
+        finally:
+            await cancel(watcher)
+            await cancel(ticker)
+            await self.deltas.close()
+            await self.snapshotter.close()
+            await self._events.stop()
+        if self._failure is not None:
+            raise self._failure
+
+    async def _restore(self) -> None:
+        """Start from the newest valid snapshot whose deltas are all on the DELTAS stream."""
+        found = await self.snapshotter.restore(at_most_seq=self._published_up_to)
+        if found is None:
+            return
+        state, info = found
+        differing = self.config.rules_differing(state)
+        if differing:
+            log.warning("snapshot %s keeps the rules it was folded by, which differ from this "
+                        "writer's settings (%s): a fold cannot change its rules halfway and "
+                        "still replay the same, so the settings apply only to a log folded "
+                        "from its start", info.name, "; ".join(differing))  # fmt: skip
+        self.state = state
+        self.state.defer_registry()
+        self.stats.last_seq = info.applied_seq
+        self.applied.advance(info.applied_seq)
+
+    def _skipped(self) -> list[tuple[str, str]]:
+        return self.snapshotter.skipped
+
+    async def snapshot_now(self) -> None:
+        """Take and store a snapshot of the state as folded so far (operators, tests)."""
+        await self.snapshotter.now(self.state, self.stats.last_seq)
+
+    async def handle(self, msg: Msg) -> None:
+        """One event folded; then the delta log and the snapshots keep pace with the fold."""
+        await self._fold(msg)
+        if self.deltas.backlogged:
+            await self.deltas.room()
+        self.snapshotter.take_if_due(self.state, self.stats.last_seq)
+
+    async def _fold(self, msg: Msg) -> None:
+        seq, at_ns = log_time_ns(msg)
+        self.stats.last_seq = seq
+        self._last_event_at = asyncio.get_running_loop().time()
+        if len(msg.data) > self.deltas.max_event:
+            # Its delta (the booking of its prompt) could never be stored: refuse it here,
+            # once, rather than stall on it. RouterPublisher refuses it before it is logged.
+            await self._dead_letter(msg, seq, f"refused: an event of {len(msg.data)} bytes; "
+                                    f"its delta would not fit a message (at most "
+                                    f"{self.deltas.max_event} bytes of event)",
+                                    TOO_LARGE)  # fmt: skip
+            return
+        try:
+            event = decode_event(msg.data)
+        except EventDecodeError as exc:
+            await self._dead_letter(msg, seq, str(exc), UNDECODABLE)
+            return
+        refused = self._bounds.refusal(self.state, event)
+        if refused:
+            await self._dead_letter(msg, seq, f"refused: {refused}", OUT_OF_BOUNDS,
+                                    event_fields(event))  # fmt: skip
+            return
+        delta = self.state.apply(event, at_ns)
+        delta.seq = seq
+        if delta.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):  # the fold's hot path
+            self._log_oddity(seq, event, delta)
+        self.stats.applied += 1
+        if seq > self._published_up_to:
+            self.deltas.append(delta)
+            self.stats.deltas_published += 1
+            self.stats.last_delta_seq = seq
+
+    def _fold_failed(self, exc: BaseException) -> None:
+        log.error("writer stopping: %s", exc, extra={"namespace": self.config.namespace,
+                                                     "stream_seq": self.stats.last_seq})
+        self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self.stop()
+
+    async def flush(self) -> None:
+        """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
+        await self.deltas.flush()
+
+    async def _dead_letter(self, msg: Msg, seq: int, reason: str, kind: str,
+                           fields: dict[str, Any] | None = None) -> None:  # fmt: skip
+        self.stats.dead_letters += 1
+        await self.dead_letters.put(self.config.events_stream, seq, msg.subject, msg.data, reason,
+                                    kind=kind, fields=fields)  # fmt: skip
+
+    def _log_oddity(self, seq: int, event: Event, delta: Delta) -> None:
+        """A DEBUG line for an event folded to something other than ``applied`` (a duplicate,
+        an unknown request or worker...): which event, what it met, never its block hashes."""
+        owner = f" (held by worker {delta.owner[0]} rank {delta.owner[1]})" if delta.owner else ""
+        log.debug("event %d %s: %s%s", seq, type(event).__name__, delta.outcome, owner,
+                  extra={**event_fields(event), "stream_seq": seq,
+                         "namespace": self.config.namespace})  # fmt: skip
+
+    async def _tick_when_idle(self) -> None:
+        """A Tick when the stream has been silent ``idle_tick_s``, and at least every
+        ``tick_every_s`` even when it is busy: each Tick runs every rank's expiry check and
+        forgets idle lazy ranks, which a rank with no traffic of its own would otherwise never
+        get while the others are busy."""
+        loop = asyncio.get_running_loop()
+        idle, every = self.config.idle_tick_s, self.config.tick_every_s
+        ticked = loop.time()
+        while True:
+            await asyncio.sleep(min(idle, every) / 4)
+            if not self._stopping.is_set():  # an idle stream still gets its periodic snapshot
+                self.snapshotter.take_if_due(self.state, self.stats.last_seq)
+            now = loop.time()
+            if not self.caught_up.is_set() or (now - self._last_event_at < idle
+                                               and now - ticked < every):  # fmt: skip
+                continue
+            # The msg-id makes concurrent writers (or a retry) log one Tick per position.
+            try:
+                await self._js.publish(
+                    self.config.control_subject,
+                    encode_event(Tick()),
+                    headers={MSG_ID: f"tick:{self.config.namespace}:{self.stats.last_seq}"},
+                    timeout=ACK_TIMEOUT_S,
+                )
+            except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
+                log.warning("Tick not logged: %r", exc)
+                continue
+            self.stats.ticks_published += 1
+            self._last_event_at = ticked = loop.time()
+
+    async def _measure_lag(self) -> Lag:
+        return await writer_lag(self._js, self.config, self.applied.value)
+
+    async def wait_applied(self, seq: int, timeout: float | None = None) -> None:
+        """Return once the event at stream sequence ``seq`` has been folded."""
+        await self.applied.wait(seq, timeout)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._events.halt()
