@@ -36,8 +36,11 @@ async def call(port: int, path: str, body: dict[str, Any]) -> int:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         data = json.dumps(body).encode()
-        writer.write(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     f"content-length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         status = int((await reader.readline()).split()[1])
         length = 0
         while (line := await reader.readline()) not in (b"\r\n", b""):
@@ -58,15 +61,29 @@ async def main() -> None:
     args = p.parse_args()
     m = {"model_name": f"msgs-{uuid.uuid4().hex[:8]}"}
     for w in range(16):
-        assert await call(args.port, "/register", {**m, "worker_id": w, "block_size": 16,
-                                                   "dp_start": 0, "dp_size": 1}) == 201  # fmt: skip
+        assert (
+            await call(
+                args.port,
+                "/register",
+                {**m, "worker_id": w, "block_size": 16, "dp_start": 0, "dp_size": 1},
+            )
+            == 201
+        )
     kinds: list[tuple[str, Callable[[int], dict[str, Any]]]] = [
-        ("/add", lambda i: {**m, "request_id": f"q{i}", "worker_id": i % 16, "dp_rank": 0,
-                            "sequence_hashes": [(i % 64) * 100 + j for j in range(24)],
-                            "new_isl_tokens": 384}),
+        (
+            "/add",
+            lambda i: {
+                **m,
+                "request_id": f"q{i}",
+                "worker_id": i % 16,
+                "dp_rank": 0,
+                "sequence_hashes": [(i % 64) * 100 + j for j in range(24)],
+                "new_isl_tokens": 384,
+            },
+        ),
         ("/prefill_complete", lambda i: {**m, "request_id": f"q{i}"}),
         ("/free", lambda i: {**m, "request_id": f"q{i}"}),
-    ]  # fmt: skip
+    ]
     print("| call | mode | in msgs/call | out msgs/call | calls/s |")
     print("|---|---|---|---|---|")
     for path, body in kinds:
@@ -75,16 +92,19 @@ async def main() -> None:
             per = args.calls // conns
             before, start = varz(args.monitor), time.perf_counter()
 
-            async def run(c: int, path: str = path, body: Any = body, base: int = base,
-                          per: int = per) -> None:  # fmt: skip
+            async def run(
+                c: int, path: str = path, body: Any = body, base: int = base, per: int = per
+            ) -> None:
                 for k in range(per):
                     await call(args.port, path, body(base + c * per + k))
 
             await asyncio.gather(*(run(c) for c in range(conns)))
             after, took = varz(args.monitor), time.perf_counter() - start
             n = per * conns
-            print(f"| {path} | {mode} | {(after[0] - before[0]) / n:.1f} | "
-                  f"{(after[1] - before[1]) / n:.1f} | {n / took:,.0f} |")  # fmt: skip
+            print(
+                f"| {path} | {mode} | {(after[0] - before[0]) / n:.1f} | "
+                f"{(after[1] - before[1]) / n:.1f} | {n / took:,.0f} |"
+            )
 
 
 if __name__ == "__main__":

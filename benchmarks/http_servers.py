@@ -256,8 +256,9 @@ async def serve_aiohttp_lowlevel(port: int) -> None:
             return web.Response(status=status, body=OK, headers=ct)
         if path in GETS:
             if method not in ("GET", "HEAD"):
-                return web.Response(status=405, body=NOT_ALLOWED,
-                                    headers={**ct, "Allow": "GET,HEAD"})
+                return web.Response(
+                    status=405, body=NOT_ALLOWED, headers={**ct, "Allow": "GET,HEAD"}
+                )
             if path == "/health":
                 return web.Response(status=200)
             return web.Response(status=200, body=ENCODER.encode(LOAD_ROWS), headers=ct)
@@ -346,8 +347,13 @@ def asgi_app() -> Any:
             if method not in ("GET", "HEAD"):
                 return await respond(send, 405, NOT_ALLOWED, (allow_get,))
             if path == "/health":
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-length", b"0")]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-length", b"0")],
+                    }
+                )
                 return await send({"type": "http.response.body", "body": b""})
             return await respond(send, 200, ENCODER.encode(LOAD_ROWS))
         return await respond(send, 404, NOT_FOUND)
@@ -358,8 +364,17 @@ def asgi_app() -> Any:
 async def serve_uvicorn(port: int, app: Any) -> None:
     import uvicorn
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="none", http="httptools",
-                            lifespan="off", access_log=False, log_level="warning", backlog=1024)
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        loop="none",
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        backlog=1024,
+    )
     await uvicorn.Server(config).serve()
 
 
@@ -399,20 +414,36 @@ async def serve_granian(port: int) -> None:
     from granian.log import LogLevels
     from granian.server.embed import Server
 
-    server = Server(rsgi_app(), address="127.0.0.1", port=port, interface=Interfaces.RSGI,
-                    http=HTTPModes.http1, websockets=False, backlog=1024,
-                    log_level=LogLevels.warning)
+    server = Server(
+        rsgi_app(),
+        address="127.0.0.1",
+        port=port,
+        interface=Interfaces.RSGI,
+        http=HTTPModes.http1,
+        websockets=False,
+        backlog=1024,
+        log_level=LogLevels.warning,
+    )
     await server.serve()
 
 
-REASONS: Final = {200: b"OK", 201: b"Created", 400: b"Bad Request", 404: b"Not Found",
-                  405: b"Method Not Allowed", 415: b"Unsupported Media Type",
-                  422: b"Unprocessable Entity"}
+REASONS: Final = {
+    200: b"OK",
+    201: b"Created",
+    400: b"Bad Request",
+    404: b"Not Found",
+    405: b"Method Not Allowed",
+    415: b"Unsupported Media Type",
+    422: b"Unprocessable Entity",
+}
 
 
 def raw_response(status: int, body: bytes, extra: bytes = b"") -> bytes:
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
-            % (status, REASONS[status], len(body), extra) + body)
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n"
+        % (status, REASONS[status], len(body), extra)
+        + body
+    )
 
 
 class HttptoolsServer(asyncio.Protocol):
@@ -480,8 +511,11 @@ class HttptoolsServer(asyncio.Protocol):
             else:
                 ct = self.content_type
                 try:
-                    parse(post[0], ct.decode("latin-1") if ct is not None else None,
-                          b"".join(self.body))
+                    parse(
+                        post[0],
+                        ct.decode("latin-1") if ct is not None else None,
+                        b"".join(self.body),
+                    )
                     answer = post[1]
                 except Reject as r:
                     answer = raw_response(r.status, r.body)
@@ -502,8 +536,9 @@ class HttptoolsServer(asyncio.Protocol):
 
 
 async def serve_httptools(port: int) -> None:
-    server = await asyncio.get_running_loop().create_server(HttptoolsServer, "127.0.0.1", port,
-                                                            backlog=1024)
+    server = await asyncio.get_running_loop().create_server(
+        HttptoolsServer, "127.0.0.1", port, backlog=1024
+    )
     await server.serve_forever()
 
 
@@ -512,8 +547,9 @@ class TrivialServer(asyncio.Protocol):
 
     CREATED: Final = b"HTTP/1.1 201 Created\r\nContent-Length: 15\r\n\r\n" + OK
     DONE: Final = b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n" + OK
-    LOADS: Final = (b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n"
-                    % len(ENCODER.encode(LOAD_ROWS)) + ENCODER.encode(LOAD_ROWS))
+    LOADS: Final = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(
+        ENCODER.encode(LOAD_ROWS)
+    ) + ENCODER.encode(LOAD_ROWS)
     EMPTY: Final = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
 
     def __init__(self) -> None:
@@ -532,10 +568,15 @@ class TrivialServer(asyncio.Protocol):
             if end > len(buf):
                 break
             line = buf[pos : pos + 12]
-            out.append(self.LOADS if line.startswith(b"GET /loads")
-                       else self.EMPTY if line.startswith(b"GET ")
-                       else self.CREATED if line.startswith((b"POST /add ", b"POST /reg"))
-                       else self.DONE)
+            out.append(
+                self.LOADS
+                if line.startswith(b"GET /loads")
+                else self.EMPTY
+                if line.startswith(b"GET ")
+                else self.CREATED
+                if line.startswith((b"POST /add ", b"POST /reg"))
+                else self.DONE
+            )
             pos = end
         self.buf = buf[pos:]
         if out:
@@ -543,8 +584,9 @@ class TrivialServer(asyncio.Protocol):
 
 
 async def serve_trivial(port: int) -> None:
-    server = await asyncio.get_running_loop().create_server(TrivialServer, "127.0.0.1", port,
-                                                            backlog=1024)
+    server = await asyncio.get_running_loop().create_server(
+        TrivialServer, "127.0.0.1", port, backlog=1024
+    )
     await server.serve_forever()
 
 
@@ -577,25 +619,34 @@ HASHES_PER_REQUEST: Final = 24
 PREFILL_TOKENS: Final = 384
 _rng = random.Random(12)
 HASH_LISTS: Final = [
-    ("[" + ",".join(str(_rng.randrange(-(2**63), 2**63)) for _ in range(HASHES_PER_REQUEST))
-     + "]").encode()
+    (
+        "["
+        + ",".join(str(_rng.randrange(-(2**63), 2**63)) for _ in range(HASHES_PER_REQUEST))
+        + "]"
+    ).encode()
     for _ in range(1024)
 ]
-POST_HEAD: Final = (b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n")
+POST_HEAD: Final = (
+    b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n"
+)
 JSON_CT_BYTES: Final = b"application/json"
 LOADS_REQUEST: Final = b"GET /loads HTTP/1.1\r\nHost: bench\r\n\r\n"
 
 
 def post_request(path: bytes, body: bytes, content_type: bytes | None = JSON_CT_BYTES) -> bytes:
     ct = b"Content-Type: %s\r\n" % content_type if content_type is not None else b""
-    return (b"POST %s HTTP/1.1\r\nHost: bench\r\n%sContent-Length: %d\r\n\r\n"
-            % (path, ct, len(body)) + body)
+    return (
+        b"POST %s HTTP/1.1\r\nHost: bench\r\n%sContent-Length: %d\r\n\r\n" % (path, ct, len(body))
+        + body
+    )
 
 
 def add_maker(tag: bytes) -> Callable[[int], bytes]:
-    tmpl = (b'{"model_name":"bench","request_id":"%s-%d","worker_id":%d,"dp_rank":0,'
-            b'"sequence_hashes":%s,"new_isl_tokens":%d}')
+    tmpl = (
+        b'{"model_name":"bench","request_id":"%s-%d","worker_id":%d,"dp_rank":0,'
+        b'"sequence_hashes":%s,"new_isl_tokens":%d}'
+    )
     head = b"POST /add HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
 
     def make(i: int) -> bytes:
@@ -619,8 +670,9 @@ def by_request_maker(path: bytes, tag: bytes, start: int = 0) -> Callable[[int],
 class Phase:
     """One measurement: requests from ``make(0..limit-1)`` until ``deadline``, statuses checked."""
 
-    def __init__(self, make: Callable[[int], bytes], expect: int, limit: int | None,
-                 seconds: float | None) -> None:
+    def __init__(
+        self, make: Callable[[int], bytes], expect: int, limit: int | None, seconds: float | None
+    ) -> None:
         self.make = make
         self.expect = b"%d" % expect
         self.limit = limit if limit is not None else 1 << 62
@@ -757,8 +809,9 @@ def cpu_seconds(pid: int) -> float:
 MODES: Final = {"seq": (1, 1), "c16": (16, 1), "pipe": (1, None)}  # (connections, depth)
 
 
-async def measure(port: int, pid: int | None, mode: str, depth: int, phase: Phase,
-                  timeout: float) -> dict[str, Any]:
+async def measure(
+    port: int, pid: int | None, mode: str, depth: int, phase: Phase, timeout: float
+) -> dict[str, Any]:
     n_conns, per_conn = MODES[mode]
     conns = await connect(port, n_conns)
     try:
@@ -780,18 +833,30 @@ async def measure(port: int, pid: int | None, mode: str, depth: int, phase: Phas
     elapsed = max(phase.ended - phase.started, 1e-9)
     calls = max(phase.done, 1)
     if phase.bad:
-        raise RuntimeError(f"{phase.bad} of {phase.done} answers were not {phase.expect.decode()};"
-                           f" first: {phase.first_bad[:300]!r}")
-    return {"calls": phase.done, "seconds": elapsed, "rate": phase.done / elapsed,
-            "server_cpu_us": 1e6 * cpu / calls, "gen_cpu_us": 1e6 * gen / calls}
+        raise RuntimeError(
+            f"{phase.bad} of {phase.done} answers were not {phase.expect.decode()};"
+            f" first: {phase.first_bad[:300]!r}"
+        )
+    return {
+        "calls": phase.done,
+        "seconds": elapsed,
+        "rate": phase.done / elapsed,
+        "server_cpu_us": 1e6 * cpu / calls,
+        "gen_cpu_us": 1e6 * gen / calls,
+    }
 
 
 ORDER: Final = ("add", "loads", "prefill_complete", "free")  # frees what add booked
 
 
-async def measure_run(targets: dict[str, tuple[int, int | None]], tag: str, modes: list[str],
-                      endpoints: list[str], seconds: float, depth: int
-                      ) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
+async def measure_run(
+    targets: dict[str, tuple[int, int | None]],
+    tag: str,
+    modes: list[str],
+    endpoints: list[str],
+    seconds: float,
+    depth: int,
+) -> dict[str, dict[str, dict[str, dict[str, Any]]]]:
     """One run: per mode, each endpoint on every server in turn (so all share a phase of the
     machine), in the order add, loads, prefill_complete, free; prefill_complete and free use
     the ids that server's add booked, and what free did not reach is freed untimed."""
@@ -809,14 +874,16 @@ async def measure_run(targets: dict[str, tuple[int, int | None]], tag: str, mode
                 elif endpoint == "loads":
                     phase = Phase(lambda i: LOADS_REQUEST, 200, None, seconds)
                 else:
-                    phase = Phase(by_request_maker(f"/{endpoint}".encode(), t), 200, booked[s],
-                                  seconds)
+                    phase = Phase(
+                        by_request_maker(f"/{endpoint}".encode(), t), 200, booked[s], seconds
+                    )
                 res = await measure(port, pid, mode, depth, phase, timeout)
                 if endpoint == "add":
                     booked[s] = phase.done
                 if endpoint == "free" and phase.done < booked[s]:  # untimed: leave no booking
-                    rest = Phase(by_request_maker(b"/free", t, phase.done), 200,
-                                 booked[s] - phase.done, None)
+                    rest = Phase(
+                        by_request_maker(b"/free", t, phase.done), 200, booked[s] - phase.done, None
+                    )
                     await measure(port, None, "pipe", 64, rest, timeout)
                 if endpoint in endpoints:
                     out[s].setdefault(mode, {})[endpoint] = res
@@ -834,8 +901,14 @@ async def wrk_check(port: int, seconds: float, lua: str) -> dict[str, float]:
     out = {}
     for name, path, extra in (("loads", "/loads", []), ("free", "/free", ["-s", lua])):
         proc = await asyncio.create_subprocess_exec(
-            "wrk", "-t1", "-c16", f"-d{max(1, round(seconds))}s", *extra,
-            f"http://127.0.0.1:{port}{path}", stdout=asyncio.subprocess.PIPE)
+            "wrk",
+            "-t1",
+            "-c16",
+            f"-d{max(1, round(seconds))}s",
+            *extra,
+            f"http://127.0.0.1:{port}{path}",
+            stdout=asyncio.subprocess.PIPE,
+        )
         text = (await proc.communicate())[0].decode()
         if "Non-2xx" in text or "Socket errors" in text or proc.returncode:
             raise RuntimeError(f"wrk {path} on port {port}: {text}")
@@ -854,8 +927,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def one_shot(port: int, raw: bytes, timeout: float = 5.0
-                   ) -> tuple[int, dict[str, str], bytes]:
+async def one_shot(
+    port: int, raw: bytes, timeout: float = 5.0
+) -> tuple[int, dict[str, str], bytes]:
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     try:
         writer.write(raw)
@@ -891,8 +965,7 @@ async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 
 
 async def register_workers(port: int) -> None:
     for w in range(WORKERS):
-        body = (b'{"worker_id":%d,"model_name":"bench","block_size":16,"dp_start":0,'
-                b'"dp_size":1}' % w)
+        body = b'{"worker_id":%d,"model_name":"bench","block_size":16,"dp_start":0,"dp_size":1}' % w
         status, _, text = await one_shot(port, post_request(b"/register", body))
         if status not in (201, 409):
             raise RuntimeError(f"register {w} on port {port}: {status} {text!r}")
@@ -904,22 +977,53 @@ PROBES: Final = [
     ("add, text/plain", post_request(b"/add", b'{"model_name":"m"}', b"text/plain")),
     ("add, malformed JSON", post_request(b"/add", b'{"model_name":')),
     ("add, empty body", post_request(b"/add", b"")),
-    ("add, request_id 5", post_request(b"/add", b'{"model_name":"m","request_id":5,'
-                                       b'"worker_id":1,"dp_rank":0,"sequence_hashes":[]}')),
-    ("add, no sequence_hashes", post_request(b"/add", b'{"model_name":"m","request_id":"a",'
-                                             b'"worker_id":1,"dp_rank":0}')),
-    ("add, hash 2^63", post_request(b"/add", b'{"model_name":"m","request_id":"a","worker_id":1,'
-                                    b'"dp_rank":0,"sequence_hashes":[9223372036854775808]}')),
-    ("add, hash null", post_request(b"/add", b'{"model_name":"m","request_id":"a","worker_id":1,'
-                                    b'"dp_rank":0,"sequence_hashes":[null]}')),
-    ("add, new_isl_tokens -1", post_request(b"/add", b'{"model_name":"m","request_id":"a",'
-                                            b'"worker_id":1,"dp_rank":0,"sequence_hashes":[],'
-                                            b'"new_isl_tokens":-1}')),
+    (
+        "add, request_id 5",
+        post_request(
+            b"/add",
+            b'{"model_name":"m","request_id":5,"worker_id":1,"dp_rank":0,"sequence_hashes":[]}',
+        ),
+    ),
+    (
+        "add, no sequence_hashes",
+        post_request(b"/add", b'{"model_name":"m","request_id":"a","worker_id":1,"dp_rank":0}'),
+    ),
+    (
+        "add, hash 2^63",
+        post_request(
+            b"/add",
+            b'{"model_name":"m","request_id":"a","worker_id":1,'
+            b'"dp_rank":0,"sequence_hashes":[9223372036854775808]}',
+        ),
+    ),
+    (
+        "add, hash null",
+        post_request(
+            b"/add",
+            b'{"model_name":"m","request_id":"a","worker_id":1,'
+            b'"dp_rank":0,"sequence_hashes":[null]}',
+        ),
+    ),
+    (
+        "add, new_isl_tokens -1",
+        post_request(
+            b"/add",
+            b'{"model_name":"m","request_id":"a",'
+            b'"worker_id":1,"dp_rank":0,"sequence_hashes":[],'
+            b'"new_isl_tokens":-1}',
+        ),
+    ),
     ("free, +json type", post_request(b"/free", FREE_Z, b"application/x+json")),
     ("free, charset param", post_request(b"/free", FREE_Z, b"application/json; charset=utf-8")),
-    ("add, worker_id 2^64", post_request(b"/add", b'{"model_name":"m","request_id":"a",'
-                                         b'"worker_id":18446744073709551616,"dp_rank":0,'
-                                         b'"sequence_hashes":[]}')),
+    (
+        "add, worker_id 2^64",
+        post_request(
+            b"/add",
+            b'{"model_name":"m","request_id":"a",'
+            b'"worker_id":18446744073709551616,"dp_rank":0,'
+            b'"sequence_hashes":[]}',
+        ),
+    ),
     ("GET /nope", b"GET /nope HTTP/1.1\r\nHost: b\r\n\r\n"),
     ("GET /add", b"GET /add HTTP/1.1\r\nHost: b\r\n\r\n"),
     ("POST /loads", post_request(b"/loads", b"{}")),
@@ -934,8 +1038,11 @@ async def probe(ports: dict[str, int]) -> list[dict[str, Any]]:
         for server, port in ports.items():
             try:
                 status, headers, body = await one_shot(port, raw)
-                row[server] = {"status": status, "body": body.decode("utf-8", "replace"),
-                               "allow": headers.get("allow", "")}
+                row[server] = {
+                    "status": status,
+                    "body": body.decode("utf-8", "replace"),
+                    "allow": headers.get("allow", ""),
+                }
             except Exception as e:  # a server that hangs or drops the case is a result too
                 row[server] = {"status": 0, "body": f"<{type(e).__name__}: {e}>", "allow": ""}
         rows.append(row)
@@ -949,8 +1056,14 @@ def versions(dynamo_python: str | None) -> dict[str, str]:
             out[pkg] = metadata.version(pkg)
     if dynamo_python:
         out["ai-dynamo-runtime"] = subprocess.run(
-            [dynamo_python, "-c", "from importlib.metadata import version as v;"
-             "print(v('ai-dynamo-runtime'))"], capture_output=True, text=True).stdout.strip()
+            [
+                dynamo_python,
+                "-c",
+                "from importlib.metadata import version as v;print(v('ai-dynamo-runtime'))",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     return out
 
 
@@ -961,12 +1074,22 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return {"nproc": os.cpu_count(), "cpu": model, "loadavg": os.getloadavg()[0],
-            "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "loadavg": os.getloadavg()[0],
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
-def table(results: dict[str, Any], servers: list[str], modes: list[str], endpoints: list[str],
-          key: str, fmt: str) -> list[str]:
+def table(
+    results: dict[str, Any],
+    servers: list[str],
+    modes: list[str],
+    endpoints: list[str],
+    key: str,
+    fmt: str,
+) -> list[str]:
     lines = []
     head = f"| mode | endpoint | {' | '.join(servers)} |"
     if key == "rate" and "dynamo" in servers:
@@ -1007,8 +1130,9 @@ async def main_async(args: argparse.Namespace) -> int:
                 cmd = [args.dynamo_python, "-m", "dynamo.slot_tracker", "--port", str(port)]
             else:
                 cmd = [sys.executable, os.path.abspath(__file__), "--serve", s, "--port", str(port)]
-            procs[s] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                        stdin=subprocess.DEVNULL)
+            procs[s] = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+            )
             ports[s] = port
         for target in args.target:
             name, _, port_text = target.partition("=")
@@ -1031,19 +1155,31 @@ async def main_async(args: argparse.Namespace) -> int:
                 print(f"{row['case']}:")
                 for s in servers:
                     r = row[s]
-                    same = "" if s == ref else (
-                        "  [same]" if (r["status"], r["body"], r["allow"]) == (
-                            row[ref]["status"], row[ref]["body"], row[ref]["allow"])
-                        else "  [same status]" if r["status"] == row[ref]["status"]
-                        else "  [DIFFERENT STATUS]")
+                    same = (
+                        ""
+                        if s == ref
+                        else (
+                            "  [same]"
+                            if (r["status"], r["body"], r["allow"])
+                            == (row[ref]["status"], row[ref]["body"], row[ref]["allow"])
+                            else "  [same status]"
+                            if r["status"] == row[ref]["status"]
+                            else "  [DIFFERENT STATUS]"
+                        )
+                    )
                     allow = f" allow={r['allow']}" if r["allow"] else ""
                     print(f"  {s:>10} {r['status']}{allow} {r['body'][:150]}{same}")
             return 0
 
         modes = args.modes.split(",")
         endpoints = args.endpoints.split(",")
-        info = {"machine": machine(), "versions": versions(args.dynamo_python),
-                "argv": sys.argv[1:], "servers": servers, "ports": ports}
+        info = {
+            "machine": machine(),
+            "versions": versions(args.dynamo_python),
+            "argv": sys.argv[1:],
+            "servers": servers,
+            "ports": ports,
+        }
         print(f"# {info['machine']} {info['versions']}", file=sys.stderr)
         results: dict[str, list[Any]] = {s: [] for s in servers}
         wrk: dict[str, list[dict[str, float]]] = {s: [] for s in servers}
@@ -1051,16 +1187,17 @@ async def main_async(args: argparse.Namespace) -> int:
         with open(lua, "w") as f:
             f.write(WRK_FREE_LUA)
         for run in range(args.runs):
-            order = servers[run % len(servers):] + servers[: run % len(servers)]
-            targets = {s: (ports[s], procs[s].pid if s in procs else listener_pid(ports[s]))
-                       for s in order}
-            out = await measure_run(targets, f"r{run}", modes, endpoints, args.seconds,
-                                    args.depth)
+            order = servers[run % len(servers) :] + servers[: run % len(servers)]
+            targets = {
+                s: (ports[s], procs[s].pid if s in procs else listener_pid(ports[s])) for s in order
+            }
+            out = await measure_run(targets, f"r{run}", modes, endpoints, args.seconds, args.depth)
             for s in order:
                 res = out[s]
                 results[s].append(res)
-                brief = ", ".join(f"{m}:{e}={res[m][e]['rate']:,.0f}"
-                                  for m in modes for e in endpoints)
+                brief = ", ".join(
+                    f"{m}:{e}={res[m][e]['rate']:,.0f}" for m in modes for e in endpoints
+                )
                 if args.wrk:
                     wrk[s].append(await wrk_check(ports[s], args.seconds, lua))
                     brief += f", wrk c16: {wrk[s][-1]}"
@@ -1075,16 +1212,19 @@ async def main_async(args: argparse.Namespace) -> int:
             print(json.dumps(info, indent=1))
             return 0
         print(f"machine: {info['machine']}\nversions: {info['versions']}")
-        print(f"\nmedian calls/s over {args.runs} runs ({args.seconds} s each; "
-              f"pipe = {args.depth} in flight)\n")
+        print(
+            f"\nmedian calls/s over {args.runs} runs ({args.seconds} s each; "
+            f"pipe = {args.depth} in flight)\n"
+        )
         print("\n".join(table(results, servers, modes, endpoints, "rate", ",.0f")))
         print("\nserver CPU µs per call (all its threads; median)\n")
         print("\n".join(table(results, servers, modes, endpoints, "server_cpu_us", ".1f")))
         print("\ngenerator CPU µs per call (median)\n")
         print("\n".join(table(results, servers, modes, endpoints, "gen_cpu_us", ".1f")))
         if args.wrk:
-            print("\nc16 cross-check with wrk -t1 -c16 (median calls/s; free of an id never "
-                  "added)\n")
+            print(
+                "\nc16 cross-check with wrk -t1 -c16 (median calls/s; free of an id never added)\n"
+            )
             print(f"| endpoint | {' | '.join(servers)} |\n|---|" + "---|" * len(servers))
             for e in ("loads", "free"):
                 cells = [f"{statistics.median(r[e] for r in wrk[s]):,.0f}" for s in servers]
@@ -1103,21 +1243,34 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--servers", default="aiohttp,starlette,asgi,granian,httptools,trivial,dynamo",
-                   help="comma-separated: aiohttp, starlette, asgi, granian, httptools, "
-                   "trivial, dynamo")
-    p.add_argument("--dynamo-python", default=os.environ.get("DYNAMO_PYTHON"),
-                   help="python of a venv with ai-dynamo-runtime==1.6.1 ($DYNAMO_PYTHON)")
-    p.add_argument("--target", action="append", default=[], metavar="NAME=PORT",
-                   help="also measure a server already listening on 127.0.0.1:PORT")
+    p.add_argument(
+        "--servers",
+        default="aiohttp,starlette,asgi,granian,httptools,trivial,dynamo",
+        help="comma-separated: aiohttp, starlette, asgi, granian, httptools, trivial, dynamo",
+    )
+    p.add_argument(
+        "--dynamo-python",
+        default=os.environ.get("DYNAMO_PYTHON"),
+        help="python of a venv with ai-dynamo-runtime==1.6.1 ($DYNAMO_PYTHON)",
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="NAME=PORT",
+        help="also measure a server already listening on 127.0.0.1:PORT",
+    )
     p.add_argument("--modes", default="seq,c16,pipe")
     p.add_argument("--endpoints", default="add,prefill_complete,free,loads")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.5, help="per measurement")
     p.add_argument("--depth", type=int, default=32, help="requests in flight when pipelined")
     p.add_argument("--probe", action="store_true", help="the contract's error cases, no load")
-    p.add_argument("--wrk", action="store_true",
-                   help="also measure c16 /loads and /free with wrk (a C client), if installed")
+    p.add_argument(
+        "--wrk",
+        action="store_true",
+        help="also measure c16 /loads and /free with wrk (a C client), if installed",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--save", metavar="FILE", help="also write the JSON with every run")
     p.add_argument("--serve", choices=sorted(CANDIDATES), help=argparse.SUPPRESS)

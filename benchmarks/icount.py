@@ -69,14 +69,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("valgrind") is None:
         print("icount: valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
-    base = [sys.executable, __file__, "--trace", str(args.trace),
-            "--requests", str(args.requests), "--workers", str(args.workers)]  # fmt: skip
+    base = [
+        sys.executable,
+        __file__,
+        "--trace",
+        str(args.trace),
+        "--requests",
+        str(args.requests),
+        "--workers",
+        str(args.workers),
+    ]
     folded = count([*base, "--inner", "fold"])
     built = count([*base, "--inner", "build"])
     events = 3 * min(args.requests, len(fold.load_trace(args.trace)))
-    print(f"fold: {(folded - built) / events:,.0f} instructions per event "
-          f"({events:,} events of the first {args.requests:,} requests, "
-          f"{args.workers} workers round-robin; valgrind callgrind, PYTHONHASHSEED=0)")  # fmt: skip
+    print(
+        f"fold: {(folded - built) / events:,.0f} instructions per event "
+        f"({events:,} events of the first {args.requests:,} requests, "
+        f"{args.workers} workers round-robin; valgrind callgrind, PYTHONHASHSEED=0)"
+    )
     return 0
 
 

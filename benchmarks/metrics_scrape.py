@@ -37,9 +37,13 @@ def folded(ranks: int, requests: int, blocks: int) -> SequenceState:
     for w in range(ranks):
         for r in range(requests):
             first = BLOCK_BASE + n * blocks
-            add = AddRequest(request_id=f"w{w}r{r}", worker_id=w,
-                             block_hashes=list(range(first, first + blocks)),
-                             prefill_tokens=blocks * 16, expected_prefill_ms=50.0)  # fmt: skip
+            add = AddRequest(
+                request_id=f"w{w}r{r}",
+                worker_id=w,
+                block_hashes=list(range(first, first + blocks)),
+                prefill_tokens=blocks * 16,
+                expected_prefill_ms=50.0,
+            )
             state.apply(add, at)
             n += 1
             at += 1000
@@ -49,12 +53,14 @@ def folded(ranks: int, requests: int, blocks: int) -> SequenceState:
 def scrape_ms(state: SequenceState, runs: int) -> tuple[float, int]:
     """Median ms of one scrape of a writer holding ``state``, and the body's size."""
     writer = SimpleNamespace(
-        state=state, config=SimpleNamespace(namespace="bench"),
+        state=state,
+        config=SimpleNamespace(namespace="bench"),
         dead_letters=SimpleNamespace(counts={"undecodable": 0}),
-        deltas=SimpleNamespace(messages=0, on_store=None), applied=SimpleNamespace(value=0),
+        deltas=SimpleNamespace(messages=0, on_store=None),
+        applied=SimpleNamespace(value=0),
         stats=SimpleNamespace(last_snapshot_stored_s=None, last_snapshot_bytes=0),
         lag=SimpleNamespace(measured_ns=1, events=0, oldest_age_s=0.0),
-    )  # fmt: skip
+    )
     metrics = Metrics()
     metrics.follow(WRITER, lambda: [writer])
     times = []
@@ -72,8 +78,13 @@ def main() -> None:
     args = parser.parse_args()
     print(f"python {platform.python_version()} on {platform.machine()}, {args.runs} scrapes each")
     print(f"{'ranks':>6} {'requests/rank':>14} {'blocks/rank':>12} {'scrape ms':>10} {'bytes':>9}")
-    for ranks, requests, blocks in ((16, 10, 16), (16, 1000, 128), (256, 10, 16),
-                                    (1024, 10, 16), (4096, 1, 16)):  # fmt: skip
+    for ranks, requests, blocks in (
+        (16, 10, 16),
+        (16, 1000, 128),
+        (256, 10, 16),
+        (1024, 10, 16),
+        (4096, 1, 16),
+    ):
         state = folded(ranks, requests, blocks)
         ms, size = scrape_ms(state, args.runs)
         print(f"{ranks:>6} {requests:>14} {requests * blocks:>12} {ms:>10.2f} {size:>9}")

@@ -278,8 +278,10 @@ async def one_run(
             last_seq = max(seqs)
             stored = (await nc_pub.jetstream().stream_info(config.events_stream)).state
             if stored.messages != len(events) + args.workers or len(set(seqs)) != len(seqs):
-                raise RuntimeError(f"stream holds {stored.messages} messages, expected "
-                                   f"{len(events) + args.workers}")  # fmt: skip
+                raise RuntimeError(
+                    f"stream holds {stored.messages} messages, expected "
+                    f"{len(events) + args.workers}"
+                )
             out_of_order = sum(1 for a, b in itertools.pairwise(seqs) if b < a)
             result["ingest"] = {
                 "events": len(events),
@@ -387,7 +389,7 @@ def git_revision() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     changed = sorted({line[3:] for line in dirty if line.strip()})
-    return f"{rev}{' + uncommitted: ' + ', '.join(changed) if changed else ''}"  # fmt: skip
+    return f"{rev}{' + uncommitted: ' + ', '.join(changed) if changed else ''}"
 
 
 def core_build() -> str:
@@ -483,8 +485,9 @@ def print_report(report: dict[str, Any]) -> None:
             f"{x['keys_written']:,} keys written ({x['keys_written'] / x['deltas_applied']:.3f} "
             f"per delta); view == writer: {x['view_equals_writer']}"
         )
-    print(f"    outcomes (last run): {f[-1]['outcomes']}; live at end "
-          f"{f[-1]['live_requests_at_end']}")  # fmt: skip
+    print(
+        f"    outcomes (last run): {f[-1]['outcomes']}; live at end {f[-1]['live_requests_at_end']}"
+    )
 
     for key, label in (("live_after_trace", "after (f)"), ("live_with_load", "with load")):
         if key not in runs[0]:

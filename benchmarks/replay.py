@@ -104,9 +104,10 @@ import seqstate.state
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import SOURCE_SEQ, log_time_ns
+from projector.nats.stream import log_time_ns
 from projector.ops.replay import fold_stream
 from projector.wire.config import Config
+from projector.wire.headers import SOURCE_SEQ
 from projector.write.writer import Writer
 from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_deltas, encode_event
 
@@ -370,8 +371,9 @@ async def ready_once(
         clock.wrap(writer._js, "subscribe", "subscribe")
         task = asyncio.create_task(writer.run())
         ready = asyncio.create_task(writer.caught_up.wait())
-        await asyncio.wait({task, ready}, timeout=WAIT_TIMEOUT_S,
-                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        await asyncio.wait(
+            {task, ready}, timeout=WAIT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+        )
         t_ready = time.perf_counter()
         cpu = time.process_time() - c0
         if not ready.done():
@@ -390,8 +392,10 @@ async def ready_once(
     if stats.last_seq != last or stats.applied != last - snap_seq:
         raise RuntimeError(f"the writer folded {stats.applied} events up to {stats.last_seq}")
     if stats.deltas_published != last - snap_seq or stats.dead_letters:
-        raise RuntimeError(f"the writer published {stats.deltas_published} deltas, "
-                           f"{stats.dead_letters} dead letters")  # fmt: skip
+        raise RuntimeError(
+            f"the writer published {stats.deltas_published} deltas, "
+            f"{stats.dead_letters} dead letters"
+        )
     state_digest = digest(writer.state)
     if want_digest is not None and state_digest != want_digest:
         raise RuntimeError("snapshot + tail differs from the full replay")
@@ -456,8 +460,12 @@ async def client_alone(url: str, config: Config, last: int) -> tuple[dict[str, A
         await sub.unsubscribe()
     finally:
         await nc.drain()
-    return {"events": len(kept), "seconds": seconds, "cpu_s": cpu,
-            "events_per_s": len(kept) / seconds}, kept  # fmt: skip
+    return {
+        "events": len(kept),
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "events_per_s": len(kept) / seconds,
+    }, kept
 
 
 async def reader_alone(url: str, config: Config, last: int) -> dict[str, Any] | None:
@@ -486,8 +494,14 @@ async def reader_alone(url: str, config: Config, last: int) -> dict[str, Any] | 
         cpu, child_cpu = time.process_time() - c0, children_cpu_s() - k0
     finally:
         await nc.drain()
-    return {"events": count, "seconds": seconds, "cpu_s": cpu, "child_cpu_s": child_cpu,
-            "events_per_s": count / seconds, "gave_up": why}  # fmt: skip
+    return {
+        "events": count,
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "child_cpu_s": child_cpu,
+        "events_per_s": count / seconds,
+        "gave_up": why,
+    }
 
 
 def fold_payloads(
@@ -600,9 +614,15 @@ async def profiled_replay(url: str, config: Config, last: int, top: int) -> dict
     functions = []
     for (filename, line, name), (_, calls, tottime, cumtime, _) in rows:
         short = "/".join(Path(filename).parts[-2:]) if filename != "~" else ""
-        functions.append({"function": f"{short}:{line}({name})" if short else name,
-                          "calls": calls, "tottime_s": tottime, "cumtime_s": cumtime,
-                          "share": tottime / total})  # fmt: skip
+        functions.append(
+            {
+                "function": f"{short}:{line}({name})" if short else name,
+                "calls": calls,
+                "tottime_s": tottime,
+                "cumtime_s": cumtime,
+                "share": tottime / total,
+            }
+        )
     return {
         "wall_s_under_profiler": seconds,
         "profiled_s": total,
@@ -693,8 +713,12 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
                 del kept
                 p1b = await reader_alone(server.url, config, last)
                 p3 = await profiled_replay(server.url, config, last, args.top)
-                result["profile"] = {"client_alone": p1, "reader_alone": p1b, "core_alone": p2,
-                                     "cprofile": p3}  # fmt: skip
+                result["profile"] = {
+                    "client_alone": p1,
+                    "reader_alone": p1b,
+                    "core_alone": p2,
+                    "cprofile": p3,
+                }
         finally:
             await nc.drain()
     return result
@@ -703,8 +727,11 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
 def import_time() -> float:
     """Seconds for a fresh interpreter to import what a writer process imports (once)."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import nats, projector.write.writer, projector.ops.cli"],
-                   check=True, cwd=REPO_ROOT)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", "import nats, projector.write.writer, projector.ops.cli"],
+        check=True,
+        cwd=REPO_ROOT,
+    )
     return time.perf_counter() - t0
 
 
@@ -767,8 +794,10 @@ def print_report(report: dict[str, Any]) -> None:
     fell_back = [msg for x in a["runs"] for msg in x["warnings"]]
     print(f"    fallbacks or warnings: {fell_back or 'none'}")
     x = a["runs"][-1]
-    print(f"    every run's final state identical: yes (sha256 {x['digest']}); live at end "
-          f"{x['live_requests']}; outcomes {x['outcomes']}")  # fmt: skip
+    print(
+        f"    every run's final state identical: yes (sha256 {x['digest']}); live at end "
+        f"{x['live_requests']}; outcomes {x['outcomes']}"
+    )
     if "replay_client_path" in r:
         c = r["replay_client_path"]
         print(

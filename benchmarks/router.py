@@ -96,9 +96,12 @@ async def connect(url: str) -> Client:
 
 
 async def raw_publish_async(
-    nc: Client, subjects: Sequence[str], payloads: Sequence[bytes], msg_ids: Sequence[str],
+    nc: Client,
+    subjects: Sequence[str],
+    payloads: Sequence[bytes],
+    msg_ids: Sequence[str],
     max_pending: int,
-) -> list[list[int]]:  # fmt: skip
+) -> list[list[int]]:
     """(a): pipelined ``publish_async``, at most ``max_pending`` unacknowledged."""
     js = nc.jetstream(publish_async_max_pending=max_pending)
     publish_async = js.publish_async
@@ -136,9 +139,13 @@ async def batched_publish(
 
 
 async def measure(
-    nc: Client, config: Config, label: str, count: int,
-    run: Callable[[], Awaitable[list[list[int]]]], in_call_order: bool,
-) -> float:  # fmt: skip
+    nc: Client,
+    config: Config,
+    label: str,
+    count: int,
+    run: Callable[[], Awaitable[list[list[int]]]],
+    in_call_order: bool,
+) -> float:
     """events/s of ``run``; checks the stream afterwards and purges it."""
     js = nc.jetstream()
     gc.collect()
@@ -148,8 +155,10 @@ async def measure(
     seqs = [seq for call in calls for seq in call]
     stored = (await js.stream_info(config.events_stream)).state.messages
     if stored != count or len(set(seqs)) != count:
-        raise RuntimeError(f"{label}: {stored} messages stored, {len(set(seqs))} distinct "
-                           f"sequences; expected {count}")  # fmt: skip
+        raise RuntimeError(
+            f"{label}: {stored} messages stored, {len(set(seqs))} distinct "
+            f"sequences; expected {count}"
+        )
     if in_call_order and any(b <= a for call in calls for a, b in itertools.pairwise(call)):
         raise RuntimeError(f"{label}: a call's events were not stored in the given order")
     await js.purge_stream(config.events_stream)
@@ -180,9 +189,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         )
                     else:
                         pub = RouterPublisher(
-                            nc, router_id=f"bench-{tag}-{label}", config=config,
+                            nc,
+                            router_id=f"bench-{tag}-{label}",
+                            config=config,
                             max_pending=args.max_pending,
-                        )  # fmt: skip
+                        )
                         if label == "b":
                             run = functools.partial(concurrent_publish, pub, events, args.chunk)
                         else:
@@ -191,8 +202,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         nc, config, label, len(events), run, in_call_order=label != "b"
                     )
                     rates[label].append(rate)
-                    print(f"  run {rep + 1}: ({label[0]}) {describe(label, args)}: "
-                          f"{rate:,.0f} events/s", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"  run {rep + 1}: ({label[0]}) {describe(label, args)}: "
+                        f"{rate:,.0f} events/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         finally:
             await nc.drain()
     medians = {label: statistics.median(values) for label, values in rates.items()}
@@ -238,16 +253,19 @@ def machine() -> dict[str, Any]:
 
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     m = report["machine"]
-    print(f"{m['date_utc']}  {m['cpu']}, {m['cores']} cores, load {m['loadavg_1m_at_start']:.2f}"
-          f"  {m['python']}, nats-py {m['nats_py']}, nats-server {m['nats_server']}, "
-          f"{m['core']} core")  # fmt: skip
-    print(f"{report['events']:,} AddRequests per measurement, {report['runs']} runs each, "
-          "medians:")  # fmt: skip
+    print(
+        f"{m['date_utc']}  {m['cpu']}, {m['cores']} cores, load {m['loadavg_1m_at_start']:.2f}"
+        f"  {m['python']}, nats-py {m['nats_py']}, nats-server {m['nats_server']}, "
+        f"{m['core']} core"
+    )
+    print(f"{report['events']:,} AddRequests per measurement, {report['runs']} runs each, medians:")
     for label, median in report["medians"].items():
         runs = ", ".join(f"{r:,.0f}" for r in report["rates"][label])
         ratio = report["ratios_to_a"][label]
-        print(f"  ({label[0]}) {describe(label, args):<62} {median:>9,.0f} events/s  "
-              f"{ratio:5.0%} of (a)   ({runs})")  # fmt: skip
+        print(
+            f"  ({label[0]}) {describe(label, args):<62} {median:>9,.0f} events/s  "
+            f"{ratio:5.0%} of (a)   ({runs})"
+        )
     best = max((r for label, r in report["ratios_to_a"].items() if label[0] == "c"), default=0.0)
     verdict = "MEETS" if best >= TARGET_RATIO else "MISSES"
     print(f"target (c) >= {TARGET_RATIO:.0%} of (a): {verdict} (best batch size: {best:.0%})")
@@ -257,10 +275,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--events", type=positive, default=50_000, help="events per measurement")
     parser.add_argument("--runs", type=positive, default=5, help="repetitions of every measurement")
-    parser.add_argument("--batch", type=positive, nargs="+", default=[64, 256],
-                        help="publish_many batch sizes for (c)")  # fmt: skip
-    parser.add_argument("--max-pending", type=positive, default=256,
-                        help="unacknowledged publishes at most, for all three")  # fmt: skip
+    parser.add_argument(
+        "--batch",
+        type=positive,
+        nargs="+",
+        default=[64, 256],
+        help="publish_many batch sizes for (c)",
+    )
+    parser.add_argument(
+        "--max-pending",
+        type=positive,
+        default=256,
+        help="unacknowledged publishes at most, for all three",
+    )
     parser.add_argument("--chunk", type=positive, default=1024, help="(b)'s gather size")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser.parse_args(argv)

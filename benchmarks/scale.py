@@ -183,12 +183,17 @@ class Workload:
         self.live[index].append((request_id, hashes))
         tokens = blocks * TOKENS_PER_BLOCK
         return [
-            AddRequest(request_id=request_id, worker_id=worker, dp_rank=rank,
-                       block_hashes=hashes, prefill_tokens=tokens,
-                       expected_prefill_ms=round(20 + 0.05 * tokens, 2),
-                       expected_output_tokens=256),
+            AddRequest(
+                request_id=request_id,
+                worker_id=worker,
+                dp_rank=rank,
+                block_hashes=hashes,
+                prefill_tokens=tokens,
+                expected_prefill_ms=round(20 + 0.05 * tokens, 2),
+                expected_output_tokens=256,
+            ),
             MarkPrefillCompleted(request_id=request_id, worker_id=worker, dp_rank=rank),
-        ]  # fmt: skip
+        ]
 
     def fill(self) -> list[Event]:
         events: list[Event] = []
@@ -284,8 +289,9 @@ def start_consumers(url: str, logs: Path, level: str, snapshots: bool) -> Consum
     procs = {}
     for name in ("writer", "projector"):
         with open(logs / f"{name}.log", "wb") as log:
-            procs[name] = subprocess.Popen([exe, name], env=env, stdout=log, stderr=log,
-                                           stdin=subprocess.DEVNULL)  # fmt: skip
+            procs[name] = subprocess.Popen(
+                [exe, name], env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL
+            )
     return Consumers(procs["writer"], procs["projector"], logs)
 
 
@@ -302,14 +308,31 @@ def start_spies(
     out = Path(args.py_spy)
     out.mkdir(parents=True, exist_ok=True)
     spies = []
-    for name, pid in (("writer", consumers.writer.pid), ("projector", consumers.projector.pid),
-                      ("bench", os.getpid())):  # fmt: skip
+    for name, pid in (
+        ("writer", consumers.writer.pid),
+        ("projector", consumers.projector.pid),
+        ("bench", os.getpid()),
+    ):
         path = out / f"{consumers.set_per_rank}x{blocks}-{name}.txt"
-        spies.append(subprocess.Popen(
-            [exe, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
-             "--nonblocking", "--output", str(path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        ))  # fmt: skip
+        spies.append(
+            subprocess.Popen(
+                [
+                    exe,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "250",
+                    "--nonblocking",
+                    "--output",
+                    str(path),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     time.sleep(0.5)  # let them attach
     return spies
 
@@ -349,12 +372,18 @@ def cpu_now(consumers: Consumers, server_pid: int) -> dict[str, float]:
 async def streams_now(nc: Client, config: Config, view: CountingView) -> dict[str, Any]:
     js = nc.jetstream()
     out: dict[str, Any] = {}
-    for key, name in (("events", config.events_stream), ("deltas", config.deltas_stream),
-                      ("kv", f"KV_{config.registry_bucket}")):  # fmt: skip
+    for key, name in (
+        ("events", config.events_stream),
+        ("deltas", config.deltas_stream),
+        ("kv", f"KV_{config.registry_bucket}"),
+    ):
         state = (await js.stream_info(name)).state
         out[key] = {"messages": state.messages, "bytes": state.bytes, "last_seq": state.last_seq}
-    out["view"] = {"delivered": view.delivered, "stored_bytes": view.stored_bytes,
-                   "fold_ns": view.fold_ns}  # fmt: skip
+    out["view"] = {
+        "delivered": view.delivered,
+        "stored_bytes": view.stored_bytes,
+        "fold_ns": view.fold_ns,
+    }
     return out
 
 
@@ -442,8 +471,7 @@ async def saturated_churn(
         last = max(last, *seqs)
         for i in range(start, start + len(seqs)):
             if i % args.sample_every == args.sample_every - 1:
-                samplers.append(asyncio.create_task(reflected_after(view, seqs[i - start],
-                                                                    acked)))  # fmt: skip
+                samplers.append(asyncio.create_task(reflected_after(view, seqs[i - start], acked)))
     published = time.perf_counter() - t0
     await view.wait_for(last, timeout=WAIT_TIMEOUT_S)
     seconds = time.perf_counter() - t0
@@ -527,9 +555,14 @@ async def cold_start(url: str, queries: list[tuple[list[int], int]], work: Path)
     path.write_bytes(msgspec.json.encode(queries))
     t0 = time.perf_counter()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(Path(__file__).resolve()), "--view-child", url, str(path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--view-child",
+        url,
+        str(path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), WAIT_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(f"view child failed ({proc.returncode}): {err.decode()[-2000:]}")
@@ -558,8 +591,9 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
     steps = workload.steps(args.churn_events)
     paced = workload.steps(args.paced_events)
     queries = workload.queries()
-    result: dict[str, Any] = {"point": {"set_per_rank": point.set_per_rank,
-                                        "blocks": point.blocks, "run": run}}  # fmt: skip
+    result: dict[str, Any] = {
+        "point": {"set_per_rank": point.set_per_rank, "blocks": point.blocks, "run": run}
+    }
     with tempfile.TemporaryDirectory(prefix="seqstate-scale-") as tmp:
         work = Path(tmp)
         async with NatsServer() as server:
@@ -568,15 +602,20 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
             nc_pub = await connect(server.url, "bench-publisher")
             nc_view = await connect(server.url, "bench-view")
             await ensure(nc_pub, config)
-            consumers = start_consumers(server.url, work, "info" if args.logs else "warning",
-                                        not args.no_snapshots)  # fmt: skip
+            consumers = start_consumers(
+                server.url, work, "info" if args.logs else "warning", not args.no_snapshots
+            )
             consumers.set_per_rank = point.set_per_rank
             view: CountingView | None = None
             try:
                 view = CountingView(nc_view, config=config, initial_timeout=60.0)
                 await view.start()
-                pub = RouterPublisher(nc_pub, router_id=f"scale-{os.getpid()}-{run}",
-                                      config=config, max_pending=args.max_pending)  # fmt: skip
+                pub = RouterPublisher(
+                    nc_pub,
+                    router_id=f"scale-{os.getpid()}-{run}",
+                    config=config,
+                    max_pending=args.max_pending,
+                )
                 setup = await pub.publish_many([WorkerAdded(worker_id=w) for w in range(WORKERS)])
                 try:
                     await view.wait_for(max(setup), timeout=60)
@@ -593,11 +632,12 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
                     "requests": point.requests_per_rank * WORKERS,
                     "present_hashes": view.registry.membership_size(),
                 }
-                result["churn"] = await saturated_churn(args, nc_pub, config, pub, view,
-                                                        consumers, server_pid, steps,
-                                                        point.blocks)  # fmt: skip
-                result["paced"] = await paced_churn(args, nc_pub, config, pub, view, consumers,
-                                                    server_pid, paced)  # fmt: skip
+                result["churn"] = await saturated_churn(
+                    args, nc_pub, config, pub, view, consumers, server_pid, steps, point.blocks
+                )
+                result["paced"] = await paced_churn(
+                    args, nc_pub, config, pub, view, consumers, server_pid, paced
+                )
                 view_rss = rss_kb()
                 child = await cold_start(server.url, queries, work)
                 child["live_view_equals_fold"] = same_answers(view, child)
@@ -738,41 +778,50 @@ def targets(args: argparse.Namespace, summary: list[dict[str, Any]]) -> list[dic
     )
     if small and large and small is not large:
         ratio = large["churn_events_per_s"] / small["churn_events_per_s"]
-        out.append({
-            "name": f"churn events/s at {large['set_per_rank']:,}/rank >= 2/3 of "
-                    f"{small['set_per_rank']:,}/rank",
-            "ok": ratio >= TARGET_CHURN_RATIO,
-            "detail": f"{large['churn_events_per_s']:,.0f} vs {small['churn_events_per_s']:,.0f}"
-                      f" events/s: {ratio:.2f} (target >= {TARGET_CHURN_RATIO:.2f})",
-        })  # fmt: skip
+        out.append(
+            {
+                "name": f"churn events/s at {large['set_per_rank']:,}/rank >= 2/3 of "
+                f"{small['set_per_rank']:,}/rank",
+                "ok": ratio >= TARGET_CHURN_RATIO,
+                "detail": f"{large['churn_events_per_s']:,.0f} vs "
+                f"{small['churn_events_per_s']:,.0f} events/s: {ratio:.2f} "
+                f"(target >= {TARGET_CHURN_RATIO:.2f})",
+            }
+        )
     worst = max(summary, key=lambda s: s["fresh_p99_ms"])
-    out.append({
-        "name": f"freshness p99 <= {TARGET_FRESH_P99_MS:g} ms at every point "
-                f"(paced at {args.paced_rate:,} events/s)",
-        "ok": all(s["fresh_p99_ms"] <= TARGET_FRESH_P99_MS for s in summary),
-        "detail": f"worst median p99 {worst['fresh_p99_ms']:.1f} ms at "
-                  f"{worst['set_per_rank']:,}/rank x {worst['blocks']}; all: "
-                  + ", ".join(f"{s['fresh_p99_ms']:.1f}" for s in summary),
-    })  # fmt: skip
+    out.append(
+        {
+            "name": f"freshness p99 <= {TARGET_FRESH_P99_MS:g} ms at every point "
+            f"(paced at {args.paced_rate:,} events/s)",
+            "ok": all(s["fresh_p99_ms"] <= TARGET_FRESH_P99_MS for s in summary),
+            "detail": f"worst median p99 {worst['fresh_p99_ms']:.1f} ms at "
+            f"{worst['set_per_rank']:,}/rank x {worst['blocks']}; all: "
+            + ", ".join(f"{s['fresh_p99_ms']:.1f}" for s in summary),
+        }
+    )
     cold = by.get((TARGET_COLD_SET, args.fixed_blocks))
     if cold:
         ok = cold["cold_ready_s"] <= TARGET_COLD_START_S and cold["cold_exact"]
-        out.append({
-            "name": f"view cold start at {WORKERS} x {TARGET_COLD_SET:,} active hashes "
-                    f"<= {TARGET_COLD_START_S:g} s and exact",
-            "ok": ok,
-            "detail": f"ready in {cold['cold_ready_s']:.2f} s (runs "
-                      + ", ".join(f"{x:.2f}" for x in cold["cold_ready_s_runs"])
-                      + f"), {cold['cold_present_hashes']:,} hashes, exact: "
-                        f"{cold['cold_exact']}",
-        })  # fmt: skip
+        out.append(
+            {
+                "name": f"view cold start at {WORKERS} x {TARGET_COLD_SET:,} active hashes "
+                f"<= {TARGET_COLD_START_S:g} s and exact",
+                "ok": ok,
+                "detail": f"ready in {cold['cold_ready_s']:.2f} s (runs "
+                + ", ".join(f"{x:.2f}" for x in cold["cold_ready_s_runs"])
+                + f"), {cold['cold_present_hashes']:,} hashes, exact: "
+                f"{cold['cold_exact']}",
+            }
+        )
     return out
 
 
 def table(rows: list[dict[str, Any]], key: str, title: str) -> list[str]:
-    head = (f"| {title} | churn events/s | hashes/s | fresh p50 / p99 ms | lag at saturation "
-            "p99 ms | CPU µs/event writer / projector / server / this | bytes/event events / "
-            "deltas / KV | cold start s | view RSS MB | exact |")  # fmt: skip
+    head = (
+        f"| {title} | churn events/s | hashes/s | fresh p50 / p99 ms | lag at saturation "
+        "p99 ms | CPU µs/event writer / projector / server / this | bytes/event events / "
+        "deltas / KV | cold start s | view RSS MB | exact |"
+    )
     lines = [head, "|" + "---|" * 10]
     for s in rows:
         cpu = "churn_cpu_us_per_event_"
@@ -803,21 +852,30 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     print("seqstate fleet-scale benchmark (benchmarks/scale.py)")
     print(f"  date (UTC) : {m['date_utc']}")
     print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; load avg (1 min) at "
-          f"start {m['loadavg_1m_at_start']}")  # fmt: skip
-    print(f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
-          f"{report['nats_server']}; msgspec {m['msgspec']}")  # fmt: skip
+    print(
+        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; load avg (1 min) at "
+        f"start {m['loadavg_1m_at_start']}"
+    )
+    print(
+        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
+        f"{report['nats_server']}; msgspec {m['msgspec']}"
+    )
     print(f"  seqstate   : git {m['git']}; core {m['core']}")
-    print(f"  workload   : {WORKERS} workers (dp 0); churn {args.churn_events:,} events "
-          f"(publish_many chunks of {args.chunk}, lag sampled every {args.sample_every}th); "
-          f"paced {args.paced_events:,} events at {args.paced_rate:,}/s; {args.runs} runs per "
-          "point, interleaved, fresh server per run")  # fmt: skip
+    print(
+        f"  workload   : {WORKERS} workers (dp 0); churn {args.churn_events:,} events "
+        f"(publish_many chunks of {args.chunk}, lag sampled every {args.sample_every}th); "
+        f"paced {args.paced_events:,} events at {args.paced_rate:,}/s; {args.runs} runs per "
+        "point, interleaved, fresh server per run"
+    )
     print("  CPU 'this' = this process: publisher + live view (its fold alone in 'view fold')")
     sweep_a = [s for s in summary if s["blocks"] == args.fixed_blocks]
     sweep_b = [s for s in summary if s["set_per_rank"] == args.fixed_set]
     print(f"\nActive set sweep ({args.fixed_blocks} blocks per request), medians:")
-    print("\n".join(table(sorted(sweep_a, key=lambda s: s["set_per_rank"]), "set_per_rank",
-                          "hashes/rank")))  # fmt: skip
+    print(
+        "\n".join(
+            table(sorted(sweep_a, key=lambda s: s["set_per_rank"]), "set_per_rank", "hashes/rank")
+        )
+    )
     print(f"\nRequest size sweep ({args.fixed_set:,} hashes per rank), medians:")
     print("\n".join(table(sorted(sweep_b, key=lambda s: s["blocks"]), "blocks", "blocks")))
     print("\nPer point (medians over runs; each run's value in brackets):")
@@ -841,10 +899,12 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
             f"bytes/event events/deltas/KV {s['paced_bytes_per_event_events']:,.0f}/"
             f"{s['paced_bytes_per_event_deltas']:,.0f}/{s['paced_bytes_per_event_kv']:,.0f}"
         )
-        print(f"    cold start [{runs_of('cold_ready_s_runs', '.2f')}] s, CPU "
-              f"{s['cold_cpu_s']:.2f} s, RSS +{s['cold_rss_growth_mb']:.0f} MB (peak "
-              f"+{s['cold_peak_growth_mb']:.0f} MB), {s['cold_present_hashes']:,} hashes; fill "
-              f"{s['fill_events_per_s']:,.0f} events/s")  # fmt: skip
+        print(
+            f"    cold start [{runs_of('cold_ready_s_runs', '.2f')}] s, CPU "
+            f"{s['cold_cpu_s']:.2f} s, RSS +{s['cold_rss_growth_mb']:.0f} MB (peak "
+            f"+{s['cold_peak_growth_mb']:.0f} MB), {s['cold_present_hashes']:,} hashes; fill "
+            f"{s['fill_events_per_s']:,.0f} events/s"
+        )
     print("\nTargets:")
     for t in report["targets"]:
         print(f"  {verdict(t['ok'])}: {t['name']}: {t['detail']}")
@@ -860,34 +920,60 @@ def plot(summary: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("scale.py: matplotlib is not installed, no plot written "
-              "(pip install -e '.[bench]')", file=sys.stderr)  # fmt: skip
+        print(
+            "scale.py: matplotlib is not installed, no plot written (pip install -e '.[bench]')",
+            file=sys.stderr,
+        )
         return None
     sweeps = (
-        ("set_per_rank", f"active hashes per rank ({args.fixed_blocks} blocks per request)",
-         sorted((s for s in summary if s["blocks"] == args.fixed_blocks),
-                key=lambda s: s["set_per_rank"])),
-        ("blocks", f"blocks per request ({args.fixed_set:,} hashes per rank)",
-         sorted((s for s in summary if s["set_per_rank"] == args.fixed_set),
-                key=lambda s: s["blocks"])),
-    )  # fmt: skip
+        (
+            "set_per_rank",
+            f"active hashes per rank ({args.fixed_blocks} blocks per request)",
+            sorted(
+                (s for s in summary if s["blocks"] == args.fixed_blocks),
+                key=lambda s: s["set_per_rank"],
+            ),
+        ),
+        (
+            "blocks",
+            f"blocks per request ({args.fixed_set:,} hashes per rank)",
+            sorted(
+                (s for s in summary if s["set_per_rank"] == args.fixed_set),
+                key=lambda s: s["blocks"],
+            ),
+        ),
+    )
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-    components = (("writer", "writer"), ("projector", "projector"),
-                  ("nats_server", "nats-server"), ("bench", "publisher + view (bench)"),
-                  ("view_fold", "view fold alone"))  # fmt: skip
-    streams = (("events", "SEQSTATE_EVENTS"), ("deltas", "SEQSTATE_DELTAS"),
-               ("kv", "KV bucket stream"))  # fmt: skip
+    components = (
+        ("writer", "writer"),
+        ("projector", "projector"),
+        ("nats_server", "nats-server"),
+        ("bench", "publisher + view (bench)"),
+        ("view_fold", "view fold alone"),
+    )
+    streams = (
+        ("events", "SEQSTATE_EVENTS"),
+        ("deltas", "SEQSTATE_DELTAS"),
+        ("kv", "KV bucket stream"),
+    )
     titles = {"set_per_rank": "active hashes per rank", "blocks": "blocks per request"}
     for col, (key, xlabel, rows) in enumerate(sweeps):
         xs = [s[key] for s in rows]
-        for row, (part, items, ylabel) in enumerate((
-            ("cpu_us_per_event", components, "CPU µs per event"),
-            ("bytes_per_event", streams, "stored bytes per event"),
-        )):  # fmt: skip
+        for row, (part, items, ylabel) in enumerate(
+            (
+                ("cpu_us_per_event", components, "CPU µs per event"),
+                ("bytes_per_event", streams, "stored bytes per event"),
+            )
+        ):
             ax = axes[row][col]
             for name, label in items:
-                ax.plot(xs, [s[f"churn_{part}_{name}"] for s in rows], marker="o", label=label,
-                        linestyle=":" if name == "view_fold" else "-")  # fmt: skip
+                ax.plot(
+                    xs,
+                    [s[f"churn_{part}_{name}"] for s in rows],
+                    marker="o",
+                    label=label,
+                    linestyle=":" if name == "view_fold" else "-",
+                )
             ax.set_xscale("log", base=2 if key == "blocks" else 10)
             ax.set_xticks(xs, [f"{x:,}" for x in xs])
             ax.minorticks_off()
@@ -898,8 +984,10 @@ def plot(summary: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
             ax.legend(fontsize=8)
             if row == 1:
                 ax.set_xlabel(xlabel)
-    fig.suptitle(f"seqstate fleet scale: {WORKERS} ranks, Free+Add+MarkPrefillCompleted churn "
-                 f"(medians of {args.runs} runs)")  # fmt: skip
+    fig.suptitle(
+        f"seqstate fleet scale: {WORKERS} ranks, Free+Add+MarkPrefillCompleted churn "
+        f"(medians of {args.runs} runs)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -914,30 +1002,60 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=positive, default=3, help="runs per point (interleaved)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--save", metavar="FILE", default="", help="also write the JSON to FILE")
-    p.add_argument("--sets", type=positive, nargs="+", default=list(SET_SIZES),
-                   help="active hashes per rank of the first sweep")  # fmt: skip
-    p.add_argument("--blocks", type=positive, nargs="+", default=list(REQUEST_SIZES),
-                   help="blocks per request of the second sweep")  # fmt: skip
-    p.add_argument("--fixed-blocks", type=positive, default=FIXED_BLOCKS,
-                   help="blocks per request in the first sweep")  # fmt: skip
-    p.add_argument("--fixed-set", type=positive, default=FIXED_SET,
-                   help="active hashes per rank in the second sweep")  # fmt: skip
-    p.add_argument("--churn-events", type=positive, default=20_000,
-                   help="saturated churn events per point and run")  # fmt: skip
+    p.add_argument(
+        "--sets",
+        type=positive,
+        nargs="+",
+        default=list(SET_SIZES),
+        help="active hashes per rank of the first sweep",
+    )
+    p.add_argument(
+        "--blocks",
+        type=positive,
+        nargs="+",
+        default=list(REQUEST_SIZES),
+        help="blocks per request of the second sweep",
+    )
+    p.add_argument(
+        "--fixed-blocks",
+        type=positive,
+        default=FIXED_BLOCKS,
+        help="blocks per request in the first sweep",
+    )
+    p.add_argument(
+        "--fixed-set",
+        type=positive,
+        default=FIXED_SET,
+        help="active hashes per rank in the second sweep",
+    )
+    p.add_argument(
+        "--churn-events",
+        type=positive,
+        default=20_000,
+        help="saturated churn events per point and run",
+    )
     p.add_argument(
         "--paced-events",
         type=positive,
         default=10_000,
         help="paced churn events per point and run (a third are sampled)",
     )
-    p.add_argument("--paced-rate", type=positive, default=1_000,
-                   help="events/s offered in the paced phase")  # fmt: skip
-    p.add_argument("--sample-every", type=positive, default=50,
-                   help="saturated churn: sample the lag of every Nth event")  # fmt: skip
+    p.add_argument(
+        "--paced-rate", type=positive, default=1_000, help="events/s offered in the paced phase"
+    )
+    p.add_argument(
+        "--sample-every",
+        type=positive,
+        default=50,
+        help="saturated churn: sample the lag of every Nth event",
+    )
     p.add_argument("--chunk", type=positive, default=256, help="events per publish_many call")
     p.add_argument("--max-pending", type=positive, default=256, help="publisher's max_pending")
-    p.add_argument("--plot", default=str(REPO_ROOT / "benchmarks" / "scale.png"),
-                   help="PNG to write (needs matplotlib); '' for none")  # fmt: skip
+    p.add_argument(
+        "--plot",
+        default=str(REPO_ROOT / "benchmarks" / "scale.png"),
+        help="PNG to write (needs matplotlib); '' for none",
+    )
     p.add_argument(
         "--no-snapshots",
         action="store_true",
@@ -956,8 +1074,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="diagnosis: py-spy the writer, projector and this process during the saturated "
         "churn (collapsed stacks in DIR; the sampling perturbs the figures)",
     )
-    p.add_argument("--quick", action="store_true",
-                   help="a look: 1 run, smaller sets, 3,000 churn events")  # fmt: skip
+    p.add_argument(
+        "--quick", action="store_true", help="a look: 1 run, smaller sets, 3,000 churn events"
+    )
     p.add_argument("--view-child", nargs=2, metavar=("URL", "QUERIES"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -973,15 +1092,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     points = points_of(args)
-    report: dict[str, Any] = {"machine": machine(), "settings": {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}  # fmt: skip
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
     started = time.perf_counter()
     results: dict[Point, list[dict[str, Any]]] = {p: [] for p in points}
     for run in range(args.runs):
         for point in points:
             if not args.json:
-                print(f"run {run + 1}/{args.runs}: {point.label} ...", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(f"run {run + 1}/{args.runs}: {point.label} ...", file=sys.stderr, flush=True)
             results[point].append(asyncio.run(one_point(args, point, run)))
     report["runs"] = [r for p in points for r in results[p]]
     report["nats_server"] = report["runs"][0]["nats_server"]

@@ -22,14 +22,21 @@ def read_stream(stream: str) -> list[str]:
     """Read a stream: info, single messages, consumers of one's own, their flow control, acks."""
     api = "$JS.API"
     return [
-        f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
-        f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
-        f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
-        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.*", f"{api}.CONSUMER.INFO.{stream}.*",
-        f"{api}.CONSUMER.DELETE.{stream}.*", f"{api}.CONSUMER.MSG.NEXT.{stream}.*",
-        f"{api}.CONSUMER.LIST.{stream}", f"{api}.CONSUMER.NAMES.{stream}",
-        f"$JS.FC.{stream}.>", f"$JS.ACK.{stream}.>",
-    ]  # fmt: skip
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+        f"{api}.CONSUMER.CREATE.{stream}",
+        f"{api}.CONSUMER.CREATE.{stream}.>",
+        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.*",
+        f"{api}.CONSUMER.INFO.{stream}.*",
+        f"{api}.CONSUMER.DELETE.{stream}.*",
+        f"{api}.CONSUMER.MSG.NEXT.{stream}.*",
+        f"{api}.CONSUMER.LIST.{stream}",
+        f"{api}.CONSUMER.NAMES.{stream}",
+        f"$JS.FC.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+    ]
 
 
 def subscriptions(config: Config, role: str) -> list[str]:
@@ -51,29 +58,61 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     info = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", *(f"$JS.API.STREAM.INFO.{s}" for s in streams)]
     provision = [f"$JS.API.STREAM.{op}.{s}" for s in streams for op in ("CREATE", "UPDATE")]
     return {
-        "router": ("publishes lifecycle events; acks come back on its inbox",
-                   [config.events_subjects]),
-        "scheduler": ("reads the registry bucket (RegistryView: KV get and watch); writes nothing",
-                      [*read_stream(registry)]),
-        "control": ("the worker control plane (seqstate worker add|remove|list): topology "
-                    "events on the control subject, and reads the bucket to confirm them",
-                    [config.control_subject, *info, *read_stream(registry)]),
-        "writer": ("folds the events (retention purges them), publishes deltas and dead letters, "
-                   "keeps snapshots, reads the projector's position in the bucket",
-                   [*info, *provision, *read_stream(events), *read_stream(deltas),
-                    *read_stream(registry), *read_stream(snapshots), config.deltas_subject,
-                    config.dead_letter_subject, f"$JS.API.STREAM.PURGE.{events}",
-                    f"$O.{config.snapshot_bucket}.>", f"$JS.API.STREAM.PURGE.{snapshots}"]),
-        "projector": ("reads the deltas, writes the bucket (loads, slots, position, its lease)",
-                      [*info, *provision, *read_stream(deltas), *read_stream(registry),
-                       f"$KV.{config.registry_bucket}.>"]),
-        "replay": ("an operator's read-only tools: replay (--verify), status, loads, watch, "
-                   "snapshot list/show, nats micro list|info|stats",
-                   [*info, *(subject for s in streams for subject in read_stream(s)), "$SRV.>",
-                    f"seqstate.svc.{config.namespace}.>"]),
-        "demo": ("the demo router: a router that also shows the registry's live table",
-                 [config.events_subjects, *info, *read_stream(registry)]),
-    }  # fmt: skip
+        "router": (
+            "publishes lifecycle events; acks come back on its inbox",
+            [config.events_subjects],
+        ),
+        "scheduler": (
+            "reads the registry bucket (RegistryView: KV get and watch); writes nothing",
+            [*read_stream(registry)],
+        ),
+        "control": (
+            "the worker control plane (seqstate worker add|remove|list): topology "
+            "events on the control subject, and reads the bucket to confirm them",
+            [config.control_subject, *info, *read_stream(registry)],
+        ),
+        "writer": (
+            "folds the events (retention purges them), publishes deltas and dead letters, "
+            "keeps snapshots, reads the projector's position in the bucket",
+            [
+                *info,
+                *provision,
+                *read_stream(events),
+                *read_stream(deltas),
+                *read_stream(registry),
+                *read_stream(snapshots),
+                config.deltas_subject,
+                config.dead_letter_subject,
+                f"$JS.API.STREAM.PURGE.{events}",
+                f"$O.{config.snapshot_bucket}.>",
+                f"$JS.API.STREAM.PURGE.{snapshots}",
+            ],
+        ),
+        "projector": (
+            "reads the deltas, writes the bucket (loads, slots, position, its lease)",
+            [
+                *info,
+                *provision,
+                *read_stream(deltas),
+                *read_stream(registry),
+                f"$KV.{config.registry_bucket}.>",
+            ],
+        ),
+        "replay": (
+            "an operator's read-only tools: replay (--verify), status, loads, watch, "
+            "snapshot list/show, nats micro list|info|stats",
+            [
+                *info,
+                *(subject for s in streams for subject in read_stream(s)),
+                "$SRV.>",
+                f"seqstate.svc.{config.namespace}.>",
+            ],
+        ),
+        "demo": (
+            "the demo router: a router that also shows the registry's live table",
+            [config.events_subjects, *info, *read_stream(registry)],
+        ),
+    }
 
 
 HEADER = """\
@@ -99,9 +138,18 @@ HEADER = """\
 
 def render(config: Config) -> str:
     streams = ", ".join((config.events_stream, config.deltas_stream, dead_letter_stream(config)))
-    out = [HEADER.format(ns=config.namespace, streams=streams, bucket=config.registry_bucket,
-                         snapshots=config.snapshot_bucket), "accounts {", "  SEQSTATE {",
-           "    jetstream: enabled", "    users: ["]  # fmt: skip
+    out = [
+        HEADER.format(
+            ns=config.namespace,
+            streams=streams,
+            bucket=config.registry_bucket,
+            snapshots=config.snapshot_bucket,
+        ),
+        "accounts {",
+        "  SEQSTATE {",
+        "    jetstream: enabled",
+        "    users: [",
+    ]
     for role, (what, publish) in permissions(config).items():
         out.append(f"      # {role}: {what}")
         out.append(f"      {{ user: {role}, password: $SEQSTATE_{role.upper()}_PASSWORD,")

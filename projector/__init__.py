@@ -1,1 +1,88 @@
-"""NATS JetStream I/O around the seqstate core: every byte that crosses a socket lives here."""
+"""seqstate's NATS side: what routers, schedulers and operators import.
+
+``from projector import RouterPublisher, RegistryView, Config`` is the public face; the wings
+below (``projector.route``, ``projector.read``, ``projector.wire``...) are the layout, and a
+name imported from a wing may move. Every error is a :class:`SeqstateError`.
+
+Names are imported when first used, so that ``import projector`` (which every module of the
+package runs first, the CLI and the replay reader's child process included) costs nothing.
+The module paths of 0.1 (``projector.publisher``, ``projector.reader``...) still import, with a
+DeprecationWarning, for one release (:mod:`projector._moved`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from projector import _moved
+
+if TYPE_CHECKING:
+    from projector.nats.connection import ConnectError, connect
+    from projector.ops.workers import (
+        WorkerChange,
+        WorkerControl,
+        WorkerControlError,
+        WorkerNotRegistered,
+        WorkerRefused,
+    )
+    from projector.read.reader import RegistryUnavailable, RegistryView
+    from projector.read.view_metrics import view_collector
+    from projector.route.publisher import EventTooLarge, PublishError, RouterPublisher
+    from projector.wire.config import Config, ConfigError
+    from seqstate.errors import SeqstateError
+
+# name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "RouterPublisher": "projector.route.publisher",
+    "PublishError": "projector.route.publisher",
+    "EventTooLarge": "projector.route.publisher",
+    "RegistryView": "projector.read.reader",
+    "RegistryUnavailable": "projector.read.reader",
+    "view_collector": "projector.read.view_metrics",
+    "Config": "projector.wire.config",
+    "ConfigError": "projector.wire.config",
+    "connect": "projector.nats.connection",
+    "ConnectError": "projector.nats.connection",
+    "WorkerControl": "projector.ops.workers",
+    "WorkerChange": "projector.ops.workers",
+    "WorkerControlError": "projector.ops.workers",
+    "WorkerNotRegistered": "projector.ops.workers",
+    "WorkerRefused": "projector.ops.workers",
+    "SeqstateError": "seqstate.errors",
+}
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "ConnectError",
+    "EventTooLarge",
+    "PublishError",
+    "RegistryUnavailable",
+    "RegistryView",
+    "RouterPublisher",
+    "SeqstateError",
+    "WorkerChange",
+    "WorkerControl",
+    "WorkerControlError",
+    "WorkerNotRegistered",
+    "WorkerRefused",
+    "connect",
+    "view_collector",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'projector' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+_moved.install()

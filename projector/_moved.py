@@ -15,28 +15,20 @@ import sys
 import warnings
 from types import ModuleType
 
-# old module name (under projector.) -> its wing
-MOVED: dict[str, str] = {
-    **dict.fromkeys(("config", "values"), "wire"),
-    **dict.fromkeys(
-        ("connection", "security", "server", "resources", "stream", "frames", "retry", "tasks",
-         "lease", "lag", "dead_letters", "retention", "snapshots", "logs", "progress",
-         "stream_reader", "discovery"),
-        "nats",
-    ),  # fmt: skip
-    **dict.fromkeys(("writer", "delta_log", "snapshotter"), "write"),
-    **dict.fromkeys(("projection", "image", "bucket", "reader"), "read"),
-    **dict.fromkeys(("publisher", "outcomes"), "route"),
-    **dict.fromkeys(("pipeline", "standby"), "run"),
-    **dict.fromkeys(
-        ("http_server", "slot_api", "slot_service", "serde_errors", "tracker_names"), "http"
-    ),
-    **dict.fromkeys(
-        ("cli", "flags", "status", "top", "live", "inspection", "replay", "progress_bar",
-         "health", "metrics", "demo", "workload", "workers"),
-        "ops",
-    ),  # fmt: skip
+# each wing, and the 0.1 modules (projector.<name>) that moved into it
+WINGS: dict[str, str] = {
+    "wire": "config values",
+    "nats": "connection security server resources stream frames retry tasks lease lag "
+    "dead_letters retention snapshots logs progress stream_reader discovery",
+    "write": "writer delta_log snapshotter",
+    "read": "projection image bucket reader",
+    "route": "publisher outcomes",
+    "run": "pipeline standby",
+    "http": "http_server slot_api slot_service serde_errors tracker_names",
+    "ops": "cli flags status top live inspection replay progress_bar health metrics demo "
+    "workload workers",
 }
+MOVED: dict[str, str] = {old: wing for wing, names in WINGS.items() for old in names.split()}
 
 
 class _Alias(importlib.abc.Loader):

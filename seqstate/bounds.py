@@ -35,14 +35,17 @@ class RankBounds:
         if isinstance(event, RouterHeartbeat):
             if event.router_id in state.routers or len(state.routers) < self.routers:
                 return ""
-            return (f"{len(state.routers)} live routers already, the bound (max_routers); "
-                    f"router {event.router_id!r} is not tracked")  # fmt: skip
+            return (
+                f"{len(state.routers)} live routers already, the bound (max_routers); "
+                f"router {event.router_id!r} is not tracked"
+            )
         if isinstance(event, AddRequest):
             rank = (event.worker_id, event.dp_rank)
             if rank in workers.slots or not state.lazy_workers:
                 return ""  # an existing rank, or none is created (unknown_worker)
-            return self._over(event.worker_id, workers.ranks_of(event.worker_id) + 1,
-                              len(workers.slots) + 1)  # fmt: skip
+            return self._over(
+                event.worker_id, workers.ranks_of(event.worker_id) + 1, len(workers.slots) + 1
+            )
         if isinstance(event, WorkerAdded):
             worker_id = event.worker_id
             wanted = range(event.dp_start, event.dp_start + event.dp_size)
@@ -52,15 +55,20 @@ class RankBounds:
             old = workers.ranges.get(worker_id)
             dropped = sum(1 for r in (old.ranks() if old else ()) if r in have and r not in wanted)
             added = sum(1 for r in wanted if r not in have)
-            return self._over(worker_id, len(have) + added - dropped,
-                              len(workers.slots) + added - dropped)  # fmt: skip
+            return self._over(
+                worker_id, len(have) + added - dropped, len(workers.slots) + added - dropped
+            )
         return ""
 
     def _over(self, worker_id: int, worker_ranks: int, total: int) -> str:
         if worker_ranks > self.per_worker:
-            return (f"worker {worker_id} would have {worker_ranks} ranks, over the bound of "
-                    f"{self.per_worker} per worker (max_ranks_per_worker)")  # fmt: skip
+            return (
+                f"worker {worker_id} would have {worker_ranks} ranks, over the bound of "
+                f"{self.per_worker} per worker (max_ranks_per_worker)"
+            )
         if total > self.total:
-            return (f"the write model would hold {total} ranks, over the bound of "
-                    f"{self.total} (max_ranks)")  # fmt: skip
+            return (
+                f"the write model would hold {total} ranks, over the bound of "
+                f"{self.total} (max_ranks)"
+            )
         return ""

@@ -228,9 +228,13 @@ def _decode_slot(state: SequenceState, s: _Slot) -> ActiveSequences:
             raise ValueError(f"request {r.request_id!r} on two ranks")
         blocks.acquire(r.hashes)
         slot.requests[r.request_id] = RequestState(
-            r.hashes, r.added_ns, r.expected_output_tokens, r.marked, r.outputs,
+            r.hashes,
+            r.added_ns,
+            r.expected_output_tokens,
+            r.marked,
+            r.outputs,
             i if r.slot < 0 else r.slot,
-        )  # fmt: skip
+        )
         if r.outputs:
             blocks.outputs += len(r.outputs)
         owner[r.request_id] = rank

@@ -101,8 +101,10 @@ class SequenceState:
         if worker_grace_s is not None and not 0 < worker_grace_s <= MAX_EXPIRY_S:
             raise ValueError(f"worker_grace_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
         if worker_grace_s is not None and slot_tracker:
-            raise ValueError("worker_grace_s has no place under the slot-tracker rules, where "
-                             "an unregistered worker's requests are dropped at once")  # fmt: skip
+            raise ValueError(
+                "worker_grace_s has no place under the slot-tracker rules, where "
+                "an unregistered worker's requests are dropped at once"
+            )
         self.worker_grace_s = worker_grace_s
         # Removed workers' busy ranks, parked for the grace (empty and unused without one).
         self.departures = Departures(
@@ -372,8 +374,14 @@ class SequenceState:
                 all_expired.extend(expired)
                 changes.append(RankChange(rank, slot.load(), released))
         gone = self._idle_lazy_ranks(now) if self.forget_lazy_ns is not None else []
-        return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes, expired=all_expired,
-                     removed_ranks=gone, orphaned=orphaned)  # fmt: skip
+        return Delta(
+            outcome=outcomes.APPLIED,
+            at_ns=now,
+            changes=changes,
+            expired=all_expired,
+            removed_ranks=gone,
+            orphaned=orphaned,
+        )
 
     # ---- routers ----------------------------------------------------------------------------
 
@@ -398,8 +406,9 @@ class SequenceState:
         changes, orphaned = self._orphan_lapsed(now)
         self.routers.pop(event.router_id, None)
         more, left = self._free_router(event.router_id, now)
-        return Delta(outcome=outcomes.APPLIED, at_ns=now, changes=changes + more,
-                     orphaned=orphaned + left)  # fmt: skip
+        return Delta(
+            outcome=outcomes.APPLIED, at_ns=now, changes=changes + more, orphaned=orphaned + left
+        )
 
     def _orphan_lapsed(self, now: int) -> tuple[list[RankChange], list[str]]:
         """Free the requests of every router silent for ``orphan_after_s`` (oldest first)."""
@@ -490,8 +499,9 @@ class SequenceState:
                 return Delta(outcome=outcomes.WORKER_EXISTS, at_ns=now)
             wanted = event.block_size
             if wanted is not None and self.block_size not in (None, wanted):
-                return Delta(outcome=outcomes.BLOCK_SIZE_MISMATCH, at_ns=now,
-                             block_size=self.block_size)  # fmt: skip
+                return Delta(
+                    outcome=outcomes.BLOCK_SIZE_MISMATCH, at_ns=now, block_size=self.block_size
+                )
             if self.block_size is None:
                 self.block_size = wanted
         elif self.workers.ranges.get(worker_id) == worker:
@@ -537,8 +547,12 @@ class SequenceState:
             )
             if self.slot_tracker and not self.workers.ranges:
                 self.block_size = None  # the last worker went: so did the tracker
-                return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed,
-                             block_size=TRACKER_ENDED)  # fmt: skip
+                return Delta(
+                    outcome=outcomes.APPLIED,
+                    at_ns=now,
+                    removed_ranks=change.removed,
+                    block_size=TRACKER_ENDED,
+                )
             return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
         slots = self._slots
         busy = {

@@ -56,8 +56,9 @@ class Handler(Protocol):
 
 def response(status: int, payload: object, *, close: bool, allow: str | None = None) -> bytes:
     body = b"" if payload is None else msgspec.json.encode(payload)
-    head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
-            f"content-length: {len(body)}\r\n").encode()  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-length: {len(body)}\r\n"
+    ).encode()
     if payload is not None:
         head += b"content-type: application/json\r\n"
     if allow is not None:
@@ -134,8 +135,11 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         close = self.close_after
         if self.too_large:
-            self._reply_now(413, {"error": "Failed to buffer the request body: length limit "
-                                           "exceeded"}, close=close)  # fmt: skip
+            self._reply_now(
+                413,
+                {"error": "Failed to buffer the request body: length limit exceeded"},
+                close=close,
+            )
             return
         parsed = httptools.parse_url(self.url)
         path = parsed.path.decode("utf-8", "replace")

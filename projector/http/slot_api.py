@@ -91,16 +91,23 @@ def register_problem(body: RegisterBody) -> str | None:
 def event_for(body: Struct) -> Event:
     """The lifecycle event a mutating call publishes."""
     if isinstance(body, RegisterBody):
-        return WorkerAdded(worker_id=body.worker_id, dp_start=body.dp_start,
-                           dp_size=body.dp_size, block_size=body.block_size)  # fmt: skip
+        return WorkerAdded(
+            worker_id=body.worker_id,
+            dp_start=body.dp_start,
+            dp_size=body.dp_size,
+            block_size=body.block_size,
+        )
     if isinstance(body, UnregisterBody):
         return WorkerRemovedEvent(worker_id=body.worker_id)
     if isinstance(body, AddBody):
-        return AddRequest(request_id=body.request_id, worker_id=body.worker_id,
-                          dp_rank=body.dp_rank,
-                          block_hashes=[as_u64(h) for h in body.sequence_hashes],
-                          prefill_tokens=body.new_isl_tokens,
-                          track_prefill_tokens=body.new_isl_tokens > 0)  # fmt: skip
+        return AddRequest(
+            request_id=body.request_id,
+            worker_id=body.worker_id,
+            dp_rank=body.dp_rank,
+            block_hashes=[as_u64(h) for h in body.sequence_hashes],
+            prefill_tokens=body.new_isl_tokens,
+            track_prefill_tokens=body.new_isl_tokens > 0,
+        )
     raise TypeError(f"no event for {type(body).__name__}")
 
 
@@ -117,9 +124,13 @@ def _rank(worker_id: int, dp_rank: int) -> str:
 
 
 def answer(
-    route: str, body: _Tracker, outcome: str | None, *, owner: tuple[int, int] | None = None,
+    route: str,
+    body: _Tracker,
+    outcome: str | None,
+    *,
+    owner: tuple[int, int] | None = None,
     block_size: int | None = None,
-) -> tuple[int, object]:  # fmt: skip
+) -> tuple[int, object]:
     """The status and JSON body Dynamo's tracker answers a call whose event had ``outcome``
     (None: the writer refused the event, which the checks before publishing should make
     impossible; answered 500 rather than guessed)."""
@@ -134,8 +145,10 @@ def answer(
         if outcome == "worker_exists":
             return 409, {"error": f"worker {body.worker_id} already registered for {where}"}
         if outcome == "block_size_mismatch":
-            return 409, {"error": f"block_size mismatch for {where}: existing={block_size}, "
-                                  f"requested={body.block_size}"}  # fmt: skip
+            return 409, {
+                "error": f"block_size mismatch for {where}: existing={block_size}, "
+                f"requested={body.block_size}"
+            }
     elif route == "/unregister":
         assert isinstance(body, UnregisterBody)
         if outcome == "applied":

@@ -76,8 +76,12 @@ _DECODERS: dict[str, msgspec.json.Decoder] = {  # type: ignore[type-arg]
     "/potential_loads": msgspec.json.Decoder(PotentialLoadsBody),
 }
 READS = frozenset({"/loads", "/workers", "/potential_loads"})
-ROUTES: dict[str, str] = {**dict.fromkeys(_DECODERS, "POST"), "/loads": "GET",
-                          "/workers": "GET", "/health": "GET"}  # fmt: skip
+ROUTES: dict[str, str] = {
+    **dict.fromkeys(_DECODERS, "POST"),
+    "/loads": "GET",
+    "/workers": "GET",
+    "/health": "GET",
+}
 
 
 _Body = RegisterBody | UnregisterBody | AddBody | RequestBody
@@ -170,12 +174,17 @@ class SlotService:
             view = await RegistryView(self.nc, config=config).start()
             # A msg-id prefix of its own (the events stream is shared by every namespace, and
             # by every serving process): no two publishers ever deduplicate each other.
-            publisher = RouterPublisher(self.nc, router_id=f"slots-{uuid.uuid4().hex}",
-                                        config=config)  # fmt: skip
+            publisher = RouterPublisher(
+                self.nc, router_id=f"slots-{uuid.uuid4().hex}", config=config
+            )
             tracker = _Tracker(model, group, config, standby, task, outcomes, view, publisher)
             self.trackers[namespace] = tracker
-            log.info("serving tracker model=%s routing_group=%s", model, group,
-                     extra={"namespace": namespace})
+            log.info(
+                "serving tracker model=%s routing_group=%s",
+                model,
+                group,
+                extra={"namespace": namespace},
+            )
             return tracker
 
     async def _existing(self, namespace: str) -> _Tracker | None:
@@ -255,9 +264,11 @@ class SlotService:
             problem = register_problem(parsed)
             if problem is None and parsed.dp_size > self.config.max_ranks_per_worker:
                 # Dynamo has no bound; the ledger does (a worker's ranks are its keys).
-                problem = (f"dp_size {parsed.dp_size} is over this ledger's bound of "
-                           f"{self.config.max_ranks_per_worker} ranks per worker "
-                           "(--max-ranks-per-worker)")  # fmt: skip
+                problem = (
+                    f"dp_size {parsed.dp_size} is over this ledger's bound of "
+                    f"{self.config.max_ranks_per_worker} ranks per worker "
+                    "(--max-ranks-per-worker)"
+                )
             if problem is not None:
                 return _now(400, {"error": problem})
             tracker: _Tracker | None = await self._open(namespace)
@@ -267,8 +278,9 @@ class SlotService:
             if isinstance(parsed, UnregisterBody):
                 return _now(*answer(path, parsed, "unknown_worker"))
             return _now(404, {"error": f"no slot tracker for {parsed.where()}"})
-        event = (request_event(path, parsed) if isinstance(parsed, RequestBody)
-                 else event_for(parsed))  # fmt: skip
+        event = (
+            request_event(path, parsed) if isinstance(parsed, RequestBody) else event_for(parsed)
+        )
         seq = await tracker.publisher.publish(event)
         return self._finish(tracker, path, parsed, seq, event)
 
@@ -278,9 +290,16 @@ class SlotService:
         """The answer to a stored event: the writer's outcome of it."""
         result = await tracker.outcomes.of(seq, self.outcome_wait_s)
         if result.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):
-            log.debug("%s: %s", path, result.outcome or "refused by the writer",
-                      extra={**event_fields(event), "stream_seq": seq,
-                             "namespace": tracker.config.namespace})  # fmt: skip
+            log.debug(
+                "%s: %s",
+                path,
+                result.outcome or "refused by the writer",
+                extra={
+                    **event_fields(event),
+                    "stream_seq": seq,
+                    "namespace": tracker.config.namespace,
+                },
+            )
         if result.outcome is None:  # refused by the writer: nothing for a view to show
             return answer(path, parsed, None)
         namespace = tracker.config.namespace
@@ -288,24 +307,29 @@ class SlotService:
             self._answered[namespace] = seq
         if isinstance(parsed, (RegisterBody, UnregisterBody)):
             await tracker.view.wait_for(seq, self.outcome_wait_s)  # in the bucket for all
-        return answer(path, parsed, result.outcome, owner=result.owner,
-                      block_size=result.block_size)  # fmt: skip
+        return answer(
+            path, parsed, result.outcome, owner=result.owner, block_size=result.block_size
+        )
 
     # ---- reads ------------------------------------------------------------------------------
 
     async def _caught_up(self, tracker: _Tracker) -> None:
         """Until the tracker's view reflects every call this process has answered."""
-        await tracker.view.wait_for(self._answered.get(tracker.config.namespace, 0),
-                                    self.outcome_wait_s)  # fmt: skip
+        await tracker.view.wait_for(
+            self._answered.get(tracker.config.namespace, 0), self.outcome_wait_s
+        )
 
     async def _matching(self, query: dict[str, str]) -> list[_Tracker]:
         model, group = query.get("model_name"), query.get("routing_group")
         found = sorted(
-            (t for t in self.trackers.values()
-             if (model is None or t.model_name == model)
-             and (group is None or t.routing_group == group)),
+            (
+                t
+                for t in self.trackers.values()
+                if (model is None or t.model_name == model)
+                and (group is None or t.routing_group == group)
+            ),
             key=lambda t: (t.model_name, t.routing_group),
-        )  # fmt: skip
+        )
         for tracker in found:
             await self._caught_up(tracker)
         return found
@@ -314,8 +338,16 @@ class SlotService:
         out = []
         for t in await self._matching(query):
             for row in t.view.loads():
-                out.append(LoadOut(t.model_name, t.routing_group, row.worker_id, row.dp_rank,
-                                   row.active_prefill_tokens, row.active_blocks))  # fmt: skip
+                out.append(
+                    LoadOut(
+                        t.model_name,
+                        t.routing_group,
+                        row.worker_id,
+                        row.dp_rank,
+                        row.active_prefill_tokens,
+                        row.active_blocks,
+                    )
+                )
         return out
 
     async def _workers(self, query: dict[str, str]) -> list[WorkerOut]:
@@ -326,8 +358,16 @@ class SlotService:
                 ranks.setdefault(row.worker_id, []).append(row.dp_rank)
             block_size = t.view.block_size or 0
             for worker_id, dp_ranks in sorted(ranks.items()):
-                out.append(WorkerOut(worker_id, t.model_name, t.routing_group, block_size,
-                                     min(dp_ranks), len(dp_ranks)))  # fmt: skip
+                out.append(
+                    WorkerOut(
+                        worker_id,
+                        t.model_name,
+                        t.routing_group,
+                        block_size,
+                        min(dp_ranks),
+                        len(dp_ranks),
+                    )
+                )
         return out
 
     async def _potential(self, namespace: str, body: PotentialLoadsBody) -> tuple[int, object]:

@@ -27,13 +27,10 @@ from projector.nats.security import (
     client_tls,
     config_secrets,
     connect_settings_from_env,
-    redact,
-    scrub,
-    secrets_in,
-    server_urls,
 )
 from projector.nats.server import NatsServer
 from projector.wire.config import Config
+from projector.wire.redaction import redact, scrub, secrets_in, server_urls
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate")
@@ -79,17 +76,23 @@ def describe_failure(
     elif _is_auth_refusal(exc) and (signed_in or secrets_in(url)):
         why = f"NATS at {shown} refused the credentials (authorization violation)"
     elif _is_auth_refusal(exc):
-        why = (f"NATS at {shown} requires credentials (authorization violation): set "
-               "SEQSTATE_NATS_USER and SEQSTATE_NATS_PASSWORD, SEQSTATE_NATS_TOKEN, "
-               "SEQSTATE_NATS_NKEY_SEED or SEQSTATE_NATS_CREDS (or use a URL "
-               "with them)")  # fmt: skip
+        why = (
+            f"NATS at {shown} requires credentials (authorization violation): set "
+            "SEQSTATE_NATS_USER and SEQSTATE_NATS_PASSWORD, SEQSTATE_NATS_TOKEN, "
+            "SEQSTATE_NATS_NKEY_SEED or SEQSTATE_NATS_CREDS (or use a URL "
+            "with them)"
+        )
     elif isinstance(exc, ssl.SSLCertVerificationError):
         reason = exc.verify_message or str(exc)
-        why = (f"the TLS certificate of NATS at {shown} is not trusted ({reason}): set "
-               "SEQSTATE_TLS_CA to the CA file that signed it")  # fmt: skip
+        why = (
+            f"the TLS certificate of NATS at {shown} is not trusted ({reason}): set "
+            "SEQSTATE_TLS_CA to the CA file that signed it"
+        )
     elif isinstance(exc, ssl.SSLError) and "CERTIFICATE_REQUIRED" in str(exc.reason):
-        why = (f"NATS at {shown} requires a client certificate: set SEQSTATE_TLS_CERT and "
-               "SEQSTATE_TLS_KEY")  # fmt: skip
+        why = (
+            f"NATS at {shown} requires a client certificate: set SEQSTATE_TLS_CERT and "
+            "SEQSTATE_TLS_KEY"
+        )
     elif isinstance(exc, ssl.SSLError):
         why = f"TLS handshake with NATS at {shown} failed: {exc.reason or exc}"
     else:
@@ -106,9 +109,13 @@ class _Callbacks:
     """nats-py's callbacks: while dialing they collect errors, afterwards they log them."""
 
     def __init__(
-        self, url: str, *, service: bool, signed_in: bool = False,
+        self,
+        url: str,
+        *,
+        service: bool,
+        signed_in: bool = False,
         secrets: frozenset[str] = frozenset(),
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.url = url
         self.service = service
         self.signed_in = signed_in
@@ -150,8 +157,11 @@ async def _watch(dialing: asyncio.Future[Client], callbacks: _Callbacks, until: 
         news = asyncio.ensure_future(callbacks.progress.wait())
         either: set[asyncio.Future[Any]] = {dialing, callbacks.refused, news}
         try:
-            await asyncio.wait(either, timeout=min(STALLED_S, until - loop.time()),
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            await asyncio.wait(
+                either,
+                timeout=min(STALLED_S, until - loop.time()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             news.cancel()
         if news.cancelled() or not news.done():
@@ -174,12 +184,19 @@ async def _dial(
     until = loop.time() + (ONE_SHOT_CONNECT_S if not callbacks.service else float("inf"))
     options: dict[str, Any] = {**auth, "tls": tls} if tls is not None else dict(auth)
     while True:
-        dialing = asyncio.ensure_future(nats.connect(
-            server_urls(url), connect_timeout=3, allow_reconnect=True,
-            max_reconnect_attempts=-1 if callbacks.service else 3, reconnect_time_wait=0.5,
-            error_cb=callbacks.on_error, disconnected_cb=callbacks.on_disconnect,
-            reconnected_cb=callbacks.on_reconnect, **options,
-        ))  # fmt: skip
+        dialing = asyncio.ensure_future(
+            nats.connect(
+                server_urls(url),
+                connect_timeout=3,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1 if callbacks.service else 3,
+                reconnect_time_wait=0.5,
+                error_cb=callbacks.on_error,
+                disconnected_cb=callbacks.on_disconnect,
+                reconnected_cb=callbacks.on_reconnect,
+                **options,
+            )
+        )
         try:
             await _watch(dialing, callbacks, until)
         finally:
@@ -191,8 +208,9 @@ async def _dial(
             return dialing.result()
         if callbacks.refused.done() or loop.time() >= until or not callbacks.service:
             raise ConnectError(callbacks.describe(_cause(dialing, callbacks)))
-        log.warning("nats: no progress connecting to %s for %.0f s; dialing again", redact(url),
-                    STALLED_S)  # fmt: skip
+        log.warning(
+            "nats: no progress connecting to %s for %.0f s; dialing again", redact(url), STALLED_S
+        )
 
 
 def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseException | None:
@@ -221,8 +239,12 @@ async def connect(
     asyncio_log = logging.getLogger("asyncio")
     if _quiet_tls_eof not in asyncio_log.filters:
         asyncio_log.addFilter(_quiet_tls_eof)
-    callbacks = _Callbacks(url, service=service, signed_in=settings.has_credentials,
-                           secrets=frozenset(config_secrets(settings)))  # fmt: skip
+    callbacks = _Callbacks(
+        url,
+        service=service,
+        signed_in=settings.has_credentials,
+        secrets=frozenset(config_secrets(settings)),
+    )
     nc = await _dial(url, callbacks, tls, auth)
     try:
         yield nc
@@ -250,10 +272,17 @@ async def nats_for(
         raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
     async with NatsServer(store_dir, port=port, any_port_if_taken=True) as server:
         if server.fell_back_from is not None:
-            log.warning("port %d is taken: the embedded nats-server listens on %s instead",
-                        server.fell_back_from, server.url)  # fmt: skip
-        log.info("embedded nats-server at %s (export NATS_URL=%s), JetStream in %s",
-                 server.url, server.url, store_dir)  # fmt: skip
+            log.warning(
+                "port %d is taken: the embedded nats-server listens on %s instead",
+                server.fell_back_from,
+                server.url,
+            )
+        log.info(
+            "embedded nats-server at %s (export NATS_URL=%s), JetStream in %s",
+            server.url,
+            server.url,
+            store_dir,
+        )
         async with connect(server.url, service=True, config=config) as nc:
             yield nc, server.url
 

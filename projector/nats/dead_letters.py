@@ -19,8 +19,16 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
-from projector.nats.stream import MSG_ID, SOURCE_SEQ
 from projector.wire.config import Config
+from projector.wire.headers import (
+    MSG_ID,
+    REASON,
+    SIZE,
+    SOURCE_SEQ,
+    SOURCE_STREAM,
+    SUBJECT,
+    TRUNCATED,
+)
 
 log = logging.getLogger("seqstate.dead")
 
@@ -33,11 +41,6 @@ IMPLAUSIBLE = "implausible"  # a delta no writer of the namespace could have wri
 WRITER_KINDS = (UNDECODABLE, TOO_LARGE, OUT_OF_BOUNDS)  # of events
 PROJECTOR_KINDS = (UNDECODABLE, IMPLAUSIBLE)  # of deltas
 
-REASON = "Seqstate-Reason"
-SOURCE_STREAM = "Seqstate-Source-Stream"
-SUBJECT = "Seqstate-Subject"
-SIZE = "Seqstate-Size"  # the original payload's size in bytes
-TRUNCATED = "Seqstate-Truncated"  # present when the payload kept is a prefix
 PREFIX_BYTES = 64 * 1024  # of a large payload, enough to see what it was
 REASON_CHARS = 1000
 HEADROOM = 4096  # for the headers and the protocol line, under the server's limit
@@ -81,10 +84,15 @@ class DeadLetters:
         payload."""
         if kind not in self.counts:
             raise ValueError(f"dead letter kind {kind!r}: not one of {tuple(self.counts)}")
-        log.warning("dead letter: %s %d on %s (%d bytes): %s", stream, seq, subject,
-                    len(payload), one_line(reason, 300),
-                    extra={**(fields or {}), "stream_seq": seq,
-                           "namespace": self._config.namespace})  # fmt: skip
+        log.warning(
+            "dead letter: %s %d on %s (%d bytes): %s",
+            stream,
+            seq,
+            subject,
+            len(payload),
+            one_line(reason, 300),
+            extra={**(fields or {}), "stream_seq": seq, "namespace": self._config.namespace},
+        )
         headers = {
             MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",
             REASON: one_line(reason),
@@ -98,7 +106,8 @@ class DeadLetters:
             kept = payload[: self._keep]
             headers[TRUNCATED] = "true"
         subject = self._config.dead_letter_subject
-        await retrying(lambda: self._js.publish(subject, kept, headers=headers,
-                                                timeout=ATTEMPT_TIMEOUT_S),
-                       f"dead letter of {stream} {seq}")  # fmt: skip
+        await retrying(
+            lambda: self._js.publish(subject, kept, headers=headers, timeout=ATTEMPT_TIMEOUT_S),
+            f"dead letter of {stream} {seq}",
+        )
         self.counts[kind] += 1

@@ -74,8 +74,9 @@ async def announced(
         async def answer(request: Request) -> None:
             await request.respond(msgspec.json.encode(status()))
 
-        await service.add_endpoint(name="status", subject=status_subject(config, kind),
-                                   handler=answer)  # fmt: skip
+        await service.add_endpoint(
+            name="status", subject=status_subject(config, kind), handler=answer
+        )
     except (nats.errors.Error, OSError) as exc:
         log.warning("not registered as a NATS service (%s): %s", NAMES[kind], exc)
         yield None
@@ -85,4 +86,3 @@ async def announced(
     finally:
         with contextlib.suppress(nats.errors.Error, OSError):
             await service.stop()
-

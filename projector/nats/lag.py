@@ -38,8 +38,8 @@ from nats.js.errors import NotFoundError
 
 from projector.nats.retry import ATTEMPT_TIMEOUT_S
 from projector.nats.stream import last_seq_of
+from projector.wire.chain import covered_source
 from projector.wire.config import Config
-from projector.write.delta_log import covered_source
 
 REPEAT_S = 60.0  # while behind, the warning is repeated this often
 CAUGHT_UP = 0.1  # caught up again: under this share of each threshold
@@ -70,14 +70,18 @@ def describe(who: str, lag: Lag) -> str:
     if who == "writer":
         if not lag.events:
             return f"nothing to fold (folded up to event {lag.position})"
-        return (f"{lag.events:,} events stored but not folded yet (folded up to event "
-                f"{lag.position}, the log at {lag.newest}), the oldest logged "
-                f"{lag.oldest_age_s:.1f}s ago")  # fmt: skip
+        return (
+            f"{lag.events:,} events stored but not folded yet (folded up to event "
+            f"{lag.position}, the log at {lag.newest}), the oldest logged "
+            f"{lag.oldest_age_s:.1f}s ago"
+        )
     if not lag.messages:
         return f"every delta is in the bucket (up to event {lag.position})"
-    return (f"{lag.events:,} events in {lag.messages:,} delta messages not in the bucket yet "
-            f"(the bucket at event {lag.position}, the deltas at {lag.newest}), the oldest "
-            f"stored {lag.oldest_age_s:.1f}s ago")  # fmt: skip
+    return (
+        f"{lag.events:,} events in {lag.messages:,} delta messages not in the bucket yet "
+        f"(the bucket at event {lag.position}, the deltas at {lag.newest}), the oldest "
+        f"stored {lag.oldest_age_s:.1f}s ago"
+    )
 
 
 def thresholds(config: Config) -> str:
@@ -204,18 +208,32 @@ class LagWatch:
                 self._since = self._said = now
                 self._worst = lag.events
                 self.warnings += 1
-                self._log.warning("%s falling behind: %s (it warns at %s)", self.who,
-                                  describe(self.who, lag), thresholds(self.config),
-                                  extra=self._context)  # fmt: skip
+                self._log.warning(
+                    "%s falling behind: %s (it warns at %s)",
+                    self.who,
+                    describe(self.who, lag),
+                    thresholds(self.config),
+                    extra=self._context,
+                )
             return
         self._worst = max(self._worst, lag.events)
         if not over(self.config, lag, share=CAUGHT_UP):
             self.behind = False
-            self._log.warning("%s caught up: %s, after %.1fs behind (at most %s events)",
-                              self.who, describe(self.who, lag), now - self._since,
-                              f"{self._worst:,}", extra=self._context)  # fmt: skip
+            self._log.warning(
+                "%s caught up: %s, after %.1fs behind (at most %s events)",
+                self.who,
+                describe(self.who, lag),
+                now - self._since,
+                f"{self._worst:,}",
+                extra=self._context,
+            )
         elif now - self._said >= REPEAT_S:
             self._said = now
             self.warnings += 1
-            self._log.warning("%s still behind after %.0fs: %s", self.who, now - self._since,
-                              describe(self.who, lag), extra=self._context)  # fmt: skip
+            self._log.warning(
+                "%s still behind after %.0fs: %s",
+                self.who,
+                now - self._since,
+                describe(self.who, lag),
+                extra=self._context,
+            )

@@ -159,8 +159,9 @@ class Lease:
         self.renew_s = renew_s
         self.poll_s = min(renew_s / 4, 0.25)  # how often a waiter looks at the key
         started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        self.holder = Holder(kind, uuid.uuid4().hex, socket.gethostname(), os.getpid(), started,
-                             ttl_s, PID_SPACE)  # fmt: skip
+        self.holder = Holder(
+            kind, uuid.uuid4().hex, socket.gethostname(), os.getpid(), started, ttl_s, PID_SPACE
+        )
         self._value = _encoder.encode(self.holder)
         self._js = nc.jetstream()
         self._bucket = config.registry_bucket
@@ -214,8 +215,12 @@ class Lease:
                 await asyncio.sleep(self.poll_s)
                 continue
             previous = f"a {holder.kind} ({holder.describe()})" if holder else "an unreadable value"
-            log.warning("took over the lease of namespace %r from %s: %s", self.namespace, previous,
-                        "its process is gone" if dead else "not renewed for its TTL")  # fmt: skip
+            log.warning(
+                "took over the lease of namespace %r from %s: %s",
+                self.namespace,
+                previous,
+                "its process is gone" if dead else "not renewed for its TTL",
+            )
             break
         self.revision = revision
         self._valid_until = sent + self.ttl_s
@@ -268,8 +273,10 @@ class Lease:
         if not self.revision:
             raise LeaseLost(f"the lease of namespace {self.namespace!r} is not held")
         if asyncio.get_running_loop().time() >= self._valid_until:
-            raise LeaseExpired(f"the lease of namespace {self.namespace!r} was not renewed for "
-                               f"{self.ttl_s:g}s; writes wait for a renewal")  # fmt: skip
+            raise LeaseExpired(
+                f"the lease of namespace {self.namespace!r} was not renewed for "
+                f"{self.ttl_s:g}s; writes wait for a renewal"
+            )
 
     async def renew(self) -> None:
         """Extend the lease to a TTL from now, or raise :class:`LeaseLost`; transient errors
@@ -290,9 +297,9 @@ class Lease:
                     if seen is not None and seen[1] is not None and seen[1].id == self.holder.id:
                         self.revision = seen[0]  # a renewal we gave up waiting for landed
                         continue
-                    self._lost = (f"the lease of namespace {self.namespace!r} was taken over: "
-                                  + ("its key was deleted" if seen is None
-                                     else describe(seen[1], self.namespace)))  # fmt: skip
+                    self._lost = f"the lease of namespace {self.namespace!r} was taken over: " + (
+                        "its key was deleted" if seen is None else describe(seen[1], self.namespace)
+                    )
                     raise LeaseLost(self._lost) from None
                 self.revision = revision
                 self._valid_until = sent + self.ttl_s
@@ -311,8 +318,9 @@ class Lease:
                 return
             except TRANSIENT as exc:
                 if not failing:
-                    log.warning("lease of namespace %r not renewed (%r); retrying",
-                                self.namespace, exc)  # fmt: skip
+                    log.warning(
+                        "lease of namespace %r not renewed (%r); retrying", self.namespace, exc
+                    )
                 failing = True
                 continue
             except Exception as exc:  # the connection is gone for good: nothing can renew it
@@ -352,7 +360,11 @@ class Lease:
                         return  # someone else's now: not ours to delete
                     self.revision = seen[0]
             except _NOT_RELEASED as exc:
-                log.warning("lease of namespace %r not released (%r): the next holder waits "
-                            "%gs", self.namespace, exc, self.ttl_s)  # fmt: skip
+                log.warning(
+                    "lease of namespace %r not released (%r): the next holder waits %gs",
+                    self.namespace,
+                    exc,
+                    self.ttl_s,
+                )
             finally:
                 self.revision = 0

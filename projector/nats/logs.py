@@ -68,10 +68,14 @@ def add_log_flags(group: argparse._ArgumentGroup) -> None:
         ("log format", ENV, FORMATS, "auto", "auto: console on a terminal, JSON lines elsewhere "),
     ):
         flag = "--" + what.replace(" ", "-")
-        group.add_argument(flag, default=os.environ.get(env, default),
-                           type=_one_of(what, flag, env, options), choices=options,
-                           metavar="{" + ",".join(options) + "}",
-                           help=f"{says}(default: {default}) [env {env}]")  # fmt: skip
+        group.add_argument(
+            flag,
+            default=os.environ.get(env, default),
+            type=_one_of(what, flag, env, options),
+            choices=options,
+            metavar="{" + ",".join(options) + "}",
+            help=f"{says}(default: {default}) [env {env}]",
+        )
 
 
 def resolve(fmt: str, stream: TextIO | None = None) -> str:
@@ -90,8 +94,12 @@ def context(record: logging.LogRecord) -> dict[str, Any]:
 def event_fields(event: object) -> dict[str, Any]:
     """The context an event names (its ids, never its content), for ``extra``."""
     fields: dict[str, Any] = {}
-    for name, key in (("request_id", "request_id"), ("worker_id", "worker"),
-                      ("dp_rank", "dp_rank"), ("router_id", "router_id")):  # fmt: skip
+    for name, key in (
+        ("request_id", "request_id"),
+        ("worker_id", "worker"),
+        ("dp_rank", "dp_rank"),
+        ("router_id", "router_id"),
+    ):
         value = getattr(event, name, None)
         if value is not None and value != "":
             fields[key] = value
@@ -103,11 +111,21 @@ def iso_ms(at: float) -> str:
     return datetime.fromtimestamp(at, tz=UTC).isoformat(timespec="milliseconds")[:-6] + "Z"
 
 
-def json_line(level: str, logger: str, msg: str, fields: Mapping[str, Any] | None = None,
-              *, at: float | None = None) -> str:  # fmt: skip
+def json_line(
+    level: str,
+    logger: str,
+    msg: str,
+    fields: Mapping[str, Any] | None = None,
+    *,
+    at: float | None = None,
+) -> str:
     """One JSON record (no newline); also how ``main`` prints its final error."""
-    record: dict[str, Any] = {"ts": iso_ms(time.time() if at is None else at),
-                              "level": level, "logger": logger, "msg": msg}  # fmt: skip
+    record: dict[str, Any] = {
+        "ts": iso_ms(time.time() if at is None else at),
+        "level": level,
+        "logger": logger,
+        "msg": msg,
+    }
     if fields:
         record.update(fields)
     return _encoder.encode(record).decode()
@@ -125,12 +143,18 @@ class JsonFormatter(logging.Formatter):
         if record.stack_info:
             stack = self.formatStack(record.stack_info)
             fields["exc"] = f"{fields['exc']}\n{stack}" if "exc" in fields else stack
-        return json_line(record.levelname.lower(), record.name, record.getMessage(), fields,
-                         at=record.created)  # fmt: skip
+        return json_line(
+            record.levelname.lower(), record.name, record.getMessage(), fields, at=record.created
+        )
 
 
-_COLOURS = {"DEBUG": "\x1b[2m", "INFO": "\x1b[36m", "WARNING": "\x1b[33m",
-            "ERROR": "\x1b[31m", "CRITICAL": "\x1b[1;31m"}  # fmt: skip
+_COLOURS = {
+    "DEBUG": "\x1b[2m",
+    "INFO": "\x1b[36m",
+    "WARNING": "\x1b[33m",
+    "ERROR": "\x1b[31m",
+    "CRITICAL": "\x1b[1;31m",
+}
 _RESET = "\x1b[0m"
 
 
@@ -172,8 +196,9 @@ def handler_for(fmt: str, stream: TextIO | None = None) -> logging.Handler:
         handler.setFormatter(JsonFormatter())
     else:
         tty = _isatty(stream)
-        handler.setFormatter(ConsoleFormatter(colour=tty and "NO_COLOR" not in os.environ,
-                                              short_time=tty))  # fmt: skip
+        handler.setFormatter(
+            ConsoleFormatter(colour=tty and "NO_COLOR" not in os.environ, short_time=tty)
+        )
     return handler
 
 

@@ -50,4 +50,3 @@ class Progress:
                 kept.append(item)
         heapq.heapify(kept)
         self._waiters = kept
-

@@ -147,9 +147,12 @@ async def _ensure_stream(
         return await js.add_stream(wanted)
     have = info.config
     if keep_every_message and have.max_age:
-        log.warning("stream %s has max_age %gs: events older than that are dropped, folded or "
-                    "not (to trim, use --retain-events instead)", wanted.name,
-                    have.max_age)  # fmt: skip
+        log.warning(
+            "stream %s has max_age %gs: events older than that are dropped, folded or "
+            "not (to trim, use --retain-events instead)",
+            wanted.name,
+            have.max_age,
+        )
     if have.storage != wanted.storage:
         raise ProvisioningError(
             f"stream {wanted.name} uses {have.storage} storage, the configuration wants "
@@ -159,9 +162,13 @@ async def _ensure_stream(
     missing = [s for s in wanted.subjects or [] if s not in subjects]
     replicas = have.num_replicas or 1
     if (wanted.num_replicas or 1) < replicas:
-        log.warning("stream %s keeps its %d replicas although this process asks for %d: "
-                    "seqstate never lowers replicas (lower them by hand if you mean to)",
-                    wanted.name, replicas, wanted.num_replicas)  # fmt: skip
+        log.warning(
+            "stream %s keeps its %d replicas although this process asks for %d: "
+            "seqstate never lowers replicas (lower them by hand if you mean to)",
+            wanted.name,
+            replicas,
+            wanted.num_replicas,
+        )
     changes = {
         "subjects": subjects + missing,
         "duplicate_window": max(have.duplicate_window or 0, wanted.duplicate_window or 0),

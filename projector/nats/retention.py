@@ -44,6 +44,5 @@ async def trim(nc: Client, config: Config, kept: list[SnapshotInfo], done_below:
         return done_below
     kv = await nc.jetstream().key_value(config.registry_bucket)
     await kv.put(marker_key(config.namespace), str(cut).encode())
-    await nc.jetstream().purge_stream(config.events_stream, seq=cut,
-                                      subject=config.events_subjects)  # fmt: skip
+    await nc.jetstream().purge_stream(config.events_stream, seq=cut, subject=config.events_subjects)
     return cut

@@ -22,8 +22,9 @@ RETRY_FOR_S = 60.0
 MAX_BACKOFF_S = 1.0
 
 
-async def retrying(call: Callable[[], Awaitable[T]], what: str,
-                   retry_for_s: float = RETRY_FOR_S) -> T:  # fmt: skip
+async def retrying(
+    call: Callable[[], Awaitable[T]], what: str, retry_for_s: float = RETRY_FOR_S
+) -> T:
     """``await call()``, again after a timeout or a NATS error, for ``retry_for_s`` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_for_s

@@ -3,9 +3,8 @@
 A NATS URL may carry a password (``nats://user:password@host``) or a token
 (``nats://token@host``), and ``NATS_URL`` may list several servers separated by commas. The
 ``nats_*`` settings carry the same (a password, a token) or name a file holding one (an NKEY
-seed, a credentials file with a JWT and a seed). Whatever is shown to a person (logs,
-``seqstate status``, errors) goes through :func:`redact`; free text that might quote a secret
-(an error from the client) goes through :func:`scrub`, given the secrets of the settings
+seed, a credentials file with a JWT and a seed). What is shown of them to a person goes
+through :mod:`projector.wire.redaction`, given the secrets of the settings
 (:func:`config_secrets`) as well as the URL's.
 
 :func:`auth_options` turns the settings into nats-py's options, checking the files first: an
@@ -22,74 +21,15 @@ import importlib
 import os
 import re
 import ssl
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any
-from urllib.parse import unquote
 
 from projector.wire.config import Config, ConfigError
-
-MASK = "***"
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s/@,]+)@")
-
-
-def server_urls(url: str) -> list[str]:
-    """The servers a URL lists: comma-separated, as the other NATS clients accept."""
-    return [part.strip() for part in url.split(",") if part.strip()]
-
-
-def _userinfo(server: str) -> tuple[str, str, str]:
-    """``(scheme://, userinfo, @host:port)``; userinfo is empty when the URL has none."""
-    start = server.find("://") + 3 if "://" in server else 0
-    at = server.rfind("@")
-    if at < start:
-        return server, "", ""
-    return server[:start], server[start:at], server[at:]
-
-
-def _masked(userinfo: str) -> str:
-    """Keep a user name (it helps tell accounts apart); hide a password or a token."""
-    user, colon, _ = userinfo.partition(":")
-    return f"{user}:{MASK}" if colon else MASK
-
-
-def redact(url: str) -> str:
-    """``url`` (a server list, one URL, or a bare ``user:pass@host:port``) without secrets."""
-    shown = []
-    for server in url.split(","):
-        head, userinfo, tail = _userinfo(server)
-        shown.append(f"{head}{_masked(userinfo)}{tail}" if userinfo else server)
-    return ",".join(shown)
-
-
-def secrets_in(url: str) -> set[str]:
-    """The passwords and tokens in ``url``, as written and percent-decoded."""
-    found: set[str] = set()
-    for server in server_urls(url):
-        _, userinfo, _ = _userinfo(server)
-        if not userinfo:
-            continue
-        user, colon, password = userinfo.partition(":")
-        secret = password if colon else user
-        if secret:
-            found.update((secret, unquote(secret)))
-    return found
-
-
-def scrub(text: str, url: str, secrets: Iterable[str] = ()) -> str:
-    """``text`` with every secret of ``url`` (and ``secrets``) replaced, any URL's userinfo
-    masked, and anything shaped like an NKEY seed or a JWT hidden."""
-    for secret in sorted(secrets_in(url) | {s for s in secrets if s}, key=len, reverse=True):
-        text = text.replace(secret, MASK)
-    text = _SEED.sub(MASK, _JWT.sub(MASK, text))
-    return _URL_USERINFO.sub(lambda m: f"{m['scheme']}{_masked(m['userinfo'])}@", text)
-
+from projector.wire.redaction import JWT
 
 # ---- credentials from settings ---------------------------------------------------------------
 
-# An NKEY seed: 'S', the key type (U user, A account, O operator...), base32 (58 chars in all).
-_SEED = re.compile(r"\bS[UAONCPX][A-Z2-7]{40,}\b")
-_JWT = re.compile(r"\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 _CREDS_BLOCK = re.compile(r"-----BEGIN ([A-Z ]+)-----\s*\n\s*(\S+)\s*\n\s*------END \1------")
 
 
@@ -116,8 +56,9 @@ def _valid_seed(seed: str) -> bool:
 def _nkey_seed(path: str) -> str:
     seed = _read(path, "SEQSTATE_NATS_NKEY_SEED").strip()
     if not seed.startswith("SU") or "\n" in seed or not _valid_seed(seed):
-        raise ConfigError(f"SEQSTATE_NATS_NKEY_SEED={path}: not an NKEY user seed file "
-                          "(one line starting SU)")  # fmt: skip
+        raise ConfigError(
+            f"SEQSTATE_NATS_NKEY_SEED={path}: not an NKEY user seed file (one line starting SU)"
+        )
     return seed
 
 
@@ -125,9 +66,11 @@ def _creds(path: str) -> tuple[str, str]:
     """The user JWT and seed of a credentials file, checked as nats-py will read them."""
     blocks = dict(_CREDS_BLOCK.findall(_read(path, "SEQSTATE_NATS_CREDS")))
     jwt, seed = blocks.get("NATS USER JWT"), blocks.get("USER NKEY SEED")
-    if jwt is None or seed is None or not _JWT.fullmatch(jwt) or not _valid_seed(seed):
-        raise ConfigError(f"SEQSTATE_NATS_CREDS={path}: not a NATS credentials file (a "
-                          "'NATS USER JWT' block and a 'USER NKEY SEED' block)")  # fmt: skip
+    if jwt is None or seed is None or not JWT.fullmatch(jwt) or not _valid_seed(seed):
+        raise ConfigError(
+            f"SEQSTATE_NATS_CREDS={path}: not a NATS credentials file (a "
+            "'NATS USER JWT' block and a 'USER NKEY SEED' block)"
+        )
     return jwt, seed
 
 

@@ -170,14 +170,28 @@ class NatsServer:
             os.close(fd)  # the server, if still alive, keeps its inherited copy locked
 
     def _launch(self, binary: str) -> None:
-        args = [binary, "-js", "-sd", str(self.store_dir), "-a", self.host,
-                "-p", str(self.port), "-n", self.name, *self.extra_args]  # fmt: skip
+        args = [
+            binary,
+            "-js",
+            "-sd",
+            str(self.store_dir),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-n",
+            self.name,
+            *self.extra_args,
+        ]
         assert self._lock is not None
         try:
             self._proc = subprocess.Popen(
-                args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                args,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
                 pass_fds=(self._lock,),
-            )  # fmt: skip
+            )
         except OSError as exc:
             raise NatsServerError(f"cannot start {binary}: {exc}") from None
         os.ftruncate(self._lock, 0)
@@ -361,8 +375,13 @@ class NatsCluster:
                     f"cluster {{\n  name: {json.dumps(self.name)}\n"
                     f"  listen: {self.host}:{routes[i]}\n  routes: [{route_urls}]\n}}\n"
                 )
-                node = NatsServer(store, host=self.host, name=f"{self.name}-{i}",
-                                  binary=self.binary, extra_args=("-c", str(conf)))  # fmt: skip
+                node = NatsServer(
+                    store,
+                    host=self.host,
+                    name=f"{self.name}-{i}",
+                    binary=self.binary,
+                    extra_args=("-c", str(conf)),
+                )
                 self.nodes.append(node)
                 node.start()
             self.wait_ready()

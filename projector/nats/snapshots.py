@@ -143,8 +143,15 @@ class SnapshotStore:
 
     async def save(self, state_bytes: bytes, applied_seq: int, as_of_ns: int) -> SnapshotInfo:
         """Store, read back and compare; raises ``SnapshotError`` if the read-back differs."""
-        meta = SnapshotMeta(self.config.namespace, applied_seq, as_of_ns, SNAPSHOT_VERSION,
-                            SCHEMA_VERSION, len(state_bytes), digest_of(state_bytes))  # fmt: skip
+        meta = SnapshotMeta(
+            self.config.namespace,
+            applied_seq,
+            as_of_ns,
+            SNAPSHOT_VERSION,
+            SCHEMA_VERSION,
+            len(state_bytes),
+            digest_of(state_bytes),
+        )
         name = self.name_for(applied_seq)
         await self.store.put(
             name,

@@ -23,20 +23,6 @@ from nats.js.errors import NotFoundError
 from projector.nats.progress import Progress
 from projector.nats.tasks import attempt
 
-# The server stores a message once per id within its duplicate window: a retry after a lost
-# ack, or a second writer at the same position, cannot store it twice.
-MSG_ID = "Nats-Msg-Id"
-# The event (events-stream sequence) a message stands for: the last a delta message covers,
-# or the one a dead letter could not take.
-SOURCE_SEQ = "Seqstate-Source-Seq"
-# The event the previous delta message ended at: the link that lets a reader of the deltas
-# see a hole, or a message no writer wrote.
-PREV_SOURCE_SEQ = "Seqstate-Prev-Source-Seq"
-# On a DELTAS message that ends inside an event's parts: the part it ends at.
-SOURCE_PART = "Seqstate-Source-Part"
-# A compare-and-set on the subject's last message, so two writers cannot interleave.
-EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
-
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:
     """``(stream_sequence, timestamp_ns)`` from a JetStream delivery's reply subject.

@@ -38,8 +38,9 @@ from nats.aio.client import Client
 from nats.js import api
 
 from projector.nats.frames import DONE, ERROR, GAP, Parser
-from projector.nats.security import config_secrets, scrub, tls_context
+from projector.nats.security import config_secrets, tls_context
 from projector.wire.config import Config
+from projector.wire.redaction import scrub
 from seqstate.errors import SeqstateError
 
 READY = b"RDY\n"
@@ -51,8 +52,7 @@ _batch_decoder = msgspec.msgpack.Decoder(Batch)
 HANDSHAKE_S = 10.0  # connection, TLS, CONNECT and SUB: a live server answers in milliseconds
 QUIET_S = 30.0  # no byte for this long, with heartbeats every second: the connection is dead
 # What nats-py signs in with that the reader cannot do (nkeys, a JWT from a creds file).
-_SIGNING = ("_signature_cb", "_user_jwt_cb", "_user_credentials", "_nkeys_seed",
-            "_nkeys_seed_str")  # fmt: skip
+_SIGNING = ("_signature_cb", "_user_jwt_cb", "_user_credentials", "_nkeys_seed", "_nkeys_seed_str")
 
 
 class ReaderUnavailable(SeqstateError, RuntimeError):
@@ -95,9 +95,14 @@ def _info(line: bytes) -> dict[str, Any]:
 
 
 def _connect_line(p: ReaderParams) -> bytes:
-    connect: dict[str, object] = {"verbose": False, "pedantic": False, "headers": True,
-                                  "no_responders": True, "protocol": 1,
-                                  "name": "seqstate-replay"}  # fmt: skip
+    connect: dict[str, object] = {
+        "verbose": False,
+        "pedantic": False,
+        "headers": True,
+        "no_responders": True,
+        "protocol": 1,
+        "name": "seqstate-replay",
+    }
     if p.user is not None and p.password is not None:
         connect.update(user=p.user, **{"pass": p.password})
     elif p.token is not None:
@@ -110,9 +115,12 @@ async def _handshake(p: ReaderParams) -> tuple[asyncio.StreamReader, asyncio.Str
     hostname = p.hostname or p.host
     if p.handshake_first:
         reader, writer = await asyncio.open_connection(
-            p.host, p.port, limit=1 << 22, ssl=tls_context(p.ca, p.cert, p.key),
+            p.host,
+            p.port,
+            limit=1 << 22,
+            ssl=tls_context(p.ca, p.cert, p.key),
             server_hostname=hostname,
-        )  # fmt: skip
+        )
     else:
         reader, writer = await asyncio.open_connection(p.host, p.port, limit=1 << 22)
     info = _info(await _line(reader))
@@ -217,14 +225,27 @@ def reader_params(nc: Client, config: Config, inbox: str, end_seq: int) -> Reade
         return "the client signs in with nkeys or a credentials file; the reader cannot"
     user, password, token = _credentials(nc)
     server_info: dict[str, Any] = getattr(nc, "_server_info", None) or {}
-    tls = (url.scheme == "tls" or bool(server_info.get("tls_required"))
-           or config.tls_ca is not None or config.tls_cert is not None)  # fmt: skip
+    tls = (
+        url.scheme == "tls"
+        or bool(server_info.get("tls_required"))
+        or config.tls_ca is not None
+        or config.tls_cert is not None
+    )
     return ReaderParams(
-        host=url.hostname or "127.0.0.1", port=url.port or 4222, inbox=inbox, end_seq=end_seq,
-        tls=tls, handshake_first=bool(nc.options.get("tls_handshake_first")),
-        hostname=nc.options.get("tls_hostname") or url.hostname, ca=config.tls_ca,
-        cert=config.tls_cert, key=config.tls_key, user=user, password=password, token=token,
-    )  # fmt: skip
+        host=url.hostname or "127.0.0.1",
+        port=url.port or 4222,
+        inbox=inbox,
+        end_seq=end_seq,
+        tls=tls,
+        handshake_first=bool(nc.options.get("tls_handshake_first")),
+        hostname=nc.options.get("tls_hostname") or url.hostname,
+        ca=config.tls_ca,
+        cert=config.tls_cert,
+        key=config.tls_key,
+        user=user,
+        password=password,
+        token=token,
+    )
 
 
 def reader_argv() -> list[str]:
@@ -250,9 +271,12 @@ async def fast_fold(
     if isinstance(params, str):
         return start_seq - 1, params
     proc = await asyncio.create_subprocess_exec(
-        *reader_argv(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, limit=1 << 22,
-    )  # fmt: skip
+        *reader_argv(),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        limit=1 << 22,
+    )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     js = nc.jetstream()
     consumer: str | None = None
@@ -266,12 +290,22 @@ async def fast_fold(
             proc.stdin.close()
             if await proc.stdout.readexactly(len(READY)) != READY:
                 raise ReaderUnavailable("the reader did not start")
-            info = await js.add_consumer(config.events_stream, api.ConsumerConfig(
-                deliver_subject=inbox, filter_subject=config.events_subjects,
-                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq,
-                ack_policy=api.AckPolicy.NONE, flow_control=True, idle_heartbeat=1.0,
-                mem_storage=True, max_deliver=1, num_replicas=1, inactive_threshold=30.0,
-            ))  # fmt: skip
+            info = await js.add_consumer(
+                config.events_stream,
+                api.ConsumerConfig(
+                    deliver_subject=inbox,
+                    filter_subject=config.events_subjects,
+                    deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                    opt_start_seq=start_seq,
+                    ack_policy=api.AckPolicy.NONE,
+                    flow_control=True,
+                    idle_heartbeat=1.0,
+                    mem_storage=True,
+                    max_deliver=1,
+                    num_replicas=1,
+                    inactive_threshold=30.0,
+                ),
+            )
             consumer = info.name
             while True:
                 bound.reschedule(asyncio.get_running_loop().time() + 2 * QUIET_S)

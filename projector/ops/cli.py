@@ -73,8 +73,9 @@ async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) ->
     waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(t) for t in tasks]
     stopper = asyncio.ensure_future(stop.wait())
     try:
-        done, _ = await asyncio.wait([stopper, *waits], timeout=duration,
-                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        done, _ = await asyncio.wait(
+            [stopper, *waits], timeout=duration, return_when=asyncio.FIRST_COMPLETED
+        )
         for fut in done:
             if fut is not stopper:
                 fut.result()
@@ -99,8 +100,9 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
         pipeline_metrics(nc, config) as on_pipeline,
     ):
         started = asyncio.Event()
-        supervisor = asyncio.ensure_future(supervise(nc, config, started=started,
-                                                     on_pipeline=on_pipeline))  # fmt: skip
+        supervisor = asyncio.ensure_future(
+            supervise(nc, config, started=started, on_pipeline=on_pipeline)
+        )
         ready, stopped = asyncio.ensure_future(started.wait()), asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait([supervisor, ready, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -110,8 +112,12 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
         if supervisor.done():
             supervisor.result()  # its error: it could not start
         else:
-            log.info("writer and projector running for namespace %r at %s", config.namespace,
-                     url, extra={"namespace": config.namespace})  # fmt: skip
+            log.info(
+                "writer and projector running for namespace %r at %s",
+                config.namespace,
+                url,
+                extra={"namespace": config.namespace},
+            )
         tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
         if args.demo:
             from projector.ops.demo import run_demo
@@ -128,9 +134,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
 
 
 @contextlib.asynccontextmanager
-async def pipeline_metrics(
-    nc: Client, config: Config
-) -> AsyncIterator[Callable[[Any], None]]:
+async def pipeline_metrics(nc: Client, config: Config) -> AsyncIterator[Callable[[Any], None]]:
     """The metrics port of ``run`` (when set); yields what the supervisor tells of each
     pipeline it starts (None once one has stopped). The per-worker gauges come from the
     writer's authoritative state; the projector adds its counters and position only."""
@@ -242,8 +246,9 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
         from projector.nats.resources import ensure
         from projector.route.publisher import EventTooLarge
 
-        pub = RouterPublisher(nc, namespace=config.namespace, router_id=args.router_id,
-                              config=config)  # fmt: skip
+        pub = RouterPublisher(
+            nc, namespace=config.namespace, router_id=args.router_id, config=config
+        )
         for number, event in events:  # all or nothing: sizes are known once connected
             try:
                 pub.check(event)
@@ -301,8 +306,10 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
                 while True:
                     s = view.staleness()
                     stats = {"applied seq": s.applied_seq, "age": f"{s.age_s:.1f}s"}
-                    live.update(render(view.loads(), title=f"seqstate · {config.namespace}",
-                                       stats=stats), refresh=True)  # fmt: skip
+                    live.update(
+                        render(view.loads(), title=f"seqstate · {config.namespace}", stats=stats),
+                        refresh=True,
+                    )
                     await asyncio.sleep(0.25)
 
         await until_signal(refresh(), duration=args.duration)
@@ -331,9 +338,17 @@ async def print_changes(view: Any, as_json: bool) -> None:
                     record = {**msgspec.structs.asdict(by_rank[rank]), "applied_seq": seq}
                     print(msgspec.json.encode(record).decode(), flush=True)
                 for rank in sorted(removed):
-                    print(msgspec.json.encode({"worker_id": rank[0], "dp_rank": rank[1],
-                                               "removed": True, "applied_seq": seq}).decode(),
-                          flush=True)  # fmt: skip
+                    print(
+                        msgspec.json.encode(
+                            {
+                                "worker_id": rank[0],
+                                "dp_rank": rank[1],
+                                "removed": True,
+                                "applied_seq": seq,
+                            }
+                        ).decode(),
+                        flush=True,
+                    )
             else:
                 print(plain_table(rows) + f"\nas of event {seq}\n", flush=True)
         first = False
@@ -360,8 +375,9 @@ async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
         raise CliError(f"--window {args.window}: must be at least 1")
     async with connect(require_url(config), service=False, config=config) as nc:
         with progress_bar(not args.no_progress, "searching the log") as progress:
-            done = await inspect_request(nc, config, args.id, since_seq=args.since_seq,
-                                         window=args.window, progress=progress)  # fmt: skip
+            done = await inspect_request(
+                nc, config, args.id, since_seq=args.since_seq, window=args.window, progress=progress
+            )
     print(msgspec.json.encode(done.as_dict()).decode() if args.json else done.text())
     return 0
 
@@ -384,8 +400,9 @@ async def cmd_top(args: argparse.Namespace, config: Config) -> int:
                     for row in rows:
                         print(msgspec.json.encode(row).decode(), flush=True)
                 else:
-                    print(plain(rows, now.applied_seq, events_per_s(before, now)) + "\n",
-                          flush=True)  # fmt: skip
+                    print(
+                        plain(rows, now.applied_seq, events_per_s(before, now)) + "\n", flush=True
+                    )
 
             async def loop() -> None:
                 before = sample(view)
@@ -407,9 +424,15 @@ async def cmd_top(args: argparse.Namespace, config: Config) -> int:
                     prev: Any = None
                     while True:
                         now = sample(view)
-                        live.update(render(worker_rows(view, prev, now), title,
-                                           now.applied_seq, events_per_s(prev, now)),
-                                    refresh=True)  # fmt: skip
+                        live.update(
+                            render(
+                                worker_rows(view, prev, now),
+                                title,
+                                now.applied_seq,
+                                events_per_s(prev, now),
+                            ),
+                            refresh=True,
+                        )
                         prev = now
                         await asyncio.sleep(args.interval)
 
@@ -444,8 +467,12 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
             await service.stop()
             raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
         metrics.starting = ""
-        log.info("serving the slot-tracker API on http://%s:%d (%d trackers)", args.host,
-                 args.port, len(service.trackers))  # fmt: skip
+        log.info(
+            "serving the slot-tracker API on http://%s:%d (%d trackers)",
+            args.host,
+            args.port,
+            len(service.trackers),
+        )
         try:
             await until_signal(server.serve_forever())
         finally:
@@ -463,16 +490,20 @@ async def slot_metrics(nc: Client, config: Config, service: Any) -> AsyncIterato
     from projector.ops.metrics import PROJECTOR, VIEW, WRITER, Metrics
 
     def pipelines() -> list[Any]:
-        return [t.standby.pipeline for t in list(service.trackers.values())
-                if t.standby.pipeline is not None]  # fmt: skip
+        return [
+            t.standby.pipeline
+            for t in list(service.trackers.values())
+            if t.standby.pipeline is not None
+        ]
 
     metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
-    metrics.follow(VIEW, lambda: [t.view for t in list(service.trackers.values())],
-                   required=False)  # fmt: skip
-    metrics.follow(WRITER, lambda: [p.writer for p in pipelines()], per_worker=False,
-                   required=False)  # fmt: skip
-    metrics.follow(PROJECTOR, lambda: [p.projector for p in pipelines()], per_worker=False,
-                   required=False)  # fmt: skip
+    metrics.follow(VIEW, lambda: [t.view for t in list(service.trackers.values())], required=False)
+    metrics.follow(
+        WRITER, lambda: [p.writer for p in pipelines()], per_worker=False, required=False
+    )
+    metrics.follow(
+        PROJECTOR, lambda: [p.projector for p in pipelines()], per_worker=False, required=False
+    )
     async with serving(metrics, config):
         yield metrics
 
@@ -508,8 +539,10 @@ async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
     if change.applied:
         print(f"worker {change.worker_id}: {done} (event {change.seq})")
     else:
-        print(f"worker {change.worker_id}: stored as event {change.seq}; not in the registry "
-              f"yet (is the pipeline running?)")  # fmt: skip
+        print(
+            f"worker {change.worker_id}: stored as event {change.seq}; not in the registry "
+            f"yet (is the pipeline running?)"
+        )
     return 0
 
 
@@ -525,8 +558,10 @@ def ranks_text(ranks: list[int]) -> str:
 def worker_table(workers: list[Any]) -> str:
     lines = [f"{'worker':>10} {'ranks':>10} {'requests':>9} {'blocks':>9} {'prefill tok':>12}"]
     for w in workers:
-        lines.append(f"{w.worker_id:>10} {ranks_text(w.dp_ranks):>10} {w.active_requests:>9} "
-                     f"{w.active_blocks:>9} {w.prefill_tokens:>12}")  # fmt: skip
+        lines.append(
+            f"{w.worker_id:>10} {ranks_text(w.dp_ranks):>10} {w.active_requests:>9} "
+            f"{w.active_blocks:>9} {w.prefill_tokens:>12}"
+        )
     lines.append(f"{len(workers)} worker" + ("" if len(workers) == 1 else "s"))
     return "\n".join(lines)
 
@@ -556,16 +591,30 @@ async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
                 return 1 if diffs else 0
             bounds = await log_bounds(nc, config)
             at_ns = parse_at(args.at, bounds.last_ns) if args.at else None
-            done = await replay(nc, config, from_seq=args.from_seq, to_seq=args.to_seq,
-                                at_ns=at_ns, progress=progress, bounds=bounds)  # fmt: skip
+            done = await replay(
+                nc,
+                config,
+                from_seq=args.from_seq,
+                to_seq=args.to_seq,
+                at_ns=at_ns,
+                progress=progress,
+                bounds=bounds,
+            )
     for name, why in done.skipped:
         print(f"seqstate: skipped snapshot {name}: {why}", file=sys.stderr)
-    start = (f"snapshot {done.snapshot.name}" if done.snapshot
-             else f"event {args.from_seq}" if args.from_seq else "the first event")  # fmt: skip
+    start = (
+        f"snapshot {done.snapshot.name}"
+        if done.snapshot
+        else f"event {args.from_seq}"
+        if args.from_seq
+        else "the first event"
+    )
     if not args.json:
-        print(f"replayed {done.events} events from {start} to event {done.last_seq}"
-              f" ({done.dead_letters} dead-lettered); loads as of log time "
-              f"{iso(done.as_of_ns)}")  # fmt: skip
+        print(
+            f"replayed {done.events} events from {start} to event {done.last_seq}"
+            f" ({done.dead_letters} dead-lettered); loads as of log time "
+            f"{iso(done.as_of_ns)}"
+        )
     print_loads(done.loads(), args.json)
     return 0
 
@@ -578,9 +627,11 @@ async def cmd_rebuild(args: argparse.Namespace, config: Config) -> int:
         await ensure(nc, config)
         with progress_bar(not args.no_progress, "rebuild") as progress:
             done = await rebuild(nc, config, progress=progress)
-    print(f"rebuilt the bucket of {config.namespace!r} at event {done.last_seq}: "
-          f"{len(done.state.workers.slots)} ranks ({done.events} events folded"
-          + (f" after snapshot {done.snapshot.name})" if done.snapshot else ")"))  # fmt: skip
+    print(
+        f"rebuilt the bucket of {config.namespace!r} at event {done.last_seq}: "
+        f"{len(done.state.workers.slots)} ranks ({done.events} events folded"
+        + (f" after snapshot {done.snapshot.name})" if done.snapshot else ")")
+    )
     return 0
 
 
@@ -595,8 +646,11 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
             infos = await store.list()
             if args.json:
                 for info in infos:
-                    print(msgspec.json.encode({"name": info.name, "meta": info.meta,
-                                               "size": info.size}).decode())  # fmt: skip
+                    print(
+                        msgspec.json.encode(
+                            {"name": info.name, "meta": info.meta, "size": info.size}
+                        ).decode()
+                    )
             else:
                 print(f"{'name':<40}{'event':>12}{'bytes':>12}  log time")
                 for info in infos:
@@ -607,8 +661,11 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
             infos = await store.list()
             if not infos:
                 raise CliError(f"no snapshots for namespace {config.namespace!r}")
-            chosen = infos[-1] if args.name == "latest" else next(
-                (i for i in infos if i.name == args.name), None)  # fmt: skip
+            chosen = (
+                infos[-1]
+                if args.name == "latest"
+                else next((i for i in infos if i.name == args.name), None)
+            )
             if chosen is None:
                 raise CliError(f"no snapshot named {args.name!r}")
             try:
@@ -620,9 +677,11 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
             if args.json:
                 print_loads(rows, True)
             else:
-                print(f"{chosen.name}: event {chosen.applied_seq}, log time "
-                      f"{iso(state.now_ns)}, {len(state.requests)} requests on "
-                      f"{len(state.workers.slots)} ranks; {dict(state.counters)}")  # fmt: skip
+                print(
+                    f"{chosen.name}: event {chosen.applied_seq}, log time "
+                    f"{iso(state.now_ns)}, {len(state.requests)} requests on "
+                    f"{len(state.workers.slots)} ranks; {dict(state.counters)}"
+                )
                 print_loads(rows, False)
             return 0
         with progress_bar(not args.no_progress, "snapshot") as progress:

@@ -127,8 +127,13 @@ class ReplayProgress:
 
 def choose(rows: list[PotentialLoadRow], block_tokens: int) -> PotentialLoadRow:
     """The rank with the least prefill (in blocks) plus decode blocks; then fewest requests."""
-    return min(rows, key=lambda r: (r.potential_prefill_tokens / block_tokens
-                                    + r.potential_decode_blocks, r.active_requests))  # fmt: skip
+    return min(
+        rows,
+        key=lambda r: (
+            r.potential_prefill_tokens / block_tokens + r.potential_decode_blocks,
+            r.active_requests,
+        ),
+    )
 
 
 class DemoRouter:
@@ -149,8 +154,9 @@ class DemoRouter:
         self.workload = workload
         self.block_tokens = block_tokens
         self.router_id = f"demo-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.publisher = RouterPublisher(nc, namespace=config.namespace,
-                                         router_id=self.router_id, config=config)  # fmt: skip
+        self.publisher = RouterPublisher(
+            nc, namespace=config.namespace, router_id=self.router_id, config=config
+        )
         self.view = RegistryView(nc, config=config)
         self.stats = DemoStats()
         self._live: dict[str, tuple[int, int]] = {}  # request id -> rank, while in flight
@@ -189,11 +195,14 @@ class DemoRouter:
         self.stats.cached_blocks += cached
         self.stats.peak_requests = max(self.stats.peak_requests, self.stats.in_flight)
         await self.publisher.add(
-            request_id, rank[0], rank[1], block_hashes=hashes,
+            request_id,
+            rank[0],
+            rank[1],
+            block_hashes=hashes,
             prefill_tokens=max(request.isl_tokens - cached * self.block_tokens, 0),
             expected_prefill_ms=request.prefill_ms,
             expected_output_tokens=request.output_tokens,
-        )  # fmt: skip
+        )
         task = asyncio.create_task(self._lifecycle(request_id, rank, request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -233,8 +242,7 @@ def progress_of(args: argparse.Namespace) -> ReplayProgress:
         total, span_s = trace_extent(args.trace)
         speedup = 10.0 if args.speedup is None else args.speedup
         return ReplayProgress(speedup, total, span_s, args.duration)
-    return ReplayProgress(1.0 if args.speedup is None else args.speedup,
-                          duration_s=args.duration)  # fmt: skip
+    return ReplayProgress(1.0 if args.speedup is None else args.speedup, duration_s=args.duration)
 
 
 def progress_line(progress: ReplayProgress, stats: DemoStats) -> RenderableType:
@@ -281,8 +289,14 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
 
     workload, block_tokens, name = workload_from(args)
     progress = progress_of(args)
-    router = DemoRouter(nc, config, workers=args.workers, dp_size=args.dp_size,
-                        workload=workload, block_tokens=block_tokens)  # fmt: skip
+    router = DemoRouter(
+        nc,
+        config,
+        workers=args.workers,
+        dp_size=args.dp_size,
+        workload=workload,
+        block_tokens=block_tokens,
+    )
     await router.start()
     title = f"seqstate demo · {config.namespace} · {args.workers} workers · {name}"
     console = Console()
@@ -298,10 +312,10 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
         else:
             with Live(console=console, auto_refresh=False, transient=False) as live:
                 while not driver.done():
-                    table = render(router.view.loads(), title=title,
-                                   stats=router.stats.as_dict(router.view))  # fmt: skip
-                    live.update(Group(table, progress_line(progress, router.stats)),
-                                refresh=True)  # fmt: skip
+                    table = render(
+                        router.view.loads(), title=title, stats=router.stats.as_dict(router.view)
+                    )
+                    live.update(Group(table, progress_line(progress, router.stats)), refresh=True)
                     await asyncio.wait([driver], timeout=0.25)
         driver.result()
     finally:
@@ -311,6 +325,9 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
         await router.drain()
         st = router.stats
         hit = st.cached_blocks / st.prompt_blocks if st.prompt_blocks else 0.0
-        print(f"demo: routed {st.routed} requests ({st.completed} completed, "
-              f"peak {st.peak_requests} in flight, prefix hit {hit:.0%}); "
-              f"last event {router.publisher.last_sequence}", flush=True)  # fmt: skip
+        print(
+            f"demo: routed {st.routed} requests ({st.completed} completed, "
+            f"peak {st.peak_requests} in flight, prefix hit {hit:.0%}); "
+            f"last event {router.publisher.last_sequence}",
+            flush=True,
+        )

@@ -53,21 +53,30 @@ def answer(metrics: Metrics, method: str, target: str) -> tuple[int, str, bytes]
     return 404, TEXT, b"not found: /metrics, /healthz, /readyz\n"
 
 
-async def _handle(metrics: Metrics, reader: asyncio.StreamReader,
-                  writer: asyncio.StreamWriter) -> None:  # fmt: skip
+async def _handle(
+    metrics: Metrics, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
     try:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
-                ConnectionError):  # fmt: skip
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            TimeoutError,
+            ConnectionError,
+        ):
             return
         parts = head.split(b"\r\n", 1)[0].decode("latin-1").split()
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
             status, kind, body = 400, TEXT, b"bad request\n"
         else:
             status, kind, body = answer(metrics, parts[0], parts[1])
-        lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"content-type: {kind}",
-                 f"content-length: {len(body)}", "connection: close"]  # fmt: skip
+        lines = [
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+            f"content-type: {kind}",
+            f"content-length: {len(body)}",
+            "connection: close",
+        ]
         if status == 405:
             lines.append("allow: GET, HEAD")
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
@@ -96,8 +105,9 @@ async def serving(metrics: Metrics, config: Config) -> AsyncIterator[int | None]
     try:
         server = await asyncio.start_server(handle, host, config.metrics_port, limit=HEAD_LIMIT)
     except OSError as exc:
-        raise MetricsPortError(f"cannot listen on {host}:{config.metrics_port} for metrics: "
-                               f"{exc.strerror or exc}") from None  # fmt: skip
+        raise MetricsPortError(
+            f"cannot listen on {host}:{config.metrics_port} for metrics: {exc.strerror or exc}"
+        ) from None
     port = int(server.sockets[0].getsockname()[1])
     log.info("metrics on http://%s:%d/metrics (and /healthz, /readyz)", host, port)
     try:

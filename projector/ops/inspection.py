@@ -34,9 +34,10 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from projector.nats.stream import MSG_ID, first_seq_of, last_seq_of, log_time_ns
+from projector.nats.stream import first_seq_of, last_seq_of, log_time_ns
 from projector.read.bucket import BucketView, read_bucket
 from projector.wire.config import Config
+from projector.wire.headers import MSG_ID
 from projector.wire.values import LoadValue, Rank
 from seqstate import (
     AddRequest,
@@ -69,8 +70,9 @@ async def bucket(nc: Client, config: Config, keys: str) -> BucketView:
     try:
         return await read_bucket(nc, config, keys=keys)
     except BucketNotFoundError:
-        raise InspectError(f"bucket {config.registry_bucket!r} does not exist: is a projector "
-                           "running?") from None  # fmt: skip
+        raise InspectError(
+            f"bucket {config.registry_bucket!r} does not exist: is a projector running?"
+        ) from None
 
 
 # ---- reading a range of the events stream --------------------------------------------------
@@ -86,10 +88,16 @@ class Found:
     outcome: str | None = None  # from the writer's delta; see outcome_of
 
     def as_dict(self) -> dict[str, Any]:
-        return {"seq": self.seq, "log_time": iso(self.log_time_ns),
-                "log_time_ns": self.log_time_ns, "type": type(self.event).__name__,
-                "outcome": self.outcome, "subject": self.subject, "msg_id": self.msg_id,
-                "event": msgspec.to_builtins(self.event)}  # fmt: skip
+        return {
+            "seq": self.seq,
+            "log_time": iso(self.log_time_ns),
+            "log_time_ns": self.log_time_ns,
+            "type": type(self.event).__name__,
+            "outcome": self.outcome,
+            "subject": self.subject,
+            "msg_id": self.msg_id,
+            "event": msgspec.to_builtins(self.event),
+        }
 
 
 async def scan_events(
@@ -127,9 +135,14 @@ async def scan_events(
     if last < start:
         return out
     end = min(end, last)
-    sub = await js.subscribe(subject, stream=config.events_stream, ordered_consumer=True,
-                             cb=take, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                             config=api.ConsumerConfig(opt_start_seq=start))  # fmt: skip
+    sub = await js.subscribe(
+        subject,
+        stream=config.events_stream,
+        ordered_consumer=True,
+        cb=take,
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+        config=api.ConsumerConfig(opt_start_seq=start),
+    )
     try:
         await asyncio.wait_for(done.wait(), READ_TIMEOUT_S)
     finally:
@@ -203,8 +216,11 @@ class DeltaIndex:
                 if d.seq == event_seq:
                     return d.outcome
             return "dead-lettered"
-        return {"before": "unknown (deltas trimmed)", "after": "not folded yet",
-                "none": "dead-lettered"}[where]  # fmt: skip
+        return {
+            "before": "unknown (deltas trimmed)",
+            "after": "not folded yet",
+            "none": "dead-lettered",
+        }[where]
 
     async def ending(
         self,
@@ -233,8 +249,11 @@ class DeltaIndex:
                     for d in decode_deltas(msg.data):
                         if (d.seq or 0) <= after_event:
                             continue
-                        if (request_id in d.expired or request_id in d.orphaned
-                                or any(tuple(r) == rank for r in d.removed_ranks)):  # fmt: skip
+                        if (
+                            request_id in d.expired
+                            or request_id in d.orphaned
+                            or any(tuple(r) == rank for r in d.removed_ranks)
+                        ):
                             hit = d
                             break
             if progress is not None:
@@ -242,9 +261,14 @@ class DeltaIndex:
             if hit is not None or seq >= last:
                 done.set()
 
-        sub = await self.js.subscribe(self.subject, stream=self.stream, ordered_consumer=True,
-                                      cb=take, deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-                                      config=api.ConsumerConfig(opt_start_seq=start))  # fmt: skip
+        sub = await self.js.subscribe(
+            self.subject,
+            stream=self.stream,
+            ordered_consumer=True,
+            cb=take,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+            config=api.ConsumerConfig(opt_start_seq=start),
+        )
         try:
             await asyncio.wait_for(done.wait(), READ_TIMEOUT_S)
         finally:
@@ -270,31 +294,48 @@ class RequestReport:
     whole_log: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "state": self.state, "detail": self.detail,
-                "router": self.router,
-                "worker_id": None if self.rank is None else self.rank[0],
-                "dp_rank": None if self.rank is None else self.rank[1], "slot": self.slot,
-                "events": [e.as_dict() for e in self.events],
-                "searched": {"subject": self.subject, "from_seq": self.from_seq,
-                             "to_seq": self.to_seq, "whole_log": self.whole_log}}  # fmt: skip
+        return {
+            "request_id": self.request_id,
+            "state": self.state,
+            "detail": self.detail,
+            "router": self.router,
+            "worker_id": None if self.rank is None else self.rank[0],
+            "dp_rank": None if self.rank is None else self.rank[1],
+            "slot": self.slot,
+            "events": [e.as_dict() for e in self.events],
+            "searched": {
+                "subject": self.subject,
+                "from_seq": self.from_seq,
+                "to_seq": self.to_seq,
+                "whole_log": self.whole_log,
+            },
+        }
 
     def text(self) -> str:
-        where = ("-" if self.rank is None
-                 else f"worker {self.rank[0]}, rank {self.rank[1]}"
-                 + ("" if self.slot is None else f" (slot {self.slot})"))  # fmt: skip
-        lines = [f"request {self.request_id}",
-                 f"  state:  {self.state}: {self.detail}",
-                 f"  router: {self.router or '-'}",
-                 f"  where:  {where}",
-                 f"  events on {self.subject}, sequences {self.from_seq} to {self.to_seq}"
-                 + (" (the whole log)" if self.whole_log else "") + ":"]  # fmt: skip
+        where = (
+            "-"
+            if self.rank is None
+            else f"worker {self.rank[0]}, rank {self.rank[1]}"
+            + ("" if self.slot is None else f" (slot {self.slot})")
+        )
+        lines = [
+            f"request {self.request_id}",
+            f"  state:  {self.state}: {self.detail}",
+            f"  router: {self.router or '-'}",
+            f"  where:  {where}",
+            f"  events on {self.subject}, sequences {self.from_seq} to {self.to_seq}"
+            + (" (the whole log)" if self.whole_log else "")
+            + ":",
+        ]
         if not self.events:
             lines.append("    (none)")
         else:
             lines.append(f"    {'seq':>10}  {'log time':<32}  {'event':<22}  outcome")
             for e in self.events:
-                lines.append(f"    {e.seq:>10}  {iso(e.log_time_ns):<32}  "
-                             f"{type(e.event).__name__:<22}  {e.outcome or '-'}")  # fmt: skip
+                lines.append(
+                    f"    {e.seq:>10}  {iso(e.log_time_ns):<32}  "
+                    f"{type(e.event).__name__:<22}  {e.outcome or '-'}"
+                )
         return "\n".join(lines)
 
 
@@ -349,8 +390,15 @@ async def inspect_request(
     deltas = DeltaIndex(js, config)
     for e in events:
         e.outcome = await deltas.outcome_of(e.seq)
-    report = RequestReport(request_id, "unknown", "", subject=subject, from_seq=start,
-                           to_seq=last, whole_log=start <= first)  # fmt: skip
+    report = RequestReport(
+        request_id,
+        "unknown",
+        "",
+        subject=subject,
+        from_seq=start,
+        to_seq=last,
+        whole_log=start <= first,
+    )
     report.events = events
     adds = [e for e in events if isinstance(e.event, AddRequest)]
     booked_add = next((e for e in reversed(adds) if e.outcome == "applied"), None)
@@ -361,8 +409,10 @@ async def inspect_request(
         report.rank, report.slot = rank, slot
         report.state = "active"
         after = 0 if booked_add is None else booked_add.seq
-        marked = any(isinstance(e.event, MarkPrefillCompleted) and e.outcome == "applied"
-                     and e.seq > after for e in events)  # fmt: skip
+        marked = any(
+            isinstance(e.event, MarkPrefillCompleted) and e.outcome == "applied" and e.seq > after
+            for e in events
+        )
         if marked:
             report.detail = "prefill done"
         elif booked_add is not None and not booked_add.event.prefill_tokens:
@@ -373,8 +423,14 @@ async def inspect_request(
     if booked_add is not None:
         report.rank = (booked_add.event.worker_id, booked_add.event.dp_rank)
         report.state = "ended"
-        free = next((e for e in events if isinstance(e.event, Free) and e.seq > booked_add.seq
-                     and e.outcome == "applied"), None)  # fmt: skip
+        free = next(
+            (
+                e
+                for e in events
+                if isinstance(e.event, Free) and e.seq > booked_add.seq and e.outcome == "applied"
+            ),
+            None,
+        )
         if free is not None:
             report.detail = f"freed by event {free.seq} at {iso(free.log_time_ns)}"
             return report
@@ -385,33 +441,42 @@ async def inspect_request(
             report.detail = f"expired at event {ended.seq} (no Free within the expiry)"
         elif request_id in ended.orphaned:
             cause = await _event_at(js, config, ended.seq or 0)
-            report.detail = (f"freed by its router's goodbye (event {ended.seq})"
-                             if isinstance(cause, RouterGoodbye) else
-                             f"orphaned at event {ended.seq}: its router went silent")  # fmt: skip
+            report.detail = (
+                f"freed by its router's goodbye (event {ended.seq})"
+                if isinstance(cause, RouterGoodbye)
+                else f"orphaned at event {ended.seq}: its router went silent"
+            )
         else:
             cause = await _event_at(js, config, ended.seq or 0)
             what = "worker removed" if isinstance(cause, WorkerRemoved) else "rank removed"
             report.detail = f"dropped with its rank at event {ended.seq} ({what})"
         return report
     if not events:
-        report.detail = (f"no event names it in sequences {start} to {last}"
-                         + ("" if report.whole_log else "; widen with --since-seq"))  # fmt: skip
+        report.detail = f"no event names it in sequences {start} to {last}" + (
+            "" if report.whole_log else "; widen with --since-seq"
+        )
         return report
     superseded = next((e for e in adds if e.outcome == "superseded"), None)
     if superseded is not None:
         report.state = "ended"
         report.rank = (superseded.event.worker_id, superseded.event.dp_rank)
-        report.detail = (f"its AddRequest (event {superseded.seq}) came after its Free: "
-                         "superseded, never booked")  # fmt: skip
+        report.detail = (
+            f"its AddRequest (event {superseded.seq}) came after its Free: superseded, never booked"
+        )
         return report
-    early = [e for e in events if isinstance(e.event, (Free, MarkPrefillCompleted))
-             and e.outcome == "unknown_request"]  # fmt: skip
+    early = [
+        e
+        for e in events
+        if isinstance(e.event, (Free, MarkPrefillCompleted)) and e.outcome == "unknown_request"
+    ]
     if early and not adds:
         e = early[-1]
         report.state = "tombstoned"
         report.rank = (e.event.worker_id, e.event.dp_rank)
-        report.detail = (f"a {type(e.event).__name__} (event {e.seq}) for an id not live: "
-                         "its AddRequest, if it comes, is handled by the tombstone")  # fmt: skip
+        report.detail = (
+            f"a {type(e.event).__name__} (event {e.seq}) for an id not live: "
+            "its AddRequest, if it comes, is handled by the tombstone"
+        )
         return report
     if adds:
         e = adds[-1]
@@ -444,20 +509,29 @@ class RankReport:
 
     def as_dict(self) -> dict[str, Any]:
         p = self.load.prefill
-        return {"worker_id": self.rank[0], "dp_rank": self.rank[1],
-                "active_requests": self.load.active_requests,
-                "active_blocks": self.load.active_blocks,
-                "requests": [{"slot": s, "request_id": r, "booked_seq": b}
-                             for s, r, b in self.requests],
-                "prefill": {"full_tokens": p.full_tokens, "anchor_tokens": p.anchor_tokens,
-                            "anchor_duration_ns": p.anchor_duration_ns,
-                            "anchored_since_ns": p.anchored_since_ns,
-                            "anchored_since": (None if p.anchored_since_ns is None
-                                               else iso(p.anchored_since_ns)),
-                            "modeled_ms": p.modeled_ms,
-                            "active_tokens": self.active_prefill_tokens,
-                            "modeled_remaining_ms": self.modeled_remaining_ms},
-                "applied_seq": self.load.applied_seq, "as_of": iso(self.load.as_of)}  # fmt: skip
+        return {
+            "worker_id": self.rank[0],
+            "dp_rank": self.rank[1],
+            "active_requests": self.load.active_requests,
+            "active_blocks": self.load.active_blocks,
+            "requests": [
+                {"slot": s, "request_id": r, "booked_seq": b} for s, r, b in self.requests
+            ],
+            "prefill": {
+                "full_tokens": p.full_tokens,
+                "anchor_tokens": p.anchor_tokens,
+                "anchor_duration_ns": p.anchor_duration_ns,
+                "anchored_since_ns": p.anchored_since_ns,
+                "anchored_since": (
+                    None if p.anchored_since_ns is None else iso(p.anchored_since_ns)
+                ),
+                "modeled_ms": p.modeled_ms,
+                "active_tokens": self.active_prefill_tokens,
+                "modeled_remaining_ms": self.modeled_remaining_ms,
+            },
+            "applied_seq": self.load.applied_seq,
+            "as_of": iso(self.load.as_of),
+        }
 
 
 @dataclass
@@ -468,29 +542,44 @@ class WorkerReport:
     applied_seq: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "applied_seq": self.applied_seq,
-                "log_time": iso(self.now_ns) if self.now_ns else None,
-                "log_time_ns": self.now_ns,
-                "ranks": [r.as_dict() for r in self.ranks]}  # fmt: skip
+        return {
+            "worker_id": self.worker_id,
+            "applied_seq": self.applied_seq,
+            "log_time": iso(self.now_ns) if self.now_ns else None,
+            "log_time_ns": self.now_ns,
+            "ranks": [r.as_dict() for r in self.ranks],
+        }
 
     def text(self) -> str:
-        lines = [f"worker {self.worker_id}: {len(self.ranks)} rank"
-                 + ("" if len(self.ranks) == 1 else "s")
-                 + f", as of event {self.applied_seq}"
-                 + (f" (log time {iso(self.now_ns)})" if self.now_ns else "")]  # fmt: skip
+        lines = [
+            f"worker {self.worker_id}: {len(self.ranks)} rank"
+            + ("" if len(self.ranks) == 1 else "s")
+            + f", as of event {self.applied_seq}"
+            + (f" (log time {iso(self.now_ns)})" if self.now_ns else "")
+        ]
         for r in self.ranks:
             p = r.load.prefill
             ms = "-" if r.modeled_remaining_ms is None else f"{r.modeled_remaining_ms} ms"
             n = r.load.active_requests
-            lines.append(f"  rank {r.rank[1]}: {n} request{'' if n == 1 else 's'}, "
-                         f"{r.load.active_blocks} active blocks")  # fmt: skip
-            anchor = ("none" if p.anchored_since_ns is None else
-                      f"{p.anchor_tokens} tokens since {iso(p.anchored_since_ns)}"
-                      + ("" if p.anchor_duration_ns is None
-                         else f" for {p.anchor_duration_ns / 1e6:g} ms"))  # fmt: skip
-            lines.append(f"    prefill queue: {p.full_tokens} tokens queued, "
-                         f"{r.active_prefill_tokens} still to compute; anchor: {anchor}; "
-                         f"modeled remaining: {ms}")  # fmt: skip
+            lines.append(
+                f"  rank {r.rank[1]}: {n} request{'' if n == 1 else 's'}, "
+                f"{r.load.active_blocks} active blocks"
+            )
+            anchor = (
+                "none"
+                if p.anchored_since_ns is None
+                else f"{p.anchor_tokens} tokens since {iso(p.anchored_since_ns)}"
+                + (
+                    ""
+                    if p.anchor_duration_ns is None
+                    else f" for {p.anchor_duration_ns / 1e6:g} ms"
+                )
+            )
+            lines.append(
+                f"    prefill queue: {p.full_tokens} tokens queued, "
+                f"{r.active_prefill_tokens} still to compute; anchor: {anchor}; "
+                f"modeled remaining: {ms}"
+            )
             for slot, rid, booked in r.requests:
                 lines.append(f"    slot {slot:>4}  {rid}  (booked at event {booked})")
         return "\n".join(lines)
@@ -501,17 +590,21 @@ async def inspect_worker(nc: Client, config: Config, worker_id: int) -> WorkerRe
     reqs = await bucket(nc, config, f"req.{worker_id}.>")
     position = (await bucket(nc, config, "position")).position
     if not loads.loads:
-        raise InspectError(f"worker {worker_id} is not in the registry of namespace "
-                           f"{config.namespace!r}")  # fmt: skip
+        raise InspectError(
+            f"worker {worker_id} is not in the registry of namespace {config.namespace!r}"
+        )
     # The log time the loads are modeled at: the newest value read, as `seqstate loads` does.
-    now = max([v.as_of for v in loads.loads.values()]
-              + ([position.as_of] if position else []))  # fmt: skip
+    now = max([v.as_of for v in loads.loads.values()] + ([position.as_of] if position else []))
     ranks = []
     for rank in sorted(loads.loads):
         value = loads.loads[rank]
         prefill = value.rank_load().prefill
-        held = sorted((slot, v.request_id, v.applied_seq)
-                      for slot, v in reqs.requests(rank).items())  # fmt: skip
-        ranks.append(RankReport(rank, value, held, prefill.active_tokens(now),
-                                prefill.modeled_remaining_ms(now)))  # fmt: skip
+        held = sorted(
+            (slot, v.request_id, v.applied_seq) for slot, v in reqs.requests(rank).items()
+        )
+        ranks.append(
+            RankReport(
+                rank, value, held, prefill.active_tokens(now), prefill.modeled_remaining_ms(now)
+            )
+        )
     return WorkerReport(worker_id, ranks, now, position.applied_seq if position else 0)

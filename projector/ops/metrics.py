@@ -34,22 +34,30 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from seqstate.decay import active_tokens, modeled_remaining_ms
-from seqstate.loads import RankLoad
+from projector.read.view_metrics import RankRow, view_ranks, worker_families
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
-    from projector.read.reader import RegistryView
-
 WRITER, PROJECTOR, VIEW = "writer", "projector", "view"
-FLUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                 10.0, 30.0)  # fmt: skip
-WORKER_LABELS = ("namespace", "worker", "dp_rank")
+FLUSH_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 ROLE_LABELS = ("namespace", "role")
-
-# One rank's gauges: (namespace, worker, dp_rank, load, log time to evaluate the decay at).
-RankRow = tuple[str, int, int, RankLoad, int]
 
 
 @dataclass(frozen=True)
@@ -82,73 +90,11 @@ def projector_ranks(projector: Any) -> Iterator[RankRow]:
         yield image.namespace, worker, rank, load, image.as_of
 
 
-def view_ranks(view: RegistryView) -> Iterator[RankRow]:
-    """A registry view's loads, at the log time of the newest value it received."""
-    registry, namespace = view.registry, view.config.namespace
-    for rank in registry.ranks():
-        load = registry.load_of(rank)
-        if load is not None:
-            yield namespace, rank[0], rank[1], load, view.as_of_ns
-
-
 RANKS: dict[str, Callable[[Any], Iterator[RankRow]]] = {
     WRITER: writer_ranks,
     PROJECTOR: projector_ranks,
     VIEW: view_ranks,
 }
-
-
-def worker_families(rows: Iterable[RankRow]) -> list[Metric]:
-    """The four per-(worker, dp_rank) gauges. A rank whose prefill has no modeled duration
-    (Dynamo's MissingExpectedDuration) has no ``remaining_prefill_ms`` sample: unknown is not 0."""
-    blocks = GaugeMetricFamily("seqstate_worker_active_blocks",
-                               "KV blocks held by the rank's active requests", labels=WORKER_LABELS)
-    tokens = GaugeMetricFamily("seqstate_worker_active_prefill_tokens",
-                               "prefill tokens still pending on the rank (decayed at the state's "
-                               "log time)", labels=WORKER_LABELS)  # fmt: skip
-    requests = GaugeMetricFamily("seqstate_worker_active_requests",
-                                 "requests in flight on the rank", labels=WORKER_LABELS)
-    remaining = GaugeMetricFamily("seqstate_worker_remaining_prefill_ms",
-                                  "modeled milliseconds of prefill left on the rank, at the "
-                                  "state's log time", labels=WORKER_LABELS)  # fmt: skip
-    for namespace, worker, rank, load, now in rows:
-        labels = [namespace, str(worker), str(rank)]
-        blocks.add_metric(labels, load.active_blocks)
-        tokens.add_metric(labels, active_tokens(load.prefill, now))
-        requests.add_metric(labels, load.active_requests)
-        ms = modeled_remaining_ms(load.prefill, now)
-        if ms is not None:
-            remaining.add_metric(labels, ms)
-    return [blocks, tokens, requests, remaining]
-
-
-class ViewCollector(Collector):
-    """The per-worker gauges of registry views, for a scheduler's own process (opt-in)::
-
-        registry.register(view_collector(view))
-
-    ``views`` is a list, or a function returning the views alive at each scrape."""
-
-    def __init__(self, views: Iterable[RegistryView] | Callable[[], Iterable[RegistryView]]):
-        self._views = views if callable(views) else (lambda kept=list(views): kept)
-
-    def collect(self) -> Iterator[Metric]:
-        rows: list[RankRow] = []
-        seen: set[str] = set()
-        for view in self._views():
-            if view.config.namespace not in seen:
-                seen.add(view.config.namespace)
-                rows.extend(view_ranks(view))
-        yield from worker_families(rows)
-
-
-def view_collector(
-    *views: RegistryView, each: Callable[[], Iterable[RegistryView]] | None = None
-) -> ViewCollector:
-    """A collector of the views' per-worker gauges (``seqstate_worker_*{namespace, worker,
-    dp_rank}``), read at scrape time; register it in your own registry. ``each``: a function
-    returning the views to report at each scrape, instead of fixed ones."""
-    return ViewCollector(each if each is not None else list(views))
 
 
 # ---- the process's metrics ---------------------------------------------------------------------
@@ -170,13 +116,24 @@ class Metrics:
         self.starting = ""
         self.registry = CollectorRegistry(auto_describe=False)
         self.flush_seconds = Histogram(
-            "seqstate_flush_seconds", "one flush: the projector's write of a batch of bucket "
+            "seqstate_flush_seconds",
+            "one flush: the projector's write of a batch of bucket "
             "keys (position included), the writer's store of one delta message (retries "
-            "included)", ROLE_LABELS, registry=self.registry, buckets=FLUSH_BUCKETS)  # fmt: skip
+            "included)",
+            ROLE_LABELS,
+            registry=self.registry,
+            buckets=FLUSH_BUCKETS,
+        )
         self.registry.register(_StateCollector(self))
 
-    def follow(self, role: str, items: Callable[[], Iterable[Any]], *, per_worker: bool = True,
-               required: bool = True) -> None:  # fmt: skip
+    def follow(
+        self,
+        role: str,
+        items: Callable[[], Iterable[Any]],
+        *,
+        per_worker: bool = True,
+        required: bool = True,
+    ) -> None:
         """Report on what ``items()`` returns at each scrape (consumers of ``role``, or views)."""
         if role not in RANKS:
             raise ValueError(f"role {role!r}: not one of {sorted(RANKS)}")
@@ -246,26 +203,48 @@ class _StateCollector(Collector):
         yield from self._counters_and_positions(metrics)
 
     def _counters_and_positions(self, metrics: Metrics) -> Iterator[Metric]:
-        events = CounterMetricFamily("seqstate_events", "events the writer folded, by the "
-                                     "outcome its fold counted (expired and orphaned: requests)",
-                                     labels=("namespace", "outcome"))  # fmt: skip
-        dead = CounterMetricFamily("seqstate_dead_letters", "messages dead-lettered, by a word "
-                                   "for why", labels=("namespace", "role", "reason"))  # fmt: skip
-        deltas = CounterMetricFamily("seqstate_deltas", "delta messages the writer published",
-                                     labels=("namespace",))  # fmt: skip
-        writes = CounterMetricFamily("seqstate_kv_writes", "bucket puts and deletes the "
-                                     "projector made", labels=("namespace",))  # fmt: skip
-        applied = GaugeMetricFamily("seqstate_applied_seq", "the last event handled (the "
-                                    "projector: whose delta is in the bucket)",
-                                    labels=ROLE_LABELS)  # fmt: skip
-        lag_events = GaugeMetricFamily("seqstate_lag_events", "events stored but not yet handled, "
-                                       "at the last lag measurement", labels=ROLE_LABELS)
-        lag_s = GaugeMetricFamily("seqstate_lag_seconds", "how long the oldest waiting message "
-                                  "had waited, at the last lag measurement", labels=ROLE_LABELS)
-        snap_age = GaugeMetricFamily("seqstate_snapshot_age_seconds", "seconds since the writer "
-                                     "stored its newest snapshot", labels=("namespace",))
-        snap_bytes = GaugeMetricFamily("seqstate_snapshot_bytes", "size of the writer's newest "
-                                       "snapshot", labels=("namespace",))  # fmt: skip
+        events = CounterMetricFamily(
+            "seqstate_events",
+            "events the writer folded, by the "
+            "outcome its fold counted (expired and orphaned: requests)",
+            labels=("namespace", "outcome"),
+        )
+        dead = CounterMetricFamily(
+            "seqstate_dead_letters",
+            "messages dead-lettered, by a word for why",
+            labels=("namespace", "role", "reason"),
+        )
+        deltas = CounterMetricFamily(
+            "seqstate_deltas", "delta messages the writer published", labels=("namespace",)
+        )
+        writes = CounterMetricFamily(
+            "seqstate_kv_writes",
+            "bucket puts and deletes the projector made",
+            labels=("namespace",),
+        )
+        applied = GaugeMetricFamily(
+            "seqstate_applied_seq",
+            "the last event handled (the projector: whose delta is in the bucket)",
+            labels=ROLE_LABELS,
+        )
+        lag_events = GaugeMetricFamily(
+            "seqstate_lag_events",
+            "events stored but not yet handled, at the last lag measurement",
+            labels=ROLE_LABELS,
+        )
+        lag_s = GaugeMetricFamily(
+            "seqstate_lag_seconds",
+            "how long the oldest waiting message had waited, at the last lag measurement",
+            labels=ROLE_LABELS,
+        )
+        snap_age = GaugeMetricFamily(
+            "seqstate_snapshot_age_seconds",
+            "seconds since the writer stored its newest snapshot",
+            labels=("namespace",),
+        )
+        snap_bytes = GaugeMetricFamily(
+            "seqstate_snapshot_bytes", "size of the writer's newest snapshot", labels=("namespace",)
+        )
         seen: set[tuple[str, str]] = set()
         for source, items in metrics.consumers():
             role = source.role
@@ -283,8 +262,9 @@ class _StateCollector(Collector):
                     applied.add_metric([namespace, role], c.applied.value)
                     stats = c.stats
                     if stats.last_snapshot_stored_s is not None:
-                        snap_age.add_metric([namespace], max(0.0, time.time()
-                                                             - stats.last_snapshot_stored_s))
+                        snap_age.add_metric(
+                            [namespace], max(0.0, time.time() - stats.last_snapshot_stored_s)
+                        )
                         snap_bytes.add_metric([namespace], stats.last_snapshot_bytes)
                 else:
                     writes.add_metric([namespace], c.stats.kv_writes)

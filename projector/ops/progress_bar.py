@@ -50,12 +50,19 @@ def progress_bar(enabled: bool, what: str) -> Iterator[Update | None]:
     if not console.is_terminal:
         yield _plain(what)
         return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TaskProgressColumn(), Rate(), TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        Rate(),
+        TimeRemainingColumn(),
+    )
     # Results go to stdout while the bar is up (replay --verify prints its diffs): rich would
     # redirect them to the bar's console, stderr, by default.
-    with Progress(*columns, console=console, transient=True, redirect_stdout=False,
-                  redirect_stderr=False) as bar:  # fmt: skip
+    with Progress(
+        *columns, console=console, transient=True, redirect_stdout=False, redirect_stderr=False
+    ) as bar:
         task = bar.add_task(what, total=None)
 
         def update(done: int, total: int) -> None:
@@ -74,7 +81,10 @@ def _plain(what: str) -> Update:
             return
         last = now
         rate = done / (now - started)
-        print(f"{what}: {done:,} of {total:,} events ({done / total:.0%}), {rate:,.0f} events/s",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{what}: {done:,} of {total:,} events ({done / total:.0%}), {rate:,.0f} events/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     return update

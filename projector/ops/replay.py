@@ -69,9 +69,15 @@ class Replayed:
 class _Folder:
     """Folds ``(seq, log_time_ns, payload)`` in order; either read path feeds it."""
 
-    def __init__(self, state: SequenceState, start_seq: int, end_seq: int,
-                 until_ns: int | None, progress: Progress | None,
-                 bounds: RankBounds) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: SequenceState,
+        start_seq: int,
+        end_seq: int,
+        until_ns: int | None,
+        progress: Progress | None,
+        bounds: RankBounds,
+    ) -> None:
         self.apply = state.apply
         self.state = state
         self.refusal = bounds.refusal  # what the writer dead-letters, a replay skips too
@@ -165,8 +171,9 @@ async def fold_stream(
     try:
         why: str | None = "the fast path is off"
         if fast:
-            _, why = await fast_fold(nc, config, folder.fold_batch, start_seq=start_seq,
-                                     end_seq=end_seq)  # fmt: skip
+            _, why = await fast_fold(
+                nc, config, folder.fold_batch, start_seq=start_seq, end_seq=end_seq
+            )
             if why is not None and not folder.finished:
                 log.warning("fast replay path stopped (%s); continuing through nats-py", why)
         if why is not None and not folder.finished:
@@ -273,8 +280,9 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
     out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
     got_block = None if bucket.tracker is None else bucket.tracker.block_size
     if state.block_size != got_block and tracker_key(namespace) not in bucket.unreadable:
-        out.append(f"{tracker_key(namespace)}: bucket block size {got_block}, replay "
-                   f"{state.block_size}")  # fmt: skip
+        out.append(
+            f"{tracker_key(namespace)}: bucket block size {got_block}, replay {state.block_size}"
+        )
     expected_loads = {rank: slot.load() for rank, slot in state.workers.slots.items()}
     got_loads = {rank: value.rank_load() for rank, value in bucket.loads.items()}
     for rank in sorted(set(expected_loads) | set(got_loads)):
@@ -289,9 +297,11 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
             out.append(f"{key}: bucket {_load_text(got)}, replay {_load_text(want)}")
     for rank in sorted(set(state.workers.slots) | set(bucket.slots)):
         slot_state = state.workers.slots.get(rank)
-        live = {} if slot_state is None else {
-            r.slot: (request_id, r.hashes) for request_id, r in slot_state.requests.items()
-        }  # fmt: skip
+        live = (
+            {}
+            if slot_state is None
+            else {r.slot: (request_id, r.hashes) for request_id, r in slot_state.requests.items()}
+        )
         held = bucket.requests(rank)
         for slot in sorted(set(live) | set(held)):
             key = slot_key(namespace, rank, slot)
@@ -302,19 +312,25 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
                 assert want_request is not None
                 out.append(f"{key}: request {want_request[0]!r} missing from the bucket")
             elif want_request is None:
-                out.append(f"{key}: request {got_value.request_id!r} in the bucket, not live "
-                           "in the replayed state")  # fmt: skip
+                out.append(
+                    f"{key}: request {got_value.request_id!r} in the bucket, not live "
+                    "in the replayed state"
+                )
             elif (got_value.request_id, got_value.hash_list()) != want_request:
-                out.append(f"{key}: bucket request {got_value.request_id!r} "
-                           f"({len(got_value.hashes) // 8} hashes), replay {want_request[0]!r} "
-                           f"({len(want_request[1])} hashes)")  # fmt: skip
+                out.append(
+                    f"{key}: bucket request {got_value.request_id!r} "
+                    f"({len(got_value.hashes) // 8} hashes), replay {want_request[0]!r} "
+                    f"({len(want_request[1])} hashes)"
+                )
     return out
 
 
 def _load_text(load: RankLoad) -> str:
     p = load.prefill
-    return (f"(blocks {load.active_blocks}, requests {load.active_requests}, prefill "
-            f"{p.full_tokens} tokens anchored {p.anchored_since_ns})")  # fmt: skip
+    return (
+        f"(blocks {load.active_blocks}, requests {load.active_requests}, prefill "
+        f"{p.full_tokens} tokens anchored {p.anchored_since_ns})"
+    )
 
 
 async def verify(nc: Client, config: Config, *, progress: Progress | None = None) -> list[str]:
@@ -324,8 +340,10 @@ async def verify(nc: Client, config: Config, *, progress: Progress | None = None
         raise ReplayError(f"the bucket holds no position for namespace {config.namespace!r}")
     replayed = await replay(nc, config, to_seq=bucket.position.applied_seq, progress=progress)
     if replayed.last_seq != bucket.position.applied_seq:
-        return [f"{config.namespace}.position: bucket at event {bucket.position.applied_seq}, "
-                f"the log ends at {replayed.last_seq}"]  # fmt: skip
+        return [
+            f"{config.namespace}.position: bucket at event {bucket.position.applied_seq}, "
+            f"the log ends at {replayed.last_seq}"
+        ]
     return differences(replayed.state, bucket, config.namespace)
 
 
@@ -385,8 +403,10 @@ class LogBounds:
     def __str__(self) -> str:
         if not self.last_seq:
             return f"the log of namespace {self.namespace!r} is empty"
-        return (f"the log of namespace {self.namespace!r} holds events {self.first_seq} to "
-                f"{self.last_seq}, from {iso(self.first_ns)} to {iso(self.last_ns)}")  # fmt: skip
+        return (
+            f"the log of namespace {self.namespace!r} holds events {self.first_seq} to "
+            f"{self.last_seq}, from {iso(self.first_ns)} to {iso(self.last_ns)}"
+        )
 
 
 async def log_bounds(nc: Client, config: Config) -> LogBounds:

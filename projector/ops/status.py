@@ -20,15 +20,15 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from projector.nats.dead_letters import SOURCE_STREAM
 from projector.nats.lag import Lag, describe, over, projector_lag, thresholds, writer_lag
 from projector.nats.resources import dead_letter_stream
 from projector.nats.retention import trimmed_below
-from projector.nats.security import redact
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import SOURCE_SEQ, last_seq_of
+from projector.nats.stream import last_seq_of
 from projector.read.bucket import read_bucket
 from projector.wire.config import Config
+from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
+from projector.wire.redaction import redact
 from projector.write.delta_log import DeltaLog
 
 
@@ -112,8 +112,9 @@ async def collect(nc: Client, config: Config) -> StatusReport:
     js = nc.jetstream()
     projector = None
     if exists:  # the bucket, then the deltas: the projector's lag is never negative either
-        projector = _lag_status(config, "projector", await projector_lag(js, config, applied,
-                                                                         delta_seq))  # fmt: skip
+        projector = _lag_status(
+            config, "projector", await projector_lag(js, config, applied, delta_seq)
+        )
     writer = None
     folded = await _writer_position(nc, config)  # the deltas, then the log
     names = (config.events_stream, config.deltas_stream, dead_letter_stream(config))
@@ -174,8 +175,16 @@ def _lag_status(config: Config, who: str, lag: Lag) -> LagStatus:
     if lag.oldest_ns is not None:
         when = dt.datetime.fromtimestamp(lag.oldest_ns / 1e9, dt.UTC).isoformat()
     age = round(lag.oldest_age_s, 3) if lag.oldest_ns is not None else None
-    return LagStatus(lag.position, lag.newest, lag.events, lag.messages, when, age,
-                     over(config, lag), describe(who, lag))  # fmt: skip
+    return LagStatus(
+        lag.position,
+        lag.newest,
+        lag.events,
+        lag.messages,
+        when,
+        age,
+        over(config, lag),
+        describe(who, lag),
+    )
 
 
 def format_status(report: StatusReport) -> str:
@@ -192,12 +201,16 @@ def format_status(report: StatusReport) -> str:
     if not report.bucket_exists:
         lines.append(f"bucket {report.bucket}: missing (no projector has run)")
     else:
-        lines.append(f"bucket {report.bucket}: {report.ranks} ranks, position event "
-                     f"{report.applied_seq} (log time {report.as_of or '-'})")  # fmt: skip
+        lines.append(
+            f"bucket {report.bucket}: {report.ranks} ranks, position event "
+            f"{report.applied_seq} (log time {report.as_of or '-'})"
+        )
     if report.position_beyond_log:
-        lines.append(f"lag: the bucket's position (event {report.applied_seq}) is beyond the "
-                     "log's newest event: it was not derived from this log (`seqstate replay "
-                     "--verify`, then `seqstate rebuild`)")  # fmt: skip
+        lines.append(
+            f"lag: the bucket's position (event {report.applied_seq}) is beyond the "
+            "log's newest event: it was not derived from this log (`seqstate replay "
+            "--verify`, then `seqstate rebuild`)"
+        )
     elif report.lag_events is not None:
         lines.append(f"lag: {report.lag_events} events behind the log")
     for who, lag in (("writer", report.writer), ("projector", report.projector)):
@@ -208,6 +221,9 @@ def format_status(report: StatusReport) -> str:
         f"snapshots: {report.snapshots}"
         + (f", newest at event {report.newest_snapshot_seq}" if report.snapshots else "")
     )
-    lines.append(f"events trimmed below sequence {report.trimmed_below}" if report.trimmed_below
-                 else "events: never trimmed")  # fmt: skip
+    lines.append(
+        f"events trimmed below sequence {report.trimmed_below}"
+        if report.trimmed_below
+        else "events: never trimmed"
+    )
     return "\n".join(lines)

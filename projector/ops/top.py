@@ -73,8 +73,9 @@ class WorkerRow(msgspec.Struct, frozen=True):
     frees_per_s: float | None
 
 
-def _rate(now: dict[int, int], old: dict[int, int], worker: int,
-          span: float | None) -> float | None:  # fmt: skip
+def _rate(
+    now: dict[int, int], old: dict[int, int], worker: int, span: float | None
+) -> float | None:
     if span is None:
         return None
     return round((now.get(worker, 0) - old.get(worker, 0)) / span, 1)
@@ -92,12 +93,18 @@ def worker_rows(view: CountingView, before: Sample | None, now: Sample) -> list[
     for worker, rows in sorted(by_worker.items()):
         ms = [r.modeled_remaining_prefill_ms for r in rows]
         remaining = None if any(m is None for m in ms) else max(m or 0 for m in ms)
-        out.append(WorkerRow(
-            worker, len(rows), sum(r.active_requests for r in rows),
-            sum(r.active_blocks for r in rows), sum(r.active_prefill_tokens for r in rows),
-            remaining, _rate(now.adds, old_adds, worker, span),
-            _rate(now.frees, old_frees, worker, span),
-        ))  # fmt: skip
+        out.append(
+            WorkerRow(
+                worker,
+                len(rows),
+                sum(r.active_requests for r in rows),
+                sum(r.active_blocks for r in rows),
+                sum(r.active_prefill_tokens for r in rows),
+                remaining,
+                _rate(now.adds, old_adds, worker, span),
+                _rate(now.frees, old_frees, worker, span),
+            )
+        )
     return out
 
 
@@ -107,17 +114,32 @@ def events_per_s(before: Sample | None, now: Sample) -> float | None:
     return (now.applied_seq - before.applied_seq) / max(now.at - before.at, 1e-9)
 
 
-HEADERS = ("worker", "ranks", "requests", "active_blocks", "prefill_tokens",
-           "remaining_prefill_ms", "adds_per_s", "frees_per_s")  # fmt: skip
+HEADERS = (
+    "worker",
+    "ranks",
+    "requests",
+    "active_blocks",
+    "prefill_tokens",
+    "remaining_prefill_ms",
+    "adds_per_s",
+    "frees_per_s",
+)
 
 
 def _cells(r: WorkerRow) -> tuple[str, ...]:
     def num(v: float | int | None) -> str:
         return "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
 
-    return (str(r.worker_id), str(r.ranks), str(r.active_requests), str(r.active_blocks),
-            str(r.active_prefill_tokens), num(r.modeled_remaining_prefill_ms),
-            num(r.adds_per_s), num(r.frees_per_s))  # fmt: skip
+    return (
+        str(r.worker_id),
+        str(r.ranks),
+        str(r.active_requests),
+        str(r.active_blocks),
+        str(r.active_prefill_tokens),
+        num(r.modeled_remaining_prefill_ms),
+        num(r.adds_per_s),
+        num(r.frees_per_s),
+    )
 
 
 def plain(rows: Sequence[WorkerRow], applied_seq: int, rate: float | None) -> str:
@@ -130,11 +152,20 @@ def plain(rows: Sequence[WorkerRow], applied_seq: int, rate: float | None) -> st
     return "\n".join(lines)
 
 
-def render(rows: Sequence[WorkerRow], title: str, applied_seq: int,
-           rate: float | None) -> RenderableType:  # fmt: skip
+def render(
+    rows: Sequence[WorkerRow], title: str, applied_seq: int, rate: float | None
+) -> RenderableType:
     table = Table(title=title, title_justify="left")
-    for name in ("worker", "ranks", "requests", "active blocks", "prefill tokens",
-                 "remaining prefill ms", "adds/s", "frees/s"):  # fmt: skip
+    for name in (
+        "worker",
+        "ranks",
+        "requests",
+        "active blocks",
+        "prefill tokens",
+        "remaining prefill ms",
+        "adds/s",
+        "frees/s",
+    ):
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(*_cells(r))

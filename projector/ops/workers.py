@@ -33,7 +33,7 @@ class WorkerControlError(SeqstateError, RuntimeError):
     """A worker change that was refused, before publishing or by the writer."""
 
 
-class WorkerNotFound(WorkerControlError):
+class WorkerNotRegistered(WorkerControlError):
     """Removing a worker the read model does not know (no rank of it is in the bucket)."""
 
 
@@ -107,7 +107,7 @@ class WorkerControl:
         """Remove a worker and every rank of it. Its requests end, unless it is added back
         within the grace period; its keys leave the bucket either way."""
         if not await self._ranks(worker_id):
-            raise WorkerNotFound(
+            raise WorkerNotRegistered(
                 f"worker {worker_id} has no rank in the registry (namespace "
                 f"{self.config.namespace!r}): nothing to remove"
             )

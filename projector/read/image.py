@@ -130,8 +130,11 @@ class BucketImage:
         for rank, slots in bucket.slots.items():
             if rank in self.loads:
                 self.slot_keys[rank] = max(slots) + 1
-                self._empty.update(slot_key(self.namespace, rank, slot)
-                                   for slot, value in slots.items() if value.empty)  # fmt: skip
+                self._empty.update(
+                    slot_key(self.namespace, rank, slot)
+                    for slot, value in slots.items()
+                    if value.empty
+                )
             else:
                 for slot in slots:
                     self._slots[slot_key(self.namespace, rank, slot)] = None

@@ -53,13 +53,14 @@ from projector.nats.lease import DEFAULT_TTL_S, Lease, LeaseLost
 from projector.nats.progress import Progress
 from projector.nats.resources import ensure
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
-from projector.nats.stream import PREV_SOURCE_SEQ, OrderedConsumer, log_time_ns
+from projector.nats.stream import OrderedConsumer, log_time_ns
 from projector.nats.tasks import cancel
 from projector.read.bucket import BucketView, read_bucket
 from projector.read.image import BucketImage, Write
+from projector.wire.chain import chain_problem
 from projector.wire.config import Config
+from projector.wire.headers import PREV_SOURCE_SEQ
 from projector.wire.values import load_key, slot_key, tracker_key
-from projector.write.delta_log import chain_problem
 from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 
@@ -121,8 +122,9 @@ class Projector(LagWatched):
         self._lease_ttl_s, self._lease_renew_s = lease_ttl_s, lease_renew_s
         self.stats = ProjectorStats()
         self._js = nc.jetstream()
-        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload,
-                                        kinds=PROJECTOR_KINDS)
+        self.dead_letters = DeadLetters(
+            self._js, config, max_payload=nc.max_payload, kinds=PROJECTOR_KINDS
+        )
         self.image = BucketImage(config.namespace)
         self.delta_seq = 0  # sequence in the DELTAS stream of the last message handled
         self._position_dirty = False
@@ -133,8 +135,9 @@ class Projector(LagWatched):
         self._events_last = 0  # the events stream's last sequence, as last looked up
         self._failure: BaseException | None = None
         # The DELTAS stream is read by the shared runner; this projector is its processor.
-        self._consumer = OrderedConsumer(self._js, config.deltas_stream, config.deltas_subject,
-                                         self, on_failure=self._fail)  # fmt: skip
+        self._consumer = OrderedConsumer(
+            self._js, config.deltas_stream, config.deltas_subject, self, on_failure=self._fail
+        )
         self.caught_up = self._consumer.caught_up
         self.lag_watch = LagWatch("projector", self._measure_lag, config, log)
         # Told how long each flush that wrote took, in seconds (the metrics' histogram).
@@ -149,12 +152,20 @@ class Projector(LagWatched):
     def status(self) -> dict[str, Any]:
         """What ``nats micro stats`` and the status endpoint show (projector.nats.discovery)."""
         lag, stats = self.lag, self.stats
-        return {"kind": "projector", "namespace": self.config.namespace,
-                "applied_seq": self.flushed.value, "delta_seq": self.flushed_delta_seq,
-                "deltas": stats.deltas, "flushes": stats.flushes,
-                "keys_written": stats.keys_written, "keys_deleted": stats.keys_deleted,
-                "dead_letters": stats.dead_letters, "holds_lease": self.lease is not None,
-                "lag_events": lag.events, "lag_s": lag.oldest_age_s}  # fmt: skip
+        return {
+            "kind": "projector",
+            "namespace": self.config.namespace,
+            "applied_seq": self.flushed.value,
+            "delta_seq": self.flushed_delta_seq,
+            "deltas": stats.deltas,
+            "flushes": stats.flushes,
+            "keys_written": stats.keys_written,
+            "keys_deleted": stats.keys_deleted,
+            "dead_letters": stats.dead_letters,
+            "holds_lease": self.lease is not None,
+            "lag_events": lag.events,
+            "lag_s": lag.oldest_age_s,
+        }
 
     async def _run(self) -> None:
         await ensure(self.nc, self.config)
@@ -162,8 +173,14 @@ class Projector(LagWatched):
             self.lease = self._held_lease
             await self._project()
             return
-        lease = Lease(self.nc, self.config, "projector", ttl_s=self._lease_ttl_s,
-                      renew_s=self._lease_renew_s, on_lost=self.lease_lost)  # fmt: skip
+        lease = Lease(
+            self.nc,
+            self.config,
+            "projector",
+            ttl_s=self._lease_ttl_s,
+            renew_s=self._lease_renew_s,
+            on_lost=self.lease_lost,
+        )
         if not await self._acquire(lease):
             return
         self.lease = lease
@@ -196,8 +213,11 @@ class Projector(LagWatched):
         self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
-        log.error("projector stopping: %r", exc, extra={"namespace": self.config.namespace,
-                                                        "stream_seq": self.applied_seq})
+        log.error(
+            "projector stopping: %r",
+            exc,
+            extra={"namespace": self.config.namespace, "stream_seq": self.applied_seq},
+        )
         self._consumer.halt()
         if self._failure is None:
             self._failure = exc
@@ -243,10 +263,13 @@ class Projector(LagWatched):
         if (pos := bucket.position) is not None:
             self.delta_seq = self.flushed_delta_seq = pos.delta_seq
             self.flushed.value = pos.applied_seq
-        log.info("resumed at source seq %d (delta %d) with %d ranks", self.applied_seq,
-                 self.delta_seq, len(self.image.loads),
-                 extra={"namespace": self.config.namespace,
-                        "stream_seq": self.applied_seq})  # fmt: skip
+        log.info(
+            "resumed at source seq %d (delta %d) with %d ranks",
+            self.applied_seq,
+            self.delta_seq,
+            len(self.image.loads),
+            extra={"namespace": self.config.namespace, "stream_seq": self.applied_seq},
+        )
 
     def reset_to(
         self, state: SequenceState, applied_seq: int, delta_seq: int, *, stale: list[str]
@@ -322,8 +345,10 @@ class Projector(LagWatched):
             )
             self._events_last = info.state.last_seq
             if last > self._events_last:
-                return (f"not a writer's delta: event {last} is beyond the events stream "
-                        f"(its last is {self._events_last})")  # fmt: skip
+                return (
+                    f"not a writer's delta: event {last} is beyond the events stream "
+                    f"(its last is {self._events_last})"
+                )
         partial = self.image.partial
         if (
             partial is not None
@@ -367,10 +392,12 @@ class Projector(LagWatched):
             except Exception as exc:  # the bucket must catch up, not die
                 self.stats.flush_failures += 1
                 if await self._bucket_gone():
-                    self._fail(BucketLost(
-                        f"the bucket {self.config.registry_bucket} was deleted under the "
-                        "projector; a restart recreates it and rewrites it from the deltas"
-                    ))  # fmt: skip
+                    self._fail(
+                        BucketLost(
+                            f"the bucket {self.config.registry_bucket} was deleted under the "
+                            "projector; a restart recreates it and rewrites it from the deltas"
+                        )
+                    )
                     return
                 log.warning("flush failed, retrying in %.2fs: %r", backoff, exc)
                 await asyncio.sleep(backoff)
@@ -382,8 +409,9 @@ class Projector(LagWatched):
     async def _bucket_gone(self) -> bool:
         """Whether the bucket no longer exists (deleted by hand): no retry can write it then."""
         try:
-            await asyncio.wait_for(self._js.key_value(self.config.registry_bucket),
-                                   ATTEMPT_TIMEOUT_S)  # fmt: skip
+            await asyncio.wait_for(
+                self._js.key_value(self.config.registry_bucket), ATTEMPT_TIMEOUT_S
+            )
         except BucketNotFoundError:
             return True
         except Exception:  # the server away: not known to be gone
@@ -416,8 +444,9 @@ class Projector(LagWatched):
 
     async def _write(self, writes: list[Write], position: tuple[str, bytes]) -> None:
         self._check_lease()
-        futures = [await self._put(key, value or b"", delete=value is None)
-                   for key, value in writes]  # fmt: skip
+        futures = [
+            await self._put(key, value or b"", delete=value is None) for key, value in writes
+        ]
         # publish_async has no deadline of its own: an ack lost to a disconnect would hang here.
         if futures:
             await asyncio.wait_for(asyncio.gather(*futures), ACK_TIMEOUT_S)
@@ -440,8 +469,9 @@ class Projector(LagWatched):
         return future
 
     async def _measure_lag(self) -> Lag:
-        return await projector_lag(self._js, self.config, self.flushed.value,
-                                   self.flushed_delta_seq)  # fmt: skip
+        return await projector_lag(
+            self._js, self.config, self.flushed.value, self.flushed_delta_seq
+        )
 
     async def wait_flushed(self, seq: int) -> None:
         """Return once the bucket's position reflects source sequence ``seq`` or later."""
@@ -451,15 +481,17 @@ class Projector(LagWatched):
 
     async def _dead_letter(self, msg: Msg, delta_seq: int, reason: str, kind: str) -> None:
         self.stats.dead_letters += 1
-        await self.dead_letters.put(self.config.deltas_stream, delta_seq, msg.subject, msg.data,
-                                    reason, kind=kind)  # fmt: skip
+        await self.dead_letters.put(
+            self.config.deltas_stream, delta_seq, msg.subject, msg.data, reason, kind=kind
+        )
 
 
 def every_key(namespace: str, bucket: BucketView) -> list[Write]:
     """A delete of every read-model key the bucket holds (damaged ones too)."""
     keys = [load_key(namespace, rank) for rank in bucket.loads]
-    keys += [slot_key(namespace, rank, slot) for rank, slots in bucket.slots.items()
-             for slot in slots]  # fmt: skip
+    keys += [
+        slot_key(namespace, rank, slot) for rank, slots in bucket.slots.items() for slot in slots
+    ]
     keys += list(bucket.unreadable)
     if bucket.tracker is not None:
         keys.append(tracker_key(namespace))

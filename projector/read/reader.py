@@ -369,11 +369,11 @@ class RegistryView:
         """Opt-in: this view's per-worker gauges in ``registry`` (prometheus_client's default
         ``REGISTRY``, where a scheduler's own metrics usually are, when None), read at each
         scrape; the collector is returned for ``registry.unregister``. Several views in one
-        registry: register one ``projector.ops.metrics.view_collector(*views)`` instead (their
+        registry: register one ``projector.read.view_metrics.view_collector(*views)`` instead (their
         series share names, so each namespace must be collected once)."""
         from prometheus_client import REGISTRY
 
-        from projector.ops.metrics import view_collector
+        from projector.read.view_metrics import view_collector
 
         collector = view_collector(self)
         (REGISTRY if registry is None else registry).register(collector)

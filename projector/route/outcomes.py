@@ -22,11 +22,11 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from projector.nats.dead_letters import SOURCE_STREAM
 from projector.nats.progress import Progress
 from projector.nats.resources import dead_letter_stream
-from projector.nats.stream import SOURCE_SEQ, OrderedConsumer, last_seq_of
+from projector.nats.stream import OrderedConsumer, last_seq_of
 from projector.wire.config import Config
+from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
 from seqstate import decode_deltas
 from seqstate.errors import SeqstateError
 
@@ -71,9 +71,12 @@ class Outcomes:
         """Follow the deltas from the newest one stored: what is published after this returns
         is always answered."""
         self._consumer = OrderedConsumer(
-            self._js, self.config.deltas_stream, self.config.deltas_subject, self,
+            self._js,
+            self.config.deltas_stream,
+            self.config.deltas_subject,
+            self,
             on_failure=lambda exc: self._seen.advance(2**63),
-        )  # fmt: skip
+        )
         newest = await last_seq_of(self._js, self.config.deltas_stream, self.config.deltas_subject)
         if newest:
             msg = await self._js.get_msg(self.config.deltas_stream, seq=newest)
@@ -82,8 +85,9 @@ class Outcomes:
         await self._consumer.start(after=newest)
         dead, subject = dead_letter_stream(self.config), self.config.dead_letter_subject
         # A failure here only loses the early answer: a later delta still settles the call.
-        self._dead = OrderedConsumer(self._js, dead, subject, _Refusals(self),
-                                     on_failure=lambda exc: None)  # fmt: skip
+        self._dead = OrderedConsumer(
+            self._js, dead, subject, _Refusals(self), on_failure=lambda exc: None
+        )
         await self._dead.start(after=await last_seq_of(self._js, dead, subject))
         return self
 
@@ -144,4 +148,3 @@ class _Refusals:
         if headers.get(SOURCE_STREAM) == self._outcomes.config.events_stream:
             with contextlib.suppress(KeyError, ValueError):
                 self._outcomes.refused(int(headers[SOURCE_SEQ]))
-

@@ -63,8 +63,8 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from projector.nats.stream import MSG_ID as MSG_ID_HEADER
 from projector.wire.config import Config
+from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from seqstate import (
     AddOutputBlock,
     AddRequest,
@@ -219,8 +219,10 @@ class RouterPublisher:
         if not router_id:
             raise ValueError("router_id must not be empty")
         if len(router_id) > MAX_ROUTER_ID:
-            raise ValueError(f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
-                             "(what a RouterHeartbeat carries)")  # fmt: skip
+            raise ValueError(
+                f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
+                "(what a RouterHeartbeat carries)"
+            )
         try:
             self._msg_id_prefix = quote(router_id, safe=_MSG_ID_SAFE) + ":"
         except UnicodeEncodeError:
@@ -409,8 +411,12 @@ class RouterPublisher:
         """
         event, payload = self.check(event)
         self._router_seq += 1
-        call = _Call([event], [self.subject_for(event)], [payload],
-                     [f"{self._msg_id_prefix}{self._router_seq}"])  # fmt: skip
+        call = _Call(
+            [event],
+            [self.subject_for(event)],
+            [payload],
+            [f"{self._msg_id_prefix}{self._router_seq}"],
+        )
         try:
             return (await self._run(call))[0]
         except PublishError as exc:

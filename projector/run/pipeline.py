@@ -38,8 +38,12 @@ class PipelineStopped(SeqstateError, RuntimeError):
     """One of the two consumers ended on its own."""
 
 
-PERMANENT: tuple[type[BaseException], ...] = (ConfigError, ProvisioningError, SnapshotUnavailable,
-                                             DeltaGap)  # fmt: skip
+PERMANENT: tuple[type[BaseException], ...] = (
+    ConfigError,
+    ProvisioningError,
+    SnapshotUnavailable,
+    DeltaGap,
+)
 STABLE_S = 60.0  # a pipeline that ran this long before failing starts the backoff afresh
 
 

@@ -48,23 +48,31 @@ class StandbyPipeline:
 
     async def run(self) -> None:
         while True:
-            lease = Lease(self.nc, self.config, "projector", ttl_s=self.lease_ttl_s,
-                          on_lost=self._lost)  # fmt: skip
+            lease = Lease(
+                self.nc, self.config, "projector", ttl_s=self.lease_ttl_s, on_lost=self._lost
+            )
             await lease.acquire(wait=True)
             try:
                 self.pipeline = Pipeline(self.nc, self.config, held_lease=lease)
                 async with self.pipeline as pipeline:
                     self.terms += 1
                     self.active.set()
-                    log.info("running namespace %r (term %d)", self.config.namespace, self.terms,
-                             extra={"namespace": self.config.namespace})
+                    log.info(
+                        "running namespace %r (term %d)",
+                        self.config.namespace,
+                        self.terms,
+                        extra={"namespace": self.config.namespace},
+                    )
                     await pipeline.wait()
             except PERMANENT:
                 raise
             except (SeqstateError, nats.errors.Error, TimeoutError, ConnectionError) as exc:
-                log.warning("namespace %r: pipeline stopped (%s); standing by",
-                            self.config.namespace, exc,
-                            extra={"namespace": self.config.namespace})  # fmt: skip
+                log.warning(
+                    "namespace %r: pipeline stopped (%s); standing by",
+                    self.config.namespace,
+                    exc,
+                    extra={"namespace": self.config.namespace},
+                )
             finally:
                 self.active.clear()
                 self.pipeline = None

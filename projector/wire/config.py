@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from projector.wire.redaction import redact
 from seqstate.bounds import MAX_RANKS, MAX_RANKS_PER_WORKER, RankBounds
 from seqstate.errors import SeqstateError
 from seqstate.state import MAX_ENDED, MAX_TOMBSTONES, SequenceState
@@ -39,13 +40,20 @@ class ConfigError(SeqstateError, ValueError):
 # Settings whose value is a secret: never shown (help, errors, a Config's repr).
 SECRET_SETTINGS = ("nats_password", "nats_token")
 # How a client signs in, beside credentials in the URL: one at most.
-_AUTH_METHODS = (("nats_user", "nats_password"), ("nats_token",), ("nats_nkey_seed",),
-                 ("nats_creds",))  # fmt: skip
+_AUTH_METHODS = (
+    ("nats_user", "nats_password"),
+    ("nats_token",),
+    ("nats_nkey_seed",),
+    ("nats_creds",),
+)
 
 
 def _setting(default: Any, help: str, metavar: str = "", *, secret: bool = False) -> Any:
-    return field(default=default, repr=not secret,
-                 metadata={"help": help, "metavar": metavar, "secret": secret})  # fmt: skip
+    return field(
+        default=default,
+        repr=not secret,
+        metadata={"help": help, "metavar": metavar, "secret": secret},
+    )
 
 
 @dataclass(frozen=True)
@@ -81,57 +89,91 @@ class Config:
     )
     snapshots_keep: int = _setting(3, "snapshots kept (the newest)", "N")
     retain_events: int | None = _setting(
-        None, "events kept before the oldest snapshot; 'off' (the default) never trims",
-        "N")  # fmt: skip
+        None, "events kept before the oldest snapshot; 'off' (the default) never trims", "N"
+    )
     forget_lazy_ranks_s: float | None = _setting(
-        600.0, "a rank no WorkerAdded registered, empty this long, is dropped; 'off' keeps it",
-        "SECONDS")  # fmt: skip
+        600.0,
+        "a rank no WorkerAdded registered, empty this long, is dropped; 'off' keeps it",
+        "SECONDS",
+    )
     orphan_after_s: float | None = _setting(
-        30.0, "a router silent this long after a heartbeat has its requests freed (orphaned); "
-        "'off' never", "SECONDS")  # fmt: skip
+        30.0,
+        "a router silent this long after a heartbeat has its requests freed (orphaned); "
+        "'off' never",
+        "SECONDS",
+    )
     rules: str = _setting(
-        "router", "the fold's rules: 'router' (workers created by their first request, as in "
+        "router",
+        "the fold's rules: 'router' (workers created by their first request, as in "
         "Dynamo's router) or 'slot-tracker' (strict, as Dynamo's standalone slot tracker)",
-        "RULES")  # fmt: skip
+        "RULES",
+    )
     worker_grace_s: float = _setting(
-        0.0, "a removed worker added back within this long keeps its requests; 0 (the "
-        "default) drops them at once", "SECONDS")  # fmt: skip
+        0.0,
+        "a removed worker added back within this long keeps its requests; 0 (the "
+        "default) drops them at once",
+        "SECONDS",
+    )
     tick_every_s: float = _setting(
-        60.0, "the writer logs a Tick at least this often, busy or not (expiry, idle ranks)",
-        "SECONDS")  # fmt: skip
+        60.0,
+        "the writer logs a Tick at least this often, busy or not (expiry, idle ranks)",
+        "SECONDS",
+    )
     behind_warn_events: int | None = _setting(
-        50_000, "the writer (projector) warns when this many events wait to be folded (to reach "
-        "the bucket); 'off' never", "N")  # fmt: skip
+        50_000,
+        "the writer (projector) warns when this many events wait to be folded (to reach "
+        "the bucket); 'off' never",
+        "N",
+    )
     behind_warn_s: float | None = _setting(
-        10.0, "the writer (projector) warns when the oldest event not folded (not in the bucket) "
-        "has waited this long; 'off' never", "SECONDS")  # fmt: skip
+        10.0,
+        "the writer (projector) warns when the oldest event not folded (not in the bucket) "
+        "has waited this long; 'off' never",
+        "SECONDS",
+    )
     lag_check_s: float = _setting(
-        2.0, "the writer and the projector look up their lag this often (two small reads)",
-        "SECONDS")  # fmt: skip
+        2.0,
+        "the writer and the projector look up their lag this often (two small reads)",
+        "SECONDS",
+    )
     max_ranks_per_worker: int = _setting(
         MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
     )
     max_ranks: int = _setting(MAX_RANKS, "ranks in all; an event beyond is dead-lettered", "N")
     max_tombstones: int = _setting(
-        MAX_TOMBSTONES, "ids of Marks and Frees that came before their Add, remembered at once; "
-        "the oldest beyond are forgotten (counted)", "N")  # fmt: skip
+        MAX_TOMBSTONES,
+        "ids of Marks and Frees that came before their Add, remembered at once; "
+        "the oldest beyond are forgotten (counted)",
+        "N",
+    )
     max_ended: int = _setting(
-        MAX_ENDED, "ids of ended requests remembered at once (a late repeat is a no-op); the "
-        "oldest beyond are forgotten (counted)", "N")  # fmt: skip
+        MAX_ENDED,
+        "ids of ended requests remembered at once (a late repeat is a no-op); the "
+        "oldest beyond are forgotten (counted)",
+        "N",
+    )
     tls_ca: str | None = _setting(
-        None, "PEM file of the CA that signed the server's certificate (unset: the system's)",
-        "PATH")  # fmt: skip
+        None,
+        "PEM file of the CA that signed the server's certificate (unset: the system's)",
+        "PATH",
+    )
     tls_cert: str | None = _setting(
         None, "PEM client certificate, for a server that asks for one (with --tls-key)", "PATH"
     )
     tls_key: str | None = _setting(None, "PEM key of the client certificate", "PATH")
     nats_user: str | None = _setting(None, "NATS user name (with --nats-password)", "USER")
     nats_password: str | None = _setting(
-        None, "password of --nats-user; prefer the variable: a flag shows in ps", "SECRET",
-        secret=True)  # fmt: skip
+        None,
+        "password of --nats-user; prefer the variable: a flag shows in ps",
+        "SECRET",
+        secret=True,
+    )
     nats_token: str | None = _setting(
-        None, "NATS authorization token; prefer the variable: a flag shows in ps", "SECRET",
-        secret=True)  # fmt: skip
+        None,
+        "NATS authorization token; prefer the variable: a flag shows in ps",
+        "SECRET",
+        secret=True,
+    )
     nats_nkey_seed: str | None = _setting(
         None, "file holding an NKEY user seed (SU...), for a server with nkey users", "PATH"
     )
@@ -139,14 +181,22 @@ class Config:
         None, "NATS credentials file (user JWT and seed, as nsc writes it)", "PATH"
     )
     metrics_port: int | None = _setting(
-        None, "serve Prometheus /metrics, /healthz and /readyz on this port; 0: any free port "
-        "(logged); 'off' (the default): none", "PORT")  # fmt: skip
+        None,
+        "serve Prometheus /metrics, /healthz and /readyz on this port; 0: any free port "
+        "(logged); 'off' (the default): none",
+        "PORT",
+    )
     metrics_host: str = _setting(
-        "0.0.0.0", "the address the metrics port listens on (all of them, so that a scraper "
-        "outside the container reaches it)", "HOST")  # fmt: skip
+        "0.0.0.0",
+        "the address the metrics port listens on (all of them, so that a scraper "
+        "outside the container reaches it)",
+        "HOST",
+    )
     ready_lag_events: int = _setting(
-        1000, "/readyz answers 200 only while the last lag measurement is at most this many "
-        "events", "N")  # fmt: skip
+        1000,
+        "/readyz answers 200 only while the last lag measurement is at most this many events",
+        "N",
+    )
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS:
@@ -160,19 +210,24 @@ class Config:
                 "a worker grace has no place under the 'slot-tracker' rules (an unregistered "
                 "worker's requests are dropped at once, as in Dynamo): leave it 0",
                 setting="worker_grace_s",
-                label=f"worker_grace_s={self.worker_grace_s!r}")  # fmt: skip
+                label=f"worker_grace_s={self.worker_grace_s!r}",
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             given = "tls_cert" if self.tls_key is None else "tls_key"
             missing = "tls_key" if given == "tls_cert" else "tls_cert"
-            problem = (f"a client certificate needs both: set --{missing.replace('_', '-')} or "
-                       f"{env_name(missing)} too")  # fmt: skip
+            problem = (
+                f"a client certificate needs both: set --{missing.replace('_', '-')} or "
+                f"{env_name(missing)} too"
+            )
             label = f"{given}={getattr(self, given)!r}"
             raise ConfigError(problem, setting=given, label=label)
         if (self.nats_user is None) != (self.nats_password is None):
             given = "nats_user" if self.nats_password is None else "nats_password"
             missing = "nats_password" if given == "nats_user" else "nats_user"
-            problem = (f"a user and a password go together: set --{missing.replace('_', '-')} or "
-                       f"{env_name(missing)} too")  # fmt: skip
+            problem = (
+                f"a user and a password go together: set --{missing.replace('_', '-')} or "
+                f"{env_name(missing)} too"
+            )
             label = f"{given}={_shown(given, getattr(self, given))!r}"
             raise ConfigError(problem, setting=given, label=label)
         chosen = [names[0] for names in _AUTH_METHODS if getattr(self, names[0]) is not None]
@@ -210,12 +265,15 @@ class Config:
     def new_state(self) -> SequenceState:
         """An empty write model with this configuration's rules: every fold of the log (the
         writer, a replay) starts from one, so they agree byte for byte."""
-        return SequenceState(expiry_s=self.expiry_s, forget_lazy_after_s=self.forget_lazy_ranks_s,
-                             orphan_after_s=self.orphan_after_s,
-                             worker_grace_s=self.worker_grace_s or None,
-                             max_tombstones=self.max_tombstones,
-                             max_ended=self.max_ended,
-                             slot_tracker=self.rules == "slot-tracker")  # fmt: skip
+        return SequenceState(
+            expiry_s=self.expiry_s,
+            forget_lazy_after_s=self.forget_lazy_ranks_s,
+            orphan_after_s=self.orphan_after_s,
+            worker_grace_s=self.worker_grace_s or None,
+            max_tombstones=self.max_tombstones,
+            max_ended=self.max_ended,
+            slot_tracker=self.rules == "slot-tracker",
+        )
 
     def rules_differing(self, state: SequenceState) -> list[str]:
         """Where ``state`` (restored from a snapshot) folds by other rules than these settings,
@@ -223,15 +281,22 @@ class Config:
         fold that changed its rules halfway would be one no replay could reproduce."""
 
         def rules(s: SequenceState) -> dict[str, object]:
-            return {"rules": "slot-tracker" if s.slot_tracker else "router",
-                    "expiry_s": s.expiry_s, "forget_lazy_ranks_s": s.forget_lazy_after_s,
-                    "orphan_after_s": s.orphan_after_s, "worker_grace_s": s.worker_grace_s,
-                    "max_tombstones": s.tombstones.capacity,
-                    "max_ended": s.ended.capacity}  # fmt: skip
+            return {
+                "rules": "slot-tracker" if s.slot_tracker else "router",
+                "expiry_s": s.expiry_s,
+                "forget_lazy_ranks_s": s.forget_lazy_after_s,
+                "orphan_after_s": s.orphan_after_s,
+                "worker_grace_s": s.worker_grace_s,
+                "max_tombstones": s.tombstones.capacity,
+                "max_ended": s.ended.capacity,
+            }
 
         kept, wanted = rules(state), rules(self.new_state())
-        return [f"{name}: snapshot {_rule(kept[name])}, configured {_rule(wanted[name])}"
-                for name in kept if kept[name] != wanted[name]]  # fmt: skip
+        return [
+            f"{name}: snapshot {_rule(kept[name])}, configured {_rule(wanted[name])}"
+            for name in kept
+            if kept[name] != wanted[name]
+        ]
 
     @property
     def rank_bounds(self) -> RankBounds:
@@ -277,8 +342,9 @@ class Config:
             return cls(**values)  # type: ignore[arg-type]
         except ConfigError as exc:
             if exc.setting in labels:
-                raise ConfigError(exc.problem, setting=exc.setting,
-                                  label=labels[exc.setting]) from None  # fmt: skip
+                raise ConfigError(
+                    exc.problem, setting=exc.setting, label=labels[exc.setting]
+                ) from None
             raise
 
 
@@ -310,8 +376,6 @@ def _shown(setting: str, value: object) -> object:
         return "***"
     if setting != "nats_url" or not isinstance(value, str):
         return value
-    from projector.nats.security import redact  # here: security reads the TLS settings of Config
-
     return redact(value)
 
 
@@ -321,8 +385,10 @@ def _check_url(url: str | None) -> str:
     for item in url.split(","):
         item = item.strip()
         if not _is_nats_url(item):
-            return (f"{_shown('nats_url', item)!r} is not a NATS URL (nats://host:port; "
-                    "several, comma-separated)")  # fmt: skip
+            return (
+                f"{_shown('nats_url', item)!r} is not a NATS URL (nats://host:port; "
+                "several, comma-separated)"
+            )
     return ""
 
 
@@ -362,8 +428,10 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("deltas_stream", _name),
     ("registry_bucket", _name),
     ("snapshot_bucket", _name),
-    ("duplicate_window_s",
-     lambda v: "" if v >= 120 else "must be at least 120 seconds (retried publishes)"),
+    (
+        "duplicate_window_s",
+        lambda v: "" if v >= 120 else "must be at least 120 seconds (retried publishes)",
+    ),
     ("expiry_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
     ("idle_tick_s", _positive),
     ("flush_interval_s", _positive),
@@ -372,14 +440,30 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("snapshot_every_s", _not_negative),
     ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
     ("retain_events", _not_negative),
-    ("forget_lazy_ranks_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
-     else "must be positive (at most a year), or 'off'"),
-    ("orphan_after_s", lambda v: "" if v is None or 0 < v <= 86_400 * 365
-     else "must be positive (at most a year), or 'off'"),
-    ("rules", lambda v: "" if v in ("router", "slot-tracker")
-     else "use 'router' or 'slot-tracker'"),
-    ("worker_grace_s", lambda v: "" if 0 <= v <= 86_400 * 365
-     else "must be 0 (off) or positive, at most a year"),
+    (
+        "forget_lazy_ranks_s",
+        lambda v: (
+            ""
+            if v is None or 0 < v <= 86_400 * 365
+            else "must be positive (at most a year), or 'off'"
+        ),
+    ),
+    (
+        "orphan_after_s",
+        lambda v: (
+            ""
+            if v is None or 0 < v <= 86_400 * 365
+            else "must be positive (at most a year), or 'off'"
+        ),
+    ),
+    (
+        "rules",
+        lambda v: "" if v in ("router", "slot-tracker") else "use 'router' or 'slot-tracker'",
+    ),
+    (
+        "worker_grace_s",
+        lambda v: "" if 0 <= v <= 86_400 * 365 else "must be 0 (off) or positive, at most a year",
+    ),
     ("tick_every_s", _positive),
     ("behind_warn_events", lambda v: "" if v is None or v >= 1 else "must be at least 1, or 'off'"),
     ("behind_warn_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
@@ -394,12 +478,24 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("nats_nkey_seed", _file),
     ("nats_creds", _file),
     ("nats_user", lambda v: "" if v is None or v.strip() else "must not be empty"),
-    ("metrics_port", lambda v: "" if v is None or 0 <= v <= 65_535
-     else "not a port: use 0-65535 (0: any free port), or 'off'"),
-    ("metrics_host", lambda v: "" if v.strip() and not any(c.isspace() for c in v)
-     else "not an address: a host name or an IP address"),
+    (
+        "metrics_port",
+        lambda v: (
+            ""
+            if v is None or 0 <= v <= 65_535
+            else "not a port: use 0-65535 (0: any free port), or 'off'"
+        ),
+    ),
+    (
+        "metrics_host",
+        lambda v: (
+            ""
+            if v.strip() and not any(c.isspace() for c in v)
+            else "not an address: a host name or an IP address"
+        ),
+    ),
     ("ready_lag_events", _not_negative),
-]  # fmt: skip
+]
 
 
 def _rule(value: object) -> str:

@@ -64,10 +64,13 @@ class LoadValue(msgspec.Struct, frozen=True):
             self.active_blocks,
             self.active_requests,
             PrefillSnapshot(
-                p.full_tokens, p.anchor_tokens, p.anchor_duration_ns, p.anchored_since_ns,
+                p.full_tokens,
+                p.anchor_tokens,
+                p.anchor_duration_ns,
+                p.anchored_since_ns,
                 p.modeled_ms,
             ),
-        )  # fmt: skip
+        )
 
 
 class RequestValue(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -171,12 +174,21 @@ def encode_load(rank: Rank, load: RankLoad, applied_seq: int, as_of: int) -> byt
     p = load.prefill
     return _json.encode(
         LoadValue(
-            rank[0], rank[1], load.active_blocks, load.active_requests,
-            PrefillValue(p.full_tokens, p.anchor_tokens, p.anchor_duration_ns,
-                         p.anchored_since_ns, p.modeled_ms),
-            applied_seq, as_of,
+            rank[0],
+            rank[1],
+            load.active_blocks,
+            load.active_requests,
+            PrefillValue(
+                p.full_tokens,
+                p.anchor_tokens,
+                p.anchor_duration_ns,
+                p.anchored_since_ns,
+                p.modeled_ms,
+            ),
+            applied_seq,
+            as_of,
         )
-    )  # fmt: skip
+    )
 
 
 def decode_load(data: bytes) -> LoadValue:

@@ -40,7 +40,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import islice, pairwise
+from itertools import islice
 
 import msgspec
 import nats.errors
@@ -48,15 +48,16 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from projector.nats.progress import Progress
-from projector.nats.stream import (
+from projector.nats.tasks import cancel
+from projector.wire.chain import chain_problem, source_part, source_seq
+from projector.wire.config import Config
+from projector.wire.headers import (
     EXPECTED_LAST_SUBJECT_SEQ,
     MSG_ID,
     PREV_SOURCE_SEQ,
     SOURCE_PART,
     SOURCE_SEQ,
 )
-from projector.nats.tasks import cancel
-from projector.wire.config import Config
 from seqstate import Delta, decode_deltas, encode_deltas
 from seqstate.deltas import split_delta
 from seqstate.errors import SeqstateError
@@ -81,7 +82,7 @@ class AnotherWriter(WriterStalled):
     """Another writer publishes deltas for this namespace: two writers would corrupt the chain."""
 
 
-class DeltaTooLarge(WriterStalled):
+class DeltaUnstorable(WriterStalled):
     """One delta alone exceeds the server's payload limit."""
 
 
@@ -129,9 +130,9 @@ class DeltaLog:
         self.last_stream_seq = seq = raw.seq or 0
         while True:
             if raw.subject == subject:
-                source = _source_seq(raw.headers, raw.data)
+                source = source_seq(raw.headers, raw.data)
                 if source is not None:
-                    part = _source_part(raw.headers)
+                    part = source_part(raw.headers)
                     if part is not None:  # stored up to part ``part`` of event ``source``
                         self.stored_part = (source, part)
                         source -= 1
@@ -181,7 +182,7 @@ class DeltaLog:
         try:
             return split_delta(delta, self._limit)
         except ValueError as exc:
-            raise DeltaTooLarge(str(exc)) from None
+            raise DeltaUnstorable(str(exc)) from None
 
     @property
     def max_event(self) -> int:
@@ -199,8 +200,9 @@ class DeltaLog:
             try:
                 await self.stored.wait(oldest, timeout=self._retry_for_s + 2 * ACK_TIMEOUT_S)
             except TimeoutError:
-                raise WriterStalled(f"no delta stored for {self._retry_for_s:g}s while "
-                                    f"{len(self._pending)} wait") from None  # fmt: skip
+                raise WriterStalled(
+                    f"no delta stored for {self._retry_for_s:g}s while {len(self._pending)} wait"
+                ) from None
         self._raise_failure()
 
     async def flush(self) -> None:
@@ -214,14 +216,19 @@ class DeltaLog:
         if self._task is not None:
             tasks.append(self._task)
         try:
-            await asyncio.wait(tasks, timeout=self._retry_for_s + 2 * ACK_TIMEOUT_S,
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            await asyncio.wait(
+                tasks,
+                timeout=self._retry_for_s + 2 * ACK_TIMEOUT_S,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         finally:
             waiting.cancel()
         self._raise_failure()
         if self.stored.value < target:
-            raise WriterStalled(f"deltas up to event {target} were not stored in time "
-                                f"(stored up to event {self.stored.value})")  # fmt: skip
+            raise WriterStalled(
+                f"deltas up to event {target} were not stored in time "
+                f"(stored up to event {self.stored.value})"
+            )
 
     def _raise_failure(self) -> None:
         if self.failure is not None:
@@ -278,8 +285,9 @@ class DeltaLog:
         backoff = 0.05
         while True:
             try:
-                ack = await self._js.publish(subject, payload, headers=headers,
-                                             timeout=ACK_TIMEOUT_S)  # fmt: skip
+                ack = await self._js.publish(
+                    subject, payload, headers=headers, timeout=ACK_TIMEOUT_S
+                )
                 stored_at = ack.seq
                 break
             except APIError as exc:
@@ -295,8 +303,9 @@ class DeltaLog:
             except (TimeoutError, nats.errors.Error) as exc:
                 error = exc
             if loop.time() >= deadline:
-                raise WriterStalled(f"a delta publish failed for {self._retry_for_s:g}s: "
-                                    f"{error!r}") from None  # fmt: skip
+                raise WriterStalled(
+                    f"a delta publish failed for {self._retry_for_s:g}s: {error!r}"
+                ) from None
             log.warning("delta publish failed, retrying in %.2fs: %r", backoff, error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
@@ -312,7 +321,7 @@ class DeltaLog:
         raw = await self._js.get_last_msg(self._config.deltas_stream, self._config.deltas_subject)
         seq = raw.seq or 0
         headers = raw.headers or {}
-        source = _source_seq(headers, raw.data)
+        source = source_seq(headers, raw.data)
         if headers.get(MSG_ID) == msg_id and headers.get(PREV_SOURCE_SEQ) == str(self.stored.value):
             return seq  # stored before its ack was lost
         if await self._plausible(headers, raw.data):
@@ -320,8 +329,11 @@ class DeltaLog:
                 f"another writer stored deltas for namespace {self._config.namespace!r} (up to "
                 f"event {source}, message {seq}): stop the other writer; a restart resumes"
             )
-        log.warning("delta message %d on %s is not a writer's: stepping over it", seq,
-                    self._config.deltas_subject)  # fmt: skip
+        log.warning(
+            "delta message %d on %s is not a writer's: stepping over it",
+            seq,
+            self._config.deltas_subject,
+        )
         self.last_stream_seq = seq
         return None
 
@@ -335,48 +347,3 @@ class DeltaLog:
             return False
         info = await self._js.stream_info(self._config.events_stream)
         return (deltas[-1].seq or 0) <= info.state.last_seq
-
-
-def chain_problem(prev: str | None, deltas: list[Delta]) -> str:
-    """Why a DELTAS message cannot be a writer's ("" if it can), by the chain's own rules.
-
-    A writer's message names (``Seqstate-Prev-Source-Seq``) the event the previous message
-    ended at, and holds deltas of later events, each with its sequence, in order. Whether the
-    events exist is for the caller to check against the log.
-    """
-    if prev is None or not prev.isdigit():
-        return f"not a writer's delta: no valid {PREV_SOURCE_SEQ} header"
-    if any(d.seq is None for d in deltas):
-        return "not a writer's delta: a delta without its event sequence"
-    for a, b in pairwise(deltas):
-        if not (b.seq > a.seq if not a.more else b.seq == a.seq and b.part == a.part + 1):  # type: ignore[operator]
-            return "not a writer's delta: its event sequences are out of order"
-    if deltas and (deltas[0].seq or 0) <= int(prev):
-        return f"not a writer's delta: it starts at event {deltas[0].seq}, not after {prev}"
-    return ""
-
-
-def covered_source(headers: dict[str, str] | None, data: bytes | None) -> int | None:
-    """The last event whose delta is wholly stored once a writer's DELTAS message is (the one
-    before its last when it ends inside that event's parts); None for anything else."""
-    source = _source_seq(headers, data)
-    if source is None:
-        return None
-    return source - 1 if _source_part(headers) is not None else source
-
-
-def _source_part(headers: dict[str, str] | None) -> int | None:
-    """The part a writer's message ends at, if it ends inside an event's parts."""
-    raw = (headers or {}).get(SOURCE_PART)
-    return int(raw) if raw is not None and raw.isdigit() else None
-
-
-def _source_seq(headers: dict[str, str] | None, data: bytes | None) -> int | None:
-    """The source sequence a writer's delta message ends at; None for anything else."""
-    try:
-        if headers and SOURCE_SEQ in headers:
-            return int(headers[SOURCE_SEQ])
-        deltas = decode_deltas(data or b"")
-        return deltas[-1].seq if deltas else None
-    except (ValueError, IndexError, msgspec.DecodeError):
-        return None

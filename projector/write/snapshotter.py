@@ -111,8 +111,9 @@ class Snapshotter:
         self.stats.restored_from = self.stats.last_snapshot_seq = info.applied_seq
         self.stats.last_snapshot_bytes = info.size
         self.stats.last_snapshot_stored_s = _epoch_s(info.modified)
-        log.info("restored the write model from snapshot %s (event %d)", info.name,
-                 info.applied_seq)  # fmt: skip
+        log.info(
+            "restored the write model from snapshot %s (event %d)", info.name, info.applied_seq
+        )
         return found
 
     async def check_coverage(self, applied_seq: int) -> None:
@@ -178,8 +179,9 @@ class Snapshotter:
             assert self._task is not None
             await asyncio.wait([self._task], timeout=max(0.0, deadline - loop.time()))
             if not self._task.done():
-                log.warning("the final snapshot did not finish in time: a restart folds a "
-                            "longer tail")  # fmt: skip
+                log.warning(
+                    "the final snapshot did not finish in time: a restart folds a longer tail"
+                )
                 await cancel(self._task)
 
     async def close(self) -> None:
@@ -216,7 +218,6 @@ class Snapshotter:
         if cut != self.stats.trimmed_below:
             self.stats.trimmed_below = cut
             log.info("trimmed events below sequence %d", cut)
-
 
 
 def _epoch_s(modified: str) -> float | None:

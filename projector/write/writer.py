@@ -50,9 +50,10 @@ from projector.nats.logs import event_fields
 from projector.nats.progress import Progress
 from projector.nats.resources import ensure
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import MSG_ID, OrderedConsumer, log_time_ns
+from projector.nats.stream import OrderedConsumer, log_time_ns
 from projector.nats.tasks import cancel
 from projector.wire.config import Config
+from projector.wire.headers import MSG_ID
 from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.write.snapshotter import SnapshotStats, Snapshotter
 from seqstate import (
@@ -103,20 +104,27 @@ class Writer(LagWatched):
         self.snapshots: SnapshotStore | None = SnapshotStore(nc, config) if snapshots else None
         self.stats = WriterStats()
         self._js: JetStreamContext = nc.jetstream()
-        self.dead_letters = DeadLetters(self._js, config, max_payload=nc.max_payload,
-                                        kinds=WRITER_KINDS)
+        self.dead_letters = DeadLetters(
+            self._js, config, max_payload=nc.max_payload, kinds=WRITER_KINDS
+        )
         self._bounds = config.rank_bounds
         self.deltas = DeltaLog(self._js, config, max_payload=nc.max_payload)
-        self.snapshotter = Snapshotter(nc, config, self.snapshots, self.stats, self.deltas,
-                                       on_failure=self._fail)  # fmt: skip
+        self.snapshotter = Snapshotter(
+            nc, config, self.snapshots, self.stats, self.deltas, on_failure=self._fail
+        )
         self._published_up_to = 0
         self._last_event_at = 0.0
         self._stopping = asyncio.Event()
         self._failure: BaseException | None = None
         self.applied = Progress()  # the sequence of the last event folded
-        self._events = OrderedConsumer(self._js, config.events_stream, config.events_subjects,
-                                       self, on_failure=self._fold_failed,
-                                       position=self.applied)  # fmt: skip
+        self._events = OrderedConsumer(
+            self._js,
+            config.events_stream,
+            config.events_subjects,
+            self,
+            on_failure=self._fold_failed,
+            position=self.applied,
+        )
         self.caught_up = self._events.caught_up
         self.lag_watch = LagWatch("writer", self._measure_lag, config, log)
 
@@ -127,15 +135,20 @@ class Writer(LagWatched):
     def status(self) -> dict[str, Any]:
         """What ``nats micro stats`` and the status endpoint show (projector.nats.discovery)."""
         lag, stats = self.lag, self.stats
-        return {"kind": "writer", "namespace": self.config.namespace,
-                "applied_seq": self.applied.value, "applied": stats.applied,
-                "deltas_published": stats.deltas_published,
-                "dead_letters": stats.dead_letters, "ticks_published": stats.ticks_published,
-                "last_snapshot_seq": stats.last_snapshot_seq,
-                "snapshots_saved": stats.snapshots_saved, "lag_events": lag.events,
-                "lag_s": lag.oldest_age_s,
-                "outcomes": {k: n for k, n in sorted(self.state.counters.items()) if n},
-                }  # fmt: skip
+        return {
+            "kind": "writer",
+            "namespace": self.config.namespace,
+            "applied_seq": self.applied.value,
+            "applied": stats.applied,
+            "deltas_published": stats.deltas_published,
+            "dead_letters": stats.dead_letters,
+            "ticks_published": stats.ticks_published,
+            "last_snapshot_seq": stats.last_snapshot_seq,
+            "snapshots_saved": stats.snapshots_saved,
+            "lag_events": lag.events,
+            "lag_s": lag.oldest_age_s,
+            "outcomes": {k: n for k, n in sorted(self.state.counters.items()) if n},
+        }
 
     async def _run(self) -> None:
         await ensure(self.nc, self.config)
@@ -174,10 +187,14 @@ class Writer(LagWatched):
         state, info = found
         differing = self.config.rules_differing(state)
         if differing:
-            log.warning("snapshot %s keeps the rules it was folded by, which differ from this "
-                        "writer's settings (%s): a fold cannot change its rules halfway and "
-                        "still replay the same, so the settings apply only to a log folded "
-                        "from its start", info.name, "; ".join(differing))  # fmt: skip
+            log.warning(
+                "snapshot %s keeps the rules it was folded by, which differ from this "
+                "writer's settings (%s): a fold cannot change its rules halfway and "
+                "still replay the same, so the settings apply only to a log folded "
+                "from its start",
+                info.name,
+                "; ".join(differing),
+            )
         self.state = state
         self.state.defer_registry()
         self.stats.last_seq = info.applied_seq
@@ -204,10 +221,14 @@ class Writer(LagWatched):
         if len(msg.data) > self.deltas.max_event:
             # Its delta (the booking of its prompt) could never be stored: refuse it here,
             # once, rather than stall on it. RouterPublisher refuses it before it is logged.
-            await self._dead_letter(msg, seq, f"refused: an event of {len(msg.data)} bytes; "
-                                    f"its delta would not fit a message (at most "
-                                    f"{self.deltas.max_event} bytes of event)",
-                                    TOO_LARGE)  # fmt: skip
+            await self._dead_letter(
+                msg,
+                seq,
+                f"refused: an event of {len(msg.data)} bytes; "
+                f"its delta would not fit a message (at most "
+                f"{self.deltas.max_event} bytes of event)",
+                TOO_LARGE,
+            )
             return
         try:
             event = decode_event(msg.data)
@@ -216,8 +237,9 @@ class Writer(LagWatched):
             return
         refused = self._bounds.refusal(self.state, event)
         if refused:
-            await self._dead_letter(msg, seq, f"refused: {refused}", OUT_OF_BOUNDS,
-                                    event_fields(event))  # fmt: skip
+            await self._dead_letter(
+                msg, seq, f"refused: {refused}", OUT_OF_BOUNDS, event_fields(event)
+            )
             return
         delta = self.state.apply(event, at_ns)
         delta.seq = seq
@@ -230,8 +252,11 @@ class Writer(LagWatched):
             self.stats.last_delta_seq = seq
 
     def _fold_failed(self, exc: BaseException) -> None:
-        log.error("writer stopping: %s", exc, extra={"namespace": self.config.namespace,
-                                                     "stream_seq": self.stats.last_seq})
+        log.error(
+            "writer stopping: %s",
+            exc,
+            extra={"namespace": self.config.namespace, "stream_seq": self.stats.last_seq},
+        )
         self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
@@ -243,19 +268,26 @@ class Writer(LagWatched):
         """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
         await self.deltas.flush()
 
-    async def _dead_letter(self, msg: Msg, seq: int, reason: str, kind: str,
-                           fields: dict[str, Any] | None = None) -> None:  # fmt: skip
+    async def _dead_letter(
+        self, msg: Msg, seq: int, reason: str, kind: str, fields: dict[str, Any] | None = None
+    ) -> None:
         self.stats.dead_letters += 1
-        await self.dead_letters.put(self.config.events_stream, seq, msg.subject, msg.data, reason,
-                                    kind=kind, fields=fields)  # fmt: skip
+        await self.dead_letters.put(
+            self.config.events_stream, seq, msg.subject, msg.data, reason, kind=kind, fields=fields
+        )
 
     def _log_oddity(self, seq: int, event: Event, delta: Delta) -> None:
         """A DEBUG line for an event folded to something other than ``applied`` (a duplicate,
         an unknown request or worker...): which event, what it met, never its block hashes."""
         owner = f" (held by worker {delta.owner[0]} rank {delta.owner[1]})" if delta.owner else ""
-        log.debug("event %d %s: %s%s", seq, type(event).__name__, delta.outcome, owner,
-                  extra={**event_fields(event), "stream_seq": seq,
-                         "namespace": self.config.namespace})  # fmt: skip
+        log.debug(
+            "event %d %s: %s%s",
+            seq,
+            type(event).__name__,
+            delta.outcome,
+            owner,
+            extra={**event_fields(event), "stream_seq": seq, "namespace": self.config.namespace},
+        )
 
     async def _tick_when_idle(self) -> None:
         """A Tick when the stream has been silent ``idle_tick_s``, and at least every
@@ -270,8 +302,9 @@ class Writer(LagWatched):
             if not self._stopping.is_set():  # an idle stream still gets its periodic snapshot
                 self.snapshotter.take_if_due(self.state, self.stats.last_seq)
             now = loop.time()
-            if not self.caught_up.is_set() or (now - self._last_event_at < idle
-                                               and now - ticked < every):  # fmt: skip
+            if not self.caught_up.is_set() or (
+                now - self._last_event_at < idle and now - ticked < every
+            ):
                 continue
             # The msg-id makes concurrent writers (or a retry) log one Tick per position.
             try:

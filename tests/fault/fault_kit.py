@@ -33,11 +33,11 @@ from pipeline_kit import bucket_values as bucket_values  # the fault tests impor
 from pipeline_kit import read_log
 from pipeline_kit import read_stream as read_stream
 
-from projector.nats.stream import SOURCE_SEQ
 from projector.ops.flags import FOLD
 from projector.read.image import BucketImage
 from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
+from projector.wire.headers import SOURCE_SEQ
 from projector.wire.values import Position, decode_position, position_key
 from seqstate import (
     AddRequest,
@@ -65,9 +65,14 @@ def _off(value: float | None) -> str:
 def fault_config(tag: str, **overrides: object) -> Config:
     """A namespace, streams and buckets of their own, so tests sharing a server never meet."""
     n = uuid.uuid4().hex[:8]
-    return Config(namespace=f"{tag}{n}", events_stream=f"{tag.upper()}EV{n}",
-                  deltas_stream=f"{tag.upper()}DL{n}", registry_bucket=f"{tag}reg{n}",
-                  snapshot_bucket=f"{tag}snap{n}", **overrides)  # type: ignore[arg-type]  # fmt: skip
+    return Config(
+        namespace=f"{tag}{n}",
+        events_stream=f"{tag.upper()}EV{n}",
+        deltas_stream=f"{tag.upper()}DL{n}",
+        registry_bucket=f"{tag}reg{n}",
+        snapshot_bucket=f"{tag}snap{n}",
+        **overrides,
+    )  # type: ignore[arg-type]
 
 
 # ---- processes ----------------------------------------------------------------------------------
@@ -89,29 +94,54 @@ class Service:
 
     def argv(self) -> list[str]:
         c = self.config
-        argv = [sys.executable, "-m", "projector", self.command,
-                "--namespace", c.namespace, "--events-stream", c.events_stream,
-                "--deltas-stream", c.deltas_stream, "--registry-bucket", c.registry_bucket,
-                "--snapshot-bucket", c.snapshot_bucket, "--log-level", "warning"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "projector",
+            self.command,
+            "--namespace",
+            c.namespace,
+            "--events-stream",
+            c.events_stream,
+            "--deltas-stream",
+            c.deltas_stream,
+            "--registry-bucket",
+            c.registry_bucket,
+            "--snapshot-bucket",
+            c.snapshot_bucket,
+            "--log-level",
+            "warning",
+        ]
         if c.replicas != 1:  # as an operator starts a cluster's consumers
             argv += ["--replicas", str(c.replicas)]
         if self.command == "writer":  # each command takes the settings it uses, no others
-            argv += ["--snapshot-every-events", str(c.snapshot_every_events),
-                     "--idle-tick-s", repr(c.idle_tick_s),
-                     "--tick-every-s", repr(c.tick_every_s)]  # fmt: skip
+            argv += [
+                "--snapshot-every-events",
+                str(c.snapshot_every_events),
+                "--idle-tick-s",
+                repr(c.idle_tick_s),
+                "--tick-every-s",
+                repr(c.tick_every_s),
+            ]
             for name in FOLD:  # every rule of the fold, as uninterrupted_fold folds
                 value = getattr(c, name)
                 text = repr(value) if isinstance(value, float) else str(value)
                 argv += [f"--{name.replace('_', '-')}", "off" if value is None else text]
         if self.command in ("writer", "projector"):  # when a lag is worth a warning
-            argv += ["--behind-warn-events", _off(c.behind_warn_events),
-                     "--behind-warn-s", _off(c.behind_warn_s),
-                     "--lag-check-s", repr(c.lag_check_s)]  # fmt: skip
+            argv += [
+                "--behind-warn-events",
+                _off(c.behind_warn_events),
+                "--behind-warn-s",
+                _off(c.behind_warn_s),
+                "--lag-check-s",
+                repr(c.lag_check_s),
+            ]
         return argv
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("SEQSTATE_") and k != "NATS_URL"}  # fmt: skip
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_") and k != "NATS_URL"
+        }
         env["NATS_URL"] = self.url
         return env
 
@@ -130,15 +160,17 @@ class Service:
         path = self.log_dir / name
         self.runs.append(path)
         with path.open("wb") as out:
-            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT,
-                                         env=self.env(), cwd=ROOT)  # fmt: skip
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=out, stderr=subprocess.STDOUT, env=self.env(), cwd=ROOT
+            )
 
     def kill(self) -> None:
         proc, self.proc = self.proc, None
         assert proc is not None, "not running"
         if proc.poll() is not None:
-            raise AssertionError(f"{self.command} had already exited with {proc.returncode}"
-                                 f"\n{self.logs()}")  # fmt: skip
+            raise AssertionError(
+                f"{self.command} had already exited with {proc.returncode}\n{self.logs()}"
+            )
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         self.kills += 1
@@ -150,8 +182,9 @@ class Service:
         async def new_consumers() -> set[str]:
             return await self._consumer_names(js) - self._consumers
 
-        await wait_until(new_consumers, bool, f"{self.command} run {len(self.runs)} subscribed",
-                         watch=self)  # fmt: skip
+        await wait_until(
+            new_consumers, bool, f"{self.command} run {len(self.runs)} subscribed", watch=self
+        )
 
     async def stop(self, timeout: float = WAIT_S) -> int:
         """SIGTERM (a clean stop) and the exit code."""
@@ -264,13 +297,19 @@ def workload(seed: int, config: Config, requests: int) -> list[Step]:
     steps: list[Step] = []
     malformed = sorted(rng.sample(range(requests // 5, requests - 10), 3))
     topology = {requests // 4: 2, requests // 2: 0, 3 * requests // 4: 3}  # dp_size; 0: removed
-    garbage = [b"\xc1 not msgpack", msgspec.msgpack.encode([1, {"type": "Nope"}]),
-               msgspec.msgpack.encode([1, {"type": "AddRequest", "worker_id": -1}])]  # fmt: skip
+    garbage = [
+        b"\xc1 not msgpack",
+        msgspec.msgpack.encode([1, {"type": "Nope"}]),
+        msgspec.msgpack.encode([1, {"type": "AddRequest", "worker_id": -1}]),
+    ]
     for i in range(requests):
         if i in topology:
             extra_size = topology[i]
-            event: Event = (WorkerAdded(worker_id=EXTRA_WORKER, dp_size=extra_size) if extra_size
-                            else WorkerRemoved(worker_id=EXTRA_WORKER))  # fmt: skip
+            event: Event = (
+                WorkerAdded(worker_id=EXTRA_WORKER, dp_size=extra_size)
+                if extra_size
+                else WorkerRemoved(worker_id=EXTRA_WORKER)
+            )
             steps.append(Step(event))
         if i in malformed:
             w, r = rng.choice(ranks)
@@ -281,12 +320,19 @@ def workload(seed: int, config: Config, requests: int) -> list[Step]:
             w, r = rng.choice(ranks)
         rid = f"s{seed}-{i}"
         blocks = rng.choice(prompts) + [rng.getrandbits(63) for _ in range(rng.randint(0, 6))]
-        steps.append(Step(AddRequest(
-            request_id=rid, worker_id=w, dp_rank=r, block_hashes=blocks,
-            prefill_tokens=rng.randint(16, 4000),
-            expected_prefill_ms=rng.choice([None, round(rng.uniform(5.0, 900.0), 3)]),
-            expected_output_tokens=rng.choice([None, rng.randint(1, 512)]),
-        )))  # fmt: skip
+        steps.append(
+            Step(
+                AddRequest(
+                    request_id=rid,
+                    worker_id=w,
+                    dp_rank=r,
+                    block_hashes=blocks,
+                    prefill_tokens=rng.randint(16, 4000),
+                    expected_prefill_ms=rng.choice([None, round(rng.uniform(5.0, 900.0), 3)]),
+                    expected_output_tokens=rng.choice([None, rng.randint(1, 512)]),
+                )
+            )
+        )
         live.append((rid, w, r, False))
         while live and rng.random() < 0.6:
             j = rng.randrange(len(live))
@@ -365,9 +411,12 @@ async def run_with_kills(
         await service.start(js, await progress())
 
     async def has_progressed() -> None:
-        await wait_until(progress, lambda seen: seen > service.mark,
-                         f"{service.command} run {len(service.runs)} made progress",
-                         watch=service)  # fmt: skip
+        await wait_until(
+            progress,
+            lambda seen: seen > service.mark,
+            f"{service.command} run {len(service.runs)} made progress",
+            watch=service,
+        )
 
     async def late_kill() -> None:
         await has_progressed()
@@ -376,9 +425,13 @@ async def run_with_kills(
         async def seen() -> tuple[int, int]:
             return await late_probe(), await progress()
 
-        await wait_until(seen, lambda v: v[0] > target or force.is_set(),
-                         f"{service.command} run {len(service.runs)} got further",
-                         watch=service, interval=0.02)  # fmt: skip
+        await wait_until(
+            seen,
+            lambda v: v[0] > target or force.is_set(),
+            f"{service.command} run {len(service.runs)} got further",
+            watch=service,
+            interval=0.02,
+        )
         service.kill()
         await start()
 
@@ -428,8 +481,10 @@ def fold_differences(values: dict[str, bytes], got: dict[str, bytes]) -> str:
     differing = sorted(k for k in values if k in got and got[k] != values[k])
     if not (missing or extra or differing):
         return ""
-    return (f"bucket differs from an uninterrupted fold: missing {missing[:5]}, extra "
-            f"{extra[:5]}, differing {differing[:5]}")  # fmt: skip
+    return (
+        f"bucket differs from an uninterrupted fold: missing {missing[:5]}, extra "
+        f"{extra[:5]}, differing {differing[:5]}"
+    )
 
 
 @dataclass

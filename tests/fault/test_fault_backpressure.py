@@ -46,9 +46,16 @@ WARN_EVENTS = 1_000  # the consumers' behind_warn_events
 def batch(n: int) -> list[Event]:
     """AddRequests of ``n`` requests on 8 workers x 2 ranks, sharing system-prompt prefixes."""
     prefixes = [[1000 * p + k for k in range(6)] for p in range(5)]
-    return [AddRequest(request_id=f"bp{i}", worker_id=i % 8, dp_rank=i % 2,
-                       block_hashes=prefixes[i % 5] + [10**9 + i, 10**9 + i + 1],
-                       prefill_tokens=100 + i % 900) for i in range(n)]  # fmt: skip
+    return [
+        AddRequest(
+            request_id=f"bp{i}",
+            worker_id=i % 8,
+            dp_rank=i % 2,
+            block_hashes=prefixes[i % 5] + [10**9 + i, 10**9 + i + 1],
+            prefill_tokens=100 + i % 900,
+        )
+        for i in range(n)
+    ]
 
 
 def singles(n: int) -> list[Event]:
@@ -67,12 +74,27 @@ async def status(config: Config, url: str, *extra: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
     env["NATS_URL"] = url
     proc = await asyncio.create_subprocess_exec(
-        str(seqstate), "status", "--namespace", config.namespace,
-        "--events-stream", config.events_stream, "--deltas-stream", config.deltas_stream,
-        "--registry-bucket", config.registry_bucket, "--snapshot-bucket", config.snapshot_bucket,
-        "--behind-warn-events", str(WARN_EVENTS), "--behind-warn-s", "off", *extra,
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        str(seqstate),
+        "status",
+        "--namespace",
+        config.namespace,
+        "--events-stream",
+        config.events_stream,
+        "--deltas-stream",
+        config.deltas_stream,
+        "--registry-bucket",
+        config.registry_bucket,
+        "--snapshot-bucket",
+        config.snapshot_bucket,
+        "--behind-warn-events",
+        str(WARN_EVENTS),
+        "--behind-warn-s",
+        "off",
+        *extra,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     return out.decode()
@@ -104,9 +126,15 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
     events behind while frozen, then the projector behind once the writer has caught up; the
     writer's log one "falling behind" line and then one "caught up" line (the projector's
     alike); and the bucket equal to one uninterrupted fold of the log."""
-    config = fault_config("bp", idle_tick_s=3600.0, tick_every_s=3600.0, snapshot_every_events=0,
-                          behind_warn_events=WARN_EVENTS, behind_warn_s=None,
-                          lag_check_s=0.1)  # fmt: skip
+    config = fault_config(
+        "bp",
+        idle_tick_s=3600.0,
+        tick_every_s=3600.0,
+        snapshot_every_events=0,
+        behind_warn_events=WARN_EVENTS,
+        behind_warn_s=None,
+        lag_check_s=0.1,
+    )
     await ensure(nc, config)
     js = nc.jetstream()
     writer = Service("writer", config, nats_server.url, tmp_path)
@@ -134,8 +162,9 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
         for service in services:
             await service.start(js, 0)
             await service.wait_ready(js)
-        pub = RouterPublisher(nc, namespace=config.namespace, router_id="bp-router",
-                              config=config, max_pending=BOUND)  # fmt: skip
+        pub = RouterPublisher(
+            nc, namespace=config.namespace, router_id="bp-router", config=config, max_pending=BOUND
+        )
         warm = await pub.add("warm", 1, block_hashes=[1, 2])
         await wait_until(in_bucket, lambda seq: seq >= warm, "the pipeline works", watch=projector)
         freeze(writer)
@@ -158,8 +187,9 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
             await real(subject, payload, **kw)
 
         monkeypatch.setattr(nc, "publish", watched)
-        many, *single = await asyncio.gather(pub.publish_many(adds),
-                                             *(pub.publish(e) for e in others))  # fmt: skip
+        many, *single = await asyncio.gather(
+            pub.publish_many(adds), *(pub.publish(e) for e in others)
+        )
         monkeypatch.undo()
         assert isinstance(many, list)
         acked = [warm, *many, *single]
@@ -174,8 +204,9 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
         assert await last_seq_of(js, config.events_stream, config.events_subjects) == last
 
         # Frozen: the writer is every event behind, the projector nothing (no new deltas).
-        text, raw = await asyncio.gather(status(config, nats_server.url),
-                                         status(config, nats_server.url, "--json"))  # fmt: skip
+        text, raw = await asyncio.gather(
+            status(config, nats_server.url), status(config, nats_server.url, "--json")
+        )
         report = json.loads(raw)
         behind = last - warm
         assert report["writer"]["position"] == warm and report["writer"]["newest"] == last
@@ -183,8 +214,10 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
         assert report["writer"]["oldest_age_s"] > 0 and report["writer"]["oldest_log_time"]
         assert report["projector"]["events"] == 0 and report["projector"]["behind"] is False
         assert report["lag_events"] == behind
-        assert (f"writer lag: {behind:,} events stored but not folded yet (folded up to event "
-                f"{warm}, the log at {last})") in text, text  # fmt: skip
+        assert (
+            f"writer lag: {behind:,} events stored but not folded yet (folded up to event "
+            f"{warm}, the log at {last})"
+        ) in text, text
         assert "BEHIND (warns at 1,000 events)" in text, text
 
         thaw(writer)
@@ -205,8 +238,9 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
         assert report["projector"]["behind"] is True, report
 
         thaw(projector)
-        await wait_until(in_bucket, lambda seq: seq >= last, "the projector caught up",
-                         watch=projector)  # fmt: skip
+        await wait_until(
+            in_bucket, lambda seq: seq >= last, "the projector caught up", watch=projector
+        )
         await said(projector, "projector caught up")
         assert len(lines_of(projector, "projector falling behind")) == 1, projector.logs()
         for service in services:
@@ -220,8 +254,9 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
             service.close()
 
     # Nothing dropped: every acknowledged sequence is in the stream, and nothing else is.
-    stored = {seq for seq, _, _ in await read_stream(nc, config.events_stream,
-                                                     config.events_subjects)}  # fmt: skip
+    stored = {
+        seq for seq, _, _ in await read_stream(nc, config.events_stream, config.events_subjects)
+    }
     assert stored == set(acked)
     _, values, logged = await uninterrupted_fold(nc, config)
     assert logged == last

@@ -64,15 +64,24 @@ async def cluster_client(cluster: NatsCluster) -> Client:
     async def quiet(exc: Exception) -> None:  # a dead node is the point of the test
         pass
 
-    return await nats.connect(servers=cluster.urls, max_reconnect_attempts=-1,
-                              reconnect_time_wait=0.1, error_cb=quiet,
-                              connect_timeout=2)  # fmt: skip
+    return await nats.connect(
+        servers=cluster.urls,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.1,
+        error_cb=quiet,
+        connect_timeout=2,
+    )
 
 
 def replicated(config: Config) -> list[str]:
     """Every stream behind the config: events, deltas, dead letters, bucket, object store."""
-    return [config.events_stream, config.deltas_stream, dead_letter_stream(config),
-            f"KV_{config.registry_bucket}", f"OBJ_{config.snapshot_bucket}"]  # fmt: skip
+    return [
+        config.events_stream,
+        config.deltas_stream,
+        dead_letter_stream(config),
+        f"KV_{config.registry_bucket}",
+        f"OBJ_{config.snapshot_bucket}",
+    ]
 
 
 async def replica_report(js: JetStreamContext, stream: str) -> tuple[int, str | None, list[str]]:
@@ -80,8 +89,10 @@ async def replica_report(js: JetStreamContext, stream: str) -> tuple[int, str | 
     info = await js.stream_info(stream)
     cluster = info.cluster
     assert cluster is not None, f"{stream} has no cluster info"
-    peers = [f"{p.name}:{'current' if p.current and not p.offline else 'behind'}"
-             for p in cluster.replicas or []]  # fmt: skip
+    peers = [
+        f"{p.name}:{'current' if p.current and not p.offline else 'behind'}"
+        for p in cluster.replicas or []
+    ]
     return info.config.num_replicas or 0, cluster.leader, sorted(peers)
 
 
@@ -98,9 +109,10 @@ async def wait_all_current(js: JetStreamContext, config: Config) -> None:
         return out
 
     def ok(seen: list[tuple[int, str | None, list[str]]]) -> bool:
-        return all(n == 3 and leader and len(peers) == 2
-                   and all(p.endswith(":current") for p in peers)
-                   for n, leader, peers in seen)  # fmt: skip
+        return all(
+            n == 3 and leader and len(peers) == 2 and all(p.endswith(":current") for p in peers)
+            for n, leader, peers in seen
+        )
 
     await wait_until(reports, ok, "every stream has 3 current replicas", interval=0.05)
 
@@ -127,8 +139,12 @@ async def lead_all(nc: Client, js: JetStreamContext, config: Config, leader: str
                     await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", request, 2)
         return seen
 
-    await wait_until(moved, lambda seen: set(seen.values()) == {leader},
-                     f"every stream led by {leader}", interval=0.2)  # fmt: skip
+    await wait_until(
+        moved,
+        lambda seen: set(seen.values()) == {leader},
+        f"every stream led by {leader}",
+        interval=0.2,
+    )
 
 
 async def publish_acked(
@@ -155,8 +171,9 @@ async def publish_acked(
 async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
     cluster: NatsCluster, tmp_path: Path
 ) -> None:
-    config = fault_config("c", replicas=3, expiry_s=2.0, idle_tick_s=3600.0,
-                          snapshot_every_events=250)  # fmt: skip
+    config = fault_config(
+        "c", replicas=3, expiry_s=2.0, idle_tick_s=3600.0, snapshot_every_events=250
+    )
     nc = await cluster_client(cluster)
     services: list[Service] = []
     try:
@@ -179,8 +196,14 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
 
         steps = workload(41, config, requests=500)
         kill_at, restart_at = len(steps) * 2 // 5, len(steps) * 3 // 5
-        pub = RouterPublisher(nc, namespace=config.namespace, router_id="cluster41",
-                              config=config, retries=3, timeout=2.0)  # fmt: skip
+        pub = RouterPublisher(
+            nc,
+            namespace=config.namespace,
+            router_id="cluster41",
+            config=config,
+            retries=3,
+            timeout=2.0,
+        )
         acked: dict[int, bytes] = {}
         errors: list[str] = []
         done = {"steps": 0}
@@ -205,15 +228,25 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
             killed["before"] = str(max(acked))
             cluster.kill(leader)
             # After the election: events acknowledged, folded and projected past the kill.
-            await wait_until(lambda: asyncio.sleep(0, max(acked)),
-                             lambda seq: seq > int(killed["before"]),
-                             "an event acknowledged after the kill",
-                             timeout=ELECTION_S)  # fmt: skip
+            await wait_until(
+                lambda: asyncio.sleep(0, max(acked)),
+                lambda seq: seq > int(killed["before"]),
+                "an event acknowledged after the kill",
+                timeout=ELECTION_S,
+            )
             after = max(acked)
-            await wait_until(lambda: delta_source_seq(js, config), lambda s: s >= after,
-                             "the writer folded past the kill", watch=writer)  # fmt: skip
-            await wait_until(lambda: asyncio.sleep(0, view.applied_seq), lambda s: s >= after,
-                             "the view read past the kill", watch=projector)  # fmt: skip
+            await wait_until(
+                lambda: delta_source_seq(js, config),
+                lambda s: s >= after,
+                "the writer folded past the kill",
+                watch=writer,
+            )
+            await wait_until(
+                lambda: asyncio.sleep(0, view.applied_seq),
+                lambda s: s >= after,
+                "the view read past the kill",
+                watch=projector,
+            )
             _, new_leader, _ = await replica_report(js, config.events_stream)
             killed["new"] = new_leader or "?"
             while done["steps"] < restart_at:
@@ -224,17 +257,27 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
         assert killed["new"] != killed["name"]
         await wait_all_current(js, config)  # the restarted node caught up on every stream
         last = max(acked)
-        await wait_until(lambda: delta_source_seq(js, config), lambda seq: seq >= last,
-                         "the writer caught up", watch=writer)  # fmt: skip
-        await wait_until(lambda: bucket_position(js, config), lambda p: p.applied_seq >= last,
-                         "the projector caught up", watch=projector)  # fmt: skip
+        await wait_until(
+            lambda: delta_source_seq(js, config),
+            lambda seq: seq >= last,
+            "the writer caught up",
+            watch=writer,
+        )
+        await wait_until(
+            lambda: bucket_position(js, config),
+            lambda p: p.applied_seq >= last,
+            "the projector caught up",
+            watch=projector,
+        )
         await view.wait_for(last, timeout=WAIT_S)
         for service in services:
             code = await service.stop()
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
 
-        stored = {seq: data for seq, _, data in
-                  await read_stream(nc, config.events_stream, config.events_subjects)}  # fmt: skip
+        stored = {
+            seq: data
+            for seq, _, data in await read_stream(nc, config.events_stream, config.events_subjects)
+        }
         lost = sorted(seq for seq, payload in acked.items() if stored.get(seq) != payload)
         assert not lost, f"acknowledged but not in the stream: {lost[:10]}"
         snapshot, values, logged = await uninterrupted_fold(nc, config)
@@ -253,8 +296,10 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
             f"{extra[:5]}, differing {differing[:5]}"
         )
         await view.stop()
-        print(f"killed {killed}, {len(acked)} acked, {len(stored)} stored, "
-              f"{len(errors)} publish errors raised: {sorted(set(errors))}")  # fmt: skip
+        print(
+            f"killed {killed}, {len(acked)} acked, {len(stored)} stored, "
+            f"{len(errors)} publish errors raised: {sorted(set(errors))}"
+        )
     finally:
         for service in services:
             service.close()
@@ -273,22 +318,37 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
     stops it with 0."""
     config = fault_config("r", replicas=3)
     seqstate = str(Path(sys.executable).parent / "seqstate")
-    names = ["--namespace", config.namespace, "--events-stream", config.events_stream,
-             "--deltas-stream", config.deltas_stream, "--registry-bucket",
-             config.registry_bucket, "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
+    names = [
+        "--namespace",
+        config.namespace,
+        "--events-stream",
+        config.events_stream,
+        "--deltas-stream",
+        config.deltas_stream,
+        "--registry-bucket",
+        config.registry_bucket,
+        "--snapshot-bucket",
+        config.snapshot_bucket,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
     env["NATS_URL"] = cluster.url
     log_path = tmp_path / "run.log"
     nc = await cluster_client(cluster)
     with log_path.open("wb") as out:
-        proc = subprocess.Popen([seqstate, "run", "--replicas", "3", *names,
-                                 "--log-level", "warning"], stdout=out,
-                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)  # fmt: skip
+        proc = subprocess.Popen(
+            [seqstate, "run", "--replicas", "3", *names, "--log-level", "warning"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
 
     def alive() -> None:
         if proc.poll() is not None:
-            raise AssertionError(f"seqstate run exited with {proc.returncode}\n"
-                                 f"{log_path.read_text(errors='replace')[-3000:]}")  # fmt: skip
+            raise AssertionError(
+                f"seqstate run exited with {proc.returncode}\n"
+                f"{log_path.read_text(errors='replace')[-3000:]}"
+            )
 
     try:
         js = nc.jetstream(timeout=2.0)
@@ -307,12 +367,16 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
         for stream in replicated(config):
             assert (await replica_report(js, stream))[0] == 3, stream
 
-        pub = RouterPublisher(nc, namespace=config.namespace, router_id="clusterrun",
-                              config=config)  # fmt: skip
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="clusterrun", config=config)
         await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
         for i in range(4):
-            add = AddRequest(request_id=f"q{i}", worker_id=1, dp_rank=i % 2,
-                             block_hashes=[11, 12, 13 + i], prefill_tokens=100)  # fmt: skip
+            add = AddRequest(
+                request_id=f"q{i}",
+                worker_id=1,
+                dp_rank=i % 2,
+                block_hashes=[11, 12, 13 + i],
+                prefill_tokens=100,
+            )
             await pub.publish(add)
         last = await pub.publish(Free(request_id="q0", worker_id=1, dp_rank=0))
         async with RegistryView(nc, config=config) as view:
@@ -321,9 +385,13 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
         assert from_view == {(1, 0): 1, (1, 1): 2}, from_view
 
         loads = await asyncio.to_thread(
-            subprocess.run, [seqstate, "loads", "--json", *names], env=env, cwd=ROOT,
-            capture_output=True, timeout=WAIT_S,
-        )  # fmt: skip
+            subprocess.run,
+            [seqstate, "loads", "--json", *names],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            timeout=WAIT_S,
+        )
         assert loads.returncode == 0, loads.stderr.decode(errors="replace")
         rows = [json.loads(line) for line in loads.stdout.decode().splitlines() if line]
         got = {(r["worker_id"], r["dp_rank"]): r["active_requests"] for r in rows}

@@ -19,8 +19,8 @@ from nats.aio.client import Client
 from projector.nats.lease import Holder
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.nats.stream import PREV_SOURCE_SEQ
 from projector.route.publisher import RouterPublisher
+from projector.wire.headers import PREV_SOURCE_SEQ
 from projector.wire.values import lease_key
 from seqstate import Delta, encode_deltas
 
@@ -56,12 +56,12 @@ async def test_a_writer_meeting_another_writer_exits_non_zero_at_once(
         async def deltas() -> int:
             return await delta_source_seq(js, config)
 
-        await wait_until(deltas, lambda seq: seq >= first, "the writer stored its delta",
-                         watch=writer)  # fmt: skip
+        await wait_until(
+            deltas, lambda seq: seq >= first, "the writer stored its delta", watch=writer
+        )
         # A delta as another writer of the namespace would store it: chained, of a real event.
         other = encode_deltas([Delta("applied", 0, seq=first)])
-        await js.publish(config.deltas_subject, other,
-                         headers={PREV_SOURCE_SEQ: str(first - 1)})  # fmt: skip
+        await js.publish(config.deltas_subject, other, headers={PREV_SOURCE_SEQ: str(first - 1)})
         await pub.add("b", 1, block_hashes=[2])  # the writer's next delta meets it
         code, last = await exit_status(writer)
     finally:

@@ -23,13 +23,12 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 
-from projector.nats.dead_letters import REASON
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import SOURCE_SEQ
 from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
+from projector.wire.headers import REASON, SOURCE_SEQ
 from projector.wire.values import load_key, position_key
 from seqstate import (
     AddRequest,
@@ -73,10 +72,16 @@ async def _run(
         async def applied() -> int:
             return (await bucket_position(js, config)).applied_seq
 
-        await wait_until(deltas, lambda seq: seq >= last, "the writer went on", watch=writer,
-                         interval=0.05)  # fmt: skip
-        await wait_until(applied, lambda seq: seq >= last, "the projector went on",
-                         watch=projector, interval=0.05)  # fmt: skip
+        await wait_until(
+            deltas, lambda seq: seq >= last, "the writer went on", watch=writer, interval=0.05
+        )
+        await wait_until(
+            applied,
+            lambda seq: seq >= last,
+            "the projector went on",
+            watch=projector,
+            interval=0.05,
+        )
         for service in services:
             code = await service.stop()
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
@@ -117,23 +122,27 @@ async def test_floods_of_unknown_frees_and_ended_ids_keep_the_id_memories_bounde
     snapshot and bucket equal one uninterrupted fold."""
     config = fault_config("tf", max_tombstones=2_000, max_ended=1_000, idle_tick_s=3600.0)
     await ensure(nc, config)
-    events: list[Event] = [WorkerAdded(worker_id=1, dp_size=2),
-                           AddRequest(request_id="before", worker_id=1, block_hashes=[1, 2],
-                                      prefill_tokens=64)]  # fmt: skip
+    events: list[Event] = [
+        WorkerAdded(worker_id=1, dp_size=2),
+        AddRequest(request_id="before", worker_id=1, block_hashes=[1, 2], prefill_tokens=64),
+    ]
     events += [Free(request_id=f"g{i}", worker_id=1, dp_rank=i % 2) for i in range(3_000)]
     for i in range(1_500):
-        events += [AddRequest(request_id=f"e{i}", worker_id=1, dp_rank=i % 2, block_hashes=[i]),
-                   Free(request_id=f"e{i}", worker_id=1, dp_rank=i % 2)]  # fmt: skip
+        events += [
+            AddRequest(request_id=f"e{i}", worker_id=1, dp_rank=i % 2, block_hashes=[i]),
+            Free(request_id=f"e{i}", worker_id=1, dp_rank=i % 2),
+        ]
     events += [
         AddRequest(request_id="g0", worker_id=1, block_hashes=[3]),  # its tombstone evicted
         AddRequest(request_id="g2999", worker_id=1, block_hashes=[4]),  # remembered: superseded
         Free(request_id="e1499", worker_id=1, dp_rank=1),  # remembered as ended: a no-op
         Free(request_id="e0", worker_id=1),  # forgotten: a tombstone
         Free(request_id="before", worker_id=1),
-        AddRequest(request_id="after", worker_id=1, dp_rank=1, block_hashes=[5, 6],
-                   prefill_tokens=32),
+        AddRequest(
+            request_id="after", worker_id=1, dp_rank=1, block_hashes=[5, 6], prefill_tokens=32
+        ),
         MarkPrefillCompleted(request_id="after", worker_id=1, dp_rank=1),
-    ]  # fmt: skip
+    ]
     state, seqs = await _run(nc, nats_server.url, config, tmp_path, events)
     tombstones = [rid for rid, _, _ in state.tombstones.items()]
     assert tombstones == [*(f"g{i}" for i in range(1_000, 2_999)), "e0"]
@@ -145,9 +154,13 @@ async def test_floods_of_unknown_frees_and_ended_ids_keep_the_id_memories_bounde
     assert state.counters["unknown_request"] == 3_002
     assert state.counters["superseded"] == 1
     assert {rid: state.requests.worker_for(rid) for rid in state.requests.owner} == {
-        "g0": (1, 0), "after": (1, 1)}  # fmt: skip
-    assert [(row.active_requests, row.active_blocks, row.active_prefill_tokens)
-            for row in state.registry.loads(state.now_ns)] == [(1, 1, 0), (1, 2, 0)]  # fmt: skip
+        "g0": (1, 0),
+        "after": (1, 1),
+    }
+    assert [
+        (row.active_requests, row.active_blocks, row.active_prefill_tokens)
+        for row in state.registry.loads(state.now_ns)
+    ] == [(1, 1, 0), (1, 2, 0)]
     await _same_as_one_fold(nc, config, state, seqs[-1])
 
 
@@ -168,15 +181,20 @@ async def test_workers_beyond_the_default_rank_bounds_are_dead_lettered_and_chan
     await ensure(nc, config)
     wide = MAX_RANKS // 2 // MAX_RANKS_PER_WORKER  # workers 0..7 with 1,024 ranks each
     narrow = MAX_RANKS - wide * MAX_RANKS_PER_WORKER  # workers 10,000.. with one rank each
-    total = (f"the write model would hold {MAX_RANKS + 1} ranks, over the bound of "
-             f"{MAX_RANKS} (max_ranks)")  # fmt: skip
+    total = (
+        f"the write model would hold {MAX_RANKS + 1} ranks, over the bound of "
+        f"{MAX_RANKS} (max_ranks)"
+    )
 
     def per_worker(worker: int) -> str:
-        return (f"worker {worker} would have {MAX_RANKS_PER_WORKER + 1} ranks, over the bound "
-                f"of {MAX_RANKS_PER_WORKER} per worker (max_ranks_per_worker)")  # fmt: skip
+        return (
+            f"worker {worker} would have {MAX_RANKS_PER_WORKER + 1} ranks, over the bound "
+            f"of {MAX_RANKS_PER_WORKER} per worker (max_ranks_per_worker)"
+        )
 
-    events: list[Event] = [WorkerAdded(worker_id=w, dp_size=MAX_RANKS_PER_WORKER)
-                           for w in range(wide)]  # fmt: skip
+    events: list[Event] = [
+        WorkerAdded(worker_id=w, dp_size=MAX_RANKS_PER_WORKER) for w in range(wide)
+    ]
     events += [WorkerAdded(worker_id=10_000 + w) for w in range(narrow)]
     refused: dict[int, str] = {}  # index in events -> the reason expected
 
@@ -189,8 +207,9 @@ async def test_workers_beyond_the_default_rank_bounds_are_dead_lettered_and_chan
     beyond(WorkerAdded(worker_id=0, dp_size=MAX_RANKS_PER_WORKER + 1), per_worker(0))
     beyond(WorkerAdded(worker_id=10_000, dp_size=2), total)
     beyond(AddRequest(request_id="lazy", worker_id=60_000, block_hashes=[1]), total)
-    beyond(AddRequest(request_id="lazy-rank", worker_id=3, dp_rank=MAX_RANKS_PER_WORKER),
-           per_worker(3))  # fmt: skip
+    beyond(
+        AddRequest(request_id="lazy-rank", worker_id=3, dp_rank=MAX_RANKS_PER_WORKER), per_worker(3)
+    )
     top = MAX_RANKS_PER_WORKER - 1  # a registered rank: a request on it is booked
     events.append(AddRequest(request_id="in", worker_id=7, dp_rank=top, block_hashes=[7, 8]))
     events.append(WorkerRemoved(worker_id=10_001))
@@ -202,7 +221,8 @@ async def test_workers_beyond_the_default_rank_bounds_are_dead_lettered_and_chan
     js = nc.jetstream()
     letters = await read_stream(nc, dead_letter_stream(config), config.dead_letter_subject)
     assert [(int(headers[SOURCE_SEQ]), headers[REASON]) for _, headers, _ in letters] == [
-        (seqs[i], reason) for i, reason in refused.items()]  # fmt: skip
+        (seqs[i], reason) for i, reason in refused.items()
+    ]
     assert (await js.stream_info(dead_letter_stream(config))).state.messages == len(refused)
     # What the writer holds is the fold of every event not dead-lettered, bounds unchecked.
     skipped = {seqs[i] for i in refused}

@@ -22,12 +22,11 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 
-from projector.nats.dead_letters import SIZE, TRUNCATED
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import PREV_SOURCE_SEQ
 from projector.route.publisher import RouterPublisher
+from projector.wire.headers import PREV_SOURCE_SEQ, SIZE, TRUNCATED
 from projector.wire.values import load_key, position_key
 from seqstate import Delta, WorkerAdded, encode_deltas
 
@@ -59,8 +58,11 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
         await js.publish(config.deltas_subject, forged, headers={PREV_SOURCE_SEQ: "0"})
         last = 0
         for step in steps[half:]:
-            last = (await pub.publish(step.event) if step.event
-                    else (await js.publish(step.subject, step.raw)).seq)  # fmt: skip
+            last = (
+                await pub.publish(step.event)
+                if step.event
+                else (await js.publish(step.subject, step.raw)).seq
+            )
 
         async def deltas() -> int:
             return await delta_source_seq(js, config)
@@ -69,8 +71,7 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
             return (await bucket_position(js, config)).applied_seq
 
         await wait_until(deltas, lambda seq: seq >= last, "the writer went on", watch=writer)
-        await wait_until(applied, lambda seq: seq >= last, "the projector went on",
-                         watch=projector)  # fmt: skip
+        await wait_until(applied, lambda seq: seq >= last, "the projector went on", watch=projector)
         for service in services:
             code = await service.stop()
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
@@ -89,13 +90,19 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
     assert not bombed & set(got), "a refused worker has ranks in the bucket"
     dead = await js.stream_info(dead_letter_stream(config))
     assert dead.state.messages == 3 + 1 + 25 + 1  # the workload's malformed three, then ours
-    letters = [await js.get_msg(dead_letter_stream(config), n)
-               for n in range(dead.state.first_seq, dead.state.last_seq + 1)]  # fmt: skip
+    letters = [
+        await js.get_msg(dead_letter_stream(config), n)
+        for n in range(dead.state.first_seq, dead.state.last_seq + 1)
+    ]
     big = [m for m in letters if (m.headers or {}).get(SIZE) == str(len(huge))]
     assert len(big) == 1 and (big[0].headers or {}).get(TRUNCATED) == "true"
-    refused = [m for m in letters if "max_ranks_per_worker" in (m.headers or {}).get(
-        "Seqstate-Reason", "")]  # fmt: skip
+    refused = [
+        m for m in letters if "max_ranks_per_worker" in (m.headers or {}).get("Seqstate-Reason", "")
+    ]
     assert len(refused) == 25
-    beyond = [m for m in letters if "beyond the events stream" in (m.headers or {}).get(
-        "Seqstate-Reason", "")]  # fmt: skip
+    beyond = [
+        m
+        for m in letters
+        if "beyond the events stream" in (m.headers or {}).get("Seqstate-Reason", "")
+    ]
     assert len(beyond) == 1 and beyond[0].data == forged

@@ -82,22 +82,34 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
     try:
         await writer.start(js, 0)
         # A late kill lets the projector apply 150 more events first, publishing on.
-        last = await run_with_kills(nc, config, steps, projector,
-                                    kill_schedule(seed, len(steps), KILLS), progress=applied,
-                                    late_probe=applied, late_target=further,
-                                    router_id=f"fault-p{seed}")  # fmt: skip
+        last = await run_with_kills(
+            nc,
+            config,
+            steps,
+            projector,
+            kill_schedule(seed, len(steps), KILLS),
+            progress=applied,
+            late_probe=applied,
+            late_target=further,
+            router_id=f"fault-p{seed}",
+        )
         assert await last_seq_of(js, config.events_stream, config.events_subjects) == last
         await wait_until(deltas, lambda seq: seq >= last, "the writer caught up", watch=writer)
-        await wait_until(applied, lambda seq: seq >= last, "the last projector caught up",
-                         watch=projector)  # fmt: skip
+        await wait_until(
+            applied, lambda seq: seq >= last, "the last projector caught up", watch=projector
+        )
         code = await projector.stop()
         assert code == 0, f"projector exited with {code} on SIGTERM\n{projector.logs()}"
         code = await writer.stop()
         assert code == 0, f"writer exited with {code} on SIGTERM\n{writer.logs()}"
 
         await uninterrupted.start(js, 0)
-        await wait_until(applied_ref, lambda seq: seq >= last,
-                         "the uninterrupted projector caught up", watch=uninterrupted)  # fmt: skip
+        await wait_until(
+            applied_ref,
+            lambda seq: seq >= last,
+            "the uninterrupted projector caught up",
+            watch=uninterrupted,
+        )
         code = await uninterrupted.stop()
         assert code == 0, f"projector exited with {code} on SIGTERM\n{uninterrupted.logs()}"
     finally:
@@ -114,6 +126,8 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
     assert any(parse_key(ns, key).kind == "req" for key in want)
     assert sorted(got) == sorted(want), "the killed projector's keys differ"
     differing = sorted(key for key in want if got[key] != want[key])
-    shown = [f"{k}: {decoded(ns, {k: got[k]})[k]} != {decoded(ns, {k: want[k]})[k]}"
-             for k in differing[:5]]  # fmt: skip
+    shown = [
+        f"{k}: {decoded(ns, {k: got[k]})[k]} != {decoded(ns, {k: want[k]})[k]}"
+        for k in differing[:5]
+    ]
     assert not differing, f"{len(differing)} values differ: " + "; ".join(shown)

@@ -35,10 +35,20 @@ def calls(seed: int, n: int) -> list[tuple[str, str, dict[str, Any]]]:
         if roll < 0.45 or not live:
             rid = rng.choice(live) if live and rng.random() < 0.1 else f"r{seed}-{i}"
             hashes = rng.choice(prefixes) + [rng.getrandbits(63) for _ in range(rng.randint(0, 3))]
-            out.append(("POST", "/add", {
-                "model_name": M, "request_id": rid, "worker_id": rng.randrange(WORKERS),
-                "dp_rank": rng.randrange(2), "sequence_hashes": hashes,
-                "new_isl_tokens": rng.choice([0, 16, 384])}))  # fmt: skip
+            out.append(
+                (
+                    "POST",
+                    "/add",
+                    {
+                        "model_name": M,
+                        "request_id": rid,
+                        "worker_id": rng.randrange(WORKERS),
+                        "dp_rank": rng.randrange(2),
+                        "sequence_hashes": hashes,
+                        "new_isl_tokens": rng.choice([0, 16, 384]),
+                    },
+                )
+            )
             live.append(rid)
         elif roll < 0.65:
             body = {"model_name": M, "request_id": rng.choice([*live, "never"])}
@@ -67,37 +77,62 @@ async def test_a_killed_serving_process_leaves_the_ledger_a_replay_of_the_log(
     nc: Client, nats_server: NatsServer, seed: int
 ) -> None:
     config = fault_config("fh")
-    tracker = dataclasses.replace(config.with_namespace(namespace_for(M, "default",
-                                                                      config.namespace)),
-                                  rules="slot-tracker", worker_grace_s=0.0)  # fmt: skip
+    tracker = dataclasses.replace(
+        config.with_namespace(namespace_for(M, "default", config.namespace)),
+        rules="slot-tracker",
+        worker_grace_s=0.0,
+    )
     work = calls(seed, 400)
     chunks = [work[i : i + 25] for i in range(0, len(work), 25)]
     url = nats_server.url
     async with serve_http(url, config) as first, serve_http(url, config) as second:
-        registered = await exchange(first, [("POST", "/register", {
-            "model_name": M, "worker_id": w, "block_size": 16, "dp_start": 0, "dp_size": 2})
-            for w in range(WORKERS)])  # fmt: skip
+        registered = await exchange(
+            first,
+            [
+                (
+                    "POST",
+                    "/register",
+                    {
+                        "model_name": M,
+                        "worker_id": w,
+                        "block_size": 16,
+                        "dp_start": 0,
+                        "dp_size": 2,
+                    },
+                )
+                for w in range(WORKERS)
+            ],
+        )
         assert [r.status for r in registered] == [201] * WORKERS
         # The first registered the tracker, so it runs its writer and projector: kill it with
         # a chunk in flight, while the second goes on (and takes the tracker over).
         for n, chunk in enumerate(chunks[:4]):
-            assert all(r.status in (200, 201, 404, 409)
-                       for r in await exchange((first, second)[n % 2], chunk))  # fmt: skip
+            assert all(
+                r.status in (200, 201, 404, 409)
+                for r in await exchange((first, second)[n % 2], chunk)
+            )
         await send_then_kill(first, chunks[4])
         for chunk in chunks[5:10]:
             assert all(r.status in (200, 201, 404, 409) for r in await exchange(second, chunk))
     async with serve_http(url, config) as again, serve_http(url, config) as other:
         for n, chunk in enumerate(chunks[10:]):
-            assert all(r.status in (200, 201, 404, 409)
-                       for r in await exchange((again, other)[n % 2], chunk))  # fmt: skip
+            assert all(
+                r.status in (200, 201, 404, 409)
+                for r in await exchange((again, other)[n % 2], chunk)
+            )
         fold = await fold_log(nc, tracker)
         fold.state.sync_registry()
-        want = [(M, r.worker_id, r.dp_rank, r.active_prefill_tokens, r.active_blocks)
-                for r in fold.state.registry.loads(fold.last_ns)]  # fmt: skip
+        want = [
+            (M, r.worker_id, r.dp_rank, r.active_prefill_tokens, r.active_blocks)
+            for r in fold.state.registry.loads(fold.last_ns)
+        ]
         assert len(want) == 2 * WORKERS and any(row[4] for row in want)
         js = nc.jetstream()
-        await wait_until(lambda: bucket_position(js, tracker), lambda p: p.applied_seq == fold.last,
-                         "the bucket at the log's last event")  # fmt: skip
+        await wait_until(
+            lambda: bucket_position(js, tracker),
+            lambda p: p.applied_seq == fold.last,
+            "the bucket at the log's last event",
+        )
         for port in (again, other):
 
             async def loads_of(port: int = port) -> list[tuple[Any, ...]]:

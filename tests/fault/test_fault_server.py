@@ -60,8 +60,9 @@ async def robust_client(url: str) -> Client:
     async def quiet(exc: Exception) -> None:  # a dead server is the point of the test
         pass
 
-    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
-                              error_cb=quiet, connect_timeout=2)  # fmt: skip
+    return await nats.connect(
+        url, max_reconnect_attempts=-1, reconnect_time_wait=0.1, error_cb=quiet, connect_timeout=2
+    )
 
 
 class Ledger:
@@ -136,8 +137,9 @@ async def publish_raw(js: object, step: Step) -> int:
             await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize(("seed", "also"), [(31, ""), (32, ""), (33, ""), (34, "writer"),
-                                            (35, "projector")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("seed", "also"), [(31, ""), (32, ""), (33, ""), (34, "writer"), (35, "projector")]
+)
 async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
     tmp_path: Path, seed: int, also: str
 ) -> None:
@@ -169,8 +171,14 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
         view = await RegistryView(view_nc, config=config).start()
         steps = workload(seed, config, requests=700)
         crashes = sorted(rng.sample(range(150, len(steps) - 150), KILLS))
-        pub = RouterPublisher(nc, namespace=config.namespace, router_id=f"srv{seed}",
-                              config=config, retries=1, timeout=2.0)  # fmt: skip
+        pub = RouterPublisher(
+            nc,
+            namespace=config.namespace,
+            router_id=f"srv{seed}",
+            config=config,
+            retries=1,
+            timeout=2.0,
+        )
         ledger = Ledger(pub)
 
         async def deltas() -> int:
@@ -218,8 +226,9 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
         await asyncio.gather(publisher(), crasher())
         last = done["last"]
         await wait_until(deltas, lambda seq: seq >= last, "the writer caught up", watch=writer)
-        await wait_until(applied, lambda seq: seq >= last, "the projector caught up",
-                         watch=projector)  # fmt: skip
+        await wait_until(
+            applied, lambda seq: seq >= last, "the projector caught up", watch=projector
+        )
         for service in services:
             if service.command == also:
                 assert len(service.runs) == KILLS + 1, "restarted only by the test"
@@ -235,8 +244,10 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
 
         # No silent drop: each sequence a publish returned holds that very event.
-        log = {seq: data for seq, _, data in await read_stream(
-            nc, config.events_stream, config.events_subjects)}  # fmt: skip
+        log = {
+            seq: data
+            for seq, _, data in await read_stream(nc, config.events_stream, config.events_subjects)
+        }
         assert ledger.stored and max(ledger.stored) <= last
         missing = sorted(seq for seq in ledger.stored if seq not in log)
         other = sorted(s for s, data in ledger.stored.items() if s in log and log[s] != data)

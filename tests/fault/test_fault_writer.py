@@ -24,7 +24,8 @@ from pipeline_kit import read_log
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import SOURCE_SEQ, last_seq_of
+from projector.nats.stream import last_seq_of
+from projector.wire.headers import SOURCE_SEQ
 from seqstate import (
     EventDecodeError,
     SnapshotError,
@@ -59,13 +60,22 @@ async def test_a_writer_killed_at_random_points_ends_as_one_uninterrupted_fold(
     try:
         # A late kill waits for a snapshot of more than the writer had published at the kill
         # point: the next run restores it.
-        last = await run_with_kills(nc, config, steps, writer, schedule, progress=progress,
-                                    late_probe=snapshot_seq, late_target=progress,
-                                    router_id=f"fault-w{seed}")  # fmt: skip
+        last = await run_with_kills(
+            nc,
+            config,
+            steps,
+            writer,
+            schedule,
+            progress=progress,
+            late_probe=snapshot_seq,
+            late_target=progress,
+            router_id=f"fault-w{seed}",
+        )
         assert await last_seq_of(js, config.events_stream, config.events_subjects) == last
         await writer.wait_ready(js)
-        await wait_until(progress, lambda seq: seq >= last, "the last writer caught up",
-                         watch=writer)  # fmt: skip
+        await wait_until(
+            progress, lambda seq: seq >= last, "the last writer caught up", watch=writer
+        )
         code = await writer.stop()
         assert code == 0, f"writer exited with {code} on SIGTERM\n{writer.logs()}"
     finally:

@@ -57,10 +57,24 @@ async def serve_http(url: str, config: Config, *extra: str) -> AsyncIterator[int
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
     env["NATS_URL"] = url
-    proc = subprocess.Popen([sys.executable, "-m", "projector", "serve-http", "--host",
-                             "127.0.0.1", "--port", str(port), *name_flags(config), *extra],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "projector",
+            "serve-http",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *name_flags(config),
+            *extra,
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = asyncio.get_running_loop().time() + WAIT_S
         while True:
@@ -85,8 +99,14 @@ async def serve_http(url: str, config: Config, *extra: str) -> AsyncIterator[int
             proc.stdout.close()
 
 
-def request(method: str, path: str, body: Any = None, *, content_type: str | None = JSON_TYPE,
-            raw: bytes | None = None) -> bytes:  # fmt: skip
+def request(
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    content_type: str | None = JSON_TYPE,
+    raw: bytes | None = None,
+) -> bytes:
     """One request's bytes: ``body`` as JSON, or ``raw`` bytes as they are."""
     data = raw if raw is not None else b"" if body is None else json.dumps(body).encode()
     head = f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(data)}\r\n"
@@ -128,5 +148,13 @@ def rows(answer: Reply | tuple[int, Any]) -> list[tuple[Any, ...]]:
     """``/loads`` rows as (model, worker, rank, prefill tokens, blocks)."""
     status, body = answer
     assert status == 200, answer
-    return [(r["model_name"], r["worker_id"], r["dp_rank"], r["active_prefill_tokens"],
-             r["active_decode_blocks"]) for r in body]  # fmt: skip
+    return [
+        (
+            r["model_name"],
+            r["worker_id"],
+            r["dp_rank"],
+            r["active_prefill_tokens"],
+            r["active_decode_blocks"],
+        )
+        for r in body
+    ]

@@ -26,17 +26,30 @@ REPO = Path(__file__).resolve().parents[2]
 def fresh_config(prefix: str = "t", **overrides: object) -> Config:
     """A namespace, streams and bucket of their own, so tests sharing a server never meet."""
     n = next(_names)
-    return Config(namespace=f"{prefix}{n}", events_stream=f"{prefix.upper()}EV{n}",
-                  deltas_stream=f"{prefix.upper()}DL{n}", registry_bucket=f"{prefix}reg{n}",
-                  **overrides)  # type: ignore[arg-type]  # fmt: skip
+    return Config(
+        namespace=f"{prefix}{n}",
+        events_stream=f"{prefix.upper()}EV{n}",
+        deltas_stream=f"{prefix.upper()}DL{n}",
+        registry_bucket=f"{prefix}reg{n}",
+        **overrides,
+    )  # type: ignore[arg-type]
 
 
 def name_flags(config: Config) -> list[str]:
     """The flags that point a ``seqstate`` command at ``config``'s namespace, streams and
     buckets."""
-    return ["--namespace", config.namespace, "--events-stream", config.events_stream,
-            "--deltas-stream", config.deltas_stream, "--registry-bucket", config.registry_bucket,
-            "--snapshot-bucket", config.snapshot_bucket]  # fmt: skip
+    return [
+        "--namespace",
+        config.namespace,
+        "--events-stream",
+        config.events_stream,
+        "--deltas-stream",
+        config.deltas_stream,
+        "--registry-bucket",
+        config.registry_bucket,
+        "--snapshot-bucket",
+        config.snapshot_bucket,
+    ]
 
 
 def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -74,8 +87,9 @@ async def read_log(nc: Client, config: Config) -> list[tuple[int, int, bytes]]:
 
     if last == 0:
         return out
-    sub = await js.subscribe(config.events_subjects, stream=config.events_stream,
-                             ordered_consumer=True, cb=take)  # fmt: skip
+    sub = await js.subscribe(
+        config.events_subjects, stream=config.events_stream, ordered_consumer=True, cb=take
+    )
     try:
         await asyncio.wait_for(done.wait(), 20)
     finally:
@@ -89,9 +103,16 @@ async def fill(nc: Client, config: Config, n: int) -> int:
     js = nc.jetstream()
     futures = []
     for i in range(n):
-        event = (AddRequest(request_id=f"x{i}", worker_id=i % 8,
-                            block_hashes=list(range(i % 40)), prefill_tokens=i)
-                 if i % 3 else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8))  # fmt: skip
+        event = (
+            AddRequest(
+                request_id=f"x{i}",
+                worker_id=i % 8,
+                block_hashes=list(range(i % 40)),
+                prefill_tokens=i,
+            )
+            if i % 3
+            else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8)
+        )
         futures.append(await js.publish_async(config.event_subject(i % 8), encode_event(event)))
     futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
     await asyncio.gather(*futures)

@@ -31,23 +31,35 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra)
     return env
 
 
 def seqstate(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "projector", *args], capture_output=True,
-                          text=True, timeout=timeout, env=cli_env(**env), cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "projector", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(**env),
+        cwd=REPO,
+    )
 
 
 async def aseqstate(*args: str, stdin: bytes = b"", **env: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "projector", *args, env=cli_env(**env), cwd=REPO,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "projector",
+        *args,
+        env=cli_env(**env),
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(stdin), 60)
     return proc.returncode or 0, out.decode(), err.decode()
 
@@ -63,8 +75,20 @@ def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
 
 def test_run_demo_for_ten_seconds_fills_the_bucket(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    result = seqstate("run", "--demo", "--duration", "10", "--no-live", "--workers", "4",
-                      "--store-dir", str(store), "--log-level", "warning", timeout=120)  # fmt: skip
+    result = seqstate(
+        "run",
+        "--demo",
+        "--duration",
+        "10",
+        "--no-live",
+        "--workers",
+        "4",
+        "--store-dir",
+        str(store),
+        "--log-level",
+        "warning",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     summary = [line for line in result.stdout.splitlines() if line.startswith("demo: routed")]
     assert summary, result.stdout
@@ -121,19 +145,30 @@ def test_unreachable_nats_is_one_line() -> None:
 @pytest.mark.parametrize(
     ("args", "env", "said"),
     [
-        (("projector", "--flush-interval-s", "soon"), {},
-         "--flush-interval-s 'soon': not a number (seconds)"),
-        (("writer", "--expiry-s", "banana"), {},
-         "--expiry-s 'banana': not a number (seconds, or 'off')"),
+        (
+            ("projector", "--flush-interval-s", "soon"),
+            {},
+            "--flush-interval-s 'soon': not a number (seconds)",
+        ),
+        (
+            ("writer", "--expiry-s", "banana"),
+            {},
+            "--expiry-s 'banana': not a number (seconds, or 'off')",
+        ),
         (("run", "--flush-interval-s", "-1"), {}, "--flush-interval-s '-1': must be positive"),
-        (("writer",), {"SEQSTATE_EXPIRY_S": "banana"},
-         "SEQSTATE_EXPIRY_S='banana': not a number (seconds, or 'off')"),
-        (("loads",), {"NATS_URL": "garbage"},
-         "NATS_URL='garbage': 'garbage' is not a NATS URL"),
-        (("status", "--nats-url", "http://x:1"), {},
-         "--nats-url 'http://x:1': 'http://x:1' is not a NATS URL"),
+        (
+            ("writer",),
+            {"SEQSTATE_EXPIRY_S": "banana"},
+            "SEQSTATE_EXPIRY_S='banana': not a number (seconds, or 'off')",
+        ),
+        (("loads",), {"NATS_URL": "garbage"}, "NATS_URL='garbage': 'garbage' is not a NATS URL"),
+        (
+            ("status", "--nats-url", "http://x:1"),
+            {},
+            "--nats-url 'http://x:1': 'http://x:1' is not a NATS URL",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_setting_is_one_line_naming_it_as_typed(
     args: tuple[str, ...], env: dict[str, str], said: str
 ) -> None:
@@ -141,9 +176,24 @@ def test_a_bad_setting_is_one_line_naming_it_as_typed(
 
 
 def test_help_speaks_the_users_language() -> None:
-    helps = {name: seqstate(name, "--help").stdout for name in
-             ("run", "writer", "projector", "demo", "publish", "loads", "watch", "status",
-              "replay", "rebuild", "snapshot", "inspect", "top")}  # fmt: skip
+    helps = {
+        name: seqstate(name, "--help").stdout
+        for name in (
+            "run",
+            "writer",
+            "projector",
+            "demo",
+            "publish",
+            "loads",
+            "watch",
+            "status",
+            "replay",
+            "rebuild",
+            "snapshot",
+            "inspect",
+            "top",
+        )
+    }
     top = seqstate("--help").stdout
     helps = {name: " ".join(text.split()) for name, text in helps.items()}  # unwrapped
     for name, text in [*helps.items(), ("", top)]:
@@ -163,8 +213,15 @@ def test_help_speaks_the_users_language() -> None:
     assert "(default: 300) [env SEQSTATE_EXPIRY_S]" in writer
     assert "(default: 10000) [env SEQSTATE_SNAPSHOT_EVERY_EVENTS]" in writer
     publish = helps["publish"]
-    for event in ("AddRequest", "MarkPrefillCompleted", "Free", "AddOutputBlock", "WorkerAdded",
-                  "WorkerRemoved", "Tick"):  # fmt: skip
+    for event in (
+        "AddRequest",
+        "MarkPrefillCompleted",
+        "Free",
+        "AddOutputBlock",
+        "WorkerAdded",
+        "WorkerRemoved",
+        "Tick",
+    ):
         assert f"{event}:" in publish
     assert "request_id, worker_id, dp_rank=0, block_hashes=[], prefill_tokens=0," in publish
     assert "(default: 4222) [env SEQSTATE_PORT]" in helps["run"]
@@ -199,11 +256,17 @@ async def test_publish_then_loads_and_status(nc: Client, nats_server: NatsServer
     flags = name_flags(config)
     lines = [
         {"type": "WorkerAdded", "worker_id": 3, "dp_size": 2},
-        {"type": "AddRequest", "request_id": "a", "worker_id": 3, "dp_rank": 1,
-         "block_hashes": [1, 2, 3], "prefill_tokens": 40},
+        {
+            "type": "AddRequest",
+            "request_id": "a",
+            "worker_id": 3,
+            "dp_rank": 1,
+            "block_hashes": [1, 2, 3],
+            "prefill_tokens": 40,
+        },
         {"type": "AddRequest", "request_id": "b", "worker_id": 3, "block_hashes": [1, 2]},
         {"type": "Free", "request_id": "b", "worker_id": 3},
-    ]  # fmt: skip
+    ]
     stdin = "\n".join(json.dumps(line) for line in lines).encode()
     async with Pipeline(nc, config) as pipeline:
         rc, out, err = await aseqstate(
@@ -215,8 +278,9 @@ async def test_publish_then_loads_and_status(nc: Client, nats_server: NatsServer
         rc, out, err = await aseqstate("loads", "--json", *flags, NATS_URL=nats_server.url)
         assert rc == 0, err
         rows = [json.loads(line) for line in out.splitlines()]
-        assert [(r["worker_id"], r["dp_rank"], r["active_requests"], r["active_blocks"])
-                for r in rows] == [(3, 0, 0, 0), (3, 1, 1, 3)]  # fmt: skip
+        assert [
+            (r["worker_id"], r["dp_rank"], r["active_requests"], r["active_blocks"]) for r in rows
+        ] == [(3, 0, 0, 0), (3, 1, 1, 3)]
         rc, out, err = await aseqstate("status", "--json", *flags, NATS_URL=nats_server.url)
         assert rc == 0, err
         status = json.loads(out)
@@ -229,22 +293,32 @@ async def test_publish_then_loads_and_status(nc: Client, nats_server: NatsServer
 @pytest.mark.parametrize(
     ("line", "said"),
     [
-        ('{"type":"AddRequest","request_id":"t","worker_id":5,"block_hashes":[1],'
-         '"prefil_tokens":500}', "stdin:1: not an event: Object contains unknown field "
-                                 "`prefil_tokens`"),
-        ('{"type":"AddRequest","request_id":"t","worker_id":5,'
-         '"block_hashes":[18446744073709551616]}',
-         "stdin:1: not an event: invalid event: 18446744073709551616 does not fit in 64 bits - "
-         "at `$.block_hashes[0]`"),
+        (
+            '{"type":"AddRequest","request_id":"t","worker_id":5,"block_hashes":[1],'
+            '"prefil_tokens":500}',
+            "stdin:1: not an event: Object contains unknown field `prefil_tokens`",
+        ),
+        (
+            '{"type":"AddRequest","request_id":"t","worker_id":5,'
+            '"block_hashes":[18446744073709551616]}',
+            "stdin:1: not an event: invalid event: 18446744073709551616 does not fit in 64 bits - "
+            "at `$.block_hashes[0]`",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_publish_names_a_typo_or_an_overflow_and_publishes_nothing(
     nats_server: NatsServer, line: str, said: str
 ) -> None:
     config = fresh_config("t")
-    rc, out, err = await aseqstate("publish", "--namespace", config.namespace, "--events-stream",
-                                   config.events_stream, stdin=line.encode(),
-                                   NATS_URL=nats_server.url)  # fmt: skip
+    rc, out, err = await aseqstate(
+        "publish",
+        "--namespace",
+        config.namespace,
+        "--events-stream",
+        config.events_stream,
+        stdin=line.encode(),
+        NATS_URL=nats_server.url,
+    )
     assert (rc, out) == (1, "")
     assert plain_lines(err) == [f"seqstate: error: {said}"]
 
@@ -254,12 +328,25 @@ async def test_publish_refuses_an_event_too_large_to_store_and_sends_nothing(
 ) -> None:
     config = fresh_config("t")
     small = '{"type": "Free", "request_id": "x", "worker_id": 1}'
-    huge = json.dumps({"type": "AddRequest", "request_id": "huge", "worker_id": 1,
-                       "block_hashes": list(range(2**62, 2**62 + 120_000))})  # fmt: skip
-    rc, out, err = await aseqstate("publish", "--namespace", config.namespace, "--events-stream",
-                                   config.events_stream, "--router-id", "cli-test",
-                                   NATS_URL=nats_server.url,
-                                   stdin=f"{small}\n{huge}\n".encode())  # fmt: skip
+    huge = json.dumps(
+        {
+            "type": "AddRequest",
+            "request_id": "huge",
+            "worker_id": 1,
+            "block_hashes": list(range(2**62, 2**62 + 120_000)),
+        }
+    )
+    rc, out, err = await aseqstate(
+        "publish",
+        "--namespace",
+        config.namespace,
+        "--events-stream",
+        config.events_stream,
+        "--router-id",
+        "cli-test",
+        NATS_URL=nats_server.url,
+        stdin=f"{small}\n{huge}\n".encode(),
+    )
     assert (rc, out) == (1, "")
     assert plain_lines(err) == [
         "seqstate: error: stdin:2: AddRequest for request 'huge': 1,080,083 bytes encoded, over "
@@ -273,9 +360,15 @@ async def test_publish_refuses_an_event_too_large_to_store_and_sends_nothing(
 async def test_publish_counts_in_words(nats_server: NatsServer) -> None:
     config = fresh_config("w")
     line = b'{"type": "Free", "request_id": "x", "worker_id": 1}\n'
-    rc, out, err = await aseqstate("publish", "--namespace", config.namespace, "--events-stream",
-                                   config.events_stream, NATS_URL=nats_server.url,
-                                   stdin=line)  # fmt: skip
+    rc, out, err = await aseqstate(
+        "publish",
+        "--namespace",
+        config.namespace,
+        "--events-stream",
+        config.events_stream,
+        NATS_URL=nats_server.url,
+        stdin=line,
+    )
     assert rc == 0, err
     assert out.strip() == "published 1 event, last sequence 1"
 
@@ -307,8 +400,9 @@ async def test_publish_rejects_an_invalid_line_naming_it(nats_server: NatsServer
 async def test_reads_of_a_missing_bucket_fail_clearly(
     nats_server: NatsServer, command: str
 ) -> None:
-    rc, out, err = await aseqstate(command, "--registry-bucket", "never-made",
-                                   NATS_URL=nats_server.url)  # fmt: skip
+    rc, out, err = await aseqstate(
+        command, "--registry-bucket", "never-made", NATS_URL=nats_server.url
+    )
     if command == "loads":
         assert rc == 1 and "never-made" in err and "Traceback" not in err
     else:
@@ -317,12 +411,29 @@ async def test_reads_of_a_missing_bucket_fail_clearly(
 
 def test_run_demo_replays_a_mooncake_trace(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
-    lines = [{"timestamp": t, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2 + i]}
-             for i, t in enumerate([0, 10, 20, 30])]  # fmt: skip
+    lines = [
+        {"timestamp": t, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2 + i]}
+        for i, t in enumerate([0, 10, 20, 30])
+    ]
     trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    result = seqstate("run", "--demo", "--trace", str(trace), "--speedup", "1", "--no-live",
-                      "--workers", "2", "--store-dir", str(tmp_path / "store"), "--duration",
-                      "30", "--log-level", "warning", timeout=120)  # fmt: skip
+    result = seqstate(
+        "run",
+        "--demo",
+        "--trace",
+        str(trace),
+        "--speedup",
+        "1",
+        "--no-live",
+        "--workers",
+        "2",
+        "--store-dir",
+        str(tmp_path / "store"),
+        "--duration",
+        "30",
+        "--log-level",
+        "warning",
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     # The trace ends: the demo stops by itself, every request routed and completed.
     assert "demo: routed 4 requests (4 completed" in result.stdout, result.stdout
@@ -330,9 +441,14 @@ def test_run_demo_replays_a_mooncake_trace(tmp_path: Path) -> None:
 
 def started_run(store: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
     """``seqstate run`` in the background, once it says its pipeline runs; its log so far."""
-    proc = subprocess.Popen([sys.executable, "-m", "projector", "run", "--store-dir", str(store),
-                             *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=cli_env(), cwd=REPO)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "projector", "run", "--store-dir", str(store), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+    )
     assert proc.stderr is not None
     lines: list[str] = []
     for line in proc.stderr:  # the pipe ends if the run dies: the loop cannot hang on it

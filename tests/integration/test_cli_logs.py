@@ -24,17 +24,26 @@ from projector.wire.config import Config
 REPO = Path(__file__).resolve().parents[2]
 EVENTS = [
     {"type": "WorkerAdded", "worker_id": 0},
-    {"type": "AddRequest", "request_id": "r1", "worker_id": 0, "block_hashes": [11, 12],
-     "prefill_tokens": 100},
-    {"type": "AddRequest", "request_id": "r1", "worker_id": 0, "block_hashes": [11, 12],
-     "prefill_tokens": 100},  # a duplicate: the writer's DEBUG line names it
-]  # fmt: skip
+    {
+        "type": "AddRequest",
+        "request_id": "r1",
+        "worker_id": 0,
+        "block_hashes": [11, 12],
+        "prefill_tokens": 100,
+    },
+    {
+        "type": "AddRequest",
+        "request_id": "r1",
+        "worker_id": 0,
+        "block_hashes": [11, 12],
+        "prefill_tokens": 100,
+    },  # a duplicate: the writer's DEBUG line names it
+]
 WAIT_S = 30.0
 
 
 def env_for(url: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["NATS_URL"] = url
     env.update(extra)
@@ -43,10 +52,16 @@ def env_for(url: str, **extra: str) -> dict[str, str]:
 
 async def seqstate(*args: str, url: str, stdin: bytes = b"", **env: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "projector", *args, env=env_for(url, **env), cwd=REPO,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "projector",
+        *args,
+        env=env_for(url, **env),
+        cwd=REPO,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    )
     out, err = await asyncio.wait_for(proc.communicate(stdin), 60)
     return proc.returncode or 0, out.decode(), err.decode()
 
@@ -65,10 +80,20 @@ async def writer_stderr(config: Config, url: str, *flags: str, until: str, **env
     """Run ``seqstate writer`` (at DEBUG) until its stderr has a line with ``until``, stop it
     with SIGTERM as an operator would, and return everything it wrote to stderr."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "projector", "writer", *name_flags(config), "--log-level", "debug",
-        *flags, env=env_for(url, **env), cwd=REPO, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "projector",
+        "writer",
+        *name_flags(config),
+        "--log-level",
+        "debug",
+        *flags,
+        env=env_for(url, **env),
+        cwd=REPO,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     assert proc.stderr is not None
     seen: list[str] = []
     try:
@@ -123,8 +148,9 @@ async def test_console_logs_piped_are_plain_single_lines(
 ) -> None:
     config = fresh_config("lgc")
     await logged_events(nc, config, nats_server.url)
-    stderr = await writer_stderr(config, nats_server.url, "--log-format", "console",
-                                 until="dead letter")  # fmt: skip
+    stderr = await writer_stderr(
+        config, nats_server.url, "--log-format", "console", until="dead letter"
+    )
     lines = stderr.splitlines()
     assert lines
     for line in lines:
@@ -147,8 +173,9 @@ async def test_the_final_error_is_a_json_record_under_json(nats_server: NatsServ
         assert record["level"] == "error" and record["logger"] == "seqstate"
         assert record["msg"].startswith("cannot reach NATS at nats://127.0.0.1:1")
     # The flag wins over the variable; console keeps the plain line.
-    code, _, err = await seqstate("status", "--log-format", "console", url=unreachable,
-                                  SEQSTATE_LOG_FORMAT="json")  # fmt: skip
+    code, _, err = await seqstate(
+        "status", "--log-format", "console", url=unreachable, SEQSTATE_LOG_FORMAT="json"
+    )
     assert code == 1 and err.startswith("seqstate: error: cannot reach NATS"), err
     assert len(err.splitlines()) == 1
 
@@ -159,10 +186,14 @@ async def test_the_final_error_is_a_json_record_under_json(nats_server: NatsServ
         (("--log-format", "xml"), {}, "'xml' is not a log format"),
         ((), {"SEQSTATE_LOG_FORMAT": "xml"}, "'xml' is not a log format"),
         (("--log-level", "loud"), {}, "'loud' is not a log level"),
-        ((), {"SEQSTATE_LOG_LEVEL": "loud"}, "'loud' is not a log level (one of debug, info, "
-         "warning, error; from --log-level or SEQSTATE_LOG_LEVEL)"),
+        (
+            (),
+            {"SEQSTATE_LOG_LEVEL": "loud"},
+            "'loud' is not a log level (one of debug, info, "
+            "warning, error; from --log-level or SEQSTATE_LOG_LEVEL)",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_a_bad_log_setting_is_one_usage_line(
     nats_server: NatsServer, args: tuple[str, ...], env: dict[str, str], said: str
 ) -> None:

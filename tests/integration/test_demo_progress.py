@@ -27,16 +27,36 @@ def trace_slice(tmp_path: Path) -> Path:
         with TRACE.open() as f:
             path.write_text("".join(next(f) for _ in range(LINES)))
     else:  # the same shape without the shared trace: a line every 250 ms of trace time
-        path.write_text("".join(
-            f'{{"timestamp": {i * 250}, "input_length": 600, "output_length": 20, '
-            f'"hash_ids": [{i}]}}\n' for i in range(LINES)))  # fmt: skip
+        path.write_text(
+            "".join(
+                f'{{"timestamp": {i * 250}, "input_length": 600, "output_length": 20, '
+                f'"hash_ids": [{i}]}}\n'
+                for i in range(LINES)
+            )
+        )
     return path
 
 
 def demo_args(tmp_path: Path) -> list[str]:
-    return [sys.executable, "-m", "projector", "run", "--demo", "--trace",
-            str(trace_slice(tmp_path)), "--speedup", "5", "--workers", "2", "--store-dir",
-            str(tmp_path / "store"), "--port", "0", "--log-level", "warning"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "projector",
+        "run",
+        "--demo",
+        "--trace",
+        str(trace_slice(tmp_path)),
+        "--speedup",
+        "5",
+        "--workers",
+        "2",
+        "--store-dir",
+        str(tmp_path / "store"),
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+    ]
 
 
 def env() -> dict[str, str]:
@@ -46,8 +66,9 @@ def env() -> dict[str, str]:
 
 
 def test_demo_piped_prints_position_trace_time_and_eta(tmp_path: Path) -> None:
-    result = subprocess.run(demo_args(tmp_path), capture_output=True, text=True, timeout=120,
-                            env=env(), cwd=REPO)  # fmt: skip
+    result = subprocess.run(
+        demo_args(tmp_path), capture_output=True, text=True, timeout=120, env=env(), cwd=REPO
+    )
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stdout.splitlines() if "progress=" in line]
@@ -64,8 +85,9 @@ def test_demo_in_a_terminal_shows_a_progress_bar_with_eta(tmp_path: Path) -> Non
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     e = {**env(), "TERM": "xterm-256color", "COLUMNS": "160"}
     e.pop("NO_COLOR", None)
-    proc = subprocess.Popen(demo_args(tmp_path), env=e, cwd=REPO, stdin=subprocess.DEVNULL,
-                            stdout=slave, stderr=slave)  # fmt: skip
+    proc = subprocess.Popen(
+        demo_args(tmp_path), env=e, cwd=REPO, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave
+    )
     os.close(slave)
     screen: list[bytes] = []
 
@@ -98,11 +120,16 @@ def test_demo_in_a_terminal_shows_a_progress_bar_with_eta(tmp_path: Path) -> Non
 
 def test_replay_progress_fields() -> None:
     p = ReplayProgress(speedup=10.0, total=200, span_s=600.0)
-    assert p.fields(50, 15.0) == {"progress": "50/200 (25%)", "trace time": "2:30/10:00",
-                                  "eta": "0:45"}  # fmt: skip
+    assert p.fields(50, 15.0) == {
+        "progress": "50/200 (25%)",
+        "trace time": "2:30/10:00",
+        "eta": "0:45",
+    }
     assert p.fields(200, 70.0)["eta"] == "draining"
     assert p.fields(199, 70.0)["trace time"] == "10:00/10:00"
     synthetic = ReplayProgress(speedup=1.0, duration_s=30.0)
     assert synthetic.fields(10, 12.0) == {"trace time": "0:12", "eta": "0:18"}
-    assert ReplayProgress(speedup=1.0).fields(3, 4000.0) == {"trace time": "1:06:40",
-                                                              "eta": "until stopped"}  # fmt: skip
+    assert ReplayProgress(speedup=1.0).fields(3, 4000.0) == {
+        "trace time": "1:06:40",
+        "eta": "until stopped",
+    }

@@ -69,14 +69,22 @@ async def test_a_running_consumer_is_a_nats_service_with_its_position(
         info = (await answers(nc, f"$SRV.INFO.{name}", config, lambda a: True))[0]
         assert info["type"] == "io.nats.micro.v1.info_response"
         assert info["name"] == name and info["version"]
-        assert info["metadata"] == {"namespace": config.namespace,
-                                    "events_stream": config.events_stream,
-                                    "deltas_stream": config.deltas_stream,
-                                    "registry_bucket": config.registry_bucket}  # fmt: skip
+        assert info["metadata"] == {
+            "namespace": config.namespace,
+            "events_stream": config.events_stream,
+            "deltas_stream": config.deltas_stream,
+            "registry_bucket": config.registry_bucket,
+        }
         assert [e["subject"] for e in info["endpoints"]] == [status_subject(config, kind)]
 
-        stats = (await answers(nc, f"$SRV.STATS.{name}", config,
-                               lambda a: a["endpoints"][0]["data"]["applied_seq"] == last))[-1]
+        stats = (
+            await answers(
+                nc,
+                f"$SRV.STATS.{name}",
+                config,
+                lambda a: a["endpoints"][0]["data"]["applied_seq"] == last,
+            )
+        )[-1]
         data = stats["endpoints"][0]["data"]
         assert (data["kind"], data["applied_seq"]) == (kind, last)
         if kind == "writer":

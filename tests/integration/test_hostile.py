@@ -17,13 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log, read_stream
 
-from projector.nats.dead_letters import REASON
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
-from projector.nats.stream import SOURCE_SEQ
 from projector.read.bucket import read_bucket
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
+from projector.wire.headers import REASON, SOURCE_SEQ
 from seqstate import (
     SCHEMA_VERSION,
     AddRequest,
@@ -96,8 +95,11 @@ def _decodes(data: bytes) -> bool:
     return True
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.data_too_large,
-                                                                 HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.data_too_large, HealthCheck.too_slow],
+)
 @given(steps=STEPS)
 def test_hostile_payloads_are_dead_lettered_and_the_good_ones_applied(
     nats_server: NatsServer, steps: list[tuple[bool, bytes, bytes]]
@@ -151,32 +153,41 @@ async def test_ids_at_their_limits_and_of_any_alphabet_are_applied_or_dead_lette
         overhead = len(encode_event(AddRequest(request_id="x" * 70_000, worker_id=1))) - 70_000
         longest = "x" * (max_event - overhead)
         ids = ["*", ">", "a.b", "a.*.>", "\x00\r\n\t", " ", "é路由🙂", "x" * 100_000, longest]
-        good: list[Event] = [AddRequest(request_id=rid, worker_id=1, block_hashes=[i])
-                             for i, rid in enumerate(ids[:-1])]  # fmt: skip
+        good: list[Event] = [
+            AddRequest(request_id=rid, worker_id=1, block_hashes=[i])
+            for i, rid in enumerate(ids[:-1])
+        ]
         good.append(AddRequest(request_id=longest, worker_id=1))
         assert len(encode_event(good[-1])) == max_event
         over = encode_event(AddRequest(request_id=longest + "x", worker_id=1))
         router, odd_router = "r" * 256, "a.*.>\n\x00é"
         bad = {  # payload -> the reason it is dead-lettered with
-            _raw([SCHEMA_VERSION, {"type": "AddRequest", "request_id": "", "worker_id": 1}]):
-                "invalid event: Expected `str` of length >= 1 - at `$.request_id`",
+            _raw(
+                [SCHEMA_VERSION, {"type": "AddRequest", "request_id": "", "worker_id": 1}]
+            ): "invalid event: Expected `str` of length >= 1 - at `$.request_id`",
             encode_event(AddRequest(request_id="\x01\x02", worker_id=1)).replace(
-                b"\xa2\x01\x02", b"\xa2\xff\xfe"):
-                "malformed event bytes: Invalid UTF-8 encoded string",
+                b"\xa2\x01\x02", b"\xa2\xff\xfe"
+            ): "malformed event bytes: Invalid UTF-8 encoded string",
             over: f"refused: an event of {max_event + 1} bytes; its delta would not fit a "
-                  f"message (at most {max_event} bytes of event)",
-            _raw([SCHEMA_VERSION, {"type": "RouterHeartbeat", "router_id": ""}]):
-                "invalid event: Expected `str` of length >= 1 - at `$.router_id`",
-            _raw([SCHEMA_VERSION, {"type": "RouterHeartbeat", "router_id": "r" * 257}]):
-                "invalid event: Expected `str` of length <= 256 - at `$.router_id`",
-            _raw([SCHEMA_VERSION, {"type": "RouterGoodbye", "router_id": "r" * 257}]):
-                "invalid event: Expected `str` of length <= 256 - at `$.router_id`",
-        }  # fmt: skip
+            f"message (at most {max_event} bytes of event)",
+            _raw(
+                [SCHEMA_VERSION, {"type": "RouterHeartbeat", "router_id": ""}]
+            ): "invalid event: Expected `str` of length >= 1 - at `$.router_id`",
+            _raw(
+                [SCHEMA_VERSION, {"type": "RouterHeartbeat", "router_id": "r" * 257}]
+            ): "invalid event: Expected `str` of length <= 256 - at `$.router_id`",
+            _raw(
+                [SCHEMA_VERSION, {"type": "RouterGoodbye", "router_id": "r" * 257}]
+            ): "invalid event: Expected `str` of length <= 256 - at `$.router_id`",
+        }
         good += [Free(request_id=rid, worker_id=1) for rid in ids[:3]]
-        good += [RouterHeartbeat(router_id=router),
-                 AddRequest(request_id="owned", worker_id=2, router_id=router),
-                 RouterGoodbye(router_id=router), RouterHeartbeat(router_id=odd_router),
-                 AddRequest(request_id="last", worker_id=2)]  # fmt: skip
+        good += [
+            RouterHeartbeat(router_id=router),
+            AddRequest(request_id="owned", worker_id=2, router_id=router),
+            RouterGoodbye(router_id=router),
+            RouterHeartbeat(router_id=odd_router),
+            AddRequest(request_id="last", worker_id=2),
+        ]
         payloads = [encode_event(event) for event in good]
         for n, data in enumerate(bad):  # a bad payload after every other good one
             payloads.insert(2 * n + 1, data)
@@ -186,7 +197,8 @@ async def test_ids_at_their_limits_and_of_any_alphabet_are_applied_or_dead_lette
         assert pipeline.writer.stats.dead_letters == len(bad)
     letters = await read_stream(nc, dead_letter_stream(config), config.dead_letter_subject)
     assert [(int(headers[SOURCE_SEQ]), headers[REASON]) for _, headers, _ in letters] == [
-        (seqs[2 * n + 1], reason) for n, reason in enumerate(bad.values())]  # fmt: skip
+        (seqs[2 * n + 1], reason) for n, reason in enumerate(bad.values())
+    ]
     reference = config.new_state()
     for _, at_ns, data in await read_log(nc, config):
         if data not in bad:
@@ -195,6 +207,9 @@ async def test_ids_at_their_limits_and_of_any_alphabet_are_applied_or_dead_lette
     assert list(state.requests.owner) == [*ids[3:], "last"]
     assert list(state.routers) == [odd_router]
     bucket = await read_bucket(nc, config)
-    held = [value.request_id for rank in sorted(bucket.slots)
-            for _, value in sorted(bucket.requests(rank).items())]  # fmt: skip
+    held = [
+        value.request_id
+        for rank in sorted(bucket.slots)
+        for _, value in sorted(bucket.requests(rank).items())
+    ]
     assert held == [*ids[3:], "last"] and not bucket.unreadable

@@ -30,8 +30,9 @@ async def lifecycle(nc: Client, config: Config, pipeline: Pipeline) -> dict[str,
     pub = RouterPublisher(nc, namespace=config.namespace, router_id="rtr-a", config=config)
     seq = {}
     seq["w3"] = await pub.publish(WorkerAdded(worker_id=3, dp_size=2))
-    seq["active"] = await pub.add("r-active", 3, 1, block_hashes=[1, 2, 3], prefill_tokens=40,
-                                  expected_prefill_ms=60_000)  # fmt: skip
+    seq["active"] = await pub.add(
+        "r-active", 3, 1, block_hashes=[1, 2, 3], prefill_tokens=40, expected_prefill_ms=60_000
+    )
     seq["done.add"] = await pub.add("r-done", 3, 0, block_hashes=[7, 8], prefill_tokens=10)
     seq["done.mark"] = await pub.mark_prefill_completed("r-done", 3, 0)
     seq["done.free"] = await pub.free("r-done", 3, 0)
@@ -69,13 +70,20 @@ async def test_inspect_request_tells_each_requests_story(
         assert (r["worker_id"], r["dp_rank"], r["slot"]) == (3, 1, 0)
         assert events_of(r) == [(seq["active"], "AddRequest", "applied")]
         # Found on its rank's subject from its booking on, not by reading the log.
-        assert r["searched"] == {"subject": config.event_subject(3, 1),
-                                 "from_seq": seq["active"], "to_seq": last,
-                                 "whole_log": False}  # fmt: skip
+        assert r["searched"] == {
+            "subject": config.event_subject(3, 1),
+            "from_seq": seq["active"],
+            "to_seq": last,
+            "whole_log": False,
+        }
 
         r = await inspect_json(config, url, "request", "r-marked")
         assert (r["state"], r["detail"], r["worker_id"], r["dp_rank"]) == (
-            "active", "prefill done", 3, 0)  # fmt: skip
+            "active",
+            "prefill done",
+            3,
+            0,
+        )
         assert events_of(r) == [
             (seq["marked.add"], "AddRequest", "applied"),
             (seq["marked.mark"], "MarkPrefillCompleted", "applied"),
@@ -85,9 +93,11 @@ async def test_inspect_request_tells_each_requests_story(
         assert r["state"] == "ended" and r["slot"] is None
         assert r["detail"].startswith(f"freed by event {seq['done.free']} at ")
         assert (r["router"], r["worker_id"], r["dp_rank"]) == ("rtr-a", 3, 0)
-        assert events_of(r) == [(seq["done.add"], "AddRequest", "applied"),
-                                (seq["done.mark"], "MarkPrefillCompleted", "applied"),
-                                (seq["done.free"], "Free", "applied")]  # fmt: skip
+        assert events_of(r) == [
+            (seq["done.add"], "AddRequest", "applied"),
+            (seq["done.mark"], "MarkPrefillCompleted", "applied"),
+            (seq["done.free"], "Free", "applied"),
+        ]
         assert r["searched"]["subject"] == config.events_subjects and r["searched"]["whole_log"]
         times = [e["log_time_ns"] for e in r["events"]]
         assert times == sorted(times) and all(t > 0 for t in times)
@@ -98,8 +108,9 @@ async def test_inspect_request_tells_each_requests_story(
 
         r = await inspect_json(config, url, "request", "r-gone")
         assert r["state"] == "ended"
-        assert r["detail"] == (f"dropped with its rank at event {seq['w4.removed']} "
-                               "(worker removed)")  # fmt: skip
+        assert r["detail"] == (
+            f"dropped with its rank at event {seq['w4.removed']} (worker removed)"
+        )
         assert events_of(r) == [(seq["gone.add"], "AddRequest", "applied")]
 
         r = await inspect_json(config, url, "request", "r-never")
@@ -109,10 +120,13 @@ async def test_inspect_request_tells_each_requests_story(
         r = await inspect_json(config, url, "request", "r-done", "--window", "3")
         assert r["state"] == "unknown" and r["searched"]["from_seq"] == last - 2
         assert not r["searched"]["whole_log"]
-        r = await inspect_json(config, url, "request", "r-done", "--since-seq",
-                               str(seq["done.mark"]))  # fmt: skip
-        assert events_of(r) == [(seq["done.mark"], "MarkPrefillCompleted", "applied"),
-                                (seq["done.free"], "Free", "applied")]  # fmt: skip
+        r = await inspect_json(
+            config, url, "request", "r-done", "--since-seq", str(seq["done.mark"])
+        )
+        assert events_of(r) == [
+            (seq["done.mark"], "MarkPrefillCompleted", "applied"),
+            (seq["done.free"], "Free", "applied"),
+        ]
 
         # The table an operator reads.
         out = await run_cli(config, url, "inspect", "request", "r-done")
@@ -121,8 +135,10 @@ async def test_inspect_request_tells_each_requests_story(
         assert "state:  ended: freed by event" in text and "router: rtr-a" in text
         assert "worker 3, rank 0" in text
         for s, kind in ((seq["done.add"], "AddRequest"), (seq["done.free"], "Free")):
-            assert any(line.split()[:1] == [str(s)] and kind in line and "applied" in line
-                       for line in text.splitlines()), text  # fmt: skip
+            assert any(
+                line.split()[:1] == [str(s)] and kind in line and "applied" in line
+                for line in text.splitlines()
+            ), text
 
 
 async def test_inspect_worker_lists_ranks_requests_and_prefill(
@@ -136,18 +152,25 @@ async def test_inspect_worker_lists_ranks_requests_and_prefill(
         assert w["worker_id"] == 3 and w["applied_seq"] == seq["w4.removed"]
         rank0, rank1 = w["ranks"]
         assert (rank0["dp_rank"], rank0["active_requests"], rank0["active_blocks"]) == (0, 1, 1)
-        assert rank0["requests"] == [{"slot": 0, "request_id": "r-marked",
-                                      "booked_seq": seq["marked.add"]}]  # fmt: skip
+        assert rank0["requests"] == [
+            {"slot": 0, "request_id": "r-marked", "booked_seq": seq["marked.add"]}
+        ]
         assert rank0["prefill"]["full_tokens"] == 0
         assert rank0["prefill"]["modeled_remaining_ms"] == 0
         assert (rank1["dp_rank"], rank1["active_requests"], rank1["active_blocks"]) == (1, 1, 3)
-        assert rank1["requests"] == [{"slot": 0, "request_id": "r-active",
-                                      "booked_seq": seq["active"]}]  # fmt: skip
+        assert rank1["requests"] == [
+            {"slot": 0, "request_id": "r-active", "booked_seq": seq["active"]}
+        ]
         p = rank1["prefill"]
         assert p["full_tokens"] == 40 and p["anchored_since_ns"] is not None
         # The modeled remaining time is the core's, at the log time the report names.
-        snap = PrefillSnapshot(p["full_tokens"], p["anchor_tokens"], p["anchor_duration_ns"],
-                               p["anchored_since_ns"], p["modeled_ms"])  # fmt: skip
+        snap = PrefillSnapshot(
+            p["full_tokens"],
+            p["anchor_tokens"],
+            p["anchor_duration_ns"],
+            p["anchored_since_ns"],
+            p["modeled_ms"],
+        )
         assert p["modeled_remaining_ms"] == snap.modeled_remaining_ms(w["log_time_ns"])
         assert 0 < p["modeled_remaining_ms"] <= 60_000
         assert p["active_tokens"] == snap.active_tokens(w["log_time_ns"])
@@ -158,9 +181,11 @@ async def test_inspect_worker_lists_ranks_requests_and_prefill(
         assert "r-active  (booked at event" in out.stdout
         assert "prefill queue: 40 tokens queued" in out.stdout
 
-        for args, said in ((("worker", "4"), "worker 4 is not in the registry"),
-                           (("worker", "x"), "not a worker id"),
-                           (("request", "r", "--window", "0"), "--window 0")):  # fmt: skip
+        for args, said in (
+            (("worker", "4"), "worker 4 is not in the registry"),
+            (("worker", "x"), "not a worker id"),
+            (("request", "r", "--window", "0"), "--window 0"),
+        ):
             out = await run_cli(config, url, "inspect", *args)
             lines = plain_lines(out.stderr)
             assert out.returncode == 1 and len(lines) == 1, out.stderr
@@ -175,16 +200,24 @@ async def test_top_once_prints_a_row_per_worker(nc: Client, nats_server: NatsSer
         out = await run_cli(config, url, "top", "--once", "--interval", "0.2")
         assert out.returncode == 0, out.stderr
         lines = out.stdout.strip().splitlines()
-        assert lines[0].split() == ["worker", "ranks", "requests", "active_blocks",
-                                    "prefill_tokens", "remaining_prefill_ms", "adds_per_s",
-                                    "frees_per_s"]  # fmt: skip
+        assert lines[0].split() == [
+            "worker",
+            "ranks",
+            "requests",
+            "active_blocks",
+            "prefill_tokens",
+            "remaining_prefill_ms",
+            "adds_per_s",
+            "frees_per_s",
+        ]
         assert lines[1].split()[:5] == ["3", "2", "2", "4", "40"]
         assert lines[1].split()[6:] == ["0.0", "0.0"]  # nothing moved during the interval
         assert lines[2].startswith("as of event ")
         out = await run_cli(config, url, "top", "--once", "--json", "--interval", "0.2")
         rows = [json.loads(line) for line in out.stdout.splitlines()]
-        assert [(r["worker_id"], r["ranks"], r["active_requests"], r["active_blocks"])
-                for r in rows] == [(3, 2, 2, 4)]  # fmt: skip
+        assert [
+            (r["worker_id"], r["ranks"], r["active_requests"], r["active_blocks"]) for r in rows
+        ] == [(3, 2, 2, 4)]
 
 
 async def test_top_counts_adds_and_frees(nc: Client, nats_server: NatsServer) -> None:
@@ -218,9 +251,17 @@ async def spawn(config: Config, url: str, *args: str) -> asyncio.subprocess.Proc
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
     env["NATS_URL"] = url
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "projector", *args, *name_flags(config), env=env, cwd=REPO,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "projector",
+        *args,
+        *name_flags(config),
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 async def test_watch_json_piped_prints_each_change_as_it_happens(
@@ -240,12 +281,18 @@ async def test_watch_json_piped_prints_each_change_as_it_happens(
         try:
             first = [await line(), await line()]  # the current state: one line per rank
             assert [(r["worker_id"], r["dp_rank"], r["active_requests"]) for r in first] == [
-                (2, 0, 0), (2, 1, 0)]  # fmt: skip
+                (2, 0, 0),
+                (2, 1, 0),
+            ]
             # Each change arrives while the process runs, before the next is published.
             s = await pub.add("q", 2, 1, block_hashes=[1, 2], prefill_tokens=8)
             got = await line()
-            assert (got["worker_id"], got["dp_rank"], got["active_requests"],
-                    got["active_blocks"]) == (2, 1, 1, 2)  # fmt: skip
+            assert (
+                got["worker_id"],
+                got["dp_rank"],
+                got["active_requests"],
+                got["active_blocks"],
+            ) == (2, 1, 1, 2)
             assert got["applied_seq"] >= s
             await pub.free("q", 2, 1)
             got = await line()
@@ -269,10 +316,13 @@ class Terminal:
         env.update(NATS_URL=url, TERM="xterm-256color", COLUMNS="160")
         env.pop("NO_COLOR", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "projector", *args, *name_flags(config)], env=env, cwd=REPO,
-            stdin=subprocess.DEVNULL, stdout=slave if stdout_too else subprocess.PIPE,
+            [sys.executable, "-m", "projector", *args, *name_flags(config)],
+            env=env,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=slave if stdout_too else subprocess.PIPE,
             stderr=slave,
-        )  # fmt: skip
+        )
         os.close(slave)
         self.master = master
         self.chunks: list[bytes] = []
@@ -330,8 +380,7 @@ async def test_inspect_request_in_a_terminal_with_its_progress_bar(
     config = fresh_config("q")
     async with Pipeline(nc, config) as pipeline:
         seq = await lifecycle(nc, config, pipeline)
-        term = Terminal(config, nats_server.url, "inspect", "request", "r-done",
-                        stdout_too=False)  # fmt: skip
+        term = Terminal(config, nats_server.url, "inspect", "request", "r-done", stdout_too=False)
         out = await asyncio.to_thread(term.proc.stdout.read)  # type: ignore[union-attr]
         assert await term.finish() == 0, term.screen
         assert "Traceback" not in term.screen

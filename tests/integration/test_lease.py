@@ -54,8 +54,9 @@ async def publish_some(nc: Client, config: Config, tag: str, n: int = 6) -> int:
     pub = RouterPublisher(nc, namespace=config.namespace, router_id=f"lease-{tag}", config=config)
     last = await pub.publish(WorkerAdded(worker_id=0, dp_size=2))
     for i in range(n):
-        last = await pub.add(f"{tag}{i}", 0, i % 2, block_hashes=[1, 2, 10 + i],
-                             prefill_tokens=40 + i)  # fmt: skip
+        last = await pub.add(
+            f"{tag}{i}", 0, i % 2, block_hashes=[1, 2, 10 + i], prefill_tokens=40 + i
+        )
         if i % 3 == 2:
             last = await pub.free(f"{tag}{i}", 0, i % 2)
     return last
@@ -101,8 +102,11 @@ async def lease_value(nc: Client, config: Config) -> Holder | None:
 
 def stranger(pid: int = 1, ttl_s: float = 0.5, pid_space: str = "") -> bytes:
     """A holder's value as another machine's projector would write it."""
-    return msgspec.json.encode(Holder("projector", "stranger", "elsewhere", pid,
-                                      "2000-01-01T00:00:00+00:00", ttl_s, pid_space))  # fmt: skip
+    return msgspec.json.encode(
+        Holder(
+            "projector", "stranger", "elsewhere", pid, "2000-01-01T00:00:00+00:00", ttl_s, pid_space
+        )
+    )
 
 
 # ---- rebuild ------------------------------------------------------------------------------------
@@ -174,8 +178,9 @@ async def test_a_holder_on_this_machine_whose_process_is_gone_is_taken_over_at_o
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     kv = await registry(nc, config)
-    await kv.create(lease_key(config.namespace),
-                    stranger(gone.pid, ttl_s=3600.0, pid_space=PID_SPACE))  # fmt: skip
+    await kv.create(
+        lease_key(config.namespace), stranger(gone.pid, ttl_s=3600.0, pid_space=PID_SPACE)
+    )
     await asyncio.wait_for(rebuild(nc, config), WAIT_S)  # an hour's TTL: not waited out
     assert "its process is gone" in caplog.text
 
@@ -254,8 +259,11 @@ async def test_a_projector_whose_lease_is_taken_stops_and_its_run_raises(nc: Cli
         await asyncio.wait_for(projector.caught_up.wait(), WAIT_S)
         kv = await registry(nc, config)
         await kv.put(lease_key(config.namespace), stranger())  # another holder took it
-        with pytest.raises(LeaseLost, match=r"taken over: a projector of .* \(pid 1 on host "
-                                            r"elsewhere\)"):  # fmt: skip
+        with pytest.raises(
+            LeaseLost,
+            match=r"taken over: a projector of .* \(pid 1 on host "
+            r"elsewhere\)",
+        ):
             await asyncio.wait_for(task, WAIT_S)
     finally:
         projector.stop()

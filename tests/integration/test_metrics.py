@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
-from projector.ops.metrics import view_collector
 from projector.read.reader import RegistryView
+from projector.read.view_metrics import view_collector
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from seqstate import (
@@ -70,8 +70,11 @@ async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, str,
 
 def parse(text: str) -> Samples:
     """Every sample by (name, labels)."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def pick(samples: Samples, name: str, **labels: str) -> float | None:
@@ -117,8 +120,15 @@ async def command(url: str, log: Path, *args: str) -> AsyncIterator[asyncio.subp
     """``seqstate ARGS`` in the background; SIGTERM at the end, which must stop it cleanly."""
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "projector", *args, env=cli_env(url), cwd=REPO,
-            stdout=subprocess.DEVNULL, stderr=out)  # fmt: skip
+            sys.executable,
+            "-m",
+            "projector",
+            *args,
+            env=cli_env(url),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
         try:
             yield proc
         finally:
@@ -150,9 +160,15 @@ def folded_loads(log: list[tuple[int, int, bytes]], config: Config) -> dict[tupl
         except EventDecodeError:
             continue
         state.apply(event, at_ns)
-    return {(r.worker_id, r.dp_rank): (r.active_blocks, r.active_prefill_tokens,
-                                       r.active_requests, r.modeled_remaining_prefill_ms)
-            for r in state.registry.loads(state.now_ns)}  # fmt: skip
+    return {
+        (r.worker_id, r.dp_rank): (
+            r.active_blocks,
+            r.active_prefill_tokens,
+            r.active_requests,
+            r.modeled_remaining_prefill_ms,
+        )
+        for r in state.registry.loads(state.now_ns)
+    }
 
 
 def gauges(samples: Samples, namespace: str) -> dict[tuple[int, int], tuple]:
@@ -163,10 +179,12 @@ def gauges(samples: Samples, namespace: str) -> dict[tuple[int, int], tuple]:
         key = (int(d["worker"]), int(d["dp_rank"]))
         at = {"namespace": namespace, "worker": d["worker"], "dp_rank": d["dp_rank"]}
         remaining = pick(samples, "seqstate_worker_remaining_prefill_ms", **at)
-        out[key] = (pick(samples, "seqstate_worker_active_blocks", **at),
-                    pick(samples, "seqstate_worker_active_prefill_tokens", **at),
-                    pick(samples, "seqstate_worker_active_requests", **at),
-                    None if remaining is None else int(remaining))  # fmt: skip
+        out[key] = (
+            pick(samples, "seqstate_worker_active_blocks", **at),
+            pick(samples, "seqstate_worker_active_prefill_tokens", **at),
+            pick(samples, "seqstate_worker_active_requests", **at),
+            None if remaining is None else int(remaining),
+        )
     return out
 
 
@@ -197,34 +215,65 @@ async def test_writer_and_projector_commands_export_exact_metrics(
     w_port, p_port = free_port(), free_port()
     quiet = ["--idle-tick-s", "3600", "--tick-every-s", "3600"]  # no Tick adds to the counts
     async with (
-        command(nats_server.url, tmp_path / "writer.log", "writer", *name_flags(config), *quiet,
-                "--lag-check-s", "0.2", "--metrics-host", "127.0.0.1",
-                "--metrics-port", str(w_port)),
-        command(nats_server.url, tmp_path / "projector.log", "projector", *name_flags(config),
-                "--lag-check-s", "0.2", "--metrics-port", str(p_port)),
-    ):  # fmt: skip
+        command(
+            nats_server.url,
+            tmp_path / "writer.log",
+            "writer",
+            *name_flags(config),
+            *quiet,
+            "--lag-check-s",
+            "0.2",
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(w_port),
+        ),
+        command(
+            nats_server.url,
+            tmp_path / "projector.log",
+            "projector",
+            *name_flags(config),
+            "--lag-check-s",
+            "0.2",
+            "--metrics-port",
+            str(p_port),
+        ),
+    ):
         ns = config.namespace
         caught_up = {"namespace": ns, "role": "writer"}
         # Worker 9 holds c1 (one block): its series are there before it is removed...
         for port, role in ((w_port, "writer"), (p_port, "projector")):
             at = {"namespace": ns, "role": role}
             seen = await scrape_until(
-                port, lambda s, at=at: pick(s, "seqstate_applied_seq", **at) == before_removal,
-                f"the {role} before the removal")  # fmt: skip
+                port,
+                lambda s, at=at: pick(s, "seqstate_applied_seq", **at) == before_removal,
+                f"the {role} before the removal",
+            )
             nine = {"namespace": ns, "worker": "9", "dp_rank": "0"}
             assert pick(seen, "seqstate_worker_active_blocks", **nine) == 1
             assert pick(seen, "seqstate_worker_active_requests", **nine) == 1
         # ... and gone after it.
         last = await publish(nc, config, SCRIPT[-1:])
-        w = await scrape_until(w_port, lambda s: pick(s, "seqstate_applied_seq", **caught_up)
-                               == last and pick(s, "seqstate_lag_events", **caught_up) == 0,
-                               "the writer at the last event")  # fmt: skip
+        w = await scrape_until(
+            w_port,
+            lambda s: (
+                pick(s, "seqstate_applied_seq", **caught_up) == last
+                and pick(s, "seqstate_lag_events", **caught_up) == 0
+            ),
+            "the writer at the last event",
+        )
         at_p = {"namespace": ns, "role": "projector"}
-        p = await scrape_until(p_port, lambda s: pick(s, "seqstate_applied_seq", **at_p) == last
-                               and pick(s, "seqstate_lag_events", **at_p) == 0,
-                               "the projector at the last event")  # fmt: skip
-        assert last == await last_seq_of(nc.jetstream(), config.events_stream,
-                                         config.events_subjects)  # fmt: skip
+        p = await scrape_until(
+            p_port,
+            lambda s: (
+                pick(s, "seqstate_applied_seq", **at_p) == last
+                and pick(s, "seqstate_lag_events", **at_p) == 0
+            ),
+            "the projector at the last event",
+        )
+        assert last == await last_seq_of(
+            nc.jetstream(), config.events_stream, config.events_subjects
+        )
 
         # Per-worker gauges: worker 7 holds a1 (prefill done) and a2 (prefilling), blocks
         # 1-5 once each; worker 8's ranks are empty; worker 9 is gone, and so are its series.
@@ -244,8 +293,12 @@ async def test_writer_and_projector_commands_export_exact_metrics(
         assert pick(w, "seqstate_events_total", namespace=ns, outcome="duplicate") == 1
         assert pick(w, "seqstate_events_total", namespace=ns, outcome="unknown_request") == 0
         assert len(events) >= 8  # every outcome, zero or not
-        assert pick(w, "seqstate_dead_letters_total", namespace=ns, role="writer",
-                    reason="undecodable") == 1  # fmt: skip
+        assert (
+            pick(
+                w, "seqstate_dead_letters_total", namespace=ns, role="writer", reason="undecodable"
+            )
+            == 1
+        )
         assert sum(series(w, "seqstate_dead_letters_total", namespace=ns).values()) == 1
         assert (pick(w, "seqstate_deltas_total", namespace=ns) or 0) >= 1
         assert (pick(w, "seqstate_flush_seconds_count", namespace=ns, role="writer") or 0) >= 1
@@ -254,8 +307,7 @@ async def test_writer_and_projector_commands_export_exact_metrics(
 
         # The projector: its position, its writes, its flushes; no dead letter of its own.
         assert (pick(p, "seqstate_kv_writes_total", namespace=ns) or 0) >= 4
-        assert (pick(p, "seqstate_flush_seconds_count", namespace=ns, role="projector")
-                or 0) >= 1  # fmt: skip
+        assert (pick(p, "seqstate_flush_seconds_count", namespace=ns, role="projector") or 0) >= 1
         assert sum(series(p, "seqstate_dead_letters_total", namespace=ns).values()) == 0
         assert not series(p, "seqstate_events_total")
 
@@ -277,8 +329,16 @@ async def test_readyz_is_503_while_the_writer_replays_a_backlog_then_200(
     config = fresh_config("rz")
     last = await fill(nc, config, 30_000)
     port = free_port()
-    async with command(nats_server.url, tmp_path / "writer.log", "writer", *name_flags(config),
-                       "--ready-lag-events", "10", "--metrics-port", str(port)):  # fmt: skip
+    async with command(
+        nats_server.url,
+        tmp_path / "writer.log",
+        "writer",
+        *name_flags(config),
+        "--ready-lag-events",
+        "10",
+        "--metrics-port",
+        str(port),
+    ):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WAIT_S
         answers: list[tuple[int, str]] = []
@@ -301,10 +361,19 @@ async def test_readyz_is_503_while_the_writer_replays_a_backlog_then_200(
         assert behind and max(behind) > 10, answers[:5]
         assert all(s == 503 for s, _ in answers[:-1])
         samples = await scrape(port)
-        assert pick(samples, "seqstate_applied_seq", namespace=config.namespace,
-                    role="writer") == last  # fmt: skip
-        assert pick(samples, "seqstate_dead_letters_total", namespace=config.namespace,
-                    role="writer", reason="undecodable") == 1  # fmt: skip
+        assert (
+            pick(samples, "seqstate_applied_seq", namespace=config.namespace, role="writer") == last
+        )
+        assert (
+            pick(
+                samples,
+                "seqstate_dead_letters_total",
+                namespace=config.namespace,
+                role="writer",
+                reason="undecodable",
+            )
+            == 1
+        )
 
         assert (await http_get(port, "/healthz"))[:1] == (200,)
         assert (await http_get(port, "/nope"))[0] == 404
@@ -331,8 +400,11 @@ async def test_a_scheduler_exports_a_views_per_worker_gauges_from_its_own_regist
     expected = folded_loads(await read_log(nc, config), config)
     assert gauges(samples, config.namespace) == expected
     assert {name for name, _ in samples} == {
-        "seqstate_worker_active_blocks", "seqstate_worker_active_prefill_tokens",
-        "seqstate_worker_active_requests", "seqstate_worker_remaining_prefill_ms"}  # fmt: skip
+        "seqstate_worker_active_blocks",
+        "seqstate_worker_active_prefill_tokens",
+        "seqstate_worker_active_requests",
+        "seqstate_worker_remaining_prefill_ms",
+    }
 
 
 async def test_run_exports_each_workers_series_once_from_the_writer(
@@ -342,26 +414,48 @@ async def test_run_exports_each_workers_series_once_from_the_writer(
     await ensure(nc, config)
     last = await publish(nc, config, SCRIPT)
     port = free_port()
-    async with command(nats_server.url, tmp_path / "run.log", "run", *name_flags(config),
-                       "--idle-tick-s", "3600", "--tick-every-s", "3600", "--lag-check-s", "0.2",
-                       "--metrics-port", str(port)):  # fmt: skip
+    async with command(
+        nats_server.url,
+        tmp_path / "run.log",
+        "run",
+        *name_flags(config),
+        "--idle-tick-s",
+        "3600",
+        "--tick-every-s",
+        "3600",
+        "--lag-check-s",
+        "0.2",
+        "--metrics-port",
+        str(port),
+    ):
         ns = config.namespace
-        both = await scrape_until(port, lambda s: all(
-            pick(s, "seqstate_applied_seq", namespace=ns, role=role) == last
-            and pick(s, "seqstate_lag_events", namespace=ns, role=role) == 0
-            for role in ("writer", "projector")), "both consumers at the last event")
+        both = await scrape_until(
+            port,
+            lambda s: all(
+                pick(s, "seqstate_applied_seq", namespace=ns, role=role) == last
+                and pick(s, "seqstate_lag_events", namespace=ns, role=role) == 0
+                for role in ("writer", "projector")
+            ),
+            "both consumers at the last event",
+        )
         _, _, text = await http_get(port, "/metrics")
         status, _, body = await http_get(port, "/readyz")
     assert (status, body) == (200, "ready\n")
     assert gauges(both, ns) == folded_loads(await read_log(nc, config), config)
     # Once each: three ranks, one sample per gauge and rank (not again from the projector).
-    samples = [s for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "seqstate_worker_active_requests"]  # fmt: skip
+    samples = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "seqstate_worker_active_requests"
+    ]
     assert len(samples) == 3
     assert pick(both, "seqstate_events_total", namespace=ns, outcome="applied") == APPLIED
     assert (pick(both, "seqstate_kv_writes_total", namespace=ns) or 0) >= 4
-    assert pick(both, "seqstate_dead_letters_total", namespace=ns, role="writer",
-                reason="undecodable") == 1  # fmt: skip
+    assert (
+        pick(both, "seqstate_dead_letters_total", namespace=ns, role="writer", reason="undecodable")
+        == 1
+    )
 
 
 async def test_serve_http_exports_its_trackers_workers(nats_server: NatsServer) -> None:
@@ -371,16 +465,39 @@ async def test_serve_http_exports_its_trackers_workers(nats_server: NatsServer) 
     port = free_port()
     m = {"model_name": "metrics-model"}
     async with serve_http(nats_server.url, config, "--metrics-port", str(port)) as http:
-        answers = await exchange(http, [
-            ("POST", "/register", {**m, "worker_id": 3, "block_size": 16, "dp_start": 0,
-                                   "dp_size": 2}),
-            ("POST", "/add", {**m, "request_id": "a", "worker_id": 3, "dp_rank": 1,
-                              "sequence_hashes": [11, -12, 13], "new_isl_tokens": 200}),
-        ])  # fmt: skip
+        answers = await exchange(
+            http,
+            [
+                (
+                    "POST",
+                    "/register",
+                    {**m, "worker_id": 3, "block_size": 16, "dp_start": 0, "dp_size": 2},
+                ),
+                (
+                    "POST",
+                    "/add",
+                    {
+                        **m,
+                        "request_id": "a",
+                        "worker_id": 3,
+                        "dp_rank": 1,
+                        "sequence_hashes": [11, -12, 13],
+                        "new_isl_tokens": 200,
+                    },
+                ),
+            ],
+        )
         assert [status for status, _ in answers] == [201, 201]
-        samples = await scrape_until(port, lambda s: any(
-            v == 1 for v in series(s, "seqstate_worker_active_requests", worker="3",
-                                   dp_rank="1").values()), "the tracker's worker")
+        samples = await scrape_until(
+            port,
+            lambda s: any(
+                v == 1
+                for v in series(
+                    s, "seqstate_worker_active_requests", worker="3", dp_rank="1"
+                ).values()
+            ),
+            "the tracker's worker",
+        )
         blocks = series(samples, "seqstate_worker_active_blocks", worker="3")
         assert sorted(blocks.values()) == [0, 3]
         assert (await http_get(port, "/readyz"))[0] == 200
@@ -391,9 +508,17 @@ async def test_a_bad_or_taken_metrics_port_is_one_line(nats_server: NatsServer) 
 
     async def writer(*args: str) -> str:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "projector", "writer", *name_flags(config), *args,
-            env=cli_env(nats_server.url), cwd=REPO, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE)  # fmt: skip
+            sys.executable,
+            "-m",
+            "projector",
+            "writer",
+            *name_flags(config),
+            *args,
+            env=cli_env(nats_server.url),
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         _, err = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 1, err
         lines = plain_lines(err.decode())
@@ -401,12 +526,15 @@ async def test_a_bad_or_taken_metrics_port_is_one_line(nats_server: NatsServer) 
         return lines[0]
 
     line = await writer("--metrics-port", "70000")
-    assert line == ("seqstate: error: --metrics-port '70000': not a port: use 0-65535 (0: any "
-                    "free port), or 'off'")  # fmt: skip
+    assert line == (
+        "seqstate: error: --metrics-port '70000': not a port: use 0-65535 (0: any "
+        "free port), or 'off'"
+    )
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        line = await writer("--metrics-host", "127.0.0.1", "--metrics-port", str(port),
-                            "--log-level", "error")  # fmt: skip
+        line = await writer(
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--log-level", "error"
+        )
     assert line.startswith(f"seqstate: error: cannot listen on 127.0.0.1:{port} for metrics: ")

@@ -52,8 +52,9 @@ def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the config reads the passwords from the server's environment
     try:
-        server = NatsServer(tmp_path_factory.mktemp("roles") / "js",
-                            extra_args=("-c", str(ROLES_CONF)))  # fmt: skip
+        server = NatsServer(
+            tmp_path_factory.mktemp("roles") / "js", extra_args=("-c", str(ROLES_CONF))
+        )
         server.start()
     finally:
         for key, value in saved.items():
@@ -69,8 +70,7 @@ def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def role_config(url: str, role: str, **overrides: object) -> Config:
     """The default names (the role config is written for them) and this role's credential."""
-    return Config(nats_url=url, nats_user=role, nats_password=PASSWORDS[role],
-                  **overrides)  # type: ignore[arg-type]  # fmt: skip
+    return Config(nats_url=url, nats_user=role, nats_password=PASSWORDS[role], **overrides)  # type: ignore[arg-type]
 
 
 @contextlib.asynccontextmanager
@@ -96,8 +96,9 @@ async def pipeline(roles_server: str) -> AsyncIterator[tuple[Writer, Projector]]
         writer, projector = Writer(wnc, writer_config), Projector(pnc, projector_config)
         tasks = [asyncio.create_task(writer.run()), asyncio.create_task(projector.run())]
         started = asyncio.gather(writer.caught_up.wait(), projector.caught_up.wait())
-        done, _ = await asyncio.wait([started, *tasks], timeout=30,
-                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        done, _ = await asyncio.wait(
+            [started, *tasks], timeout=30, return_when=asyncio.FIRST_COMPLETED
+        )
         assert started in done, [t.exception() for t in tasks if t.done()]
         try:
             yield writer, projector
@@ -121,8 +122,9 @@ async def test_each_role_does_its_job_with_its_own_credential(
         pub = RouterPublisher(rnc, router_id="perm-r", config=Config())
         await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
         for i in range(12):
-            await pub.add(f"r{i}", 1, i % 2, block_hashes=[100, 101, 200 + i],
-                          prefill_tokens=100 + i)  # fmt: skip
+            await pub.add(
+                f"r{i}", 1, i % 2, block_hashes=[100, 101, 200 + i], prefill_tokens=100 + i
+            )
         last = await pub.free("r3", 1, 1)
         async with RegistryView(snc, config=Config()) as view:
             await view.wait_for(last, timeout=20)
@@ -151,13 +153,25 @@ async def test_each_role_does_its_job_with_its_own_credential(
 def test_replay_verify_runs_with_the_replay_credential(
     roles_server: str, pipeline: tuple[Writer, Projector]
 ) -> None:
-    clean = {k: v for k, v in os.environ.items()
-             if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
-    env = {**clean, "NATS_URL": roles_server, "SEQSTATE_NATS_USER": "replay",
-           "SEQSTATE_NATS_PASSWORD": PASSWORDS["replay"], "COLUMNS": "400"}  # fmt: skip
+    clean = {
+        k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")
+    }
+    env = {
+        **clean,
+        "NATS_URL": roles_server,
+        "SEQSTATE_NATS_USER": "replay",
+        "SEQSTATE_NATS_PASSWORD": PASSWORDS["replay"],
+        "COLUMNS": "400",
+    }
     for argv in (["replay", "--verify", "--no-progress"], ["status"]):
-        result = subprocess.run([sys.executable, "-m", "projector", *argv], capture_output=True,
-                                text=True, timeout=60, env=env, cwd=REPO)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "projector", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=REPO,
+        )
         assert result.returncode == 0, result.stderr
         assert PASSWORDS["replay"] not in result.stdout + result.stderr
         assert VIOLATION not in (result.stdout + result.stderr).lower()
@@ -218,8 +232,9 @@ async def test_a_scheduler_cannot_publish_events(
     caplog.set_level(logging.WARNING)
     async with as_role(roles_server, "scheduler") as snc, as_role(roles_server, "replay") as onc:
         before = await _last_seq(onc, "SEQSTATE_EVENTS")
-        forged = encode_event(AddRequest(request_id="forged", worker_id=1, block_hashes=[1],
-                                         prefill_tokens=1))  # fmt: skip
+        forged = encode_event(
+            AddRequest(request_id="forged", worker_id=1, block_hashes=[1], prefill_tokens=1)
+        )
         subject = Config().event_subject(1)
         await _refused_publish(snc, subject, forged)
         assert forged not in await _stored_since(onc, "SEQSTATE_EVENTS", before)

@@ -13,9 +13,7 @@ import json
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
-from projector.nats.dead_letters import REASON
 from projector.nats.resources import dead_letter_stream, ensure
-from projector.nats.stream import PREV_SOURCE_SEQ
 from projector.ops.replay import verify
 from projector.read.bucket import read_bucket
 from projector.read.projection import Projector
@@ -23,6 +21,7 @@ from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
+from projector.wire.headers import PREV_SOURCE_SEQ, REASON
 from projector.wire.values import decode_request, load_key, position_key, slot_key
 from projector.write.writer import Writer
 from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas
@@ -35,8 +34,9 @@ async def scripted_lifecycle(pub: RouterPublisher) -> int:
     """Topology, shared prefixes, prefill marks, frees, oddities; returns the last sequence."""
     await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
     await pub.publish(WorkerAdded(worker_id=2))
-    await pub.add("r1", 1, 0, block_hashes=[*PREFIX, 1], prefill_tokens=500,
-                  expected_prefill_ms=40.0)  # fmt: skip
+    await pub.add(
+        "r1", 1, 0, block_hashes=[*PREFIX, 1], prefill_tokens=500, expected_prefill_ms=40.0
+    )
     await pub.add("r2", 1, 1, block_hashes=[*PREFIX, 2, 3], prefill_tokens=700)
     await pub.add("r3", 2, block_hashes=PREFIX[:2], prefill_tokens=300, expected_prefill_ms=5000.0)
     await pub.add("r4", 7, block_hashes=[900, 901], prefill_tokens=64)  # a lazy worker
@@ -44,8 +44,9 @@ async def scripted_lifecycle(pub: RouterPublisher) -> int:
     await pub.add("r1", 1, 0, block_hashes=[5])  # duplicate add: changes nothing
     await pub.free("ghost", 2)  # unknown: a tombstone
     await pub.add("ghost", 2, block_hashes=[77], prefill_tokens=9)  # superseded by it
-    await pub.add("r5", 2, block_hashes=[*PREFIX, 8], prefill_tokens=1000,
-                  expected_prefill_ms=2000.0)  # fmt: skip
+    await pub.add(
+        "r5", 2, block_hashes=[*PREFIX, 8], prefill_tokens=1000, expected_prefill_ms=2000.0
+    )
     await pub.free("r2", 1, 1)
     await pub.publish(WorkerRemoved(worker_id=7))
     return await pub.add("r6", 1, 1, block_hashes=[*PREFIX, 2], prefill_tokens=123)
@@ -94,8 +95,11 @@ async def test_bucket_values_are_readable_and_removed_ranks_are_deleted(nc: Clie
     bucket = await read_bucket(nc, config)  # kv.keys() can lose a race with its own marker
     ns = config.namespace
     slots = [slot_key(ns, r, s) for r, held in bucket.slots.items() for s in held]
-    keys = sorted([position_key(ns)] * (bucket.position is not None)
-                  + [load_key(ns, r) for r in bucket.loads] + slots)  # fmt: skip
+    keys = sorted(
+        [position_key(ns)] * (bucket.position is not None)
+        + [load_key(ns, r) for r in bucket.loads]
+        + slots
+    )
     # One key per slot: r1 on (1, 0); r6 reuses the slot r2 freed on (1, 1); r3 and r5 on
     # (2, 0). The removed lazy worker 7 left none.
     assert keys == sorted(
@@ -145,8 +149,9 @@ async def test_one_msg_id_twice_is_applied_once(nc: Client) -> None:
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-d", config=config)
         seq = await pub.add("once", 3, block_hashes=[1, 2], prefill_tokens=10)
         stored = await js.get_msg(config.events_stream, seq)
-        again = await js.publish(stored.subject or "", stored.data or b"",
-                                 headers={"Nats-Msg-Id": "r-d:1"})  # fmt: skip
+        again = await js.publish(
+            stored.subject or "", stored.data or b"", headers={"Nats-Msg-Id": "r-d:1"}
+        )
         assert again.duplicate and again.seq == seq
         last = await pub.add("next", 3, block_hashes=[1, 2, 3])
         async with RegistryView(nc, config=config) as view:
@@ -179,8 +184,9 @@ async def test_the_view_follows_live_changes_and_reports_staleness(nc: Client) -
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-f", config=config)
         async with RegistryView(nc, config=config) as view:
             assert view.loads() == [] and view.staleness().applied_seq == 0
-            seq = await pub.add("live", 9, 2, block_hashes=[1], prefill_tokens=50,
-                                expected_prefill_ms=60_000.0)  # fmt: skip
+            seq = await pub.add(
+                "live", 9, 2, block_hashes=[1], prefill_tokens=50, expected_prefill_ms=60_000.0
+            )
             await view.wait_for(seq, timeout=10)
             (row,) = view.loads()
             assert (row.worker_id, row.dp_rank, row.active_requests) == (9, 2, 1)
@@ -220,8 +226,9 @@ async def test_the_projector_writes_each_key_at_most_once_per_flush_interval(nc:
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-g", config=config)
         seqs: list[int] = []
         for wave in range(12):  # each wave flushed before the next: 12 flushes at any speed
-            seqs += await asyncio.gather(*(pub.add(f"q{wave}-{i}", i % 2, block_hashes=[i, i + 1])
-                                           for i in range(50)))  # fmt: skip
+            seqs += await asyncio.gather(
+                *(pub.add(f"q{wave}-{i}", i % 2, block_hashes=[i, i + 1]) for i in range(50))
+            )
             await writer.wait_applied(max(seqs))
             await writer.flush()
             await projector.wait_flushed(max(seqs))
@@ -270,15 +277,19 @@ async def test_forged_deltas_are_dead_lettered_and_never_freeze_the_read_model(
         first = await pub.add("a", 1, block_hashes=[1])
         await pipeline.wait_applied(first)
         far = encode_deltas([Delta("applied", 0, seq=10**12)])
-        backwards = encode_deltas([Delta("applied", 0, seq=first + 9),
-                                   Delta("applied", 0, seq=first + 8)])  # fmt: skip
+        backwards = encode_deltas(
+            [Delta("applied", 0, seq=first + 9), Delta("applied", 0, seq=first + 8)]
+        )
         forged = [  # what no writer of this namespace would store, with why it cannot be true
             (far, {PREV_SOURCE_SEQ: str(first)}, "beyond the events stream"),
             (far, {}, "no valid Seqstate-Prev-Source-Seq header"),
-            (encode_deltas([Delta("applied", 0, seq=first)]), {PREV_SOURCE_SEQ: str(first)},
-             f"it starts at event {first}, not after {first}"),
+            (
+                encode_deltas([Delta("applied", 0, seq=first)]),
+                {PREV_SOURCE_SEQ: str(first)},
+                f"it starts at event {first}, not after {first}",
+            ),
             (backwards, {PREV_SOURCE_SEQ: str(first)}, "out of order"),
-        ]  # fmt: skip
+        ]
         for data, headers, _ in forged:
             await js.publish(config.deltas_subject, data, headers=headers)
         second = await pub.add("b", 2, block_hashes=[2])  # the writer steps over them

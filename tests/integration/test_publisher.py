@@ -212,11 +212,21 @@ async def test_invalid_event_is_rejected_before_publishing(nc: Client, config: C
 
 
 ROUTER_IDS = {  # id -> its msg-ids' prefix
-    "r": "r", " r": "%20r", "r ": "r%20", "%20r": "%2520r", "a b": "a%20b", "a\nb": "a%0Ab",
-    "a\r\nb": "a%0D%0Ab", "\t": "%09", "x\x00y\x7f": "x%00y%7F", "é路由🙂":
-    "%C3%A9%E8%B7%AF%E7%94%B1%F0%9F%99%82", "a.*.>": "a.*.>", "*": "*", ">": ">",
+    "r": "r",
+    " r": "%20r",
+    "r ": "r%20",
+    "%20r": "%2520r",
+    "a b": "a%20b",
+    "a\nb": "a%0Ab",
+    "a\r\nb": "a%0D%0Ab",
+    "\t": "%09",
+    "x\x00y\x7f": "x%00y%7F",
+    "é路由🙂": "%C3%A9%E8%B7%AF%E7%94%B1%F0%9F%99%82",
+    "a.*.>": "a.*.>",
+    "*": "*",
+    ">": ">",
     "r" * 256: "r" * 256,
-}  # fmt: skip
+}
 
 
 async def test_router_ids_of_any_alphabet_publish_with_msg_ids_of_their_own(
@@ -381,9 +391,11 @@ async def test_publish_many_stores_a_call_in_order_with_consecutive_msg_ids(
     ]
     assert [msg_id for _, _, msg_id in stored] == [f"b1:{n}" for n in range(1, len(events) + 2)]
     assert [subject for subject, _, _ in stored[1:5]] == [
-        config.event_subject(3, 1), config.control_subject,
-        config.event_subject(3, 1), config.control_subject,
-    ]  # fmt: skip
+        config.event_subject(3, 1),
+        config.control_subject,
+        config.event_subject(3, 1),
+        config.control_subject,
+    ]
     for seq, (subject, event, _) in zip(seqs, stored[1:], strict=True):
         assert (await _stored(nc, config, seq))[:2] == (subject, event)
 

@@ -37,9 +37,14 @@ def python_block(after: str) -> str:
 async def run_python(code: str, url: str, *args: str) -> str:
     env = {**os.environ, "NATS_URL": url}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", code, *args, env=env, stdout=subprocess.PIPE,
+        sys.executable,
+        "-c",
+        code,
+        *args,
+        env=env,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-    )  # fmt: skip
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
     return out.decode()
@@ -68,11 +73,24 @@ async def test_the_tour_publishes_then_reads(default_pipeline: str) -> None:
         "potential_decode_blocks=3, active_requests=1)",
     ]
     assert "Staleness(applied_seq=3" in out
-    loads = subprocess.run([sys.executable, "-m", "projector", "loads"], capture_output=True,
-                           text=True, timeout=60, env={**os.environ, "NATS_URL": url})  # fmt: skip
+    loads = subprocess.run(
+        [sys.executable, "-m", "projector", "loads"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NATS_URL": url},
+    )
     assert loads.returncode == 0, loads.stderr
     lines = loads.stdout.splitlines()
-    assert lines[0].split() == ["worker", "rank", "requests", "active_blocks", "prefill_tokens",
-                                "remaining_prefill_ms"]  # fmt: skip
-    assert [line.split()[:5] for line in lines[1:3]] == [["3", "0", "1", "3", "0"],
-                                                         ["4", "0", "1", "2", "300"]]  # fmt: skip
+    assert lines[0].split() == [
+        "worker",
+        "rank",
+        "requests",
+        "active_blocks",
+        "prefill_tokens",
+        "remaining_prefill_ms",
+    ]
+    assert [line.split()[:5] for line in lines[1:3]] == [
+        ["3", "0", "1", "3", "0"],
+        ["4", "0", "1", "2", "300"],
+    ]

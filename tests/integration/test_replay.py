@@ -37,15 +37,22 @@ async def lifecycle(pub: RouterPublisher, prefix: str, n: int) -> int:
     last = await pub.publish(WorkerAdded(worker_id=0, dp_size=2))
     for i in range(n):
         rid, rank = f"{prefix}{i}", i % 2
-        last = await pub.add(rid, 0, rank, block_hashes=[7, 8, 100 + i], prefill_tokens=50 + i,
-                             expected_prefill_ms=30.0)  # fmt: skip
+        last = await pub.add(
+            rid,
+            0,
+            rank,
+            block_hashes=[7, 8, 100 + i],
+            prefill_tokens=50 + i,
+            expected_prefill_ms=30.0,
+        )
         if i % 3 == 1:
             last = await pub.free(rid, 0, rank)
     return last
 
 
-async def fold_upto(nc: Client, config: Config, *, seq: int | None = None,
-                    at_ns: int | None = None) -> SequenceState:  # fmt: skip
+async def fold_upto(
+    nc: Client, config: Config, *, seq: int | None = None, at_ns: int | None = None
+) -> SequenceState:
     state = config.new_state()
     for s, t, data in await read_log(nc, config):
         if (seq is not None and s > seq) or (at_ns is not None and t > at_ns):
@@ -56,8 +63,9 @@ async def fold_upto(nc: Client, config: Config, *, seq: int | None = None,
 
 
 async def filled(nc: Client, n: int = 20, **overrides: object) -> tuple[Config, int]:
-    config = fresh_config("r", snapshot_bucket=f"rsnap{id(overrides)}{n}",
-                          snapshot_every_events=9, **overrides)  # fmt: skip
+    config = fresh_config(
+        "r", snapshot_bucket=f"rsnap{id(overrides)}{n}", snapshot_every_events=9, **overrides
+    )
     async with Pipeline(nc, config) as pipeline:
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="rp", config=config)
         last = await lifecycle(pub, "q", n)
@@ -137,9 +145,11 @@ async def test_verify_names_tampered_request_slots_and_rebuild_repairs_them(nc: 
     kv = await nc.jetstream().key_value(config.registry_bucket)
     state = await fold_upto(nc, config)
     ns = config.namespace
-    live = {slot_key(ns, rank, r.slot): (rid, r.hashes)
-            for rank, slot in state.workers.slots.items()
-            for rid, r in slot.requests.items()}  # fmt: skip
+    live = {
+        slot_key(ns, rank, r.slot): (rid, r.hashes)
+        for rank, slot in state.workers.slots.items()
+        for rid, r in slot.requests.items()
+    }
     flipped, garbage, cut = sorted(live)[:3]
     value = decode_request((await kv.get(flipped)).value or b"")
     hashes = value.hash_list()
@@ -153,15 +163,17 @@ async def test_verify_names_tampered_request_slots_and_rebuild_repairs_them(nc: 
     invented = slot_key(ns, (0, 1), 99)
     await kv.put(invented, encode_request(1, "ghost", [7, 8]))
     rid, want = live[flipped]
-    assert sorted(await verify(nc, config)) == sorted([
-        f"{flipped}: bucket request {rid!r} ({len(want)} hashes), replay {rid!r} "
-        f"({len(want)} hashes)",
-        f"{garbage}: unreadable (MessagePack data is malformed: invalid opcode '\\xc1' "
-        "(byte 0))",
-        f"{cut}: unreadable (packed hashes of {len(live[cut][1]) * 8 - 1} bytes, not a "
-        "multiple of 8)",
-        f"{invented}: request 'ghost' in the bucket, not live in the replayed state",
-    ])  # fmt: skip
+    assert sorted(await verify(nc, config)) == sorted(
+        [
+            f"{flipped}: bucket request {rid!r} ({len(want)} hashes), replay {rid!r} "
+            f"({len(want)} hashes)",
+            f"{garbage}: unreadable (MessagePack data is malformed: invalid opcode '\\xc1' "
+            "(byte 0))",
+            f"{cut}: unreadable (packed hashes of {len(live[cut][1]) * 8 - 1} bytes, not a "
+            "multiple of 8)",
+            f"{invented}: request 'ghost' in the bucket, not live in the replayed state",
+        ]
+    )
     await rebuild(nc, config)
     assert await verify(nc, config) == []
     for key, (rid, want) in live.items():
@@ -178,9 +190,14 @@ def in_a_terminal(config: Config, url: str, *args: str) -> tuple[int, str, str]:
     env.pop("NO_COLOR", None)
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "projector", *args, *flags], env=env,
-                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=slave)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "projector", *args, *flags],
+        env=env,
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+    )
     os.close(slave)
     screen: list[bytes] = []
 
@@ -245,9 +262,14 @@ async def test_the_cli_replays_verifies_rebuilds_and_manages_snapshots(
 
 @pytest.mark.parametrize(
     "args",
-    [("replay",), ("replay", "--verify"), ("replay", "--at", "AT"), ("rebuild",),
-     ("snapshot", "save")],
-)  # fmt: skip
+    [
+        ("replay",),
+        ("replay", "--verify"),
+        ("replay", "--at", "AT"),
+        ("rebuild",),
+        ("snapshot", "save"),
+    ],
+)
 async def test_long_commands_show_their_progress_bar_in_a_terminal(
     nc: Client, nats_server: object, args: tuple[str, ...]
 ) -> None:
@@ -268,15 +290,21 @@ async def test_long_commands_show_their_progress_bar_in_a_terminal(
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (("--to-seq", "-5"), "--to-seq -5 is outside the log: the log of namespace {ns!r} holds "
-                             "events 1 to {last}, from "),
+        (
+            ("--to-seq", "-5"),
+            "--to-seq -5 is outside the log: the log of namespace {ns!r} holds "
+            "events 1 to {last}, from ",
+        ),
         (("--to-seq", "{beyond}"), "--to-seq {beyond} is outside the log"),
         (("--from-seq", "10", "--to-seq", "5"), "--from-seq 10 is after --to-seq 5"),
         (("--from-seq", "0"), "--from-seq 0 is outside the log"),
-        (("--at", "2001-02-03T04:05:06"), "--at 2001-02-03T04:05:06.000000+00:00 is before the "
-                                          "first event: the log of namespace {ns!r} holds"),
+        (
+            ("--at", "2001-02-03T04:05:06"),
+            "--at 2001-02-03T04:05:06.000000+00:00 is before the "
+            "first event: the log of namespace {ns!r} holds",
+        ),
     ],
-)  # fmt: skip
+)
 async def test_replay_refuses_a_range_outside_the_log_naming_the_log(
     nc: Client, nats_server: object, args: tuple[str, ...], expected: str
 ) -> None:

@@ -85,7 +85,11 @@ async def test_a_mismatch_that_cannot_be_updated_is_reported(nc: Client) -> None
 async def test_a_short_duplicate_window_is_widened(nc: Client) -> None:
     config = fresh_config()
     js = nc.jetstream()
-    await js.add_stream(name=config.events_stream, subjects=[config.events_subjects],
-                        storage=api.StorageType.FILE, duplicate_window=10.0)  # fmt: skip
+    await js.add_stream(
+        name=config.events_stream,
+        subjects=[config.events_subjects],
+        storage=api.StorageType.FILE,
+        duplicate_window=10.0,
+    )
     res = await ensure(nc, config)
     assert res.events.config.duplicate_window == pytest.approx(120.0)

@@ -28,8 +28,9 @@ async def test_a_router_that_says_goodbye_has_its_requests_freed_at_once(nc: Cli
     async with Pipeline(nc, config) as pipeline:
         other = RouterPublisher(nc, namespace=config.namespace, router_id="stays", config=config)
         await other.add("kept", 2, block_hashes=[9])
-        async with RouterPublisher(nc, namespace=config.namespace, router_id="leaves",
-                                   config=config) as pub:  # fmt: skip
+        async with RouterPublisher(
+            nc, namespace=config.namespace, router_id="leaves", config=config
+        ) as pub:
             for i in range(3):
                 await pub.add(f"q{i}", 1, block_hashes=[i, 100 + i])
         last = pipeline.writer.stats.last_seq
@@ -47,8 +48,13 @@ async def test_a_router_that_says_goodbye_has_its_requests_freed_at_once(nc: Cli
 async def test_a_silent_router_is_orphaned_and_a_replay_decides_the_same(nc: Client) -> None:
     config = fresh_config("orph", orphan_after_s=1.0, idle_tick_s=0.2)
     async with Pipeline(nc, config) as pipeline:
-        pub = RouterPublisher(nc, namespace=config.namespace, router_id="crashes",
-                              config=config, heartbeat_every_s=0.2)  # fmt: skip
+        pub = RouterPublisher(
+            nc,
+            namespace=config.namespace,
+            router_id="crashes",
+            config=config,
+            heartbeat_every_s=0.2,
+        )
         await pub.start()
         for i in range(4):
             await pub.add(f"o{i}", i % 2, block_hashes=[i])

@@ -151,8 +151,9 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
     await ensure(small, config)
     pub = RouterPublisher(small, namespace=config.namespace, router_id="pt", config=config)
     ids = [f"request-with-a-long-id-{i:06d}-" + "x" * 40 for i in range(3000)]
-    seqs = await pub.publish_many([AddRequest(rid, 3, block_hashes=[i, i + 10**6])
-                                   for i, rid in enumerate(ids)])  # fmt: skip
+    seqs = await pub.publish_many(
+        [AddRequest(rid, 3, block_hashes=[i, i + 10**6]) for i, rid in enumerate(ids)]
+    )
     tick_seq = seqs[-1]  # the expiry is folded as if at this event, 100 s later
     state = config.new_state()
     state.defer_registry()

@@ -83,8 +83,9 @@ class NatsBackend:
         self.nc = nc
         self.config = fresh_config("s")
         self.pipeline = Pipeline(nc, self.config)
-        self.publisher = RouterPublisher(nc, namespace=self.config.namespace, router_id="scn",
-                                         config=self.config)  # fmt: skip
+        self.publisher = RouterPublisher(
+            nc, namespace=self.config.namespace, router_id="scn", config=self.config
+        )
         self.view = RegistryView(nc, config=self.config)
         self.last = 0
         self._times: dict[int, int] = {}
@@ -138,16 +139,19 @@ async def backend(
 
 
 def table(rows: Sequence[LoadRow]) -> list[tuple[int, int, int, int, int]]:
-    return [(r.worker_id, r.dp_rank, r.active_requests, r.active_blocks, r.active_prefill_tokens)
-            for r in rows]  # fmt: skip
+    return [
+        (r.worker_id, r.dp_rank, r.active_requests, r.active_blocks, r.active_prefill_tokens)
+        for r in rows
+    ]
 
 
 # ---- scenarios ---------------------------------------------------------------------------
 
 
 async def test_lifecycle_of_one_request(backend: Backend) -> None:
-    added = await backend.publish(AddRequest(request_id="a", worker_id=0, block_hashes=[1, 2, 3],
-                                             prefill_tokens=300))  # fmt: skip
+    added = await backend.publish(
+        AddRequest(request_id="a", worker_id=0, block_hashes=[1, 2, 3], prefill_tokens=300)
+    )
     await backend.settle()
     t = await backend.at(added)
     assert table(backend.loads(t)) == [(0, 0, 1, 3, 300)]
@@ -170,12 +174,19 @@ async def test_shared_prefix_blocks_count_once(backend: Backend) -> None:
 
 
 async def test_prefill_decays_from_the_anchor_at_its_modeled_rate(backend: Backend) -> None:
-    added = await backend.publish(AddRequest(request_id="p", worker_id=2, prefill_tokens=1000,
-                                             expected_prefill_ms=100.0))  # fmt: skip
+    added = await backend.publish(
+        AddRequest(request_id="p", worker_id=2, prefill_tokens=1000, expected_prefill_ms=100.0)
+    )
     await backend.settle()
     t = await backend.at(added)
-    for offset_ms, tokens, remaining_ms in [(0, 1000, 100), (25, 750, 75), (50, 500, 50),
-                                            (99, 10, 1), (100, 0, 0), (5000, 0, 0)]:  # fmt: skip
+    for offset_ms, tokens, remaining_ms in [
+        (0, 1000, 100),
+        (25, 750, 75),
+        (50, 500, 50),
+        (99, 10, 1),
+        (100, 0, 0),
+        (5000, 0, 0),
+    ]:
         (row,) = backend.loads(t + offset_ms * MS)
         assert (row.active_prefill_tokens, row.modeled_remaining_prefill_ms) == (
             tokens,
@@ -193,18 +204,27 @@ async def test_potential_loads_use_prefix_overlap_per_rank(backend: Backend) -> 
     await backend.settle()
     now = await backend.at(last)
     rows = backend.potential_loads([1, 2, 3, 8], 64, now)
-    assert [(r.worker_id, r.dp_rank, r.potential_decode_blocks, r.potential_prefill_tokens,
-             r.active_requests) for r in rows] == [
+    assert [
+        (
+            r.worker_id,
+            r.dp_rank,
+            r.potential_decode_blocks,
+            r.potential_prefill_tokens,
+            r.active_requests,
+        )
+        for r in rows
+    ] == [
         (5, 0, 4 + 4 - 3, 64, 1),
         (5, 1, 3 + 4 - 2, 64, 1),
         (6, 0, 1 + 4 - 0, 64, 1),
-    ]  # fmt: skip
+    ]
 
 
 async def test_a_free_that_overtakes_its_add_leaks_nothing(backend: Backend) -> None:
     await backend.publish(Free(request_id="early", worker_id=3))
-    last = await backend.publish(AddRequest(request_id="early", worker_id=3, block_hashes=[5],
-                                            prefill_tokens=99))  # fmt: skip
+    last = await backend.publish(
+        AddRequest(request_id="early", worker_id=3, block_hashes=[5], prefill_tokens=99)
+    )
     await backend.settle()
     # The superseded add is not booked, and books nothing, not even its rank.
     assert table(backend.loads(await backend.at(last))) == []
@@ -215,8 +235,9 @@ async def test_duplicate_add_changes_nothing(backend: Backend) -> None:
     await backend.publish(
         AddRequest(request_id="d", worker_id=4, block_hashes=[1], prefill_tokens=7)
     )
-    last = await backend.publish(AddRequest(request_id="d", worker_id=4, block_hashes=[1, 2, 3],
-                                            prefill_tokens=70))  # fmt: skip
+    last = await backend.publish(
+        AddRequest(request_id="d", worker_id=4, block_hashes=[1, 2, 3], prefill_tokens=70)
+    )
     await backend.settle()
     assert table(backend.loads(await backend.at(last))) == [(4, 0, 1, 1, 7)]
     assert backend.counters()["duplicate"] == 1

@@ -43,8 +43,16 @@ async def get(service: SlotService, path: str, **query: str) -> tuple[int, Any]:
 
 
 def loads(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    return [(r["model_name"], r["worker_id"], r["dp_rank"], r["active_prefill_tokens"],
-             r["active_decode_blocks"]) for r in rows]  # fmt: skip
+    return [
+        (
+            r["model_name"],
+            r["worker_id"],
+            r["dp_rank"],
+            r["active_prefill_tokens"],
+            r["active_decode_blocks"],
+        )
+        for r in rows
+    ]
 
 
 async def test_dynamos_scenarios_with_their_statuses_and_numbers(
@@ -57,49 +65,89 @@ async def test_dynamos_scenarios_with_their_statuses_and_numbers(
         reg = {**m, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 2}
         assert await post(s, "/register", **reg) == (201, {"status": "ok"})
         assert await post(s, "/register", **reg) == (
-            409, {"error": f"worker 1 already registered for {where}"})  # fmt: skip
+            409,
+            {"error": f"worker 1 already registered for {where}"},
+        )
         mismatch = f"block_size mismatch for {where}: existing=16, requested=32"
         assert await post(s, "/register", **{**reg, "worker_id": 2, "block_size": 32}) == (
-            409, {"error": mismatch})  # fmt: skip
-        assert await get(s, "/workers") == (200, [{
-            "worker_id": 1, "model_name": "m/1", "routing_group": "default", "block_size": 16,
-            "dp_start": 0, "dp_size": 2}])  # fmt: skip
+            409,
+            {"error": mismatch},
+        )
+        assert await get(s, "/workers") == (
+            200,
+            [
+                {
+                    "worker_id": 1,
+                    "model_name": "m/1",
+                    "routing_group": "default",
+                    "block_size": 16,
+                    "dp_start": 0,
+                    "dp_size": 2,
+                }
+            ],
+        )
         add = {**m, "worker_id": 1, "dp_rank": 0}
-        assert await post(s, "/add", **add, request_id="r1", sequence_hashes=[1, 2, 3],
-                          new_isl_tokens=100) == (201, {"status": "ok"})  # fmt: skip
-        assert await post(s, "/add", **add, request_id="r2", sequence_hashes=[1, 2, -4],
-                          new_isl_tokens=50) == (201, {"status": "ok"})  # fmt: skip
+        assert await post(
+            s, "/add", **add, request_id="r1", sequence_hashes=[1, 2, 3], new_isl_tokens=100
+        ) == (201, {"status": "ok"})
+        assert await post(
+            s, "/add", **add, request_id="r2", sequence_hashes=[1, 2, -4], new_isl_tokens=50
+        ) == (201, {"status": "ok"})
         assert loads((await get(s, "/loads"))[1]) == [("m/1", 1, 0, 150, 4), ("m/1", 1, 1, 0, 0)]
-        assert await post(s, "/add", **{**add, "dp_rank": 1}, request_id="r1",
-                          sequence_hashes=[]) == (409, {"error": (
-            "Request ID already exists (assigned to worker WorkerWithDpRank { worker_id: 1, "
-            "dp_rank: 0 })")})  # fmt: skip
-        assert await post(s, "/add", **{**add, "dp_rank": 7}, request_id="r1",
-                          sequence_hashes=[]) == (404, {"error": (
-            "Worker WorkerWithDpRank { worker_id: 1, dp_rank: 7 } not found")})  # fmt: skip
+        assert await post(
+            s, "/add", **{**add, "dp_rank": 1}, request_id="r1", sequence_hashes=[]
+        ) == (
+            409,
+            {
+                "error": (
+                    "Request ID already exists (assigned to worker WorkerWithDpRank { "
+                    "worker_id: 1, dp_rank: 0 })"
+                )
+            },
+        )
+        assert await post(
+            s, "/add", **{**add, "dp_rank": 7}, request_id="r1", sequence_hashes=[]
+        ) == (404, {"error": ("Worker WorkerWithDpRank { worker_id: 1, dp_rank: 7 } not found")})
         for _ in range(2):  # idempotent
             assert await post(s, "/prefill_complete", **m, request_id="r1") == (
-                200, {"status": "ok"})  # fmt: skip
+                200,
+                {"status": "ok"},
+            )
         assert loads((await get(s, "/loads", model_name="m/1"))[1])[0] == ("m/1", 1, 0, 50, 4)
         assert await post(s, "/prefill_complete", **m, request_id="ghost") == (
-            404, {"error": "Request ID not found"})  # fmt: skip
-        status, rows = await post(s, "/potential_loads", **m, sequence_hashes=[1, 2, 9],
-                                  new_isl_tokens=10)  # fmt: skip
-        assert status == 200 and [(r["dp_rank"], r["potential_prefill_tokens"],
-                                   r["potential_decode_blocks"], r["active_requests"])
-                                  for r in rows] == [(0, 60, 5, 2), (1, 10, 3, 0)]  # fmt: skip
+            404,
+            {"error": "Request ID not found"},
+        )
+        status, rows = await post(
+            s, "/potential_loads", **m, sequence_hashes=[1, 2, 9], new_isl_tokens=10
+        )
+        assert status == 200 and [
+            (
+                r["dp_rank"],
+                r["potential_prefill_tokens"],
+                r["potential_decode_blocks"],
+                r["active_requests"],
+            )
+            for r in rows
+        ] == [(0, 60, 5, 2), (1, 10, 3, 0)]
         for _ in range(2):  # a free of an id no longer live is 200 too
             assert await post(s, "/free", **m, request_id="r1") == (200, {"status": "ok"})
         assert loads((await get(s, "/loads"))[1])[0] == ("m/1", 1, 0, 50, 3)
         assert await post(s, "/unregister", **m, worker_id=1) == (200, {"status": "ok"})
         assert (await get(s, "/loads"))[1] == []  # the last worker: the tracker is gone
         assert await post(s, "/add", **add, request_id="r3", sequence_hashes=[1]) == (
-            404, {"error": f"no slot tracker for {where}"})  # fmt: skip
+            404,
+            {"error": f"no slot tracker for {where}"},
+        )
         assert await post(s, "/unregister", **m, worker_id=1) == (
-            404, {"error": f"worker 1 not found for {where}"})  # fmt: skip
+            404,
+            {"error": f"worker 1 not found for {where}"},
+        )
         assert await post(s, "/register", **{**reg, "block_size": 32}) == (201, {"status": "ok"})
         assert await post(s, "/free", model_name="never", request_id="x") == (
-            404, {"error": "no slot tracker for model=never routing_group=default"})  # fmt: skip
+            404,
+            {"error": "no slot tracker for model=never routing_group=default"},
+        )
 
 
 async def test_the_extractor_and_router_errors(nc: Client, nats_server: NatsServer) -> None:
@@ -113,9 +161,11 @@ async def test_the_extractor_and_router_errors(nc: Client, nats_server: NatsServ
         assert await s.call("GET", "/nowhere", {}, None, b"") == (404, {"error": "route not found"})
         assert await s.call("GET", "/add", {}, None, b"") == (405, {"error": "method not allowed"})
         assert await s.call("GET", "/health", {}, None, b"") == (200, None)
-        assert (await post(s, "/register", model_name="m", worker_id=1, block_size=0,
-                           dp_start=0, dp_size=1)) == (
-            400, {"error": "block_size must be greater than 0"})  # fmt: skip
+        assert (
+            await post(
+                s, "/register", model_name="m", worker_id=1, block_size=0, dp_start=0, dp_size=1
+            )
+        ) == (400, {"error": "block_size must be greater than 0"})
 
 
 async def test_two_serving_processes_on_one_stream_answer_alike(
@@ -123,19 +173,43 @@ async def test_two_serving_processes_on_one_stream_answer_alike(
 ) -> None:
     config = fresh_config("s2")
     async with serving(nats_server.url, config) as one, serving(nats_server.url, config) as two:
-        await post(one, "/register", model_name="a", worker_id=1, block_size=16, dp_start=0,
-                   dp_size=1)  # fmt: skip
+        await post(
+            one, "/register", model_name="a", worker_id=1, block_size=16, dp_start=0, dp_size=1
+        )
         # The second learns of the tracker from the bucket at its first call.
-        assert await post(two, "/add", model_name="a", request_id="x", worker_id=1,
-                          dp_rank=0, sequence_hashes=[5, 6]) == (201, {"status": "ok"})  # fmt: skip
-        assert await post(one, "/add", model_name="a", request_id="x", worker_id=1, dp_rank=0,
-                          sequence_hashes=[7]) == (409, {"error": (
-            "Request ID already exists (assigned to worker WorkerWithDpRank { worker_id: 1, "
-            "dp_rank: 0 })")})  # fmt: skip
-        await post(two, "/register", model_name="b", worker_id=9, block_size=8, dp_start=0,
-                   dp_size=1)  # fmt: skip
-        await post(one, "/add", model_name="b", request_id="y", worker_id=9, dp_rank=0,
-                   sequence_hashes=[1], new_isl_tokens=30)  # fmt: skip
+        assert await post(
+            two,
+            "/add",
+            model_name="a",
+            request_id="x",
+            worker_id=1,
+            dp_rank=0,
+            sequence_hashes=[5, 6],
+        ) == (201, {"status": "ok"})
+        assert await post(
+            one, "/add", model_name="a", request_id="x", worker_id=1, dp_rank=0, sequence_hashes=[7]
+        ) == (
+            409,
+            {
+                "error": (
+                    "Request ID already exists (assigned to worker WorkerWithDpRank { "
+                    "worker_id: 1, dp_rank: 0 })"
+                )
+            },
+        )
+        await post(
+            two, "/register", model_name="b", worker_id=9, block_size=8, dp_start=0, dp_size=1
+        )
+        await post(
+            one,
+            "/add",
+            model_name="b",
+            request_id="y",
+            worker_id=9,
+            dp_rank=0,
+            sequence_hashes=[1],
+            new_isl_tokens=30,
+        )
         await post(two, "/prefill_complete", model_name="a", request_id="x")
         both = [await get(one, "/loads"), await get(two, "/loads")]
         assert both[0] == both[1]

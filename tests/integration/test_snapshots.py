@@ -30,8 +30,18 @@ def workload(prefix: str, n: int) -> list[tuple[str, dict[str, object]]]:
     steps: list[tuple[str, dict[str, object]]] = []
     for i in range(n):
         rid, worker = f"{prefix}{i}", i % 3
-        steps.append(("add", {"request_id": rid, "worker_id": worker, "block_hashes": [1, 2, i],
-                              "prefill_tokens": 10 + i, "expected_prefill_ms": 20.0}))  # fmt: skip
+        steps.append(
+            (
+                "add",
+                {
+                    "request_id": rid,
+                    "worker_id": worker,
+                    "block_hashes": [1, 2, i],
+                    "prefill_tokens": 10 + i,
+                    "expected_prefill_ms": 20.0,
+                },
+            )
+        )
         if i % 2:
             steps.append(("mark", {"request_id": rid, "worker_id": worker}))
         if i % 3 == 0:
@@ -64,8 +74,11 @@ async def running(nc: Client, config: Config) -> AsyncIterator[Writer]:
     writer = Writer(nc, config)
     task = asyncio.create_task(writer.run())
     try:
-        done, _ = await asyncio.wait([task, asyncio.ensure_future(writer.caught_up.wait())],
-                                     timeout=20, return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        done, _ = await asyncio.wait(
+            [task, asyncio.ensure_future(writer.caught_up.wait())],
+            timeout=20,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         if task in done:
             task.result()  # raise what stopped it
         yield writer
@@ -205,5 +218,6 @@ async def test_a_writer_restarted_with_other_fold_rules_keeps_the_snapshots_and_
             assert (writer.state.expiry_s, writer.state.worker_grace_s) == (300.0, None)
     warnings = [r.getMessage() for r in caplog.records if "keeps the rules" in r.getMessage()]
     assert len(warnings) == 1, caplog.text
-    assert ("(expiry_s: snapshot 300, configured 60; worker_grace_s: snapshot off, "
-            "configured 5)") in warnings[0]  # fmt: skip
+    assert (
+        "(expiry_s: snapshot 300, configured 60; worker_grace_s: snapshot off, configured 5)"
+    ) in warnings[0]

@@ -48,8 +48,9 @@ async def test_a_full_events_stream_makes_publish_raise_at_once_and_keeps_every_
     config = fresh_config("full")
     await ensure(nc, config)
     await limit(nc, config, max_msgs=5)
-    pub = RouterPublisher(nc, namespace=config.namespace, router_id="full", config=config,
-                          timeout=5.0)  # fmt: skip
+    pub = RouterPublisher(
+        nc, namespace=config.namespace, router_id="full", config=config, timeout=5.0
+    )
     assert await pub.publish_many(frees(5)) == [1, 2, 3, 4, 5]
     started = time.monotonic()
     with pytest.raises(PublishError) as raised:
@@ -79,8 +80,14 @@ async def test_ensure_keeps_the_events_stream_from_dropping_old_events(
     max_age, which drops events whatever the policy."""
     config = fresh_config("keep")
     await ensure(nc, config)
-    await limit(nc, config, max_msgs=100, max_msgs_per_subject=10, max_age=3600.0,
-                discard=api.DiscardPolicy.OLD)  # fmt: skip
+    await limit(
+        nc,
+        config,
+        max_msgs=100,
+        max_msgs_per_subject=10,
+        max_age=3600.0,
+        discard=api.DiscardPolicy.OLD,
+    )
     with caplog.at_level(logging.WARNING, "seqstate.resources"):
         events = (await ensure(nc, config)).events.config
     assert events.discard == api.DiscardPolicy.NEW and events.discard_new_per_subject
@@ -103,10 +110,14 @@ async def test_a_server_out_of_storage_makes_publish_raise_saying_so(tmp_path: P
         try:
             config = fresh_config("store")
             await ensure(nc, config)
-            pub = RouterPublisher(nc, namespace=config.namespace, router_id="st", config=config,
-                                  retries=1)  # fmt: skip
-            with pytest.raises(PublishError, match="JetStream storage is full: insufficient "
-                               r"resources \(JetStream error 10023\)") as raised:  # fmt: skip
+            pub = RouterPublisher(
+                nc, namespace=config.namespace, router_id="st", config=config, retries=1
+            )
+            with pytest.raises(
+                PublishError,
+                match="JetStream storage is full: insufficient "
+                r"resources \(JetStream error 10023\)",
+            ) as raised:
                 await pub.publish_many(frees(5000))
             sequences = raised.value.sequences
             assert sequences is not None and sequences[0] == 1 and sequences[-1] is None

@@ -29,11 +29,11 @@ from nats.aio.client import Client
 from pipeline_kit import fill, fresh_config
 
 from projector.nats.connection import connect
-from projector.nats.security import redact, scrub
 from projector.nats.server import NatsServer
 from projector.nats.stream_reader import ReaderParams
 from projector.ops.replay import fold_stream
 from projector.wire.config import Config, ConfigError
+from projector.wire.redaction import redact, scrub
 
 REPO = Path(__file__).resolve().parents[2]
 USER, PASSWORD, TOKEN = "alice", "pw-9f3Kq27xWv", "tok-Zx81mQp4Lr"
@@ -48,16 +48,25 @@ def _name(common: str) -> x509.Name:
 
 
 def _certificate(
-    subject: str, key: ec.EllipticCurvePrivateKey, issuer: tuple[x509.Name, Any], *,
-    ca: bool = False, hosts: bool = False, client: bool = False,
-) -> x509.Certificate:  # fmt: skip
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, Any],
+    *,
+    ca: bool = False,
+    hosts: bool = False,
+    client: bool = False,
+) -> x509.Certificate:
     now = dt.datetime.now(dt.UTC)
     builder = (
-        x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer[0])
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=1))
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer[0])
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )  # fmt: skip
+    )
     if hosts:
         names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
@@ -69,9 +78,13 @@ def _certificate(
 
 def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
     path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))  # fmt: skip
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +101,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _server(tmp: Path, pki: Path, authorization: dict[str, str], *, verify: bool) -> NatsServer:
-    tls = {"cert_file": str(pki / "server.pem"), "key_file": str(pki / "server.key"),
-           "timeout": 5}  # fmt: skip
+    tls = {"cert_file": str(pki / "server.pem"), "key_file": str(pki / "server.key"), "timeout": 5}
     if verify:  # a client certificate signed by the CA is required
         tls.update(ca_file=str(pki / "ca.pem"), verify=True)
     conf = tmp / "server.conf"
@@ -130,15 +142,20 @@ def tls_env(pki: Path, *, ca: bool = True) -> dict[str, str]:
 
 
 def tls_config(pki: Path) -> Config:
-    return fresh_config("tls", tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
-                        tls_key=str(pki / "client.key"))  # fmt: skip
+    return fresh_config(
+        "tls",
+        tls_ca=str(pki / "ca.pem"),
+        tls_cert=str(pki / "client.pem"),
+        tls_key=str(pki / "client.key"),
+    )
 
 
 @pytest.fixture
 async def tnc(password_server: NatsServer, pki: Path) -> AsyncIterator[Client]:
     """A client of the password server, connected as the CLI connects."""
-    async with connect(password_url(password_server), service=False,
-                       config=Config.from_env(tls_env(pki))) as nc:  # fmt: skip
+    async with connect(
+        password_url(password_server), service=False, config=Config.from_env(tls_env(pki))
+    ) as nc:
         yield nc
 
 
@@ -146,11 +163,18 @@ async def tnc(password_server: NatsServer, pki: Path) -> AsyncIterator[Client]:
 
 
 def seqstate(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items()
-             if k != "NATS_URL" and not k.startswith("SEQSTATE_")}  # fmt: skip
+    clean = {
+        k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")
+    }
     clean["COLUMNS"] = "400"  # one log record, one line
-    return subprocess.run([sys.executable, "-m", "projector", *args], capture_output=True,
-                          text=True, timeout=HOLD, env={**clean, **env}, cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "projector", *args],
+        capture_output=True,
+        text=True,
+        timeout=HOLD,
+        env={**clean, **env},
+        cwd=REPO,
+    )
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
@@ -173,8 +197,9 @@ def test_status_over_tls_shows_the_server_without_the_password(
 
 
 def test_status_with_a_token_hides_the_token(token_server: NatsServer, pki: Path) -> None:
-    result = seqstate("status", NATS_URL=token_url(token_server),
-                      SEQSTATE_TLS_CA=str(pki / "ca.pem"))  # fmt: skip
+    result = seqstate(
+        "status", NATS_URL=token_url(token_server), SEQSTATE_TLS_CA=str(pki / "ca.pem")
+    )
     assert result.returncode == 0, result.stderr
     assert f"on ***@127.0.0.1:{token_server.port}" in result.stdout
     assert TOKEN not in result.stdout + result.stderr
@@ -184,11 +209,23 @@ def test_run_logs_the_server_without_the_password(
     password_server: NatsServer, pki: Path, tmp_path: Path
 ) -> None:
     config = fresh_config("run")
-    result = seqstate("run", "--duration", "3", "--store-dir", str(tmp_path),
-                      "--namespace", config.namespace, "--events-stream", config.events_stream,
-                      "--deltas-stream", config.deltas_stream,
-                      "--registry-bucket", config.registry_bucket,
-                      NATS_URL=password_url(password_server), **tls_env(pki))  # fmt: skip
+    result = seqstate(
+        "run",
+        "--duration",
+        "3",
+        "--store-dir",
+        str(tmp_path),
+        "--namespace",
+        config.namespace,
+        "--events-stream",
+        config.events_stream,
+        "--deltas-stream",
+        config.deltas_stream,
+        "--registry-bucket",
+        config.registry_bucket,
+        NATS_URL=password_url(password_server),
+        **tls_env(pki),
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout + result.stderr
     assert f"running for namespace {config.namespace!r} at nats://{USER}:***@127.0.0.1" in out
@@ -223,8 +260,9 @@ def test_tls_settings_are_checked_and_named(pki: Path) -> None:
         Config.from_env({"SEQSTATE_TLS_CERT": str(pki / "client.pem")})
     with pytest.raises(ConfigError, match=r"SEQSTATE_TLS_CA='/nonexistent/ca\.pem': no such file"):
         Config.from_env({"SEQSTATE_TLS_CA": "/nonexistent/ca.pem"})
-    line = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1",
-                                   SEQSTATE_TLS_KEY=str(pki / "client.key")))  # fmt: skip
+    line = one_line_error(
+        seqstate("status", NATS_URL="nats://127.0.0.1:1", SEQSTATE_TLS_KEY=str(pki / "client.key"))
+    )
     assert "SEQSTATE_TLS_CERT" in line
 
 
@@ -312,8 +350,9 @@ async def test_a_replay_with_a_token_uses_the_fast_reader(
 ) -> None:
     tls = Config(tls_ca=str(pki / "ca.pem"))
     # tls:// and a host name this time: the reader checks the name the certificate carries.
-    async with connect(token_url(token_server, "tls", "localhost"), service=False,
-                       config=tls) as nc:  # fmt: skip
+    async with connect(
+        token_url(token_server, "tls", "localhost"), service=False, config=tls
+    ) as nc:
         config = fresh_config("tok", tls_ca=tls.tls_ca)
         last = await fill(nc, config, 500)
         returned = record_fast_fold(monkeypatch)
@@ -341,9 +380,13 @@ async def test_a_reader_refused_by_the_server_falls_back(
 
 
 def run_reader(params: ReaderParams) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "projector.nats.stream_reader"],
-                          input=msgspec.json.encode(params) + b"\n", capture_output=True,
-                          timeout=HOLD, cwd=REPO)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "projector.nats.stream_reader"],
+        input=msgspec.json.encode(params) + b"\n",
+        capture_output=True,
+        timeout=HOLD,
+        cwd=REPO,
+    )
 
 
 @pytest.mark.parametrize(
@@ -361,16 +404,25 @@ def test_the_reader_ends_with_a_reason_whatever_goes_wrong(
     password_server: NatsServer, pki: Path, case: str, why: bytes
 ) -> None:
     fields: dict[str, Any] = {
-        "host": "127.0.0.1", "port": password_server.port, "inbox": "_INBOX.x", "end_seq": 9,
-        "tls": True, "user": USER, "password": PASSWORD, "ca": str(pki / "ca.pem"),
-        "cert": str(pki / "client.pem"), "key": str(pki / "client.key"),
-    }  # fmt: skip
-    fields.update({
-        "wrong password": {"password": "not-the-pw-4471"},
-        "no CA": {"ca": None},
-        "no client certificate": {"cert": None, "key": None},
-        "plain, bad subject": {"tls": False, "inbox": "a..b"},
-    }[case])  # fmt: skip
+        "host": "127.0.0.1",
+        "port": password_server.port,
+        "inbox": "_INBOX.x",
+        "end_seq": 9,
+        "tls": True,
+        "user": USER,
+        "password": PASSWORD,
+        "ca": str(pki / "ca.pem"),
+        "cert": str(pki / "client.pem"),
+        "key": str(pki / "client.key"),
+    }
+    fields.update(
+        {
+            "wrong password": {"password": "not-the-pw-4471"},
+            "no CA": {"ca": None},
+            "no client certificate": {"cert": None, "key": None},
+            "plain, bad subject": {"tls": False, "inbox": "a..b"},
+        }[case]
+    )
     result = run_reader(ReaderParams(**fields))
     assert result.returncode == 3 and result.stdout == b"", result.stderr
     assert result.stderr.startswith(b"stream reader: ") and result.stderr.count(b"\n") == 1
@@ -409,12 +461,22 @@ def nkey_user(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsSe
 def test_status_signs_in_with_the_settings_and_shows_no_secret(
     password_server: NatsServer, token_server: NatsServer, pki: Path
 ) -> None:
-    result = seqstate("status", NATS_URL=plain_url(password_server), SEQSTATE_NATS_USER=USER,
-                      SEQSTATE_NATS_PASSWORD=PASSWORD, **tls_env(pki))  # fmt: skip
+    result = seqstate(
+        "status",
+        NATS_URL=plain_url(password_server),
+        SEQSTATE_NATS_USER=USER,
+        SEQSTATE_NATS_PASSWORD=PASSWORD,
+        **tls_env(pki),
+    )
     assert result.returncode == 0, result.stderr
     assert PASSWORD not in result.stdout + result.stderr
-    result = seqstate("status", "--json", NATS_URL=plain_url(token_server),
-                      SEQSTATE_NATS_TOKEN=TOKEN, SEQSTATE_TLS_CA=str(pki / "ca.pem"))  # fmt: skip
+    result = seqstate(
+        "status",
+        "--json",
+        NATS_URL=plain_url(token_server),
+        SEQSTATE_NATS_TOKEN=TOKEN,
+        SEQSTATE_TLS_CA=str(pki / "ca.pem"),
+    )
     assert result.returncode == 0, result.stderr
     assert TOKEN not in result.stdout + result.stderr
 
@@ -423,8 +485,14 @@ def test_a_wrong_password_in_the_settings_fails_in_one_line(
     password_server: NatsServer, pki: Path
 ) -> None:
     wrong = "not-the-pw-8812"
-    result = seqstate("status", "--nats-user", USER, NATS_URL=plain_url(password_server),
-                      SEQSTATE_NATS_PASSWORD=wrong, **tls_env(pki))  # fmt: skip
+    result = seqstate(
+        "status",
+        "--nats-user",
+        USER,
+        NATS_URL=plain_url(password_server),
+        SEQSTATE_NATS_PASSWORD=wrong,
+        **tls_env(pki),
+    )
     line = one_line_error(result)
     assert "refused the credentials" in line
     assert wrong not in result.stderr
@@ -446,9 +514,14 @@ def test_help_and_config_errors_show_no_secret() -> None:
         assert "--nats-password SECRET" in result.stdout and "--nats-creds PATH" in result.stdout
         assert PASSWORD not in result.stdout and TOKEN not in result.stdout
     # A password without a user, two ways to sign in: named, never shown.
-    for bad in ({"SEQSTATE_NATS_PASSWORD": PASSWORD},
-                {"SEQSTATE_NATS_USER": USER, "SEQSTATE_NATS_PASSWORD": PASSWORD,
-                 "SEQSTATE_NATS_TOKEN": TOKEN}):  # fmt: skip
+    for bad in (
+        {"SEQSTATE_NATS_PASSWORD": PASSWORD},
+        {
+            "SEQSTATE_NATS_USER": USER,
+            "SEQSTATE_NATS_PASSWORD": PASSWORD,
+            "SEQSTATE_NATS_TOKEN": TOKEN,
+        },
+    ):
         line = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1", **bad))
         assert "SEQSTATE_NATS_" in line and PASSWORD not in line and TOKEN not in line
     config = Config(nats_user=USER, nats_password=PASSWORD)
@@ -467,12 +540,16 @@ def test_bad_credential_files_fail_in_one_line_without_their_content(tmp_path: P
     for variable, (content, problem) in cases.items():
         path = tmp_path / variable
         path.write_text(content)
-        line = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1",
-                                       **{variable: str(path)}))  # fmt: skip
+        line = one_line_error(
+            seqstate("status", NATS_URL="nats://127.0.0.1:1", **{variable: str(path)})
+        )
         assert f"{variable}={path}: {problem}" in line
         assert seed not in line
-        missing = one_line_error(seqstate("status", NATS_URL="nats://127.0.0.1:1",
-                                          **{variable: str(tmp_path / "absent")}))  # fmt: skip
+        missing = one_line_error(
+            seqstate(
+                "status", NATS_URL="nats://127.0.0.1:1", **{variable: str(tmp_path / "absent")}
+            )
+        )
         assert "no such file" in missing
 
 
@@ -482,10 +559,12 @@ def test_a_well_formed_creds_file_becomes_nats_py_user_credentials(tmp_path: Pat
     seed, _ = nkey_pair()
     jwt = "eyJ0eXAiOiJKV1QifQ.eyJzdWIiOiJVQUJDIn0.c2lnbmF0dXJl"
     creds = tmp_path / "user.creds"
-    creds.write_text(f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
-                     "************************* IMPORTANT *************************\n\n"
-                     f"-----BEGIN USER NKEY SEED-----\n{seed}\n"
-                     "------END USER NKEY SEED------\n")  # fmt: skip
+    creds.write_text(
+        f"-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n"
+        "************************* IMPORTANT *************************\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{seed}\n"
+        "------END USER NKEY SEED------\n"
+    )
     config = Config(nats_creds=str(creds))
     assert auth_options(config) == {"user_credentials": str(creds)}
     assert config_secrets(config) == {jwt, seed}
@@ -510,9 +589,14 @@ def test_scrub_hides_setting_secrets_seeds_and_jwts(text: str) -> None:
 async def test_a_replay_signed_in_by_the_settings_uses_the_fast_reader(
     password_server: NatsServer, pki: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = fresh_config("cfgauth", nats_user=USER, nats_password=PASSWORD,
-                          tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"),
-                          tls_key=str(pki / "client.key"))  # fmt: skip
+    config = fresh_config(
+        "cfgauth",
+        nats_user=USER,
+        nats_password=PASSWORD,
+        tls_ca=str(pki / "ca.pem"),
+        tls_cert=str(pki / "client.pem"),
+        tls_key=str(pki / "client.key"),
+    )
     async with connect(plain_url(password_server), service=False, config=config) as nc:
         last = await fill(nc, config, 500)
         returned = record_fast_fold(monkeypatch)
@@ -549,8 +633,10 @@ def test_a_comma_separated_server_list_connects_and_is_redacted(
     password_server: NatsServer, pki: Path
 ) -> None:
     dead = f"nats://{USER}:{PASSWORD}@127.0.0.1:1"  # nothing listens: nats-py tries the next
-    for url in (f"{dead},{password_url(password_server)}",
-                f"{password_url(password_server)} , {dead}"):  # fmt: skip
+    for url in (
+        f"{dead},{password_url(password_server)}",
+        f"{password_url(password_server)} , {dead}",
+    ):
         result = seqstate("status", NATS_URL=url, **tls_env(pki))
         assert result.returncode == 0, result.stderr
         assert f"{USER}:***@127.0.0.1:{password_server.port}" in result.stdout

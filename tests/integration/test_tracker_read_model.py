@@ -58,8 +58,10 @@ async def test_a_starting_server_finds_every_live_tracker(nc: Client) -> None:
     """Broke: nothing. Expected: read_trackers lists each slot-tracker namespace with a worker
     now, with its block size; one whose last worker left, and a router namespace, are not."""
     shared = fresh_config("tf").registry_bucket  # one bucket, as a deployment has
-    configs = [dataclasses.replace(fresh_config("tf", rules="slot-tracker"), registry_bucket=shared)
-               for _ in range(3)]  # fmt: skip
+    configs = [
+        dataclasses.replace(fresh_config("tf", rules="slot-tracker"), registry_bucket=shared)
+        for _ in range(3)
+    ]
     for i, config in enumerate(configs):
         async with Pipeline(nc, config) as pipeline:
             pub = RouterPublisher(nc, namespace=config.namespace, router_id="tf", config=config)

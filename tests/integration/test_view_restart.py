@@ -33,8 +33,9 @@ async def reconnecting_client(url: str) -> Client:
     async def quiet(exc: Exception) -> None:  # the dead server is the point
         pass
 
-    return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
-                              error_cb=quiet, connect_timeout=2)  # fmt: skip
+    return await nats.connect(
+        url, max_reconnect_attempts=-1, reconnect_time_wait=0.1, error_cb=quiet, connect_timeout=2
+    )
 
 
 class Projecting:
@@ -85,19 +86,27 @@ async def test_a_view_resumes_on_its_own_after_its_server_restarts(tmp_path: Pat
         bucket = Projecting(kv, config.new_state(), BucketImage(config.namespace))
         view = await RegistryView(view_nc, config=config, stall_after_s=1.0).start()
 
-        adds: list[Event] = [AddRequest(request_id=f"a{i}", worker_id=i % 3,
-                                        block_hashes=[*PROMPT, i], prefill_tokens=100 + i)
-                             for i in range(9)]  # fmt: skip
+        adds: list[Event] = [
+            AddRequest(
+                request_id=f"a{i}",
+                worker_id=i % 3,
+                block_hashes=[*PROMPT, i],
+                prefill_tokens=100 + i,
+            )
+            for i in range(9)
+        ]
         await caught_up(view, await bucket.write(adds))
         assert view.resumes == 0
 
         server.kill()
         server.start()
         await wait_for_jetstream(writer_nc)
-        after_restart = [MarkPrefillCompleted(request_id="a1", worker_id=1),
-                         Free(request_id="a3", worker_id=0), WorkerRemoved(worker_id=2),
-                         AddRequest(request_id="b1", worker_id=1, block_hashes=PROMPT,
-                                    prefill_tokens=50)]  # fmt: skip
+        after_restart = [
+            MarkPrefillCompleted(request_id="a1", worker_id=1),
+            Free(request_id="a3", worker_id=0),
+            WorkerRemoved(worker_id=2),
+            AddRequest(request_id="b1", worker_id=1, block_hashes=PROMPT, prefill_tokens=50),
+        ]
         await caught_up(view, await bucket.write(after_restart))
         assert view.resumes == 1
         seq = await bucket.write([Free(request_id="a0", worker_id=0)])  # live again
@@ -156,8 +165,10 @@ async def caught_up(view: RegistryView, seq: int) -> None:
     try:
         await view.wait_for(seq, timeout=WAIT_S)
     except TimeoutError:
-        raise AssertionError(f"the view stalled at position {view.applied_seq}, not {seq}; "
-                             f"{view.resumes} watches re-created") from None  # fmt: skip
+        raise AssertionError(
+            f"the view stalled at position {view.applied_seq}, not {seq}; "
+            f"{view.resumes} watches re-created"
+        ) from None
 
 
 async def wait_for_jetstream(nc: Client) -> None:

@@ -13,7 +13,7 @@ from pipeline_kit import bucket_values, fresh_config, run_cli
 
 from projector.nats.server import NatsServer
 from projector.ops.replay import verify
-from projector.ops.workers import WorkerChange, WorkerControl, WorkerNotFound, WorkerRefused
+from projector.ops.workers import WorkerChange, WorkerControl, WorkerNotRegistered, WorkerRefused
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
@@ -35,18 +35,23 @@ async def test_add_list_and_remove_a_worker_and_its_keys(nc: Client) -> None:
         await pub.add("a", 7, 1, block_hashes=[1, 2, 3], prefill_tokens=48)
         await pipeline.wait_applied(await pub.add("b", 8, block_hashes=[4]))
         listed = await control.workers()
-        assert [(w.worker_id, w.dp_ranks, w.active_requests, w.active_blocks, w.prefill_tokens)
-                for w in listed] == [(7, [0, 1], 1, 3, 48), (8, [0], 1, 1, 0)]  # fmt: skip
+        assert [
+            (w.worker_id, w.dp_ranks, w.active_requests, w.active_blocks, w.prefill_tokens)
+            for w in listed
+        ] == [(7, [0, 1], 1, 3, 48), (8, [0], 1, 1, 0)]
         ns = config.namespace
         assert keys_of(await bucket_values(nc, config), config, 7) == [
-            f"{ns}.load.7.0", f"{ns}.load.7.1", f"{ns}.req.7.1.0"]  # fmt: skip
+            f"{ns}.load.7.0",
+            f"{ns}.load.7.1",
+            f"{ns}.req.7.1.0",
+        ]
         removed = await control.remove(7)
         assert (removed.applied, removed.dp_ranks) == (True, [])
         values = await bucket_values(nc, config)
         assert keys_of(values, config, 7) == []  # its loads and its request slots, all gone
         assert keys_of(values, config, 8) != []
         assert [w.worker_id for w in await control.workers()] == [8]
-        with pytest.raises(WorkerNotFound, match="worker 7 has no rank in the registry"):
+        with pytest.raises(WorkerNotRegistered, match="worker 7 has no rank in the registry"):
             await control.remove(7)
     assert await verify(nc, config) == []
 

@@ -12,17 +12,11 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from projector.nats.dead_letters import (
-    PREFIX_BYTES,
-    REASON,
-    SIZE,
-    SOURCE_STREAM,
-    TRUNCATED,
-)
+from projector.nats.dead_letters import PREFIX_BYTES
 from projector.nats.resources import dead_letter_stream, ensure
-from projector.nats.stream import SOURCE_SEQ
 from projector.ops.replay import replay
 from projector.wire.config import Config
+from projector.wire.headers import REASON, SIZE, SOURCE_SEQ, SOURCE_STREAM, TRUNCATED
 from projector.write.writer import Writer
 from seqstate import (
     AddRequest,
@@ -42,8 +36,13 @@ _names = itertools.count()
 
 def fresh_config(**overrides: object) -> Config:
     n = next(_names)
-    return Config(namespace=f"w{n}", events_stream=f"WEV{n}", deltas_stream=f"WDL{n}",
-                  registry_bucket=f"wreg{n}", **overrides)  # type: ignore[arg-type]  # fmt: skip
+    return Config(
+        namespace=f"w{n}",
+        events_stream=f"WEV{n}",
+        deltas_stream=f"WDL{n}",
+        registry_bucket=f"wreg{n}",
+        **overrides,
+    )  # type: ignore[arg-type]
 
 
 def lifecycle(prefix: str) -> list[Event]:
@@ -51,8 +50,15 @@ def lifecycle(prefix: str) -> list[Event]:
     for i in range(6):
         rid = f"{prefix}-{i}"
         worker = i % 2
-        events.append(AddRequest(request_id=rid, worker_id=worker, block_hashes=[1, 2, 10 + i],
-                                 prefill_tokens=100 + i, expected_prefill_ms=50.0))  # fmt: skip
+        events.append(
+            AddRequest(
+                request_id=rid,
+                worker_id=worker,
+                block_hashes=[1, 2, 10 + i],
+                prefill_tokens=100 + i,
+                expected_prefill_ms=50.0,
+            )
+        )
         if i % 3 != 2:
             events.append(MarkPrefillCompleted(request_id=rid, worker_id=worker))
         if i % 2 == 0:
@@ -65,8 +71,11 @@ async def publish(nc: Client, config: Config, events: list[Event]) -> list[int]:
     seqs = []
     for event in events:
         worker = getattr(event, "worker_id", None)
-        subject = (config.control_subject if worker is None
-                   else config.event_subject(worker, getattr(event, "dp_rank", 0)))  # fmt: skip
+        subject = (
+            config.control_subject
+            if worker is None
+            else config.event_subject(worker, getattr(event, "dp_rank", 0))
+        )
         seqs.append((await js.publish(subject, encode_event(event))).seq)
     return seqs
 
@@ -83,8 +92,10 @@ def stream_time_us(stored: datetime | None) -> int:
 async def all_deltas(nc: Client, config: Config) -> list[Delta]:
     js = nc.jetstream()
     info = await js.stream_info(config.deltas_stream)
-    stored = [(await js.get_msg(config.deltas_stream, seq)).data or b""
-              for seq in range(info.state.first_seq, info.state.last_seq + 1)]  # fmt: skip
+    stored = [
+        (await js.get_msg(config.deltas_stream, seq)).data or b""
+        for seq in range(info.state.first_seq, info.state.last_seq + 1)
+    ]
     return [delta for data in stored for delta in decode_deltas(data)]
 
 
@@ -143,8 +154,18 @@ async def test_an_event_with_an_unknown_field_is_dead_lettered_naming_it(nc: Cli
     config = fresh_config()
     await ensure(nc, config)
     js = nc.jetstream()
-    typo = msgspec.msgpack.encode([1, {"type": "AddRequest", "request_id": "t", "worker_id": 5,
-                                       "block_hashes": [1], "prefil_tokens": 500}])  # fmt: skip
+    typo = msgspec.msgpack.encode(
+        [
+            1,
+            {
+                "type": "AddRequest",
+                "request_id": "t",
+                "worker_id": 5,
+                "block_hashes": [1],
+                "prefil_tokens": 500,
+            },
+        ]
+    )
     bad = await js.publish(config.event_subject(5, 0), typo)
     good = (await publish(nc, config, [AddRequest(request_id="g", worker_id=5)]))[0]
     async with running(nc, config) as writer:
@@ -197,12 +218,14 @@ async def test_events_past_the_rank_bounds_are_dead_lettered_and_replays_agree(
         assert writer.state.requests.worker_for("g") == (1, 999)
         state = writer.state.snapshot()
     js = nc.jetstream()
-    reasons = [(await js.get_msg(dead_letter_stream(config), n)).headers or {}
-               for n in (1, 26)]  # fmt: skip
-    assert reasons[0][REASON] == ("refused: worker 0 would have 4096 ranks, over the bound of "
-                                  "1024 per worker (max_ranks_per_worker)")  # fmt: skip
-    assert reasons[1][REASON] == ("refused: the write model would hold 4000 ranks, over the "
-                                  "bound of 3000 (max_ranks)")  # fmt: skip
+    reasons = [(await js.get_msg(dead_letter_stream(config), n)).headers or {} for n in (1, 26)]
+    assert reasons[0][REASON] == (
+        "refused: worker 0 would have 4096 ranks, over the bound of "
+        "1024 per worker (max_ranks_per_worker)"
+    )
+    assert reasons[1][REASON] == (
+        "refused: the write model would hold 4000 ranks, over the bound of 3000 (max_ranks)"
+    )
     replayed = await replay(nc, config, from_seq=seqs[0])
     assert replayed.state.snapshot() == state and replayed.dead_letters == 26
 
@@ -243,8 +266,9 @@ async def test_an_idle_stream_gets_a_logged_tick(nc: Client) -> None:
 async def test_many_events_fold_exactly_once(nc: Client, count: int) -> None:
     config = fresh_config()
     await ensure(nc, config)
-    events: list[Event] = [AddRequest(request_id=f"m{i}", worker_id=i % 4, block_hashes=[i])
-                           for i in range(count)]  # fmt: skip
+    events: list[Event] = [
+        AddRequest(request_id=f"m{i}", worker_id=i % 4, block_hashes=[i]) for i in range(count)
+    ]
     seqs = await publish(nc, config, events)
     async with running(nc, config) as writer:
         await asyncio.wait_for(writer.wait_applied(seqs[-1]), 20)

@@ -104,9 +104,13 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run(args: list[str | Path], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
-        [str(arg) for arg in args], cwd=cwd, env=clean_env(**env),
-        capture_output=True, text=True, timeout=HANG_S,
-    )  # fmt: skip
+        [str(arg) for arg in args],
+        cwd=cwd,
+        env=clean_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -114,10 +118,22 @@ def run(args: list[str | Path], cwd: Path, **env: str) -> subprocess.CompletedPr
 def checkout(into: Path) -> Path:
     """A copy of the checkout as a clean clone has it: no venv, build output or compiled core."""
     junk = shutil.ignore_patterns(
-        ".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", "*.so",
-        ".native-built", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".hypothesis",
-        ".seqstate", "*.prof",
-    )  # fmt: skip
+        ".git",
+        ".venv",
+        "venv",
+        "build",
+        "dist",
+        "*.egg-info",
+        "__pycache__",
+        "*.so",
+        ".native-built",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        ".hypothesis",
+        ".seqstate",
+        "*.prof",
+    )
     return Path(shutil.copytree(REPO, into / "seqstate-src", ignore=junk))
 
 

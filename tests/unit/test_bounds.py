@@ -26,8 +26,9 @@ def fold(events: list[object], bounds: RankBounds = BOUNDS) -> tuple[SequenceSta
 
 def test_a_worker_wider_than_its_bound_is_refused_naming_the_bound() -> None:
     state, refused = fold([WorkerAdded(worker_id=1, dp_size=4096)])
-    assert refused == ["worker 1 would have 4096 ranks, over the bound of 4 per worker "
-                       "(max_ranks_per_worker)"]  # fmt: skip
+    assert refused == [
+        "worker 1 would have 4096 ranks, over the bound of 4 per worker (max_ranks_per_worker)"
+    ]
     assert len(state.workers.slots) == 0
 
 
@@ -44,34 +45,47 @@ def test_the_table_bound_counts_what_a_resize_adds_and_drops() -> None:
 
 
 def test_lazy_ranks_count_and_existing_ranks_are_never_refused() -> None:
-    events: list[object] = [AddRequest(request_id=f"r{i}", worker_id=7, dp_rank=i)
-                            for i in range(6)]  # fmt: skip
+    events: list[object] = [
+        AddRequest(request_id=f"r{i}", worker_id=7, dp_rank=i) for i in range(6)
+    ]
     events.append(AddRequest(request_id="again", worker_id=7, dp_rank=0))
     events.append(Free(request_id="r0", worker_id=7))
     state, refused = fold(events)
-    assert refused == ["worker 7 would have 5 ranks, over the bound of 4 per worker "
-                       "(max_ranks_per_worker)"] * 2  # fmt: skip
+    assert (
+        refused
+        == ["worker 7 would have 5 ranks, over the bound of 4 per worker (max_ranks_per_worker)"]
+        * 2
+    )
     assert state.workers.ranks_of(7) == 4
     assert "again" in state.requests.owner
 
 
 def test_the_per_worker_index_follows_removals() -> None:
-    state, _ = fold([WorkerAdded(worker_id=3, dp_size=4),
-                     AddRequest(request_id="x", worker_id=3, dp_rank=9),
-                     WorkerRemoved(worker_id=3)], RankBounds(per_worker=8, total=10))  # fmt: skip
+    state, _ = fold(
+        [
+            WorkerAdded(worker_id=3, dp_size=4),
+            AddRequest(request_id="x", worker_id=3, dp_rank=9),
+            WorkerRemoved(worker_id=3),
+        ],
+        RankBounds(per_worker=8, total=10),
+    )
     assert state.workers.ranks_of(3) == 0 and not state.workers.by_worker
     state.check_invariants()
 
 
 topology = st.lists(
     st.one_of(
-        st.builds(WorkerAdded, worker_id=st.integers(0, 3), dp_start=st.integers(0, 3),
-                  dp_size=st.integers(1, 6)),
+        st.builds(
+            WorkerAdded,
+            worker_id=st.integers(0, 3),
+            dp_start=st.integers(0, 3),
+            dp_size=st.integers(1, 6),
+        ),
         st.builds(WorkerRemoved, worker_id=st.integers(0, 3)),
         st.tuples(st.integers(0, 3), st.integers(0, 8)),  # an AddRequest for (worker, rank)
     ),
     max_size=40,
-)  # fmt: skip
+)
 
 
 @settings(max_examples=200)
@@ -82,8 +96,11 @@ def test_an_event_is_refused_exactly_when_applying_it_would_pass_a_bound(
     bounds = RankBounds(per_worker=4, total=9)
     state = SequenceState(expiry_s=None)
     for at, step in enumerate(steps):
-        event = (AddRequest(request_id=f"r{at}", worker_id=step[0], dp_rank=step[1])
-                 if isinstance(step, tuple) else step)  # fmt: skip
+        event = (
+            AddRequest(request_id=f"r{at}", worker_id=step[0], dp_rank=step[1])
+            if isinstance(step, tuple)
+            else step
+        )
         why = bounds.refusal(state, event)  # type: ignore[arg-type]
         trial = SequenceState.restore(state.snapshot())  # the naive answer: try it and count
         trial.apply(event, at)

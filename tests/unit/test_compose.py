@@ -497,8 +497,9 @@ def test_prometheus_scrapes_every_pipeline_service_on_its_metrics_port(services)
     assert config_path == DEPLOY / "prometheus.yml"
     assert "--config.file=/etc/prometheus/prometheus.yml" in _argv(prometheus["command"])
     config = yaml.safe_load(config_path.read_text())
-    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
-               for t in sc["targets"]}  # fmt: skip
+    targets = {
+        t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
     assert targets == {f"{name}:{_metrics_port(services[name])}" for name in PIPELINE}, targets
 
 
@@ -519,7 +520,7 @@ def test_grafana_provisions_the_data_source_and_dashboard_it_names(services):
     dashboard = json.loads(files[0].read_text())
     home = _environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == f"/var/lib/grafana/dashboards/{files[0].name}"
-    used = {json.dumps(p["datasource"], sort_keys=True) for p in panels(dashboard)
-            if p["type"] != "row"}  # fmt: skip
+    used = {
+        json.dumps(p["datasource"], sort_keys=True) for p in panels(dashboard) if p["type"] != "row"
+    }
     assert used == {json.dumps({"type": "prometheus", "uid": source["uid"]}, sort_keys=True)}
-

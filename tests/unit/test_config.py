@@ -19,11 +19,19 @@ def test_defaults_follow_the_conventions() -> None:
 
 
 def test_environment_then_overrides() -> None:
-    env = {"SEQSTATE_NAMESPACE": "prod", "SEQSTATE_EXPIRY_S": "off", "NATS_URL": "nats://n:4222",
-           "SEQSTATE_REPLICAS": "3"}  # fmt: skip
+    env = {
+        "SEQSTATE_NAMESPACE": "prod",
+        "SEQSTATE_EXPIRY_S": "off",
+        "NATS_URL": "nats://n:4222",
+        "SEQSTATE_REPLICAS": "3",
+    }
     config = Config.from_env(env, namespace="canary")
     assert (config.namespace, config.expiry_s, config.nats_url, config.replicas) == (
-        "canary", None, "nats://n:4222", 3)  # fmt: skip
+        "canary",
+        None,
+        "nats://n:4222",
+        3,
+    )
 
 
 @pytest.mark.parametrize(
@@ -128,7 +136,10 @@ def test_the_rules_setting_chooses_the_folds_rules_and_refuses_a_grace_with_them
 
 def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
     assert (Config().metrics_port, Config().metrics_host, Config().ready_lag_events) == (
-        None, "0.0.0.0", 1000)  # fmt: skip
+        None,
+        "0.0.0.0",
+        1000,
+    )
     env = {"SEQSTATE_METRICS_PORT": "9464", "SEQSTATE_READY_LAG_EVENTS": "50"}
     config = Config.from_env(env)
     assert (config.metrics_port, config.ready_lag_events) == (9464, 50)
@@ -136,12 +147,14 @@ def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
     assert Config.from_env({}, flags={"metrics_port": ("--metrics-port", "0")}).metrics_port == 0
     with pytest.raises(ConfigError) as caught:
         Config.from_env({}, flags={"metrics_port": ("--metrics-port", "70000")})
-    assert str(caught.value) == ("--metrics-port '70000': not a port: use 0-65535 (0: any free "
-                                 "port), or 'off'")  # fmt: skip
+    assert str(caught.value) == (
+        "--metrics-port '70000': not a port: use 0-65535 (0: any free port), or 'off'"
+    )
     with pytest.raises(ConfigError) as caught:
         Config.from_env({"SEQSTATE_METRICS_PORT": "http"})
-    assert str(caught.value) == ("SEQSTATE_METRICS_PORT='http': not a number (a whole number, "
-                                 "or 'off')")  # fmt: skip
+    assert str(caught.value) == (
+        "SEQSTATE_METRICS_PORT='http': not a number (a whole number, or 'off')"
+    )
     with pytest.raises(ConfigError, match="SEQSTATE_READY_LAG_EVENTS='-1': must not be negative"):
         Config.from_env({"SEQSTATE_READY_LAG_EVENTS": "-1"})
     with pytest.raises(ConfigError, match="--metrics-host ' ': not an address"):

@@ -19,8 +19,21 @@ from projector.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "seqstate.json"
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool",
-            "and", "or", "unless", "inf", "nan"}  # fmt: skip
+KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "offset",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "inf",
+    "nan",
+}
 IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 
 
@@ -33,7 +46,7 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"label_values\(\s*([^,)]+)(?:,[^)]*)?\)", r"(\1)", expr)
     names = set()
     for match in IDENT.finditer(expr):
-        rest = expr[match.end():].lstrip()
+        rest = expr[match.end() :].lstrip()
         before = expr[: match.start()]
         if rest.startswith("(") or match.group().lower() in KEYWORDS:
             continue
@@ -80,8 +93,12 @@ def exported_names() -> set[str]:
 
 
 def test_the_registry_exports_the_documented_families(exported_names):
-    for name in ("seqstate_worker_active_blocks", "seqstate_events_total",
-                 "seqstate_flush_seconds_bucket", "seqstate_lag_seconds"):  # fmt: skip
+    for name in (
+        "seqstate_worker_active_blocks",
+        "seqstate_events_total",
+        "seqstate_flush_seconds_bucket",
+        "seqstate_lag_seconds",
+    ):
         assert name in exported_names
 
 
@@ -94,7 +111,7 @@ def dashboard() -> dict[str, Any]:
     ("expr", "names"),
     [
         ('seqstate_lag_events{namespace=~"$namespace"}', {"seqstate_lag_events"}),
-        ("histogram_quantile(0.99, sum by (le, role) (rate(x_bucket{a=\"b\"}[5m])))", {"x_bucket"}),
+        ('histogram_quantile(0.99, sum by (le, role) (rate(x_bucket{a="b"}[5m])))', {"x_bucket"}),
         ("topk(10, a) / on (worker) group_left b offset 5m", {"a", "b"}),
         ("label_values(seqstate_applied_seq, namespace)", {"seqstate_applied_seq"}),
         ("sum(rate(a_total[1m])) * 1e3 > bool 0.5", {"a_total"}),

@@ -33,9 +33,18 @@ def random_log(seed: int, n: int = 600) -> list[tuple[Event, int]]:
             prefix = [1000 * (i % 3) + k for k in range(rng.randrange(0, 6))]
             hashes = prefix + [10_000 + i * 10 + k for k in range(rng.randrange(0, 4))]
             ms = rng.choice([None, 0.0, 25.0, 400.0])
-            log.append((AddRequest(request_id=f"r{i}", worker_id=worker, block_hashes=hashes,
-                                   prefill_tokens=rng.randrange(0, 900),
-                                   expected_prefill_ms=ms), t))  # fmt: skip
+            log.append(
+                (
+                    AddRequest(
+                        request_id=f"r{i}",
+                        worker_id=worker,
+                        block_hashes=hashes,
+                        prefill_tokens=rng.randrange(0, 900),
+                        expected_prefill_ms=ms,
+                    ),
+                    t,
+                )
+            )
             live.append((f"r{i}", worker))
         elif roll < 0.65:
             rid, worker = rng.choice(live)
@@ -65,7 +74,11 @@ def test_deferred_then_synced_equals_current(seed: int, changes: bool) -> None:
         delta = deferred.apply(event, at)
         # Outcomes, expiry and topology always agree; per-rank changes only if asked for.
         assert (delta.outcome, delta.expired, delta.added_ranks, delta.removed_ranks) == (
-            full.outcome, full.expired, full.added_ranks, full.removed_ranks)  # fmt: skip
+            full.outcome,
+            full.expired,
+            full.added_ranks,
+            full.removed_ranks,
+        )
         if changes:
             assert delta == full
     assert deferred.registry.ranks() == []  # nothing was kept current meanwhile

@@ -43,10 +43,13 @@ def test_a_misspelt_field_is_refused_by_name() -> None:
         AddRequest(request_id="t", worker_id=5, prefil_tokens=500)  # type: ignore[call-arg]
 
 
-@pytest.mark.parametrize("make", [
-    lambda **kw: RouterPublisher(Client(), router_id="r", **kw).config,
-    lambda **kw: RegistryView(Client(), **kw).config,
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: RouterPublisher(Client(), router_id="r", **kw).config,
+        lambda **kw: RegistryView(Client(), **kw).config,
+    ],
+)
 def test_namespace_wins_over_the_config_in_both_clients(make: Callable[..., Config]) -> None:
     base = Config(namespace="from-config", flush_interval_s=0.5)
     both = make(namespace="given", config=base)

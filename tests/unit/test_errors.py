@@ -41,5 +41,22 @@ def test_every_error_of_the_project_is_a_seqstate_error(error: type[BaseExceptio
 
 def test_the_errors_are_found() -> None:
     names = {e.__name__ for e in _errors()}
-    assert {"EventDecodeError", "ConfigError", "ReplayError", "PublishError", "LeaseLost",
-            "WriterStalled", "DeltaGap", "ConnectError", "NatsServerError"} <= names  # fmt: skip
+    assert {
+        "EventDecodeError",
+        "ConfigError",
+        "ReplayError",
+        "PublishError",
+        "LeaseLost",
+        "WriterStalled",
+        "DeltaGap",
+        "ConnectError",
+        "NatsServerError",
+    } <= names
+
+
+def test_no_two_errors_share_a_name() -> None:
+    """A name means one error: ``except WorkerNotFound`` must not depend on which was imported."""
+    homes: dict[str, list[str]] = {}
+    for error in _errors():
+        homes.setdefault(error.__name__, []).append(error.__module__)
+    assert {name: where for name, where in homes.items() if len(where) > 1} == {}

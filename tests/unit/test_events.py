@@ -69,20 +69,48 @@ def _raw(event: dict[str, object], version: int = SCHEMA_VERSION) -> bytes:
 BAD = [
     ({"type": "AddRequest", "request_id": "", "worker_id": 1}, "request_id"),
     ({"type": "AddRequest", "request_id": "a", "worker_id": -1}, "worker_id"),
-    ({"type": "AddRequest", "request_id": "a", "worker_id": 1, "prefill_tokens": -5}, "prefill_tokens"),
-    ({"type": "AddRequest", "request_id": "a", "worker_id": 1, "block_hashes": [1, -2]}, "block_hashes[1]"),
-    ({"type": "AddRequest", "request_id": "a", "worker_id": 1, "expected_prefill_ms": -0.5}, "expected_prefill_ms"),
-    ({"type": "AddRequest", "request_id": "a", "worker_id": 1, "expected_prefill_ms": float("nan")}, "expected_prefill_ms"),
-    ({"type": "AddRequest", "request_id": "a", "worker_id": 1, "expected_prefill_ms": float("inf")}, "expected_prefill_ms"),
+    (
+        {"type": "AddRequest", "request_id": "a", "worker_id": 1, "prefill_tokens": -5},
+        "prefill_tokens",
+    ),
+    (
+        {"type": "AddRequest", "request_id": "a", "worker_id": 1, "block_hashes": [1, -2]},
+        "block_hashes[1]",
+    ),
+    (
+        {"type": "AddRequest", "request_id": "a", "worker_id": 1, "expected_prefill_ms": -0.5},
+        "expected_prefill_ms",
+    ),
+    (
+        {
+            "type": "AddRequest",
+            "request_id": "a",
+            "worker_id": 1,
+            "expected_prefill_ms": float("nan"),
+        },
+        "expected_prefill_ms",
+    ),
+    (
+        {
+            "type": "AddRequest",
+            "request_id": "a",
+            "worker_id": 1,
+            "expected_prefill_ms": float("inf"),
+        },
+        "expected_prefill_ms",
+    ),
     ({"type": "AddRequest", "request_id": "a", "worker_id": 1, "dp_rank": 2**32}, "dp_rank"),
     ({"type": "AddRequest", "request_id": "a"}, "worker_id"),
     ({"type": "AddRequest", "request_id": 5, "worker_id": 1}, "request_id"),
     ({"type": "WorkerAdded", "worker_id": 1, "dp_size": 0}, "dp_size"),
     ({"type": "WorkerAdded", "worker_id": 1, "dp_start": 2**32 - 1, "dp_size": 1}, "dp_size"),
-    ({"type": "AddOutputBlock", "request_id": "a", "worker_id": 1, "decay_fraction": 1.5}, "decay_fraction"),
+    (
+        {"type": "AddOutputBlock", "request_id": "a", "worker_id": 1, "decay_fraction": 1.5},
+        "decay_fraction",
+    ),
     ({"type": "Nonsense"}, "type"),
     ({"request_id": "a", "worker_id": 1}, "type"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("payload", "field"), BAD, ids=[f for _, f in BAD])
@@ -101,8 +129,9 @@ def test_unsupported_schema_version_is_reported() -> None:
 def test_hash_above_u64_cannot_be_encoded_in_msgpack() -> None:
     # The wire itself bounds hashes to u64: msgpack has no larger integer.
     with pytest.raises(OverflowError):
-        msgspec.msgpack.encode([1, {"type": "AddRequest", "request_id": "a", "worker_id": 1,
-                                    "block_hashes": [2**64]}])  # fmt: skip
+        msgspec.msgpack.encode(
+            [1, {"type": "AddRequest", "request_id": "a", "worker_id": 1, "block_hashes": [2**64]}]
+        )
 
 
 def test_encoding_an_integer_beyond_64_bits_names_the_field() -> None:
@@ -140,9 +169,16 @@ def test_an_unknown_field_is_rejected_by_name_on_both_wires(tag: str) -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc1", b"garbage", msgspec.msgpack.encode({"a": 1}), msgspec.msgpack.encode([1]),
-     encode_event(Tick())[:-1], encode_event(EVENTS[0])[:-3]],
-)  # fmt: skip
+    [
+        b"",
+        b"\xc1",
+        b"garbage",
+        msgspec.msgpack.encode({"a": 1}),
+        msgspec.msgpack.encode([1]),
+        encode_event(Tick())[:-1],
+        encode_event(EVENTS[0])[:-3],
+    ],
+)
 def test_garbage_bytes_raise_the_one_error_type(data: bytes) -> None:
     with pytest.raises(EventDecodeError):
         decode_event(data)

@@ -21,8 +21,12 @@ S = 1_000_000_000
 NS = "img"
 
 
-def fold(events: list[object], image: BucketImage | None = None, state: SequenceState | None = None,
-         start: int = 1) -> tuple[BucketImage, SequenceState]:  # fmt: skip
+def fold(
+    events: list[object],
+    image: BucketImage | None = None,
+    state: SequenceState | None = None,
+    start: int = 1,
+) -> tuple[BucketImage, SequenceState]:
     image = image or BucketImage(NS)
     state = state or SequenceState(expiry_s=None)
     for seq, event in enumerate(events, start):

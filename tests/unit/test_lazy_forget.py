@@ -37,8 +37,11 @@ def test_traffic_in_between_starts_the_idle_time_again() -> None:
 
 
 def test_a_snapshot_carries_the_rule_and_the_idle_times() -> None:
-    events = [(AddRequest(request_id="a", worker_id=4, block_hashes=[1]), 0),
-              (Free(request_id="a", worker_id=4), S), (Tick(), 2 * S)]  # fmt: skip
+    events = [
+        (AddRequest(request_id="a", worker_id=4, block_hashes=[1]), 0),
+        (Free(request_id="a", worker_id=4), S),
+        (Tick(), 2 * S),
+    ]
     whole = SequenceState(expiry_s=None, forget_lazy_after_s=60.0)
     for event, at in events:
         whole.apply(event, at)

@@ -80,9 +80,18 @@ def test_stats_line_under_the_table() -> None:
     text = text_of(render(ROWS, title="t", stats=stats))
     last = text.rstrip().splitlines()[-1]
     assert last.split() == [
-        "events", "published", "123,456", "applied", "seq", "99", "staleness", "ms", "12.2",
-        "dlq", "—",
-    ]  # fmt: skip
+        "events",
+        "published",
+        "123,456",
+        "applied",
+        "seq",
+        "99",
+        "staleness",
+        "ms",
+        "12.2",
+        "dlq",
+        "—",
+    ]
 
 
 def test_render_without_rows() -> None:

@@ -29,11 +29,15 @@ class _Tty(io.StringIO):
         return True
 
 
-def _record(msg: str = "hello %s", args: tuple[object, ...] = ("world",), **extra: object,
-            ) -> logging.LogRecord:  # fmt: skip
+def _record(
+    msg: str = "hello %s",
+    args: tuple[object, ...] = ("world",),
+    **extra: object,
+) -> logging.LogRecord:
     logger = logging.getLogger("seqstate.test")
-    return logger.makeRecord("seqstate.test", logging.WARNING, __file__, 1, msg, args, None,
-                             extra=extra or None)  # fmt: skip
+    return logger.makeRecord(
+        "seqstate.test", logging.WARNING, __file__, 1, msg, args, None, extra=extra or None
+    )
 
 
 @pytest.fixture
@@ -59,9 +63,16 @@ def test_a_json_record_parses_with_its_fields() -> None:
 
 
 def test_allow_listed_extras_are_kept_and_others_are_not() -> None:
-    extra = {"request_id": "r1", "worker": 3, "dp_rank": 1, "stream_seq": 42,
-             "router_id": "router-a", "namespace": "ns", "prompt": "secret text",
-             "block_hashes": [1, 2, 3]}  # fmt: skip
+    extra = {
+        "request_id": "r1",
+        "worker": 3,
+        "dp_rank": 1,
+        "stream_seq": 42,
+        "router_id": "router-a",
+        "namespace": "ns",
+        "prompt": "secret text",
+        "block_hashes": [1, 2, 3],
+    }
     record = json.loads(JsonFormatter().format(_record(**extra)))
     for key in FIELDS:
         assert record[key] == extra[key]
@@ -96,10 +107,15 @@ def test_an_odd_extra_value_is_shown_not_fatal() -> None:
 
 
 def test_event_fields_name_ids_never_content() -> None:
-    event = AddRequest(request_id="r1", worker_id=3, dp_rank=1, block_hashes=[11, 12],
-                       prefill_tokens=1200, router_id="ra")  # fmt: skip
-    assert event_fields(event) == {"request_id": "r1", "worker": 3, "dp_rank": 1,
-                                   "router_id": "ra"}  # fmt: skip
+    event = AddRequest(
+        request_id="r1",
+        worker_id=3,
+        dp_rank=1,
+        block_hashes=[11, 12],
+        prefill_tokens=1200,
+        router_id="ra",
+    )
+    assert event_fields(event) == {"request_id": "r1", "worker": 3, "dp_rank": 1, "router_id": "ra"}
     assert event_fields(Tick()) == {}
 
 
@@ -141,7 +157,11 @@ def test_auto_is_console_on_a_terminal_and_json_elsewhere() -> None:
 def test_setup_and_the_error_line_follow_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert json.loads(error_line("NATS: gone", "auto")) | {"ts": 0} == {
-        "ts": 0, "level": "error", "logger": "seqstate", "msg": "NATS: gone"}  # fmt: skip
+        "ts": 0,
+        "level": "error",
+        "logger": "seqstate",
+        "msg": "NATS: gone",
+    }
     assert error_line("NATS: gone", "console") == "seqstate: error: NATS: gone"
     root = logging.getLogger()
     saved = root.handlers[:], root.level

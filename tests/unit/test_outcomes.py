@@ -22,8 +22,14 @@ from seqstate.recent import STALE_SLACK
 S = 1_000_000_000
 
 
-def add(rid: str, worker: int = 1, rank: int = 0, hashes: list[int] | None = None,
-        tokens: int = 0, ms: float | None = None) -> AddRequest:  # fmt: skip
+def add(
+    rid: str,
+    worker: int = 1,
+    rank: int = 0,
+    hashes: list[int] | None = None,
+    tokens: int = 0,
+    ms: float | None = None,
+) -> AddRequest:
     return AddRequest(
         request_id=rid,
         worker_id=worker,
@@ -164,11 +170,14 @@ def test_id_memories_stay_within_their_capacity_when_ids_are_consumed_or_reused(
     for i in range(20_000):  # ten ids, each booked and freed again and again
         state.apply(add(f"y{i % 10}"), S + i * 1000)
         assert state.apply(Free(request_id=f"y{i % 10}", worker_id=1), S + i * 1000).outcome == (
-            "applied")  # fmt: skip
+            "applied"
+        )
         assert len(state.tombstones._queue) <= bound and len(state.ended._queue) <= bound
     assert len(state.tombstones) == 0 and state.tombstones.evicted == 0
     assert [rid for rid, _, _ in state.ended.items()] == [
-        *(f"x{i}" for i in range(19_910, 20_000)), *(f"y{i}" for i in range(10))]  # fmt: skip
+        *(f"x{i}" for i in range(19_910, 20_000)),
+        *(f"y{i}" for i in range(10)),
+    ]
     assert state.ended.evicted == 20_000 - 90
 
 

@@ -31,6 +31,7 @@ def test_nats_server_accepts_the_role_config() -> None:
     generator = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))
     roles = [role.upper() for role in generator["ROLES"]]
     env = {**os.environ, **{f"SEQSTATE_{role}_PASSWORD": "x" for role in roles}}
-    result = subprocess.run([find_binary(), "-c", str(CONF), "-t"], capture_output=True,
-                            text=True, timeout=30, env=env)  # fmt: skip
+    result = subprocess.run(
+        [find_binary(), "-c", str(CONF), "-t"], capture_output=True, text=True, timeout=30, env=env
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -22,8 +22,9 @@ def state(**options: object) -> SequenceState:
 
 
 def add(s: SequenceState, rid: str, router: str, at_s: float, worker: int = 1) -> None:
-    delta = s.apply(AddRequest(rid, worker, block_hashes=[hash(rid) % 1000, 7], router_id=router),
-                    int(at_s * S))  # fmt: skip
+    delta = s.apply(
+        AddRequest(rid, worker, block_hashes=[hash(rid) % 1000, 7], router_id=router), int(at_s * S)
+    )
     assert delta.outcome == "applied"
 
 

@@ -27,21 +27,25 @@ def tracker() -> SequenceState:
     return SequenceState(slot_tracker=True)
 
 
-def register(s: SequenceState, worker: int, dp_start: int = 0, dp_size: int = 1,
-             block: int | None = 16) -> str:  # fmt: skip
+def register(
+    s: SequenceState, worker: int, dp_start: int = 0, dp_size: int = 1, block: int | None = 16
+) -> str:
     return s.apply(WorkerAdded(worker, dp_start, dp_size, block_size=block), s.now_ns).outcome
 
 
-def add(s: SequenceState, rid: str, worker: int, hashes: list[int], isl: int = 0,
-        dp_rank: int = 0) -> str:  # fmt: skip
+def add(
+    s: SequenceState, rid: str, worker: int, hashes: list[int], isl: int = 0, dp_rank: int = 0
+) -> str:
     event = AddRequest(rid, worker, dp_rank, block_hashes=hashes, prefill_tokens=isl)
     return s.apply(event, s.now_ns + S).outcome
 
 
 def loads(s: SequenceState) -> list[tuple[int, int, int, int]]:
     """``(worker_id, dp_rank, active_prefill_tokens, active_decode_blocks)`` as /loads."""
-    return [(r.worker_id, r.dp_rank, r.active_prefill_tokens, r.active_blocks)
-            for r in s.registry.loads(s.now_ns)]  # fmt: skip
+    return [
+        (r.worker_id, r.dp_rank, r.active_prefill_tokens, r.active_blocks)
+        for r in s.registry.loads(s.now_ns)
+    ]
 
 
 def test_shared_prefixes_count_once_per_rank_and_unregister_drops_the_requests() -> None:
@@ -164,8 +168,10 @@ def test_expiry_runs_on_log_time_as_dynamos_does_on_its_clock() -> None:
     s = tracker()
     t0 = s.now_ns
     register(s, 1)
-    assert s.apply(AddRequest("old", 1, 0, block_hashes=[1, 2], prefill_tokens=64),
-                   t0 + 1 * S).outcome == "applied"  # fmt: skip
+    assert (
+        s.apply(AddRequest("old", 1, 0, block_hashes=[1, 2], prefill_tokens=64), t0 + 1 * S).outcome
+        == "applied"
+    )
     for at_s in range(30, 301, 30):  # a Tick every 30 s: nothing is old enough yet
         assert s.apply(Tick(), t0 + at_s * S).expired == []
     assert loads(s) == [(1, 0, 64, 2)]

@@ -112,10 +112,13 @@ def test_parts_applied_in_order_build_the_read_model_of_the_whole() -> None:
 
 def _projection_before(registry: PromptRegistry) -> list[Delta]:
     changes = [
-        RankChange(rank, registry.load_of(rank) or RankLoad(),
-                   booked=[Booking(s, f"x{s}", h) for s, h in registry.requests_of(rank).items()])
+        RankChange(
+            rank,
+            registry.load_of(rank) or RankLoad(),
+            booked=[Booking(s, f"x{s}", h) for s, h in registry.requests_of(rank).items()],
+        )
         for rank in registry.ranks()
-    ]  # fmt: skip
+    ]
     return [Delta("applied", 0, changes, added_ranks=registry.ranks())]
 
 

@@ -65,8 +65,16 @@ QUERIES: tuple[list[int], ...] = (
     list(LINEAGES[3][:6]),
     [*LINEAGES[1][:2], 10_001, 10_002],
 )
-OUTCOMES = ("applied", "duplicate", "unknown_request", "unknown_worker", "superseded",
-            "no_tracker", "worker_exists", "block_size_mismatch")  # fmt: skip
+OUTCOMES = (
+    "applied",
+    "duplicate",
+    "unknown_request",
+    "unknown_worker",
+    "superseded",
+    "no_tracker",
+    "worker_exists",
+    "block_size_mismatch",
+)
 BLOCK_SIZES = st.sampled_from((None, 16, 16, 32))
 
 
@@ -355,8 +363,9 @@ class Model:
             self._free_router(router, now, exp)
 
     def _free_router(self, router: str, now: int, exp: Expected) -> None:
-        mine = sorted((r for r in self.live if r.router == router),
-                      key=lambda r: (r.rank, r.added_ns, r.rid))  # fmt: skip
+        mine = sorted(
+            (r for r in self.live if r.router == router), key=lambda r: (r.rank, r.added_ns, r.rid)
+        )
         current: Rank | None = None
         for req in mine:
             self._end(req, now)
@@ -668,14 +677,19 @@ class SeqStateMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.state = SequenceState(expiry_s=self.EXPIRY_S, lazy_workers=self.LAZY,
-                                   orphan_after_s=self.ORPHAN_S, worker_grace_s=self.GRACE_S,
-                                   slot_tracker=self.TRACKER)  # fmt: skip
+        self.state = SequenceState(
+            expiry_s=self.EXPIRY_S,
+            lazy_workers=self.LAZY,
+            orphan_after_s=self.ORPHAN_S,
+            worker_grace_s=self.GRACE_S,
+            slot_tracker=self.TRACKER,
+        )
         expiry_ns = None if self.EXPIRY_S is None else round(self.EXPIRY_S * S)
         orphan_ns = None if self.ORPHAN_S is None else round(self.ORPHAN_S * S)
         grace_ns = None if self.GRACE_S is None else round(self.GRACE_S * S)
-        self.model = Model(expiry_ns, self.LAZY and not self.TRACKER, orphan_ns, grace_ns,
-                           self.TRACKER)  # fmt: skip
+        self.model = Model(
+            expiry_ns, self.LAZY and not self.TRACKER, orphan_ns, grace_ns, self.TRACKER
+        )
 
     def _apply(self, event: object, step: int) -> None:
         at = max(0, self.model.now + step)
@@ -694,10 +708,13 @@ class SeqStateMachine(RuleBasedStateMachine):
         assert [tuple(r) for r in delta.added_ranks] == exp.added_ranks
         assert [tuple(r) for r in delta.removed_ranks] == exp.removed_ranks
         got = [
-            ((c.worker_id, c.dp_rank), c.released,
-             [(b.slot, b.request_id, b.hashes) for b in c.booked])
+            (
+                (c.worker_id, c.dp_rank),
+                c.released,
+                [(b.slot, b.request_id, b.hashes) for b in c.booked],
+            )
             for c in delta.changes
-        ]  # fmt: skip
+        ]
         assert got == exp.changes, (got, exp.changes)
         # A rank may change twice in one delta (orphans swept, then the event's own change):
         # its last change carries the load after the event.

@@ -10,12 +10,15 @@ from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tr
 from projector.wire.config import Config
 
 
-@pytest.mark.parametrize(("model", "group", "namespace"), [
-    ("meta-llama/Llama-3.1-8B", "default", "st-meta_2Dllama_2FLlama_2D3_2E1_2D8B-default"),
-    ("Qwen", "a-b", "st-Qwen-a_2Db"),
-    ("m_1", "", "st-m_5F1-"),
-    ("é", "g h", "st-_C3_A9-g_20h"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "group", "namespace"),
+    [
+        ("meta-llama/Llama-3.1-8B", "default", "st-meta_2Dllama_2FLlama_2D3_2E1_2D8B-default"),
+        ("Qwen", "a-b", "st-Qwen-a_2Db"),
+        ("m_1", "", "st-m_5F1-"),
+        ("é", "g h", "st-_C3_A9-g_20h"),
+    ],
+)
 def test_names_read_as_their_model(model: str, group: str, namespace: str) -> None:
     assert namespace_for(model, group) == namespace
     assert tracker_of(namespace) == (model, group)
@@ -46,8 +49,9 @@ def test_a_deployment_is_a_third_token() -> None:
         tracker_of("st-Qwen-default", "staging")
 
 
-@pytest.mark.parametrize("namespace", ["default", "st-a-b-c-d", "st-a_2", "st-_ZZ-x", "st-_FF-x",
-                                       "st-a-b-_FF"])  # fmt: skip
+@pytest.mark.parametrize(
+    "namespace", ["default", "st-a-b-c-d", "st-a_2", "st-_ZZ-x", "st-_FF-x", "st-a-b-_FF"]
+)
 def test_other_namespaces_are_refused(namespace: str) -> None:
     with pytest.raises(NotATrackerNamespace):
         tracker_of(namespace, "c")

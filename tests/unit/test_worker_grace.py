@@ -35,8 +35,10 @@ def busy(s: SequenceState) -> SequenceState:
 
 
 def rows(s: SequenceState, at_s: float) -> list[tuple[int, int, int, int, int]]:
-    return [(r.worker_id, r.dp_rank, r.active_blocks, r.active_prefill_tokens, r.active_requests)
-            for r in s.registry.loads(int(at_s * S))]  # fmt: skip
+    return [
+        (r.worker_id, r.dp_rank, r.active_blocks, r.active_prefill_tokens, r.active_requests)
+        for r in s.registry.loads(int(at_s * S))
+    ]
 
 
 def test_a_worker_back_within_its_grace_keeps_its_bookings() -> None:
@@ -50,9 +52,9 @@ def test_a_worker_back_within_its_grace_keeps_its_bookings() -> None:
     assert sorted(s.requests.owner) == ["a", "b", "c"]  # still followed
     back = s.apply(WorkerAdded(1, dp_size=2), 13 * S)
     assert [tuple(r) for r in back.added_ranks] == [(1, 0), (1, 1)]
-    assert [(tuple(c.rank), [(b.slot, b.request_id, b.hashes) for b in c.booked])
-            for c in back.changes] == [((1, 0), [(0, "a", [1, 2, 3]), (1, "b", [1, 2, 9])]),
-                                       ((1, 1), [(0, "c", [4])])]  # fmt: skip
+    assert [
+        (tuple(c.rank), [(b.slot, b.request_id, b.hashes) for b in c.booked]) for c in back.changes
+    ] == [((1, 0), [(0, "a", [1, 2, 3]), (1, "b", [1, 2, 9])]), ((1, 1), [(0, "c", [4])])]
     assert rows(s, 4) == before
     assert s.registry.overlap_depths([1, 2, 9]) == {(1, 0): 3}
     s.check_invariants()

@@ -1,0 +1,76 @@
+"""The import contracts that ``make lint`` enforces (pyproject.toml, import-linter) hold, and
+each one fails when its rule is broken: a contract that nothing can break checks nothing.
+
+Each case copies the two packages beside pyproject.toml, adds one forbidden import, and runs
+``lint-imports`` on the copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LINT = Path(sys.executable).parent / "lint-imports"
+LAYERS = "projector's wings are layered"
+INDEPENDENT = "write, read and route are independent of each other"
+CORE = "the core is pure: no projector, no NATS, no asyncio"
+
+
+def lint(tree: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LINT), "--no-cache"],  # the pyproject.toml in cwd
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    for package in ("projector", "seqstate"):
+        shutil.copytree(
+            ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.so", "__pycache__")
+        )
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def test_the_tree_keeps_every_contract(tree: Path) -> None:
+    done = lint(tree)
+    assert done.returncode == 0, done.stdout
+    assert "3 kept, 0 broken" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        ("projector/wire/values.py", "import projector.nats.tasks", [LAYERS]),
+        ("projector/nats/lag.py", "import projector.write.delta_log", [LAYERS, INDEPENDENT]),
+        ("projector/run/pipeline.py", "import projector.ops.status", [LAYERS]),
+        ("projector/read/projection.py", "import projector.write.delta_log", [INDEPENDENT]),
+        ("projector/route/publisher.py", "import projector.read.reader", [INDEPENDENT]),
+        ("projector/write/writer.py", "import projector.route.outcomes", [INDEPENDENT]),
+        ("seqstate/blocks.py", "import asyncio", [CORE]),
+        ("seqstate/state.py", "import nats.errors", [CORE]),
+        ("seqstate/events.py", "import projector.wire.values", [CORE]),
+    ],
+)
+def test_a_broken_rule_fails_its_contract(
+    tree: Path, module: str, line: str, broken: list[str]
+) -> None:
+    path = tree / module
+    source = path.read_text()
+    head, sep, rest = source.partition("from __future__ import annotations\n")
+    path.write_text(head + sep + line + "\n" + rest)
+    done = lint(tree)
+    assert done.returncode != 0
+    for contract in broken:
+        assert f"{contract} BROKEN" in done.stdout, done.stdout
+    if CORE not in broken:
+        assert f"{CORE} KEPT" in done.stdout, done.stdout
