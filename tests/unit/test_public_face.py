@@ -54,8 +54,7 @@ def test_every_module_of_a_wing_is_in_the_table_or_new() -> None:
 def test_importing_projector_imports_no_wing() -> None:
     """The CLI and the replay reader's child import ``projector`` first: it must stay cheap."""
     code = (
-        "import sys, projector; "
-        "print(sorted(m for m in sys.modules if m.startswith('projector.')))"
+        "import sys, projector; print(sorted(m for m in sys.modules if m.startswith('projector.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['projector._moved']"
