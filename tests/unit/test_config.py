@@ -162,9 +162,10 @@ def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
 
 
 def test_the_metrics_flags_belong_to_the_four_long_running_commands() -> None:
-    from projector.ops.flags import SETTINGS
+    from projector.ops.commands import COMMANDS
 
-    having = {command for command, names in SETTINGS.items() if "metrics_port" in names}
+    settings = {command.name: command.settings for command in COMMANDS}
+    having = {command for command, names in settings.items() if "metrics_port" in names}
     assert having == {"writer", "projector", "run", "serve-http"}
     for command in having:
-        assert {"metrics_host", "ready_lag_events"} <= set(SETTINGS[command])
+        assert {"metrics_host", "ready_lag_events"} <= set(settings[command])

@@ -1,0 +1,138 @@
+"""``seqstate loads`` and ``seqstate watch``: every rank's load from the registry bucket, once
+or as it changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from typing import Any
+
+import msgspec
+
+from projector.nats.connection import connect, require_url
+from projector.ops import flags
+from projector.ops.commands.command import Command
+from projector.ops.commands.signals import catch_signals, until_signal
+from projector.wire.config import Config
+
+
+async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
+    from projector.ops.live import plain_table
+    from projector.read.reader import RegistryView
+
+    async with (
+        connect(require_url(config), service=False, config=config) as nc,
+        RegistryView(nc, config=config) as view,
+    ):
+        rows = view.loads()
+        staleness = view.staleness()
+    if args.json:
+        for row in rows:
+            print(msgspec.json.encode(row).decode())
+    else:
+        print(plain_table(rows))
+        print(f"as of event {staleness.applied_seq}")
+    return 0
+
+
+async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
+    """A live table in a terminal; elsewhere (or with --json) a record per change, flushed."""
+    from projector.read.reader import RegistryView
+
+    catch_signals()
+    async with (
+        connect(require_url(config), service=True, config=config) as nc,
+        RegistryView(nc, config=config) as view,
+    ):
+        if args.json or not sys.stdout.isatty():
+            await until_signal(print_changes(view, args.json), duration=args.duration)
+            return 0
+        from rich.console import Console
+        from rich.live import Live
+
+        from projector.ops.live import render
+
+        console = Console()
+
+        async def refresh() -> None:
+            with Live(console=console, auto_refresh=False) as live:
+                while True:
+                    s = view.staleness()
+                    stats = {"applied seq": s.applied_seq, "age": f"{s.age_s:.1f}s"}
+                    live.update(
+                        render(view.loads(), title=f"seqstate · {config.namespace}", stats=stats),
+                        refresh=True,
+                    )
+                    await asyncio.sleep(0.25)
+
+        await until_signal(refresh(), duration=args.duration)
+    return 0
+
+
+async def print_changes(view: Any, as_json: bool) -> None:
+    """Until cancelled: each rank whose load changed as one JSON line (a removed rank as
+    ``{"worker_id", "dp_rank", "removed": true}``), or the whole table after each change;
+    every line flushed as it is written. The first output is the current state."""
+    from projector.ops.live import plain_table
+
+    last: dict[tuple[int, int], Any] = {}
+    first = True
+    while True:
+        registry = view.registry
+        current = {rank: registry.load_of(rank) for rank in registry.ranks()}
+        changed = [rank for rank, load in current.items() if last.get(rank) != load]
+        removed = [rank for rank in last if rank not in current]
+        if changed or removed or first:
+            seq = view.applied_seq
+            rows = view.loads()
+            if as_json:
+                by_rank = {(r.worker_id, r.dp_rank): r for r in rows}
+                for rank in sorted(changed):
+                    record = {**msgspec.structs.asdict(by_rank[rank]), "applied_seq": seq}
+                    print(msgspec.json.encode(record).decode(), flush=True)
+                for rank in sorted(removed):
+                    print(
+                        msgspec.json.encode(
+                            {
+                                "worker_id": rank[0],
+                                "dp_rank": rank[1],
+                                "removed": True,
+                                "applied_seq": seq,
+                            }
+                        ).decode(),
+                        flush=True,
+                    )
+            else:
+                print(plain_table(rows) + f"\nas of event {seq}\n", flush=True)
+        first = False
+        last = current
+        with contextlib.suppress(TimeoutError):
+            await view.wait_for(view.applied_seq + 1, timeout=0.5)
+
+
+def add_loads_flags(loads: argparse.ArgumentParser) -> None:
+    loads.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+
+
+def add_watch_flags(watch: argparse.ArgumentParser) -> None:
+    watch.add_argument(
+        "--duration", type=float, metavar="SECONDS", help="stop after this many seconds"
+    )
+    watch.add_argument(
+        "--json", action="store_true", help="one JSON object per changed rank, as it changes"
+    )
+
+
+LOADS = Command(
+    "loads",
+    "print every rank's load from the registry bucket",
+    cmd_loads,
+    flags.READ,
+    add_loads_flags,
+)
+WATCH = Command(
+    "watch", "a live table of the registry bucket", cmd_watch, flags.READ, add_watch_flags
+)

@@ -1,0 +1,253 @@
+"""The pipeline's commands: ``run`` (writer and projector in one process, the demo router
+beside them), ``writer`` and ``projector`` apart, and ``demo``, the demo router alone.
+
+They are together because they share how a consumer is kept running and stopped, and the
+demo router's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from nats.aio.client import Client
+
+from projector.nats.connection import connect, nats_for, require_url
+from projector.ops import flags
+from projector.ops.commands.command import CliError, Command
+from projector.ops.commands.signals import catch_signals, until_signal
+from projector.wire.config import Config
+
+log = logging.getLogger("seqstate")
+
+STOP_TIMEOUT_S = 15.0
+DEFAULT_STORE_DIR = ".seqstate/jetstream"
+DEFAULT_PORT = 4222  # the NATS convention, so nats://127.0.0.1:4222 works across restarts
+
+
+async def cmd_run(args: argparse.Namespace, config: Config) -> int:
+    """Writer and projector, restarted in process after a failure (and the demo router)."""
+    from projector.run.pipeline import supervise
+
+    stop = catch_signals()
+    async with (
+        nats_for(config, args.store_dir, args.port) as (nc, url),
+        pipeline_metrics(nc, config) as on_pipeline,
+    ):
+        started = asyncio.Event()
+        supervisor = asyncio.ensure_future(
+            supervise(nc, config, started=started, on_pipeline=on_pipeline)
+        )
+        ready, stopped = asyncio.ensure_future(started.wait()), asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([supervisor, ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            stopped.cancel()
+        if supervisor.done():
+            supervisor.result()  # its error: it could not start
+        else:
+            log.info(
+                "writer and projector running for namespace %r at %s",
+                config.namespace,
+                url,
+                extra={"namespace": config.namespace},
+            )
+        tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
+        if args.demo:
+            from projector.ops.demo import run_demo
+
+            tasks.append(run_demo(nc, config, args))
+        try:
+            # The demo stops first (it frees what it has in flight), then the pipeline, so
+            # that the writer and the projector take in those frees before they stop.
+            await until_signal(*tasks, duration=args.duration)
+        finally:
+            supervisor.cancel()
+            await asyncio.wait([supervisor])
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def pipeline_metrics(nc: Client, config: Config) -> AsyncIterator[Callable[[Any], None]]:
+    """The metrics port of ``run`` (when set); yields what the supervisor tells of each
+    pipeline it starts (None once one has stopped). The per-worker gauges come from the
+    writer's authoritative state; the projector adds its counters and position only."""
+    from projector.ops.health import serving
+    from projector.ops.metrics import PROJECTOR, WRITER, Metrics
+
+    current: list[Any] = []
+    metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+    metrics.follow(WRITER, lambda: [p.writer for p in current])
+    metrics.follow(PROJECTOR, lambda: [p.projector for p in current], per_worker=False)
+
+    def on_pipeline(pipeline: Any) -> None:
+        current[:] = [] if pipeline is None else [pipeline]
+        if pipeline is not None:
+            metrics.hook(WRITER, pipeline.writer)
+            metrics.hook(PROJECTOR, pipeline.projector)
+
+    async with serving(metrics, config):
+        yield on_pipeline
+
+
+class _Consumer(Protocol):
+    config: Config
+
+    async def run(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+async def run_consumer(
+    config: Config, make: Callable[[Client, Config], _Consumer], role: str
+) -> int:
+    """One consumer until a signal, which *stops* it (final flush, final snapshot).
+
+    A consumer that fails, or that fails while stopping, makes the command fail: the error
+    is raised (one line, exit 1) so that its supervisor restarts it, never hidden behind the
+    exit status of a signal. With ``--metrics-port`` its metrics and health are served
+    meanwhile (``role``: ``writer`` or ``projector``).
+    """
+    from projector.ops.health import serving
+    from projector.ops.metrics import Metrics
+
+    catch_signals()
+    async with connect(require_url(config), service=True, config=config) as nc:
+        consumer = make(nc, config)
+        metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+        metrics.follow(role, lambda: [consumer])
+        metrics.hook(role, consumer)
+        async with serving(metrics, config):
+            return await _until_stopped(consumer)
+
+
+async def _until_stopped(consumer: _Consumer) -> int:
+    task = asyncio.ensure_future(consumer.run())
+    try:
+        await until_signal(asyncio.shield(task))  # a signal stops it, never cancels it
+    finally:
+        consumer.stop()
+        done, _ = await asyncio.wait([task], timeout=STOP_TIMEOUT_S)
+    if not done:
+        raise CliError(f"the consumer did not stop within {STOP_TIMEOUT_S:g}s")
+    task.result()  # its failure, if it failed while stopping
+    return 0
+
+
+async def cmd_writer(args: argparse.Namespace, config: Config) -> int:
+    from projector.write.writer import Writer
+
+    return await run_consumer(config, Writer, "writer")
+
+
+async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
+    from projector.read.projection import Projector
+
+    return await run_consumer(config, Projector, "projector")
+
+
+async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
+    from projector.ops.demo import run_demo
+
+    catch_signals()
+    async with connect(require_url(config), service=True, config=config) as nc:
+        await until_signal(run_demo(nc, config, args), duration=args.duration)
+    return 0
+
+
+def add_demo_flags(parser: argparse.ArgumentParser) -> None:
+    """The demo router's workload: the same for ``run --demo`` as for ``demo``."""
+    group = parser.add_argument_group("demo router")
+    group.add_argument(
+        "--workers", type=int, default=8, metavar="N", help="workers to drive (default: 8)"
+    )
+    group.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel ranks per worker (default: 1)",
+    )
+    group.add_argument(
+        "--trace", type=Path, metavar="PATH", help="replay a Mooncake-format JSONL trace"
+    )
+    group.add_argument(
+        "--speedup",
+        type=float,
+        metavar="X",
+        help="time compression (default: 10 for a trace, 1 otherwise)",
+    )
+    group.add_argument(
+        "--rate",
+        type=float,
+        default=40.0,
+        metavar="PER_S",
+        help="synthetic arrivals per second (default: 40)",
+    )
+    group.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="synthetic workload seed (default: 0)"
+    )
+    group.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="stop after this many seconds (default: run until Ctrl-C)",
+    )
+    group.add_argument("--no-live", action="store_true", help="no live table; a line per second")
+
+
+def add_run_flags(run: argparse.ArgumentParser) -> None:
+    """The embedded nats-server's place and port, and the demo router beside the pipeline."""
+    run.add_argument(
+        "--store-dir",
+        type=Path,
+        metavar="PATH",
+        default=Path(os.environ.get("SEQSTATE_STORE_DIR", DEFAULT_STORE_DIR)),
+        help=f"the embedded server's JetStream directory (default: "
+        f"{DEFAULT_STORE_DIR}) [env SEQSTATE_STORE_DIR]",
+    )
+    run.add_argument(
+        "--port",
+        type=int,
+        metavar="N",
+        default=int(os.environ.get("SEQSTATE_PORT", DEFAULT_PORT)),
+        help=f"the embedded server's client port; a free one if it is taken "
+        f"(default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
+    )
+    run.add_argument("--demo", action="store_true", help="also run the demo router + live view")
+    add_demo_flags(run)
+
+
+_CONSUMER = flags.READ + flags.PROVISION
+RUN = Command(
+    "run",
+    "writer + projector in one process; an embedded nats-server unless NATS_URL is set",
+    cmd_run,
+    _CONSUMER + flags.WRITER + flags.PROJECTOR + flags.LAG + flags.METRICS,
+    add_run_flags,
+)
+WRITER = Command(
+    "writer",
+    "the write-model consumer: SEQSTATE_EVENTS to SEQSTATE_DELTAS",
+    cmd_writer,
+    _CONSUMER + flags.WRITER + flags.LAG + flags.METRICS,
+)
+PROJECTOR = Command(
+    "projector",
+    "the read-model consumer: SEQSTATE_DELTAS to the registry bucket",
+    cmd_projector,
+    _CONSUMER + flags.PROJECTOR + flags.LAG + flags.METRICS,
+)
+DEMO = Command(
+    "demo",
+    "the demo router alone, against a running pipeline",
+    cmd_demo,
+    flags.READ + flags.PROVISION,
+    add_demo_flags,
+)

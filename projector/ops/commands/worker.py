@@ -1,0 +1,122 @@
+"""``seqstate worker``: the control plane, adding, removing and listing workers."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+
+from projector.nats.connection import connect, require_url
+from projector.ops import flags
+from projector.ops.commands.command import CliError, Command
+from projector.wire.config import Config
+
+
+async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
+    from projector.ops.workers import WorkerControl
+
+    if args.action == "list":
+        if args.worker_id is not None:
+            raise CliError("worker list takes no WORKER_ID")
+    elif args.worker_id is None:
+        raise CliError(f"worker {args.action} needs a WORKER_ID")
+    worker_id = int(args.worker_id or 0)
+    async with connect(require_url(config), service=False, config=config) as nc:
+        control = WorkerControl(nc, config=config, wait_s=args.wait)
+        if args.action == "list":
+            workers = await control.workers()
+            if args.json:
+                for worker in workers:
+                    print(msgspec.json.encode(worker).decode())
+            else:
+                print(worker_table(workers))
+            return 0
+        from projector.nats.resources import ensure
+
+        await ensure(nc, config)
+        if args.action == "add":
+            change = await control.add(worker_id, args.dp_start, args.dp_size)
+            done = f"ranks {ranks_text(change.dp_ranks)} in the registry"
+        else:
+            change = await control.remove(worker_id)
+            done = "removed from the registry"
+    if change.applied:
+        print(f"worker {change.worker_id}: {done} (event {change.seq})")
+    else:
+        print(
+            f"worker {change.worker_id}: stored as event {change.seq}; not in the registry "
+            f"yet (is the pipeline running?)"
+        )
+    return 0
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``0-3``, ``5``, or ``0,2,7``: a worker's ranks as an operator reads them."""
+    if not ranks:
+        return "none"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def worker_table(workers: list[Any]) -> str:
+    lines = [f"{'worker':>10} {'ranks':>10} {'requests':>9} {'blocks':>9} {'prefill tok':>12}"]
+    for w in workers:
+        lines.append(
+            f"{w.worker_id:>10} {ranks_text(w.dp_ranks):>10} {w.active_requests:>9} "
+            f"{w.active_blocks:>9} {w.prefill_tokens:>12}"
+        )
+    lines.append(f"{len(workers)} worker" + ("" if len(workers) == 1 else "s"))
+    return "\n".join(lines)
+
+
+def add_worker_flags(worker: argparse.ArgumentParser) -> None:
+    worker.add_argument("action", choices=["add", "remove", "list"])
+    worker.add_argument(
+        "worker_id",
+        nargs="?",
+        type=int,
+        metavar="WORKER_ID",
+        help="for add and remove: the worker's id",
+    )
+    worker.add_argument(
+        "--dp-start",
+        type=int,
+        default=0,
+        metavar="N",
+        help="for add: its first data-parallel rank (default: 0)",
+    )
+    worker.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="for add: how many data-parallel ranks (default: 1)",
+    )
+    worker.add_argument(
+        "--wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="wait this long for the registry to show the change; 0: do not wait (default: 10)",
+    )
+    worker.add_argument("--json", action="store_true", help="for list: JSON lines")
+
+
+def _examples() -> str:
+    return (
+        "examples:\n  seqstate worker add 7 --dp-size 2\n"
+        "  seqstate worker remove 7\n  seqstate worker list"
+    )
+
+
+# An add is refused beyond the writer's limit on ranks per worker: the same limit, told early.
+WORKER = Command(
+    "worker",
+    "the control plane: add, remove or list workers",
+    cmd_worker,
+    (*flags.READ, *flags.PROVISION, "max_ranks_per_worker"),
+    add_worker_flags,
+    epilog=_examples,
+)
