@@ -356,36 +356,11 @@ async def inspect_request(
     progress: Update | None = None,
 ) -> RequestReport:
     js = nc.jetstream()
-    active: tuple[Rank, int, int] | None = None  # rank, slot, booking event
-    held = await bucket(nc, config, "req.>")
-    for rank, slots in held.slots.items():
-        for slot, value in slots.items():
-            if value.request_id == request_id:
-                active = (rank, slot, value.applied_seq)
+    active = await _active_slot(nc, config, request_id)
     last = await last_seq_of(js, config.events_stream, config.events_subjects)
     first = await first_seq_of(js, config.events_stream, config.events_subjects) if last else 0
-    needle = request_id.encode()
-
-    def wanted(data: bytes) -> bool:
-        if needle not in data:
-            return False
-        try:
-            return getattr(decode_event(data), "request_id", None) == request_id
-        except EventDecodeError:
-            return False
-
-    if active is not None:
-        rank, slot, booked = active
-        subject = config.event_subject(*rank)
-        start = max(booked, first)
-    else:
-        subject = config.events_subjects
-        if since_seq is not None:
-            if since_seq < 1:
-                raise InspectError(f"--since-seq {since_seq}: must be at least 1")
-            start = max(since_seq, first)
-        else:
-            start = max(first, last - window + 1)
+    subject, start = _search_window(config, active, first, last, since_seq, window)
+    wanted = _naming(request_id)
     events = await scan_events(js, config, subject, start, last, wanted, progress) if last else []
     deltas = DeltaIndex(js, config)
     for e in events:
@@ -405,57 +380,138 @@ async def inspect_request(
     owner = booked_add or (adds[-1] if adds else (events[0] if events else None))
     report.router = _router_of(owner) if owner else None
     if active is not None:
-        rank, slot, _ = active
-        report.rank, report.slot = rank, slot
-        report.state = "active"
-        after = 0 if booked_add is None else booked_add.seq
-        marked = any(
-            isinstance(e.event, MarkPrefillCompleted) and e.outcome == "applied" and e.seq > after
-            for e in events
+        _tell_active(report, active, booked_add)
+    elif booked_add is not None:
+        await _tell_ended(report, js, config, deltas, booked_add, progress)
+    else:
+        _tell_never_booked(report, adds)
+    return report
+
+
+async def _active_slot(nc: Client, config: Config, request_id: str) -> tuple[Rank, int, int] | None:
+    """The rank, slot and booking event of the request if the bucket holds it: an active
+    request is found without reading the log."""
+    active: tuple[Rank, int, int] | None = None
+    held = await bucket(nc, config, "req.>")
+    for rank, slots in held.slots.items():
+        for slot, value in slots.items():
+            if value.request_id == request_id:
+                active = (rank, slot, value.applied_seq)
+    return active
+
+
+def _search_window(
+    config: Config,
+    active: tuple[Rank, int, int] | None,
+    first: int,
+    last: int,
+    since_seq: int | None,
+    window: int,
+) -> tuple[str, int]:
+    """The subject and the first sequence to read: an active request's rank from its booking
+    on; otherwise the whole namespace, from ``since_seq`` or the newest ``window`` events."""
+    if active is not None:
+        rank, _, booked = active
+        return config.event_subject(*rank), max(booked, first)
+    if since_seq is None:
+        return config.events_subjects, max(first, last - window + 1)
+    if since_seq < 1:
+        raise InspectError(f"--since-seq {since_seq}: must be at least 1")
+    return config.events_subjects, max(since_seq, first)
+
+
+def _naming(request_id: str) -> Callable[[bytes], bool]:
+    """Whether an event's bytes name the request: a substring test first, so that only the
+    few candidates are decoded."""
+    needle = request_id.encode()
+
+    def wanted(data: bytes) -> bool:
+        if needle not in data:
+            return False
+        try:
+            return getattr(decode_event(data), "request_id", None) == request_id
+        except EventDecodeError:
+            return False
+
+    return wanted
+
+
+def _tell_active(
+    report: RequestReport, active: tuple[Rank, int, int], booked_add: Found | None
+) -> None:
+    """A request the bucket holds: where, and how far its prefill has got."""
+    rank, slot, _ = active
+    report.rank, report.slot = rank, slot
+    report.state = "active"
+    after = 0 if booked_add is None else booked_add.seq
+    marked = any(
+        isinstance(e.event, MarkPrefillCompleted) and e.outcome == "applied" and e.seq > after
+        for e in report.events
+    )
+    if marked:
+        report.detail = "prefill done"
+    elif booked_add is not None and not booked_add.event.prefill_tokens:
+        report.detail = "no prefill (0 prefill tokens)"
+    else:
+        report.detail = "prefill pending"
+
+
+async def _tell_ended(
+    report: RequestReport,
+    js: JetStreamContext,
+    config: Config,
+    deltas: DeltaIndex,
+    booked_add: Found,
+    progress: Update | None,
+) -> None:
+    """A request once booked and no longer in the bucket: by its Free, or by what the deltas
+    after its booking say ended it."""
+    report.rank = (booked_add.event.worker_id, booked_add.event.dp_rank)
+    report.state = "ended"
+    free = next(
+        (
+            e
+            for e in report.events
+            if isinstance(e.event, Free) and e.seq > booked_add.seq and e.outcome == "applied"
+        ),
+        None,
+    )
+    if free is not None:
+        report.detail = f"freed by event {free.seq} at {iso(free.log_time_ns)}"
+        return
+    ended = await deltas.ending(report.request_id, report.rank, booked_add.seq, progress)
+    report.detail = await _ending_detail(js, config, report.request_id, ended)
+
+
+async def _ending_detail(
+    js: JetStreamContext, config: Config, request_id: str, ended: Delta | None
+) -> str:
+    """How a request ended without a Free; the event that caused it tells a router's goodbye
+    from its silence, a worker's removal from its rank's."""
+    if ended is None:
+        return "not in the bucket, and no Free, expiry or worker removal found"
+    if request_id in ended.expired:
+        return f"expired at event {ended.seq} (no Free within the expiry)"
+    cause = await _event_at(js, config, ended.seq or 0)
+    if request_id in ended.orphaned:
+        return (
+            f"freed by its router's goodbye (event {ended.seq})"
+            if isinstance(cause, RouterGoodbye)
+            else f"orphaned at event {ended.seq}: its router went silent"
         )
-        if marked:
-            report.detail = "prefill done"
-        elif booked_add is not None and not booked_add.event.prefill_tokens:
-            report.detail = "no prefill (0 prefill tokens)"
-        else:
-            report.detail = "prefill pending"
-        return report
-    if booked_add is not None:
-        report.rank = (booked_add.event.worker_id, booked_add.event.dp_rank)
-        report.state = "ended"
-        free = next(
-            (
-                e
-                for e in events
-                if isinstance(e.event, Free) and e.seq > booked_add.seq and e.outcome == "applied"
-            ),
-            None,
-        )
-        if free is not None:
-            report.detail = f"freed by event {free.seq} at {iso(free.log_time_ns)}"
-            return report
-        ended = await deltas.ending(request_id, report.rank, booked_add.seq, progress)
-        if ended is None:
-            report.detail = "not in the bucket, and no Free, expiry or worker removal found"
-        elif request_id in ended.expired:
-            report.detail = f"expired at event {ended.seq} (no Free within the expiry)"
-        elif request_id in ended.orphaned:
-            cause = await _event_at(js, config, ended.seq or 0)
-            report.detail = (
-                f"freed by its router's goodbye (event {ended.seq})"
-                if isinstance(cause, RouterGoodbye)
-                else f"orphaned at event {ended.seq}: its router went silent"
-            )
-        else:
-            cause = await _event_at(js, config, ended.seq or 0)
-            what = "worker removed" if isinstance(cause, WorkerRemoved) else "rank removed"
-            report.detail = f"dropped with its rank at event {ended.seq} ({what})"
-        return report
+    what = "worker removed" if isinstance(cause, WorkerRemoved) else "rank removed"
+    return f"dropped with its rank at event {ended.seq} ({what})"
+
+
+def _tell_never_booked(report: RequestReport, adds: list[Found]) -> None:
+    """A request no event booked: none found, superseded by its own Free, tombstoned, or
+    refused; the first that fits."""
+    events = report.events
     if not events:
-        report.detail = f"no event names it in sequences {start} to {last}" + (
+        report.detail = f"no event names it in sequences {report.from_seq} to {report.to_seq}" + (
             "" if report.whole_log else "; widen with --since-seq"
         )
-        return report
+        return
     superseded = next((e for e in adds if e.outcome == "superseded"), None)
     if superseded is not None:
         report.state = "ended"
@@ -463,7 +519,7 @@ async def inspect_request(
         report.detail = (
             f"its AddRequest (event {superseded.seq}) came after its Free: superseded, never booked"
         )
-        return report
+        return
     early = [
         e
         for e in events
@@ -477,15 +533,14 @@ async def inspect_request(
             f"a {type(e.event).__name__} (event {e.seq}) for an id not live: "
             "its AddRequest, if it comes, is handled by the tombstone"
         )
-        return report
+        return
     if adds:
         e = adds[-1]
         report.state = "refused"
         report.rank = (e.event.worker_id, e.event.dp_rank)
         report.detail = f"its AddRequest (event {e.seq}) was not booked: {e.outcome}"
-        return report
+        return
     report.detail = "events name it, but none booked it"
-    return report
 
 
 async def _event_at(js: JetStreamContext, config: Config, seq: int) -> Any:
