@@ -9,6 +9,7 @@ and the server is only plumbing. Unknown fields are ignored, as axum's extractor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Final
 
 from msgspec import Meta, Struct
@@ -123,6 +124,11 @@ def _rank(worker_id: int, dp_rank: int) -> str:
     return f"WorkerWithDpRank {{ worker_id: {worker_id}, dp_rank: {dp_rank} }}"
 
 
+Answer = tuple[int, object]
+# a route's answer to an outcome (with the owner and block size some need); None: none fits
+Answering = Callable[[_Tracker, str, tuple[int, int] | None, int | None], Answer | None]
+
+
 def answer(
     route: str,
     body: _Tracker,
@@ -130,52 +136,93 @@ def answer(
     *,
     owner: tuple[int, int] | None = None,
     block_size: int | None = None,
-) -> tuple[int, object]:
+) -> Answer:
     """The status and JSON body Dynamo's tracker answers a call whose event had ``outcome``
     (None: the writer refused the event, which the checks before publishing should make
     impossible; answered 500 rather than guessed)."""
     if outcome is None:
         return 500, {"error": "the ledger refused the event (see its dead letters)"}
-    where = body.where()
-    no_tracker = (404, {"error": f"no slot tracker for {where}"})
-    if route == "/register":
-        assert isinstance(body, RegisterBody)
-        if outcome == "applied":
-            return 201, OK
-        if outcome == "worker_exists":
-            return 409, {"error": f"worker {body.worker_id} already registered for {where}"}
-        if outcome == "block_size_mismatch":
-            return 409, {
-                "error": f"block_size mismatch for {where}: existing={block_size}, "
-                f"requested={body.block_size}"
-            }
-    elif route == "/unregister":
-        assert isinstance(body, UnregisterBody)
-        if outcome == "applied":
-            return 200, OK
-        if outcome in ("unknown_worker", "no_tracker"):
-            return 404, {"error": f"worker {body.worker_id} not found for {where}"}
-    elif route == "/add":
-        assert isinstance(body, AddBody)
-        if outcome in ("applied", "superseded"):  # superseded: its free came first (kept)
-            return 201, OK
-        if outcome == "no_tracker":
-            return no_tracker
-        if outcome == "unknown_worker":
-            return 404, {"error": f"Worker {_rank(body.worker_id, body.dp_rank)} not found"}
-        if outcome == "duplicate":
-            held = "" if owner is None else f" (assigned to worker {_rank(*owner)})"
-            return 409, {"error": f"Request ID already exists{held}"}
-    elif route == "/prefill_complete":
-        if outcome in ("applied", "duplicate"):
-            return 200, OK
-        if outcome == "no_tracker":
-            return no_tracker
-        if outcome == "unknown_request":
-            return 404, {"error": "Request ID not found"}
-    elif route == "/free":
-        if outcome in ("applied", "unknown_request"):
-            return 200, OK
-        if outcome == "no_tracker":
-            return no_tracker
-    raise ValueError(f"{route}: no answer for outcome {outcome!r}")
+    answering = _ANSWERS.get(route)
+    found = None if answering is None else answering(body, outcome, owner, block_size)
+    if found is None:
+        raise ValueError(f"{route}: no answer for outcome {outcome!r}")
+    return found
+
+
+def _no_tracker(body: _Tracker) -> Answer:
+    return 404, {"error": f"no slot tracker for {body.where()}"}
+
+
+def _register_answer(
+    body: _Tracker, outcome: str, owner: tuple[int, int] | None, block_size: int | None
+) -> Answer | None:
+    assert isinstance(body, RegisterBody)
+    if outcome == "applied":
+        return 201, OK
+    if outcome == "worker_exists":
+        return 409, {"error": f"worker {body.worker_id} already registered for {body.where()}"}
+    if outcome == "block_size_mismatch":
+        return 409, {
+            "error": f"block_size mismatch for {body.where()}: existing={block_size}, "
+            f"requested={body.block_size}"
+        }
+    return None
+
+
+def _unregister_answer(
+    body: _Tracker, outcome: str, owner: tuple[int, int] | None, block_size: int | None
+) -> Answer | None:
+    assert isinstance(body, UnregisterBody)
+    if outcome == "applied":
+        return 200, OK
+    if outcome in ("unknown_worker", "no_tracker"):
+        return 404, {"error": f"worker {body.worker_id} not found for {body.where()}"}
+    return None
+
+
+def _add_answer(
+    body: _Tracker, outcome: str, owner: tuple[int, int] | None, block_size: int | None
+) -> Answer | None:
+    assert isinstance(body, AddBody)
+    if outcome in ("applied", "superseded"):  # superseded: its free came first (kept)
+        return 201, OK
+    if outcome == "no_tracker":
+        return _no_tracker(body)
+    if outcome == "unknown_worker":
+        return 404, {"error": f"Worker {_rank(body.worker_id, body.dp_rank)} not found"}
+    if outcome == "duplicate":
+        held = "" if owner is None else f" (assigned to worker {_rank(*owner)})"
+        return 409, {"error": f"Request ID already exists{held}"}
+    return None
+
+
+def _prefill_complete_answer(
+    body: _Tracker, outcome: str, owner: tuple[int, int] | None, block_size: int | None
+) -> Answer | None:
+    if outcome in ("applied", "duplicate"):
+        return 200, OK
+    if outcome == "no_tracker":
+        return _no_tracker(body)
+    if outcome == "unknown_request":
+        return 404, {"error": "Request ID not found"}
+    return None
+
+
+def _free_answer(
+    body: _Tracker, outcome: str, owner: tuple[int, int] | None, block_size: int | None
+) -> Answer | None:
+    if outcome in ("applied", "unknown_request"):
+        return 200, OK
+    if outcome == "no_tracker":
+        return _no_tracker(body)
+    return None
+
+
+# Each route's answers, by outcome: None for an outcome the route never has.
+_ANSWERS: Final[dict[str, Answering]] = {
+    "/register": _register_answer,
+    "/unregister": _unregister_answer,
+    "/add": _add_answer,
+    "/prefill_complete": _prefill_complete_answer,
+    "/free": _free_answer,
+}

@@ -27,6 +27,7 @@ import logging
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -91,6 +92,35 @@ def _now(status: int, payload: object) -> asyncio.Future[tuple[int, object]]:
     answered: asyncio.Future[tuple[int, object]] = asyncio.get_running_loop().create_future()
     answered.set_result((status, payload))
     return answered
+
+
+class _Refused(Exception):
+    """A body refused before anything is stored; ``answer`` is serde_json's, word for word."""
+
+    def __init__(self, status: int, error: str) -> None:
+        super().__init__(error)
+        self.answer: tuple[int, object] = (status, {"error": error})
+
+
+def _parse(path: str, body: bytes) -> Any:
+    """The body of a call to ``path`` as Dynamo's serde_json reads it, or :class:`_Refused`:
+    msgspec decodes it, and the few bodies the two read differently are settled by serde's
+    rules (serde_errors)."""
+    decoder = _DECODERS[path]
+    try:
+        parsed = decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
+        refused = extractor_error(path, body)
+        if refused is not None:
+            raise _Refused(*refused) from None
+        try:  # one of the few bodies serde reads and msgspec does not
+            return msgspec.convert(accepted_fields(path, body), decoder.type)
+        except (ValueError, RecursionError, msgspec.ValidationError) as exc:
+            raise _Refused(400, f"{PARSE_PREFIX}{exc}") from None
+    refused = error_for_accepted(path, body)
+    if refused is not None:
+        raise _Refused(*refused)
+    return parsed
 
 
 def _is_json(content_type: str) -> bool:
@@ -234,41 +264,19 @@ class SlotService:
             method = "GET"
         if method != wanted:
             return _now(405, {"error": "method not allowed"})
-        if path == "/health":
-            return _now(200, None)
-        if path == "/loads":
-            return _now(200, await self._loads(query))
-        if path == "/workers":
-            return _now(200, await self._workers(query))
+        if wanted == "GET":
+            return _now(200, await self._read(path, query))
         if content_type is None or not _is_json(content_type):
             return _now(415, {"error": "Expected request with `Content-Type: application/json`"})
-        decoder = _DECODERS[path]
         try:
-            parsed = decoder.decode(body)
-        except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
-            refused = extractor_error(path, body)
-            if refused is not None:
-                return _now(refused[0], {"error": refused[1]})
-            try:  # one of the few bodies serde reads and msgspec does not
-                parsed = msgspec.convert(accepted_fields(path, body), decoder.type)
-            except (ValueError, RecursionError, msgspec.ValidationError) as exc:
-                return _now(400, {"error": f"{PARSE_PREFIX}{exc}"})
-        else:
-            refused = error_for_accepted(path, body)
-            if refused is not None:
-                return _now(refused[0], {"error": refused[1]})
+            parsed = _parse(path, body)
+        except _Refused as refused:
+            return _now(*refused.answer)
         namespace = namespace_for(parsed.model_name, parsed.routing_group, self.config.namespace)
         if isinstance(parsed, PotentialLoadsBody):
             return _now(*await self._potential(namespace, parsed))
         if isinstance(parsed, RegisterBody):
-            problem = register_problem(parsed)
-            if problem is None and parsed.dp_size > self.config.max_ranks_per_worker:
-                # Dynamo has no bound; the ledger does (a worker's ranks are its keys).
-                problem = (
-                    f"dp_size {parsed.dp_size} is over this ledger's bound of "
-                    f"{self.config.max_ranks_per_worker} ranks per worker "
-                    "(--max-ranks-per-worker)"
-                )
+            problem = self._register_problem(parsed)
             if problem is not None:
                 return _now(400, {"error": problem})
             tracker: _Tracker | None = await self._open(namespace)
@@ -283,6 +291,26 @@ class SlotService:
         )
         seq = await tracker.publisher.publish(event)
         return self._finish(tracker, path, parsed, seq, event)
+
+    async def _read(self, path: str, query: dict[str, str]) -> object:
+        """The body of a GET: a read has nothing to store, so it is answered when begun."""
+        if path == "/loads":
+            return await self._loads(query)
+        if path == "/workers":
+            return await self._workers(query)
+        return None  # /health
+
+    def _register_problem(self, parsed: RegisterBody) -> str | None:
+        """What Dynamo refuses in a registration, then what only the ledger bounds."""
+        problem = register_problem(parsed)
+        if problem is None and parsed.dp_size > self.config.max_ranks_per_worker:
+            # Dynamo has no bound; the ledger does (a worker's ranks are its keys).
+            problem = (
+                f"dp_size {parsed.dp_size} is over this ledger's bound of "
+                f"{self.config.max_ranks_per_worker} ranks per worker "
+                "(--max-ranks-per-worker)"
+            )
+        return problem
 
     async def _finish(
         self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object
