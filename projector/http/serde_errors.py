@@ -793,27 +793,7 @@ class _Reader:
         of the open brackets, so it has no depth limit (and its own error choices)."""
         stack: list[int] = []
         while True:
-            peeked = self.whitespace()
-            opened: int | None = None
-            if peeked is None:
-                raise self.peek_error(_EOF_VALUE)
-            if peeked in b"ntf":
-                self.eat()
-                self.ident({0x6E: b"ull", 0x74: b"rue", 0x66: b"alse"}[peeked])
-            elif peeked == 0x2D:
-                self.eat()
-                self.ignore_integer()
-            elif 0x30 <= peeked <= 0x39:
-                self.ignore_integer()
-            elif peeked == 0x22:
-                self.eat()
-                self.ignore_string()
-            elif peeked in b"[{":
-                self.eat()
-                opened = peeked
-            else:
-                raise self.peek_error(_EXPECTED_VALUE)
-
+            opened = self.ignore_scalar_or_open()
             if opened is not None:
                 accept_comma, frame = False, opened
             elif stack:
@@ -840,21 +820,49 @@ class _Reader:
                     return
                 frame = stack.pop()
                 accept_comma = True
-            if frame == 0x7B:  # the next member's key and colon
-                peeked = self.whitespace()
-                if peeked is None:
-                    raise self.peek_error(_EOF_OBJECT)
-                if peeked != 0x22:
-                    raise self.peek_error(_KEY_MUST_BE_A_STRING)
-                self.eat()
-                self.ignore_string()
-                peeked = self.whitespace()
-                if peeked is None:
-                    raise self.peek_error(_EOF_OBJECT)
-                if peeked != 0x3A:
-                    raise self.peek_error(_EXPECTED_COLON)
-                self.eat()
+            if frame == 0x7B:
+                self.ignore_member_key()
             stack.append(frame)
+
+    def ignore_scalar_or_open(self) -> int | None:
+        """The next value skipped if it is a scalar; if it is an array or an object, its
+        bracket eaten and returned, for :meth:`ignore_value` to push."""
+        peeked = self.whitespace()
+        if peeked is None:
+            raise self.peek_error(_EOF_VALUE)
+        if peeked in b"ntf":
+            self.eat()
+            self.ident({0x6E: b"ull", 0x74: b"rue", 0x66: b"alse"}[peeked])
+        elif peeked == 0x2D:
+            self.eat()
+            self.ignore_integer()
+        elif 0x30 <= peeked <= 0x39:
+            self.ignore_integer()
+        elif peeked == 0x22:
+            self.eat()
+            self.ignore_string()
+        elif peeked in b"[{":
+            self.eat()
+            return peeked
+        else:
+            raise self.peek_error(_EXPECTED_VALUE)
+        return None
+
+    def ignore_member_key(self) -> None:
+        """The next object member's key and its colon, each missing one with serde's error."""
+        peeked = self.whitespace()
+        if peeked is None:
+            raise self.peek_error(_EOF_OBJECT)
+        if peeked != 0x22:
+            raise self.peek_error(_KEY_MUST_BE_A_STRING)
+        self.eat()
+        self.ignore_string()
+        peeked = self.whitespace()
+        if peeked is None:
+            raise self.peek_error(_EOF_OBJECT)
+        if peeked != 0x3A:
+            raise self.peek_error(_EXPECTED_COLON)
+        self.eat()
 
     # -- a value of a given type
 
