@@ -63,6 +63,7 @@ from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
 from seqstate.deltas import APPLIED
+from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.slots")
 
@@ -94,7 +95,7 @@ def _now(status: int, payload: object) -> asyncio.Future[tuple[int, object]]:
     return answered
 
 
-class _Refused(Exception):
+class _Refused(SeqstateError):
     """A body refused before anything is stored; ``answer`` is serde_json's, word for word."""
 
     def __init__(self, status: int, error: str) -> None:
