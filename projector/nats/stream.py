@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -94,7 +94,10 @@ class Processor(Protocol):
         """Take one message, or refuse it; an exception stops the consumer that runs it."""
 
 
+@runtime_checkable
 class RefusingProcessor(Processor, Protocol):
+    """A processor that keeps count of its refusals, or whose position must move past them."""
+
     def dead_lettered(self, seq: int, refused: Refused) -> None:
         """Message ``seq`` was refused and its dead letter is stored: count it, move past it."""
 
@@ -213,6 +216,5 @@ class OrderedConsumer:
             kind=refused.kind,
             fields=refused.fields,
         )
-        hook = getattr(self._processor, "dead_lettered", None)
-        if hook is not None:
-            hook(seq, refused)
+        if isinstance(self._processor, RefusingProcessor):
+            self._processor.dead_lettered(seq, refused)
