@@ -54,7 +54,7 @@ def scrape_ms(state: SequenceState, runs: int) -> tuple[float, int]:
     """Median ms of one scrape of a writer holding ``state``, and the body's size."""
     writer = SimpleNamespace(
         state=state,
-        config=SimpleNamespace(namespace="bench"),
+        namespace="bench",
         dead_letters=SimpleNamespace(counts={"undecodable": 0}),
         deltas=SimpleNamespace(messages=0, on_store=None),
         applied=SimpleNamespace(value=0),

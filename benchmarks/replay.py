@@ -8,7 +8,7 @@ Why this exists: issue #4 sets two targets for the log as the source of truth, o
      push consumer), from sequence 1 to the last, no snapshot. Target: at least 100,000
      events/s;
 (r2) start to ready: with 1,000,000 events in the stream and a snapshot within the last
-     10,000, the time from ``Writer(nc, config)`` to ``writer.caught_up``. Target: under 2 s.
+     10,000, the time from ``build_writer(nc, config)`` to ``writer.caught_up``. Target: under 2 s.
 
 Setup (timed and reported, never part of a target): a fresh embedded nats-server
 (``NatsServer``, temporary store), ``ensure`` with the default ``Config``, 16 ``WorkerAdded``
@@ -37,7 +37,7 @@ whose deltas are all on SEQSTATE_DELTAS (``Writer._restore``: ``newest_valid(at_
 message: header ``Seqstate-Source-Seq: <last - tail>``, body ``encode_deltas([])``. This is
 the position a writer that ran up to the snapshot would have left behind.
 
-Each run then starts a writer on a new connection and times ``Writer(nc, config)`` →
+Each run then starts a writer on a new connection and times ``build_writer(nc, config)`` →
 ``create_task(writer.run())`` → ``writer.caught_up``: ``ensure``, reading the newest delta,
 opening the snapshot store, loading and decoding the snapshot, the coverage check, creating the
 consumer, and folding the 5,000-event tail while publishing its deltas. The phases are timed by
@@ -106,9 +106,9 @@ from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import log_time_ns
 from projector.ops.replay import fold_stream
+from projector.run.assemble import build_writer
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ
-from projector.write.writer import Writer
 from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_deltas, encode_event
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
@@ -364,7 +364,7 @@ async def ready_once(
         collect()
         clock = PhaseClock()
         c0, t0 = time.process_time(), time.perf_counter()
-        writer = Writer(nc, config)
+        writer = build_writer(nc, config)
         assert writer.snapshots is not None
         clock.wrap(writer.snapshots, "newest_valid", "restore")
         clock.wrap(writer.snapshots, "fetch", "fetch")
@@ -813,7 +813,7 @@ def print_report(report: dict[str, Any]) -> None:
 
     snap, b = r["snapshot"], r["ready"]
     print(
-        f"\n(r2) start to ready: Writer(nc, config) → writer.caught_up, snapshot at event "
+        f"\n(r2) start to ready: build_writer(nc, config) → writer.caught_up, snapshot at event "
         f"{snap['applied_seq']:,} (last - {b['tail']:,})"
     )
     print(

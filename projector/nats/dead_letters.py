@@ -19,7 +19,6 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
-from projector.wire.config import Config
 from projector.wire.headers import (
     MSG_ID,
     REASON,
@@ -58,10 +57,17 @@ class DeadLetters:
     ``kinds`` its consumer can write, so that each is a series from the start."""
 
     def __init__(
-        self, js: JetStreamContext, config: Config, *, max_payload: int, kinds: tuple[str, ...]
+        self,
+        js: JetStreamContext,
+        *,
+        namespace: str,
+        subject: str,
+        max_payload: int,
+        kinds: tuple[str, ...],
     ) -> None:
         self._js = js
-        self._config = config
+        self._namespace = namespace
+        self._subject = subject
         self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
         self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
 
@@ -91,10 +97,10 @@ class DeadLetters:
             subject,
             len(payload),
             one_line(reason, 300),
-            extra={**(fields or {}), "stream_seq": seq, "namespace": self._config.namespace},
+            extra={**(fields or {}), "stream_seq": seq, "namespace": self._namespace},
         )
         headers = {
-            MSG_ID: f"dead:{self._config.namespace}:{stream}:{seq}",
+            MSG_ID: f"dead:{self._namespace}:{stream}:{seq}",
             REASON: one_line(reason),
             SOURCE_STREAM: stream,
             SOURCE_SEQ: str(seq),
@@ -105,7 +111,7 @@ class DeadLetters:
         if len(payload) > self._keep:
             kept = payload[: self._keep]
             headers[TRUNCATED] = "true"
-        subject = self._config.dead_letter_subject
+        subject = self._subject
         await retrying(
             lambda: self._js.publish(subject, kept, headers=headers, timeout=ATTEMPT_TIMEOUT_S),
             f"dead letter of {stream} {seq}",

@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -84,7 +85,35 @@ def describe(who: str, lag: Lag) -> str:
     )
 
 
-def thresholds(config: Config) -> str:
+class LagLimits(Protocol):
+    """When a consumer counts as behind; a :class:`LagSettings` or a whole ``Config``."""
+
+    @property
+    def behind_warn_events(self) -> int | None: ...
+    @property
+    def behind_warn_s(self) -> float | None: ...
+
+
+class WatchSettings(LagLimits, Protocol):
+    """What a :class:`LagWatch` reads: its limits, how often it looks, and whose lag it is."""
+
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def lag_check_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class LagSettings:
+    """A :class:`LagWatch`'s settings, and no others (built by :mod:`projector.run.assemble`)."""
+
+    namespace: str
+    behind_warn_events: int | None
+    behind_warn_s: float | None
+    lag_check_s: float
+
+
+def thresholds(config: LagLimits) -> str:
     """The warning thresholds in words: ``50,000 events or 10s``."""
     said = []
     if config.behind_warn_events is not None:
@@ -94,7 +123,7 @@ def thresholds(config: Config) -> str:
     return " or ".join(said) or "never"
 
 
-def over(config: Config, lag: Lag, share: float = 1.0) -> bool:
+def over(config: LagLimits, lag: Lag, share: float = 1.0) -> bool:
     """Whether ``lag`` reaches ``share`` of either threshold (a threshold 'off' never does)."""
     events, seconds = config.behind_warn_events, config.behind_warn_s
     return (events is not None and lag.events >= events * share) or (
@@ -167,7 +196,7 @@ class LagWatch:
         self,
         who: str,
         measure: Callable[[], Awaitable[Lag]],
-        config: Config,
+        config: WatchSettings,
         log: logging.Logger,
     ) -> None:
         self.who = who

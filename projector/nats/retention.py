@@ -11,6 +11,8 @@ exact.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
@@ -22,27 +24,55 @@ def marker_key(namespace: str) -> str:
     return f"{namespace}.trimmed"
 
 
+@dataclass(frozen=True)
+class Retention:
+    """One namespace's trimming, bound to the names it touches: what a writer's snapshotter is
+    handed, so that it needs no configuration of its own."""
+
+    nc: Client
+    namespace: str
+    registry_bucket: str
+    events_stream: str
+    events_subjects: str
+    retain_events: int | None  # None: never trim
+
+    @classmethod
+    def of(cls, nc: Client, config: Config) -> Retention:
+        return cls(
+            nc,
+            config.namespace,
+            config.registry_bucket,
+            config.events_stream,
+            config.events_subjects,
+            config.retain_events,
+        )
+
+    async def trimmed_below(self) -> int:
+        """The sequence below which this namespace's events were trimmed (0: never)."""
+        try:
+            kv = await self.nc.jetstream().key_value(self.registry_bucket)
+            entry = await kv.get(marker_key(self.namespace))
+        except (BucketNotFoundError, KeyNotFoundError):
+            return 0
+        try:
+            return int(entry.value or b"0")
+        except ValueError:
+            return 1  # a damaged marker: assume the worst, something was trimmed
+
+    async def trim(self, kept: list[SnapshotInfo], done_below: int) -> int:
+        """Purge what ``kept`` makes redundant; returns the new cut (``done_below`` if none)."""
+        if self.retain_events is None or not kept:
+            return done_below
+        cut = kept[0].applied_seq + 1 - self.retain_events
+        if cut <= max(done_below, 1):
+            return done_below
+        js = self.nc.jetstream()
+        kv = await js.key_value(self.registry_bucket)
+        await kv.put(marker_key(self.namespace), str(cut).encode())
+        await js.purge_stream(self.events_stream, seq=cut, subject=self.events_subjects)
+        return cut
+
+
 async def trimmed_below(nc: Client, config: Config) -> int:
     """The sequence below which this namespace's events were trimmed (0: never)."""
-    try:
-        kv = await nc.jetstream().key_value(config.registry_bucket)
-        entry = await kv.get(marker_key(config.namespace))
-    except (BucketNotFoundError, KeyNotFoundError):
-        return 0
-    try:
-        return int(entry.value or b"0")
-    except ValueError:
-        return 1  # a damaged marker: assume the worst, something was trimmed
-
-
-async def trim(nc: Client, config: Config, kept: list[SnapshotInfo], done_below: int) -> int:
-    """Purge what ``kept`` makes redundant; returns the new cut (``done_below`` if none)."""
-    if config.retain_events is None or not kept:
-        return done_below
-    cut = kept[0].applied_seq + 1 - config.retain_events
-    if cut <= max(done_below, 1):
-        return done_below
-    kv = await nc.jetstream().key_value(config.registry_bucket)
-    await kv.put(marker_key(config.namespace), str(cut).encode())
-    await nc.jetstream().purge_stream(config.events_stream, seq=cut, subject=config.events_subjects)
-    return cut
+    return await Retention.of(nc, config).trimmed_below()

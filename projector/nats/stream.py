@@ -7,14 +7,18 @@ header cannot drift between the side that writes it and the side that reads it.
 
 A consumer's logic is a *processor*: an object whose async ``handle(msg)`` takes one message
 and knows nothing of subscriptions, start positions or the client's quirks. The
-:class:`OrderedConsumer` runs it, as eventsourcing's runners run an ``EventProcessor``.
+:class:`OrderedConsumer` runs it, as eventsourcing's runners run an ``EventProcessor``. A
+processor that cannot read a message says so by returning :class:`Refused`; the runner writes
+the dead letter, so that every consumer dead-letters the same way and no processor holds
+dead-letter code of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
@@ -52,9 +56,50 @@ async def first_seq_of(js: JetStreamContext, stream: str, subjects: str) -> int:
     return msg.seq or 0
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A processor's answer for a message it cannot take: dead-letter it, and go on.
+
+    ``kind`` is the bounded word the dead letter is counted under (a metric's label),
+    ``reason`` the free text the dead letter carries; ``fields`` is the log context known of
+    the message (its request id, worker...), for the log line only.
+    """
+
+    kind: str
+    reason: str
+    fields: Mapping[str, Any] | None = field(default=None, compare=False)
+
+
+class DeadLetterSink(Protocol):
+    """Where a runner puts what its processor refused (:class:`~projector.nats.dead_letters.
+    DeadLetters`); a protocol, so that a processor's module need not import it."""
+
+    counts: dict[str, int]
+
+    async def put(
+        self,
+        stream: str,
+        seq: int,
+        subject: str,
+        payload: bytes,
+        reason: str,
+        *,
+        kind: str,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None: ...
+
+
 class Processor(Protocol):
-    async def handle(self, msg: Msg) -> None:
-        """Take one message; an exception stops the consumer that runs it."""
+    async def handle(self, msg: Msg) -> Refused | None:
+        """Take one message, or refuse it; an exception stops the consumer that runs it."""
+
+
+@runtime_checkable
+class RefusingProcessor(Processor, Protocol):
+    """A processor that keeps count of its refusals, or whose position must move past them."""
+
+    def dead_lettered(self, seq: int, refused: Refused) -> None:
+        """Message ``seq`` was refused and its dead letter is stored: count it, move past it."""
 
 
 class OrderedConsumer:
@@ -76,6 +121,10 @@ class OrderedConsumer:
 
     ``position`` (a :class:`~projector.nats.progress.Progress`, the caller's or a new one) advances
     to each message's stream sequence once the processor has handled it.
+
+    A message the processor refuses (:class:`Refused`) is written to ``dead_letters`` once,
+    the processor is told (``dead_lettered``), and the position moves past it. A consumer
+    without ``dead_letters`` cannot refuse: a refusal stops it, as an exception would.
     """
 
     def __init__(
@@ -87,6 +136,7 @@ class OrderedConsumer:
         *,
         on_failure: Callable[[BaseException], None],
         position: Progress | None = None,
+        dead_letters: DeadLetterSink | None = None,
     ) -> None:
         self.stream = stream
         self.subjects = subjects
@@ -95,6 +145,7 @@ class OrderedConsumer:
         self.failure: BaseException | None = None
         self._js = js
         self._processor = processor
+        self._dead_letters = dead_letters
         self._on_failure = on_failure
         self._target = 0
         self._halted = False
@@ -135,7 +186,9 @@ class OrderedConsumer:
         if self._halted:
             return
         try:
-            await self._processor.handle(msg)
+            refused = await self._processor.handle(msg)
+            if refused is not None:
+                await self._dead_letter(msg, refused)
             await asyncio.sleep(0)
         except Exception as exc:
             self._halted = True
@@ -146,3 +199,22 @@ class OrderedConsumer:
         if not self.caught_up.is_set() and seq >= self._target:
             self.caught_up.set()
         self.position.advance(seq)
+
+    async def _dead_letter(self, msg: Msg, refused: Refused) -> None:
+        seq = log_time_ns(msg)[0]
+        if self._dead_letters is None:
+            raise RuntimeError(
+                f"message {seq} of {self.stream} refused ({refused.kind}: {refused.reason}), "
+                "and this consumer has no dead letters to put it in"
+            )
+        await self._dead_letters.put(
+            self.stream,
+            seq,
+            msg.subject,
+            msg.data,
+            refused.reason,
+            kind=refused.kind,
+            fields=refused.fields,
+        )
+        if isinstance(self._processor, RefusingProcessor):
+            self._processor.dead_lettered(seq, refused)

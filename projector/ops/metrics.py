@@ -77,7 +77,7 @@ class Source:
 
 def writer_ranks(writer: Any) -> Iterator[RankRow]:
     """The writer's authoritative loads, at the log time of its last event."""
-    state, namespace = writer.state, writer.config.namespace
+    state, namespace = writer.state, writer.namespace
     now = state.now_ns
     for (worker, rank), slot in state.workers.slots.items():
         yield namespace, worker, rank, slot.load(), now
@@ -142,9 +142,9 @@ class Metrics:
     def hook(self, role: str, consumer: Any) -> None:
         """Have ``consumer`` report its flush times into ``seqstate_flush_seconds``."""
         if role == WRITER and consumer.deltas.on_store is None:
-            consumer.deltas.on_store = self._observer(consumer.config.namespace, role)
+            consumer.deltas.on_store = self._observer(consumer.namespace, role)
         elif role == PROJECTOR and consumer.on_flush is None:
-            consumer.on_flush = self._observer(consumer.config.namespace, role)
+            consumer.on_flush = self._observer(consumer.namespace, role)
 
     def _observer(self, namespace: str, role: str) -> Callable[[float], None]:
         return self.flush_seconds.labels(namespace, role).observe
@@ -169,7 +169,7 @@ class Metrics:
             if not items and source.required:
                 return False, f"starting: no {source.role} running yet"
             for consumer in items:
-                lag, namespace = consumer.lag, consumer.config.namespace
+                lag, namespace = consumer.lag, consumer.namespace
                 where = f"({source.role} of namespace {namespace})"
                 if not lag.measured_ns:
                     return False, f"replaying: lag not measured yet {where}"
@@ -192,7 +192,7 @@ class _StateCollector(Collector):
             items = list(source.items())
             if source.per_worker:
                 for item in items:
-                    namespace = item.config.namespace
+                    namespace = item.namespace
                     if namespace not in covered:
                         covered.add(namespace)
                         rows.extend(RANKS[source.role](item))
@@ -249,7 +249,7 @@ class _StateCollector(Collector):
         for source, items in metrics.consumers():
             role = source.role
             for c in items:
-                namespace = c.config.namespace
+                namespace = c.namespace
                 if (namespace, role) in seen:
                     continue
                 seen.add((namespace, role))

@@ -25,13 +25,14 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.api import RawStreamMsg
 
-from projector.nats.lease import DEFAULT_TTL_S, Holder, Lease, LeaseHeld
+from projector.nats.lease import DEFAULT_TTL_S, Holder, LeaseHeld
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
 from projector.nats.stream import first_seq_of, last_seq_of, log_time_ns
 from projector.nats.stream_reader import fast_fold
 from projector.read.bucket import BucketView, read_bucket
-from projector.read.projection import Projector, every_key
+from projector.read.projection import every_key
+from projector.run.assemble import build_lease, build_projector
 from projector.wire.config import Config
 from projector.wire.values import load_key, slot_key, tracker_key
 from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
@@ -359,7 +360,7 @@ async def rebuild(
     Raises :class:`~projector.nats.lease.LeaseHeld` at once if a projector (or another rebuild) of
     the namespace is running; a dead holder's lease is taken over after its TTL.
     """
-    lease = Lease(nc, config, "rebuild", ttl_s=lease_ttl_s)
+    lease = build_lease(nc, config, "rebuild", ttl_s=lease_ttl_s)
     try:
         await lease.acquire(wait=False)
     except LeaseHeld as exc:
@@ -371,7 +372,7 @@ async def rebuild(
         # A long fold can starve the renewals: prove the lease is still ours before writing.
         await lease.renew()
         bucket = await read_bucket(nc, config)
-        projector = Projector(nc, config)
+        projector = build_projector(nc, config)
         projector.lease = lease
         stale = [key for key, _ in every_key(config.namespace, bucket)]
         projector.reset_to(replayed.state, replayed.last_seq, delta_seq, stale=stale)

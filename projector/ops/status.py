@@ -26,10 +26,10 @@ from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import last_seq_of
 from projector.read.bucket import read_bucket
+from projector.run.assemble import build_delta_log
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
 from projector.wire.redaction import redact
-from projector.write.delta_log import DeltaLog
 
 
 class ConsumerStatus(msgspec.Struct):
@@ -158,7 +158,7 @@ async def _writer_position(nc: Client, config: Config) -> int:
     """The last event the writer has visibly handled: the newest its stored deltas cover, or
     its newest dead letter, if that is later (0: none)."""
     js = nc.jetstream()
-    folded = await DeltaLog(js, config, max_payload=nc.max_payload).open()
+    folded = await build_delta_log(nc, config).open()
     try:
         raw = await js.get_last_msg(dead_letter_stream(config), config.dead_letter_subject)
     except NotFoundError:

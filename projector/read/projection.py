@@ -17,7 +17,12 @@ On start the projector reads the bucket back (position, loads and slot keys) and
 the delta after the recorded position. Replaying deltas the bucket already partly reflects is
 harmless: every value is absolute (a load, a slot's request), applied in order.
 Deltas whose source sequence is not past the position are skipped. A delta that does not
-decode is dead-lettered with its reason and counted; the projector goes on.
+decode is refused (:class:`~projector.nats.stream.Refused`): the runner dead-letters it with its
+reason, the projector counts it and goes on.
+
+Its collaborators (dead letters, lease, the bucket's reader, the server's provisioning) are
+built by :mod:`projector.run.assemble` and handed in; it reads only :class:`ProjectorSettings`
+of the configuration.
 
 It writes only under the namespace's lease (:mod:`projector.nats.lease`), taken before it reads the
 bucket back: a second projector of the namespace waits for the first to go, and a
@@ -36,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,19 +51,17 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
-from projector.nats.dead_letters import IMPLAUSIBLE, PROJECTOR_KINDS, UNDECODABLE, DeadLetters
-from projector.nats.discovery import announced
-from projector.nats.lag import Lag, LagWatch, LagWatched, projector_lag
-from projector.nats.lease import DEFAULT_TTL_S, Lease, LeaseLost
+from projector.nats.dead_letters import IMPLAUSIBLE, UNDECODABLE
+from projector.nats.host import Host
+from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
+from projector.nats.lease import Lease, LeaseLost
 from projector.nats.progress import Progress
-from projector.nats.resources import ensure
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
-from projector.nats.stream import OrderedConsumer, log_time_ns
+from projector.nats.stream import DeadLetterSink, OrderedConsumer, Refused, log_time_ns
 from projector.nats.tasks import cancel
-from projector.read.bucket import BucketView, read_bucket
+from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write
 from projector.wire.chain import chain_problem
-from projector.wire.config import Config
 from projector.wire.headers import PREV_SOURCE_SEQ
 from projector.wire.values import load_key, slot_key, tracker_key
 from seqstate import Delta, SequenceState, decode_deltas
@@ -95,11 +98,30 @@ class ProjectorStats:
         return self.keys_written + self.keys_deleted + self.flushes
 
 
+@dataclass(frozen=True)
+class ProjectorSettings:
+    """What the projector reads of the configuration: its names and its flush interval."""
+
+    namespace: str
+    events_stream: str
+    deltas_stream: str
+    deltas_subject: str
+    registry_bucket: str
+    flush_interval_s: float
+
+
+# A lease of the namespace for the projector, not yet taken, that calls ``on_lost`` if lost.
+LeaseMaker = Callable[[Callable[[LeaseLost], None]], Lease]
+
+
 class Projector(LagWatched):
     """One projector per namespace. ``await projector.run()`` until cancelled or ``stop()``.
 
-    ``lease_ttl_s``: how long a SIGKILLed projector on another machine keeps a successor
-    waiting; ``lease_renew_s`` (a third of it by default): how often the lease is renewed.
+    Built by :func:`projector.run.assemble.build_projector`. ``lease`` makes the lease it takes
+    at each run (its TTL and renewal are the maker's); ``held_lease`` instead: one its caller
+    holds already (a standby pipeline's), used, never taken or given back here, whose loss must
+    reach :meth:`lease_lost`. ``read_bucket()`` reads the namespace's bucket back;
+    ``measure_lag(applied, delta_seq)`` looks the lag up on the server.
     ``projector.lag`` (the last measurement) and ``await projector.measure_lag()`` (one now):
     deltas stored but not yet in the bucket, and the oldest one's log time.
     """
@@ -107,25 +129,28 @@ class Projector(LagWatched):
     def __init__(
         self,
         nc: Client,
-        config: Config,
+        settings: ProjectorSettings,
         *,
-        lease_ttl_s: float = DEFAULT_TTL_S,
-        lease_renew_s: float | None = None,
+        dead_letters: DeadLetterSink,
+        host: Host,
+        lease: LeaseMaker,
+        read_bucket: Callable[[], Awaitable[BucketView]],
+        lag: WatchSettings,
+        measure_lag: Callable[[int, int], Awaitable[Lag]],
         held_lease: Lease | None = None,
     ) -> None:
         self.nc = nc
-        # A lease its caller holds already (a standby pipeline's): used, never taken or given
-        # back here; its loss must reach lease_lost.
         self._held_lease = held_lease
-        self.config = config
+        self._make_lease = lease
+        self.settings = settings
         self.lease: Lease | None = None  # every write of the bucket checks it first
-        self._lease_ttl_s, self._lease_renew_s = lease_ttl_s, lease_renew_s
         self.stats = ProjectorStats()
         self._js = nc.jetstream()
-        self.dead_letters = DeadLetters(
-            self._js, config, max_payload=nc.max_payload, kinds=PROJECTOR_KINDS
-        )
-        self.image = BucketImage(config.namespace)
+        self.dead_letters = dead_letters  # written by the runner; counted (metrics) there
+        self._host = host
+        self._read_bucket = read_bucket
+        self._lag_of = measure_lag
+        self.image = BucketImage(settings.namespace)
         self.delta_seq = 0  # sequence in the DELTAS stream of the last message handled
         self._position_dirty = False
         self._dirty = asyncio.Event()
@@ -136,17 +161,26 @@ class Projector(LagWatched):
         self._failure: BaseException | None = None
         # The DELTAS stream is read by the shared runner; this projector is its processor.
         self._consumer = OrderedConsumer(
-            self._js, config.deltas_stream, config.deltas_subject, self, on_failure=self._fail
+            self._js,
+            settings.deltas_stream,
+            settings.deltas_subject,
+            self,
+            on_failure=self._fail,
+            dead_letters=dead_letters,
         )
         self.caught_up = self._consumer.caught_up
-        self.lag_watch = LagWatch("projector", self._measure_lag, config, log)
+        self.lag_watch = LagWatch("projector", self._measure_lag, lag, log)
         # Told how long each flush that wrote took, in seconds (the metrics' histogram).
         self.on_flush: Callable[[float], None] | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
+    @property
+    def namespace(self) -> str:
+        return self.settings.namespace
+
     async def run(self) -> None:
-        async with announced(self.nc, self.config, "projector", self.status):
+        async with self._host.announce("projector", self.status):
             await self._run()
 
     def status(self) -> dict[str, Any]:
@@ -154,7 +188,7 @@ class Projector(LagWatched):
         lag, stats = self.lag, self.stats
         return {
             "kind": "projector",
-            "namespace": self.config.namespace,
+            "namespace": self.settings.namespace,
             "applied_seq": self.flushed.value,
             "delta_seq": self.flushed_delta_seq,
             "deltas": stats.deltas,
@@ -168,19 +202,12 @@ class Projector(LagWatched):
         }
 
     async def _run(self) -> None:
-        await ensure(self.nc, self.config)
+        await self._host.provision()
         if self._held_lease is not None:
             self.lease = self._held_lease
             await self._project()
             return
-        lease = Lease(
-            self.nc,
-            self.config,
-            "projector",
-            ttl_s=self._lease_ttl_s,
-            renew_s=self._lease_renew_s,
-            on_lost=self.lease_lost,
-        )
+        lease = self._make_lease(self.lease_lost)
         if not await self._acquire(lease):
             return
         self.lease = lease
@@ -216,7 +243,7 @@ class Projector(LagWatched):
         log.error(
             "projector stopping: %r",
             exc,
-            extra={"namespace": self.config.namespace, "stream_seq": self.applied_seq},
+            extra={"namespace": self.settings.namespace, "stream_seq": self.applied_seq},
         )
         self._consumer.halt()
         if self._failure is None:
@@ -251,13 +278,13 @@ class Projector(LagWatched):
 
     async def resume(self) -> None:
         """Load the bucket's values of this namespace back into the image."""
-        bucket = await read_bucket(self.nc, self.config)
+        bucket = await self._read_bucket()
         if bucket.unreadable:
             # A damaged value is rewritten from the deltas: rebuild from the start, deleting
             # whatever the deltas do not write again.
             key, (_, why) = next(iter(bucket.unreadable.items()))
             log.warning("bucket value %s unreadable (%s): replaying all deltas", key, why)
-            self.image.owe(every_key(self.config.namespace, bucket))
+            self.image.owe(every_key(self.settings.namespace, bucket))
             return
         self.image.restore(bucket)
         if (pos := bucket.position) is not None:
@@ -268,7 +295,7 @@ class Projector(LagWatched):
             self.applied_seq,
             self.delta_seq,
             len(self.image.loads),
-            extra={"namespace": self.config.namespace, "stream_seq": self.applied_seq},
+            extra={"namespace": self.settings.namespace, "stream_seq": self.applied_seq},
         )
 
     def reset_to(
@@ -280,7 +307,7 @@ class Projector(LagWatched):
         ``stale`` that the state does not write are deleted; the position resumes the projector
         after ``delta_seq``.
         """
-        self.image = BucketImage(self.config.namespace)
+        self.image = BucketImage(self.settings.namespace)
         for delta in state.projection():
             delta.seq = applied_seq
             self.image.apply(delta)
@@ -292,28 +319,30 @@ class Projector(LagWatched):
 
     # ---- folding deltas ---------------------------------------------------------------------
 
-    async def handle(self, msg: Msg) -> None:
-        """Apply one DELTAS message. The position moves to it only once it is fully handled:
-        a flush that runs while this awaits (a dead letter, a look-up) must not record a
-        message as handled whose deltas are not applied yet."""
+    async def handle(self, msg: Msg) -> Refused | None:
+        """Apply one DELTAS message, or refuse it. The position moves to it only once it is
+        fully handled: a flush that runs while this awaits (a look-up, the runner's dead
+        letter) must not record a message as handled whose deltas are not applied yet."""
         delta_seq, _ = log_time_ns(msg)
         try:
             deltas = decode_deltas(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await self._dead_letter(msg, delta_seq, f"delta does not decode: {exc}", UNDECODABLE)
-            self._passed(delta_seq)
-            return
+            return Refused(UNDECODABLE, f"delta does not decode: {exc}")
         why = await self._implausible(msg, delta_seq, deltas)
         if why:
-            await self._dead_letter(msg, delta_seq, why, IMPLAUSIBLE)
-            self._passed(delta_seq)
-            return
+            return Refused(IMPLAUSIBLE, why)
         for delta in deltas:
             if delta.seq is not None and delta.seq <= self.applied_seq:
                 self.stats.skipped += 1
                 continue
             self.apply(delta)
         self._passed(delta_seq)
+        return None
+
+    def dead_lettered(self, seq: int, refused: Refused) -> None:
+        """Its dead letter is stored: counted, and the position moves past it."""
+        self.stats.dead_letters += 1
+        self._passed(seq)
 
     def _passed(self, delta_seq: int) -> None:
         """The position moves past message ``delta_seq``, whatever it held."""
@@ -338,7 +367,7 @@ class Projector(LagWatched):
         seqs = [d.seq for d in deltas]
         last = seqs[-1] if seqs else prev
         if last is not None and last > self._events_last:
-            stream = self.config.events_stream
+            stream = self.settings.events_stream
             info = await retrying(
                 lambda: asyncio.wait_for(self._js.stream_info(stream), ATTEMPT_TIMEOUT_S),
                 f"looking up stream {stream}",
@@ -356,12 +385,12 @@ class Projector(LagWatched):
             and (deltas[0].seq, deltas[0].part) != (partial[0], partial[1] + 1)
         ):
             raise DeltaGap(
-                f"the deltas of namespace {self.config.namespace!r} have a gap: message "
+                f"the deltas of namespace {self.settings.namespace!r} have a gap: message "
                 f"{delta_seq} does not continue event {partial[0]} after its part {partial[1]}"
             )
         if prev > self.applied_seq:
             raise DeltaGap(
-                f"the deltas of namespace {self.config.namespace!r} have a gap: message "
+                f"the deltas of namespace {self.settings.namespace!r} have a gap: message "
                 f"{delta_seq} continues from event {prev}, but the bucket reflects event "
                 f"{self.applied_seq}; deltas were lost, so the bucket cannot follow them "
                 f"(`seqstate rebuild` re-derives it from the events)"
@@ -378,7 +407,7 @@ class Projector(LagWatched):
 
     async def _flush_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        interval = self.config.flush_interval_s
+        interval = self.settings.flush_interval_s
         backoff = interval
         while True:
             await self._dirty.wait()
@@ -394,7 +423,7 @@ class Projector(LagWatched):
                 if await self._bucket_gone():
                     self._fail(
                         BucketLost(
-                            f"the bucket {self.config.registry_bucket} was deleted under the "
+                            f"the bucket {self.settings.registry_bucket} was deleted under the "
                             "projector; a restart recreates it and rewrites it from the deltas"
                         )
                     )
@@ -410,7 +439,7 @@ class Projector(LagWatched):
         """Whether the bucket no longer exists (deleted by hand): no retry can write it then."""
         try:
             await asyncio.wait_for(
-                self._js.key_value(self.config.registry_bucket), ATTEMPT_TIMEOUT_S
+                self._js.key_value(self.settings.registry_bucket), ATTEMPT_TIMEOUT_S
             )
         except BucketNotFoundError:
             return True
@@ -462,28 +491,18 @@ class Projector(LagWatched):
 
     async def _put(self, key: str, value: bytes, *, delete: bool = False) -> asyncio.Future[object]:
         headers = {KV_OP: KV_DEL} if delete else None
-        subject = f"$KV.{self.config.registry_bucket}.{key}"
+        subject = f"$KV.{self.settings.registry_bucket}.{key}"
         future: asyncio.Future[object] = await self._js.publish_async(  # type: ignore[assignment]
             subject, value, headers=headers
         )
         return future
 
     async def _measure_lag(self) -> Lag:
-        return await projector_lag(
-            self._js, self.config, self.flushed.value, self.flushed_delta_seq
-        )
+        return await self._lag_of(self.flushed.value, self.flushed_delta_seq)
 
     async def wait_flushed(self, seq: int) -> None:
         """Return once the bucket's position reflects source sequence ``seq`` or later."""
         await self.flushed.wait(seq)
-
-    # ---- bad input --------------------------------------------------------------------------
-
-    async def _dead_letter(self, msg: Msg, delta_seq: int, reason: str, kind: str) -> None:
-        self.stats.dead_letters += 1
-        await self.dead_letters.put(
-            self.config.deltas_stream, delta_seq, msg.subject, msg.data, reason, kind=kind
-        )
 
 
 def every_key(namespace: str, bucket: BucketView) -> list[Write]:

@@ -119,6 +119,7 @@ class RegistryView:
         config = (config or Config()).with_namespace(namespace)
         self.nc = nc
         self.config = config
+        self.namespace = config.namespace  # as a writer's and a projector's (the metrics)
         self.registry = PromptRegistry()
         self.applied_seq = 0
         self.as_of_ns = 0

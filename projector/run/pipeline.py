@@ -25,10 +25,10 @@ from nats.aio.client import Client
 
 from projector.nats.lease import Lease
 from projector.nats.resources import ProvisioningError
-from projector.read.projection import DeltaGap, Projector
+from projector.read.projection import DeltaGap
+from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config, ConfigError
 from projector.write.snapshotter import SnapshotUnavailable
-from projector.write.writer import Writer
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate")
@@ -102,8 +102,8 @@ class Pipeline:
     ) -> None:
         self.nc = nc
         self.config = config
-        self.writer = Writer(nc, config)
-        self.projector = Projector(nc, config, held_lease=held_lease)
+        self.writer = build_writer(nc, config)
+        self.projector = build_projector(nc, config, held_lease=held_lease)
         self._start_timeout = start_timeout
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -17,7 +17,8 @@ import logging
 import nats.errors
 from nats.aio.client import Client
 
-from projector.nats.lease import DEFAULT_TTL_S, Lease, LeaseLost
+from projector.nats.lease import DEFAULT_TTL_S, LeaseLost
+from projector.run.assemble import build_lease
 from projector.run.pipeline import PERMANENT, Pipeline
 from projector.wire.config import Config
 from seqstate.errors import SeqstateError
@@ -48,7 +49,7 @@ class StandbyPipeline:
 
     async def run(self) -> None:
         while True:
-            lease = Lease(
+            lease = build_lease(
                 self.nc, self.config, "projector", ttl_s=self.lease_ttl_s, on_lost=self._lost
             )
             await lease.acquire(wait=True)

@@ -40,6 +40,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import islice
 
 import msgspec
@@ -50,7 +51,6 @@ from nats.js.errors import APIError, NotFoundError
 from projector.nats.progress import Progress
 from projector.nats.tasks import cancel
 from projector.wire.chain import chain_problem, source_part, source_seq
-from projector.wire.config import Config
 from projector.wire.headers import (
     EXPECTED_LAST_SUBJECT_SEQ,
     MSG_ID,
@@ -86,19 +86,29 @@ class DeltaUnstorable(WriterStalled):
     """One delta alone exceeds the server's payload limit."""
 
 
+@dataclass(frozen=True)
+class DeltaLogSettings:
+    """The names a delta log writes to (and checks a stranger's delta against)."""
+
+    namespace: str
+    events_stream: str
+    deltas_stream: str
+    deltas_subject: str
+
+
 class DeltaLog:
     """Appends deltas to the namespace's subject of SEQSTATE_DELTAS, in order, without holes."""
 
     def __init__(
         self,
         js: JetStreamContext,
-        config: Config,
+        settings: DeltaLogSettings,
         *,
         max_payload: int,
         retry_for_s: float = RETRY_FOR_S,
     ) -> None:
         self._js = js
-        self._config = config
+        self._settings = settings
         self._limit = max_payload - HEADROOM
         self._retry_for_s = retry_for_s
         self._pending: deque[Delta] = deque()
@@ -122,7 +132,7 @@ class DeltaLog:
         A message on the subject that no writer wrote is stepped over (the projector
         dead-letters it), never trusted or fatal.
         """
-        stream, subject = self._config.deltas_stream, self._config.deltas_subject
+        stream, subject = self._settings.deltas_stream, self._settings.deltas_subject
         try:
             raw = await self._js.get_last_msg(stream, subject)
         except NotFoundError:
@@ -268,9 +278,9 @@ class DeltaLog:
             count //= 2
 
     async def _store(self, payload: bytes, last_delta: Delta) -> None:
-        subject = self._config.deltas_subject
+        subject = self._settings.deltas_subject
         last = last_delta.seq or 0
-        msg_id = f"{self._config.namespace}:{last}"
+        msg_id = f"{self._settings.namespace}:{last}"
         headers = {
             SOURCE_SEQ: str(last),
             PREV_SOURCE_SEQ: str(self.stored.value),
@@ -318,7 +328,9 @@ class DeltaLog:
         Returns the stream sequence where our message is stored, or None to retry after a
         message no writer wrote (now expected). Raises if another writer's delta is there.
         """
-        raw = await self._js.get_last_msg(self._config.deltas_stream, self._config.deltas_subject)
+        raw = await self._js.get_last_msg(
+            self._settings.deltas_stream, self._settings.deltas_subject
+        )
         seq = raw.seq or 0
         headers = raw.headers or {}
         source = source_seq(headers, raw.data)
@@ -326,13 +338,13 @@ class DeltaLog:
             return seq  # stored before its ack was lost
         if await self._plausible(headers, raw.data):
             raise AnotherWriter(
-                f"another writer stored deltas for namespace {self._config.namespace!r} (up to "
+                f"another writer stored deltas for namespace {self._settings.namespace!r} (up to "
                 f"event {source}, message {seq}): stop the other writer; a restart resumes"
             )
         log.warning(
             "delta message %d on %s is not a writer's: stepping over it",
             seq,
-            self._config.deltas_subject,
+            self._settings.deltas_subject,
         )
         self.last_stream_seq = seq
         return None
@@ -345,5 +357,5 @@ class DeltaLog:
             return False
         if chain_problem(headers.get(PREV_SOURCE_SEQ), deltas) or not deltas:
             return False
-        info = await self._js.stream_info(self._config.events_stream)
+        info = await self._js.stream_info(self._settings.events_stream)
         return (deltas[-1].seq or 0) <= info.state.last_seq

@@ -22,12 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nats.aio.client import Client
-
-from projector.nats.retention import trim, trimmed_below
+from projector.nats.retention import Retention
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
 from projector.nats.tasks import cancel
-from projector.wire.config import Config
 from projector.write.delta_log import DeltaLog, WriterStalled
 from seqstate import SequenceState
 from seqstate.errors import SeqstateError
@@ -62,30 +59,37 @@ class SnapshotStats:
     trimmed_below: int = 0  # events below this sequence were trimmed by this writer
 
 
+@dataclass(frozen=True)
+class SnapshotSettings:
+    """How often a writer snapshots its fold, and how many snapshots it keeps."""
+
+    every_events: int  # 0: never by count
+    every_s: float  # 0: never by time
+    keep: int
+
+
 class Snapshotter:
     """Snapshots of one writer's fold, kept in ``store`` (None: the writer takes none).
 
     The fold tells it where it stands (its state and the sequence of its last event) after
-    each event and on each idle round; ``on_failure`` hears of a delta log that stalled under
-    a save, which stops the writer as any stalled delta does.
+    each event and on each idle round. ``stats`` are the writer's (it reports them);
+    ``retention`` trims the events the kept snapshots make redundant.
     """
 
     def __init__(
         self,
-        nc: Client,
-        config: Config,
         store: SnapshotStore | None,
+        settings: SnapshotSettings,
+        retention: Retention,
         stats: SnapshotStats,
         deltas: DeltaLog,
-        *,
-        on_failure: Callable[[BaseException], None],
     ) -> None:
-        self.nc = nc
-        self.config = config
         self.store = store
+        self.settings = settings
         self.stats = stats
+        self._retention = retention
         self._deltas = deltas
-        self._on_failure = on_failure
+        self._on_failure: Callable[[BaseException], None] = _unheard
         self._task: asyncio.Task[None] | None = None
         self._taken_at = 0.0  # loop time of the last snapshot taken
         self._encode_s = 0.0  # how long encoding it took
@@ -95,7 +99,10 @@ class Snapshotter:
         """``(name, why)`` of each snapshot a restore passed over."""
         return self.store.skipped if self.store is not None else []
 
-    async def open(self) -> None:
+    async def open(self, on_failure: Callable[[BaseException], None]) -> None:
+        """Start; ``on_failure`` hears of a delta log that stalled under a save, which stops
+        the writer as any stalled delta does."""
+        self._on_failure = on_failure
         self._taken_at = asyncio.get_running_loop().time()
         if self.store is not None:
             await self.store.open()
@@ -120,7 +127,7 @@ class Snapshotter:
         """Refuse to fold a log whose beginning was trimmed when no snapshot covers it."""
         if applied_seq:
             return
-        cut = await trimmed_below(self.nc, self.config)
+        cut = await self._retention.trimmed_below()
         if cut > 1:
             skipped = "; ".join(f"{n}: {why}" for n, why in self.skipped)
             raise SnapshotUnavailable(
@@ -138,10 +145,10 @@ class Snapshotter:
         since = asyncio.get_running_loop().time() - self._taken_at
         if since < self._encode_s / ENCODE_SHARE:
             return False
-        every = self.config.snapshot_every_events
+        every = self.settings.every_events
         if every and seq - self.stats.last_snapshot_seq >= every:
             return True
-        every_s = self.config.snapshot_every_s
+        every_s = self.settings.every_s
         return bool(every_s) and since >= every_s
 
     def take_if_due(self, state: SequenceState, seq: int) -> None:
@@ -205,19 +212,24 @@ class Snapshotter:
         self.stats.snapshots_saved += 1
         self.stats.last_snapshot_bytes = len(data)
         self.stats.last_snapshot_stored_s = time.time()
-        await self.store.prune(self.config.snapshots_keep)
+        await self.store.prune(self.settings.keep)
         log.info("snapshot %s saved and verified (%d bytes)", info.name, len(data))
         await self._trim()
 
     async def _trim(self) -> None:
         """Drop events older than the oldest kept snapshot (minus the configured margin)."""
-        if self.config.retain_events is None or self.store is None:
+        if self._retention.retain_events is None or self.store is None:
             return
         kept = await self.store.list()
-        cut = await trim(self.nc, self.config, kept, self.stats.trimmed_below)
+        cut = await self._retention.trim(kept, self.stats.trimmed_below)
         if cut != self.stats.trimmed_below:
             self.stats.trimmed_below = cut
             log.info("trimmed events below sequence %d", cut)
+
+
+def _unheard(exc: BaseException) -> None:
+    """Before :meth:`Snapshotter.open` nothing is saved, so nothing can fail."""
+    raise exc
 
 
 def _epoch_s(modified: str) -> float | None:

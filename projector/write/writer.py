@@ -14,10 +14,15 @@ in flight, each stored right after the previous one (a compare-and-set on the su
 sequence), so the chain has no hole even when the server crashes, and what is folded while a
 message travels gathers into the next one.
 
-A message that does not decode, or that would pass the rank bounds, goes to the dead-letter
-subject with the reason and its sequence, is counted, and the writer goes on. When the stream is
+A message that does not decode, or that would pass the rank bounds, is refused
+(:class:`~projector.nats.stream.Refused`): the runner dead-letters it with the reason and its
+sequence, the writer counts it and goes on. When the stream is
 idle, and at least every ``tick_every_s`` when it is not, the writer publishes a Tick, so that
 expiry (and forgetting idle lazy ranks) happens at a time the log recorded.
+
+Everything it works with (the delta log, the snapshotter, the dead letters, the server's
+provisioning) is built by :mod:`projector.run.assemble` and handed in; it reads only
+:class:`WriterSettings` of the configuration.
 
 Its lag (events stored but not folded yet, and how long the oldest has waited) is looked up
 every ``lag_check_s`` (:mod:`projector.nats.lag`): ``writer.lag`` is the last measurement, and
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,22 +43,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from projector.nats.dead_letters import (
-    OUT_OF_BOUNDS,
-    TOO_LARGE,
-    UNDECODABLE,
-    WRITER_KINDS,
-    DeadLetters,
-)
-from projector.nats.discovery import announced
-from projector.nats.lag import Lag, LagWatch, LagWatched, writer_lag
+from projector.nats.dead_letters import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE
+from projector.nats.host import Host
+from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.logs import event_fields
 from projector.nats.progress import Progress
-from projector.nats.resources import ensure
-from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import OrderedConsumer, log_time_ns
+from projector.nats.stream import DeadLetterSink, OrderedConsumer, Refused, log_time_ns
 from projector.nats.tasks import cancel
-from projector.wire.config import Config
 from projector.wire.headers import MSG_ID
 from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.write.snapshotter import SnapshotStats, Snapshotter
@@ -65,6 +62,7 @@ from seqstate import (
     decode_event,
     encode_event,
 )
+from seqstate.bounds import RankBounds
 from seqstate.deltas import APPLIED
 
 log = logging.getLogger("seqstate.writer")
@@ -80,8 +78,27 @@ class WriterStats(SnapshotStats):
     last_seq: int = 0  # outcomes are counted by the state itself: state.counters
 
 
+@dataclass(frozen=True)
+class WriterSettings:
+    """What the writer reads of the configuration: its names, its ticks and its bounds."""
+
+    namespace: str
+    events_stream: str
+    events_subjects: str
+    control_subject: str
+    idle_tick_s: float
+    tick_every_s: float
+    bounds: RankBounds
+
+
 class Writer(LagWatched):
     """One writer per namespace. ``await writer.run()`` until cancelled or ``stop()``.
+
+    Built by :func:`projector.run.assemble.build_writer`. ``state`` is the fold to go on
+    from; ``restore``: whether to replace it by the newest valid snapshot first (a state the
+    caller hands in is kept as it is). ``stats`` are shared with the snapshotter, which keeps
+    the snapshot counters. ``measure_lag(folded)`` looks the lag up on the server;
+    ``rules_differing(state)`` says how a restored state's rules differ from the settings.
 
     ``writer.lag`` (the last measurement) and ``await writer.measure_lag()`` (one now): events
     stored but not folded yet, and the oldest one's log time."""
@@ -89,29 +106,36 @@ class Writer(LagWatched):
     def __init__(
         self,
         nc: Client,
-        config: Config,
-        state: SequenceState | None = None,
+        settings: WriterSettings,
         *,
-        snapshots: bool = True,
+        state: SequenceState,
+        restore: bool,
+        stats: WriterStats,
+        deltas: DeltaLog,
+        snapshotter: Snapshotter,
+        dead_letters: DeadLetterSink,
+        host: Host,
+        lag: WatchSettings,
+        measure_lag: Callable[[int], Awaitable[Lag]],
+        rules_differing: Callable[[SequenceState], list[str]],
     ) -> None:
         self.nc = nc
-        self.config = config
-        self._given_state = state is not None
-        self.state = state or config.new_state()
+        self.settings = settings
+        self._restore_first = restore
+        self.state = state
         # The writer never reads its registry (readers build theirs from the bucket), and
         # keeping it current is about a third of the fold's cost.
         self.state.defer_registry()
-        self.snapshots: SnapshotStore | None = SnapshotStore(nc, config) if snapshots else None
-        self.stats = WriterStats()
+        self.stats = stats
         self._js: JetStreamContext = nc.jetstream()
-        self.dead_letters = DeadLetters(
-            self._js, config, max_payload=nc.max_payload, kinds=WRITER_KINDS
-        )
-        self._bounds = config.rank_bounds
-        self.deltas = DeltaLog(self._js, config, max_payload=nc.max_payload)
-        self.snapshotter = Snapshotter(
-            nc, config, self.snapshots, self.stats, self.deltas, on_failure=self._fail
-        )
+        self.dead_letters = dead_letters  # written by the runner; counted (metrics) there
+        self._bounds = settings.bounds
+        self.deltas = deltas
+        self.snapshotter = snapshotter
+        self.snapshots = snapshotter.store
+        self._host = host
+        self._lag_of = measure_lag
+        self._rules_differing = rules_differing
         self._published_up_to = 0
         self._last_event_at = 0.0
         self._stopping = asyncio.Event()
@@ -119,17 +143,22 @@ class Writer(LagWatched):
         self.applied = Progress()  # the sequence of the last event folded
         self._events = OrderedConsumer(
             self._js,
-            config.events_stream,
-            config.events_subjects,
+            settings.events_stream,
+            settings.events_subjects,
             self,
             on_failure=self._fold_failed,
             position=self.applied,
+            dead_letters=dead_letters,
         )
         self.caught_up = self._events.caught_up
-        self.lag_watch = LagWatch("writer", self._measure_lag, config, log)
+        self.lag_watch = LagWatch("writer", self._measure_lag, lag, log)
+
+    @property
+    def namespace(self) -> str:
+        return self.settings.namespace
 
     async def run(self) -> None:
-        async with announced(self.nc, self.config, "writer", self.status):
+        async with self._host.announce("writer", self.status):
             await self._run()
 
     def status(self) -> dict[str, Any]:
@@ -137,7 +166,7 @@ class Writer(LagWatched):
         lag, stats = self.lag, self.stats
         return {
             "kind": "writer",
-            "namespace": self.config.namespace,
+            "namespace": self.settings.namespace,
             "applied_seq": self.applied.value,
             "applied": stats.applied,
             "deltas_published": stats.deltas_published,
@@ -151,11 +180,11 @@ class Writer(LagWatched):
         }
 
     async def _run(self) -> None:
-        await ensure(self.nc, self.config)
+        await self._host.provision()
         self._published_up_to = await self.deltas.open()
         self.stats.last_delta_seq = self._published_up_to
-        await self.snapshotter.open()
-        if not self._given_state:
+        await self.snapshotter.open(on_failure=self._fail)
+        if self._restore_first:
             await self._restore()
         await self.snapshotter.check_coverage(self.applied.value)
         # The stream may carry other namespaces: caught up means up to this namespace's newest
@@ -185,7 +214,7 @@ class Writer(LagWatched):
         if found is None:
             return
         state, info = found
-        differing = self.config.rules_differing(state)
+        differing = self._rules_differing(state)
         if differing:
             log.warning(
                 "snapshot %s keeps the rules it was folded by, which differ from this "
@@ -207,40 +236,42 @@ class Writer(LagWatched):
         """Take and store a snapshot of the state as folded so far (operators, tests)."""
         await self.snapshotter.now(self.state, self.stats.last_seq)
 
-    async def handle(self, msg: Msg) -> None:
-        """One event folded; then the delta log and the snapshots keep pace with the fold."""
-        await self._fold(msg)
+    async def handle(self, msg: Msg) -> Refused | None:
+        """One event folded, or refused; then the delta log and the snapshots keep pace with
+        the fold (for a refused event, once its dead letter is stored: :meth:`dead_lettered`)."""
+        refused = self._fold(msg)
+        if refused is not None:
+            return refused
         if self.deltas.backlogged:
             await self.deltas.room()
         self.snapshotter.take_if_due(self.state, self.stats.last_seq)
+        return None
 
-    async def _fold(self, msg: Msg) -> None:
+    def dead_lettered(self, seq: int, refused: Refused) -> None:
+        """Counted once stored: a snapshot taken before, at this event, would skip it."""
+        self.stats.dead_letters += 1
+        self.snapshotter.take_if_due(self.state, self.stats.last_seq)
+
+    def _fold(self, msg: Msg) -> Refused | None:
         seq, at_ns = log_time_ns(msg)
         self.stats.last_seq = seq
         self._last_event_at = asyncio.get_running_loop().time()
         if len(msg.data) > self.deltas.max_event:
             # Its delta (the booking of its prompt) could never be stored: refuse it here,
             # once, rather than stall on it. RouterPublisher refuses it before it is logged.
-            await self._dead_letter(
-                msg,
-                seq,
+            return Refused(
+                TOO_LARGE,
                 f"refused: an event of {len(msg.data)} bytes; "
                 f"its delta would not fit a message (at most "
                 f"{self.deltas.max_event} bytes of event)",
-                TOO_LARGE,
             )
-            return
         try:
             event = decode_event(msg.data)
         except EventDecodeError as exc:
-            await self._dead_letter(msg, seq, str(exc), UNDECODABLE)
-            return
+            return Refused(UNDECODABLE, str(exc))
         refused = self._bounds.refusal(self.state, event)
         if refused:
-            await self._dead_letter(
-                msg, seq, f"refused: {refused}", OUT_OF_BOUNDS, event_fields(event)
-            )
-            return
+            return Refused(OUT_OF_BOUNDS, f"refused: {refused}", event_fields(event))
         delta = self.state.apply(event, at_ns)
         delta.seq = seq
         if delta.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):  # the fold's hot path
@@ -250,12 +281,13 @@ class Writer(LagWatched):
             self.deltas.append(delta)
             self.stats.deltas_published += 1
             self.stats.last_delta_seq = seq
+        return None
 
     def _fold_failed(self, exc: BaseException) -> None:
         log.error(
             "writer stopping: %s",
             exc,
-            extra={"namespace": self.config.namespace, "stream_seq": self.stats.last_seq},
+            extra={"namespace": self.settings.namespace, "stream_seq": self.stats.last_seq},
         )
         self._fail(exc)
 
@@ -268,14 +300,6 @@ class Writer(LagWatched):
         """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
         await self.deltas.flush()
 
-    async def _dead_letter(
-        self, msg: Msg, seq: int, reason: str, kind: str, fields: dict[str, Any] | None = None
-    ) -> None:
-        self.stats.dead_letters += 1
-        await self.dead_letters.put(
-            self.config.events_stream, seq, msg.subject, msg.data, reason, kind=kind, fields=fields
-        )
-
     def _log_oddity(self, seq: int, event: Event, delta: Delta) -> None:
         """A DEBUG line for an event folded to something other than ``applied`` (a duplicate,
         an unknown request or worker...): which event, what it met, never its block hashes."""
@@ -286,7 +310,7 @@ class Writer(LagWatched):
             type(event).__name__,
             delta.outcome,
             owner,
-            extra={**event_fields(event), "stream_seq": seq, "namespace": self.config.namespace},
+            extra={**event_fields(event), "stream_seq": seq, "namespace": self.settings.namespace},
         )
 
     async def _tick_when_idle(self) -> None:
@@ -295,7 +319,7 @@ class Writer(LagWatched):
         forgets idle lazy ranks, which a rank with no traffic of its own would otherwise never
         get while the others are busy."""
         loop = asyncio.get_running_loop()
-        idle, every = self.config.idle_tick_s, self.config.tick_every_s
+        idle, every = self.settings.idle_tick_s, self.settings.tick_every_s
         ticked = loop.time()
         while True:
             await asyncio.sleep(min(idle, every) / 4)
@@ -309,9 +333,9 @@ class Writer(LagWatched):
             # The msg-id makes concurrent writers (or a retry) log one Tick per position.
             try:
                 await self._js.publish(
-                    self.config.control_subject,
+                    self.settings.control_subject,
                     encode_event(Tick()),
-                    headers={MSG_ID: f"tick:{self.config.namespace}:{self.stats.last_seq}"},
+                    headers={MSG_ID: f"tick:{self.settings.namespace}:{self.stats.last_seq}"},
                     timeout=ACK_TIMEOUT_S,
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
@@ -321,7 +345,7 @@ class Writer(LagWatched):
             self._last_event_at = ticked = loop.time()
 
     async def _measure_lag(self) -> Lag:
-        return await writer_lag(self._js, self.config, self.applied.value)
+        return await self._lag_of(self.applied.value)
 
     async def wait_applied(self, seq: int, timeout: float | None = None) -> None:
         """Return once the event at stream sequence ``seq`` has been folded."""

@@ -31,10 +31,10 @@ from projector.read.bucket import read_bucket
 from projector.read.projection import Projector
 from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
+from projector.run.assemble import build_projector, build_writer
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from projector.wire.values import lease_key, parse_key, position_key
-from projector.write.writer import Writer
 from seqstate import WorkerAdded, decode_event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ async def filled(nc: Client) -> tuple[Config, int]:
 @contextlib.asynccontextmanager
 async def projecting(nc: Client, config: Config, **lease: float) -> AsyncIterator[Projector]:
     """A projector that holds the lease (it is caught up) until the block ends."""
-    projector = Projector(nc, config, **lease)
+    projector = build_projector(nc, config, **lease)
     task = asyncio.create_task(projector.run())
     ready = asyncio.ensure_future(projector.caught_up.wait())
     await asyncio.wait([ready, task], timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -192,7 +192,7 @@ async def test_a_rebuild_refuses_another_rebuild_and_a_projector_waits_for_it(
     config, _ = await filled(nc)
     held = Lease(nc, config, "rebuild")  # a rebuild in progress
     await held.acquire(wait=False)
-    projector = Projector(nc, config)
+    projector = build_projector(nc, config)
     task: asyncio.Task[None] | None = None
     try:
         with pytest.raises(LeaseHeld, match=r"a rebuild of .* is running .*; wait for it to end"):
@@ -218,11 +218,11 @@ async def test_a_second_projector_waits_then_takes_over_and_the_bucket_equals_a_
     caplog.set_level(logging.WARNING, logger="seqstate.lease")
     config = fresh_config("l")
     await ensure(nc, config)
-    writer = Writer(nc, config)
+    writer = build_writer(nc, config)
     writing = asyncio.create_task(writer.run())
     try:
         async with projecting(nc, config) as first:
-            second = Projector(nc, config)
+            second = build_projector(nc, config)
             waiting = asyncio.create_task(second.run())
             await until(lambda: "waiting for it to stop" in caplog.text, "the second one waits")
             assert f"a projector of namespace {config.namespace!r} is running ({HERE})" in (
@@ -253,7 +253,7 @@ async def test_a_second_projector_waits_then_takes_over_and_the_bucket_equals_a_
 
 async def test_a_projector_whose_lease_is_taken_stops_and_its_run_raises(nc: Client) -> None:
     config, _ = await filled(nc)
-    projector = Projector(nc, config)
+    projector = build_projector(nc, config)
     task = asyncio.create_task(projector.run())
     try:
         await asyncio.wait_for(projector.caught_up.wait(), WAIT_S)

@@ -30,6 +30,7 @@ from projector.ops.workers import WorkerControl
 from projector.read.projection import Projector
 from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
+from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config
 from projector.wire.values import load_key
 from projector.write.writer import Writer
@@ -93,7 +94,7 @@ async def pipeline(roles_server: str) -> AsyncIterator[tuple[Writer, Projector]]
         connect(roles_server, service=True, config=writer_config) as wnc,
         connect(roles_server, service=True, config=projector_config) as pnc,
     ):
-        writer, projector = Writer(wnc, writer_config), Projector(pnc, projector_config)
+        writer, projector = build_writer(wnc, writer_config), build_projector(pnc, projector_config)
         tasks = [asyncio.create_task(writer.run()), asyncio.create_task(projector.run())]
         started = asyncio.gather(writer.caught_up.wait(), projector.caught_up.wait())
         done, _ = await asyncio.wait(

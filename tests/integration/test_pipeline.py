@@ -19,11 +19,11 @@ from projector.read.bucket import read_bucket
 from projector.read.projection import Projector
 from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
+from projector.run.assemble import build_projector, build_writer
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from projector.wire.headers import PREV_SOURCE_SEQ, REASON
 from projector.wire.values import decode_request, load_key, position_key, slot_key
-from projector.write.writer import Writer
 from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas
 
 NS_PER_MS = 1_000_000
@@ -205,21 +205,23 @@ async def test_the_view_follows_live_changes_and_reports_staleness(nc: Client) -
                 raise AssertionError("wait_for returned for a sequence that was never applied")
 
 
-class RecordingProjector(Projector):
-    """Records when each flush started writing and which keys it wrote."""
+def recording(projector: Projector) -> list[tuple[float, list[str]]]:
+    """When each flush of ``projector`` started writing and which keys it wrote."""
+    writes: list[tuple[float, list[str]]] = []
+    write = projector._write
 
-    def __init__(self, nc: Client, config: Config) -> None:
-        super().__init__(nc, config)
-        self.writes: list[tuple[float, list[str]]] = []
+    async def recorded(keys, position):  # type: ignore[no-untyped-def]
+        writes.append((asyncio.get_running_loop().time(), [key for key, _ in keys]))
+        await write(keys, position)
 
-    async def _write(self, writes, position):  # type: ignore[no-untyped-def]
-        self.writes.append((asyncio.get_running_loop().time(), [key for key, _ in writes]))
-        await super()._write(writes, position)
+    projector._write = recorded  # type: ignore[method-assign]
+    return writes
 
 
 async def test_the_projector_writes_each_key_at_most_once_per_flush_interval(nc: Client) -> None:
     config = fresh_config("p", flush_interval_s=0.05)
-    writer, projector = Writer(nc, config), RecordingProjector(nc, config)
+    writer, projector = build_writer(nc, config), build_projector(nc, config)
+    writes = recording(projector)
     tasks = [asyncio.create_task(writer.run()), asyncio.create_task(projector.run())]
     try:
         await asyncio.wait_for(projector.caught_up.wait(), 10)
@@ -232,21 +234,21 @@ async def test_the_projector_writes_each_key_at_most_once_per_flush_interval(nc:
             await writer.wait_applied(max(seqs))
             await writer.flush()
             await projector.wait_flushed(max(seqs))
-        looped = len(projector.writes)  # the flush loop's; stopping adds a final, direct one
+        looped = len(writes)  # the flush loop's; stopping adds a final, direct one
     finally:
         writer.stop()
         projector.stop()
         await asyncio.gather(*tasks)
-    starts = [t for t, _ in projector.writes[:looped]]
+    starts = [t for t, _ in writes[:looped]]
     assert looped >= 12
     assert min(b - a for a, b in itertools.pairwise(starts)) >= 0.05 * 0.99
-    assert all(len(keys) == len(set(keys)) for _, keys in projector.writes)  # once per flush
+    assert all(len(keys) == len(set(keys)) for _, keys in writes)  # once per flush
     # 600 deltas each touched one of 2 ranks: their loads coalesced into far fewer writes;
     # each request's slot key was written once.
     assert projector.stats.deltas == 600
-    loads = [key for _, keys in projector.writes for key in keys if ".load." in key]
-    assert len(loads) <= 2 * len(projector.writes) < 600
-    slots = [key for _, keys in projector.writes for key in keys if ".req." in key]
+    loads = [key for _, keys in writes for key in keys if ".load." in key]
+    assert len(loads) <= 2 * len(writes) < 600
+    slots = [key for _, keys in writes for key in keys if ".req." in key]
     assert len(slots) == len(set(slots)) == 600
 
 

@@ -21,12 +21,11 @@ from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.ops.replay import verify
 from projector.read.image import BucketImage
-from projector.read.projection import Projector
 from projector.read.reader import RegistryView
 from projector.route.publisher import EventTooLarge, RouterPublisher
+from projector.run.assemble import build_delta_log, build_projector
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
-from projector.write.delta_log import DeltaLog
 from seqstate import AddRequest, Free, SequenceState, decode_deltas, decode_event, encode_event
 from seqstate.deltas import split_delta
 
@@ -167,8 +166,7 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
         delta.seq = seq
         deltas.append(delta)
     assert len(deltas[-1].expired) == 2999
-    js = small.jetstream()
-    log = DeltaLog(js, config, max_payload=small.max_payload)
+    log = build_delta_log(small, config)
     parts = split_delta(deltas[-1], SMALL - 4096)
     assert len(parts) >= 3
     # A first writer stores everything up to the second part of the last event, then dies.
@@ -185,7 +183,7 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
         await asyncio.sleep(0.01)
     await log.close()
     # Its successor finds the chain ending inside the event and stores only the rest.
-    successor = DeltaLog(js, config, max_payload=small.max_payload)
+    successor = build_delta_log(small, config)
     assert await successor.open() == tick_seq - 1
     assert successor.stored_part == (tick_seq, 1)
     successor.start(failures.append)
@@ -200,7 +198,7 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
     ]
     assert await largest_message(small, config, "deltas") <= SMALL
     # A projector applies the parts: the bucket is the image of the whole delta.
-    projector = Projector(small, config)
+    projector = build_projector(small, config)
     task = asyncio.create_task(projector.run())
     await asyncio.wait_for(projector.wait_flushed(tick_seq), 30)
     projector.stop()

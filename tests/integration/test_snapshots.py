@@ -19,6 +19,7 @@ from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import first_seq_of
 from projector.ops.replay import ReplayError, replay
 from projector.route.publisher import RouterPublisher
+from projector.run.assemble import build_writer
 from projector.wire.config import Config
 from projector.write.snapshotter import SnapshotUnavailable
 from projector.write.writer import Writer
@@ -71,7 +72,7 @@ async def full_fold(nc: Client, config: Config) -> bytes:
 
 @contextlib.asynccontextmanager
 async def running(nc: Client, config: Config) -> AsyncIterator[Writer]:
-    writer = Writer(nc, config)
+    writer = build_writer(nc, config)
     task = asyncio.create_task(writer.run())
     try:
         done, _ = await asyncio.wait(

@@ -15,6 +15,7 @@ from nats.aio.client import Client
 from projector.nats.dead_letters import PREFIX_BYTES
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.ops.replay import replay
+from projector.run.assemble import build_writer
 from projector.wire.config import Config
 from projector.wire.headers import REASON, SIZE, SOURCE_SEQ, SOURCE_STREAM, TRUNCATED
 from projector.write.writer import Writer
@@ -101,7 +102,7 @@ async def all_deltas(nc: Client, config: Config) -> list[Delta]:
 
 @contextlib.asynccontextmanager
 async def running(nc: Client, config: Config) -> AsyncIterator[Writer]:
-    writer = Writer(nc, config)
+    writer = build_writer(nc, config)
     task = asyncio.create_task(writer.run())
     try:
         await asyncio.wait_for(writer.caught_up.wait(), 10)

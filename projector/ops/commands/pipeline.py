@@ -98,8 +98,6 @@ async def pipeline_metrics(nc: Client, config: Config) -> AsyncIterator[Callable
 
 
 class _Consumer(Protocol):
-    config: Config
-
     async def run(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -141,15 +139,15 @@ async def _until_stopped(consumer: _Consumer) -> int:
 
 
 async def cmd_writer(args: argparse.Namespace, config: Config) -> int:
-    from projector.write.writer import Writer
+    from projector.run.assemble import build_writer
 
-    return await run_consumer(config, Writer, "writer")
+    return await run_consumer(config, build_writer, "writer")
 
 
 async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
-    from projector.read.projection import Projector
+    from projector.run.assemble import build_projector
 
-    return await run_consumer(config, Projector, "projector")
+    return await run_consumer(config, build_projector, "projector")
 
 
 async def cmd_demo(args: argparse.Namespace, config: Config) -> int:

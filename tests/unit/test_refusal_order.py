@@ -1,0 +1,160 @@
+"""Refusals, without a server: the runner's order of things, and processors built from stand-ins.
+
+The runner must store a dead letter before it tells the processor and before the position
+moves (a crash in between re-reads the message, and the dead letter's msg-id makes the second
+copy a duplicate); a dead letter that cannot be stored stops it with the message unpassed. A
+projector, handed stand-ins for everything it works with, refuses what it cannot read and
+moves its position only once told the dead letter is stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, cast
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from projector.nats.dead_letters import PROJECTOR_KINDS, UNDECODABLE
+from projector.nats.host import Host
+from projector.nats.lag import Lag, LagSettings
+from projector.nats.lease import Lease
+from projector.nats.stream import OrderedConsumer, Refused
+from projector.read.bucket import BucketView
+from projector.read.projection import Projector, ProjectorSettings
+
+
+def delivery(seq: int, data: bytes, headers: dict[str, str] | None = None) -> Msg:
+    """A JetStream delivery of stream sequence ``seq`` (its reply subject says where)."""
+    reply = f"$JS.ACK.S.C.1.{seq}.{seq}.{1_700_000_000_000_000_000 + seq}.0"
+    return Msg(cast(Any, None), subject="s.x", reply=reply, data=data, headers=headers)
+
+
+class Sink:
+    """Dead letters kept in a list; ``broken``: the server will not store them."""
+
+    def __init__(self, kinds: tuple[str, ...], events: list[str], *, broken: bool = False):
+        self.counts = dict.fromkeys(kinds, 0)
+        self.put_args: list[tuple[str, int, str, bytes, str, str, Mapping[str, Any] | None]] = []
+        self._events = events
+        self._broken = broken
+
+    async def put(
+        self,
+        stream: str,
+        seq: int,
+        subject: str,
+        payload: bytes,
+        reason: str,
+        *,
+        kind: str,
+        fields: Mapping[str, Any] | None = None,
+    ) -> None:
+        if self._broken:
+            raise TimeoutError("dead letter not stored")
+        self._events.append(f"put {seq}")
+        self.put_args.append((stream, seq, subject, payload, reason, kind, fields))
+        self.counts[kind] += 1
+
+
+class Refuser:
+    def __init__(self, events: list[str]) -> None:
+        self._events = events
+        self.runner: OrderedConsumer | None = None
+
+    async def handle(self, msg: Msg) -> Refused | None:
+        if msg.data == b"no":
+            return Refused(UNDECODABLE, "it said no", {"request_id": "r1"})
+        return None
+
+    def dead_lettered(self, seq: int, refused: Refused) -> None:
+        assert self.runner is not None
+        self._events.append(f"told {seq} {refused.kind} at {self.runner.position.value}")
+
+
+def consumer(processor: Refuser, sink: Sink, failures: list[BaseException]) -> OrderedConsumer:
+    js = cast(JetStreamContext, None)  # never subscribed here: messages are delivered by hand
+    return OrderedConsumer(js, "S", "s.>", processor, on_failure=failures.append, dead_letters=sink)
+
+
+async def test_the_dead_letter_is_stored_then_the_processor_told_then_the_position_moved() -> None:
+    events: list[str] = []
+    failures: list[BaseException] = []
+    sink = Sink((UNDECODABLE,), events)
+    refuser = Refuser(events)
+    runner = refuser.runner = consumer(refuser, sink, failures)
+    await runner._deliver(delivery(1, b"yes"))
+    await runner._deliver(delivery(2, b"no"))
+    await runner._deliver(delivery(3, b"yes"))
+    assert not failures and runner.position.value == 3
+    assert events == ["put 2", f"told 2 {UNDECODABLE} at 1"]  # stored, told, then moved
+    assert sink.put_args == [
+        ("S", 2, "s.x", b"no", "it said no", UNDECODABLE, {"request_id": "r1"})
+    ]
+    assert sink.counts == {UNDECODABLE: 1}
+
+
+async def test_a_dead_letter_not_stored_stops_the_runner_before_the_message() -> None:
+    events: list[str] = []
+    failures: list[BaseException] = []
+    runner = consumer(Refuser(events), Sink((UNDECODABLE,), events, broken=True), failures)
+    await runner._deliver(delivery(1, b"yes"))
+    await runner._deliver(delivery(2, b"no"))
+    await runner._deliver(delivery(3, b"yes"))  # halted: not handed over
+    assert [type(exc) for exc in failures] == [TimeoutError]
+    assert runner.position.value == 1 and events == []
+
+
+def stand_in_projector(sink: Sink) -> Projector:
+    """A projector whose every collaborator is a stand-in: it reads no Config."""
+
+    class NC:
+        max_payload = 1 << 20
+
+        def jetstream(self) -> Any:
+            return None
+
+    @contextlib.asynccontextmanager
+    async def announce(kind: str, status: Any) -> AsyncIterator[None]:
+        yield None
+
+    async def provision() -> None:
+        return None
+
+    def lease(on_lost: Any) -> Lease:
+        raise AssertionError("no lease taken here")
+
+    async def bucket() -> BucketView:
+        raise AssertionError("no bucket read here")
+
+    async def lag(applied: int, delta_seq: int) -> Lag:
+        return Lag()
+
+    projector = Projector(
+        cast(Client, NC()),
+        ProjectorSettings("ns", "EV", "DL", "seqstate.deltas.ns", "reg", 0.005),
+        dead_letters=sink,
+        host=Host(provision=provision, announce=announce),
+        lease=lease,
+        read_bucket=bucket,
+        lag=LagSettings("ns", None, None, 1.0),
+        measure_lag=lag,
+    )
+    return projector
+
+
+async def test_the_projector_refuses_what_it_cannot_read_and_moves_only_when_told() -> None:
+    projector = stand_in_projector(Sink(PROJECTOR_KINDS, []))
+    refused = await projector.handle(delivery(7, b"\x93not deltas"))
+    assert refused is not None and refused.kind == UNDECODABLE
+    assert refused.reason.startswith("delta does not decode: ")
+    assert projector.delta_seq == 0 and projector.stats.dead_letters == 0  # not yet stored
+    projector.dead_lettered(7, refused)
+    assert projector.delta_seq == 7 and projector.stats.dead_letters == 1
+
+
+def test_a_refusal_is_a_value() -> None:
+    """Equal refusals are equal whatever their log fields: they say the same to the reader."""
+    assert Refused(UNDECODABLE, "x", {"a": 1}) == Refused(UNDECODABLE, "x")
