@@ -95,7 +95,7 @@ def _now(status: int, payload: object) -> asyncio.Future[tuple[int, object]]:
     return answered
 
 
-class _Refused(SeqstateError):
+class _BodyRejected(SeqstateError):
     """A body refused before anything is stored; ``answer`` is serde_json's, word for word."""
 
     def __init__(self, status: int, error: str) -> None:
@@ -104,23 +104,23 @@ class _Refused(SeqstateError):
 
 
 def _parse(path: str, body: bytes) -> Any:
-    """The body of a call to ``path`` as Dynamo's serde_json reads it, or :class:`_Refused`:
+    """The body of a call to ``path`` as Dynamo's serde_json reads it, or :class:`_BodyRejected`:
     msgspec decodes it, and the few bodies the two read differently are settled by serde's
     rules (serde_errors)."""
     decoder = _DECODERS[path]
     try:
         parsed = decoder.decode(body)
     except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
-        refused = extractor_error(path, body)
-        if refused is not None:
-            raise _Refused(*refused) from None
+        problem = extractor_error(path, body)
+        if problem is not None:
+            raise _BodyRejected(*problem) from None
         try:  # one of the few bodies serde reads and msgspec does not
             return msgspec.convert(accepted_fields(path, body), decoder.type)
         except (ValueError, RecursionError, msgspec.ValidationError) as exc:
-            raise _Refused(400, f"{PARSE_PREFIX}{exc}") from None
-    refused = error_for_accepted(path, body)
-    if refused is not None:
-        raise _Refused(*refused)
+            raise _BodyRejected(400, f"{PARSE_PREFIX}{exc}") from None
+    problem = error_for_accepted(path, body)
+    if problem is not None:
+        raise _BodyRejected(*problem)
     return parsed
 
 
@@ -271,8 +271,8 @@ class SlotService:
             return _now(415, {"error": "Expected request with `Content-Type: application/json`"})
         try:
             parsed = _parse(path, body)
-        except _Refused as refused:
-            return _now(*refused.answer)
+        except _BodyRejected as rejected:
+            return _now(*rejected.answer)
         namespace = namespace_for(parsed.model_name, parsed.routing_group, self.config.namespace)
         if isinstance(parsed, PotentialLoadsBody):
             return _now(*await self._potential(namespace, parsed))
