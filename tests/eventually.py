@@ -70,9 +70,10 @@ async def eventually(
     yet" (a busy server timing out, a port not listening yet): swallowed and remembered until
     the deadline; any other exception of the probe, or of ``ok``, propagates at once, because
     a probe that is broken will not mend by asking again. ``watch`` renders extra context for
-    the failure only (a process's log). ``check`` runs before every probe and may raise to
-    stop the wait early: a process that has exited will never make the condition true, so
-    waiting out the deadline for it only hides the cause.
+    the failure only (a process's log). ``check`` runs after every try that did not satisfy
+    ``ok`` and may raise to stop the wait early: a process that has exited will never make the
+    condition true, so waiting out the deadline for it only hides the cause (and one that did
+    its work and exited is not failed for it: the condition is looked at first).
 
     The probe runs at least once, and the last try is after the deadline, so a condition that
     became true while the helper slept is never reported as a timeout (``timeout=0``: one try).
@@ -84,8 +85,6 @@ async def eventually(
     error: BaseException | None = None
     tries = 0
     while True:
-        if check is not None:
-            check()
         tries += 1
         try:
             got = probe()
@@ -97,6 +96,8 @@ async def eventually(
             value, seen, error = got, True, None
             if ok(got):
                 return got
+        if check is not None:
+            check()
         if loop.time() >= deadline:
             raise AssertionError(_failure(what, timeout, tries, seen, value, error, watch))
         await asyncio.sleep(interval)

@@ -196,7 +196,17 @@ async def test_check_stops_the_wait_early() -> None:
 
     with pytest.raises(AssertionError, match="writer exited with 1"):
         await eventually(probe, what="progress", interval=0, check=check)
-    assert calls == [2]  # checked before each try: the third never ran
+    assert calls == [3]  # checked after each try that fell short: no fourth
+
+
+async def test_check_is_not_consulted_once_the_condition_holds() -> None:
+    """A process that logged its line and then exited has done what was waited for."""
+
+    def check() -> None:
+        raise AssertionError("exited")
+
+    probe, _ = counter(["logged"])
+    assert await eventually(probe, what="logged", check=check) == "logged"
 
 
 async def test_cancellation_is_not_swallowed() -> None:
