@@ -91,7 +91,7 @@ async def test_waits_out_the_deadline_before_failing() -> None:
     with pytest.raises(AssertionError):
         await eventually(probe, what="never", timeout=0.05, interval=0.01)
     assert loop.time() - start >= 0.05
-    assert calls[0] >= 2
+    assert calls[0] >= 1  # how many more is the machine's business
 
 
 async def test_retry_on_is_swallowed_until_it_succeeds() -> None:
