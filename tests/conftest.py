@@ -1,9 +1,15 @@
 """Which build of the core the tests run against: compiled (mypyc) by default, or pure.
 
 The pure sources are the reference and the compiled modules a faster build of the same code,
-so ``make test`` runs the whole suite against both. ``SEQSTATE_PURE=1`` makes every import of
-a compiled module load its ``.py`` source instead. A compiled module older than its source
-would test stale code, so that stops the run with the command that fixes it.
+so ``make test`` runs the whole suite against the compiled build, then the tests marked
+``core`` against the pure one (``SEQSTATE_PURE=1 pytest -m core``). A ``core`` test exercises
+seqstate/ itself and needs no nats-server (a module's ``pytestmark = pytest.mark.core``, or a
+parameter's mark as in tests/integration/test_scenarios.py); the collection below refuses one
+that asks for the server, which would bring the slow half of the suite back into the pure pass.
+
+``SEQSTATE_PURE=1`` makes every import of a compiled module load its ``.py`` source instead. A
+compiled module older than its source would test stale code, so that stops the run with the
+command that fixes it.
 """
 
 from __future__ import annotations
@@ -59,6 +65,17 @@ else:
             "(or `make pure` to drop the compiled modules)",
             returncode=2,
         )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A ``core`` test may not use the nats-server: the pure pass is the core's, and fast."""
+    served = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("core") and "nats_server" in getattr(item, "fixturenames", ())
+    ]
+    if served:
+        raise pytest.UsageError(f"core tests that need a nats-server: {', '.join(served[:5])}")
 
 
 def pytest_report_header() -> str:

@@ -4,8 +4,8 @@ A kill point is a number of events published, chosen by ``random.Random(seed)``,
 moment in time. Before each kill the test waits until the process it is about to kill has
 shown progress of its own (a delta or a bucket position newer than when it started), so every
 SIGKILL hits a process that is connected and working, never one still importing Python.
-Every wait is on an observable condition with a deadline; a process that dies on its own fails
-the test with its log.
+Every wait is an ``eventually`` (tests/eventually.py): an observable condition with a deadline;
+a process that dies on its own fails the test at once with its log (``check=service.check``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import msgspec
 import nats.errors
+from eventually import TIMEOUT_S, eventually
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
@@ -52,10 +52,11 @@ from seqstate import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-WAIT_S = 30.0  # deadline of any single wait: generous, only a hang ever reaches it
-POLL_S = 0.005
+WAIT_S = TIMEOUT_S  # deadline of any single wait: generous, only a hang ever reaches it
+# A busy server (a cluster electing a leader, a flood in flight) times a request out: the
+# waits of the fault tests ask again, within their deadline.
+BUSY: tuple[type[BaseException], ...] = (nats.errors.TimeoutError,)
 TAIL = 50  # the last steps, published with the final run up and nothing else scheduled
-T = TypeVar("T")
 
 
 def _off(value: float | None) -> str:
@@ -182,8 +183,12 @@ class Service:
         async def new_consumers() -> set[str]:
             return await self._consumer_names(js) - self._consumers
 
-        await wait_until(
-            new_consumers, bool, f"{self.command} run {len(self.runs)} subscribed", watch=self
+        await eventually(
+            new_consumers,
+            what=f"{self.command} run {len(self.runs)} subscribed",
+            retry_on=BUSY,
+            watch=self.logs,
+            check=self.check,
         )
 
     async def stop(self, timeout: float = WAIT_S) -> int:
@@ -191,14 +196,18 @@ class Service:
         proc, self.proc = self.proc, None
         assert proc is not None, "not running"
         proc.send_signal(signal.SIGTERM)
-        deadline = asyncio.get_running_loop().time() + timeout
-        while proc.poll() is None:
-            if asyncio.get_running_loop().time() > deadline:
+        try:
+            return await eventually(
+                proc.poll,
+                lambda code: code is not None,
+                what=f"{self.command} stopped on SIGTERM",
+                timeout=timeout,
+                watch=self.logs,
+            )
+        finally:
+            if proc.poll() is None:  # it ignored SIGTERM: the failure is raised, now clean up
                 proc.kill()
                 proc.wait(10)
-                raise AssertionError(f"{self.command} ignored SIGTERM\n{self.logs()}")
-            await asyncio.sleep(0.01)
-        return proc.returncode
 
     def check(self) -> None:
         """Fail, with the logs, if the current run exited on its own."""
@@ -220,33 +229,23 @@ class Service:
         return "\n".join(parts)
 
 
-async def wait_until(
-    probe: Callable[[], Awaitable[T]],
-    ok: Callable[[T], bool],
-    what: str,
-    *,
-    watch: Service | None = None,
-    timeout: float = WAIT_S,
-    interval: float = POLL_S,
-) -> T:
-    """Poll ``probe`` until ``ok``; fail naming ``what`` (and the process's log) at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    value: T | None = None
-    while True:
-        try:
-            value = await probe()
-        except nats.errors.TimeoutError:  # a busy server: ask again, within the deadline
-            pass
-        else:
-            if ok(value):
-                return value
-        if watch is not None:
-            watch.check()
-        if loop.time() > deadline:
-            logs = f"\n{watch.logs()}" if watch is not None else ""
-            raise AssertionError(f"{what}: not within {timeout:g}s (last seen {value!r}){logs}")
-        await asyncio.sleep(interval)
+class StepCount:
+    """How far a publishing task has got, for a task that acts at a given step (a crash, a
+    restart): it wakes when the publisher gets there, never polls, and has no deadline of its
+    own, since each publish the publisher makes has one."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._moved = asyncio.Condition()
+
+    async def advance(self, done: int) -> None:
+        async with self._moved:
+            self.done = done
+            self._moved.notify_all()
+
+    async def reached(self, step: int) -> None:
+        async with self._moved:
+            await self._moved.wait_for(lambda: self.done >= step)
 
 
 # ---- observing the pipeline -------------------------------------------------------------------
@@ -411,11 +410,13 @@ async def run_with_kills(
         await service.start(js, await progress())
 
     async def has_progressed() -> None:
-        await wait_until(
+        await eventually(
             progress,
             lambda seen: seen > service.mark,
-            f"{service.command} run {len(service.runs)} made progress",
-            watch=service,
+            what=f"{service.command} run {len(service.runs)} made progress",
+            retry_on=BUSY,
+            watch=service.logs,
+            check=service.check,
         )
 
     async def late_kill() -> None:
@@ -425,12 +426,14 @@ async def run_with_kills(
         async def seen() -> tuple[int, int]:
             return await late_probe(), await progress()
 
-        await wait_until(
+        await eventually(
             seen,
             lambda v: v[0] > target or force.is_set(),
-            f"{service.command} run {len(service.runs)} got further",
-            watch=service,
+            what=f"{service.command} run {len(service.runs)} got further",
             interval=0.02,
+            retry_on=BUSY,
+            watch=service.logs,
+            check=service.check,
         )
         service.kill()
         await start()

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from eventually import eventually
 from fault_kit import (
+    BUSY,
     Service,
     bucket_position,
     bucket_values,
@@ -24,7 +26,6 @@ from fault_kit import (
     fold_differences,
     read_stream,
     uninterrupted_fold,
-    wait_until,
 )
 from log_text import plain_lines
 from nats.aio.client import Client
@@ -110,7 +111,12 @@ async def said(service: Service, marker: str) -> None:
     async def lines() -> list[str]:
         return lines_of(service, marker)
 
-    await wait_until(lines, bool, f"{service.command} logged {marker!r}", watch=service)
+    await eventually(
+        lines,
+        what=f"{service.command} logged {marker!r}",
+        watch=service.logs,
+        check=service.check,
+    )
 
 
 async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_and_lag_shows(
@@ -166,7 +172,14 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
             nc, namespace=config.namespace, router_id="bp-router", config=config, max_pending=BOUND
         )
         warm = await pub.add("warm", 1, block_hashes=[1, 2])
-        await wait_until(in_bucket, lambda seq: seq >= warm, "the pipeline works", watch=projector)
+        await eventually(
+            in_bucket,
+            lambda seq: seq >= warm,
+            what="the pipeline works",
+            retry_on=BUSY,
+            watch=projector.logs,
+            check=projector.check,
+        )
         freeze(writer)
         freeze(projector)
 
@@ -221,7 +234,14 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
         assert "BEHIND (warns at 1,000 events)" in text, text
 
         thaw(writer)
-        await wait_until(folded, lambda seq: seq >= last, "the writer caught up", watch=writer)
+        await eventually(
+            folded,
+            lambda seq: seq >= last,
+            what="the writer caught up",
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
+        )
         await said(writer, "writer caught up")
         falling = lines_of(writer, "writer falling behind")
         assert len(falling) == 1, writer.logs()
@@ -238,8 +258,13 @@ async def test_a_publisher_faster_than_a_frozen_writer_is_bounded_loses_nothing_
         assert report["projector"]["behind"] is True, report
 
         thaw(projector)
-        await wait_until(
-            in_bucket, lambda seq: seq >= last, "the projector caught up", watch=projector
+        await eventually(
+            in_bucket,
+            lambda seq: seq >= last,
+            what="the projector caught up",
+            retry_on=BUSY,
+            watch=projector.logs,
+            check=projector.check,
         )
         await said(projector, "projector caught up")
         assert len(lines_of(projector, "projector falling behind")) == 1, projector.logs()

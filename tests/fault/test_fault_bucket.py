@@ -7,9 +7,9 @@ every value ends byte for byte as one uninterrupted fold of the log gives it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
-from fault_kit import WAIT_S, bucket_position, bucket_values, fault_config, uninterrupted_fold
+from eventually import eventually
+from fault_kit import BUSY, WAIT_S, bucket_position, bucket_values, fault_config, uninterrupted_fold
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError
 
@@ -32,12 +32,18 @@ async def test_a_bucket_deleted_under_a_running_pipeline_is_recreated_exact(nc: 
         last = 0
         for i in range(20, 40):
             last = await pub.add(f"d{i}", i % 3, block_hashes=[i, i + 1], prefill_tokens=10 + i)
-        for _ in range(int(WAIT_S * 100)):  # until the position is back and at the last event
-            with contextlib.suppress(BucketNotFoundError):
-                if (await bucket_position(js, config)).applied_seq >= last:
-                    break
-            await asyncio.sleep(0.01)
-        assert supervisor.done() is False, "the pipeline gave up instead of restarting"
+
+        def restarting() -> None:
+            assert not supervisor.done(), "the pipeline gave up instead of restarting"
+
+        await eventually(
+            lambda: bucket_position(js, config),
+            lambda position: position.applied_seq >= last,
+            what="the recreated bucket's position at the last event",
+            retry_on=(BucketNotFoundError, *BUSY),
+            check=restarting,
+        )
+        restarting()
     finally:
         supervisor.cancel()
         await asyncio.wait([supervisor])

@@ -24,18 +24,20 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
+from eventually import eventually
 from fault_kit import (
+    BUSY,
     ROOT,
     WAIT_S,
     Service,
     Step,
+    StepCount,
     bucket_position,
     bucket_values,
     delta_source_seq,
     fault_config,
     read_stream,
     uninterrupted_fold,
-    wait_until,
     workload,
 )
 from nats.aio.client import Client
@@ -114,7 +116,9 @@ async def wait_all_current(js: JetStreamContext, config: Config) -> None:
             for n, leader, peers in seen
         )
 
-    await wait_until(reports, ok, "every stream has 3 current replicas", interval=0.05)
+    await eventually(
+        reports, ok, what="every stream has 3 current replicas", interval=0.05, retry_on=BUSY
+    )
 
 
 async def provision(nc: Client, config: Config) -> None:
@@ -139,11 +143,12 @@ async def lead_all(nc: Client, js: JetStreamContext, config: Config, leader: str
                     await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", request, 2)
         return seen
 
-    await wait_until(
+    await eventually(
         moved,
         lambda seen: set(seen.values()) == {leader},
-        f"every stream led by {leader}",
+        what=f"every stream led by {leader}",
         interval=0.2,
+        retry_on=BUSY,
     )
 
 
@@ -206,7 +211,7 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
         )
         acked: dict[int, bytes] = {}
         errors: list[str] = []
-        done = {"steps": 0}
+        done = StepCount()
         killed: dict[str, str] = {}
 
         async def publisher() -> None:
@@ -215,11 +220,10 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
                 got = await asyncio.gather(*(publish_acked(pub, js, s, errors) for s in window))
                 for seq, payload in got:
                     assert acked.setdefault(seq, payload) == payload, f"seq {seq} acked twice"
-                done["steps"] = start + len(window)
+                await done.advance(start + len(window))
 
         async def crasher() -> None:
-            while done["steps"] < kill_at:
-                await asyncio.sleep(0.001)
+            await done.reached(kill_at)
             _, leader, _ = await replica_report(js, config.events_stream)
             leaders = [(await replica_report(js, stream))[1] for stream in replicated(config)]
             assert leader is not None
@@ -228,46 +232,52 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
             killed["before"] = str(max(acked))
             cluster.kill(leader)
             # After the election: events acknowledged, folded and projected past the kill.
-            await wait_until(
-                lambda: asyncio.sleep(0, max(acked)),
+            await eventually(
+                lambda: max(acked),
                 lambda seq: seq > int(killed["before"]),
-                "an event acknowledged after the kill",
+                what="an event acknowledged after the kill",
                 timeout=ELECTION_S,
             )
             after = max(acked)
-            await wait_until(
+            await eventually(
                 lambda: delta_source_seq(js, config),
                 lambda s: s >= after,
-                "the writer folded past the kill",
-                watch=writer,
+                what="the writer folded past the kill",
+                retry_on=BUSY,
+                watch=writer.logs,
+                check=writer.check,
             )
-            await wait_until(
-                lambda: asyncio.sleep(0, view.applied_seq),
+            await eventually(
+                lambda: view.applied_seq,
                 lambda s: s >= after,
-                "the view read past the kill",
-                watch=projector,
+                what="the view read past the kill",
+                watch=projector.logs,
+                check=projector.check,
             )
             _, new_leader, _ = await replica_report(js, config.events_stream)
             killed["new"] = new_leader or "?"
-            while done["steps"] < restart_at:
-                await asyncio.sleep(0.001)
+            await done.reached(restart_at)
             await asyncio.to_thread(cluster.restart, leader)
 
         await asyncio.gather(publisher(), crasher())
         assert killed["new"] != killed["name"]
         await wait_all_current(js, config)  # the restarted node caught up on every stream
         last = max(acked)
-        await wait_until(
+        await eventually(
             lambda: delta_source_seq(js, config),
             lambda seq: seq >= last,
-            "the writer caught up",
-            watch=writer,
+            what="the writer caught up",
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
         )
-        await wait_until(
+        await eventually(
             lambda: bucket_position(js, config),
             lambda p: p.applied_seq >= last,
-            "the projector caught up",
-            watch=projector,
+            what="the projector caught up",
+            retry_on=BUSY,
+            watch=projector.logs,
+            check=projector.check,
         )
         await view.wait_for(last, timeout=WAIT_S)
         for service in services:
@@ -362,7 +372,7 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
                 return 0
             return min(len(events), len(deltas))
 
-        await wait_until(subscribed, bool, "the writer and the projector subscribed")
+        await eventually(subscribed, what="the writer and the projector subscribed", retry_on=BUSY)
         await wait_all_current(js, config)  # the object store too: the writer opened it
         for stream in replicated(config):
             assert (await replica_report(js, stream))[0] == 3, stream

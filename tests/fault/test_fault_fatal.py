@@ -12,7 +12,8 @@ import asyncio
 from pathlib import Path
 
 import msgspec
-from fault_kit import WAIT_S, Service, delta_source_seq, fault_config, wait_until
+from eventually import eventually
+from fault_kit import BUSY, WAIT_S, Service, delta_source_seq, fault_config
 from log_text import plain_lines
 from nats.aio.client import Client
 
@@ -30,10 +31,9 @@ async def exit_status(service: Service) -> tuple[int, str]:
     proc = service.proc
     assert proc is not None
 
-    async def status() -> int | None:
-        return proc.poll()
-
-    code = await wait_until(status, lambda c: c is not None, f"{service.command} exited")
+    code = await eventually(
+        proc.poll, lambda c: c is not None, what=f"{service.command} exited", watch=service.logs
+    )
     service.proc = None
     lines = plain_lines(service.logs())
     assert code is not None
@@ -56,8 +56,13 @@ async def test_a_writer_meeting_another_writer_exits_non_zero_at_once(
         async def deltas() -> int:
             return await delta_source_seq(js, config)
 
-        await wait_until(
-            deltas, lambda seq: seq >= first, "the writer stored its delta", watch=writer
+        await eventually(
+            deltas,
+            lambda seq: seq >= first,
+            what="the writer stored its delta",
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
         )
         # A delta as another writer of the namespace would store it: chained, of a real event.
         other = encode_deltas([Delta("applied", 0, seq=first)])

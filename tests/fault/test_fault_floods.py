@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from eventually import eventually
 from fault_kit import (
+    BUSY,
     Service,
     bucket_position,
     bucket_values,
@@ -19,7 +21,6 @@ from fault_kit import (
     read_log,
     read_stream,
     uninterrupted_fold,
-    wait_until,
 )
 from nats.aio.client import Client
 
@@ -72,15 +73,23 @@ async def _run(
         async def applied() -> int:
             return (await bucket_position(js, config)).applied_seq
 
-        await wait_until(
-            deltas, lambda seq: seq >= last, "the writer went on", watch=writer, interval=0.05
+        await eventually(
+            deltas,
+            lambda seq: seq >= last,
+            what="the writer went on",
+            interval=0.05,
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
         )
-        await wait_until(
+        await eventually(
             applied,
             lambda seq: seq >= last,
-            "the projector went on",
-            watch=projector,
+            what="the projector went on",
             interval=0.05,
+            retry_on=BUSY,
+            watch=projector.logs,
+            check=projector.check,
         )
         for service in services:
             code = await service.stop()

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eventually import eventually
 from fault_kit import (
+    BUSY,
     Service,
     bucket_position,
     bucket_values,
     delta_source_seq,
     fault_config,
     uninterrupted_fold,
-    wait_until,
     workload,
 )
 from nats.aio.client import Client
@@ -70,8 +71,22 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
         async def applied() -> int:
             return (await bucket_position(js, config)).applied_seq
 
-        await wait_until(deltas, lambda seq: seq >= last, "the writer went on", watch=writer)
-        await wait_until(applied, lambda seq: seq >= last, "the projector went on", watch=projector)
+        await eventually(
+            deltas,
+            lambda seq: seq >= last,
+            what="the writer went on",
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
+        )
+        await eventually(
+            applied,
+            lambda seq: seq >= last,
+            what="the projector went on",
+            retry_on=BUSY,
+            watch=projector.logs,
+            check=projector.check,
+        )
         for service in services:
             code = await service.stop()
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"

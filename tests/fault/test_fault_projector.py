@@ -8,7 +8,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from eventually import eventually
 from fault_kit import (
+    BUSY,
     Service,
     bucket_position,
     bucket_values,
@@ -16,7 +18,6 @@ from fault_kit import (
     fault_config,
     kill_schedule,
     run_with_kills,
-    wait_until,
     workload,
 )
 from nats.aio.client import Client
@@ -94,9 +95,21 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
             router_id=f"fault-p{seed}",
         )
         assert await last_seq_of(js, config.events_stream, config.events_subjects) == last
-        await wait_until(deltas, lambda seq: seq >= last, "the writer caught up", watch=writer)
-        await wait_until(
-            applied, lambda seq: seq >= last, "the last projector caught up", watch=projector
+        await eventually(
+            deltas,
+            lambda seq: seq >= last,
+            what="the writer caught up",
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
+        )
+        await eventually(
+            applied,
+            lambda seq: seq >= last,
+            what="the last projector caught up",
+            retry_on=BUSY,
+            watch=projector.logs,
+            check=projector.check,
         )
         code = await projector.stop()
         assert code == 0, f"projector exited with {code} on SIGTERM\n{projector.logs()}"
@@ -104,11 +117,13 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
         assert code == 0, f"writer exited with {code} on SIGTERM\n{writer.logs()}"
 
         await uninterrupted.start(js, 0)
-        await wait_until(
+        await eventually(
             applied_ref,
             lambda seq: seq >= last,
-            "the uninterrupted projector caught up",
-            watch=uninterrupted,
+            what="the uninterrupted projector caught up",
+            retry_on=BUSY,
+            watch=uninterrupted.logs,
+            check=uninterrupted.check,
         )
         code = await uninterrupted.stop()
         assert code == 0, f"projector exited with {code} on SIGTERM\n{uninterrupted.logs()}"

@@ -11,7 +11,8 @@ import random
 from typing import Any
 
 import pytest
-from fault_kit import bucket_position, fault_config, fold_differences, fold_log, wait_until
+from eventually import eventually
+from fault_kit import BUSY, bucket_position, fault_config, fold_differences, fold_log
 from http_kit import exchange, kill, request, rows, serve_http
 from nats.aio.client import Client
 from pipeline_kit import bucket_values
@@ -128,17 +129,21 @@ async def test_a_killed_serving_process_leaves_the_ledger_a_replay_of_the_log(
         ]
         assert len(want) == 2 * WORKERS and any(row[4] for row in want)
         js = nc.jetstream()
-        await wait_until(
+        await eventually(
             lambda: bucket_position(js, tracker),
             lambda p: p.applied_seq == fold.last,
-            "the bucket at the log's last event",
+            what="the bucket at the log's last event",
+            retry_on=BUSY,
         )
         for port in (again, other):
 
             async def loads_of(port: int = port) -> list[tuple[Any, ...]]:
                 return rows((await exchange(port, [("GET", "/loads", None)]))[0])
 
-            assert await wait_until(loads_of, lambda got: got == want, f"/loads on {port}") == want
+            assert (
+                await eventually(loads_of, lambda got: got == want, what=f"/loads on {port}")
+                == want
+            )
     values = await bucket_values(nc, tracker)
     values.pop(position_key(tracker.namespace))
     image = fold.image.everything()

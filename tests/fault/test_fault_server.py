@@ -26,10 +26,13 @@ from pathlib import Path
 
 import nats
 import pytest
+from eventually import eventually
 from fault_kit import (
+    BUSY,
     WAIT_S,
     Service,
     Step,
+    StepCount,
     bucket_position,
     bucket_values,
     delta_source_seq,
@@ -37,7 +40,6 @@ from fault_kit import (
     fold_differences,
     fold_log,
     read_stream,
-    wait_until,
     workload,
 )
 from nats.aio.client import Client
@@ -190,12 +192,14 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
         async def events() -> int:
             return await last_seq_of(js, config.events_stream, config.events_subjects)
 
-        done = {"steps": 0, "last": 0}
+        done = StepCount()
+        last = 0
         behind: list[int] = []  # events stored but not yet in a stored delta, at each crash
 
         async def publisher() -> None:
             """Publishes on, WINDOW at a time, straight through the crashes: every other
             window's events as one publish_many call, the others as concurrent publishes."""
+            nonlocal last
             for start in range(0, len(steps), WINDOW):
                 window = steps[start : start + WINDOW]
                 raw = [publish_raw(js, s) for s in window if s.event is None]
@@ -205,15 +209,14 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
                     seqs = [*batch[0], *batch[1:]]
                 else:
                     seqs = await asyncio.gather(*(ledger.one(e) for e in valid), *raw)
-                done["last"] = max(done["last"], *seqs)
-                done["steps"] = start + len(window)
+                last = max(last, *seqs)
+                await done.advance(start + len(window))
 
         async def crasher() -> None:
             """At each crash point, with events and deltas on the wire: SIGKILL, a pause, a
             restart on the same store (and of one consumer too, in the ``also`` runs)."""
             for at in crashes:
-                while done["steps"] < at:
-                    await asyncio.sleep(0.001)
+                await done.reached(at)
                 behind.append(await events() - await deltas())
                 server.kill()
                 await asyncio.sleep(rng.uniform(0.2, 1.5))  # down a while: clients retry
@@ -224,10 +227,21 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
                     await victim.start(js, 0)
 
         await asyncio.gather(publisher(), crasher())
-        last = done["last"]
-        await wait_until(deltas, lambda seq: seq >= last, "the writer caught up", watch=writer)
-        await wait_until(
-            applied, lambda seq: seq >= last, "the projector caught up", watch=projector
+        await eventually(
+            deltas,
+            lambda seq: seq >= last,
+            what="the writer caught up",
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
+        )
+        await eventually(
+            applied,
+            lambda seq: seq >= last,
+            what="the projector caught up",
+            retry_on=BUSY,
+            watch=projector.logs,
+            check=projector.check,
         )
         for service in services:
             if service.command == also:

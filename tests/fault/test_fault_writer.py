@@ -8,14 +8,15 @@ import itertools
 from pathlib import Path
 
 import pytest
+from eventually import eventually
 from fault_kit import (
+    BUSY,
     Service,
     delta_source_seq,
     fault_config,
     kill_schedule,
     read_stream,
     run_with_kills,
-    wait_until,
     workload,
 )
 from nats.aio.client import Client
@@ -73,8 +74,13 @@ async def test_a_writer_killed_at_random_points_ends_as_one_uninterrupted_fold(
         )
         assert await last_seq_of(js, config.events_stream, config.events_subjects) == last
         await writer.wait_ready(js)
-        await wait_until(
-            progress, lambda seq: seq >= last, "the last writer caught up", watch=writer
+        await eventually(
+            progress,
+            lambda seq: seq >= last,
+            what="the last writer caught up",
+            retry_on=BUSY,
+            watch=writer.logs,
+            check=writer.check,
         )
         code = await writer.stop()
         assert code == 0, f"writer exited with {code} on SIGTERM\n{writer.logs()}"

@@ -14,6 +14,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+from eventually import eventually
 from pipeline_kit import REPO, name_flags
 
 from projector.wire.config import Config
@@ -76,15 +77,25 @@ async def serve_http(url: str, config: Config, *extra: str) -> AsyncIterator[int
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline = asyncio.get_running_loop().time() + WAIT_S
-        while True:
-            assert proc.poll() is None, (proc.stdout.read() if proc.stdout else b"").decode()
-            with contextlib.suppress(OSError):
-                status, _ = (await exchange(port, [("GET", "/health", None)]))[0]
-                if status == 200:
-                    break
-            assert asyncio.get_running_loop().time() < deadline, "serve-http did not answer"
-            await asyncio.sleep(0.05)
+
+        async def health() -> int:
+            status, _ = (await exchange(port, [("GET", "/health", None)]))[0]
+            return int(status)
+
+        def running() -> None:
+            if proc.poll() is not None:  # its output is complete once it has exited
+                out = (proc.stdout.read() if proc.stdout else b"").decode()
+                raise AssertionError(f"serve-http exited with {proc.returncode}\n{out}")
+
+        await eventually(
+            health,
+            lambda status: status == 200,
+            what=f"serve-http answered /health on port {port}",
+            timeout=WAIT_S,
+            interval=0.05,
+            retry_on=(OSError,),  # not listening yet
+            check=running,
+        )
         RUNNING[port] = proc
         yield port
     finally:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
@@ -521,13 +522,17 @@ def test_run_restarts_a_failed_pipeline_in_process_and_says_so(tmp_path: Path) -
                 kv = await nc.jetstream().key_value(Config().registry_bucket)
                 stranger = Holder("projector", "stranger", "elsewhere", 1, "", ttl_s=0.5)
                 await kv.put(lease_key("default"), msgspec.json.encode(stranger))
-                for _ in range(6000):  # until a new projector holds it (60 s at most)
+
+                async def holder() -> Holder:
                     entry = await kv.get(lease_key("default"))
-                    holder = msgspec.json.decode(entry.value or b"{}", type=Holder)
-                    if holder.id != "stranger":
-                        break
-                    await asyncio.sleep(0.01)
-                assert holder.id != "stranger", "no projector took the lease back"
+                    return msgspec.json.decode(entry.value or b"{}", type=Holder)
+
+                await eventually(
+                    holder,
+                    lambda held: held.id != "stranger",
+                    what="a new projector took the lease back",
+                    timeout=60,
+                )
                 pub = RouterPublisher(nc, router_id="restart-test")
                 seq = await pub.add("after-restart", 7, block_hashes=[1, 2])
                 async with RegistryView(nc) as view:

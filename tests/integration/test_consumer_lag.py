@@ -3,8 +3,7 @@ measurement) and ``await writer.measure_lag()`` (one now); the projector's alike
 
 from __future__ import annotations
 
-import asyncio
-
+from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
@@ -25,11 +24,12 @@ async def test_the_lag_of_each_consumer_is_measured_and_readable(nc: Client) -> 
         await pipeline.wait_applied(last)
         writer, projector = pipeline.writer, pipeline.projector
 
-        async def measured() -> None:  # the next checks see the events folded, in the bucket
-            while writer.lag.position < last or projector.lag.position < last:
-                await asyncio.sleep(0.01)
-
-        await asyncio.wait_for(measured(), 10)
+        await eventually(  # the next checks see the events folded, in the bucket
+            lambda: (writer.lag.position, projector.lag.position),
+            lambda positions: min(positions) >= last,
+            what="both consumers measured their lag at the last event",
+            timeout=10,
+        )
         assert (writer.lag.events, writer.lag.oldest_ns, writer.lag.newest) == (0, None, last)
         assert (projector.lag.events, projector.lag.messages) == (0, 0)
         assert writer.lag_watch.warnings == projector.lag_watch.warnings == 0

@@ -13,7 +13,9 @@ import subprocess
 import sys
 import termios
 import threading
+from typing import Any
 
+from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import REPO, cli, fresh_config, name_flags, run_cli
@@ -229,17 +231,23 @@ async def test_top_counts_adds_and_frees(nc: Client, nats_server: NatsServer) ->
         proc = await spawn(config, url, "top", "--json", "--interval", "0.5")
         try:
             # Traffic until a refresh shows it: each refresh is a JSON line per worker.
-            deadline = asyncio.get_running_loop().time() + 30
             n = 0
-            while True:
+
+            async def traffic_then_refresh() -> dict[str, Any]:
+                nonlocal n
                 n += 1
                 await pub.add(f"a{n}", 1)
                 await pipeline.wait_applied(await pub.free(f"a{n}", 1))
                 line = await asyncio.wait_for(proc.stdout.readline(), 10)  # type: ignore[union-attr]
-                row = json.loads(line)
-                if row["adds_per_s"] and row["frees_per_s"]:
-                    break
-                assert asyncio.get_running_loop().time() < deadline, row
+                row: dict[str, Any] = json.loads(line)
+                return row
+
+            row = await eventually(
+                traffic_then_refresh,
+                lambda row: row["adds_per_s"] and row["frees_per_s"],
+                what="a refresh of top showing adds and frees",
+                interval=0,  # each try waits for a refresh already
+            )
             assert row["worker_id"] == 1 and row["adds_per_s"] > 0 and row["frees_per_s"] > 0
         finally:
             proc.terminate()
@@ -344,11 +352,21 @@ class Terminal:
         return b"".join(self.chunks).decode(errors="replace")
 
     async def until(self, *texts: str, timeout: float = 20) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not all(t in self.screen for t in texts):
-            assert self.proc.poll() is None, self.screen
-            assert asyncio.get_running_loop().time() < deadline, self.screen
-            await asyncio.sleep(0.05)
+        """Until the screen shows every one of ``texts``; at once a failure if the program has
+        exited without showing them."""
+
+        def running() -> None:
+            assert self.proc.poll() is None, f"exited with {self.proc.returncode}\n{self.screen}"
+
+        await eventually(
+            lambda: [text for text in texts if text not in self.screen],
+            lambda missing: not missing,
+            what=f"the terminal showed {texts}",
+            timeout=timeout,
+            interval=0.05,
+            watch=lambda: self.screen,
+            check=running,
+        )
 
     async def finish(self, timeout: float = 30) -> int:
         code = await asyncio.to_thread(self.proc.wait, timeout)

@@ -13,11 +13,12 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
@@ -40,14 +41,6 @@ from seqstate import WorkerAdded, decode_event
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0  # a deadline only a hang reaches
 HERE = f"pid {os.getpid()} on host {socket.gethostname()}"
-
-
-async def until(ok: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not ok():
-        assert loop.time() < deadline, f"{what}: not within {timeout:g}s"
-        await asyncio.sleep(0.01)
 
 
 async def publish_some(nc: Client, config: Config, tag: str, n: int = 6) -> int:
@@ -198,7 +191,11 @@ async def test_a_rebuild_refuses_another_rebuild_and_a_projector_waits_for_it(
         with pytest.raises(LeaseHeld, match=r"a rebuild of .* is running .*; wait for it to end"):
             await rebuild(nc, config)
         task = asyncio.create_task(projector.run())
-        await until(lambda: "a rebuild of namespace" in caplog.text, "the projector waits")
+        await eventually(
+            lambda: "a rebuild of namespace" in caplog.text,
+            what="the projector waits",
+            watch=lambda: caplog.text,
+        )
         assert not projector.caught_up.is_set() and projector.lease is None
         await held.release()
         await asyncio.wait_for(projector.caught_up.wait(), WAIT_S)
@@ -224,7 +221,11 @@ async def test_a_second_projector_waits_then_takes_over_and_the_bucket_equals_a_
         async with projecting(nc, config) as first:
             second = build_projector(nc, config)
             waiting = asyncio.create_task(second.run())
-            await until(lambda: "waiting for it to stop" in caplog.text, "the second one waits")
+            await eventually(
+                lambda: "waiting for it to stop" in caplog.text,
+                what="the second one waits",
+                watch=lambda: caplog.text,
+            )
             assert f"a projector of namespace {config.namespace!r} is running ({HERE})" in (
                 caplog.text
             )
@@ -297,7 +298,9 @@ async def test_readers_ignore_the_lease_key(nc: Client) -> None:
         await kv.put(lease_key(ns), stranger())  # a renewal, as readers see one
         position = await kv.get(position_key(ns))
         await kv.put(position_key(ns), position.value or b"")  # delivered after it, in order
-        await until(lambda: view.values_received > received, "the view saw the position")
+        await eventually(
+            lambda: view.values_received, lambda n: n > received, what="the view saw the position"
+        )
         assert view.values_received == received + 1  # the position only
         assert view.loads(state.now_ns) == state.registry.loads(state.now_ns)
         assert view.bad_values == 0
@@ -307,6 +310,6 @@ async def test_readers_ignore_the_lease_key(nc: Client) -> None:
         lease = projector.lease
         assert lease is not None
         first = lease.revision
-        await until(lambda: lease.revision > first + 3, "a few renewals")
+        await eventually(lambda: lease.revision, lambda r: r > first + 3, what="a few renewals")
         assert await verify(nc, config) == []
         assert not (await read_bucket(nc, config)).unreadable

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import REPO, fill, fresh_config, name_flags, read_log
@@ -91,21 +92,6 @@ async def scrape(port: int) -> Samples:
     status, kind, body = await http_get(port, "/metrics")
     assert status == 200 and kind.startswith("text/plain"), (status, kind)
     return parse(body)
-
-
-async def scrape_until(port: int, done: object, what: str) -> Samples:
-    """Scrape until ``done(samples)`` (bounded)."""
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    samples: Samples = {}
-    while asyncio.get_running_loop().time() < deadline:
-        try:
-            samples = await scrape(port)
-        except OSError:  # not listening yet
-            samples = {}
-        if samples and done(samples):  # type: ignore[operator]
-            return samples
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{what} never came: {sorted(samples.items(), key=str)[:60]}")
 
 
 def cli_env(url: str) -> dict[str, str]:
@@ -244,32 +230,38 @@ async def test_writer_and_projector_commands_export_exact_metrics(
         # Worker 9 holds c1 (one block): its series are there before it is removed...
         for port, role in ((w_port, "writer"), (p_port, "projector")):
             at = {"namespace": ns, "role": role}
-            seen = await scrape_until(
-                port,
+            seen = await eventually(
+                lambda port=port: scrape(port),
                 lambda s, at=at: pick(s, "seqstate_applied_seq", **at) == before_removal,
-                f"the {role} before the removal",
+                what=f"the {role} before the removal",
+                interval=0.05,
+                retry_on=(OSError,),
             )
             nine = {"namespace": ns, "worker": "9", "dp_rank": "0"}
             assert pick(seen, "seqstate_worker_active_blocks", **nine) == 1
             assert pick(seen, "seqstate_worker_active_requests", **nine) == 1
         # ... and gone after it.
         last = await publish(nc, config, SCRIPT[-1:])
-        w = await scrape_until(
-            w_port,
+        w = await eventually(
+            lambda: scrape(w_port),
             lambda s: (
                 pick(s, "seqstate_applied_seq", **caught_up) == last
                 and pick(s, "seqstate_lag_events", **caught_up) == 0
             ),
-            "the writer at the last event",
+            what="the writer at the last event",
+            interval=0.05,
+            retry_on=(OSError,),
         )
         at_p = {"namespace": ns, "role": "projector"}
-        p = await scrape_until(
-            p_port,
+        p = await eventually(
+            lambda: scrape(p_port),
             lambda s: (
                 pick(s, "seqstate_applied_seq", **at_p) == last
                 and pick(s, "seqstate_lag_events", **at_p) == 0
             ),
-            "the projector at the last event",
+            what="the projector at the last event",
+            interval=0.05,
+            retry_on=(OSError,),
         )
         assert last == await last_seq_of(
             nc.jetstream(), config.events_stream, config.events_subjects
@@ -339,20 +331,22 @@ async def test_readyz_is_503_while_the_writer_replays_a_backlog_then_200(
         "--metrics-port",
         str(port),
     ):
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WAIT_S
         answers: list[tuple[int, str]] = []
-        while loop.time() < deadline:
-            try:
-                status, _, body = await http_get(port, "/readyz")
-            except OSError:  # not listening yet
-                await asyncio.sleep(0.01)
-                continue
+
+        async def readyz() -> int:
+            status, _, body = await http_get(port, "/readyz")
             answers.append((status, body))
-            if status == 200:
-                break
-            await asyncio.sleep(0.02)
-        assert answers, "the metrics port never answered"
+            return status
+
+        await eventually(
+            readyz,
+            lambda status: status == 200,
+            what="/readyz 200 once the backlog is replayed",
+            timeout=WAIT_S,
+            interval=0.02,
+            retry_on=(OSError,),  # not listening yet
+            watch=lambda: f"{len(answers)} answers, the last: {answers[-5:]}",
+        )
         first_status, first_body = answers[0]
         assert first_status == 503 and first_body.startswith("replaying: "), answers[0]
         assert answers[-1] == (200, "ready\n"), answers[-5:]
@@ -429,14 +423,16 @@ async def test_run_exports_each_workers_series_once_from_the_writer(
         str(port),
     ):
         ns = config.namespace
-        both = await scrape_until(
-            port,
+        both = await eventually(
+            lambda: scrape(port),
             lambda s: all(
                 pick(s, "seqstate_applied_seq", namespace=ns, role=role) == last
                 and pick(s, "seqstate_lag_events", namespace=ns, role=role) == 0
                 for role in ("writer", "projector")
             ),
-            "both consumers at the last event",
+            what="both consumers at the last event",
+            interval=0.05,
+            retry_on=(OSError,),
         )
         _, _, text = await http_get(port, "/metrics")
         status, _, body = await http_get(port, "/readyz")
@@ -488,15 +484,17 @@ async def test_serve_http_exports_its_trackers_workers(nats_server: NatsServer) 
             ],
         )
         assert [status for status, _ in answers] == [201, 201]
-        samples = await scrape_until(
-            port,
+        samples = await eventually(
+            lambda: scrape(port),
             lambda s: any(
                 v == 1
                 for v in series(
                     s, "seqstate_worker_active_requests", worker="3", dp_rank="1"
                 ).values()
             ),
-            "the tracker's worker",
+            what="the tracker's worker",
+            interval=0.05,
+            retry_on=(OSError,),
         )
         blocks = series(samples, "seqstate_worker_active_blocks", worker="3")
         assert sorted(blocks.values()) == [0, 3]

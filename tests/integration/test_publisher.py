@@ -14,6 +14,7 @@ from typing import Any
 
 import nats
 import pytest
+from eventually import eventually
 from msgspec.structs import replace
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -587,8 +588,9 @@ async def test_cancelled_publish_many_gives_back_its_window(nc: Client) -> None:
     try:
         pub = RouterPublisher(nc, router_id="cx", config=config, max_pending=2, timeout=30)
         task = asyncio.create_task(pub.publish_many(_adds(5, worker=6)))
-        while len(pub._awaiting) < 2:  # the window is full, no ack will come
-            await asyncio.sleep(0.01)
+        await eventually(  # the window is full, no ack will come
+            lambda: len(pub._awaiting), lambda n: n >= 2, what="two publishes awaiting acks"
+        )
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

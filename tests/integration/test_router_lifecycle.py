@@ -3,8 +3,7 @@ time, and a replay makes the same decisions."""
 
 from __future__ import annotations
 
-import asyncio
-
+from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
@@ -13,14 +12,6 @@ from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from seqstate import decode_event
-
-
-async def until(condition: object, what: str, timeout: float = 20.0) -> None:
-    """Poll ``condition()`` until true; fail naming ``what`` after ``timeout``."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():  # type: ignore[operator]
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_router_that_says_goodbye_has_its_requests_freed_at_once(nc: Client) -> None:
@@ -60,7 +51,13 @@ async def test_a_silent_router_is_orphaned_and_a_replay_decides_the_same(nc: Cli
             await pub.add(f"o{i}", i % 2, block_hashes=[i])
         await pub.close(goodbye=False)  # as a crash: it just goes silent
         state = pipeline.writer.state
-        await until(lambda: state.counters["orphaned"] == 4, "the router's requests orphaned")
+        await eventually(
+            lambda: state.counters["orphaned"],
+            lambda orphaned: orphaned == 4,
+            what="the router's requests orphaned",
+            timeout=20,
+            interval=0.02,
+        )
         assert state.requests.owner == {} and state.routers == {}
         await pipeline.wait_applied(pipeline.writer.stats.last_seq)
     replayed = await replay(nc, config)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config, read_log, read_stream
 
@@ -179,8 +180,12 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
     log._pending.extend(parts[:2])  # what was in flight when it died
     log.appended = tick_seq
     log._wake.set()
-    while log.messages < 1 or log._pending:
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: (log.messages, len(log._pending)),
+        lambda stored_pending: stored_pending[0] >= 1 and not stored_pending[1],
+        what="the parts in flight stored",
+        watch=lambda: f"failures: {failures}",
+    )
     await log.close()
     # Its successor finds the chain ending inside the event and stores only the rest.
     successor = build_delta_log(small, config)

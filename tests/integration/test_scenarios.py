@@ -121,13 +121,14 @@ class NatsBackend:
         return dict(self.pipeline.writer.state.counters)
 
 
-@pytest.fixture(params=["core", "nats"])
-async def backend(
-    request: pytest.FixtureRequest, nats_server: NatsServer
-) -> AsyncIterator[Backend]:
+# The core backend needs no server: its scenarios are ``core`` tests (the pure pass runs them),
+# and the server is asked for only by the nats backend.
+@pytest.fixture(params=[pytest.param("core", marks=pytest.mark.core), "nats"])
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     if request.param == "core":
         yield CoreBackend()
         return
+    nats_server: NatsServer = request.getfixturevalue("nats_server")
     nc = await nats.connect(nats_server.url, max_reconnect_attempts=0)
     nats_backend = NatsBackend(nc)
     await nats_backend.start()

@@ -8,12 +8,12 @@ own, since it is killed.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from pathlib import Path
 
 import nats
 import nats.errors
+from eventually import eventually
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
 from pipeline_kit import fresh_config
@@ -100,7 +100,15 @@ async def test_a_view_resumes_on_its_own_after_its_server_restarts(tmp_path: Pat
 
         server.kill()
         server.start()
-        await wait_for_jetstream(writer_nc)
+        # Until the restarted server answers JetStream requests: a write before that could
+        # fail after the server stored it, and its retry would write the key twice.
+        await eventually(
+            writer_nc.jetstream(timeout=1.0).account_info,
+            what="the restarted server answers JetStream requests",
+            timeout=WAIT_S,
+            interval=0.05,
+            retry_on=(nats.errors.Error, TimeoutError),
+        )
         after_restart = [
             MarkPrefillCompleted(request_id="a1", worker_id=1),
             Free(request_id="a3", worker_id=0),
@@ -169,18 +177,3 @@ async def caught_up(view: RegistryView, seq: int) -> None:
             f"the view stalled at position {view.applied_seq}, not {seq}; "
             f"{view.resumes} watches re-created"
         ) from None
-
-
-async def wait_for_jetstream(nc: Client) -> None:
-    """Until the restarted server answers JetStream requests: a write before that could fail
-    after the server stored it, and its retry would write the key twice."""
-    js = nc.jetstream(timeout=1.0)
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while True:
-        try:
-            await js.account_info()
-            return
-        except (nats.errors.Error, TimeoutError):
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            await asyncio.sleep(0.05)

@@ -3,11 +3,14 @@ pure check that costs what the event names; everything else is admitted unchange
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqstate import AddRequest, Free, SequenceState, WorkerAdded, WorkerRemoved
 from seqstate.bounds import RankBounds
+
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 BOUNDS = RankBounds(per_worker=4, total=10)
 

@@ -8,6 +8,8 @@ from projector.wire.config import Config, ConfigError
 from seqstate import SequenceState
 from seqstate.state import MAX_ENDED, MAX_TOMBSTONES
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 
 def test_defaults_follow_the_conventions() -> None:
     config = Config.from_env({})

@@ -42,6 +42,8 @@ from seqstate import (
 )
 from seqstate.deltas import split_delta
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S = 1_000_000_000
 NS = "conf"
 BUDGET = 600  # small parts, so that most multi-request changes are cut

@@ -29,6 +29,8 @@ from seqstate import (
 )
 from seqstate.snapshot import MAGIC, SNAPSHOT_VERSION
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S = 1_000_000_000
 LINEAGE_LEN = 8
 LINEAGES = tuple(tuple(k * 100 + i for i in range(1, LINEAGE_LEN + 1)) for k in range(4))

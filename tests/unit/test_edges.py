@@ -17,6 +17,8 @@ from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.wire.config import Config
 from seqstate import AddRequest, EventDecodeError
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 
 def test_a_hash_beyond_64_bits_is_refused_by_name_before_it_takes_a_msg_id() -> None:
     pub = RouterPublisher(Client(), router_id="r")

@@ -16,6 +16,8 @@ import projector
 import seqstate
 from seqstate import SeqstateError
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 MODULES = sorted(
     info.name
     for package in (seqstate, projector)

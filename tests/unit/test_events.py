@@ -26,6 +26,8 @@ from seqstate import (
     encode_event,
 )
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 U64 = 2**64 - 1
 
 EVENTS = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from projector.read.bucket import BucketView
 from projector.read.image import BucketImage
 from projector.wire.values import (
@@ -16,6 +18,8 @@ from projector.wire.values import (
 )
 from seqstate import AddRequest, Free, SequenceState, WorkerRemoved
 from seqstate.deltas import split_delta
+
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 S = 1_000_000_000
 NS = "img"

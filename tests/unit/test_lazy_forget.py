@@ -4,7 +4,11 @@ at Ticks, in log time), leaves the write model and the read model. Off by defaul
 
 from __future__ import annotations
 
+import pytest
+
 from seqstate import AddRequest, Free, SequenceState, Tick, WorkerAdded
+
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 S = 1_000_000_000
 

@@ -7,6 +7,8 @@ prefill charged. These tests pin the tombstone rules of ARCHITECTURE.md that rep
 
 from __future__ import annotations
 
+import pytest
+
 from seqstate import (
     AddOutputBlock,
     AddRequest,
@@ -18,6 +20,8 @@ from seqstate import (
     WorkerRemoved,
 )
 from seqstate.recent import STALE_SLACK
+
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 S = 1_000_000_000
 

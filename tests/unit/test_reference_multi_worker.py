@@ -58,6 +58,8 @@ from seqstate import (
 from seqstate.deltas import Delta
 from seqstate.loads import LoadRow, PotentialLoadRow
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S = 1_000_000_000
 REMOTE = "99"
 

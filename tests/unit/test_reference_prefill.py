@@ -56,6 +56,8 @@ from seqstate import (
 )
 from seqstate.prefill import PrefillTracker
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S: Final = 1_000_000_000
 
 

@@ -14,8 +14,12 @@ Skipped: nothing. Departures from Dynamo: none (potential tokens are read with
 
 from __future__ import annotations
 
+import pytest
+
 from seqstate import Delta, PrefillSnapshot, PromptRegistry, RankChange, RankLoad
 from seqstate.deltas import Booking
+
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 S = 1_000_000_000
 

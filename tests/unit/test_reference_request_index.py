@@ -9,7 +9,11 @@ Skipped: nothing. Departures from Dynamo: none.
 
 from __future__ import annotations
 
+import pytest
+
 from seqstate.request_index import RequestIndex
+
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 WORKER_A = (1, 0)
 WORKER_B = (2, 0)

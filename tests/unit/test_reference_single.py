@@ -63,6 +63,8 @@ from seqstate import (
 from seqstate.deltas import Delta
 from seqstate.sequences import ActiveSequences
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S = 1_000_000_000
 WORKER = 1
 RANK = (WORKER, 0)

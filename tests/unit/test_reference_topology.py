@@ -31,6 +31,8 @@ from seqstate.topology import (
     WorkerTable,
 )
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 
 def make_slot(rank: Rank) -> ActiveSequences:
     return ActiveSequences(0, None)

@@ -14,6 +14,8 @@ from seqstate import (
 )
 from seqstate.bounds import RankBounds
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S = 1_000_000_000
 
 

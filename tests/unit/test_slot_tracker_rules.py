@@ -20,6 +20,8 @@ from seqstate import (
     WorkerRemoved,
 )
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S = 1_000_000_000
 
 

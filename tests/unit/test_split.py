@@ -9,6 +9,8 @@ from hypothesis import given, settings
 from seqstate import AddRequest, Delta, PromptRegistry, RankChange, RankLoad, SequenceState, Tick
 from seqstate.deltas import Booking, DeltaTooLarge, encode_delta, split_delta
 
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
+
 S = 1_000_000_000
 
 

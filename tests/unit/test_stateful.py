@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -40,6 +41,8 @@ from seqstate import (
     WorkerAdded,
     WorkerRemoved,
 )
+
+pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 S = 1_000_000_000
 MS = 1_000_000
