@@ -110,7 +110,7 @@ def bearer_token(config: Config) -> bytes | None:
     token = text.strip()
     problem = bearer_problem(token)
     if problem:
-        raise CliError(f"{named}: not a token ({problem})")
+        raise CliError(f"{named}: not a bearer token: {problem}")
     return token.encode()
 
 
