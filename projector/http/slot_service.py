@@ -186,8 +186,13 @@ class _Tracker:
         if len(booked) > MAX_BOOKED:
             del booked[next(iter(booked))]
 
-    def settle(self, request_id: str, rank: tuple[int, int], outcome: str | None,
-               owner: tuple[int, int] | None) -> None:
+    def settle(
+        self,
+        request_id: str,
+        rank: tuple[int, int],
+        outcome: str | None,
+        owner: tuple[int, int] | None,
+    ) -> None:
         """An add's outcome: booked only if applied (a duplicate's request is the owner's)."""
         if outcome == APPLIED:
             return

@@ -33,7 +33,6 @@ from projector.wire.values import (
     parse_key,
 )
 
-
 # Keys of a namespace that are no part of the read model, and are kept: who holds the lease,
 # where the log was trimmed (projector.nats.retention).
 OTHER_KEYS = ("lease", "trimmed")

@@ -526,7 +526,10 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
             else "not an address: a host name or an IP address"
         ),
     ),
-    ("http_port", lambda v: "" if 0 <= v <= 65_535 else "not a port: use 0-65535 (0: any free port)"),
+    (
+        "http_port",
+        lambda v: "" if 0 <= v <= 65_535 else "not a port: use 0-65535 (0: any free port)",
+    ),
     ("http_token", lambda v: "" if v is None else bearer_problem(v)),
     ("http_token_file", _file),
 ]

@@ -195,7 +195,13 @@ async def test_verify_names_a_key_that_does_not_parse_and_rebuild_deletes_it(
     config, _ = await filled(nc)
     ns = config.namespace
     kv = await nc.jetstream().key_value(config.registry_bucket)
-    strays = [f"{ns}.load.x.y", f"{ns}.req.0.1", f"{ns}.req.0.0.-1", f"{ns}.load.0.0.0", f"{ns}.what"]
+    strays = [
+        f"{ns}.load.x.y",
+        f"{ns}.req.0.1",
+        f"{ns}.req.0.0.-1",
+        f"{ns}.load.0.0.0",
+        f"{ns}.what",
+    ]
     for key in strays:
         await kv.put(key, b"{}")
     named = [f"{key}: not a key of the read model" for key in sorted(strays)]

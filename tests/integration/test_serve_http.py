@@ -4,7 +4,6 @@ answer alike."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import socket
@@ -163,7 +162,9 @@ def _second_loopback() -> bool:
 
 async def _answers_on(address: str, port: int, token: str | None = None) -> bool:
     try:
-        status, _ = (await exchange(port, [("GET", "/health", None)], address=address, token=token))[0]
+        status, _ = (
+            await exchange(port, [("GET", "/health", None)], address=address, token=token)
+        )[0]
     except ConnectionRefusedError:
         return False
     return bool(status == 200)
@@ -197,7 +198,11 @@ async def test_with_a_token_a_call_without_it_is_401_and_changes_nothing(
     config = fresh_config("st")
     m = {"model_name": "guarded"}
     secret = "tok-3f9a/+=~"
-    reg = ("POST", "/register", {**m, "worker_id": 2, "block_size": 16, "dp_start": 0, "dp_size": 1})
+    reg = (
+        "POST",
+        "/register",
+        {**m, "worker_id": 2, "block_size": 16, "dp_start": 0, "dp_size": 1},
+    )
     add = {**m, "request_id": "a", "worker_id": 2, "dp_rank": 0, "sequence_hashes": [1, 2]}
     sneak = {**add, "request_id": "sneak", "sequence_hashes": [3, 4, 5]}
     env = {"SEQSTATE_HTTP_TOKEN": secret}
@@ -233,7 +238,9 @@ async def test_with_a_token_a_call_without_it_is_401_and_changes_nothing(
             ("guarded", 2, 0, 0, 2)
         ]
     token_file.write_text("two words\n")
-    done = await run_cli(config, nats_server.url, "serve-http", "--http-token-file", str(token_file))
+    done = await run_cli(
+        config, nats_server.url, "serve-http", "--http-token-file", str(token_file)
+    )
     assert done.returncode == 1 and "two words" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"seqstate: error: --http-token-file/SEQSTATE_HTTP_TOKEN_FILE {token_file}: not a "
@@ -259,7 +266,11 @@ async def test_prefill_complete_and_free_are_logged_under_the_worker_that_holds_
         answers = await exchange(
             one,
             [
-                ("POST", "/register", {**m, "worker_id": 3, "block_size": 16, "dp_start": 0, "dp_size": 2}),
+                (
+                    "POST",
+                    "/register",
+                    {**m, "worker_id": 3, "block_size": 16, "dp_start": 0, "dp_size": 2},
+                ),
                 (
                     "POST",
                     "/add",
