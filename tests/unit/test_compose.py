@@ -500,7 +500,9 @@ def test_a_scraped_service_asks_for_every_address_explicitly(services, name):
     assert Config().metrics_host == "127.0.0.1"
     env = _environment(services[name])
     assert env.get("SEQSTATE_METRICS_HOST") == "0.0.0.0", f"{name}: {env}"
-    assert Config.from_env(env).metrics_host == "0.0.0.0"
+    assert Config.from_env(
+        {"SEQSTATE_METRICS_HOST": env["SEQSTATE_METRICS_HOST"]}
+    ).metrics_host == ("0.0.0.0")
 
 
 def test_prometheus_scrapes_every_pipeline_service_on_its_metrics_port(services):
