@@ -109,6 +109,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.replies: deque[asyncio.Future[bytes]] = deque()
         self.begun: asyncio.Future[None] | None = None  # the last call's begin is over
+        # The reply of the last call handed to the handler: what a read waits for (a reply
+        # queued since without the handler, a 401 or a 413, has no effect to wait for).
+        self.last_call: asyncio.Future[bytes] | None = None
         self.paused = False
         self._reset()
 
@@ -199,10 +202,11 @@ class _Connection(asyncio.Protocol):
         query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
         method = self.parser.get_method().decode("ascii", "replace")
         args = (method, path, query, self.content_type, b"".join(self.body))
-        answered = self.replies[-1] if self.replies and self.handler.reads(path) else None
+        answered = self.last_call if self.handler.reads(path) else None
         begun = asyncio.get_running_loop().create_future()
         reply = asyncio.ensure_future(self._answer(args, self.begun, answered, begun, close))
         self.begun = begun
+        self.last_call = reply
         self._queue(reply)
 
     # ---- answering in order -----------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from eventually import eventually
 from http_kit import WAIT_S, exchange, request, rows, serve_http
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_stream, run_cli
 
@@ -242,10 +243,10 @@ async def test_with_a_token_a_call_without_it_is_401_and_changes_nothing(
         config, nats_server.url, "serve-http", "--http-token-file", str(token_file)
     )
     assert done.returncode == 1 and "two words" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
+    assert plain_lines(done.stderr) == [
         f"seqstate: error: --http-token-file/SEQSTATE_HTTP_TOKEN_FILE {token_file}: not a "
         "bearer token: use visible ASCII only, no spaces (it travels in an HTTP header)"
-    )
+    ]
 
 
 async def test_prefill_complete_and_free_are_logged_under_the_worker_that_holds_the_request(
