@@ -8,6 +8,9 @@ One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracke
   its lease (:class:`~projector.run.standby.StandbyPipeline`): every process offers to;
 - a mutating call publishes its event and answers with the writer's outcome of it
   (:class:`~projector.route.outcomes.Outcomes`), as soon as the writer has folded it;
+- ``/prefill_complete`` and ``/free`` name no worker: their events name the worker and rank
+  that hold the request (the add this process stored, else the bucket's view), so they are
+  logged on that rank's subject (where ``inspect`` reads) and no ``worker_mismatch`` is counted;
 - reads answer from a :class:`~projector.read.reader.RegistryView` per namespace, once it reflects
   every call this process has answered (read-your-writes, paid by the read that needs it,
   not by every write); a registration is answered only once the bucket shows it, so another
