@@ -17,13 +17,20 @@ headroom. What a library would have done is kept small and explicit here:
   (TCP backpressure), never buffered without bound;
 - a body over ``MAX_BODY`` bytes is 413 (axum's default limit, 2 MiB); a request that does not
   parse is 400 and the connection closes; ``Connection: close`` and HTTP/1.0 close after the
-  response.
+  response;
+- with a bearer token (``serve(..., token=...)``), a call without ``Authorization: Bearer
+  <token>`` is 401 before anything else is looked at (its route, its body, which is not even
+  kept): the slot tracker's API books and frees capacity, so whoever can reach the port must
+  not be able to use it unless the operator says so. The token is compared in constant time
+  (SHA-256 digests of the two, so not even its length leaks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 from collections import deque
 from collections.abc import Awaitable
@@ -54,7 +61,18 @@ class Handler(Protocol):
         """The ``Allow`` header of a route (None: no such route)."""
 
 
-def response(status: int, payload: object, *, close: bool, allow: str | None = None) -> bytes:
+UNAUTHORIZED = {"error": "unauthorized: this server wants 'Authorization: Bearer <token>'"}
+CHALLENGE = 'Bearer realm="seqstate"'
+
+
+def response(
+    status: int,
+    payload: object,
+    *,
+    close: bool,
+    allow: str | None = None,
+    challenge: str | None = None,
+) -> bytes:
     body = b"" if payload is None else msgspec.json.encode(payload)
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-length: {len(body)}\r\n"
@@ -63,24 +81,46 @@ def response(status: int, payload: object, *, close: bool, allow: str | None = N
         head += b"content-type: application/json\r\n"
     if allow is not None:
         head += f"allow: {allow}\r\n".encode()
+    if challenge is not None:
+        head += f"www-authenticate: {challenge}\r\n".encode()
     if close:
         head += b"connection: close\r\n"
     return head + b"\r\n" + body
 
 
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
+
+
+def _credential(authorization: bytes) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header value (the scheme's case does
+    not matter, RFC 7235), or None for any other scheme."""
+    scheme, _, credential = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return credential.strip()
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, token_digest: bytes | None = None) -> None:
         self.handler = handler
+        self.token_digest = token_digest  # None: every call is let in
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.replies: deque[asyncio.Future[bytes]] = deque()
         self.begun: asyncio.Future[None] | None = None  # the last call's begin is over
+        # The reply of the last call handed to the handler: what a read waits for (a reply
+        # queued since without the handler, a 401 or a 413, has no effect to wait for).
+        self.last_call: asyncio.Future[bytes] | None = None
         self.paused = False
         self._reset()
 
     def _reset(self) -> None:
         self.url = b""
         self.content_type: str | None = None
+        self.authorization: bytes | None = None
+        self.authorizations = 0  # Authorization headers seen: more than one is refused
+        self.authorised = self.token_digest is None
         self.body: list[bytes] = []
         self.size = 0
         self.too_large = False
@@ -120,12 +160,23 @@ class _Connection(asyncio.Protocol):
             self.content_type = value.decode("latin-1")
         elif lowered == b"connection" and value.lower() == b"close":
             self.close_after = True
+        elif lowered == b"authorization":
+            self.authorization = value
+            self.authorizations += 1
 
     def on_headers_complete(self) -> None:
         if self.parser.get_http_version() == "1.0" and not self.parser.should_keep_alive():
             self.close_after = True
+        if self.token_digest is not None and self.authorizations == 1:
+            assert self.authorization is not None
+            credential = _credential(self.authorization)
+            self.authorised = credential is not None and hmac.compare_digest(
+                _digest(credential), self.token_digest
+            )
 
     def on_body(self, body: bytes) -> None:
+        if not self.authorised:
+            return  # answered 401 whatever it holds: not worth a byte of memory
         self.size += len(body)
         if self.size > MAX_BODY:
             self.too_large = True
@@ -134,6 +185,11 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         close = self.close_after
+        if not self.authorised:
+            head_only = self.parser.get_method() == b"HEAD"
+            data = response(401, UNAUTHORIZED, close=close, challenge=CHALLENGE)
+            self._queue_now(data[: data.index(b"\r\n\r\n") + 4] if head_only else data)
+            return
         if self.too_large:
             self._reply_now(
                 413,
@@ -146,10 +202,11 @@ class _Connection(asyncio.Protocol):
         query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
         method = self.parser.get_method().decode("ascii", "replace")
         args = (method, path, query, self.content_type, b"".join(self.body))
-        answered = self.replies[-1] if self.replies and self.handler.reads(path) else None
+        answered = self.last_call if self.handler.reads(path) else None
         begun = asyncio.get_running_loop().create_future()
         reply = asyncio.ensure_future(self._answer(args, self.begun, answered, begun, close))
         self.begun = begun
+        self.last_call = reply
         self._queue(reply)
 
     # ---- answering in order -----------------------------------------------------------------
@@ -183,8 +240,11 @@ class _Connection(asyncio.Protocol):
         return data[: data.index(b"\r\n\r\n") + 4] if args[0] == "HEAD" else data
 
     def _reply_now(self, status: int, payload: object, *, close: bool) -> None:
+        self._queue_now(response(status, payload, close=close))
+
+    def _queue_now(self, data: bytes) -> None:
         reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        reply.set_result(response(status, payload, close=close))
+        reply.set_result(data)
         self._queue(reply)
 
     def _queue(self, reply: asyncio.Future[bytes]) -> None:
@@ -210,10 +270,16 @@ class _Connection(asyncio.Protocol):
             self.paused = False
 
 
-async def serve(handler: Handler, host: str, port: int) -> asyncio.Server:
-    """Listen on ``host:port``; every connection's calls go to ``handler``."""
+async def serve(
+    handler: Handler, host: str, port: int, *, token: bytes | None = None
+) -> asyncio.Server:
+    """Listen on ``host:port``; every connection's calls go to ``handler``, or, with a
+    ``token``, those that carry it as ``Authorization: Bearer <token>`` (others are 401)."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Connection(handler), host, port, reuse_address=True)
+    digest = None if token is None else _digest(token)
+    return await loop.create_server(
+        lambda: _Connection(handler, digest), host, port, reuse_address=True
+    )
 
 
 async def close(server: asyncio.Server) -> None:

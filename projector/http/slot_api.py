@@ -112,12 +112,16 @@ def event_for(body: Struct) -> Event:
     raise TypeError(f"no event for {type(body).__name__}")
 
 
-def request_event(route: str, body: RequestBody, worker_id: int = 0) -> Event:
-    """``/prefill_complete`` and ``/free`` name no worker: the fold finds the request by id
-    alone (a payload worker that disagrees is only counted)."""
+def request_event(route: str, body: RequestBody, worker_id: int = 0, dp_rank: int = 0) -> Event:
+    """``/prefill_complete`` and ``/free`` name no worker: the caller says which holds the
+    request (the fold finds it by id alone, but counts a worker that disagrees as
+    ``worker_mismatch``, and the event is logged on its worker's subject, where ``inspect``
+    reads an active request's events)."""
     if route == "/prefill_complete":
-        return MarkPrefillCompleted(request_id=body.request_id, worker_id=worker_id)
-    return Free(request_id=body.request_id, worker_id=worker_id)
+        return MarkPrefillCompleted(
+            request_id=body.request_id, worker_id=worker_id, dp_rank=dp_rank
+        )
+    return Free(request_id=body.request_id, worker_id=worker_id, dp_rank=dp_rank)
 
 
 def _rank(worker_id: int, dp_rank: int) -> str:

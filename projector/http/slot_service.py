@@ -8,6 +8,9 @@ One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracke
   its lease (:class:`~projector.run.standby.StandbyPipeline`): every process offers to;
 - a mutating call publishes its event and answers with the writer's outcome of it
   (:class:`~projector.route.outcomes.Outcomes`), as soon as the writer has folded it;
+- ``/prefill_complete`` and ``/free`` name no worker: their events name the worker and rank
+  that hold the request (the add this process stored, else the bucket's view), so they are
+  logged on that rank's subject (where ``inspect`` reads) and no ``worker_mismatch`` is counted;
 - reads answer from a :class:`~projector.read.reader.RegistryView` per namespace, once it reflects
   every call this process has answered (read-your-writes, paid by the read that needs it,
   not by every write); a registration is answered only once the bucket shows it, so another
@@ -149,6 +152,9 @@ class WorkerOut(msgspec.Struct):
     dp_size: int
 
 
+MAX_BOOKED = 65_536  # per tracker: the adds this process published that are not freed yet
+
+
 @dataclass
 class _Tracker:
     model_name: str
@@ -159,6 +165,44 @@ class _Tracker:
     outcomes: Outcomes
     view: RegistryView
     publisher: RouterPublisher
+    # request id -> (worker, rank) of the adds this process published, newest last: where a
+    # /prefill_complete or /free that follows at once finds its request (the bucket shows it
+    # a flush later). Bounded: the oldest are forgotten, and found in the view instead.
+    booked: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def holder(self, request_id: str, *, ending: bool) -> tuple[int, int]:
+        """The worker and rank that hold ``request_id``, as far as this process can tell
+        without asking anyone: its own adds, then the bucket. (0, 0) when neither knows it
+        (an unknown request: the fold answers that, whatever the worker)."""
+        held = self.booked.pop(request_id, None) if ending else self.booked.get(request_id)
+        if held is None:
+            held = self.view.rank_of(request_id)
+        return (0, 0) if held is None else held
+
+    def book(self, request_id: str, rank: tuple[int, int]) -> None:
+        """An add of ours is stored: its request is there, unless it held one already (a
+        duplicate add changes nothing)."""
+        booked = self.booked
+        if request_id in booked:
+            return
+        booked[request_id] = rank
+        if len(booked) > MAX_BOOKED:
+            del booked[next(iter(booked))]
+
+    def settle(
+        self,
+        request_id: str,
+        rank: tuple[int, int],
+        outcome: str | None,
+        owner: tuple[int, int] | None,
+    ) -> None:
+        """An add's outcome: booked only if applied (a duplicate's request is the owner's)."""
+        if outcome == APPLIED:
+            return
+        if outcome == "duplicate" and owner is not None:
+            self.booked[request_id] = (owner[0], owner[1])
+        elif self.booked.get(request_id) == rank:
+            del self.booked[request_id]
 
 
 class SlotService:
@@ -287,10 +331,14 @@ class SlotService:
             if isinstance(parsed, UnregisterBody):
                 return _now(*answer(path, parsed, "unknown_worker"))
             return _now(404, {"error": f"no slot tracker for {parsed.where()}"})
-        event = (
-            request_event(path, parsed) if isinstance(parsed, RequestBody) else event_for(parsed)
-        )
+        if isinstance(parsed, RequestBody):
+            worker, rank = tracker.holder(parsed.request_id, ending=path == "/free")
+            event = request_event(path, parsed, worker, rank)
+        else:
+            event = event_for(parsed)
         seq = await tracker.publisher.publish(event)
+        if isinstance(parsed, AddBody):
+            tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
         return self._finish(tracker, path, parsed, seq, event)
 
     async def _read(self, path: str, query: dict[str, str]) -> object:
@@ -328,6 +376,10 @@ class SlotService:
                     "stream_seq": seq,
                     "namespace": tracker.config.namespace,
                 },
+            )
+        if isinstance(parsed, AddBody):
+            tracker.settle(
+                parsed.request_id, (parsed.worker_id, parsed.dp_rank), result.outcome, result.owner
             )
         if result.outcome is None:  # refused by the writer: nothing for a view to show
             return answer(path, parsed, None)

@@ -76,7 +76,7 @@ def _creds(path: str) -> tuple[str, str]:
 
 def config_secrets(config: Config) -> set[str]:
     """Every secret the settings hold or name: a password, a token, a seed, a JWT."""
-    found = {s for s in (config.nats_password, config.nats_token) if s}
+    found = {s for s in (config.nats_password, config.nats_token, config.http_token) if s}
     with suppress(ConfigError):
         if config.nats_nkey_seed is not None:
             found.add(_nkey_seed(config.nats_nkey_seed))

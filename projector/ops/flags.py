@@ -66,6 +66,7 @@ BEHIND = ("behind_warn_events", "behind_warn_s")  # when a consumer's lag is wor
 LAG = (*BEHIND, "lag_check_s")  # what the writer and the projector watch of their lag
 PROJECTOR = ("flush_interval_s",)
 METRICS = ("metrics_port", "metrics_host", "ready_lag_events")  # the long-running consumers'
+HTTP = ("http_host", "http_port", "http_token", "http_token_file")  # serve-http's own port
 READ = CONNECT + NAMES  # every command
 
 

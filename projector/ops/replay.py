@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.api import RawStreamMsg
+from nats.js.errors import BucketNotFoundError
 
 from projector.nats.lease import DEFAULT_TTL_S, Holder, LeaseHeld
 from projector.nats.retention import trimmed_below
@@ -279,6 +280,7 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
     a slot key beyond the live ones must hold the empty value.
     """
     out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
+    out += [f"{key}: not a key of the read model" for key in sorted(bucket.strays)]
     got_block = None if bucket.tracker is None else bucket.tracker.block_size
     if state.block_size != got_block and tracker_key(namespace) not in bucket.unreadable:
         out.append(
@@ -336,7 +338,13 @@ def _load_text(load: RankLoad) -> str:
 
 async def verify(nc: Client, config: Config, *, progress: Progress | None = None) -> list[str]:
     """Replay to the bucket's position and list the keys that differ (empty: identical)."""
-    bucket = await read_bucket(nc, config)
+    try:
+        bucket = await read_bucket(nc, config)
+    except BucketNotFoundError:
+        raise ReplayError(
+            f"bucket {config.registry_bucket!r} does not exist: nothing to verify (no "
+            "projector has run with these names)"
+        ) from None
     if bucket.position is None:
         raise ReplayError(f"the bucket holds no position for namespace {config.namespace!r}")
     replayed = await replay(nc, config, to_seq=bucket.position.applied_seq, progress=progress)

@@ -33,6 +33,10 @@ from projector.wire.values import (
     parse_key,
 )
 
+# Keys of a namespace that are no part of the read model, and are kept: who holds the lease,
+# where the log was trimmed (projector.nats.retention).
+OTHER_KEYS = ("lease", "trimmed")
+
 
 @dataclass
 class BucketView:
@@ -41,6 +45,9 @@ class BucketView:
     slots: dict[Rank, dict[int, RequestValue]] = field(default_factory=dict)  # empty ones too
     unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
     tracker: TrackerValue | None = None  # under the slot-tracker rules
+    # Keys of the namespace that name nothing the projector writes (``<ns>.load.x.y``): no
+    # fold explains them, so verify names them and rebuild deletes them.
+    strays: list[str] = field(default_factory=list)
 
     def requests(self, rank: Rank) -> dict[int, RequestValue]:
         """The rank's occupied slots."""
@@ -98,6 +105,10 @@ async def read_bucket(
 
 def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
     kind, rank, slot = parse_key(namespace, key)  # the lease is no read model
+    if not kind:
+        if key.split(".", 1)[-1] not in OTHER_KEYS:
+            view.strays.append(key)
+        return
     try:
         if kind == "position":
             view.position = decode_position(value)

@@ -506,12 +506,13 @@ class Projector(LagWatched):
 
 
 def every_key(namespace: str, bucket: BucketView) -> list[Write]:
-    """A delete of every read-model key the bucket holds (damaged ones too)."""
+    """A delete of every read-model key the bucket holds (damaged ones and strays too)."""
     keys = [load_key(namespace, rank) for rank in bucket.loads]
     keys += [
         slot_key(namespace, rank, slot) for rank, slots in bucket.slots.items() for slot in slots
     ]
     keys += list(bucket.unreadable)
+    keys += bucket.strays
     if bucket.tracker is not None:
         keys.append(tracker_key(namespace))
     return [(key, None) for key in keys]

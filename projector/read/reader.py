@@ -124,7 +124,14 @@ class RegistryView:
         self.applied_seq = 0
         self.as_of_ns = 0
         self.values_received = 0
-        self.bad_values = 0
+        self.bad_values = 0  # values that did not decode (each logged)
+        # Ranks whose current load value does not decode, with why: not served (a rank read as
+        # idle would draw traffic it may not have room for) until a readable value replaces it.
+        self.unreadable: dict[Rank, str] = {}
+        # The request each slot holds and the rank each request is on: where a request is,
+        # for a caller that names only its id (serve-http's /free).
+        self._slot_ids: dict[Rank, dict[int, str]] = {}
+        self._request_ranks: dict[str, Rank] = {}
         self.resumes = 0  # watches re-created after a stall (a server restart, mostly)
         # Under the slot-tracker rules: the block size the namespace's workers registered with
         # (None: no worker registered one, or no worker is left).
@@ -338,9 +345,16 @@ class RegistryView:
                 self.block_size = None if deleted or not value else decode_tracker(value).block_size
             elif kind == "load" and rank is not None:
                 if deleted or not value:
+                    self.unreadable.pop(rank, None)
                     self.registry.apply(Delta("applied", 0, removed_ranks=[rank]))
+                    self._forget_rank(rank)
                 else:
-                    load = decode_load(value)
+                    try:
+                        load = decode_load(value)
+                    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                        self.unreadable[rank] = str(exc)
+                        raise
+                    self.unreadable.pop(rank, None)
                     self._observe(load.as_of)
                     self.registry.apply(Delta("applied", 0, [RankChange(rank, load.rank_load())]))
             elif kind == "req" and rank is not None:
@@ -354,9 +368,33 @@ class RegistryView:
                         booked = [Booking(slot, request.request_id, request.hash_list())]
                 change = RankChange(rank, current or EMPTY_LOAD, [slot], booked)
                 self.registry.apply(Delta("applied", 0, [change]))
+                self._index_slot(rank, slot, booked[0].request_id if booked else None)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.bad_values += 1
-            log.warning("skipping unreadable value of %s: %s", key, exc)
+            if kind == "load":
+                log.warning(
+                    "rank %s of namespace %s not served: its load value %s does not decode (%s)",
+                    rank,
+                    self.namespace,
+                    key,
+                    exc,
+                )
+            else:
+                log.warning("skipping unreadable value of %s: %s", key, exc)
+
+    def _index_slot(self, rank: Rank, slot: int, request_id: str | None) -> None:
+        ids = self._slot_ids.setdefault(rank, {})
+        old = ids.pop(slot, None)
+        if old is not None and self._request_ranks.get(old) == rank:
+            del self._request_ranks[old]
+        if request_id is not None:
+            ids[slot] = request_id
+            self._request_ranks[request_id] = rank
+
+    def _forget_rank(self, rank: Rank) -> None:
+        for request_id in self._slot_ids.pop(rank, {}).values():
+            if self._request_ranks.get(request_id) == rank:
+                del self._request_ranks[request_id]
 
     def _observe(self, as_of_ns: int) -> None:
         self.as_of_ns = max(self.as_of_ns, as_of_ns)
@@ -387,18 +425,34 @@ class RegistryView:
         return time.monotonic_ns() + self._clock_offset_ns
 
     def loads(self, now_ns: int | None = None) -> list[LoadRow]:
-        """One row per rank, sorted by (worker_id, dp_rank); decay at ``now_ns`` (log time)."""
-        return self.registry.loads(self.log_now_ns() if now_ns is None else now_ns)
+        """One row per rank, sorted by (worker_id, dp_rank); decay at ``now_ns`` (log time).
+        A rank whose load value does not decode has no row (see :attr:`unreadable`)."""
+        rows = self.registry.loads(self.log_now_ns() if now_ns is None else now_ns)
+        if self.unreadable:
+            rows = [r for r in rows if (r.worker_id, r.dp_rank) not in self.unreadable]
+        return rows
 
     def potential_loads(
         self, block_hashes: Sequence[int], isl_tokens: int, now_ns: int | None = None
     ) -> list[PotentialLoadRow]:
-        """What each rank's load would be with this request booked there (see PromptRegistry)."""
+        """What each rank's load would be with this request booked there (see PromptRegistry);
+        none for a rank whose load value does not decode."""
         now = self.log_now_ns() if now_ns is None else now_ns
-        return self.registry.potential_loads(block_hashes, isl_tokens, now)
+        rows = self.registry.potential_loads(block_hashes, isl_tokens, now)
+        if self.unreadable:
+            rows = [r for r in rows if (r.worker_id, r.dp_rank) not in self.unreadable]
+        return rows
 
     def overlap_depths(self, block_hashes: Sequence[int]) -> dict[Rank, int]:
-        return self.registry.overlap_depths(block_hashes)
+        depths = self.registry.overlap_depths(block_hashes)
+        if self.unreadable:
+            depths = {rank: d for rank, d in depths.items() if rank not in self.unreadable}
+        return depths
+
+    def rank_of(self, request_id: str) -> Rank | None:
+        """The rank the bucket shows ``request_id`` booked on (None: not active, or not yet
+        in the bucket)."""
+        return self._request_ranks.get(request_id)
 
     def staleness(self) -> Staleness:
         age = float("inf") if self._heard_at is None else time.monotonic() - self._heard_at

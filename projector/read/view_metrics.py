@@ -29,11 +29,12 @@ RankRow = tuple[str, int, int, RankLoad, int]
 
 
 def view_ranks(view: RegistryView) -> Iterator[RankRow]:
-    """A registry view's loads, at the log time of the newest value it received."""
-    registry, namespace = view.registry, view.config.namespace
+    """A registry view's loads, at the log time of the newest value it received (none for a
+    rank whose load value does not decode: unknown is not idle)."""
+    registry, namespace, unreadable = view.registry, view.config.namespace, view.unreadable
     for rank in registry.ranks():
         load = registry.load_of(rank)
-        if load is not None:
+        if load is not None and rank not in unreadable:
             yield namespace, rank[0], rank[1], load, view.as_of_ns
 
 

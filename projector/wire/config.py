@@ -38,7 +38,7 @@ class ConfigError(SeqstateError, ValueError):
 
 
 # Settings whose value is a secret: never shown (help, errors, a Config's repr).
-SECRET_SETTINGS = ("nats_password", "nats_token")
+SECRET_SETTINGS = ("nats_password", "nats_token", "http_token")
 # How a client signs in, beside credentials in the URL: one at most.
 _AUTH_METHODS = (
     ("nats_user", "nats_password"),
@@ -187,15 +187,32 @@ class Config:
         "PORT",
     )
     metrics_host: str = _setting(
-        "0.0.0.0",
-        "the address the metrics port listens on (all of them, so that a scraper "
-        "outside the container reaches it)",
+        "127.0.0.1",
+        "the address the metrics port listens on: loopback by default; 0.0.0.0 (every "
+        "address) for a scraper outside the host or container",
         "HOST",
     )
     ready_lag_events: int = _setting(
         1000,
         "/readyz answers 200 only while the last lag measurement is at most this many events",
         "N",
+    )
+    http_host: str = _setting(
+        "127.0.0.1",
+        "the address serve-http listens on: loopback by default; 0.0.0.0 (every address) "
+        "for clients on other hosts or containers (then set a token)",
+        "HOST",
+    )
+    http_port: int = _setting(8091, "the port serve-http listens on (Dynamo's)", "PORT")
+    http_token: str | None = _setting(
+        None,
+        "serve-http answers only calls that carry 'Authorization: Bearer TOKEN' (401 "
+        "otherwise); prefer the variable or --http-token-file: a flag shows in ps",
+        "SECRET",
+        secret=True,
+    )
+    http_token_file: str | None = _setting(
+        None, "a file holding serve-http's bearer token (as --http-token; one line)", "PATH"
     )
 
     def __post_init__(self) -> None:
@@ -230,6 +247,12 @@ class Config:
             )
             label = f"{given}={_shown(given, getattr(self, given))!r}"
             raise ConfigError(problem, setting=given, label=label)
+        if self.http_token is not None and self.http_token_file is not None:
+            raise ConfigError(
+                "--http-token/SEQSTATE_HTTP_TOKEN and --http-token-file/"
+                "SEQSTATE_HTTP_TOKEN_FILE: set the token one way, not both",
+                setting="http_token_file",
+            )
         chosen = [names[0] for names in _AUTH_METHODS if getattr(self, names[0]) is not None]
         if len(chosen) > 1:
             shown = " and ".join(f"--{n.replace('_', '-')}/{env_name(n)}" for n in chosen)
@@ -495,7 +518,31 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
         ),
     ),
     ("ready_lag_events", _not_negative),
+    (
+        "http_host",
+        lambda v: (
+            ""
+            if v.strip() and not any(c.isspace() for c in v)
+            else "not an address: a host name or an IP address"
+        ),
+    ),
+    (
+        "http_port",
+        lambda v: "" if 0 <= v <= 65_535 else "not a port: use 0-65535 (0: any free port)",
+    ),
+    ("http_token", lambda v: "" if v is None else bearer_problem(v)),
+    ("http_token_file", _file),
 ]
+
+
+def bearer_problem(token: str) -> str:
+    """Why ``token`` cannot be a bearer token ('' if it can): what a client sends after
+    ``Bearer `` is one word of visible ASCII (RFC 6750's token68, loosely)."""
+    if not token:
+        return "must not be empty"
+    if not all("\x21" <= c <= "\x7e" for c in token):
+        return "use visible ASCII only, no spaces (it travels in an HTTP header)"
+    return ""
 
 
 def _rule(value: object) -> str:

@@ -52,26 +52,34 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def serve_http(url: str, config: Config, *extra: str) -> AsyncIterator[int]:
+async def serve_http(
+    url: str,
+    config: Config,
+    *extra: str,
+    host: str | None = "127.0.0.1",
+    env: dict[str, str] | None = None,
+    token: str | None = None,
+) -> AsyncIterator[int]:
     """``seqstate serve-http`` with its defaults but the port; yields the port once /health
-    answers."""
+    answers. ``host`` None: no ``--host`` (the default address); ``env``: variables beside
+    ``NATS_URL``; ``token``: the one /health is asked with."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
-    env["NATS_URL"] = url
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    environ["NATS_URL"] = url
+    environ.update(env or {})
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "projector",
             "serve-http",
-            "--host",
-            "127.0.0.1",
+            *(["--host", host] if host is not None else []),
             "--port",
             str(port),
             *name_flags(config),
             *extra,
         ],
-        env=env,
+        env=environ,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -79,7 +87,7 @@ async def serve_http(url: str, config: Config, *extra: str) -> AsyncIterator[int
     try:
 
         async def health() -> int:
-            status, _ = (await exchange(port, [("GET", "/health", None)]))[0]
+            status, _ = (await exchange(port, [("GET", "/health", None)], token=token))[0]
             return int(status)
 
         def running() -> None:
@@ -117,12 +125,19 @@ def request(
     *,
     content_type: str | None = JSON_TYPE,
     raw: bytes | None = None,
+    token: str | None = None,
+    authorization: str | None = None,
 ) -> bytes:
-    """One request's bytes: ``body`` as JSON, or ``raw`` bytes as they are."""
+    """One request's bytes: ``body`` as JSON, or ``raw`` bytes as they are; ``token`` sends
+    ``Authorization: Bearer <token>``, ``authorization`` that header as given."""
     data = raw if raw is not None else b"" if body is None else json.dumps(body).encode()
     head = f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(data)}\r\n"
     if content_type is not None and (body is not None or raw is not None):
         head += f"content-type: {content_type}\r\n"
+    if token is not None:
+        authorization = f"Bearer {token}"
+    if authorization is not None:
+        head += f"authorization: {authorization}\r\n"
     return (head + "\r\n").encode() + data
 
 
@@ -133,12 +148,21 @@ def kill(port: int) -> None:
     proc.wait(10)
 
 
-async def exchange(port: int, calls: list[tuple[str, str, Any] | bytes]) -> list[Reply]:
+async def exchange(
+    port: int,
+    calls: list[tuple[str, str, Any] | bytes],
+    *,
+    token: str | None = None,
+    address: str = "127.0.0.1",
+) -> list[Reply]:
     """Send every call on one connection at once (pipelined), then read the answers in order.
-    A call is ``(method, path, JSON body or None)`` or a request's raw bytes."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    A call is ``(method, path, JSON body or None)`` (with ``token``: its bearer token) or a
+    request's raw bytes."""
+    reader, writer = await asyncio.open_connection(address, port)
     try:
-        writer.write(b"".join(c if isinstance(c, bytes) else request(*c) for c in calls))
+        writer.write(
+            b"".join(c if isinstance(c, bytes) else request(*c, token=token) for c in calls)
+        )
         answers = []
         for call in calls:
             status_line = await asyncio.wait_for(reader.readline(), WAIT_S)
@@ -147,7 +171,7 @@ async def exchange(port: int, calls: list[tuple[str, str, Any] | bytes]) -> list
             while (line := await reader.readline()) not in (b"\r\n", b""):
                 name, _, value = line.decode().partition(":")
                 headers[name.strip().lower()] = value.strip()
-            head_only = not isinstance(call, bytes) and call[0] == "HEAD"
+            head_only = call.startswith(b"HEAD ") if isinstance(call, bytes) else call[0] == "HEAD"
             length = 0 if head_only else int(headers.get("content-length", 0))
             answers.append(Reply(status, headers, await reader.readexactly(length)))
         return answers

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
@@ -54,9 +55,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def http_get(port: int, path: str, method: str = "GET") -> tuple[int, str, str]:
+async def http_get(
+    port: int, path: str, method: str = "GET", address: str = "127.0.0.1"
+) -> tuple[int, str, str]:
     """``(status, content type, body)`` of one request to the metrics port."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    reader, writer = await asyncio.open_connection(address, port)
     try:
         writer.write(f"{method} {path} HTTP/1.1\r\nhost: localhost\r\n\r\n".encode())
         await writer.drain()
@@ -536,3 +539,47 @@ async def test_a_bad_or_taken_metrics_port_is_one_line(nats_server: NatsServer) 
             "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--log-level", "error"
         )
     assert line.startswith(f"seqstate: error: cannot listen on 127.0.0.1:{port} for metrics: ")
+
+
+def _second_loopback() -> bool:
+    """Whether 127.0.0.2 reaches this host (Linux: the whole 127/8 is loopback): a port bound
+    to 127.0.0.1 does not answer there, one bound to every address does."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.2", 0))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not _second_loopback(), reason="127.0.0.2 does not reach this host")
+async def test_the_metrics_port_listens_on_loopback_unless_asked(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Issue 21: the metrics port listened on 0.0.0.0 by default. Now on 127.0.0.1, and on
+    every address when ``--metrics-host 0.0.0.0`` (compose asks for it) says so."""
+    config = fresh_config("mh")
+    await ensure(nc, config)
+    for asked, beyond in (((), False), (("--metrics-host", "0.0.0.0"), True)):
+        port = free_port()
+        async with command(
+            nats_server.url,
+            tmp_path / f"projector-{beyond}.log",
+            "projector",
+            *name_flags(config),
+            *asked,
+            "--metrics-port",
+            str(port),
+        ):
+            await eventually(
+                lambda port=port: http_get(port, "/healthz"),
+                lambda answer: answer[0] == 200,
+                what="the projector's /healthz on 127.0.0.1",
+                interval=0.05,
+                retry_on=(OSError,),
+            )
+            try:
+                status = (await http_get(port, "/healthz", address="127.0.0.2"))[0]
+            except ConnectionRefusedError:
+                status = None
+            assert status == (200 if beyond else None), (asked, status)

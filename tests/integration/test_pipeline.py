@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 
+import pytest
 from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
@@ -204,6 +206,48 @@ async def test_the_view_follows_live_changes_and_reports_staleness(nc: Client) -
                 pass
             else:
                 raise AssertionError("wait_for returned for a sequence that was never applied")
+
+
+async def test_a_rank_whose_load_value_does_not_decode_is_not_served_as_idle(
+    nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 21: a view that started on a bucket where a busy rank's load value does not
+    decode showed that rank idle (its slot keys made it, the load was skipped), so a scheduler
+    would have sent it traffic. Now such a rank is not served (no row in loads or potential
+    loads, no overlap), the view names it in ``unreadable`` and counts and logs the value; a
+    readable value brings it back, and a warm view that receives a damaged one hides it too."""
+    config = fresh_config("p")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-u", config=config)
+        await pub.add("a", 4, 0, block_hashes=[1, 2, 3], prefill_tokens=100)
+        last = await pub.add("b", 5, 0, block_hashes=[9], prefill_tokens=10)
+        await pipeline.wait_applied(last)
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    key = load_key(config.namespace, (4, 0))
+    good = (await kv.get(key)).value or b""
+    await kv.put(key, b'{"active_blocks": "many"}')
+    caplog.set_level(logging.WARNING, logger="seqstate.reader")
+    async with RegistryView(nc, config=config) as view:
+        assert [(r.worker_id, r.dp_rank, r.active_blocks) for r in view.loads()] == [(5, 0, 1)]
+        assert [(r.worker_id, r.dp_rank) for r in view.potential_loads([1, 2, 3], 0)] == [(5, 0)]
+        assert view.overlap_depths([1, 2, 3]) == {}
+        assert list(view.unreadable) == [(4, 0)] and view.bad_values == 1
+        assert f"rank (4, 0) of namespace {config.namespace} not served" in caplog.text
+        assert (view.rank_of("a"), view.rank_of("b"), view.rank_of("c")) == ((4, 0), (5, 0), None)
+        await kv.put(key, good)
+        await eventually(
+            lambda: [(r.worker_id, r.active_blocks) for r in view.loads()],
+            lambda rows: rows == [(4, 3), (5, 1)],
+            what="the rank back with a readable value",
+        )
+        assert view.unreadable == {} and view.overlap_depths([1, 2, 3]) == {(4, 0): 3}
+        await kv.put(key, b"\xc1")
+        await eventually(
+            lambda: [r.worker_id for r in view.loads()],
+            lambda workers: workers == [5],
+            what="a warm view hiding the rank again",
+        )
+        assert view.bad_values == 2
 
 
 def recording(projector: Projector) -> list[tuple[float, list[str]]]:

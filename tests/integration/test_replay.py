@@ -19,6 +19,7 @@ import msgspec
 import pytest
 from log_text import plain_lines
 from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError
 from pipeline_kit import fill, fresh_config, name_flags, read_log, run_cli
 
 from projector.ops.replay import rebuild, replay, verify
@@ -181,6 +182,60 @@ async def test_verify_names_tampered_request_slots_and_rebuild_repairs_them(nc: 
         assert (value.request_id, value.hash_list()) == (rid, want), key
     bucket = await read_bucket(nc, config)
     assert 99 not in bucket.slots[(0, 1)] and not bucket.unreadable
+
+
+async def test_verify_names_a_key_that_does_not_parse_and_rebuild_deletes_it(
+    nc: Client, nats_server: object
+) -> None:
+    """Issue 21: a key of the namespace that names nothing the projector writes
+    (``<ns>.load.x.y``) was skipped by the bucket read: verify called the bucket identical and
+    rebuild left it there. Now verify names each such key, rebuild deletes it, and the keys
+    that are no read model but are kept (the lease) stay unnamed."""
+    url = nats_server.url  # type: ignore[attr-defined]
+    config, _ = await filled(nc)
+    ns = config.namespace
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    strays = [
+        f"{ns}.load.x.y",
+        f"{ns}.req.0.1",
+        f"{ns}.req.0.0.-1",
+        f"{ns}.load.0.0.0",
+        f"{ns}.what",
+    ]
+    for key in strays:
+        await kv.put(key, b"{}")
+    named = [f"{key}: not a key of the read model" for key in sorted(strays)]
+    assert await verify(nc, config) == named
+    out = await run_cli(config, url, "replay", "--verify")
+    assert out.returncode == 1 and out.stdout.splitlines() == [
+        *named,
+        f"DIVERGED: {len(strays)} keys differ",
+    ], out.stdout
+    await rebuild(nc, config)
+    assert await verify(nc, config) == []
+    assert (await read_bucket(nc, config)).strays == []
+    for key in strays:
+        with pytest.raises(KeyNotFoundError):
+            await kv.get(key)
+
+
+async def test_verify_of_a_bucket_that_does_not_exist_is_one_clear_line(
+    nc: Client, nats_server: object
+) -> None:
+    """Issue 21: ``replay --verify`` on a missing bucket printed the client's raw error. Now
+    one line that names the bucket, and a non-zero exit; the same whether the log exists (the
+    bucket deleted) or nothing was ever made."""
+    url = nats_server.url  # type: ignore[attr-defined]
+    config, _ = await filled(nc)
+    await nc.jetstream().delete_key_value(config.registry_bucket)
+    for names in (config, fresh_config("vm")):
+        out = await run_cli(names, url, "replay", "--verify", "--no-progress")
+        assert out.returncode == 1, out
+        assert out.stdout == ""
+        assert plain_lines(out.stderr) == [
+            f"seqstate: error: bucket {names.registry_bucket!r} does not exist: nothing to "
+            "verify (no projector has run with these names)"
+        ]
 
 
 def in_a_terminal(config: Config, url: str, *args: str) -> tuple[int, str, str]:

@@ -4,14 +4,23 @@ answer alike."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import socket
+from pathlib import Path
 from typing import Any
 
+import pytest
 from eventually import eventually
-from http_kit import WAIT_S, exchange, rows, serve_http
+from http_kit import WAIT_S, exchange, request, rows, serve_http
+from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import fresh_config
+from pipeline_kit import fresh_config, read_stream, run_cli
 
+from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
+from projector.ops.replay import replay
+from seqstate import Free, MarkPrefillCompleted, decode_event
 
 
 async def test_a_dynamo_client_session_pipelined_over_one_connection(
@@ -139,3 +148,193 @@ async def test_a_restart_loses_no_booking_and_two_processes_answer_alike(
             timeout=WAIT_S,
             interval=0.05,
         )
+
+
+def _second_loopback() -> bool:
+    """Whether 127.0.0.2 reaches this host (Linux: the whole 127/8 is loopback): a server bound
+    to 127.0.0.1 does not answer there, one bound to every address does."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.2", 0))
+        except OSError:
+            return False
+    return True
+
+
+async def _answers_on(address: str, port: int, token: str | None = None) -> bool:
+    try:
+        status, _ = (
+            await exchange(port, [("GET", "/health", None)], address=address, token=token)
+        )[0]
+    except ConnectionRefusedError:
+        return False
+    return bool(status == 200)
+
+
+@pytest.mark.skipif(not _second_loopback(), reason="127.0.0.2 does not reach this host")
+async def test_serve_http_listens_on_loopback_unless_asked(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """Issue 21: serve-http listened on 0.0.0.0, so anyone who reached the host could book and
+    free capacity. Now 127.0.0.1 by default; every address only on request, by flag or by
+    variable."""
+    config = fresh_config("sb")
+    async with serve_http(nats_server.url, config, host=None) as port:
+        assert await _answers_on("127.0.0.1", port)
+        assert not await _answers_on("127.0.0.2", port)
+    async with serve_http(nats_server.url, config, "--http-host", "0.0.0.0", host=None) as port:
+        assert await _answers_on("127.0.0.2", port)
+    env = {"SEQSTATE_HTTP_HOST": "0.0.0.0"}
+    async with serve_http(nats_server.url, config, host=None, env=env) as port:
+        assert await _answers_on("127.0.0.2", port)
+
+
+async def test_with_a_token_a_call_without_it_is_401_and_changes_nothing(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Issue 21: serve-http took no token. With one (variable, flag or file), every call that
+    does not carry ``Authorization: Bearer <token>`` is 401 with a challenge, stores nothing,
+    and does not disturb the calls pipelined around it; with the token, the contract is
+    Dynamo's, unchanged."""
+    config = fresh_config("st")
+    m = {"model_name": "guarded"}
+    secret = "tok-3f9a/+=~"
+    reg = (
+        "POST",
+        "/register",
+        {**m, "worker_id": 2, "block_size": 16, "dp_start": 0, "dp_size": 1},
+    )
+    add = {**m, "request_id": "a", "worker_id": 2, "dp_rank": 0, "sequence_hashes": [1, 2]}
+    sneak = {**add, "request_id": "sneak", "sequence_hashes": [3, 4, 5]}
+    env = {"SEQSTATE_HTTP_TOKEN": secret}
+    async with serve_http(nats_server.url, config, env=env, token=secret) as port:
+        refused = await exchange(port, [("GET", "/health", None), reg, ("GET", "/nowhere", None)])
+        assert [r.status for r in refused] == [401, 401, 401]
+        assert refused[0].headers["www-authenticate"].startswith("Bearer")
+        assert "Bearer" in refused[0].body["error"]
+        answers = await exchange(
+            port,
+            [
+                request(*reg, token=secret),
+                request("POST", "/add", sneak),  # no token
+                request("POST", "/add", sneak, token="tok-3f9a/+=x"),  # a wrong one
+                request("POST", "/add", sneak, authorization=f"Basic {secret}"),
+                request("POST", "/add", sneak, authorization=f"Bearer  {secret} extra"),
+                request("POST", "/add", add, token=secret),
+                request("HEAD", "/loads"),  # no body in a 401 to HEAD: the stream stays in step
+                request("GET", "/loads", authorization=f"bearer {secret}"),  # any case
+            ],
+        )
+        assert [r.status for r in answers] == [201, 401, 401, 401, 401, 201, 401, 200]
+        assert rows(answers[7]) == [("guarded", 2, 0, 0, 2)]  # the sneaked add is nowhere
+        assert secret not in b"".join(r.raw for r in answers).decode()
+    # The same token from a file (what a secret mount gives), and a token file that is no token.
+    token_file = tmp_path / "token"
+    token_file.write_text(f"{secret}\n")
+    async with serve_http(
+        nats_server.url, config, "--http-token-file", str(token_file), token=secret
+    ) as port:
+        assert (await exchange(port, [("GET", "/loads", None)]))[0].status == 401
+        assert rows((await exchange(port, [("GET", "/loads", None)], token=secret))[0]) == [
+            ("guarded", 2, 0, 0, 2)
+        ]
+    token_file.write_text("two words\n")
+    done = await run_cli(
+        config, nats_server.url, "serve-http", "--http-token-file", str(token_file)
+    )
+    assert done.returncode == 1 and "two words" not in done.stderr
+    assert plain_lines(done.stderr) == [
+        f"seqstate: error: --http-token-file/SEQSTATE_HTTP_TOKEN_FILE {token_file}: not a "
+        "bearer token: use visible ASCII only, no spaces (it travels in an HTTP header)"
+    ]
+
+
+async def test_prefill_complete_and_free_are_logged_under_the_worker_that_holds_the_request(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """Issue 21: /prefill_complete and /free name no worker, and serve-http published them
+    under worker 0: the fold found the request by id but counted ``worker_mismatch``, and
+    ``inspect``, which reads an active request's events on its rank's subject, never saw the
+    Mark. Now each is published under the worker and rank that hold the request: one this
+    process booked (pipelined right behind its add), and one another process booked (found
+    in the bucket)."""
+    config = fresh_config("sk")
+    m = {"model_name": "holder"}
+    ns = namespace_for("holder", "default", config.namespace)
+    tracker = dataclasses.replace(config.with_namespace(ns), rules="slot-tracker")
+    url = nats_server.url
+    async with serve_http(url, config) as one:
+        answers = await exchange(
+            one,
+            [
+                (
+                    "POST",
+                    "/register",
+                    {**m, "worker_id": 3, "block_size": 16, "dp_start": 0, "dp_size": 2},
+                ),
+                (
+                    "POST",
+                    "/add",
+                    {
+                        **m,
+                        "request_id": "r",
+                        "worker_id": 3,
+                        "dp_rank": 1,
+                        "sequence_hashes": [1, 2],
+                        "new_isl_tokens": 100,
+                    },
+                ),
+                ("POST", "/prefill_complete", {**m, "request_id": "r"}),
+                (
+                    "POST",
+                    "/add",
+                    {**m, "request_id": "s", "worker_id": 3, "dp_rank": 0, "sequence_hashes": [7]},
+                ),
+                ("GET", "/loads", None),
+            ],
+        )
+        assert [a.status for a in answers] == [201, 201, 200, 201, 200], answers
+        assert rows(answers[4]) == [("holder", 3, 0, 0, 1), ("holder", 3, 1, 0, 2)]
+        done = await run_cli(tracker, url, "inspect", "request", "r", "--json")
+        report = json.loads(done.stdout)
+        assert (report["state"], report["detail"]) == ("active", "prefill done"), report
+        assert (report["worker_id"], report["dp_rank"]) == (3, 1)
+        assert [(e["type"], e["outcome"]) for e in report["events"]] == [
+            ("AddRequest", "applied"),
+            ("MarkPrefillCompleted", "applied"),
+        ]
+        assert (await exchange(one, [("POST", "/free", {**m, "request_id": "r"})]))[0].status == 200
+        # Request s, booked by `one`, freed through another process: found in its bucket view.
+        async with serve_http(url, config) as two:
+
+            async def loads_of_two() -> list[tuple[Any, ...]]:
+                return rows((await exchange(two, [("GET", "/loads", None)]))[0])
+
+            await eventually(
+                loads_of_two,
+                lambda got: ("holder", 3, 0, 0, 1) in got,
+                what="the other process's view with request s",
+                timeout=WAIT_S,
+                interval=0.05,
+            )
+            free = ("POST", "/free", {**m, "request_id": "s"})
+            assert (await exchange(two, [free]))[0].status == 200
+            assert rows((await exchange(two, [("GET", "/loads", None)]))[0]) == [
+                ("holder", 3, 0, 0, 0),
+                ("holder", 3, 1, 0, 0),
+            ]
+    logged = [
+        (headers["subject"], decode_event(data))
+        for _, headers, data in await read_stream(
+            nc, config.events_stream, f"seqstate.events.{ns}.>"
+        )
+    ]
+    ending = [(subject, e) for subject, e in logged if isinstance(e, (MarkPrefillCompleted, Free))]
+    assert [(s, type(e).__name__, e.request_id, e.worker_id, e.dp_rank) for s, e in ending] == [
+        (tracker.event_subject(3, 1), "MarkPrefillCompleted", "r", 3, 1),
+        (tracker.event_subject(3, 1), "Free", "r", 3, 1),
+        (tracker.event_subject(3, 0), "Free", "s", 3, 0),
+    ]
+    folded = await replay(nc, tracker)
+    assert folded.state.counters["worker_mismatch"] == 0
+    assert folded.state.counters["unknown_request"] == 0

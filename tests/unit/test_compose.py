@@ -491,6 +491,20 @@ def test_monitoring_runs_only_behind_its_profile_on_loopback(services, name):
         assert str(port).startswith("127.0.0.1:"), f"{name} publishes beyond loopback: {port}"
 
 
+@pytest.mark.parametrize("name", PIPELINE)
+def test_a_scraped_service_asks_for_every_address_explicitly(services, name):
+    """The metrics port listens on loopback by default (issue 21): Prometheus scrapes it from
+    another container, so a scraped service must ask for 0.0.0.0 in so many words."""
+    from projector.wire.config import Config
+
+    assert Config().metrics_host == "127.0.0.1"
+    env = _environment(services[name])
+    assert env.get("SEQSTATE_METRICS_HOST") == "0.0.0.0", f"{name}: {env}"
+    assert Config.from_env(
+        {"SEQSTATE_METRICS_HOST": env["SEQSTATE_METRICS_HOST"]}
+    ).metrics_host == ("0.0.0.0")
+
+
 def test_prometheus_scrapes_every_pipeline_service_on_its_metrics_port(services):
     prometheus = services["prometheus"]
     config_path = _mount_source(prometheus, "/etc/prometheus/prometheus.yml")

@@ -139,9 +139,10 @@ def test_the_rules_setting_chooses_the_folds_rules_and_refuses_a_grace_with_them
 def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
     assert (Config().metrics_port, Config().metrics_host, Config().ready_lag_events) == (
         None,
-        "0.0.0.0",
+        "127.0.0.1",  # loopback unless asked (issue 21): 0.0.0.0 on request
         1000,
     )
+    assert Config.from_env({"SEQSTATE_METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"
     env = {"SEQSTATE_METRICS_PORT": "9464", "SEQSTATE_READY_LAG_EVENTS": "50"}
     config = Config.from_env(env)
     assert (config.metrics_port, config.ready_lag_events) == (9464, 50)
@@ -171,3 +172,53 @@ def test_the_metrics_flags_belong_to_the_four_long_running_commands() -> None:
     assert having == {"writer", "projector", "run", "serve-http"}
     for command in having:
         assert {"metrics_host", "ready_lag_events"} <= set(settings[command])
+
+
+def test_serve_http_listens_on_loopback_unless_asked_and_its_token_is_a_secret() -> None:
+    """Issue 21: serve-http bound 0.0.0.0 and took no token. Its address, port and token are
+    settings like the others (variable and flag); the token is never shown."""
+    config = Config()
+    assert (config.http_host, config.http_port, config.http_token, config.http_token_file) == (
+        "127.0.0.1",
+        8091,
+        None,
+        None,
+    )
+    env = {
+        "SEQSTATE_HTTP_HOST": "0.0.0.0",
+        "SEQSTATE_HTTP_PORT": "9000",
+        "SEQSTATE_HTTP_TOKEN": "s3cret-Token",
+    }
+    config = Config.from_env(env)
+    assert (config.http_host, config.http_port, config.http_token) == (
+        "0.0.0.0",
+        9000,
+        "s3cret-Token",
+    )
+    assert "s3cret" not in repr(config)
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({}, flags={"http_token": ("--http-token", "two words")})
+    assert str(caught.value) == (
+        "--http-token '***': use visible ASCII only, no spaces (it travels in an HTTP header)"
+    )
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({"SEQSTATE_HTTP_PORT": "http"})
+    assert str(caught.value) == "SEQSTATE_HTTP_PORT='http': not a number (a whole number)"
+    with pytest.raises(ConfigError, match="--http-host ' ': not an address"):
+        Config.from_env({}, flags={"http_host": ("--http-host", " ")})
+    with pytest.raises(ConfigError, match="SEQSTATE_HTTP_TOKEN_FILE='/nonexistent': no such file"):
+        Config.from_env({"SEQSTATE_HTTP_TOKEN_FILE": "/nonexistent"})
+    with pytest.raises(ConfigError, match="set the token one way, not both"):
+        Config.from_env({"SEQSTATE_HTTP_TOKEN": "a", "SEQSTATE_HTTP_TOKEN_FILE": __file__})
+
+
+def test_the_http_flags_belong_to_serve_http_alone() -> None:
+    from projector.ops.cli import build_parser
+    from projector.ops.commands import COMMANDS
+
+    having = {c.name for c in COMMANDS if "http_token" in c.settings}
+    assert having == {"serve-http"}
+    args = build_parser().parse_args(["serve-http", "--host", "0.0.0.0", "--port", "1"])
+    assert (args.cfg_http_host, args.cfg_http_port) == ("0.0.0.0", "1")
+    args = build_parser().parse_args(["serve-http", "--http-host", "::1", "--http-token", "t"])
+    assert (args.cfg_http_host, args.cfg_http_token) == ("::1", "t")

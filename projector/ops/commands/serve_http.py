@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
-import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
@@ -15,7 +16,7 @@ from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
-from projector.wire.config import Config
+from projector.wire.config import Config, bearer_problem, env_name
 
 log = logging.getLogger("seqstate")
 
@@ -25,6 +26,8 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
     from projector.http.http_server import close, serve
     from projector.http.slot_service import SlotService
 
+    token = bearer_token(config)
+    host = config.http_host
     catch_signals()
     async with (
         connect(require_url(config), service=True, config=config) as nc,
@@ -33,17 +36,28 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
         metrics.starting = "starting: opening the trackers"
         await service.start()
         try:
-            server = await serve(service, args.host, args.port)
+            server = await serve(service, host, config.http_port, token=token)
         except OSError as exc:
             await service.stop()
-            raise CliError(f"cannot listen on {args.host}:{args.port}: {exc.strerror}") from None
+            raise CliError(
+                f"cannot listen on {host}:{config.http_port}: {exc.strerror or exc}"
+            ) from None
         metrics.starting = ""
+        port = int(server.sockets[0].getsockname()[1])  # --http-port 0: the one chosen
         log.info(
-            "serving the slot-tracker API on http://%s:%d (%d trackers)",
-            args.host,
-            args.port,
+            "serving the slot-tracker API on http://%s:%d (%d trackers)%s",
+            host,
+            port,
             len(service.trackers),
+            ", bearer token required" if token is not None else "",
         )
+        if token is None and not _loopback(host):
+            log.warning(
+                "serving on %s without a token: anyone who reaches port %d can book and "
+                "free capacity (set SEQSTATE_HTTP_TOKEN or --http-token-file)",
+                host,
+                port,
+            )
         try:
             await until_signal(server.serve_forever())
         finally:
@@ -79,19 +93,45 @@ async def slot_metrics(nc: Client, config: Config, service: Any) -> AsyncIterato
         yield metrics
 
 
+def bearer_token(config: Config) -> bytes | None:
+    """The token calls must carry (None: none is asked): ``--http-token``, or the first line
+    of ``--http-token-file``. The file's content is never shown, even when it is no token."""
+    if config.http_token is not None:
+        return config.http_token.encode()
+    path = config.http_token_file
+    if path is None:
+        return None
+    named = f"--http-token-file/{env_name('http_token_file')} {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not text"
+        raise CliError(f"{named}: cannot read it ({why})") from None
+    token = text.strip()
+    problem = bearer_problem(token)
+    if problem:
+        raise CliError(f"{named}: not a bearer token: {problem}")
+    return token.encode()
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a name is taken at its word)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def add_serve_http_flags(serve_http: argparse.ArgumentParser) -> None:
-    """Dynamo's defaults, so that the drop-in listens where its clients already look."""
+    """``--host`` and ``--port``, the names Dynamo's tracker takes, as aliases of the settings
+    ``--http-host`` and ``--http-port`` (so that the drop-in starts as it was started)."""
     serve_http.add_argument(
-        "--host",
-        default=os.environ.get("SEQSTATE_HTTP_HOST", "0.0.0.0"),
-        help="the address to listen on (default: 0.0.0.0, as Dynamo's) [env SEQSTATE_HTTP_HOST]",
+        "--host", dest="cfg_http_host", metavar="HOST", help="the same as --http-host"
     )
     serve_http.add_argument(
-        "--port",
-        type=int,
-        metavar="N",
-        default=int(os.environ.get("SEQSTATE_HTTP_PORT", "8091")),
-        help="the port (default: 8091, as Dynamo's) [env SEQSTATE_HTTP_PORT]",
+        "--port", dest="cfg_http_port", metavar="PORT", help="the same as --http-port"
     )
 
 
@@ -107,6 +147,7 @@ SERVE_HTTP = Command(
         *(s for s in flags.WRITER if s not in ("rules", "worker_grace_s")),
         *flags.PROJECTOR,
         *flags.METRICS,
+        *flags.HTTP,
     ),
     add_serve_http_flags,
 )
