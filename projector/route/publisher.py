@@ -95,6 +95,7 @@ _WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
 _MSG_ID_SAFE = string.punctuation.replace("%", "")
 SHOWN_ID_CHARS = 60  # of an id in an error message
 _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
+_LIFECYCLE_EVENTS = (RouterHeartbeat, RouterGoodbye)
 
 
 class EventTooLarge(SeqstateError, ValueError):
@@ -396,9 +397,13 @@ class RouterPublisher:
         )
 
     def subject_for(self, event: Event) -> str:
-        """Worker events go to ``<ns>.<worker_id>.<dp_rank>``; Tick and topology to control."""
+        """Worker events go to ``<ns>.<worker_id>.<dp_rank>``, a router's heartbeat and
+        goodbye to ``<ns>.routers``, Tick and topology to ``<ns>.control`` (the operator's:
+        the router role may publish only the first two)."""
         if isinstance(event, _WORKER_EVENTS):
             return self.config.event_subject(event.worker_id, event.dp_rank)
+        if isinstance(event, _LIFECYCLE_EVENTS):
+            return self.config.router_subject
         return self.config.control_subject
 
     async def publish(self, event: Event) -> int:
