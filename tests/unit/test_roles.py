@@ -23,8 +23,27 @@ def test_the_shipped_role_config_is_the_generators_output() -> None:
 def test_another_namespace_gets_its_own_subjects() -> None:
     render = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))["render"]
     text = render(Config(namespace="prod", registry_bucket="prod-reg"))
-    assert '"seqstate.events.prod.>"' in text and '"$KV.prod-reg.>"' in text
+    assert '"seqstate.events.prod.*.*"' in text and '"$KV.prod-reg.>"' in text
+    assert '"seqstate.events.prod.control"' in text
     assert "seqstate.events.default" not in text
+
+
+def test_the_control_subject_is_the_operators_and_the_writers_never_a_routers() -> None:
+    """Who may publish where on the events subjects (the servers' enforcement of it:
+    tests/integration/test_permissions.py)."""
+    generator = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))
+    config = Config()
+    allowed = {role: publish for role, (_, publish) in generator["permissions"](config).items()}
+    control, routers = config.control_subject, config.router_subject
+    events_wide = [s for p in allowed.values() for s in p if s.startswith("seqstate.events.")]
+    # No role gets a wildcard that would take the control subject unseen (`<ns>.>`, `<ns>.*`).
+    assert all(not s.endswith((".>", f"{config.namespace}.*")) for s in events_wide)
+    assert allowed["router"] == ["seqstate.events.default.*.*", routers, "$JS.API.STREAM.INFO.SEQSTATE_EVENTS"]
+    assert control in generator["denied"](config, "router")
+    assert [r for r, publish in allowed.items() if control in publish] == ["control", "writer", "demo"]
+    assert [r for r, publish in allowed.items() if routers in publish] == ["router", "demo"]
+    for role in allowed:  # nobody may publish beyond its namespace's own subjects
+        assert all(not s.startswith("seqstate.events.*") for s in allowed[role]), role
 
 
 def test_nats_server_accepts_the_role_config() -> None:
