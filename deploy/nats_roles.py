@@ -76,7 +76,8 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     registry, snapshots = f"KV_{config.registry_bucket}", f"OBJ_{config.snapshot_bucket}"
     streams = (events, deltas, dead, registry, snapshots)
     # What `ensure` (every writer and projector start; `worker`, `demo`, and `publish` on a
-    # server without the events stream) reads: each stream's info. The writer and the projector may also create or update them; none deletes.
+    # server without the events stream) reads: each stream's info. The writer and the
+    # projector may also create or update them; none deletes.
     info = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", *(f"$JS.API.STREAM.INFO.{s}" for s in streams)]
     provision = [f"$JS.API.STREAM.{op}.{s}" for s in streams for op in ("CREATE", "UPDATE")]
     # A router's events: its requests' on their worker's subject, its heartbeat and goodbye

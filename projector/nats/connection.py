@@ -64,9 +64,12 @@ _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "(
 # The tokens of JetStream's API subjects, upper-cased as the server spells them (nats-py
 # lower-cases the server's -ERR text: the subject is shown as the client sent it).
 _API_TOKENS = frozenset(
-    "$js api info stream names list create update delete purge msg get direct consumer "
-    "durable next fc ack $kv $o $srv ping stats".split()
-)
+    {
+        "$js", "api", "info", "stream", "names", "list", "create", "update", "delete", "purge",
+        "msg", "get", "direct", "consumer", "durable", "next", "fc", "ack", "$kv", "$o", "$srv",
+        "ping", "stats",
+    }
+)  # fmt: skip
 
 
 def _as_sent(subject: str, names: Iterable[str]) -> str:

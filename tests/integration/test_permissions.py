@@ -484,8 +484,9 @@ async def test_under_the_compose_roles_an_idle_request_expires(
     roles_server: str, tmp_path: Path
 ) -> None:
     """``seqstate writer`` and ``seqstate projector`` signed in as compose signs them in
-    (tests/unit/test_compose.py: this role file, these users), the writer with a 1 s expiry: a router's request that nobody frees is expired by the writer's
-    idle Tick (which it may now log on the control subject), and the writer logs no refusal."""
+    (tests/unit/test_compose.py: this role file, these users), the writer with a 1 s expiry:
+    a router's request that nobody frees is expired by the writer's idle Tick (which it may
+    now log on the control subject), and the writer logs no refusal."""
     procs, logs = {}, {}
     for role, argv in (
         ("writer", ("writer", "--expiry-s", "1", "--idle-tick-s", "0.2")),

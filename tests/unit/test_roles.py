@@ -38,9 +38,17 @@ def test_the_control_subject_is_the_operators_and_the_writers_never_a_routers() 
     events_wide = [s for p in allowed.values() for s in p if s.startswith("seqstate.events.")]
     # No role gets a wildcard that would take the control subject unseen (`<ns>.>`, `<ns>.*`).
     assert all(not s.endswith((".>", f"{config.namespace}.*")) for s in events_wide)
-    assert allowed["router"] == ["seqstate.events.default.*.*", routers, "$JS.API.STREAM.INFO.SEQSTATE_EVENTS"]
+    assert allowed["router"] == [
+        "seqstate.events.default.*.*",
+        routers,
+        "$JS.API.STREAM.INFO.SEQSTATE_EVENTS",
+    ]
     assert control in generator["denied"](config, "router")
-    assert [r for r, publish in allowed.items() if control in publish] == ["control", "writer", "demo"]
+    assert [r for r, publish in allowed.items() if control in publish] == [
+        "control",
+        "writer",
+        "demo",
+    ]
     assert [r for r, publish in allowed.items() if routers in publish] == ["router", "demo"]
     for role in allowed:  # nobody may publish beyond its namespace's own subjects
         assert all(not s.startswith("seqstate.events.*") for s in allowed[role]), role
