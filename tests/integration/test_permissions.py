@@ -221,8 +221,12 @@ async def test_a_router_cannot_write_the_bucket_or_the_deltas(
 ) -> None:
     caplog.set_level(logging.WARNING)
     forged_load, forged_delta = b'{"active_blocks": 999}', b"forged delta"
-    async with as_role(roles_server, "router") as rnc, as_role(roles_server, "replay") as onc:
-        last = await RouterPublisher(rnc, router_id="perm-w", config=Config()).publish(
+    async with (
+        as_role(roles_server, "router") as rnc,
+        as_role(roles_server, "replay") as onc,
+        as_role(roles_server, "control") as cnc,  # registering a worker is the operator's
+    ):
+        last = await RouterPublisher(cnc, router_id="perm-w", config=Config()).publish(
             WorkerAdded(worker_id=9)
         )
         await pipeline[1].wait_flushed(last)
@@ -480,13 +484,18 @@ async def test_each_role_is_refused_what_it_may_not_publish(
 # --- compose: the writer and the projector as compose runs them --------------------------------
 
 
-async def test_under_the_compose_roles_an_idle_request_expires(
-    roles_server: str, tmp_path: Path
-) -> None:
+async def test_under_the_compose_roles_an_idle_request_expires(tmp_path: Path) -> None:
     """``seqstate writer`` and ``seqstate projector`` signed in as compose signs them in
     (tests/unit/test_compose.py: this role file, these users), the writer with a 1 s expiry:
     a router's request that nobody frees is expired by the writer's idle Tick (which it may
-    now log on the control subject), and the writer logs no refusal."""
+    now log on the control subject), and the writer logs no refusal. A server of its own, as
+    a fresh compose volume: a log folded from its start takes the writer's expiry (a
+    snapshot keeps the rules it was folded by)."""
+    with started_roles_server(tmp_path / "js") as url:
+        await _idle_request_expires(url, tmp_path)
+
+
+async def _idle_request_expires(roles_server: str, tmp_path: Path) -> None:
     procs, logs = {}, {}
     for role, argv in (
         ("writer", ("writer", "--expiry-s", "1", "--idle-tick-s", "0.2")),
