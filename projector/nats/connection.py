@@ -308,7 +308,8 @@ async def refused_or(
     violation: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     callbacks.violation_waiters.add(violation)
     try:
-        await asyncio.wait({task, violation}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {task, violation}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
         raise PermissionRefused(
