@@ -179,12 +179,20 @@ class _Callbacks:
         self.progress = asyncio.Event()  # set at each error nats-py reports while dialing
         # Those waiting in refused_or: each gets the next permissions violation's text.
         self.violation_waiters: set[asyncio.Future[str]] = set()
+        # The subjects refused a publish so far (lower-cased, as nats-py reports them), the
+        # newest REFUSED_KEPT: a publisher asks before it retries (was_refused).
+        self.refused_subjects: dict[str, None] = {}
 
     async def on_error(self, exc: Exception) -> None:
         if not self.dialing:
             text = scrub(str(exc) or type(exc).__name__, self.url, self.secrets)
+            found = _VIOLATION.search(text.lower())
+            if found is not None and found.group(1) == "publish":
+                self.refused_subjects[found.group(2)] = None
+                while len(self.refused_subjects) > REFUSED_KEPT:
+                    del self.refused_subjects[next(iter(self.refused_subjects))]
             waiting = [w for w in self.violation_waiters if not w.done()]
-            if waiting and _VIOLATION.search(text.lower()):
+            if waiting and found is not None:
                 for waiter in waiting:  # each reports it in its own words: no second line
                     waiter.set_result(text)
                 return
@@ -282,8 +290,16 @@ def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseExcept
     return None if dialing.cancelled() else dialing.exception()
 
 
-# The callbacks of each client connect() made, for refused_or.
+# The callbacks of each client connect() made, for refused_or and was_refused.
 _WATCHED: weakref.WeakKeyDictionary[Client, _Callbacks] = weakref.WeakKeyDictionary()
+REFUSED_KEPT = 64
+
+
+def was_refused(nc: Client, subject: str) -> bool:
+    """Whether the server refused ``nc`` a publish to ``subject`` (a permissions violation
+    it reported). Only for a client :func:`connect` made; False for any other."""
+    callbacks = _WATCHED.get(nc)
+    return callbacks is not None and subject.lower() in callbacks.refused_subjects
 
 
 async def refused_or(

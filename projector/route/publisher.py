@@ -63,6 +63,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from projector.nats.connection import was_refused
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from seqstate import (
@@ -652,6 +653,9 @@ class RouterPublisher:
                     rnd.timer = asyncio.get_running_loop().call_at(deadline, self._expire, rnd)
                     return
                 del awaiting[token]
+                subject = rnd.call.subjects[i]
+                if was_refused(self._nc, subject):  # no retry can change the server's mind
+                    rnd.call.fatal.setdefault(i, _refused(rnd.call, i))
                 self._settle(rnd, i, None, _describe(TimeoutError()))
             rnd.cursor += 1
 
@@ -681,6 +685,18 @@ class RouterPublisher:
         if self._in_progress:
             await asyncio.wait(list(self._in_progress))
         return self._last_seq
+
+
+def _refused(call: _Call, i: int) -> PublishError:
+    """Event ``i`` of ``call`` was refused by the server's permissions: said so, not retried."""
+    request_id = call.request_id(i)
+    return PublishError(
+        f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} not stored: NATS "
+        f'refused a publish to "{call.subjects[i]}" (permissions violation: this user may '
+        "not publish it)",
+        msg_id=call.msg_ids[i],
+        request_id=request_id,
+    )
 
 
 def _reasons(errors: list[str]) -> str:

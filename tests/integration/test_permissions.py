@@ -35,7 +35,7 @@ from projector.nats.connection import ConnectError, connect
 from projector.ops.workers import WorkerControl
 from projector.read.projection import Projector
 from projector.read.reader import RegistryView
-from projector.route.publisher import RouterPublisher
+from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config
 from projector.wire.values import load_key
@@ -405,6 +405,25 @@ async def test_publish_as_a_router_is_refused_the_control_subject_in_one_line(
         ]
         forged = encode_event(WorkerRemoved(worker_id=1))
         assert forged not in await _stored_since(onc, "SEQSTATE_EVENTS", before)
+
+
+async def test_a_router_publisher_is_told_the_control_subject_is_refused(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """RouterPublisher (the library) as the router: a WorkerRemoved raises PublishError
+    saying the server refused the subject, after its first attempt (no retry can help), and
+    the server logged one refusal, not one per retry."""
+    caplog.set_level(logging.WARNING)
+    async with as_role(roles_server, "router") as rnc:
+        pub = RouterPublisher(rnc, router_id="perm-lib", config=Config(), timeout=1.0)
+        with pytest.raises(PublishError) as refused:
+            await pub.publish(WorkerRemoved(worker_id=1))
+    assert str(refused.value) == (
+        "WorkerRemoved: msg-id perm-lib:1 not stored: NATS refused a publish to "
+        '"seqstate.events.default.control" (permissions violation: this user may not '
+        "publish it)"
+    )
+    assert len([line for line in violations(caplog) if "control" in line]) == 1
 
 
 async def test_a_role_that_may_not_provision_is_told_so_in_one_line(tmp_path: Path) -> None:

@@ -62,3 +62,21 @@ def test_nats_server_accepts_the_role_config() -> None:
         [find_binary(), "-c", str(CONF), "-t"], capture_output=True, text=True, timeout=30, env=env
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_permissions_violation_is_one_line_naming_the_subject_as_sent() -> None:
+    """nats-py hands the server's -ERR over lower-cased; the line shows the subject as the
+    client spelled it (API tokens and the configured names restored)."""
+    from projector.nats.connection import describe_violation
+    from projector.nats.resources import resource_names
+
+    names = resource_names(Config())
+    said = 'nats: permissions violation for publish to "$js.api.stream.info.kv_seqstate-registry"'
+    assert describe_violation(said, user="router", doing="reading", names=names) == (
+        'NATS refused a publish to "$JS.API.STREAM.INFO.KV_seqstate-registry" (permissions '
+        "violation for user 'router') while reading"
+    )
+    events = 'nats: permissions violation for publish to "seqstate.events.default.control"'
+    assert describe_violation(events, names=names) == (
+        'NATS refused a publish to "seqstate.events.default.control" (permissions violation)'
+    )
