@@ -48,19 +48,49 @@ def subscriptions(config: Config, role: str) -> list[str]:
     return ["_INBOX.>"]
 
 
+def worker_subjects(config: Config) -> str:
+    """Every worker subject of the namespace, ``seqstate.events.<ns>.<worker>.<rank>``: two
+    tokens after the namespace, so neither ``<ns>.control`` nor ``<ns>.routers`` (one token)."""
+    return f"seqstate.events.{config.namespace}.*.*"
+
+
+def denied(config: Config, role: str) -> list[str]:
+    """Per role: subjects refused although an allowed wildcard matches them (deny wins).
+
+    ``*.*`` takes any two tokens, ``control.x`` and ``routers.x`` too: those are no worker's
+    subject, so a router is refused them, and the control subject itself is named as well, so
+    that no later widening of the allow list (``<ns>.>``, ``<ns>.*``) can hand a router the
+    operator's subject.
+    """
+    control, routers = config.control_subject, config.router_subject
+    if role == "router":
+        return [control, f"{control}.>", f"{routers}.>"]
+    if role == "demo":
+        return [f"{control}.>", f"{routers}.>"]
+    return []
+
+
 def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     """Per role: what it is for, and the subjects it may publish to."""
     events, deltas, dead = config.events_stream, config.deltas_stream, dead_letter_stream(config)
     registry, snapshots = f"KV_{config.registry_bucket}", f"OBJ_{config.snapshot_bucket}"
     streams = (events, deltas, dead, registry, snapshots)
-    # What `ensure` (every writer and projector start; `publish` and `demo`) reads: each
-    # stream's info. The writer and the projector may also create or update them; none deletes.
+    # What `ensure` (every writer and projector start; `worker`, `demo`, and `publish` on a
+    # server without the events stream) reads: each stream's info. The writer and the
+    # projector may also create or update them; none deletes.
     info = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", *(f"$JS.API.STREAM.INFO.{s}" for s in streams)]
     provision = [f"$JS.API.STREAM.{op}.{s}" for s in streams for op in ("CREATE", "UPDATE")]
+    # A router's events: its requests' on their worker's subject, its heartbeat and goodbye
+    # on the routers subject; never the control subject (topology is the operator's). The
+    # events stream's info lets `seqstate publish` see that the stream is there (it then
+    # provisions nothing); RouterPublisher needs no JetStream API at all.
+    router = [worker_subjects(config), config.router_subject, f"$JS.API.STREAM.INFO.{events}"]
     return {
         "router": (
-            "publishes lifecycle events; acks come back on its inbox",
-            [config.events_subjects],
+            "publishes its requests' lifecycle events on their worker's subject, its heartbeat "
+            "and goodbye on the routers subject, never on the control subject; acks come back "
+            "on its inbox",
+            router,
         ),
         "scheduler": (
             "reads the registry bucket (RegistryView: KV get and watch); writes nothing",
@@ -72,9 +102,11 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
             [config.control_subject, *info, *read_stream(registry)],
         ),
         "writer": (
-            "folds the events (retention purges them), publishes deltas and dead letters, "
-            "keeps snapshots, reads the projector's position in the bucket",
+            "folds the events (retention purges them), logs its Ticks on the control subject, "
+            "publishes deltas and dead letters, keeps snapshots, reads the projector's "
+            "position in the bucket",
             [
+                config.control_subject,
                 *info,
                 *provision,
                 *read_stream(events),
@@ -109,8 +141,9 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
             ],
         ),
         "demo": (
-            "the demo router: a router that also shows the registry's live table",
-            [config.events_subjects, *info, *read_stream(registry)],
+            "the demo router: a router that registers its workers (the control subject) and "
+            "shows the registry's live table",
+            [*router, config.control_subject, *info, *read_stream(registry)],
         ),
     }
 
@@ -125,6 +158,11 @@ HEADER = """\
 # start while one is unset). A client signs in with SEQSTATE_NATS_USER and SEQSTATE_NATS_PASSWORD
 # (or --nats-user/--nats-password). For nkeys (SEQSTATE_NATS_NKEY_SEED) replace a user/password
 # pair by `nkey: U...`; for JWTs (SEQSTATE_NATS_CREDS) give nsc the same allow lists.
+#
+# Events: a router publishes on its requests' worker subjects (seqstate.events.<ns>.<w>.<r>) and
+# its heartbeat and goodbye on seqstate.events.<ns>.routers, and is denied the control subject
+# seqstate.events.<ns>.control, which belongs to the control role (topology) and the writer
+# (its Ticks).
 #
 # Every role subscribes to _INBOX.>: replies (the JetStream API, publish acks) and push
 # consumers' deliveries land there. So a client of this account can read replies meant for
@@ -156,6 +194,11 @@ def render(config: Config) -> str:
         out.append("        permissions: {")
         out.append("          publish: { allow: [")
         out += [f'            "{subject}"' for subject in dict.fromkeys(publish)]
+        refused = denied(config, role)
+        if refused:  # deny wins over allow: nats-server checks it after the allow list
+            out.append("          ]")
+            out.append("          deny: [")
+            out += [f'            "{subject}"' for subject in refused]
         out.append("          ] }")
         allowed = ", ".join(f'"{subject}"' for subject in subscriptions(config, role))
         out.append(f"          subscribe: {{ allow: [{allowed}] }}")

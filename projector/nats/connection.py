@@ -6,6 +6,12 @@ tracebacks. ``nats_for`` starts an embedded nats-server when no URL is configure
 with the credentials of the URL or of the ``nats_*`` settings (user and password, token, NKEY
 seed file, credentials file). Nothing here shows a password, a token, a seed or a JWT: URLs and
 the client's errors go through :mod:`projector.nats.security` first.
+
+A subject the server refuses this user (a permissions violation) is no reply at all to a
+request: nats-py reports the server's ``-ERR`` to the error callback and the request waits for
+its timeout, which ``ensure`` used to report, seconds later, as "JetStream is not available".
+:func:`refused_or` runs some work on a client of :func:`connect` and ends it with
+:class:`PermissionRefused`, one line naming the subject, as soon as the server says so.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import ssl
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -44,6 +52,50 @@ STALLED_S = 15.0
 
 class ConnectError(SeqstateError, ConnectionError):
     """NATS could not be reached (or refused us); the message says where and why."""
+
+
+class PermissionRefused(SeqstateError, PermissionError):
+    """The server refused this user a subject (a permissions violation): no retry can fix it.
+    The message names the subject, the user and what was being done."""
+
+
+T = TypeVar("T")
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
+# The tokens of JetStream's API subjects, upper-cased as the server spells them (nats-py
+# lower-cases the server's -ERR text: the subject is shown as the client sent it).
+_API_TOKENS = frozenset(
+    {
+        "$js", "api", "info", "stream", "names", "list", "create", "update", "delete", "purge",
+        "msg", "get", "direct", "consumer", "durable", "next", "fc", "ack", "$kv", "$o", "$srv",
+        "ping", "stats",
+    }
+)  # fmt: skip
+
+
+def _as_sent(subject: str, names: Iterable[str]) -> str:
+    """The refused subject as the client spelled it: API tokens upper-cased, the stream and
+    bucket names of ``names`` restored (the server's message reaches us lower-cased)."""
+    spelled = {name.lower(): name for name in names}
+    api = subject.startswith("$")
+    return ".".join(
+        spelled.get(token, token.upper() if api and token in _API_TOKENS else token)
+        for token in subject.split(".")
+    )
+
+
+def describe_violation(
+    text: str, *, user: str | None = None, doing: str = "", names: Iterable[str] = ()
+) -> str:
+    """One line for the server's permissions violation ``text`` (nats-py's words)."""
+    found = _VIOLATION.search(text.lower())
+    if found is None:
+        what = text.removeprefix("nats: ")
+    else:
+        op, subject = found.groups()
+        what = f'a {op} to "{_as_sent(subject, names)}"'
+    who = f" for user {user!r}" if user else ""
+    while_ = f" while {doing}" if doing else ""
+    return f"NATS refused {what} (permissions violation{who}){while_}"
 
 
 def _is_auth_refusal(exc: BaseException) -> bool:
@@ -125,10 +177,26 @@ class _Callbacks:
         self.errors: list[BaseException] = []
         self.refused: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
         self.progress = asyncio.Event()  # set at each error nats-py reports while dialing
+        # Those waiting in refused_or: each gets the next permissions violation's text.
+        self.violation_waiters: set[asyncio.Future[str]] = set()
+        # The subjects refused a publish so far (lower-cased, as nats-py reports them), the
+        # newest REFUSED_KEPT: a publisher asks before it retries (was_refused).
+        self.refused_subjects: dict[str, None] = {}
 
     async def on_error(self, exc: Exception) -> None:
         if not self.dialing:
-            log.warning("nats: %s", scrub(str(exc) or type(exc).__name__, self.url, self.secrets))
+            text = scrub(str(exc) or type(exc).__name__, self.url, self.secrets)
+            found = _VIOLATION.search(text.lower())
+            if found is not None and found.group(1) == "publish":
+                self.refused_subjects[found.group(2)] = None
+                while len(self.refused_subjects) > REFUSED_KEPT:
+                    del self.refused_subjects[next(iter(self.refused_subjects))]
+            waiting = [w for w in self.violation_waiters if not w.done()]
+            if waiting and found is not None:
+                for waiter in waiting:  # each reports it in its own words: no second line
+                    waiter.set_result(text)
+                return
+            log.warning("nats: %s", text)
             return
         self.errors.append(exc)
         self.progress.set()
@@ -222,6 +290,56 @@ def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseExcept
     return None if dialing.cancelled() else dialing.exception()
 
 
+# The callbacks of each client connect() made, for refused_or and was_refused.
+_WATCHED: weakref.WeakKeyDictionary[Client, _Callbacks] = weakref.WeakKeyDictionary()
+REFUSED_KEPT = 64
+
+
+def was_refused(nc: Client, subject: str) -> bool:
+    """Whether the server refused ``nc`` a publish to ``subject`` (a permissions violation
+    it reported). Only for a client :func:`connect` made; False for any other."""
+    callbacks = _WATCHED.get(nc)
+    return callbacks is not None and subject.lower() in callbacks.refused_subjects
+
+
+async def refused_or(
+    nc: Client,
+    work: Awaitable[T],
+    *,
+    user: str | None = None,
+    doing: str = "",
+    names: Iterable[str] = (),
+) -> T:
+    """``work``'s result, or :class:`PermissionRefused` as soon as the server reports a
+    permissions violation on ``nc`` while it runs (``work`` is then cancelled).
+
+    Without this, a refused request is only a timeout. ``user``, ``doing`` and ``names`` (the
+    stream and bucket names it may name) make the message; a client that :func:`connect` did
+    not make is not watched, and ``work`` simply runs.
+    """
+    callbacks = _WATCHED.get(nc)
+    task = asyncio.ensure_future(work)
+    if callbacks is None:
+        return await task
+    violation: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    callbacks.violation_waiters.add(violation)
+    try:
+        either: set[asyncio.Future[Any]] = {task, violation}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise PermissionRefused(
+            describe_violation(violation.result(), user=user, doing=doing, names=names)
+        )
+    finally:
+        callbacks.violation_waiters.discard(violation)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: the violation is what we report
+
+
 @contextlib.asynccontextmanager
 async def connect(
     url: str, *, service: bool, config: Config | None = None
@@ -246,6 +364,7 @@ async def connect(
         secrets=frozenset(config_secrets(settings)),
     )
     nc = await _dial(url, callbacks, tls, auth)
+    _WATCHED[nc] = callbacks
     try:
         yield nc
     finally:

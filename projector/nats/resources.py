@@ -27,6 +27,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from projector.nats.connection import refused_or
 from projector.wire.config import Config
 from seqstate.errors import SeqstateError
 
@@ -77,8 +78,36 @@ def check_server(nc: Client) -> None:
         )
 
 
+def resource_names(config: Config) -> list[str]:
+    """Every stream, bucket and object store of ``config``, as the JetStream API names them."""
+    return [
+        config.events_stream,
+        config.deltas_stream,
+        dead_letter_stream(config),
+        f"KV_{config.registry_bucket}",
+        f"OBJ_{config.snapshot_bucket}",
+        config.registry_bucket,
+        config.snapshot_bucket,
+    ]
+
+
 async def ensure(nc: Client, config: Config) -> Resources:
-    """Create or update every stream and bucket of ``config``; safe to run at every start."""
+    """Create or update every stream and bucket of ``config``; safe to run at every start.
+
+    A user the server does not allow to (a role of deploy/nats-roles.conf that provisions
+    nothing) gets :class:`~projector.nats.connection.PermissionRefused` naming the subject
+    refused, at once, not a timeout read as "JetStream is not available".
+    """
+    return await refused_or(
+        nc,
+        _ensure(nc, config),
+        user=config.nats_user,
+        doing="checking or provisioning the streams and the bucket",
+        names=resource_names(config),
+    )
+
+
+async def _ensure(nc: Client, config: Config) -> Resources:
     check_server(nc)
     js = nc.jetstream()
     await wait_for_jetstream(js)

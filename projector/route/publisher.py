@@ -63,6 +63,7 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from projector.nats.connection import was_refused
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from seqstate import (
@@ -95,6 +96,7 @@ _WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
 _MSG_ID_SAFE = string.punctuation.replace("%", "")
 SHOWN_ID_CHARS = 60  # of an id in an error message
 _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
+_LIFECYCLE_EVENTS = (RouterHeartbeat, RouterGoodbye)
 
 
 class EventTooLarge(SeqstateError, ValueError):
@@ -396,9 +398,13 @@ class RouterPublisher:
         )
 
     def subject_for(self, event: Event) -> str:
-        """Worker events go to ``<ns>.<worker_id>.<dp_rank>``; Tick and topology to control."""
+        """Worker events go to ``<ns>.<worker_id>.<dp_rank>``, a router's heartbeat and
+        goodbye to ``<ns>.routers``, Tick and topology to ``<ns>.control`` (the operator's:
+        the router role may publish only the first two)."""
         if isinstance(event, _WORKER_EVENTS):
             return self.config.event_subject(event.worker_id, event.dp_rank)
+        if isinstance(event, _LIFECYCLE_EVENTS):
+            return self.config.router_subject
         return self.config.control_subject
 
     async def publish(self, event: Event) -> int:
@@ -647,6 +653,9 @@ class RouterPublisher:
                     rnd.timer = asyncio.get_running_loop().call_at(deadline, self._expire, rnd)
                     return
                 del awaiting[token]
+                subject = rnd.call.subjects[i]
+                if was_refused(self._nc, subject):  # no retry can change the server's mind
+                    rnd.call.fatal.setdefault(i, _refused(rnd.call, i))
                 self._settle(rnd, i, None, _describe(TimeoutError()))
             rnd.cursor += 1
 
@@ -676,6 +685,18 @@ class RouterPublisher:
         if self._in_progress:
             await asyncio.wait(list(self._in_progress))
         return self._last_seq
+
+
+def _refused(call: _Call, i: int) -> PublishError:
+    """Event ``i`` of ``call`` was refused by the server's permissions: said so, not retried."""
+    request_id = call.request_id(i)
+    return PublishError(
+        f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} not stored: NATS "
+        f'refused a publish to "{call.subjects[i]}" (permissions violation: this user may '
+        "not publish it)",
+        msg_id=call.msg_ids[i],
+        request_id=request_id,
+    )
 
 
 def _reasons(errors: list[str]) -> str:

@@ -274,8 +274,17 @@ class Config:
 
     @property
     def control_subject(self) -> str:
-        """Events that name no worker (Tick) and topology events."""
+        """The operator's and the writer's events: topology (WorkerAdded, WorkerRemoved) and
+        the writer's Tick. The ``control`` role (and the writer, for its Ticks) publishes here;
+        a router never does (deploy/nats_roles.py denies it)."""
         return f"seqstate.events.{self.namespace}.control"
+
+    @property
+    def router_subject(self) -> str:
+        """A router's own lifecycle (RouterHeartbeat, RouterGoodbye): events that name no
+        worker but are a router's to send, kept off the control subject so that the router
+        role never needs it."""
+        return f"seqstate.events.{self.namespace}.routers"
 
     @property
     def deltas_subject(self) -> str:

@@ -1,11 +1,15 @@
 """The shipped role config (deploy/nats-roles.conf) on a real nats-server: enough, and no more.
 
 One server per module runs with the role config. The writer and the projector run with their
-own credentials, a router publishes with its credential, a scheduler reads the bucket with
-its credential, and an operator verifies with the replay credential: the loads equal an
-in-process fold of the log exactly, and no client was refused anything. Then a router tries
-to write the bucket and the deltas stream, and a scheduler tries to publish an event: each is
-refused by the server (a permission violation, no ack) and the state is unchanged.
+own credentials, a router publishes with its credential (heartbeat and goodbye included), the
+control role registers the workers, a scheduler reads the bucket with its credential, and an
+operator verifies with the replay credential: the loads equal an in-process fold of the log
+exactly, and no client was refused anything. Every command the README gives a role runs, as a
+subprocess, signed in as that role; ``seqstate writer`` and ``seqstate projector`` run as
+compose runs them and the writer's idle Tick expires a request. Then each role tries what it
+may not do (a router the control subject and another namespace, every role the others'
+subjects): each is refused by the server (a permission violation, no ack) and nothing is
+stored.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from pathlib import Path
 
 import nats.errors
 import pytest
+from eventually import eventually
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import read_log
 
@@ -29,12 +35,12 @@ from projector.nats.connection import ConnectError, connect
 from projector.ops.workers import WorkerControl
 from projector.read.projection import Projector
 from projector.read.reader import RegistryView
-from projector.route.publisher import RouterPublisher
+from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config
 from projector.wire.values import load_key
 from projector.write.writer import Writer
-from seqstate import AddRequest, WorkerAdded, decode_event, encode_event
+from seqstate import AddRequest, WorkerAdded, WorkerRemoved, decode_event, encode_event
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
@@ -44,8 +50,8 @@ VIOLATION = "permissions violation"
 NO_ACK_S = 1.0  # how long a refused JetStream publish waits for the ack that never comes
 
 
-@pytest.fixture(scope="module")
-def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def started_roles_server(store: Path) -> Iterator[str]:
     """A nats-server with the shipped role config; its URL (no credentials in it)."""
     from projector.nats.server import NatsServer
 
@@ -53,9 +59,7 @@ def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the config reads the passwords from the server's environment
     try:
-        server = NatsServer(
-            tmp_path_factory.mktemp("roles") / "js", extra_args=("-c", str(ROLES_CONF))
-        )
+        server = NatsServer(store, extra_args=("-c", str(ROLES_CONF)))
         server.start()
     finally:
         for key, value in saved.items():
@@ -67,6 +71,12 @@ def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def roles_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with started_roles_server(tmp_path_factory.mktemp("roles") / "js") as url:
+        yield url
 
 
 def role_config(url: str, role: str, **overrides: object) -> Config:
@@ -120,8 +130,11 @@ async def test_each_role_does_its_job_with_its_own_credential(
         as_role(roles_server, "scheduler") as snc,
         as_role(roles_server, "replay") as onc,
     ):
-        pub = RouterPublisher(rnc, router_id="perm-r", config=Config())
-        await pub.publish(WorkerAdded(worker_id=1, dp_size=2))
+        async with as_role(roles_server, "control") as cnc:  # topology is the operator's
+            added = await WorkerControl(cnc, config=Config()).add(1, dp_size=2)
+            assert added.applied
+        # RouterPublisher with its defaults: a heartbeat at start, a goodbye at close.
+        pub = await RouterPublisher(rnc, router_id="perm-r", config=Config()).start()
         for i in range(12):
             await pub.add(
                 f"r{i}", 1, i % 2, block_hashes=[100, 101, 200 + i], prefill_tokens=100 + i
@@ -148,6 +161,8 @@ async def test_each_role_does_its_job_with_its_own_credential(
             assert info["metadata"]["namespace"] == "default"
             status = await onc.request(f"seqstate.svc.default.{kind}.status", b"", 10)
             assert json.loads(status.data)["kind"] == kind
+        await pub.close()  # its goodbye, on the routers subject
+        assert pub.heartbeat_failures == 0
     assert violations(caplog) == []
 
 
@@ -206,8 +221,12 @@ async def test_a_router_cannot_write_the_bucket_or_the_deltas(
 ) -> None:
     caplog.set_level(logging.WARNING)
     forged_load, forged_delta = b'{"active_blocks": 999}', b"forged delta"
-    async with as_role(roles_server, "router") as rnc, as_role(roles_server, "replay") as onc:
-        last = await RouterPublisher(rnc, router_id="perm-w", config=Config()).publish(
+    async with (
+        as_role(roles_server, "router") as rnc,
+        as_role(roles_server, "replay") as onc,
+        as_role(roles_server, "control") as cnc,  # registering a worker is the operator's
+    ):
+        last = await RouterPublisher(cnc, router_id="perm-w", config=Config()).publish(
             WorkerAdded(worker_id=9)
         )
         await pipeline[1].wait_flushed(last)
@@ -270,3 +289,293 @@ async def test_a_wrong_role_password_is_refused_in_one_line(roles_server: str) -
             pass
     message = str(refused.value)
     assert "refused the credentials" in message and "not-it-55" not in message
+
+
+# --- every documented command, as the role the README gives it ------------------------------
+
+
+def role_env(url: str, role: str) -> dict[str, str]:
+    """A clean environment signed in as ``role`` (no other SEQSTATE_* setting leaks in)."""
+    clean = {
+        k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")
+    }
+    return {
+        **clean,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean.get('PATH', '')}",
+        "NATS_URL": url,
+        "SEQSTATE_NATS_USER": role,
+        "SEQSTATE_NATS_PASSWORD": PASSWORDS[role],
+        "COLUMNS": "400",
+    }
+
+
+async def as_cli(
+    url: str, role: str, *argv: str, stdin: bytes = b"", timeout: float = 60
+) -> tuple[int, str, str]:
+    """``seqstate ARGV`` as ``role``, a subprocess (the loop keeps running the pipeline)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "projector",
+        *argv,
+        env=role_env(url, role),
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+def _clean(role: str, argv: tuple[str, ...], rc: int, out: str, err: str) -> None:
+    said = f"{role}: seqstate {' '.join(argv)}: rc={rc}\n{out}\n{err}"
+    assert rc == 0, said
+    assert VIOLATION not in (out + err).lower(), said
+    assert "Traceback" not in err, said
+    assert PASSWORDS[role] not in out + err, said
+
+
+# The README's table "role | may publish to | for", command by command. Each runs against the
+# pipeline (a snapshot every 5 events), after a router's events and a worker registration.
+DOCUMENTED: list[tuple[str, tuple[str, ...]]] = [
+    ("control", ("worker", "add", "41", "--dp-size", "2")),
+    ("control", ("worker", "list", "--json")),
+    ("control", ("worker", "remove", "41")),
+    ("scheduler", ("top", "--once", "--interval", "0.2")),
+    ("scheduler", ("inspect", "worker", "5")),
+    ("replay", ("replay", "--verify", "--no-progress")),
+    ("replay", ("status",)),
+    ("replay", ("loads", "--json")),
+    ("replay", ("watch", "--json", "--duration", "1")),
+    ("replay", ("top", "--once", "--interval", "0.2")),
+    ("replay", ("inspect", "request", "cli-a", "--json", "--no-progress")),
+    ("replay", ("inspect", "worker", "5", "--json")),
+    ("demo", ("demo", "--duration", "2", "--no-live", "--workers", "1")),
+    ("replay", ("snapshot", "list")),
+    ("replay", ("snapshot", "show")),
+]
+
+
+async def test_every_documented_command_runs_as_its_role(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """``seqstate publish`` as the router (it needs no JetStream API: the stream is there),
+    then each command of the README's role table signed in as its role: exit 0, no
+    permissions violation anywhere in its output."""
+    lines = [
+        {"type": "AddRequest", "request_id": "cli-a", "worker_id": 5, "block_hashes": [1, 2]},
+        {"type": "AddRequest", "request_id": "cli-b", "worker_id": 5, "dp_rank": 1},
+        {"type": "Free", "request_id": "cli-b", "worker_id": 5, "dp_rank": 1},
+    ]
+    stdin = "\n".join(json.dumps(line) for line in lines).encode()
+    rc, out, err = await as_cli(roles_server, "router", "publish", stdin=stdin)
+    _clean("router", ("publish",), rc, out, err)
+    last = int(out.strip().rsplit(" ", 1)[1])  # "published 3 events, last sequence N"
+    await pipeline[1].wait_flushed(last)
+    for role, argv in DOCUMENTED:
+        if argv == ("snapshot", "show"):  # the writer saves one every 5 events: wait for it
+            await eventually(
+                lambda: pipeline[0].stats.snapshots_saved,
+                what="a snapshot saved",
+                interval=0.1,
+            )
+        rc, out, err = await as_cli(roles_server, role, *argv)
+        _clean(role, argv, rc, out, err)
+        if argv[:2] == ("inspect", "request"):
+            assert json.loads(out)["state"] == "active", out
+        if argv[:2] == ("worker", "add"):
+            assert "ranks 0-1 in the registry" in out, out
+
+
+async def test_publish_as_a_router_is_refused_the_control_subject_in_one_line(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """A topology event through ``seqstate publish`` as the router: refused by the server,
+    reported at once as a permissions violation naming the subject (not a timeout, not
+    "JetStream is not available"), and not stored."""
+    async with as_role(roles_server, "replay") as onc:
+        before = await _last_seq(onc, "SEQSTATE_EVENTS")
+        line = b'{"type": "WorkerRemoved", "worker_id": 1}\n'
+        rc, out, err = await as_cli(roles_server, "router", "publish", stdin=line)
+        assert (rc, out) == (1, ""), err
+        assert plain_lines(err) == [
+            'seqstate: error: NATS refused a publish to "seqstate.events.default.control" '
+            "(permissions violation for user 'router') while publishing events"
+        ]
+        forged = encode_event(WorkerRemoved(worker_id=1))
+        assert forged not in await _stored_since(onc, "SEQSTATE_EVENTS", before)
+
+
+async def test_a_router_publisher_is_told_the_control_subject_is_refused(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """RouterPublisher (the library) as the router: a WorkerRemoved raises PublishError
+    saying the server refused the subject, after its first attempt (no retry can help), and
+    the server logged one refusal, not one per retry."""
+    caplog.set_level(logging.WARNING)
+    async with as_role(roles_server, "router") as rnc:
+        pub = RouterPublisher(rnc, router_id="perm-lib", config=Config(), timeout=1.0)
+        with pytest.raises(PublishError) as refused:
+            await pub.publish(WorkerRemoved(worker_id=1))
+    assert str(refused.value) == (
+        "WorkerRemoved: msg-id perm-lib:1 not stored: NATS refused a publish to "
+        '"seqstate.events.default.control" (permissions violation: this user may not '
+        "publish it)"
+    )
+    assert len([line for line in violations(caplog) if "control" in line]) == 1
+
+
+async def test_a_role_that_may_not_provision_is_told_so_in_one_line(tmp_path: Path) -> None:
+    """``seqstate publish`` as the router on a fresh server (no streams yet): it would have to
+    provision them, which a router may not. One line naming the subject refused, at once (it
+    used to be "JetStream is not available", after 10 s of polling)."""
+    line = b'{"type": "Free", "request_id": "x", "worker_id": 1}\n'
+    with started_roles_server(tmp_path / "js") as url:
+        rc, out, err = await as_cli(url, "router", "publish", stdin=line, timeout=20)
+    assert (rc, out) == (1, ""), err
+    assert plain_lines(err) == [
+        'seqstate: error: NATS refused a publish to "$JS.API.INFO" (permissions violation for '
+        "user 'router') while checking or provisioning the streams and the bucket"
+    ]
+
+
+# --- what each role may not do ----------------------------------------------------------------
+
+KV_LOAD = f"$KV.seqstate-registry.{load_key('default', (1, 0))}"
+CONTROL, ROUTERS = Config().control_subject, Config().router_subject
+WORKER = Config().event_subject(1, 0)
+OTHER_NAMESPACE = Config(namespace="other").event_subject(1, 0)
+# Per role, subjects it must be refused. The API subjects get an empty body: harmless (an
+# invalid request) should one ever be let through; none of them deletes or purges.
+FORBIDDEN: dict[str, list[str]] = {
+    "router": [
+        CONTROL,
+        f"{CONTROL}.1",
+        f"{ROUTERS}.1",
+        OTHER_NAMESPACE,
+        Config(namespace="other").router_subject,
+        KV_LOAD,
+        "seqstate.deltas.default",
+        "seqstate.dead.default",
+        "$JS.API.INFO",
+        "$JS.API.STREAM.UPDATE.SEQSTATE_EVENTS",
+    ],
+    "scheduler": [WORKER, CONTROL, ROUTERS, KV_LOAD, "seqstate.deltas.default"],
+    "control": [WORKER, ROUTERS, KV_LOAD, "seqstate.deltas.default", OTHER_NAMESPACE],
+    "writer": [WORKER, ROUTERS, KV_LOAD, OTHER_NAMESPACE],
+    "projector": [WORKER, CONTROL, ROUTERS, "seqstate.deltas.default", "seqstate.dead.default"],
+    "replay": [WORKER, CONTROL, ROUTERS, KV_LOAD, "seqstate.deltas.default"],
+    "demo": [f"{CONTROL}.1", OTHER_NAMESPACE, KV_LOAD, "seqstate.deltas.default"],
+}
+
+
+async def test_each_role_is_refused_what_it_may_not_publish(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every role tries the subjects of the others: each publish is refused by the server
+    (its -ERR names the subject), and none of the forged events is stored. For a router:
+    never the control subject (a WorkerRemoved), nor another namespace's subjects."""
+    caplog.set_level(logging.WARNING)
+    async with as_role(roles_server, "replay") as onc:
+        before = await _last_seq(onc, "SEQSTATE_EVENTS")
+        forged: list[bytes] = []
+        for n, (role, subjects) in enumerate(FORBIDDEN.items()):
+            async with as_role(roles_server, role) as nc:
+                for subject in subjects:
+                    body = b""
+                    if subject.startswith("seqstate.events."):
+                        body = encode_event(WorkerRemoved(worker_id=9000 + n))
+                        forged.append(body)
+                    await nc.publish(subject, body)
+                await nc.flush()  # the server's -ERRs came before this PONG
+        missing = [
+            (role, subject)
+            for role, subjects in FORBIDDEN.items()
+            for subject in subjects
+            if not _refused(caplog, subject)
+        ]
+        assert missing == [], caplog.text
+        stored = await _stored_since(onc, "SEQSTATE_EVENTS", before)
+        assert not set(forged) & set(stored)
+
+
+# --- compose: the writer and the projector as compose runs them --------------------------------
+
+
+async def test_under_the_compose_roles_an_idle_request_expires(tmp_path: Path) -> None:
+    """``seqstate writer`` and ``seqstate projector`` signed in as compose signs them in
+    (tests/unit/test_compose.py: this role file, these users), the writer with a 1 s expiry:
+    a router's request that nobody frees is expired by the writer's idle Tick (which it may
+    now log on the control subject), and the writer logs no refusal. A server of its own, as
+    a fresh compose volume: a log folded from its start takes the writer's expiry (a
+    snapshot keeps the rules it was folded by). A rank's expiry check runs every 30 s of log
+    time, so the request ends about 30 s after its add, whatever the expiry."""
+    with started_roles_server(tmp_path / "js") as url:
+        await _idle_request_expires(url, tmp_path)
+
+
+async def _idle_request_expires(roles_server: str, tmp_path: Path) -> None:
+    procs, logs = {}, {}
+    for role, argv in (
+        ("writer", ("writer", "--expiry-s", "1", "--idle-tick-s", "0.2")),
+        ("projector", ("projector",)),
+    ):
+        procs[role] = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "projector",
+            *argv,
+            env={**role_env(roles_server, role), "SEQSTATE_NAMESPACE": "default"},
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / f"{role}.log").open("wb"),  # a file: a pipe could fill
+        )
+    try:
+        async with as_role(roles_server, "replay") as onc:  # both up: the streams are there
+            for kind in ("writer", "projector"):
+                await eventually(
+                    lambda kind=kind: onc.request(f"seqstate.svc.default.{kind}.status", b"", 1),
+                    what=f"the {kind} answers its status",
+                    interval=0.2,
+                    retry_on=(nats.errors.NoRespondersError, nats.errors.TimeoutError),
+                    check=lambda: _all_running(procs, tmp_path),
+                )
+        async with as_role(roles_server, "router") as rnc:
+            pub = RouterPublisher(rnc, router_id="compose-idle", config=Config())
+            await pub.add("idle-1", 6, block_hashes=[7, 8], prefill_tokens=10)
+
+        async def request_state() -> dict[str, object]:
+            rc, out, err = await as_cli(
+                roles_server, "replay", "inspect", "request", "idle-1", "--json", "--no-progress"
+            )
+            assert rc == 0, err
+            report: dict[str, object] = json.loads(out)
+            return report
+
+        ended = await eventually(
+            request_state,
+            lambda r: r["state"] == "ended",
+            what="the idle request expired by the writer's Tick",
+            timeout=90,
+            interval=1.0,  # each look is a subprocess
+            retry_on=(AssertionError,),
+            check=lambda: _all_running(procs, tmp_path),
+        )
+        assert "expired" in str(ended["detail"]), ended
+    finally:
+        for proc in procs.values():
+            if proc.returncode is None:
+                proc.terminate()
+        for role, proc in procs.items():
+            await asyncio.wait_for(proc.wait(), 30)
+            logs[role] = (tmp_path / f"{role}.log").read_text()
+    for role, text in logs.items():
+        assert VIOLATION not in text.lower(), (role, text)
+        assert "Tick not logged" not in text, (role, text)
+
+
+def _all_running(procs: dict[str, asyncio.subprocess.Process], logs: Path) -> None:
+    for role, proc in procs.items():
+        if proc.returncode is not None:
+            raise AssertionError(f"{role} exited: {(logs / f'{role}.log').read_text()}")

@@ -33,6 +33,7 @@ from seqstate import (
     EventDecodeError,
     Free,
     MarkPrefillCompleted,
+    RouterGoodbye,
     RouterHeartbeat,
     Tick,
     WorkerAdded,
@@ -127,6 +128,26 @@ async def test_control_events_go_to_the_control_subject(nc: Client, config: Conf
     assert subject == config.event_subject(3, 1)
     assert stored == Free(request_id="x", worker_id=3, dp_rank=1, router_id="ctl")
     assert headers[MSG_ID_HEADER] == "ctl:3"
+
+
+async def test_a_routers_heartbeat_and_goodbye_go_to_the_routers_subject(
+    nc: Client, config: Config
+) -> None:
+    """A router's own lifecycle names no worker but is the router's: ``<ns>.routers``, so the
+    router role never needs the operator's control subject (deploy/nats_roles.py)."""
+    pub = RouterPublisher(nc, router_id="rt", config=config, heartbeat_every_s=3600)
+    await pub.start()
+    await pub.close()
+    beat, goodbye = pub.last_sequence - 1, pub.last_sequence  # type: ignore[operator]
+    assert (await _stored(nc, config, beat))[:2] == (
+        config.router_subject,
+        RouterHeartbeat(router_id="rt"),
+    )
+    assert (await _stored(nc, config, goodbye))[:2] == (
+        config.router_subject,
+        RouterGoodbye(router_id="rt"),
+    )
+    assert config.router_subject == f"seqstate.events.{config.namespace}.routers"
 
 
 async def test_same_msg_id_twice_is_stored_once(nc: Client, config: Config) -> None:

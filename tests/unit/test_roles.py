@@ -23,8 +23,35 @@ def test_the_shipped_role_config_is_the_generators_output() -> None:
 def test_another_namespace_gets_its_own_subjects() -> None:
     render = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))["render"]
     text = render(Config(namespace="prod", registry_bucket="prod-reg"))
-    assert '"seqstate.events.prod.>"' in text and '"$KV.prod-reg.>"' in text
+    assert '"seqstate.events.prod.*.*"' in text and '"$KV.prod-reg.>"' in text
+    assert '"seqstate.events.prod.control"' in text
     assert "seqstate.events.default" not in text
+
+
+def test_the_control_subject_is_the_operators_and_the_writers_never_a_routers() -> None:
+    """Who may publish where on the events subjects (the servers' enforcement of it:
+    tests/integration/test_permissions.py)."""
+    generator = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))
+    config = Config()
+    allowed = {role: publish for role, (_, publish) in generator["permissions"](config).items()}
+    control, routers = config.control_subject, config.router_subject
+    events_wide = [s for p in allowed.values() for s in p if s.startswith("seqstate.events.")]
+    # No role gets a wildcard that would take the control subject unseen (`<ns>.>`, `<ns>.*`).
+    assert all(not s.endswith((".>", f"{config.namespace}.*")) for s in events_wide)
+    assert allowed["router"] == [
+        "seqstate.events.default.*.*",
+        routers,
+        "$JS.API.STREAM.INFO.SEQSTATE_EVENTS",
+    ]
+    assert control in generator["denied"](config, "router")
+    assert [r for r, publish in allowed.items() if control in publish] == [
+        "control",
+        "writer",
+        "demo",
+    ]
+    assert [r for r, publish in allowed.items() if routers in publish] == ["router", "demo"]
+    for role in allowed:  # nobody may publish beyond its namespace's own subjects
+        assert all(not s.startswith("seqstate.events.*") for s in allowed[role]), role
 
 
 def test_nats_server_accepts_the_role_config() -> None:
@@ -35,3 +62,21 @@ def test_nats_server_accepts_the_role_config() -> None:
         [find_binary(), "-c", str(CONF), "-t"], capture_output=True, text=True, timeout=30, env=env
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_permissions_violation_is_one_line_naming_the_subject_as_sent() -> None:
+    """nats-py hands the server's -ERR over lower-cased; the line shows the subject as the
+    client spelled it (API tokens and the configured names restored)."""
+    from projector.nats.connection import describe_violation
+    from projector.nats.resources import resource_names
+
+    names = resource_names(Config())
+    said = 'nats: permissions violation for publish to "$js.api.stream.info.kv_seqstate-registry"'
+    assert describe_violation(said, user="router", doing="reading", names=names) == (
+        'NATS refused a publish to "$JS.API.STREAM.INFO.KV_seqstate-registry" (permissions '
+        "violation for user 'router') while reading"
+    )
+    events = 'nats: permissions violation for publish to "seqstate.events.default.control"'
+    assert describe_violation(events, names=names) == (
+        'NATS refused a publish to "seqstate.events.default.control" (permissions violation)'
+    )

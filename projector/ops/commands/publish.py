@@ -11,14 +11,20 @@ import os
 import sys
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from projector.nats.connection import connect, require_url
+from projector.nats.connection import connect, refused_or, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.wire.config import Config
 from seqstate.events import Event
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from projector.route.publisher import RouterPublisher
 
 
 async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
@@ -44,7 +50,7 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
         except (msgspec.DecodeError, EventDecodeError) as exc:
             raise CliError(f"{name}:{number}: not an event: {exc}") from None
     async with connect(require_url(config), service=False, config=config) as nc:
-        from projector.nats.resources import ensure
+        from projector.nats.resources import ensure, resource_names
         from projector.route.publisher import EventTooLarge
 
         pub = RouterPublisher(
@@ -55,13 +61,51 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
                 pub.check(event)
             except EventTooLarge as exc:
                 raise CliError(f"{name}:{number}: {exc}") from None
-        await ensure(nc, config)
-        last = None
-        for _, event in events:
-            last = await pub.publish(event)
+        if not await _events_stream_takes(nc, config):
+            await ensure(nc, config)  # a fresh server: provision, as the pipeline would
+        last = await refused_or(
+            nc,
+            _publish_all(pub, [event for _, event in events]),
+            user=config.nats_user,
+            doing="publishing events",
+            names=resource_names(config),
+        )
     count = f"{len(events)} event" + ("" if len(events) == 1 else "s")
     print(f"published {count}" + (f", last sequence {last}" if last else ""))
     return 0
+
+
+async def _events_stream_takes(nc: Client, config: Config) -> bool:
+    """Whether the events stream exists and takes this namespace's subjects.
+
+    Then ``publish`` provisions nothing: a router (deploy/nats-roles.conf's ``router``) may
+    read that one stream's info but not the JetStream account or the other streams, which
+    ``ensure`` reads. Otherwise ``ensure`` provisions, as on a fresh server; a user that may
+    not gets one line naming the subject it was refused.
+    """
+    from nats.js.errors import NotFoundError
+
+    from projector.nats.resources import resource_names
+
+    try:
+        info = await refused_or(
+            nc,
+            nc.jetstream().stream_info(config.events_stream),
+            user=config.nats_user,
+            doing="looking up the events stream",
+            names=resource_names(config),
+        )
+    except NotFoundError:
+        return False
+    return config.events_subjects in (info.config.subjects or [])
+
+
+async def _publish_all(pub: RouterPublisher, events: list[Event]) -> int | None:
+    """Each in turn (each awaited: stored in the given order); the last one's sequence."""
+    last = None
+    for event in events:
+        last = await pub.publish(event)
+    return last
 
 
 def event_reference() -> str:
