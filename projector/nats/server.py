@@ -87,7 +87,8 @@ class NatsServer:
         any_port_if_taken: bool = False,
     ) -> None:
         self.host = host
-        self.port = port
+        # 0 is any free port, as for a socket; nats-server's -p 0 would mean its default, 4222.
+        self.port = -1 if port == 0 else port
         self.name = name
         self.binary = binary
         self.ready_timeout = ready_timeout

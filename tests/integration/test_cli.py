@@ -176,6 +176,48 @@ def test_a_bad_setting_is_one_line_naming_it_as_typed(
     assert one_line_error(seqstate(*args, **env)).startswith(f"seqstate: error: {said}")
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("demo", "--speedup", "0"), "--speedup 0: must be a positive number"),
+        (("demo", "--speedup", "-2"), "--speedup -2: must be a positive number"),
+        (("demo", "--speedup", "nan"), "--speedup nan: must be a positive number"),
+        (("demo", "--rate", "0"), "--rate 0: must be a positive number"),
+        (("demo", "--workers", "0"), "--workers 0: must be at least 1"),
+        (("run", "--demo", "--speedup", "0"), "--speedup 0: must be a positive number"),
+        (("run", "--port", "-3"), "--port -3: must be a port (1-65535), or 0 for any free port"),
+        (("run", "--port", "70000"), "--port 70000: must be a port"),
+    ],
+)
+def test_a_bad_demo_or_port_number_is_one_line_before_anything_starts(
+    args: tuple[str, ...], said: str, tmp_path: Path
+) -> None:
+    # --speedup 0 divided the arrival rate by zero once the run was up: a traceback.
+    # run: its embedded server, in a store of its own; demo: a server that is not there.
+    where = {} if args[0] == "run" else {"NATS_URL": "nats://127.0.0.1:1"}
+    store = ("--store-dir", str(tmp_path / "store")) if args[0] == "run" else ()
+    result = seqstate(*args, *store, "--duration", "5", timeout=30, **where)
+    assert one_line_error(result) == f"seqstate: error: {said}"
+    assert not (tmp_path / "store").exists()  # refused before a server was started
+
+
+def test_run_port_0_listens_on_a_free_port_and_says_which(tmp_path: Path) -> None:
+    # nats-server's own -p 0 means its default, 4222: `run --port 0` listened there (or, with
+    # 4222 taken, failed), where a user means "any free port", as a socket does.
+    proc, lines = started_run(tmp_path / "store", "--port", "0", "--log-level", "info")
+    try:
+        said = [line for line in plain_lines("".join(lines)) if "embedded nats-server at" in line]
+        assert len(said) == 1, lines
+        url = said[0].split("embedded nats-server at ", 1)[1].split()[0]
+        port = int(url.rsplit(":", 1)[1])
+        assert port not in (0, 4222), said
+        assert not any("is taken" in line for line in lines), lines
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            assert conn.recv(5) == b"INFO "  # a NATS server is there
+    finally:
+        stopped(proc)
+
+
 def test_help_speaks_the_users_language() -> None:
     helps = {
         name: seqstate(name, "--help").stdout
