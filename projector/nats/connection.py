@@ -270,7 +270,9 @@ async def nats_for(
         return
     if store_dir is None:
         raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
-    async with NatsServer(store_dir, port=port, any_port_if_taken=True) as server:
+    # The server dies with this process (a SIGKILLed run left it holding the store).
+    embedded = NatsServer(store_dir, port=port, any_port_if_taken=True, die_with_parent=True)
+    async with embedded as server:
         if server.fell_back_from is not None:
             log.warning(
                 "port %d is taken: the embedded nats-server listens on %s instead",
