@@ -56,7 +56,7 @@ READY = "Server is ready"
 LOCK_FILE = "seqstate.lock"
 _PORT_TAKEN = "address already in use"
 _LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
-ORPHAN_STOP_S = 10.0  # for a server whose run was killed to finish stopping, then for SIGTERM
+ORPHAN_STOP_S = 10.0  # for a server left over from a killed run to stop and free the store
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -120,12 +120,17 @@ def _alive(pid: int) -> bool:
 
 
 def _is_server_of(pid: int, store_dir: Path) -> bool:
-    """Is ``pid`` a nats-server with its JetStream in ``store_dir`` (so ours to stop)?"""
+    """Is ``pid`` a nats-server with its JetStream in ``store_dir`` (so ours to stop)? Read
+    from /proc (Linux): elsewhere, never."""
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
         return False
-    return any(b"nats-server" in arg for arg in args[:1]) and os.fsencode(store_dir) in args
+    if not args or not os.path.basename(args[0]).startswith(b"nats-server") or b"-sd" not in args:
+        return False
+    given = args[args.index(b"-sd") + 1] if args.index(b"-sd") + 1 < len(args) else b""
+    return os.path.realpath(os.path.join(cwd, os.fsdecode(given))) == os.path.realpath(store_dir)
 
 
 class NatsServer:
@@ -220,7 +225,7 @@ class NatsServer:
         try:
             if not self._try_lock(fd):
                 server, parent = self._holder(fd)
-                if not (parent is not None and not _alive(parent) and self._stop_orphan(fd, server)):
+                if not (parent is not None and not _alive(parent) and self._stop_orphan(fd, server, parent)):
                     raise NatsServerError(
                         f"the store {self.store_dir} is in use by another nats-server (pid "
                         f"{server or '?'}); stop that run first, or use another --store-dir"
@@ -245,29 +250,34 @@ class NatsServer:
         pids = [int(w) for w in words[:2] if w.isdigit()]
         return (pids[0] if pids else None), (pids[1] if len(pids) > 1 else None)
 
-    def _stop_orphan(self, fd: int, server: int | None) -> bool:
-        """The store is held by a server whose run is gone: until it lets go, stopping it if
-        it does not within ``ORPHAN_STOP_S``. True once the lock is ours."""
-        log.warning(
-            "the store %s is held by nats-server pid %s, whose run is gone: waiting for it to "
-            "stop",
-            self.store_dir,
-            server or "?",
-        )
-        signalled = False
+    def _stop_orphan(self, fd: int, server: int | None, parent: int) -> bool:
+        """The store is held by a server whose run (``parent``) is gone: stop it (when it is
+        surely this store's nats-server), and wait up to ``ORPHAN_STOP_S`` for it to let go.
+        True once the lock is ours."""
+        if server is not None and _is_server_of(server, self.store_dir):
+            log.warning(
+                "stopping nats-server pid %d: it holds the store %s, left over from a run that "
+                "is gone (pid %d)",
+                server,
+                self.store_dir,
+                parent,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, signal.SIGTERM)
+        else:
+            log.warning(
+                "the store %s is held by pid %s, left over from a run that is gone (pid %d): "
+                "waiting for it to stop",
+                self.store_dir,
+                server or "?",
+                parent,
+            )
         deadline = time.monotonic() + ORPHAN_STOP_S
-        while True:
+        while time.monotonic() < deadline:
             if self._try_lock(fd):
                 return True
-            if time.monotonic() >= deadline:
-                if signalled or server is None or not _is_server_of(server, self.store_dir):
-                    return False
-                log.warning("stopping nats-server pid %d, left over from a killed run", server)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(server, signal.SIGTERM)
-                signalled = True
-                deadline = time.monotonic() + ORPHAN_STOP_S
             time.sleep(0.05)
+        return self._try_lock(fd)
 
     def _unlock_store(self) -> None:
         fd, self._lock = self._lock, None
