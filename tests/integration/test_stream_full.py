@@ -14,12 +14,15 @@ import time
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import fresh_config
 
+from projector.nats.failures import storage_full
 from projector.nats.resources import ensure
+from projector.nats.retry import retrying
 from projector.nats.server import NatsServer
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.wire.config import Config
@@ -124,5 +127,39 @@ async def test_a_server_out_of_storage_makes_publish_raise_saying_so(tmp_path: P
             stored = [seq for seq in sequences if seq is not None]
             state = (await nc.jetstream().stream_info(config.events_stream)).state
             assert state.messages == len(stored) and state.first_seq == 1
+        finally:
+            await nc.close()
+
+
+async def test_a_write_retried_on_a_full_disk_is_logged_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Broke: a server whose JetStream storage is full refused the writer's delta publishes,
+    the projector's flushes, every retried write; each was logged as
+    ``ServiceUnavailableError()``, the disk never named. Expected: every retry's line says
+    "JetStream storage is full", and the error given up on is one."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("jetstream { max_file_store: 256KB }\n")
+    with NatsServer(tmp_path / "store", extra_args=("-c", str(conf))) as server:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await js.add_stream(name="FILLER", subjects=["filler"])
+            with (
+                caplog.at_level(logging.WARNING, "seqstate"),
+                pytest.raises(nats.js.errors.APIError) as raised,
+            ):
+                for _ in range(1000):  # 4 MB: far more than the server will store
+                    await retrying(
+                        lambda: js.publish("filler", b"x" * 4096), "a filler write", 0.3
+                    )
+            assert storage_full(raised.value)
+            said = [r.getMessage() for r in caplog.records]
+            assert said, "no retry was logged"
+            for line in said:
+                assert line.startswith("a filler write failed, retrying in "), line
+                assert line.endswith(
+                    ": JetStream storage is full: insufficient resources (JetStream error 10023)"
+                ), line
         finally:
             await nc.close()
