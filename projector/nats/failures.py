@@ -13,6 +13,8 @@ from __future__ import annotations
 import nats.errors
 import nats.js.errors
 
+from seqstate.errors import SeqstateError
+
 # JetStream's error codes for a write it cannot store. A limit of the stream's own ("maximum
 # messages exceeded", bytes, messages per subject, with the discard policy new) comes as the
 # generic "store failed"; the server's or the account's storage running out as one of the
@@ -41,6 +43,8 @@ def describe(exc: BaseException) -> str:
         if exc.err_code == STREAM_LIMIT and "exceeded" in (exc.description or ""):
             return f"the stream is full: {said}"
         return said
+    if isinstance(exc, SeqstateError):  # ours: its message is the whole sentence
+        return str(exc) or type(exc).__name__
     if isinstance(exc, nats.js.errors.APIError):  # no JetStream error code: the status only
         return f"{type(exc).__name__} (status {exc.code}): {exc.description or 'no description'}"
     text = str(exc)

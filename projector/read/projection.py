@@ -242,8 +242,8 @@ class Projector(LagWatched):
 
     def _fail(self, exc: BaseException) -> None:
         log.error(
-            "projector stopping: %r",
-            exc,
+            "projector stopping: %s",
+            describe(exc),
             extra={"namespace": self.settings.namespace, "stream_seq": self.applied_seq},
         )
         self._consumer.halt()

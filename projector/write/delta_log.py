@@ -169,7 +169,7 @@ class DeltaLog:
                 raise
             except BaseException as exc:
                 self.failure = exc
-                log.error("writer stopping: %s", exc)
+                log.error("writer stopping: %s", describe(exc))
                 on_failure(exc)
 
         self._task = asyncio.create_task(run(), name="seqstate-deltas")

@@ -287,7 +287,7 @@ class Writer(LagWatched):
     def _fold_failed(self, exc: BaseException) -> None:
         log.error(
             "writer stopping: %s",
-            exc,
+            describe(exc),
             extra={"namespace": self.settings.namespace, "stream_seq": self.stats.last_seq},
         )
         self._fail(exc)
