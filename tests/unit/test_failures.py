@@ -15,11 +15,13 @@ from projector.nats.retry import retrying
 
 def from_server(code: int, err_code: int, description: str) -> nats.js.errors.APIError:
     """The error nats-py raises for a JetStream API error answer (its ``from_error``)."""
-    error = nats.js.errors.APIError.from_error(
-        {"code": code, "err_code": err_code, "description": description}
-    )
-    assert error is not None
-    return error
+    try:
+        nats.js.errors.APIError.from_error(
+            {"code": code, "err_code": err_code, "description": description}
+        )
+    except nats.js.errors.APIError as exc:
+        return exc
+    raise AssertionError("nats-py raised nothing for an error answer")
 
 
 FULL = from_server(503, 10023, "insufficient resources")
