@@ -69,12 +69,15 @@ class _TlsClient(Client):
         super().__init__()
         self.require_tls = require_tls
 
-    def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        # nats-py (2.9 to 2.16) calls this with the opening INFO, which it also keeps as
+        # ``_server_info``, after reading it and before it decides on TLS and sends CONNECT.
         if self.require_tls and initial_connection:
             if not (info.get("tls_required") or info.get("tls_available")):
                 raise TlsNotOffered()
-            info = {**info, "tls_required": True}  # nats-py's cue to upgrade before CONNECT
-        super()._process_info(info, initial_connection)
+            info["tls_required"] = True  # nats-py's cue to upgrade before CONNECT
+            self._server_info["tls_required"] = True
+        await super()._process_info(info, initial_connection)
 
 
 def tls_asked_for(url: str, tls: ssl.SSLContext | None) -> bool:

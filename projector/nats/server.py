@@ -225,7 +225,8 @@ class NatsServer:
         try:
             if not self._try_lock(fd):
                 server, parent = self._holder(fd)
-                if not (parent is not None and not _alive(parent) and self._stop_orphan(fd, server, parent)):
+                orphaned = parent is not None and not _alive(parent)
+                if not (orphaned and parent is not None and self._stop_orphan(fd, server, parent)):
                     raise NatsServerError(
                         f"the store {self.store_dir} is in use by another nats-server (pid "
                         f"{server or '?'}); stop that run first, or use another --store-dir"
