@@ -188,7 +188,7 @@ def test_a_bad_setting_is_one_line_naming_it_as_typed(
         (("demo", "--workers", "0"), "--workers 0: must be at least 1"),
         (("run", "--demo", "--speedup", "0"), "--speedup 0: must be a positive number"),
         (("run", "--port", "-3"), "--port -3: must be a port (1-65535), or 0 for any free port"),
-        (("run", "--port", "70000"), "--port 70000: must be a port"),
+        (("run", "--port", "70000"), "--port 70000: must be a port (1-65535), or 0 for any free port"),
     ],
 )
 def test_a_bad_demo_or_port_number_is_one_line_before_anything_starts(
