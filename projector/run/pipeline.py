@@ -120,6 +120,8 @@ class Pipeline:
         )
         if ready not in done:
             ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready  # else asyncio logs its cancellation as a traceback
             await self.stop()
             raise PipelineStopped("the writer or the projector did not catch up with its stream")
         return self

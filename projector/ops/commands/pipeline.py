@@ -43,6 +43,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
         nats_for(config, args.store_dir, port) as (nc, url),
         pipeline_metrics(nc, config) as on_pipeline,
     ):
+        await refuse_a_second_run(nc, config)
         started = asyncio.Event()
         supervisor = asyncio.ensure_future(
             supervise(nc, config, started=started, on_pipeline=on_pipeline)
@@ -55,7 +56,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             stopped.cancel()
         if supervisor.done():
             supervisor.result()  # its error: it could not start
-        else:
+        elif started.is_set():  # (not a signal while it was starting)
             log.info(
                 "writer and projector running for namespace %r at %s",
                 config.namespace,
@@ -75,6 +76,32 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             supervisor.cancel()
             await asyncio.wait([supervisor])
     return 0
+
+
+async def refuse_a_second_run(nc: Client, config: Config) -> None:
+    """One line, at once, if the namespace's pipeline already runs on this server.
+
+    The projector waits for the namespace's lease, and a second run's projector waited for
+    the first's forever: its start timed out, it was restarted, and again, while its writer
+    folded the same events beside the first's. So a live holder of the lease refuses the run
+    (a dead one's lease is taken over, as the projector would); taken here only to be asked.
+    """
+    from nats.js.errors import BucketNotFoundError
+
+    from projector.nats.lease import LeaseHeld
+    from projector.run.assemble import build_lease
+
+    lease = build_lease(nc, config, "projector")
+    try:
+        await lease.acquire(wait=False)
+    except BucketNotFoundError:
+        return  # nothing provisioned yet: nothing runs here
+    except LeaseHeld as exc:
+        raise CliError(
+            f"{exc}: one run per namespace and server; stop that one first, or use another "
+            "--namespace"
+        ) from None
+    await lease.release()
 
 
 @contextlib.asynccontextmanager
