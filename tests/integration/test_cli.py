@@ -208,11 +208,9 @@ def test_run_port_0_listens_on_a_free_port_and_says_which(tmp_path: Path) -> Non
     # 4222 taken, failed), where a user means "any free port", as a socket does.
     proc, lines = started_run(tmp_path / "store", "--port", "0", "--log-level", "info")
     try:
-        said = [line for line in plain_lines("".join(lines)) if "embedded nats-server at" in line]
-        assert len(said) == 1, lines
-        url = said[0].split("embedded nats-server at ", 1)[1].split()[0]
+        url = embedded_url(lines)
         port = int(url.rsplit(":", 1)[1])
-        assert port not in (0, 4222), said
+        assert port not in (0, 4222), url
         assert not any("is taken" in line for line in lines), lines
         with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
             assert conn.recv(5) == b"INFO "  # a NATS server is there
@@ -608,6 +606,35 @@ async def test_a_run_stops_a_server_left_over_from_a_killed_run(tmp_path: Path) 
     finally:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def embedded_url(lines: list[str]) -> str:
+    said = [line for line in plain_lines("".join(lines)) if "embedded nats-server at" in line]
+    assert len(said) == 1, lines
+    return said[0].split("embedded nats-server at ", 1)[1].split()[0]
+
+
+def test_a_second_run_on_a_served_namespace_refuses_in_one_line(tmp_path: Path) -> None:
+    # Before the fix it waited for the first's lease, said it was running anyway (on a
+    # signal), logged an asyncio traceback at each restart, and folded beside the first.
+    first, lines = started_run(tmp_path / "store", "--port", "0", "--log-level", "info")
+    try:
+        url = embedded_url(lines)
+        second = seqstate("run", "--duration", "30", timeout=90, NATS_URL=url)
+        line = one_line_error(second)
+        assert line.startswith(
+            f"seqstate: error: a projector of namespace 'default' is running (pid {first.pid} "
+        ), line
+        assert line.endswith(
+            ": one run per namespace and server; stop that one first, or use another --namespace"
+        ), line
+        assert second.stdout == ""
+        # Another namespace on the same server is another pipeline: it runs.
+        other = seqstate("run", "--duration", "0.5", "--namespace", "other", NATS_URL=url)
+        assert other.returncode == 0, other.stderr
+        assert "Traceback" not in other.stderr
+    finally:
+        stopped(first)
 
 
 def test_run_listens_on_the_same_port_each_time_and_says_when_it_cannot(tmp_path: Path) -> None:
