@@ -188,7 +188,10 @@ def test_a_bad_setting_is_one_line_naming_it_as_typed(
         (("demo", "--workers", "0"), "--workers 0: must be at least 1"),
         (("run", "--demo", "--speedup", "0"), "--speedup 0: must be a positive number"),
         (("run", "--port", "-3"), "--port -3: must be a port (1-65535), or 0 for any free port"),
-        (("run", "--port", "70000"), "--port 70000: must be a port (1-65535), or 0 for any free port"),
+        (
+            ("run", "--port", "70000"),
+            "--port 70000: must be a port (1-65535), or 0 for any free port",
+        ),
     ],
 )
 def test_a_bad_demo_or_port_number_is_one_line_before_anything_starts(
@@ -563,9 +566,7 @@ async def test_a_killed_run_takes_its_server_with_it_and_the_next_run_starts(
     finally:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
-    again = await asyncio.to_thread(
-        seqstate, "run", "--store-dir", str(store), "--duration", "0.5"
-    )
+    again = await asyncio.to_thread(seqstate, "run", "--store-dir", str(store), "--duration", "0.5")
     assert again.returncode == 0, again.stderr
 
 

@@ -150,9 +150,7 @@ async def test_a_write_retried_on_a_full_disk_is_logged_naming_it(
                 pytest.raises(nats.js.errors.APIError) as raised,
             ):
                 for _ in range(1000):  # 4 MB: far more than the server will store
-                    await retrying(
-                        lambda: js.publish("filler", b"x" * 4096), "a filler write", 0.3
-                    )
+                    await retrying(lambda: js.publish("filler", b"x" * 4096), "a filler write", 0.3)
             assert storage_full(raised.value)
             said = [r.getMessage() for r in caplog.records]
             assert said, "no retry was logged"

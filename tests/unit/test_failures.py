@@ -54,7 +54,10 @@ def test_a_full_disk_was_nameless() -> None:
         (from_server(404, 10059, "stream not found"), "stream not found (JetStream error 10059)"),
         (nats.errors.TimeoutError(), "no answer in time"),
         (TimeoutError(), "no answer in time"),
-        (nats.errors.NoRespondersError(), "NoRespondersError: nats: no responders available for request"),
+        (
+            nats.errors.NoRespondersError(),
+            "NoRespondersError: nats: no responders available for request",
+        ),
         (OSError("broken pipe"), "OSError: broken pipe"),
         (ValueError(), "ValueError"),
     ],
