@@ -46,7 +46,7 @@ class ConnectError(SeqstateError, ConnectionError):
     """NATS could not be reached (or refused us); the message says where and why."""
 
 
-class TlsNotOffered(nats.errors.Error):
+class TlsNotOffered(SeqstateError, nats.errors.Error):
     """TLS was asked for (a ``tls://`` URL, a TLS setting) and the server offers none."""
 
     def __str__(self) -> str:
