@@ -264,7 +264,7 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         metavar="N",
-        default=int(os.environ.get("SEQSTATE_PORT", DEFAULT_PORT)),
+        default=os.environ.get("SEQSTATE_PORT", DEFAULT_PORT),  # argparse converts a string
         help=f"the embedded server's client port; a free one if it is taken, any free one "
         f"if 0 (default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
     )
