@@ -17,8 +17,8 @@ from pathlib import Path
 import nats
 import nats.js.errors
 import pytest
-from nats.aio.client import Client
 from eventually import eventually
+from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import fresh_config
 
