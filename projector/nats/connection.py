@@ -98,6 +98,45 @@ def describe_violation(
     return f"NATS refused {what} (permissions violation{who}){while_}"
 
 
+class TlsNotOffered(SeqstateError, nats.errors.Error):
+    """TLS was asked for (a ``tls://`` URL, a TLS setting) and the server offers none."""
+
+    def __str__(self) -> str:
+        return "the server offers no TLS"
+
+
+class _TlsClient(Client):
+    """nats-py's client, speaking TLS whenever TLS was asked for, whatever the server says.
+
+    nats-py upgrades to TLS only when the server's INFO says ``tls_required``: against a
+    server that does not (a plain one, or an impostor), a ``tls://`` URL and a CA went on in
+    cleartext and sent CONNECT, the password in it. Here, with ``require_tls``, the INFO that
+    opens each connection is checked before anything is sent: a server offering no TLS is a
+    :class:`TlsNotOffered` (nats-py reports it to the error callback, which gives up on it:
+    see :func:`is_permanent`), and one that offers TLS without requiring it is upgraded all
+    the same.
+    """
+
+    def __init__(self, *, require_tls: bool) -> None:
+        super().__init__()
+        self.require_tls = require_tls
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        # nats-py (2.9 to 2.16) calls this with the opening INFO, which it also keeps as
+        # ``_server_info``, after reading it and before it decides on TLS and sends CONNECT.
+        if self.require_tls and initial_connection:
+            if not (info.get("tls_required") or info.get("tls_available")):
+                raise TlsNotOffered()
+            info["tls_required"] = True  # nats-py's cue to upgrade before CONNECT
+            self._server_info["tls_required"] = True
+        await super()._process_info(info, initial_connection)
+
+
+def tls_asked_for(url: str, tls: ssl.SSLContext | None) -> bool:
+    """A TLS setting (a CA, a client certificate) or a ``tls://`` server in ``url``."""
+    return tls is not None or any(s.lower().startswith("tls://") for s in server_urls(url))
+
+
 def _is_auth_refusal(exc: BaseException) -> bool:
     return "authorization violation" in str(exc).lower() or isinstance(
         exc, nats.errors.AuthorizationError
@@ -105,8 +144,9 @@ def _is_auth_refusal(exc: BaseException) -> bool:
 
 
 def is_permanent(exc: BaseException) -> bool:
-    """A refusal no retry can fix: wrong credentials, or a certificate we do not trust."""
-    return _is_auth_refusal(exc) or isinstance(exc, ssl.SSLError)
+    """A refusal no retry can fix: wrong credentials, a certificate we do not trust, or no
+    TLS where TLS was asked for."""
+    return _is_auth_refusal(exc) or isinstance(exc, ssl.SSLError | TlsNotOffered)
 
 
 def describe_failure(
@@ -123,6 +163,11 @@ def describe_failure(
     shown = redact(url)
     if exc is None:
         why = f"cannot reach NATS at {shown}: no connection within {ONE_SHOT_CONNECT_S:.0f} s"
+    elif isinstance(exc, TlsNotOffered):
+        why = (
+            f"NATS at {shown} offers no TLS, but TLS was asked for (a tls:// URL or a "
+            "SEQSTATE_TLS_* setting): not connecting in cleartext"
+        )
     elif isinstance(exc, TimeoutError):
         why = f"cannot reach NATS at {shown}: no answer in time"
     elif _is_auth_refusal(exc) and (signed_in or secrets_in(url)):
@@ -251,9 +296,12 @@ async def _dial(
     loop = asyncio.get_running_loop()
     until = loop.time() + (ONE_SHOT_CONNECT_S if not callbacks.service else float("inf"))
     options: dict[str, Any] = {**auth, "tls": tls} if tls is not None else dict(auth)
+    require_tls = tls_asked_for(url, tls)
     while True:
+        client = _TlsClient(require_tls=require_tls)
         dialing = asyncio.ensure_future(
-            nats.connect(
+            _connected(
+                client,
                 server_urls(url),
                 connect_timeout=3,
                 allow_reconnect=True,
@@ -279,6 +327,12 @@ async def _dial(
         log.warning(
             "nats: no progress connecting to %s for %.0f s; dialing again", redact(url), STALLED_S
         )
+
+
+async def _connected(client: Client, servers: list[str], **options: Any) -> Client:
+    """``nats.connect`` with a client of our own making (:class:`_TlsClient`)."""
+    await client.connect(servers, **options)
+    return client
 
 
 def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseException | None:
@@ -389,7 +443,9 @@ async def nats_for(
         return
     if store_dir is None:
         raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
-    async with NatsServer(store_dir, port=port, any_port_if_taken=True) as server:
+    # The server dies with this process (a SIGKILLed run left it holding the store).
+    embedded = NatsServer(store_dir, port=port, any_port_if_taken=True, die_with_parent=True)
+    async with embedded as server:
         if server.fell_back_from is not None:
             log.warning(
                 "port %d is taken: the embedded nats-server listens on %s instead",

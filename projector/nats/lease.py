@@ -48,6 +48,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from projector.nats.failures import describe as describe_failure
 from projector.wire.config import Config
 from projector.wire.values import lease_key
 from seqstate.errors import SeqstateError
@@ -211,7 +212,9 @@ class Lease:
             except KeyWrongLastSequenceError:
                 continue  # someone else created or took it first: look again
             except TRANSIENT as exc:
-                log.warning("lease of namespace %r: %r; trying again", self.namespace, exc)
+                log.warning(
+                    "lease of namespace %r: %s; trying again", self.namespace, describe_failure(exc)
+                )
                 await asyncio.sleep(self.poll_s)
                 continue
             previous = f"a {holder.kind} ({holder.describe()})" if holder else "an unreadable value"
@@ -324,7 +327,10 @@ class Lease:
                 failing = True
                 continue
             except Exception as exc:  # the connection is gone for good: nothing can renew it
-                self._lost = f"the lease of namespace {self.namespace!r} cannot be renewed: {exc!r}"
+                self._lost = (
+                    f"the lease of namespace {self.namespace!r} cannot be renewed: "
+                    f"{describe_failure(exc)}"
+                )
                 log.error("%s", self._lost)
                 if self._on_lost is not None:
                     self._on_lost(LeaseLost(self._lost))

@@ -28,6 +28,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from projector.nats.connection import refused_or
+from projector.nats.failures import describe
 from projector.wire.config import Config
 from seqstate.errors import SeqstateError
 
@@ -64,7 +65,7 @@ async def wait_for_jetstream(js: JetStreamContext, timeout: float = 10.0) -> Non
             return
         except (TimeoutError, APIError) as exc:
             if asyncio.get_running_loop().time() > deadline:
-                raise ProvisioningError(f"JetStream is not available: {exc!r}") from None
+                raise ProvisioningError(f"JetStream is not available: {describe(exc)}") from None
             await asyncio.sleep(0.2)
 
 

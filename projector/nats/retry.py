@@ -14,6 +14,8 @@ from typing import TypeVar
 
 import nats.errors
 
+from projector.nats.failures import describe
+
 log = logging.getLogger("seqstate")
 
 T = TypeVar("T")
@@ -35,6 +37,6 @@ async def retrying(
         except (TimeoutError, nats.errors.Error) as exc:
             if loop.time() >= deadline:
                 raise
-            log.warning("%s failed, retrying in %.2fs: %r", what, backoff, exc)
+            log.warning("%s failed, retrying in %.2fs: %s", what, backoff, describe(exc))
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, MAX_BACKOFF_S)

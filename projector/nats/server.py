@@ -12,13 +12,24 @@ would undo the first's (a snapshot taken by one run vanished). So the store dire
 locked (``flock`` on ``seqstate.lock`` inside it) for as long as this object *or* the server
 process lives: the server inherits the locked descriptor, so a server outliving a killed
 parent still holds the store.
+
+A server must not outlive the process that started it: a SIGKILLed ``seqstate run`` left its
+server running, holding the store, and the next ``run`` refused it. So with
+``die_with_parent`` (what ``run`` asks for) the server is started with Linux's
+``PR_SET_PDEATHSIG``: it gets SIGTERM (and flushes its store) when its parent dies. And the
+lock file names the server and its parent: a ``run`` that finds the store locked by a server
+whose parent is gone (the signal lost, another OS, a server started before this) waits for it
+to finish stopping, and stops it if it does not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import fcntl
 import json
+import logging
 import os
 import re
 import selectors
@@ -32,16 +43,21 @@ import threading
 import time
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from seqstate.errors import SeqstateError
 
+log = logging.getLogger("seqstate")
+
 READY = "Server is ready"
 LOCK_FILE = "seqstate.lock"
 _PORT_TAKEN = "address already in use"
 _LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
+ORPHAN_STOP_S = 10.0  # for a server left over from a killed run to stop and free the store
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 class NatsServerError(SeqstateError, RuntimeError):
@@ -68,6 +84,55 @@ def find_binary() -> str:
     )
 
 
+def _death_signal_setter() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child get SIGTERM when its parent dies; None off Linux.
+
+    libc and ``prctl`` are looked up here, in the parent: the child, between fork and exec,
+    only calls them. The kernel sends the signal when the *thread* that forked exits, so the
+    server must be started from a thread that lives as long as the process means to keep it
+    (``asyncio.to_thread``'s are the loop's, until it closes). A parent that died before the
+    call is caught by comparing the parent's pid afterwards.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return die_with_parent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _is_server_of(pid: int, store_dir: Path) -> bool:
+    """Is ``pid`` a nats-server with its JetStream in ``store_dir`` (so ours to stop)? Read
+    from /proc (Linux): elsewhere, never."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    if not args or not os.path.basename(args[0]).startswith(b"nats-server") or b"-sd" not in args:
+        return False
+    given = args[args.index(b"-sd") + 1] if args.index(b"-sd") + 1 < len(args) else b""
+    return os.path.realpath(os.path.join(cwd, os.fsdecode(given))) == os.path.realpath(store_dir)
+
+
 class NatsServer:
     """One nats-server process with JetStream in ``store_dir`` (a temporary one if None).
 
@@ -85,14 +150,18 @@ class NatsServer:
         ready_timeout: float = 10.0,
         extra_args: tuple[str, ...] = (),
         any_port_if_taken: bool = False,
+        die_with_parent: bool = False,
     ) -> None:
         self.host = host
-        self.port = port
+        # 0 is any free port, as for a socket; nats-server's -p 0 would mean its default, 4222.
+        self.port = -1 if port == 0 else port
         self.name = name
         self.binary = binary
         self.ready_timeout = ready_timeout
         self.extra_args = extra_args  # e.g. ("-c", "tls.conf") for a server with TLS or auth
         self.any_port_if_taken = any_port_if_taken
+        # SIGTERM to the server when this process dies (Linux); see the module's docstring.
+        self.die_with_parent = die_with_parent
         self.fell_back_from: int | None = None  # the port asked for, when it was taken
         self._lock: int | None = None  # the store directory's locked descriptor
         self._store_dir = Path(store_dir) if store_dir is not None else None
@@ -154,15 +223,62 @@ class NatsServer:
         path = self.store_dir / LOCK_FILE
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            if not self._try_lock(fd):
+                server, parent = self._holder(fd)
+                orphaned = parent is not None and not _alive(parent)
+                if not (orphaned and parent is not None and self._stop_orphan(fd, server, parent)):
+                    raise NatsServerError(
+                        f"the store {self.store_dir} is in use by another nats-server (pid "
+                        f"{server or '?'}); stop that run first, or use another --store-dir"
+                    )
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock = fd
+
+    @staticmethod
+    def _try_lock(fd: int) -> bool:
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise NatsServerError(
-                f"the store {self.store_dir} is in use by another nats-server (pid {holder}); "
-                "stop that run first, or use another --store-dir"
-            ) from None
-        self._lock = fd
+            return False
+        return True
+
+    @staticmethod
+    def _holder(fd: int) -> tuple[int | None, int | None]:
+        """The lock file's ``server_pid parent_pid`` (a lone pid: written before the parent)."""
+        words = os.pread(fd, 64, 0).decode(errors="replace").split()
+        pids = [int(w) for w in words[:2] if w.isdigit()]
+        return (pids[0] if pids else None), (pids[1] if len(pids) > 1 else None)
+
+    def _stop_orphan(self, fd: int, server: int | None, parent: int) -> bool:
+        """The store is held by a server whose run (``parent``) is gone: stop it (when it is
+        surely this store's nats-server), and wait up to ``ORPHAN_STOP_S`` for it to let go.
+        True once the lock is ours."""
+        if server is not None and _is_server_of(server, self.store_dir):
+            log.warning(
+                "stopping nats-server pid %d: it holds the store %s, left over from a run that "
+                "is gone (pid %d)",
+                server,
+                self.store_dir,
+                parent,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server, signal.SIGTERM)
+        else:
+            log.warning(
+                "the store %s is held by pid %s, left over from a run that is gone (pid %d): "
+                "waiting for it to stop",
+                self.store_dir,
+                server or "?",
+                parent,
+            )
+        deadline = time.monotonic() + ORPHAN_STOP_S
+        while time.monotonic() < deadline:
+            if self._try_lock(fd):
+                return True
+            time.sleep(0.05)
+        return self._try_lock(fd)
 
     def _unlock_store(self) -> None:
         fd, self._lock = self._lock, None
@@ -191,11 +307,12 @@ class NatsServer:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 pass_fds=(self._lock,),
+                preexec_fn=_death_signal_setter() if self.die_with_parent else None,
             )
         except OSError as exc:
             raise NatsServerError(f"cannot start {binary}: {exc}") from None
         os.ftruncate(self._lock, 0)
-        os.pwrite(self._lock, f"{self._proc.pid}\n".encode(), 0)
+        os.pwrite(self._lock, f"{self._proc.pid} {os.getpid()}\n".encode(), 0)
         self._wait_ready()
 
     def _wait_ready(self) -> None:

@@ -52,6 +52,7 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
 from projector.nats.dead_letters import IMPLAUSIBLE, UNDECODABLE
+from projector.nats.failures import describe
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.lease import Lease, LeaseLost
@@ -241,8 +242,8 @@ class Projector(LagWatched):
 
     def _fail(self, exc: BaseException) -> None:
         log.error(
-            "projector stopping: %r",
-            exc,
+            "projector stopping: %s",
+            describe(exc),
             extra={"namespace": self.settings.namespace, "stream_seq": self.applied_seq},
         )
         self._consumer.halt()
@@ -428,7 +429,7 @@ class Projector(LagWatched):
                         )
                     )
                     return
-                log.warning("flush failed, retrying in %.2fs: %r", backoff, exc)
+                log.warning("flush failed, retrying in %.2fs: %s", backoff, describe(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue

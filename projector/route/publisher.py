@@ -64,6 +64,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from projector.nats.connection import was_refused
+from projector.nats.failures import describe
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from seqstate import (
@@ -723,22 +724,9 @@ def _shown(text: str) -> str:
     return f"{text[:SHOWN_ID_CHARS]!r}… ({len(text):,} characters)"
 
 
-# JetStream's error codes for a stream that cannot take a message: a limit of its own ("maximum
-# messages exceeded", bytes, messages per subject; with the discard policy new; the code is the
-# generic "store failed"), or the server's or the account's JetStream storage.
-STREAM_LIMIT = 10077
-NO_STORAGE = 10023
-
-
 def _describe(exc: BaseException) -> str:
+    """A failed attempt, as :func:`projector.nats.failures.describe` names it (a full stream,
+    JetStream storage full); a timeout here is an ack that never came."""
     if isinstance(exc, TimeoutError):
         return "ack timed out"
-    if isinstance(exc, nats.js.errors.APIError) and exc.err_code is not None:
-        said = f"{exc.description} (JetStream error {exc.err_code})"
-        if exc.err_code == STREAM_LIMIT and "exceeded" in (exc.description or ""):
-            return f"the stream is full: {said}"
-        if exc.err_code == NO_STORAGE:
-            return f"JetStream storage is full: {said}"
-        return said
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+    return describe(exc)

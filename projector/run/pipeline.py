@@ -23,6 +23,7 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 
+from projector.nats.failures import describe
 from projector.nats.lease import Lease
 from projector.nats.resources import ProvisioningError
 from projector.read.projection import DeltaGap
@@ -86,7 +87,7 @@ async def supervise(
             if loop.time() - began >= STABLE_S:
                 delay = backoff_s
             restarts += 1
-            log.error("pipeline stopped (%s); restarting it in %gs", exc, delay)
+            log.error("pipeline stopped (%s); restarting it in %gs", describe(exc), delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_backoff_s)
 
@@ -119,6 +120,8 @@ class Pipeline:
         )
         if ready not in done:
             ready.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ready  # else asyncio logs its cancellation as a traceback
             await self.stop()
             raise PipelineStopped("the writer or the projector did not catch up with its stream")
         return self

@@ -48,6 +48,7 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from projector.nats.failures import describe
 from projector.nats.progress import Progress
 from projector.nats.tasks import cancel
 from projector.wire.chain import chain_problem, source_part, source_seq
@@ -168,7 +169,7 @@ class DeltaLog:
                 raise
             except BaseException as exc:
                 self.failure = exc
-                log.error("writer stopping: %s", exc)
+                log.error("writer stopping: %s", describe(exc))
                 on_failure(exc)
 
         self._task = asyncio.create_task(run(), name="seqstate-deltas")
@@ -314,9 +315,9 @@ class DeltaLog:
                 error = exc
             if loop.time() >= deadline:
                 raise WriterStalled(
-                    f"a delta publish failed for {self._retry_for_s:g}s: {error!r}"
+                    f"a delta publish failed for {self._retry_for_s:g}s: {describe(error)}"
                 ) from None
-            log.warning("delta publish failed, retrying in %.2fs: %r", backoff, error)
+            log.warning("delta publish failed, retrying in %.2fs: %s", backoff, describe(error))
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
         self.last_stream_seq = stored_at

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from projector.nats.failures import describe
 from projector.nats.retention import Retention
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
 from projector.nats.tasks import cancel
@@ -202,7 +203,7 @@ class Snapshotter:
             self._on_failure(exc)
         except Exception as exc:  # a snapshot is an optimisation: the log still has it all
             self.stats.snapshot_failures += 1
-            log.warning("snapshot at event %d failed: %r", seq, exc)
+            log.warning("snapshot at event %d failed: %s", seq, describe(exc))
 
     async def _store(self, data: bytes, seq: int, at_ns: int) -> None:
         assert self.store is not None

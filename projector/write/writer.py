@@ -44,6 +44,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from projector.nats.dead_letters import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE
+from projector.nats.failures import describe
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.logs import event_fields
@@ -286,7 +287,7 @@ class Writer(LagWatched):
     def _fold_failed(self, exc: BaseException) -> None:
         log.error(
             "writer stopping: %s",
-            exc,
+            describe(exc),
             extra={"namespace": self.settings.namespace, "stream_seq": self.stats.last_seq},
         )
         self._fail(exc)
@@ -339,7 +340,7 @@ class Writer(LagWatched):
                     timeout=ACK_TIMEOUT_S,
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
-                log.warning("Tick not logged: %r", exc)
+                log.warning("Tick not logged: %s", describe(exc))
                 continue
             self.stats.ticks_published += 1
             self._last_event_at = ticked = loop.time()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from nats.js.errors import NotFoundError
 from pipeline_kit import fresh_config, name_flags
 
 from projector.nats.lease import Holder
-from projector.nats.server import NatsServer
+from projector.nats.server import LOCK_FILE, NatsServer
 from projector.read.bucket import read_bucket
 from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
@@ -174,6 +176,49 @@ def test_a_bad_setting_is_one_line_naming_it_as_typed(
     args: tuple[str, ...], env: dict[str, str], said: str
 ) -> None:
     assert one_line_error(seqstate(*args, **env)).startswith(f"seqstate: error: {said}")
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("demo", "--speedup", "0"), "--speedup 0: must be a positive number"),
+        (("demo", "--speedup", "-2"), "--speedup -2: must be a positive number"),
+        (("demo", "--speedup", "nan"), "--speedup nan: must be a positive number"),
+        (("demo", "--rate", "0"), "--rate 0: must be a positive number"),
+        (("demo", "--workers", "0"), "--workers 0: must be at least 1"),
+        (("run", "--demo", "--speedup", "0"), "--speedup 0: must be a positive number"),
+        (("run", "--port", "-3"), "--port -3: must be a port (1-65535), or 0 for any free port"),
+        (
+            ("run", "--port", "70000"),
+            "--port 70000: must be a port (1-65535), or 0 for any free port",
+        ),
+    ],
+)
+def test_a_bad_demo_or_port_number_is_one_line_before_anything_starts(
+    args: tuple[str, ...], said: str, tmp_path: Path
+) -> None:
+    # --speedup 0 divided the arrival rate by zero once the run was up: a traceback.
+    # run: its embedded server, in a store of its own; demo: a server that is not there.
+    where = {} if args[0] == "run" else {"NATS_URL": "nats://127.0.0.1:1"}
+    store = ("--store-dir", str(tmp_path / "store")) if args[0] == "run" else ()
+    result = seqstate(*args, *store, "--duration", "5", timeout=30, **where)
+    assert one_line_error(result) == f"seqstate: error: {said}"
+    assert not (tmp_path / "store").exists()  # refused before a server was started
+
+
+def test_run_port_0_listens_on_a_free_port_and_says_which(tmp_path: Path) -> None:
+    # nats-server's own -p 0 means its default, 4222: `run --port 0` listened there (or, with
+    # 4222 taken, failed), where a user means "any free port", as a socket does.
+    proc, lines = started_run(tmp_path / "store", "--port", "0", "--log-level", "info")
+    try:
+        url = embedded_url(lines)
+        port = int(url.rsplit(":", 1)[1])
+        assert port not in (0, 4222), url
+        assert not any("is taken" in line for line in lines), lines
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            assert conn.recv(5) == b"INFO "  # a NATS server is there
+    finally:
+        stopped(proc)
 
 
 def test_help_speaks_the_users_language() -> None:
@@ -479,6 +524,118 @@ def test_a_second_run_on_the_same_store_refuses_in_one_line(tmp_path: Path) -> N
     # Released with the first run: the store starts again, and its snapshot is still there.
     again = seqstate("run", "--store-dir", str(store), "--duration", "0.5")
     assert again.returncode == 0, again.stderr
+
+
+def store_locked(store: Path) -> bool:
+    """Does a process (a run, or its nats-server) hold the store's lock right now?"""
+    fd = os.open(store / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases it, if it was taken
+    return False
+
+
+def server_pid(store: Path) -> int:
+    return int((store / LOCK_FILE).read_text().split()[0])
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a dead orphan may wait for a reaper that never comes)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+async def test_a_killed_run_takes_its_server_with_it_and_the_next_run_starts(
+    tmp_path: Path,
+) -> None:
+    # Before the fix the server outlived a SIGKILLed run, holding the store: every later run
+    # refused it ("in use by another nats-server") until someone found and killed the server.
+    store = tmp_path / "store"
+    first, _ = started_run(store)
+    pid = server_pid(store)
+    first.kill()
+    first.wait()
+    try:
+        await eventually(lambda: running(pid), lambda alive: not alive, what="the server died")
+        await eventually(lambda: store_locked(store), lambda held: not held, what="store freed")
+    finally:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+    again = await asyncio.to_thread(seqstate, "run", "--store-dir", str(store), "--duration", "0.5")
+    assert again.returncode == 0, again.stderr
+
+
+ORPHAN_MAKER = """
+import os, sys
+from projector.nats.server import NatsServer
+server = NatsServer(sys.argv[1]).start()  # as a run started it before the fix
+print(server.url, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+async def test_a_run_stops_a_server_left_over_from_a_killed_run(tmp_path: Path) -> None:
+    # A server whose run is gone (killed before the fix, or its death signal lost): the next
+    # run stops it and takes the store, instead of refusing the store for good.
+    store = tmp_path / "store"
+    maker = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", ORPHAN_MAKER, str(store)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+        cwd=REPO,
+    )
+    assert maker.returncode == -signal.SIGKILL, maker.stderr
+    pid = server_pid(store)
+    try:
+        assert running(pid) and store_locked(store)  # the orphan holds the store
+        again = await asyncio.to_thread(
+            seqstate, "run", "--store-dir", str(store), "--duration", "0.5", "--log-level", "info"
+        )
+        assert again.returncode == 0, again.stderr
+        said = plain_lines(again.stderr)
+        stopping = f"stopping nats-server pid {pid}: it holds the store {store}, left over"
+        assert any(stopping in line for line in said), said
+        assert not running(pid)
+    finally:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def embedded_url(lines: list[str]) -> str:
+    said = [line for line in plain_lines("".join(lines)) if "embedded nats-server at" in line]
+    assert len(said) == 1, lines
+    return said[0].split("embedded nats-server at ", 1)[1].split()[0]
+
+
+def test_a_second_run_on_a_served_namespace_refuses_in_one_line(tmp_path: Path) -> None:
+    # Before the fix it waited for the first's lease, said it was running anyway (on a
+    # signal), logged an asyncio traceback at each restart, and folded beside the first.
+    first, lines = started_run(tmp_path / "store", "--port", "0", "--log-level", "info")
+    try:
+        url = embedded_url(lines)
+        second = seqstate("run", "--duration", "30", timeout=90, NATS_URL=url)
+        line = one_line_error(second)
+        assert line.startswith(
+            f"seqstate: error: a projector of namespace 'default' is running (pid {first.pid} "
+        ), line
+        assert line.endswith(
+            ": one run per namespace and server; stop that one first, or use another --namespace"
+        ), line
+        assert second.stdout == ""
+        # Another namespace on the same server is another pipeline: it runs.
+        other = seqstate("run", "--duration", "0.5", "--namespace", "other", NATS_URL=url)
+        assert other.returncode == 0, other.stderr
+        assert "Traceback" not in other.stderr
+    finally:
+        stopped(first)
 
 
 def test_run_listens_on_the_same_port_each_time_and_says_when_it_cannot(tmp_path: Path) -> None:

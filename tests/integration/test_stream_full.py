@@ -9,19 +9,25 @@ nats-io/nats.py#985) waited out every attempt's ack timeout and then said "ack t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
+from eventually import eventually
 from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import fresh_config
 
+from projector.nats.failures import storage_full
 from projector.nats.resources import ensure
+from projector.nats.retry import retrying
 from projector.nats.server import NatsServer
 from projector.route.publisher import PublishError, RouterPublisher
+from projector.run.assemble import build_writer
 from projector.wire.config import Config
 from seqstate import Free
 
@@ -124,5 +130,79 @@ async def test_a_server_out_of_storage_makes_publish_raise_saying_so(tmp_path: P
             stored = [seq for seq in sequences if seq is not None]
             state = (await nc.jetstream().stream_info(config.events_stream)).state
             assert state.messages == len(stored) and state.first_seq == 1
+        finally:
+            await nc.close()
+
+
+async def test_a_write_retried_on_a_full_disk_is_logged_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Broke: a server whose JetStream storage is full refused the writer's delta publishes,
+    the projector's flushes, every retried write; each was logged as
+    ``ServiceUnavailableError()``, the disk never named. Expected: every retry's line says
+    "JetStream storage is full", and the error given up on is one."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("jetstream { max_file_store: 256KB }\n")
+    with NatsServer(tmp_path / "store", extra_args=("-c", str(conf))) as server:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await js.add_stream(name="FILLER", subjects=["filler"])
+            with (
+                caplog.at_level(logging.WARNING, "seqstate"),
+                pytest.raises(nats.js.errors.APIError) as raised,
+            ):
+                for _ in range(1000):  # 4 MB: far more than the server will store
+                    await retrying(lambda: js.publish("filler", b"x" * 4096), "a filler write", 0.3)
+            assert storage_full(raised.value)
+            said = [r.getMessage() for r in caplog.records]
+            assert said, "no retry was logged"
+            for line in said:
+                assert line.startswith("a filler write failed, retrying in "), line
+                assert line.endswith(
+                    ": JetStream storage is full: insufficient resources (JetStream error 10023)"
+                ), line
+        finally:
+            await nc.close()
+
+
+async def test_a_writer_whose_deltas_meet_a_full_disk_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Broke: events logged, then the server's storage filled (here by another stream), then
+    the writer started. Its delta publishes were refused and logged, for a minute, as
+    ``ServiceUnavailableError()``. Expected: each line says JetStream storage is full."""
+    conf = tmp_path / "small.conf"
+    conf.write_text("jetstream { max_file_store: 256KB }\n")
+    with NatsServer(tmp_path / "store", extra_args=("-c", str(conf))) as server:
+        nc = await nats.connect(server.url)
+        try:
+            config = fresh_config("disk")
+            await ensure(nc, config)
+            pub = RouterPublisher(nc, namespace=config.namespace, router_id="d", config=config)
+            await pub.publish_many(frees(20))
+            js = nc.jetstream()
+            await js.add_stream(name="FILLER", subjects=["filler"])
+            with pytest.raises(nats.js.errors.APIError) as raised:
+                for _ in range(1000):  # 4 MB: far more than the server will store
+                    await js.publish("filler", b"x" * 4096)
+            assert storage_full(raised.value)
+            writer = build_writer(nc, config, snapshots=False)
+            with caplog.at_level(logging.WARNING, "seqstate"):
+                task = asyncio.create_task(writer.run())
+                try:
+                    said = await eventually(
+                        lambda: [r.getMessage() for r in caplog.records],
+                        lambda lines: any("delta publish failed" in line for line in lines),
+                        what="the writer's delta publish failed",
+                    )
+                finally:  # it would retry for a minute: no flush to wait for on a full disk
+                    writer.stop()
+                    task.cancel()
+                    await asyncio.wait([task], timeout=30)
+            failed = [line for line in said if "delta publish failed" in line]
+            assert failed[0].endswith(
+                ": JetStream storage is full: insufficient resources (JetStream error 10023)"
+            ), failed
         finally:
             await nc.close()

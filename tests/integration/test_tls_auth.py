@@ -8,6 +8,7 @@ reader must present the same one nats-py does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import ipaddress
 import json
@@ -654,3 +655,82 @@ def test_every_server_of_a_list_is_validated_without_showing_secrets() -> None:
         line = one_line_error(result)
         assert "is not a NATS URL" in line and f"{USER}:***@bad host" in line
         assert PASSWORD not in line
+
+
+# ---- TLS means TLS: never a fallback to cleartext ----------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def plain_impostor() -> AsyncIterator[tuple[int, bytearray]]:
+    """A listener that answers as a plain nats-server does (an INFO offering no TLS, asking
+    for credentials) and keeps every byte a client sends it: (its port, what it heard)."""
+    heard = bytearray()
+    port = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = {
+            "server_id": "IMPOSTOR",
+            "version": "2.15.1",
+            "proto": 1,
+            "host": "127.0.0.1",
+            "port": port,
+            "headers": True,
+            "max_payload": 1048576,
+            "auth_required": True,
+        }
+        writer.write(b"INFO " + json.dumps(info).encode() + b"\r\n")
+        try:
+            await writer.drain()
+            while data := await reader.read(65536):
+                heard.extend(data)
+                if b"PING\r\n" in data:  # as a server would: a client that signed in goes on
+                    writer.write(b"PONG\r\n")
+                    await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        yield port, heard
+
+
+def tls_cases(pki: Path, port: int) -> list[tuple[str, str, dict[str, str]]]:
+    """(command, NATS_URL, settings): each asks for TLS its own way, each with a password."""
+    signed_in = {"SEQSTATE_NATS_USER": USER, "SEQSTATE_NATS_PASSWORD": PASSWORD}
+    ca = {"SEQSTATE_TLS_CA": str(pki / "ca.pem")}
+    return [
+        ("status", f"tls://{USER}:{PASSWORD}@127.0.0.1:{port}", ca),  # the issue's repro
+        ("status", f"tls://{USER}:{PASSWORD}@127.0.0.1:{port}", {}),  # the system's CAs
+        ("status", f"nats://{USER}:{PASSWORD}@127.0.0.1:{port}", ca),  # a TLS setting
+        ("status", f"nats://127.0.0.1:{port}", {**signed_in, **tls_env(pki)}),  # a client cert
+        ("writer", f"tls://127.0.0.1:{port}", {**signed_in, **ca}),  # a service: not retried
+    ]
+
+
+async def test_tls_asked_for_never_falls_back_to_cleartext(pki: Path) -> None:
+    # Before the fix nats-py took the server's word (its INFO had no tls_required) and sent
+    # CONNECT, the password in it, in cleartext.
+    async with plain_impostor() as (port, heard):
+        for command, url, settings in tls_cases(pki, port):
+            result = await asyncio.to_thread(seqstate, command, NATS_URL=url, **settings)
+            line = one_line_error(result)
+            assert f"127.0.0.1:{port} offers no TLS" in line, line
+            assert "not connecting in cleartext" in line, line
+            assert PASSWORD not in result.stderr
+            assert PASSWORD.encode() not in heard, (command, url, bytes(heard))
+            assert b"CONNECT" not in heard, (command, url, bytes(heard))
+
+
+def test_tls_against_a_real_plain_server_is_one_line(nats_server: NatsServer, pki: Path) -> None:
+    for url, settings in [
+        (f"tls://127.0.0.1:{nats_server.port}", {"SEQSTATE_TLS_CA": str(pki / "ca.pem")}),
+        (f"nats://127.0.0.1:{nats_server.port}", tls_env(pki)),
+    ]:
+        line = one_line_error(seqstate("status", NATS_URL=url, **settings))
+        assert f"NATS at {url} offers no TLS" in line, line
+    # Without any TLS asked for, the same server serves as it always did.
+    result = seqstate("status", NATS_URL=f"nats://127.0.0.1:{nats_server.port}")
+    assert result.returncode == 0, result.stderr

@@ -112,6 +112,25 @@ async def test_without_a_pipeline_a_change_is_stored_and_said_to_be_pending(nc: 
     assert change == WorkerChange(2, 1, False, [])
 
 
+async def test_the_cli_fails_a_change_the_registry_never_showed(nats_server: NatsServer) -> None:
+    # No pipeline: the change is stored, never folded. "added" with exit 0 let a script route
+    # to a worker no scheduler could see.
+    config = fresh_config("wnone")
+    url = nats_server.url
+    out = await run_cli(config, url, "worker", "add", "4", "--wait", "0.5")
+    lines = plain_lines(out.stderr)
+    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert lines[0].startswith(
+        "seqstate: error: worker 4: stored as event 1, but the registry did not show it "
+        "within 0.5s: is the pipeline"
+    ), lines
+    assert out.stdout == ""
+    # Asked not to wait, stored is the whole promise: said so, exit 0.
+    out = await run_cli(config, url, "worker", "add", "4", "--wait", "0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "worker 4: stored as event 2 (not waited for)"
+
+
 async def test_the_cli_adds_lists_and_removes_workers(nc: Client, nats_server: NatsServer) -> None:
     config = fresh_config("wcli")
     url = nats_server.url

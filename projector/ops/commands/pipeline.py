@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -35,11 +36,14 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     """Writer and projector, restarted in process after a failure (and the demo router)."""
     from projector.run.pipeline import supervise
 
+    check_demo_flags(args)
+    port = embedded_port(args.port)
     stop = catch_signals()
     async with (
-        nats_for(config, args.store_dir, args.port) as (nc, url),
+        nats_for(config, args.store_dir, port) as (nc, url),
         pipeline_metrics(nc, config) as on_pipeline,
     ):
+        await refuse_a_second_run(nc, config)
         started = asyncio.Event()
         supervisor = asyncio.ensure_future(
             supervise(nc, config, started=started, on_pipeline=on_pipeline)
@@ -52,7 +56,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             stopped.cancel()
         if supervisor.done():
             supervisor.result()  # its error: it could not start
-        else:
+        elif started.is_set():  # (not a signal while it was starting)
             log.info(
                 "writer and projector running for namespace %r at %s",
                 config.namespace,
@@ -72,6 +76,32 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             supervisor.cancel()
             await asyncio.wait([supervisor])
     return 0
+
+
+async def refuse_a_second_run(nc: Client, config: Config) -> None:
+    """One line, at once, if the namespace's pipeline already runs on this server.
+
+    The projector waits for the namespace's lease, and a second run's projector waited for
+    the first's forever: its start timed out, it was restarted, and again, while its writer
+    folded the same events beside the first's. So a live holder of the lease refuses the run
+    (a dead one's lease is taken over, as the projector would); taken here only to be asked.
+    """
+    from nats.js.errors import BucketNotFoundError
+
+    from projector.nats.lease import LeaseHeld
+    from projector.run.assemble import build_lease
+
+    lease = build_lease(nc, config, "projector")
+    try:
+        await lease.acquire(wait=False)
+    except BucketNotFoundError:
+        return  # nothing provisioned yet: nothing runs here
+    except LeaseHeld as exc:
+        raise CliError(
+            f"{exc}: one run per namespace and server; stop that one first, or use another "
+            "--namespace"
+        ) from None
+    await lease.release()
 
 
 @contextlib.asynccontextmanager
@@ -153,10 +183,30 @@ async def cmd_projector(args: argparse.Namespace, config: Config) -> int:
 async def cmd_demo(args: argparse.Namespace, config: Config) -> int:
     from projector.ops.demo import run_demo
 
+    check_demo_flags(args)
     catch_signals()
     async with connect(require_url(config), service=True, config=config) as nc:
         await until_signal(run_demo(nc, config, args), duration=args.duration)
     return 0
+
+
+def check_demo_flags(args: argparse.Namespace) -> None:
+    """The demo router's numbers, checked before anything connects: a speed-up of 0 divided
+    the arrival rate by zero (a traceback) once the run had started."""
+    for flag, value in (("--speedup", args.speedup), ("--rate", args.rate)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise CliError(f"{flag} {value:g}: must be a positive number")
+    for flag, count in (("--workers", args.workers), ("--dp-size", args.dp_size)):
+        if count < 1:
+            raise CliError(f"{flag} {count}: must be at least 1")
+
+
+def embedded_port(port: int) -> int:
+    """``--port``, checked: a port, or 0 for any free one (as a socket means it; the server
+    is told so, see :class:`~projector.nats.server.NatsServer`)."""
+    if not 0 <= port < 65536:
+        raise CliError(f"--port {port}: must be a port (1-65535), or 0 for any free port")
+    return port
 
 
 def add_demo_flags(parser: argparse.ArgumentParser) -> None:
@@ -214,9 +264,9 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         metavar="N",
-        default=int(os.environ.get("SEQSTATE_PORT", DEFAULT_PORT)),
-        help=f"the embedded server's client port; a free one if it is taken "
-        f"(default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
+        default=os.environ.get("SEQSTATE_PORT", DEFAULT_PORT),  # argparse converts a string
+        help=f"the embedded server's client port; a free one if it is taken, any free one "
+        f"if 0 (default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
     )
     run.add_argument("--demo", action="store_true", help="also run the demo router + live view")
     add_demo_flags(run)

@@ -43,10 +43,15 @@ async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
             done = "removed from the registry"
     if change.applied:
         print(f"worker {change.worker_id}: {done} (event {change.seq})")
+    elif args.wait <= 0:  # asked not to wait: stored is all it can say
+        print(f"worker {change.worker_id}: stored as event {change.seq} (not waited for)")
     else:
-        print(
-            f"worker {change.worker_id}: stored as event {change.seq}; not in the registry "
-            f"yet (is the pipeline running?)"
+        # Stored but not seen folded: "added" would be a promise nobody checked (exit 1, so a
+        # script does not go on to route to a worker no scheduler can see yet).
+        raise CliError(
+            f"worker {change.worker_id}: stored as event {change.seq}, but the registry did "
+            f"not show it within {args.wait:g}s: is the pipeline (seqstate run, or writer and "
+            "projector) running? It is applied when it runs"
         )
     return 0
 
@@ -99,7 +104,8 @@ def add_worker_flags(worker: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="wait this long for the registry to show the change; 0: do not wait (default: 10)",
+        help="wait this long for the registry to show the change, else fail; 0: do not wait "
+        "(default: 10)",
     )
     worker.add_argument("--json", action="store_true", help="for list: JSON lines")
 
