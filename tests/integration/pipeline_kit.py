@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,14 @@ async def read_stream(
     finally:
         await sub.unsubscribe()
     return [entry for entry in out if entry[0] <= last]
+
+
+def second_loopback() -> bool:
+    """Whether 127.0.0.2 reaches this host (Linux: the whole 127/8 is loopback): a port bound
+    to 127.0.0.1 does not answer there, one bound to every address does."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.2", 0))
+        except OSError:
+            return False
+    return True

@@ -23,7 +23,7 @@ import pytest
 from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import REPO, fill, fresh_config, name_flags, read_log
+from pipeline_kit import REPO, fill, fresh_config, name_flags, read_log, second_loopback
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -541,18 +541,7 @@ async def test_a_bad_or_taken_metrics_port_is_one_line(nats_server: NatsServer) 
     assert line.startswith(f"seqstate: error: cannot listen on 127.0.0.1:{port} for metrics: ")
 
 
-def _second_loopback() -> bool:
-    """Whether 127.0.0.2 reaches this host (Linux: the whole 127/8 is loopback): a port bound
-    to 127.0.0.1 does not answer there, one bound to every address does."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.2", 0))
-        except OSError:
-            return False
-    return True
-
-
-@pytest.mark.skipif(not _second_loopback(), reason="127.0.0.2 does not reach this host")
+@pytest.mark.skipif(not second_loopback(), reason="127.0.0.2 does not reach this host")
 async def test_the_metrics_port_listens_on_loopback_unless_asked(
     nc: Client, nats_server: NatsServer, tmp_path: Path
 ) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from eventually import eventually
 from http_kit import WAIT_S, exchange, request, rows, serve_http
 from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import fresh_config, read_stream, run_cli
+from pipeline_kit import fresh_config, read_stream, run_cli, second_loopback
 
 from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
@@ -150,17 +149,6 @@ async def test_a_restart_loses_no_booking_and_two_processes_answer_alike(
         )
 
 
-def _second_loopback() -> bool:
-    """Whether 127.0.0.2 reaches this host (Linux: the whole 127/8 is loopback): a server bound
-    to 127.0.0.1 does not answer there, one bound to every address does."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.2", 0))
-        except OSError:
-            return False
-    return True
-
-
 async def _answers_on(address: str, port: int, token: str | None = None) -> bool:
     try:
         status, _ = (
@@ -171,7 +159,7 @@ async def _answers_on(address: str, port: int, token: str | None = None) -> bool
     return bool(status == 200)
 
 
-@pytest.mark.skipif(not _second_loopback(), reason="127.0.0.2 does not reach this host")
+@pytest.mark.skipif(not second_loopback(), reason="127.0.0.2 does not reach this host")
 async def test_serve_http_listens_on_loopback_unless_asked(
     nc: Client, nats_server: NatsServer
 ) -> None:
