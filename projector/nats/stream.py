@@ -248,9 +248,7 @@ class OrderedConsumer:
 
         inbox = nc.new_inbox()
         self._heard_at = asyncio.get_running_loop().time()
-        self._sub = await nc.subscribe(
-            inbox, cb=receive, pending_msgs_limit=2 * self.window + 64
-        )
+        self._sub = await nc.subscribe(inbox, cb=receive, pending_msgs_limit=2 * self.window + 64)
         config = api.ConsumerConfig(
             deliver_subject=inbox,
             filter_subject=self.subjects,

@@ -66,7 +66,12 @@ BEHIND = ("behind_warn_events", "behind_warn_s")  # when a consumer's lag is wor
 # what the writer and the projector watch of their lag, and how much of a backlog they hold
 LAG = (*BEHIND, "lag_check_s", "consumer_window")
 PROJECTOR = ("flush_interval_s",)
-METRICS = ("metrics_port", "metrics_host", "ready_lag_events", "ready_lag_s")  # the long-running consumers'
+METRICS = (
+    "metrics_port",
+    "metrics_host",
+    "ready_lag_events",
+    "ready_lag_s",
+)  # the long-running consumers'
 READ = CONNECT + NAMES  # every command
 
 

@@ -20,7 +20,8 @@ between attempts: a call fails at most ``retry_for_s`` + ``timeout`` after its f
 said no) is not a moment's trouble: it is retried ``REFUSED_RETRIES`` (3) times, so a stream
 that is full (its ``max_msgs``/``max_bytes``, or the server's JetStream storage) makes the call
 raise :class:`PublishError` saying so within a second, never blocking. ``retries`` caps the
-attempts after the first whatever the failure (None, the default: the time decides). (``ensure`` gives the events stream the discard policy ``new``:
+attempts after the first whatever the failure (None, the default: the time decides).
+(``ensure`` gives the events stream the discard policy ``new``:
 with the default ``old``, a limit would make the server drop the *oldest* events, unfolded
 ones included, without a word.)
 PublishError is the one exception a send that failed raises, whatever failed (an error ack,
