@@ -201,6 +201,7 @@ class OrderedConsumer:
         self._consumer: str | None = None
         self._generation = 0
         self._queue: deque[tuple[int, Msg]] = deque()
+        self._held = 0  # deliveries in the queue (not status messages)
         self._wake = asyncio.Event()
         self._delivered = 0  # consumer sequence of the last message taken from the queue
         self._unacked = 0  # handled since the last ack
@@ -223,8 +224,8 @@ class OrderedConsumer:
 
     @property
     def held(self) -> int:
-        """Messages received and not yet handled (at most about ``window``)."""
-        return len(self._queue)
+        """Messages received and not yet handled (at most ``window``)."""
+        return self._held
 
     # ---- the consumer on the server -----------------------------------------------------------
 
@@ -238,12 +239,15 @@ class OrderedConsumer:
         self._delivered = self._unacked = 0
         self._ack_reply = None
         self._queue.clear()  # anything queued is of a consumer replaced
+        self._held = 0
 
         async def receive(msg: Msg) -> None:
             self._heard_at = asyncio.get_running_loop().time()
             self._queue.append((generation, msg))
-            if len(self._queue) > self.peak_held:
-                self.peak_held = len(self._queue)
+            if not (msg.headers and STATUS in msg.headers):
+                self._held += 1
+                if self._held > self.peak_held:
+                    self.peak_held = self._held
             self._wake.set()
 
         inbox = nc.new_inbox()
@@ -288,6 +292,7 @@ class OrderedConsumer:
             name, self._consumer = self._consumer, None
             self._generation += 1  # what is queued or still arrives is passed over
             self._queue.clear()
+            self._held = 0
             if sub is not None:
                 await attempt(sub.unsubscribe())
             if name is not None:
@@ -330,6 +335,7 @@ class OrderedConsumer:
             if msg.headers and STATUS in msg.headers:
                 await self._control(msg, generation)
                 continue
+            self._held -= 1
             try:
                 tokens = msg.reply.split(".")
                 delivered, seq = int(tokens[-3]), int(tokens[-4])
