@@ -317,7 +317,10 @@ class OrderedConsumer:
             await asyncio.sleep(HEARTBEAT_S)
             if self._halted:
                 return
-            if self._sub is None or loop.time() - self._heard_at > STALE_S:
+            sub = self._sub
+            # Messages the client holds for the runner's callback are news too (a loop too
+            # busy to hand them over is not a silent server).
+            if sub is None or (loop.time() - self._heard_at > STALE_S and not sub.pending_msgs):
                 await self._restart("no message or heartbeat from it", self._generation)
 
     # ---- handling what arrives ----------------------------------------------------------------
