@@ -44,6 +44,7 @@ CREATE_S = 5.0  # creating a consumer: a server that does not answer in time is 
 ACK_WAIT_S = 22 * 3600.0  # never redelivered for want of an ack: ordered, as nats-py's are
 ACK = b"+ACK"
 STATUS = api.Header.STATUS
+DELIVERY = "$JS.ACK."  # the reply subject of every message a consumer delivers
 
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:
@@ -244,7 +245,7 @@ class OrderedConsumer:
         async def receive(msg: Msg) -> None:
             self._heard_at = asyncio.get_running_loop().time()
             self._queue.append((generation, msg))
-            if not (msg.headers and STATUS in msg.headers):
+            if msg.reply.startswith(DELIVERY):
                 self._held += 1
                 if self._held > self.peak_held:
                     self.peak_held = self._held
@@ -335,7 +336,9 @@ class OrderedConsumer:
             generation, msg = queue.popleft()
             if generation != self._generation:
                 continue
-            if msg.headers and STATUS in msg.headers:
+            # A delivery is known by its reply subject, never by its headers: a router can put
+            # a "Status" header on an event, and no event may pass for a control message.
+            if not msg.reply.startswith(DELIVERY):
                 await self._control(msg, generation)
                 continue
             self._held -= 1

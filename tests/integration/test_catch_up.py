@@ -151,3 +151,28 @@ async def test_the_consumer_window_setting_bounds_the_writer_and_the_projector(
             )
             assert infos[0].config.max_ack_pending == 100, stream
         assert pipeline.writer._events.window == pipeline.projector._consumer.window == 100
+
+
+async def test_an_event_with_a_status_header_is_a_message_not_a_control(nc: Client) -> None:
+    """A router may put any header on an event; a ``Status: 409`` (what the server says when
+    a consumer is deleted) or ``Status: 100`` must not make the runner restart or pass the
+    message over: it is handed to the processor like any other, once."""
+    config = fresh_config("cs")
+    await ensure(nc, config)
+    js = nc.jetstream()
+    seqs = []
+    for status, data in (("409", b""), ("100", b"x"), ("404", b"y")):
+        headers = {"Status": status, "Description": "Consumer Deleted"}
+        seqs.append((await js.publish(config.event_subject(1), data, headers=headers)).seq)
+    seqs.append((await js.publish(config.event_subject(1), b"plain")).seq)
+    held = Held()
+    failures: list[BaseException] = []
+    runner = OrderedConsumer(
+        js, config.events_stream, config.events_subjects, held, on_failure=failures.append
+    )
+    await runner.start()
+    try:
+        await runner.position.wait(seqs[-1], WAIT_S)
+    finally:
+        await runner.stop()
+    assert not failures and held.seen == seqs and runner.restarts == 0
