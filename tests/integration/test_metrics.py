@@ -390,7 +390,7 @@ async def test_the_projectors_readyz_is_503_while_the_writer_is_paused_then_200(
     config = fresh_config("rp")
     await ensure(nc, config)
     w_port, p_port = free_port(), free_port()
-    common = (*name_flags(config), "--lag-check-s", "0.1", "--idle-tick-s", "3600")
+    common = (*name_flags(config), "--lag-check-s", "0.1")
     ready = ("--ready-lag-events", "20", "--ready-lag-s", "1")
     w_log, p_log = tmp_path / "writer.log", tmp_path / "projector.log"
     answers: list[tuple[int, str]] = []
@@ -404,12 +404,33 @@ async def test_the_projectors_readyz_is_503_while_the_writer_is_paused_then_200(
         return f"answers {answers[-3:]}\n{w_log.read_text()[-1500:]}\n{p_log.read_text()[-1500:]}"
 
     async with (
-        command(nats_server.url, w_log, "writer", *common, "--metrics-port", str(w_port)) as writer,
+        command(
+            nats_server.url,
+            w_log,
+            "writer",
+            *common,
+            "--idle-tick-s",
+            "3600",
+            "--metrics-port",
+            str(w_port),
+        ) as writer,
         command(
             nats_server.url, p_log, "projector", *common, *ready, "--metrics-port", str(p_port)
         ),
     ):
-        await publish(nc, config, [WorkerAdded(7)])
+        first = await publish(nc, config, [WorkerAdded(7)])
+        await eventually(
+            lambda: scrape(p_port),
+            lambda s: (
+                pick(s, "seqstate_applied_seq", namespace=config.namespace, role="projector")
+                == first
+            ),
+            what="the first event in the bucket",
+            timeout=WAIT_S,
+            interval=0.05,
+            retry_on=(OSError,),
+            watch=said,
+        )
         await eventually(
             readyz,
             lambda a: a[0] == 200,
