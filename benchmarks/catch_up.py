@@ -11,7 +11,8 @@ This script plays the same scenario on real processes: a fresh nats-server (``Na
 temporary store), ``seqstate writer`` and ``seqstate projector`` as the commands an operator
 runs (each with ``--metrics-port``), and ``--routers`` router processes (this script with
 ``--router``) each publishing batches through ``RouterPublisher.publish_many`` as fast as it
-can (AddRequests with a few block hashes, each freed a batch later, so the state stays small).
+can, or at ``--rate`` events/s in all (AddRequests with a few block hashes, each freed a batch
+later, so the state stays small).
 After ``--warmup`` seconds it SIGSTOPs the writer for ``--pause`` seconds, SIGCONTs it, and
 measures, while the routers go on publishing:
 
@@ -71,11 +72,15 @@ BATCH = 200  # events per publish_many call: 100 adds and the frees of the previ
 # ---- a router process ---------------------------------------------------------------------
 
 
-async def router(url: str, index: int) -> None:
-    """Publish flat out until SIGTERM: batches of AddRequests and the Frees of the last batch."""
+async def router(url: str, index: int, rate: float) -> None:
+    """Publish until SIGTERM: batches of AddRequests and the Frees of the last batch, flat out
+    (``rate`` 0) or at ``rate`` events/s."""
     config = Config(**NAMES)  # type: ignore[arg-type]
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    started = loop.time()
+    sent = 0
     async with connect(url, service=True, config=config) as nc:
         pub = RouterPublisher(nc, router_id=f"bench-{index}-{os.getpid()}", config=config)
         n = 0
@@ -94,8 +99,13 @@ async def router(url: str, index: int) -> None:
                 Free(request_id=a.request_id, worker_id=a.worker_id) for a in previous
             ]
             await pub.publish_many([*adds, *frees])
+            sent += len(adds) + len(frees)
             previous = adds
             n += len(adds)
+            if rate:
+                ahead = started + sent / rate - loop.time()
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
 
 
 # ---- the benchmark ------------------------------------------------------------------------
@@ -182,7 +192,16 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             )
             routers = [
                 subprocess.Popen(
-                    [sys.executable, __file__, "--router", str(i), "--url", server.url],
+                    [
+                        sys.executable,
+                        __file__,
+                        "--router",
+                        str(i),
+                        "--url",
+                        server.url,
+                        "--rate",
+                        str(opts.rate / opts.routers),
+                    ],
                     cwd=REPO,
                     stdout=subprocess.DEVNULL,
                     stderr=(work / f"router{i}.log").open("wb"),
@@ -248,6 +267,7 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             readies = [s for s in samples if s["t"] >= opts.pause and "behind" in s]
             result = {
                 "routers": opts.routers,
+                "rate": opts.rate or "flat out",
                 "window": opts.window or "default",
                 "warmup_s": opts.warmup,
                 "pause_s": opts.pause,
@@ -286,6 +306,9 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--routers", type=int, default=4)
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="events/s of all routers together (0: flat out)"
+    )
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds before the pause")
     parser.add_argument("--pause", type=float, default=20.0, help="seconds the writer is stopped")
     parser.add_argument("--limit", type=float, default=300.0, help="give up after this long")
@@ -296,7 +319,7 @@ def main() -> None:
     parser.add_argument("--url", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.router is not None:
-        asyncio.run(router(opts.url, opts.router))
+        asyncio.run(router(opts.url, opts.router, opts.rate))
         return
     with tempfile.TemporaryDirectory(prefix="catch-up-") as tmp:
         result = asyncio.run(bench(opts, Path(tmp)))
