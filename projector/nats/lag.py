@@ -12,9 +12,10 @@ A consumer's lag is what its input holds that it has not handled yet:
   then, while its bucket grows stale: :attr:`Lag.behind_events` and :attr:`Lag.behind_s`
   count both, and ``/readyz`` judges by them.
 
-Each measurement is one or two small reads of the server (the newest message on the
-namespace's subjects; when something waits, the oldest such message, for its log time), made
-every ``lag_check_s``, never per message. ``seqstate status`` measures the same from outside,
+Each measurement is a few small reads of the server (the newest message on the namespace's
+subjects; when something waits, the oldest such message, for its log time; the projector's
+also the newest event and, when the writer is behind, the newest dead letter), made every
+``lag_check_s``, never per message. ``seqstate status`` measures the same from outside,
 with the positions the consumers leave on the streams and in the bucket. The counts are
 sequence differences: exact for a namespace alone on its streams; when namespaces share a
 stream, the other namespaces' messages in between count too.
