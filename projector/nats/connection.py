@@ -21,8 +21,9 @@ import contextlib
 import logging
 import re
 import ssl
+import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +49,10 @@ ONE_SHOT_CONNECT_S = 4.0
 # nats-py reports each failed attempt within connect_timeout (3 s) per step (TCP, TLS, CONNECT)
 # plus reconnect_time_wait: a dial without news for this long is stuck (see _dial).
 STALLED_S = 15.0
+# nats-py calls the error callback once per message a slow subscription drops: a consumer far
+# behind made a line per message (1.1 million lines, 266 MB, in 57 s). They are counted and
+# said at most once per this many seconds.
+SLOW_CONSUMER_EVERY_S = 10.0
 
 
 class ConnectError(SeqstateError, ConnectionError):
@@ -202,6 +207,62 @@ def _quiet_tls_eof(record: logging.LogRecord) -> bool:
     return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
+class SlowConsumerLog:
+    """Says a subscription dropping messages (a slow consumer) once per interval, with a count.
+
+    nats-py reports every message it drops, and a consumer that has fallen behind drops them
+    by the hundred thousand: each report is counted, and a line (a warning) is said at the
+    first one and then at most once every ``every_s``, with how many were dropped since the
+    last line and on which subjects. ``clock``: seconds, monotonic (a test's own).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        every_s: float = SLOW_CONSUMER_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.every_s = every_s
+        self.dropped = 0  # every message reported dropped, in all
+        self.lines = 0  # lines said
+        self._log = logger
+        self._clock = clock
+        self._since = 0  # dropped since the last line
+        self._subjects: set[str] = set()
+        self._said_at: float | None = None
+
+    def dropped_one(self, subject: str) -> None:
+        """One message dropped on ``subject``: counted, and said if the interval has passed."""
+        self.dropped += 1
+        self._since += 1
+        if len(self._subjects) < 3:
+            self._subjects.add(subject)
+        now = self._clock()
+        if self._said_at is None or now - self._said_at >= self.every_s:
+            self._say(now)
+
+    def flush(self) -> None:
+        """Say what was dropped since the last line, if anything (at close)."""
+        if self._since:
+            self._say(self._clock())
+
+    def _say(self, now: float) -> None:
+        window = "" if self._said_at is None else f" in the last {now - self._said_at:.0f}s"
+        self._log.warning(
+            "nats: slow consumer, %d message(s) dropped%s (on %s; %d in all): the client "
+            "could not keep up with a subscription",
+            self._since,
+            window,
+            ", ".join(sorted(self._subjects)),
+            self.dropped,
+        )
+        self.lines += 1
+        self._said_at = now
+        self._since = 0
+        self._subjects.clear()
+
+
 class _Callbacks:
     """nats-py's callbacks: while dialing they collect errors, afterwards they log them."""
 
@@ -213,6 +274,7 @@ class _Callbacks:
         signed_in: bool = False,
         secrets: frozenset[str] = frozenset(),
     ) -> None:
+        self.slow = SlowConsumerLog(log)
         self.url = url
         self.service = service
         self.signed_in = signed_in
@@ -229,6 +291,9 @@ class _Callbacks:
         self.refused_subjects: dict[str, None] = {}
 
     async def on_error(self, exc: Exception) -> None:
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self.slow.dropped_one(exc.subject)
+            return
         if not self.dialing:
             text = scrub(str(exc) or type(exc).__name__, self.url, self.secrets)
             found = _VIOLATION.search(text.lower())
@@ -425,6 +490,7 @@ async def connect(
         callbacks.closing = True
         with contextlib.suppress(Exception):
             await nc.drain()
+        callbacks.slow.flush()
 
 
 @contextlib.asynccontextmanager

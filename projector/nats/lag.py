@@ -6,11 +6,16 @@ A consumer's lag is what its input holds that it has not handled yet:
   namespace minus the last one folded), and how long ago the oldest of them was logged;
 - the projector's: deltas stored on the deltas stream but not yet in the bucket (in events, the
   newest event with a stored delta minus the bucket's position; in delta messages too), and
-  how long ago the oldest of those messages was stored.
+  how long ago the oldest of those messages was stored. Its ``upstream`` part: events logged
+  that the writer has not handled visibly yet (no delta, no dead letter), and how long ago the
+  oldest was logged. A paused writer stores no delta, so the projector alone is never behind
+  then, while its bucket grows stale: :attr:`Lag.behind_events` and :attr:`Lag.behind_s`
+  count both, and ``/readyz`` judges by them.
 
-Each measurement is one or two small reads of the server (the newest message on the
-namespace's subjects; when something waits, the oldest such message, for its log time), made
-every ``lag_check_s``, never per message. ``seqstate status`` measures the same from outside,
+Each measurement is a few small reads of the server (the newest message on the namespace's
+subjects; when something waits, the oldest such message, for its log time; the projector's
+also the newest event and, when the writer is behind, the newest dead letter), made every
+``lag_check_s``, never per message. ``seqstate status`` measures the same from outside,
 with the positions the consumers leave on the streams and in the bucket. The counts are
 sequence differences: exact for a namespace alone on its streams; when namespaces share a
 stream, the other namespaces' messages in between count too.
@@ -37,10 +42,12 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from projector.nats.resources import dead_letter_stream
 from projector.nats.retry import ATTEMPT_TIMEOUT_S
 from projector.nats.stream import last_seq_of
 from projector.wire.chain import covered_source
 from projector.wire.config import Config
+from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
 
 REPEAT_S = 60.0  # while behind, the warning is repeated this often
 CAUGHT_UP = 0.1  # caught up again: under this share of each threshold
@@ -57,6 +64,10 @@ class Lag:
     newest: int = 0  # the newest event it could have handled (the projector: with a delta)
     oldest_ns: int | None = None  # log time of the oldest message waiting (None: none waits)
     measured_ns: int = 0  # wall-clock time of the measurement
+    # The projector's: events logged that the writer has not handled visibly (no delta and no
+    # dead letter yet), and the log time of the oldest of them (None: none).
+    upstream: int = 0
+    upstream_oldest_ns: int | None = None
 
     @property
     def oldest_age_s(self) -> float:
@@ -64,6 +75,20 @@ class Lag:
         if self.oldest_ns is None:
             return 0.0
         return max(0.0, (self.measured_ns - self.oldest_ns) / 1e9)
+
+    @property
+    def behind_events(self) -> int:
+        """Events logged that the consumer's output does not reflect yet, upstream included
+        (the projector's bucket: neither the writer's deltas nor the bucket have them)."""
+        return self.events + self.upstream
+
+    @property
+    def behind_s(self) -> float:
+        """How long the oldest event the output does not reflect yet had waited (0.0: none)."""
+        oldest = [ns for ns in (self.oldest_ns, self.upstream_oldest_ns) if ns is not None]
+        if not oldest:
+            return 0.0
+        return max(0.0, (self.measured_ns - min(oldest)) / 1e9)
 
 
 def describe(who: str, lag: Lag) -> str:
@@ -157,18 +182,53 @@ async def writer_lag(js: JetStreamContext, config: Config, folded: int) -> Lag:
 
 async def projector_lag(js: JetStreamContext, config: Config, applied: int, delta_seq: int) -> Lag:
     """The projector's lag, for a bucket whose position is event ``applied``, delta message
-    ``delta_seq``."""
+    ``delta_seq``; with what the writer has not handled yet (``upstream``)."""
     try:
         raw = await js.get_last_msg(config.deltas_stream, config.deltas_subject)
     except NotFoundError:
-        return Lag(0, 0, applied, applied, None, time.time_ns())
-    messages = max(0, (raw.seq or 0) - delta_seq)
-    newest = covered_source(raw.headers, raw.data)
-    newest = applied if newest is None else newest  # not a writer's: the projector skips it
-    oldest = None
-    if messages:
-        oldest = await _log_time_after(js, config.deltas_stream, config.deltas_subject, delta_seq)
-    return Lag(max(0, newest - applied), messages, applied, newest, oldest, time.time_ns())
+        messages, newest, oldest = 0, applied, None
+    else:
+        messages = max(0, (raw.seq or 0) - delta_seq)
+        covered = covered_source(raw.headers, raw.data)
+        newest = applied if covered is None else covered  # not a writer's: skipped
+        oldest = None
+        if messages:
+            oldest = await _log_time_after(
+                js, config.deltas_stream, config.deltas_subject, delta_seq
+            )
+    upstream, upstream_oldest = await _upstream(js, config, max(newest, applied))
+    return Lag(
+        max(0, newest - applied),
+        messages,
+        applied,
+        newest,
+        oldest,
+        time.time_ns(),
+        upstream,
+        upstream_oldest,
+    )
+
+
+async def _upstream(js: JetStreamContext, config: Config, handled: int) -> tuple[int, int | None]:
+    """Events logged after ``handled`` (the newest with a delta) that the writer has not
+    dead-lettered either: ``(count, log time of the oldest)``. An event the writer refused
+    has no delta but is handled: the newest dead letter of the writer says how far it got."""
+    logged = await last_seq_of(js, config.events_stream, config.events_subjects)
+    if logged <= handled:
+        return 0, None
+    try:
+        raw = await js.get_last_msg(dead_letter_stream(config), config.dead_letter_subject)
+    except NotFoundError:
+        pass
+    else:
+        headers = raw.headers or {}
+        seq = headers.get(SOURCE_SEQ, "")
+        if headers.get(SOURCE_STREAM) == config.events_stream and seq.isdigit():
+            handled = max(handled, int(seq))
+    if logged <= handled:
+        return 0, None
+    oldest = await _log_time_after(js, config.events_stream, config.events_subjects, handled)
+    return logged - handled, oldest
 
 
 # ---- watching -----------------------------------------------------------------------------

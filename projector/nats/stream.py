@@ -16,16 +16,35 @@ dead-letter code of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import nats.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from projector.nats.progress import Progress
-from projector.nats.tasks import attempt
+from projector.nats.tasks import attempt, cancel
+
+log = logging.getLogger("seqstate")
+
+# Messages a runner holds received and not yet handled, at most (``consumer_window``): what a
+# consumer far behind holds in memory, whatever its backlog. 4096 large AddRequests are ~10 MB.
+DEFAULT_WINDOW = 4096
+MIN_WINDOW = 16
+HEARTBEAT_S = 1.0  # the server's idle heartbeat to the runner's consumer
+STALE_S = 3.5  # no message and no heartbeat for this long: the consumer (or server) is gone
+CREATE_S = 5.0  # creating a consumer: a server that does not answer in time is asked again
+ACK_WAIT_S = 22 * 3600.0  # never redelivered for want of an ack: ordered, as nats-py's are
+ACK = b"+ACK"
+STATUS = api.Header.STATUS
+DELIVERY = "$JS.ACK."  # the reply subject of every message a consumer delivers
 
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:
@@ -103,18 +122,39 @@ class RefusingProcessor(Processor, Protocol):
 
 
 class OrderedConsumer:
-    """Runs a processor over ``subjects`` of ``stream``, in stream order, from a position.
+    """Runs a processor over ``subjects`` of ``stream``, in stream order, from a position, with
+    at most ``window`` messages received and not yet handled.
 
-    An ordered push consumer is the fastest consumer nats-py has, and gap-free: it resets
-    itself on a missed sequence. The client calls back in one task per subscription, so each
-    message is handled there, one after another, with no task or wake-up of its own. What the
-    client does not do is done here:
+    nats-py's ordered push consumer was the runner first, and a runner far behind (a writer
+    paused for 20 s under load) showed what it does not bound: the server pushes at full
+    speed, nats-py answers the flow control on receipt rather than once a message is handled,
+    so the client queued half a million messages (36 MB became 612 MB, never returned),
+    dropped the rest one slow-consumer error at a time, reset, and took 133 s to catch up.
+    So the runner makes its own push consumer, ordered as nats-py's is, and bounded by the
+    server:
 
-    - it swallows a callback's exception, so a processor would fail silently and go on with
-      the next message: the failure is kept in ``failure``, reported once to ``on_failure``,
-      and no further message is handed over;
-    - a backlog never makes the callback wait, so it would starve the loop's other tasks (a
-      processor's background work): after each message the loop gets a turn;
+    - acknowledgement ``all`` with ``max_ack_pending = window``: the server sends at most
+      ``window`` messages past the last one acknowledged, and the runner acknowledges (one ack
+      covers every message before it) each quarter window handled, and whenever it has handled
+      all it holds. What it holds is ``window`` messages at most, whatever the backlog, and a
+      backlog flows at the fold's own rate, with no drop, no reset and no wasted delivery;
+    - flow control, answered once the messages before it are handled: a bound in bytes too
+      (the server's window, at most 32 MB), for very large messages;
+    - ordered: a message whose consumer sequence is not the next one (lost in a reconnect, or
+      by a slow-consumer drop) makes the runner start a new consumer after the last message
+      handled, as does a heartbeat naming a later delivery than the last one received, and
+      silence (no message or heartbeat for ``STALE_S``: the consumer or its server is gone).
+      A message the runner has already handled (one sent again after such a restart) is
+      passed over.
+
+    The client's subscription only queues what arrives; the messages are handled in a task of
+    the runner's own, one after another, so that replacing the subscription never cancels a
+    message being handled. The runner also does what the client would not:
+
+    - a processor's exception is kept in ``failure``, reported once to ``on_failure``, and no
+      further message is handed over;
+    - after each message the loop gets a turn, so a backlog does not starve the loop's other
+      tasks (a processor's background work);
     - a caller needs to know when the processor has seen what the stream held when it
       started: ``caught_up`` is set once it has passed the subjects' last sequence as looked
       up at :meth:`start` (at once if there was nothing to pass).
@@ -137,19 +177,39 @@ class OrderedConsumer:
         on_failure: Callable[[BaseException], None],
         position: Progress | None = None,
         dead_letters: DeadLetterSink | None = None,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
+        if window < MIN_WINDOW:
+            raise ValueError(f"window={window}: must be at least {MIN_WINDOW}")
         self.stream = stream
         self.subjects = subjects
         self.position = position if position is not None else Progress()
         self.caught_up = asyncio.Event()
         self.failure: BaseException | None = None
+        self.window = window
+        self.peak_held = 0  # the most messages ever received and not yet handled at once
+        self.restarts = 0  # consumers started again (a gap, a silent server)
         self._js = js
         self._processor = processor
         self._dead_letters = dead_letters
         self._on_failure = on_failure
         self._target = 0
         self._halted = False
-        self._sub: JetStreamContext.PushSubscription | None = None
+        self._ack_every = max(1, window // 4)
+        # The current subscription and consumer; ``_generation`` tells their messages from
+        # those of one replaced (still queued, or arriving late).
+        self._sub: Subscription | None = None
+        self._consumer: str | None = None
+        self._generation = 0
+        self._queue: deque[tuple[int, Msg]] = deque()
+        self._held = 0  # deliveries in the queue (not status messages)
+        self._wake = asyncio.Event()
+        self._delivered = 0  # consumer sequence of the last message taken from the queue
+        self._unacked = 0  # handled since the last ack
+        self._ack_reply: str | None = None  # the last message handled: acking it acks all
+        self._heard_at = 0.0  # loop time of the last message or heartbeat received
+        self._reopen = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self, after: int = 0) -> None:
         """Subscribe from the message after stream sequence ``after`` (0: from the first)."""
@@ -157,30 +217,206 @@ class OrderedConsumer:
         self._target = await last_seq_of(self._js, self.stream, self.subjects)
         if self._target <= after:
             self.caught_up.set()
-        policy, config = None, None
-        if after:
-            policy = api.DeliverPolicy.BY_START_SEQUENCE
-            config = api.ConsumerConfig(opt_start_seq=after + 1)
-        self._sub = await self._js.subscribe(
-            self.subjects,
-            stream=self.stream,
-            ordered_consumer=True,
-            idle_heartbeat=1.0,
-            cb=self._deliver,
-            deliver_policy=policy,
-            config=config,
+        await self._open()
+        self._tasks = [
+            asyncio.create_task(self._run(), name=f"seqstate-consume-{self.stream}"),
+            asyncio.create_task(self._watch(), name=f"seqstate-watch-{self.stream}"),
+        ]
+
+    @property
+    def held(self) -> int:
+        """Messages received and not yet handled (at most ``window``)."""
+        return self._held
+
+    # ---- the consumer on the server -----------------------------------------------------------
+
+    async def _open(self) -> None:
+        """A subscription and a consumer from the message after the position (the caller
+        holds no lock; a failure leaves none, and the watch tries again)."""
+        nc = self._js._nc
+        after = self.position.value
+        self._generation += 1
+        generation = self._generation
+        self._delivered = self._unacked = 0
+        self._ack_reply = None
+        self._queue.clear()  # anything queued is of a consumer replaced
+        self._held = 0
+
+        async def receive(msg: Msg) -> None:
+            self._heard_at = asyncio.get_running_loop().time()
+            self._queue.append((generation, msg))
+            if msg.reply.startswith(DELIVERY):
+                self._held += 1
+                if self._held > self.peak_held:
+                    self.peak_held = self._held
+            self._wake.set()
+
+        inbox = nc.new_inbox()
+        self._heard_at = asyncio.get_running_loop().time()
+        self._sub = await nc.subscribe(inbox, cb=receive, pending_msgs_limit=2 * self.window + 64)
+        config = api.ConsumerConfig(
+            deliver_subject=inbox,
+            filter_subject=self.subjects,
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE if after else api.DeliverPolicy.ALL,
+            opt_start_seq=after + 1 if after else None,
+            ack_policy=api.AckPolicy.ALL,
+            ack_wait=ACK_WAIT_S,
+            max_ack_pending=self.window,
+            flow_control=True,
+            idle_heartbeat=HEARTBEAT_S,
+            mem_storage=True,
+            num_replicas=1,
         )
+        try:
+            info = await self._js.add_consumer(self.stream, config=config, timeout=CREATE_S)
+        except BaseException:
+            sub, self._sub = self._sub, None
+            await attempt(sub.unsubscribe())
+            raise
+        self._consumer = info.name
+
+    async def _restart(self, why: str, seen: int) -> None:
+        """A new consumer after the last message handled (the old one is deleted); ``seen``:
+        the generation found at fault (if it has been replaced meanwhile, nothing is done)."""
+        async with self._reopen:
+            if self._halted or seen != self._generation:
+                return
+            self.restarts += 1
+            log.info(
+                "%s: consumer of %s started again after sequence %d: %s",
+                self.stream,
+                self.subjects,
+                self.position.value,
+                why,
+            )
+            sub, self._sub = self._sub, None
+            name, self._consumer = self._consumer, None
+            self._generation += 1  # what is queued or still arrives is passed over
+            self._queue.clear()
+            self._held = 0
+            if sub is not None:
+                await attempt(sub.unsubscribe())
+            if name is not None:
+                task = asyncio.create_task(attempt(self._js.delete_consumer(self.stream, name)))
+                self._tasks.append(task)
+                task.add_done_callback(self._forget)
+            try:
+                await self._open()
+            except (TimeoutError, nats.errors.Error) as exc:  # the server away: the watch retries
+                log.debug("%s: consumer not started again: %r", self.stream, exc)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+
+    async def _watch(self) -> None:
+        """Start a new consumer when the current one has been silent ``STALE_S`` (heartbeats
+        come every ``HEARTBEAT_S``): its server restarted, or the connection was away long
+        enough for it to go."""
+        loop = asyncio.get_running_loop()
+        while not self._halted:
+            await asyncio.sleep(HEARTBEAT_S)
+            if self._halted:
+                return
+            sub = self._sub
+            # Messages the client holds for the runner's callback are news too (a loop too
+            # busy to hand them over is not a silent server).
+            if sub is None or (loop.time() - self._heard_at > STALE_S and not sub.pending_msgs):
+                await self._restart("no message or heartbeat from it", self._generation)
+
+    # ---- handling what arrives ----------------------------------------------------------------
+
+    async def _run(self) -> None:
+        queue = self._queue
+        while not self._halted:
+            if not queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            generation, msg = queue.popleft()
+            if generation != self._generation:
+                continue
+            # A delivery is known by its reply subject, never by its headers: a router can put
+            # a "Status" header on an event, and no event may pass for a control message.
+            if not msg.reply.startswith(DELIVERY):
+                await self._control(msg, generation)
+                continue
+            self._held -= 1
+            try:
+                tokens = msg.reply.split(".")
+                delivered, seq = int(tokens[-3]), int(tokens[-4])
+            except (ValueError, IndexError):
+                continue  # not a delivery of a consumer: nothing sends one to the inbox
+            if delivered != self._delivered + 1:
+                await self._restart(
+                    f"delivery {delivered} came after {self._delivered}", generation
+                )
+                continue
+            self._delivered = delivered
+            if seq > self.position.value:
+                await self._deliver(msg)
+                if self._halted or generation != self._generation:
+                    continue
+            self._unacked += 1
+            self._ack_reply = msg.reply
+            if self._unacked >= self._ack_every or not queue:
+                await self._ack()
+
+    async def _ack(self) -> None:
+        """Acknowledge every message handled so far (acknowledgement ``all``)."""
+        reply, self._unacked = self._ack_reply, 0
+        if reply is not None:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await self._js._nc.publish(reply, ACK)
+
+    async def _control(self, msg: Msg, generation: int) -> None:
+        """A status message: flow control, a heartbeat, or the consumer gone."""
+        headers = msg.headers or {}
+        status = headers.get(STATUS)
+        nc = self._js._nc
+        if status == "100" and msg.reply:  # flow control: everything before it is handled
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await nc.publish(msg.reply)
+            return
+        if status == "100":  # an idle heartbeat
+            stalled = headers.get(api.Header.CONSUMER_STALLED)
+            with contextlib.suppress(nats.errors.Error, OSError):
+                if stalled:
+                    await nc.publish(stalled)
+                if self._ack_reply is not None:  # an ack lost in a reconnect would stall it
+                    await nc.publish(self._ack_reply, ACK)
+            last = headers.get(api.Header.LAST_CONSUMER)
+            if last is not None and last.isdigit() and int(last) > self._delivered:
+                await self._restart(
+                    f"delivery {last} was sent, {self._delivered} received", generation
+                )
+            return
+        if status in ("409", "404"):  # the consumer deleted, or no longer there
+            said = f"{status} {headers.get(api.Header.DESCRIPTION, '')}".strip()
+            await self._restart(said, generation)
 
     def halt(self) -> None:
         """Hand no further message over; synchronous, so any callback can call it."""
         self._halted = True
 
     async def stop(self) -> None:
-        """Halt, then end the subscription (within bounds: the server may be away)."""
+        """Halt, then end the subscription and the consumer (within bounds: the server may be
+        away). A message being handled is left to finish only if this is called from within
+        it."""
         self._halted = True
+        self._wake.set()
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                await cancel(task)
+        self._tasks = []
         if self._sub is not None:
             await attempt(self._sub.unsubscribe())
             self._sub = None
+        if self._consumer is not None:
+            name, self._consumer = self._consumer, None
+            if self._js._nc.is_connected:  # else it goes by itself, once without interest
+                await attempt(self._js.delete_consumer(self.stream, name))
 
     async def _deliver(self, msg: Msg) -> None:
         if self._halted:

@@ -63,9 +63,15 @@ WRITER = (
     "retain_events",
 )
 BEHIND = ("behind_warn_events", "behind_warn_s")  # when a consumer's lag is worth a warning
-LAG = (*BEHIND, "lag_check_s")  # what the writer and the projector watch of their lag
+# what the writer and the projector watch of their lag, and how much of a backlog they hold
+LAG = (*BEHIND, "lag_check_s", "consumer_window")
 PROJECTOR = ("flush_interval_s",)
-METRICS = ("metrics_port", "metrics_host", "ready_lag_events")  # the long-running consumers'
+METRICS = (
+    "metrics_port",
+    "metrics_host",
+    "ready_lag_events",
+    "ready_lag_s",
+)  # the long-running consumers'
 HTTP = ("http_host", "http_port", "http_token", "http_token_file")  # serve-http's own port
 READ = CONNECT + NAMES  # every command
 

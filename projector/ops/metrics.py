@@ -104,12 +104,22 @@ class Metrics:
     """One process's registry and what it reports on (see the module docstring).
 
     ``nc``: the connection whose state ``/readyz`` reports; ``ready_lag_events``: the largest
-    lag (in events) at which a consumer is still ready.
+    lag (in events) at which a consumer is still ready; ``ready_lag_s``: the longest the
+    oldest event not handled may have waited (None: any). A projector's lag counts what the
+    writer has not handled yet too (:attr:`~projector.nats.lag.Lag.behind_events`): its bucket
+    is stale as much while the writer is paused as while it is itself behind.
     """
 
-    def __init__(self, nc: Client | None = None, *, ready_lag_events: int = 1000) -> None:
+    def __init__(
+        self,
+        nc: Client | None = None,
+        *,
+        ready_lag_events: int = 1000,
+        ready_lag_s: float | None = None,
+    ) -> None:
         self.nc = nc
         self.ready_lag_events = ready_lag_events
+        self.ready_lag_s = ready_lag_s
         self.sources: list[Source] = []
         # Not ready for a reason of the command's own while set (serve-http: its API is not
         # listening yet), whatever the consumers say.
@@ -157,7 +167,8 @@ class Metrics:
 
     def readiness(self) -> tuple[bool, str]:
         """``(ready, why)``: ready while NATS is connected and every consumer has caught up
-        with its input, its last lag measurement at most ``ready_lag_events``.
+        with its input, its last lag measurement at most ``ready_lag_events`` events behind
+        the log, the oldest of those waiting at most ``ready_lag_s``.
 
         A consumer that has not measured its lag yet is not ready: at start it may be folding a
         backlog of any size, and only a measurement says it is not."""
@@ -173,8 +184,14 @@ class Metrics:
                 where = f"({source.role} of namespace {namespace})"
                 if not lag.measured_ns:
                     return False, f"replaying: lag not measured yet {where}"
-                if not consumer.caught_up.is_set() or lag.events > self.ready_lag_events:
-                    return False, f"replaying: {lag.events} events behind {where}"
+                behind = lag.behind_events
+                if not consumer.caught_up.is_set() or behind > self.ready_lag_events:
+                    return False, f"replaying: {behind} events behind {where}"
+                if self.ready_lag_s is not None and lag.behind_s > self.ready_lag_s:
+                    return False, (
+                        f"replaying: {behind} events behind, the oldest waiting "
+                        f"{lag.behind_s:.1f}s (ready at {self.ready_lag_s:g}s) {where}"
+                    )
         return True, "ready"
 
 

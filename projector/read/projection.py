@@ -58,7 +58,13 @@ from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.lease import Lease, LeaseLost
 from projector.nats.progress import Progress
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
-from projector.nats.stream import DeadLetterSink, OrderedConsumer, Refused, log_time_ns
+from projector.nats.stream import (
+    DEFAULT_WINDOW,
+    DeadLetterSink,
+    OrderedConsumer,
+    Refused,
+    log_time_ns,
+)
 from projector.nats.tasks import cancel
 from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write
@@ -109,6 +115,7 @@ class ProjectorSettings:
     deltas_subject: str
     registry_bucket: str
     flush_interval_s: float
+    window: int = DEFAULT_WINDOW  # delta messages received and not yet applied, at most
 
 
 # A lease of the namespace for the projector, not yet taken, that calls ``on_lost`` if lost.
@@ -168,6 +175,7 @@ class Projector(LagWatched):
             self,
             on_failure=self._fail,
             dead_letters=dead_letters,
+            window=settings.window,
         )
         self.caught_up = self._consumer.caught_up
         self.lag_watch = LagWatch("projector", self._measure_lag, lag, log)

@@ -11,10 +11,17 @@ the publisher's own, and each call awaits its own acks, so callers can fire many
 concurrently with ``asyncio.gather``.
 
 A publish is never dropped silently: an ack that times out, finds no stream or carries an error
-is retried (same msg-id) up to ``retries`` times, then the call raises :class:`PublishError`.
-A stream that is full (its ``max_msgs``/``max_bytes``, or the server's JetStream storage)
-refuses the event with an error ack, so the call raises :class:`PublishError` saying so, within
-its retries, never blocking. (``ensure`` gives the events stream the discard policy ``new``:
+is retried (same msg-id), then the call raises :class:`PublishError`. How long: a stream leader
+election (4-9 s on an R3 cluster, measured) answers "no responders" or nothing at all, and a
+restarting server takes seconds, so an event that failed that way is retried for
+``retry_for_s`` (15 s) after the call's first attempt, with a pause doubling from 0.05 s to 1 s
+between attempts: a call fails at most ``retry_for_s`` + ``timeout`` after its first attempt
+(20 s with the defaults), and rides out an election. An error ack (the stream answered, and
+said no) is not a moment's trouble: it is retried ``REFUSED_RETRIES`` (3) times, so a stream
+that is full (its ``max_msgs``/``max_bytes``, or the server's JetStream storage) makes the call
+raise :class:`PublishError` saying so within a second, never blocking. ``retries`` caps the
+attempts after the first whatever the failure (None, the default: the time decides).
+(``ensure`` gives the events stream the discard policy ``new``:
 with the default ``old``, a limit would make the server drop the *oldest* events, unfolded
 ones included, without a word.)
 PublishError is the one exception a send that failed raises, whatever failed (an error ack,
@@ -89,6 +96,14 @@ EVENT_HEADROOM = 8 * 1024
 # or a brief disconnect a moment, without slowing a clean failure much.
 BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
+# How long an event that failed for want of a stream leader or a server is retried, after the
+# call's first attempt: an R3 stream leader election stalls publishing 4-9 s.
+RETRY_FOR_S = 15.0
+# An error ack is the stream's answer (full, or another refusal): retried this often, no more.
+REFUSED_RETRIES = 3
+# Error acks that only say "not now" (JetStream temporarily unavailable): retried like a
+# timeout, for as long as ``retry_for_s`` allows.
+TRANSIENT_ERRORS = frozenset({10008})
 
 _WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
 # Kept as they are in a msg-id: printable ASCII but "%", the escape. A header value is trimmed
@@ -175,7 +190,16 @@ class _Round:
 class _Call:
     """What one call knows about its events, by index in the given order."""
 
-    __slots__ = ("errors", "events", "fatal", "msg_ids", "payloads", "seqs", "subjects")
+    __slots__ = (
+        "errors",
+        "events",
+        "fatal",
+        "msg_ids",
+        "payloads",
+        "refusals",
+        "seqs",
+        "subjects",
+    )
 
     def __init__(
         self,
@@ -191,6 +215,7 @@ class _Call:
         self.seqs: list[int | None] = [None] * len(events)
         self.errors: dict[int, list[str]] = {}  # the failed attempts of each event
         self.fatal: dict[int, PublishError] = {}  # not to be retried (a msg-id collision)
+        self.refusals: dict[int, int] = {}  # the error acks of each event (see REFUSED_RETRIES)
 
     def request_id(self, i: int) -> str | None:
         return getattr(self.events[i], "request_id", None)
@@ -203,8 +228,11 @@ class RouterPublisher:
     beyond it wait for a slot (in order), never dropped or failed for it. 256 keeps the
     client's pipeline full (a round trip on loopback takes a fraction of a millisecond) while
     bounding what is buffered for the server to 256 events (about 0.6 MB of large
-    AddRequests). ``retries`` and ``timeout``: attempts after the first, and the seconds each
-    waits for its ack. ``heartbeat_every_s``: see :meth:`start`.
+    AddRequests). ``timeout``: the seconds each attempt waits for its ack; ``retry_for_s``:
+    how long after a call's first attempt an event that failed is retried (15 s: longer than
+    a stream leader election); ``retries``: at most this many attempts after the first (None:
+    as many as ``retry_for_s`` allows). An error ack is retried ``REFUSED_RETRIES`` times at
+    most. ``heartbeat_every_s``: see :meth:`start`.
     """
 
     def __init__(
@@ -215,8 +243,9 @@ class RouterPublisher:
         router_id: str,
         config: Config | None = None,
         max_pending: int = 256,
-        retries: int = 3,
+        retries: int | None = None,
         timeout: float = 5.0,
+        retry_for_s: float = RETRY_FOR_S,
         heartbeat_every_s: float = 5.0,
     ) -> None:
         if not router_id:
@@ -232,8 +261,10 @@ class RouterPublisher:
             raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending}: must be at least 1")
-        if retries < 0:
+        if retries is not None and retries < 0:
             raise ValueError(f"retries={retries}: must not be negative")
+        if retry_for_s < 0:
+            raise ValueError(f"retry_for_s={retry_for_s}: must not be negative")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout}: must be positive")
         if heartbeat_every_s <= 0:
@@ -245,6 +276,7 @@ class RouterPublisher:
         self.max_pending = max_pending
         self.retries = retries
         self.timeout = timeout
+        self.retry_for_s = retry_for_s
         # One slot per event on the wire; nats-py's publish_async is not used: it leaves its
         # future pending forever when the ack carries an error (nats-io/nats.py#985), so a
         # full stream looked like an ack timeout.
@@ -441,7 +473,8 @@ class RouterPublisher:
         - Every event gets its own ``Nats-Msg-Id: <router_id>:<router_seq>``, consecutive in
           the given order, so a retried one is stored once.
         - An event whose ack times out, finds no stream or carries an error is sent again with
-          its msg-id, up to ``retries`` times; one that still fails, or whose first attempt is
+          its msg-id (for ``retry_for_s``; an error ack ``REFUSED_RETRIES`` times; at most
+          ``retries`` times when set); one that still fails, or whose first attempt is
           acknowledged as a duplicate (a msg-id collision), makes the call raise
           :class:`PublishError` naming the first such event in the given order, once every
           other event of the call is settled. The error's ``sequences`` tell which events of
@@ -493,17 +526,33 @@ class RouterPublisher:
                     request_id=call.request_id(0),
                     sequences=[None] * len(call.events),
                 ) from exc
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
         self._in_progress.add(done)
         try:
             todo: Sequence[int] = range(len(call.events))
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
-                await self._send_round(call, todo, first=attempt == 0)
-                todo = [i for i in todo if call.seqs[i] is None and i not in call.fatal]
-                if not todo:
+            await self._send_round(call, todo, first=True)
+            # The budget starts once every event has had its first attempt: a large batch
+            # waiting for slots (backpressure) is not failing.
+            deadline = loop.time() + self.retry_for_s
+            attempt = 0
+            while True:
+                refusals = call.refusals
+                todo = [
+                    i
+                    for i in todo
+                    if call.seqs[i] is None
+                    and i not in call.fatal
+                    and refusals.get(i, 0) <= REFUSED_RETRIES
+                ]
+                attempt += 1
+                if not todo or (self.retries is not None and attempt > self.retries):
                     break
+                pause = min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                if loop.time() + pause > deadline:
+                    break
+                await asyncio.sleep(pause)
+                await self._send_round(call, todo, first=False)
         finally:
             self._in_progress.discard(done)
             done.set_result(None)
@@ -611,6 +660,9 @@ class RouterPublisher:
             api_error = nats.js.errors.APIError(
                 code=err.code, err_code=err.err_code, description=err.description
             )
+            if err.err_code not in TRANSIENT_ERRORS:
+                calls = rnd.call.refusals
+                calls[i] = calls.get(i, 0) + 1
             self._settle(rnd, i, None, _describe(api_error))
         elif ack.duplicate and rnd.first:
             call = rnd.call

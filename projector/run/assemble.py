@@ -61,6 +61,7 @@ def writer_settings(config: Config) -> WriterSettings:
         idle_tick_s=config.idle_tick_s,
         tick_every_s=config.tick_every_s,
         bounds=config.rank_bounds,
+        window=config.consumer_window,
     )
 
 
@@ -72,6 +73,7 @@ def projector_settings(config: Config) -> ProjectorSettings:
         deltas_subject=config.deltas_subject,
         registry_bucket=config.registry_bucket,
         flush_interval_s=config.flush_interval_s,
+        window=config.consumer_window,
     )
 
 

@@ -136,6 +136,12 @@ class Config:
         "the writer and the projector look up their lag this often (two small reads)",
         "SECONDS",
     )
+    consumer_window: int = _setting(
+        4096,
+        "messages the writer (projector) is sent and has not handled yet, at most: what it "
+        "holds in memory while it catches up, whatever the backlog",
+        "N",
+    )
     max_ranks_per_worker: int = _setting(
         MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
     )
@@ -194,7 +200,8 @@ class Config:
     )
     ready_lag_events: int = _setting(
         1000,
-        "/readyz answers 200 only while the last lag measurement is at most this many events",
+        "/readyz answers 200 only while the last lag measurement is at most this many events "
+        "(the projector's: events logged and not in the bucket yet, the writer's lag included)",
         "N",
     )
     http_host: str = _setting(
@@ -213,6 +220,13 @@ class Config:
     )
     http_token_file: str | None = _setting(
         None, "a file holding serve-http's bearer token (as --http-token; one line)", "PATH"
+    )
+    ready_lag_s: float | None = _setting(
+        10.0,
+        "/readyz answers 200 only while the oldest event not handled yet (for the projector: "
+        "not in the bucket yet) has waited at most this long; 'off' never (keep it above "
+        "--idle-tick-s: an event dead-lettered last is passed by the next Tick)",
+        "SECONDS",
     )
 
     def __post_init__(self) -> None:
@@ -500,6 +514,7 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("behind_warn_events", lambda v: "" if v is None or v >= 1 else "must be at least 1, or 'off'"),
     ("behind_warn_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
     ("lag_check_s", _positive),
+    ("consumer_window", lambda v: "" if 16 <= v <= 1_000_000 else "must be 16 to 1000000"),
     ("max_ranks_per_worker", _positive),
     ("max_ranks", _positive),
     ("max_tombstones", _not_negative),
@@ -541,6 +556,7 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ),
     ("http_token", lambda v: "" if v is None else bearer_problem(v)),
     ("http_token_file", _file),
+    ("ready_lag_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
 ]
 
 

@@ -49,7 +49,13 @@ from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.logs import event_fields
 from projector.nats.progress import Progress
-from projector.nats.stream import DeadLetterSink, OrderedConsumer, Refused, log_time_ns
+from projector.nats.stream import (
+    DEFAULT_WINDOW,
+    DeadLetterSink,
+    OrderedConsumer,
+    Refused,
+    log_time_ns,
+)
 from projector.nats.tasks import cancel
 from projector.wire.headers import MSG_ID
 from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
@@ -90,6 +96,7 @@ class WriterSettings:
     idle_tick_s: float
     tick_every_s: float
     bounds: RankBounds
+    window: int = DEFAULT_WINDOW  # events received and not yet folded, at most (catch-up memory)
 
 
 class Writer(LagWatched):
@@ -150,6 +157,7 @@ class Writer(LagWatched):
             on_failure=self._fold_failed,
             position=self.applied,
             dead_letters=dead_letters,
+            window=settings.window,
         )
         self.caught_up = self._events.caught_up
         self.lag_watch = LagWatch("writer", self._measure_lag, lag, log)

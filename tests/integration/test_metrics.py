@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -375,6 +376,122 @@ async def test_readyz_is_503_while_the_writer_replays_a_backlog_then_200(
         assert (await http_get(port, "/healthz"))[:1] == (200,)
         assert (await http_get(port, "/nope"))[0] == 404
         assert (await http_get(port, "/metrics", method="POST"))[0] == 405
+
+
+async def test_the_projectors_readyz_is_503_while_the_writer_is_paused_then_200(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Issue 21: a writer SIGSTOPped under load left the projector's /readyz saying ready on a
+    bucket 30 s stale (no delta came, so the projector had nothing to wait for).
+
+    Broke: a writer and a projector as commands; the writer SIGSTOPped; 2 events published
+    (under --ready-lag-events 20), then 40 more. Expected: the projector's /readyz 503 by age
+    first (the oldest event not in the bucket waited over --ready-lag-s 1), then by count
+    (42 events behind); SIGCONT: 200 again. An undecodable event published last (it gets no
+    delta, only a dead letter) does not make the bucket look stale: still 200 well after
+    --ready-lag-s."""
+    config = fresh_config("rp")
+    await ensure(nc, config)
+    w_port, p_port = free_port(), free_port()
+    common = (*name_flags(config), "--lag-check-s", "0.1")
+    ready = ("--ready-lag-events", "20", "--ready-lag-s", "1")
+    w_log, p_log = tmp_path / "writer.log", tmp_path / "projector.log"
+    answers: list[tuple[int, str]] = []
+
+    async def readyz() -> tuple[int, str]:
+        status, _, body = await http_get(p_port, "/readyz")
+        answers.append((status, body))
+        return status, body
+
+    def said() -> str:
+        return f"answers {answers[-3:]}\n{w_log.read_text()[-1500:]}\n{p_log.read_text()[-1500:]}"
+
+    async with (
+        command(
+            nats_server.url,
+            w_log,
+            "writer",
+            *common,
+            "--idle-tick-s",
+            "3600",
+            "--metrics-port",
+            str(w_port),
+        ) as writer,
+        command(
+            nats_server.url, p_log, "projector", *common, *ready, "--metrics-port", str(p_port)
+        ),
+    ):
+        first = await publish(nc, config, [WorkerAdded(7)])
+        await eventually(
+            lambda: scrape(p_port),
+            lambda s: (
+                pick(s, "seqstate_applied_seq", namespace=config.namespace, role="projector")
+                == first
+            ),
+            what="the first event in the bucket",
+            timeout=WAIT_S,
+            interval=0.05,
+            retry_on=(OSError,),
+            watch=said,
+        )
+        await eventually(
+            readyz,
+            lambda a: a[0] == 200,
+            what="the projector ready",
+            timeout=WAIT_S,
+            interval=0.05,
+            retry_on=(OSError,),
+            watch=said,
+        )
+        writer.send_signal(signal.SIGSTOP)
+        try:
+            await publish(nc, config, [Free(f"gone{i}", 7) for i in range(2)])
+            status, body = await eventually(
+                readyz,
+                lambda a: a[0] == 503,
+                what="/readyz 503: the oldest event not in the bucket waits too long",
+                timeout=WAIT_S,
+                interval=0.05,
+                watch=said,
+            )
+            assert re.match(r"replaying: 2 events behind, the oldest waiting", body), body
+            await publish(nc, config, [Free(f"more{i}", 7) for i in range(40)])
+            status, body = await eventually(
+                readyz,
+                lambda a: a[1].startswith("replaying: 42 events behind (projector"),
+                what="/readyz 503: 42 events behind",
+                timeout=WAIT_S,
+                interval=0.05,
+                watch=said,
+            )
+            assert status == 503, body
+        finally:
+            writer.send_signal(signal.SIGCONT)
+        await eventually(
+            readyz,
+            lambda a: a == (200, "ready\n"),
+            what="the projector ready once the writer caught up",
+            timeout=WAIT_S,
+            interval=0.05,
+            watch=said,
+        )
+        loop = asyncio.get_running_loop()
+        published = loop.time()
+        await publish(nc, config, [b"\xc1 not an event"])
+
+        async def since() -> tuple[float, tuple[int, str]]:
+            return loop.time() - published, await readyz()
+
+        # Ready at a time well past --ready-lag-s after it: were the dead-lettered event taken
+        # for one the writer has not handled, /readyz would stay 503 from 1 s on, for good.
+        await eventually(
+            since,
+            lambda a: a[0] > 2.5 and a[1] == (200, "ready\n"),
+            what="/readyz 200 2.5 s after an undecodable event",
+            timeout=WAIT_S,
+            interval=0.1,
+            watch=said,
+        )
 
 
 async def test_a_scheduler_exports_a_views_per_worker_gauges_from_its_own_registry(

@@ -183,6 +183,34 @@ async def test_lost_ack_is_retried_with_the_same_msg_id_and_stored_once(
     assert pub.pending == 0 and pub.in_flight == 0
 
 
+async def test_the_default_retries_outlast_a_stream_missing_for_seconds(nc: Client) -> None:
+    """Issue 21: the defaults backed off about 0.35 s in all, while an R3 leader election
+    leaves a stream without a leader ("no responders") for 4-9 s. Broke: published with the
+    defaults to a stream that only appears 3 s later (what an election looks like to a
+    publisher). Expected: stored, once; and with ``retries`` capped, the same raises."""
+    config = _unique_config()
+    js = nc.jetstream()
+    capped = RouterPublisher(nc, router_id="capped", config=config, retries=3)
+    with pytest.raises(PublishError, match="4 attempt"):
+        await capped.publish(Free(request_id="r0", worker_id=1))
+    pub = RouterPublisher(nc, router_id="rides", config=config)
+    assert pub.retries is None and pub.retry_for_s == 15.0
+
+    async def appears() -> None:
+        await asyncio.sleep(3.0)  # the outage being ridden out, not a wait for a result
+        await js.add_stream(name=config.events_stream, subjects=[config.events_subjects])
+
+    try:
+        seqs, _ = await asyncio.gather(
+            pub.publish_many([Free(request_id=f"r{i}", worker_id=1) for i in range(3)]),
+            appears(),
+        )
+        assert seqs == [1, 2, 3]
+        assert (await js.stream_info(config.events_stream)).state.messages == 3
+    finally:
+        await js.delete_stream(config.events_stream)
+
+
 async def test_no_stream_raises_publish_error_after_retries(nc: Client) -> None:
     config = _unique_config()  # no stream captures its subjects
     pub = RouterPublisher(nc, router_id="lost", config=config, retries=2, timeout=0.5)

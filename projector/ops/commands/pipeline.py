@@ -113,7 +113,7 @@ async def pipeline_metrics(nc: Client, config: Config) -> AsyncIterator[Callable
     from projector.ops.metrics import PROJECTOR, WRITER, Metrics
 
     current: list[Any] = []
-    metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+    metrics = Metrics(nc, ready_lag_events=config.ready_lag_events, ready_lag_s=config.ready_lag_s)
     metrics.follow(WRITER, lambda: [p.writer for p in current])
     metrics.follow(PROJECTOR, lambda: [p.projector for p in current], per_worker=False)
 
@@ -148,7 +148,9 @@ async def run_consumer(
     catch_signals()
     async with connect(require_url(config), service=True, config=config) as nc:
         consumer = make(nc, config)
-        metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+        metrics = Metrics(
+            nc, ready_lag_events=config.ready_lag_events, ready_lag_s=config.ready_lag_s
+        )
         metrics.follow(role, lambda: [consumer])
         metrics.hook(role, consumer)
         async with serving(metrics, config):

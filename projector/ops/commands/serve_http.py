@@ -81,7 +81,7 @@ async def slot_metrics(nc: Client, config: Config, service: Any) -> AsyncIterato
             if t.standby.pipeline is not None
         ]
 
-    metrics = Metrics(nc, ready_lag_events=config.ready_lag_events)
+    metrics = Metrics(nc, ready_lag_events=config.ready_lag_events, ready_lag_s=config.ready_lag_s)
     metrics.follow(VIEW, lambda: [t.view for t in list(service.trackers.values())], required=False)
     metrics.follow(
         WRITER, lambda: [p.writer for p in pipelines()], per_worker=False, required=False
