@@ -128,6 +128,9 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
                 *read_stream(deltas),
                 *read_stream(registry),
                 f"$KV.{config.registry_bucket}.>",
+                # its readiness counts what the writer has not handled yet: the events
+                # stream's newest messages, and the newest writer dead letter
+                *(f"$JS.API.STREAM.MSG.GET.{s}" for s in (events, dead)),
             ],
         ),
         "replay": (
