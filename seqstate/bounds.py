@@ -1,11 +1,22 @@
-"""How many ranks the write model may hold: admission, before an event is applied.
+"""What the write model may hold: admission, before an event is applied.
 
-Each rank costs a slot, two bucket keys and a row in every read. A ``WorkerAdded`` with
+Ranks. Each rank costs a slot, two bucket keys and a row in every read. A ``WorkerAdded`` with
 ``dp_size`` 4096 is a valid event, and 25 of them made 102,408 ranks (250 MB in the writer,
 204k keys). So the writer refuses, and dead-letters with the reason, an event that would take a
 worker or the whole table past its bound. The check is a pure function of the state and the
 event, and costs what the event names (its dp range), not the size of the table; every fold
-of the log (the writer, a replay) asks it before ``apply``, so they stay equal.
+of the log (the writer, a replay) asks it before ``apply`` (through
+:class:`seqstate.fold.Fold`), so they stay equal.
+
+Sums. A rank's pending prefill tokens and modeled prefill milliseconds are sums of numbers the
+events carry, each valid alone (a u64), so two valid AddRequests with ``prefill_tokens`` of
+2^63 made a sum no delta could encode (msgpack stops at u64): the writer died on it, for good.
+An AddRequest that would take either sum of its rank past :data:`MAX_SUM` is refused with
+the sum it would make. Every other number the state keeps is a count that grows by one per
+event or by what one event carries (requests, slots, blocks, output blocks), or a log time:
+2^64 is out of reach of any log. Checked against the rank's slot as it stands before the
+event, so an add that would be a duplicate, or whose Mark came first, is refused alike: the
+rule stays a function of the state and the event alone.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from seqstate.decay import NS_PER_MS
 from seqstate.events import AddRequest, Event, RouterHeartbeat, WorkerAdded
 from seqstate.state import SequenceState
 
@@ -21,6 +33,8 @@ MAX_RANKS: Final = 16_384
 # Live routers the write model tracks: each heartbeat of a new router id adds one until it
 # lapses, so a flood of invented ids must not grow the state without bound.
 MAX_ROUTERS: Final = 100_000
+# The largest sum a rank keeps: what a delta (msgpack) and a bucket value can carry.
+MAX_SUM: Final = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,10 @@ class RankBounds:
             )
         if isinstance(event, AddRequest):
             rank = (event.worker_id, event.dp_rank)
+            if event.prefill_tokens and event.track_prefill_tokens:
+                why = _prefill_overflow(state, rank, event)
+                if why:
+                    return why
             if rank in workers.slots or not state.lazy_workers:
                 return ""  # an existing rank, or none is created (unknown_worker)
             return self._over(
@@ -72,3 +90,30 @@ class RankBounds:
                 f"{self.total} (max_ranks)"
             )
         return ""
+
+
+def _prefill_overflow(state: SequenceState, rank: tuple[int, int], event: AddRequest) -> str:
+    """Why booking ``event``'s prefill would take a sum of its rank past :data:`MAX_SUM`."""
+    slot = state.workers.slots.get(rank)
+    if slot is None:
+        slot = state.departures.slots.get(rank)  # a departed worker's, within its grace
+        if slot is None:
+            return ""  # a new rank: each number alone is a u64
+    prefill = slot.prefill
+    tokens = prefill.full_tokens + event.prefill_tokens
+    where = f"worker {rank[0]} rank {rank[1]}"
+    if tokens > MAX_SUM:
+        return (
+            f"the prefill tokens pending on {where} would sum to {tokens}, over the bound of "
+            f"{MAX_SUM} (u64); AddRequest {event.request_id[:60]!r} is not booked"
+        )
+    ms = event.expected_prefill_ms
+    if ms is not None:
+        total_ms = prefill.modeled_ms_sum + round(ms * 1_000_000) // NS_PER_MS
+        if total_ms > MAX_SUM:
+            return (
+                f"the modeled prefill milliseconds pending on {where} would sum to {total_ms}, "
+                f"over the bound of {MAX_SUM} (u64); AddRequest {event.request_id[:60]!r} is "
+                "not booked"
+            )
+    return ""

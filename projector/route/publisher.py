@@ -88,7 +88,6 @@ EVENT_HEADROOM = 8 * 1024
 BACKOFF_S = 0.05
 MAX_BACKOFF_S = 1.0
 
-_WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
 # Kept as they are in a msg-id: printable ASCII but "%", the escape. A header value is trimmed
 # and its CR/LF turned into spaces on the way out, so " r" and "r", or "a\nb" and "a b", would
 # otherwise share msg-ids: the second router's events refused as duplicates, or lost on a retry.
@@ -396,10 +395,9 @@ class RouterPublisher:
         )
 
     def subject_for(self, event: Event) -> str:
-        """Worker events go to ``<ns>.<worker_id>.<dp_rank>``; Tick and topology to control."""
-        if isinstance(event, _WORKER_EVENTS):
-            return self.config.event_subject(event.worker_id, event.dp_rank)
-        return self.config.control_subject
+        """Worker events go to ``<ns>.<worker_id>.<dp_rank>``; Tick and topology to control:
+        the subject the fold (seqstate.fold) checks the event against, from the same rule."""
+        return self.config.subject_of(event)
 
     async def publish(self, event: Event) -> int:
         """Publish any seqstate event; returns its stream sequence.

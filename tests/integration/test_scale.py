@@ -220,7 +220,9 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
 async def test_an_event_that_cannot_fit_is_refused_at_publish_and_dead_lettered_by_the_writer(
     small: Client,
 ) -> None:
-    config = fresh_config("huge")
+    # The fold's size rule is a setting: on a server with a smaller payload limit, it is set
+    # to what the server can store the delta of (the writer refuses to start above it).
+    config = fresh_config("huge", max_event_bytes=SMALL - 5 * 1024)
     async with Pipeline(small, config) as pipeline:
         pub = RouterPublisher(small, namespace=config.namespace, router_id="h", config=config)
         too_big = AddRequest("huge", 1, block_hashes=list(range(2**40, 2**40 + 7000)))
