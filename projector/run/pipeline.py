@@ -29,6 +29,7 @@ from projector.read.projection import DeltaGap
 from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config, ConfigError
 from projector.write.snapshotter import SnapshotUnavailable
+from projector.write.writer import EventLimitUnfit
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate")
@@ -40,6 +41,7 @@ class PipelineStopped(SeqstateError, RuntimeError):
 
 PERMANENT: tuple[type[BaseException], ...] = (
     ConfigError,
+    EventLimitUnfit,
     ProvisioningError,
     SnapshotUnavailable,
     DeltaGap,
