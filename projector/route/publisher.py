@@ -664,6 +664,12 @@ class RouterPublisher:
                 f"max_payload of {self._nc.max_payload:,} less room for its delta's headers); "
                 "it was not sent"
             )
+        if len(payload) > self.config.max_event_bytes:  # the fold would refuse it: too_large
+            raise EventTooLarge(
+                f"{_what(event, getattr(event, 'request_id', None))}: {len(payload):,} bytes "
+                f"encoded, over the {self.config.max_event_bytes:,} bytes of max_event_bytes, "
+                "the largest event the writer applies; it was not sent"
+            )
         return event, payload
 
     async def flush(self) -> int | None:
