@@ -122,6 +122,9 @@ class Pipeline:
         if ready not in done:
             ready.cancel()
             await self.stop()
+            for task in self._tasks:  # one that failed at start says why (a setting, ...)
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
             raise PipelineStopped("the writer or the projector did not catch up with its stream")
         return self
 
