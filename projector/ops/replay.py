@@ -1,8 +1,10 @@
 """Replay: fold the log into a fresh state in process, to any point, and compare or rebuild.
 
-Because every event is applied at its log time, folding the stream again gives the state the
-writer had at any sequence, byte for byte; ``--at`` stops at a log time instead, which answers
-"what did the scheduler see at 12:03:07?". A replay starts from the newest valid snapshot at or
+Because every event is applied at its log time, and every message goes through the writer's
+own fold (:class:`seqstate.fold.Fold`, by the configuration's ``fold_rules``: what the writer
+dead-lettered, a replay skips, for the same reason), folding the stream again gives the state
+the writer had at any sequence, byte for byte; ``--at`` stops at a log time instead, which
+answers "what did the scheduler see at 12:03:07?". A replay starts from the newest valid snapshot at or
 before its target (so it costs the tail), or from an empty state at ``--from-seq``.
 
 ``verify`` replays to the bucket's recorded position and names every key whose value differs.
@@ -112,7 +114,7 @@ class _Folder:
 
     def fold_batch(self, batch: list[tuple[int, int, str, bytes]]) -> bool:
         """:meth:`__call__` over a batch, with the per-message work kept in one tight loop."""
-        fold, on_refused = self.fold, self.on_refused
+        fold, on_refused = self.fold.__call__, self.on_refused
         end = self.end_seq
         until = self.until_ns if self.until_ns is not None else 1 << 64
         last, folded, dead = self.last, 0, 0
