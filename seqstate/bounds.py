@@ -46,14 +46,15 @@ class RankBounds:
     def refusal(self, state: SequenceState, event: Event) -> str:
         """Why ``event`` may not be applied ("" if it may)."""
         workers = state.workers
-        if isinstance(event, RouterHeartbeat):
+        # Exact type tests: an isinstance of a Struct class costs ~80 ns, on every event.
+        if type(event) is RouterHeartbeat:
             if event.router_id in state.routers or len(state.routers) < self.routers:
                 return ""
             return (
                 f"{len(state.routers)} live routers already, the bound (max_routers); "
                 f"router {event.router_id!r} is not tracked"
             )
-        if isinstance(event, AddRequest):
+        if type(event) is AddRequest:
             rank = (event.worker_id, event.dp_rank)
             if event.prefill_tokens and event.track_prefill_tokens:
                 why = _prefill_overflow(state, rank, event)
@@ -64,7 +65,7 @@ class RankBounds:
             return self._over(
                 event.worker_id, workers.ranks_of(event.worker_id) + 1, len(workers.slots) + 1
             )
-        if isinstance(event, WorkerAdded):
+        if type(event) is WorkerAdded:
             worker_id = event.worker_id
             wanted = range(event.dp_start, event.dp_start + event.dp_size)
             if event.dp_size > self.per_worker:
@@ -101,19 +102,19 @@ def _prefill_overflow(state: SequenceState, rank: tuple[int, int], event: AddReq
             return ""  # a new rank: each number alone is a u64
     prefill = slot.prefill
     tokens = prefill.full_tokens + event.prefill_tokens
-    where = f"worker {rank[0]} rank {rank[1]}"
     if tokens > MAX_SUM:
         return (
-            f"the prefill tokens pending on {where} would sum to {tokens}, over the bound of "
-            f"{MAX_SUM} (u64); AddRequest {event.request_id[:60]!r} is not booked"
+            f"the prefill tokens pending on worker {rank[0]} rank {rank[1]} would sum to "
+            f"{tokens}, over the bound of {MAX_SUM} (u64); AddRequest "
+            f"{event.request_id[:60]!r} is not booked"
         )
     ms = event.expected_prefill_ms
     if ms is not None:
         total_ms = prefill.modeled_ms_sum + round(ms * 1_000_000) // NS_PER_MS
         if total_ms > MAX_SUM:
             return (
-                f"the modeled prefill milliseconds pending on {where} would sum to {total_ms}, "
-                f"over the bound of {MAX_SUM} (u64); AddRequest {event.request_id[:60]!r} is "
-                "not booked"
+                f"the modeled prefill milliseconds pending on worker {rank[0]} rank {rank[1]} "
+                f"would sum to {total_ms}, over the bound of {MAX_SUM} (u64); AddRequest "
+                f"{event.request_id[:60]!r} is not booked"
             )
     return ""

@@ -61,6 +61,7 @@ MAX_EVENT_BYTES: Final = 1_048_576 - 5 * 1024
 CONTROL: Final = "control"
 # The events a router publishes on its rank's subject; every other goes on the control subject.
 WORKER_EVENTS: Final = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
+_WORKER_TYPES: Final = frozenset(WORKER_EVENTS)
 _UNSEEN: Final[tuple[int, ...]] = (-1,)  # a subject not parsed yet (compared by identity)
 _RANK_TOKENS: Final = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
 _ROUTES_KEPT: Final = 65_536  # subjects remembered; a flood of invented ones is forgotten
@@ -161,8 +162,12 @@ class Fold:
         route = self._routes.get(subject, _UNSEEN)
         if route is _UNSEEN:
             route = self._route(subject)
-        if isinstance(event, WORKER_EVENTS):
-            if not route or route[0] != event.worker_id or route[1] != event.dp_rank:
+        if type(event) in _WORKER_TYPES:  # an isinstance of a Struct class costs ~80 ns each
+            if (
+                not route
+                or route[0] != event.worker_id  # type: ignore[union-attr]
+                or route[1] != event.dp_rank  # type: ignore[union-attr]
+            ):
                 return self._misrouted(subject, event)
         elif route != ():
             return self._misrouted(subject, event)

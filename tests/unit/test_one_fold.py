@@ -43,7 +43,7 @@ from seqstate.bounds import RankBounds
 from seqstate.fold import control_subject, subject_of, worker_subject
 
 NS = "fz"
-RULES = FoldRules(NS, max_event_bytes=400, bounds=RankBounds(per_worker=3, total=6, routers=3))
+RULES = FoldRules(NS, max_event_bytes=8000, bounds=RankBounds(per_worker=3, total=6, routers=3))
 RANKS = [(w, r) for w in range(3) for r in range(2)]
 IDS = st.sampled_from([f"r{i}" for i in range(8)])
 TOKENS = st.sampled_from([0, 1, 500, 2**63, 2**64 - 1])
@@ -100,7 +100,7 @@ def hostile(draw: st.DrawFn) -> tuple[str, bytes]:
                 b"\x92\x01\x83\xa4type\xaaAddRequest\xaarequest_id\xa1a\xacblock_hashes"
                 b"\xdd\xff\xff\xff\xff",  # an array that claims 2^32-1 hashes
                 good[: draw(st.integers(0, max(0, len(good) - 1)))],  # truncated
-                encode_event(AddRequest("big", 1, block_hashes=list(range(2**60, 2**60 + 60)))),
+                encode_event(AddRequest("big", 1, block_hashes=list(range(2**60, 2**60 + 900)))),
             ]
         )
     )
@@ -122,7 +122,7 @@ def message(draw: st.DrawFn) -> tuple[str, bytes]:
 
 @st.composite
 def logs(draw: st.DrawFn) -> list[tuple[int, int, str, bytes]]:
-    messages = draw(st.lists(message(), min_size=1, max_size=60))
+    messages = draw(st.lists(message(), min_size=5, max_size=80))
     gaps = draw(st.lists(st.sampled_from([0, 1, 10**9, 40 * 10**9]), min_size=len(messages)))
     out, at = [], 1_700_000_000 * 10**9
     for seq, ((subject, payload), gap) in enumerate(zip(messages, gaps, strict=False), 1):
