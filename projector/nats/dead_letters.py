@@ -18,8 +18,6 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from seqstate import fold
-
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
 from projector.wire.headers import (
     MSG_ID,
@@ -30,6 +28,7 @@ from projector.wire.headers import (
     SUBJECT,
     TRUNCATED,
 )
+from seqstate import fold
 
 log = logging.getLogger("seqstate.dead")
 

@@ -4,12 +4,13 @@ nats-py turns each delivered message into a ``Msg`` with parsed headers and runs
 through a queue: 50-55k messages/s on these machines, the ceiling of any replay through it.
 A replay needs none of that: it reads one push consumer's deliveries in order and needs, per
 message, the stream sequence and nanosecond log time (both in the ``$JS.ACK`` reply subject),
-the subject (the fold checks it against the event) and the payload. So a child process opens its own connection, subscribes to the consumer's
-deliver subject, slices frames out of the socket buffer, answers flow control, and writes the
-triples to a pipe in batches; the parent, on the other core, decodes and folds. The parent owns
-the consumer (created once the child's subscription is in place, deleted at the end) and falls
-back to the nats-py path when the child cannot be used (an NKEY seed or a credentials file:
-signing the server's nonce is nats-py's; a gap, an early exit).
+the subject (the fold checks it against the event) and the payload. So a child process opens
+its own connection, subscribes to the consumer's deliver subject, slices frames out of the
+socket buffer, answers flow control, and writes those to a pipe in batches; the parent, on
+the other core, decodes and folds. The parent owns the consumer (created once the child's
+subscription is in place, deleted at the end) and falls back to the nats-py path when the
+child cannot be used (an NKEY seed or a credentials file: signing the server's nonce is
+nats-py's; a gap, an early exit).
 
 The child connects as the client did: the same server, credentials (user and password, or a
 token, from the URL or the ``nats_*`` settings) and TLS (whenever the client's connection is

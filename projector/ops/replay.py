@@ -4,8 +4,9 @@ Because every event is applied at its log time, and every message goes through t
 own fold (:class:`seqstate.fold.Fold`, by the configuration's ``fold_rules``: what the writer
 dead-lettered, a replay skips, for the same reason), folding the stream again gives the state
 the writer had at any sequence, byte for byte; ``--at`` stops at a log time instead, which
-answers "what did the scheduler see at 12:03:07?". A replay starts from the newest valid snapshot at or
-before its target (so it costs the tail), or from an empty state at ``--from-seq``.
+answers "what did the scheduler see at 12:03:07?". A replay starts from the newest valid
+snapshot at or before its target (so it costs the tail), or from an empty state at
+``--from-seq``.
 
 ``verify`` replays to the bucket's recorded position and names every key whose value differs.
 ``rebuild`` re-derives the whole bucket of a namespace from the write model. The bucket has one
@@ -163,9 +164,7 @@ async def fold_stream(
     """
     if end_seq < start_seq:
         return 0, 0, 0, 0
-    folder = _Folder(
-        state, start_seq, end_seq, until_ns, progress, config.fold_rules, on_refused
-    )
+    folder = _Folder(state, start_seq, end_seq, until_ns, progress, config.fold_rules, on_refused)
     state.defer_registry(changes=False)
     # A replay allocates millions of objects that live on: the cyclic collector would scan
     # them again and again for cycles that the fold never makes.

@@ -66,7 +66,6 @@ from nats.aio.msg import Msg
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from seqstate import (
-    AddOutputBlock,
     AddRequest,
     Event,
     Free,

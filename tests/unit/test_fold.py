@@ -162,8 +162,7 @@ def test_a_trailing_envelope_element_is_refused_not_skipped() -> None:
         (b"", "malformed event bytes: Input data was truncated"),
         (
             b"\xc1",
-            "malformed event bytes: MessagePack data is malformed: invalid opcode '\\xc1' "
-            "(byte 0)",
+            "malformed event bytes: MessagePack data is malformed: invalid opcode '\\xc1' (byte 0)",
         ),
         (_raw([7, {}]), "unsupported schema version 7 (this build reads 1)"),
         (b"\xdc\x00\x02\xcd\x01\x00\x80", "unsupported schema version 256 (this build reads 1)"),

@@ -11,6 +11,7 @@ the write models are byte-identical.
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import msgspec
@@ -138,9 +139,9 @@ def new_state() -> SequenceState:
 Verdicts = dict[int, tuple[str, str]]  # seq -> (outcome or refusal kind, reason)
 
 
-def as_writer(log: list[tuple[int, int, str, bytes]], crashes: list[int]) -> tuple[
-    bytes, Verdicts, list[bytes]
-]:
+def as_writer(
+    log: list[tuple[int, int, str, bytes]], crashes: list[int]
+) -> tuple[bytes, Verdicts, list[bytes]]:
     """As the writer folds: one message at a time, its registry deferred, snapshots along the
     way, and at each crash point a restart from the newest snapshot, folding again from there
     (the verdicts of the events folded twice must not change)."""
@@ -176,9 +177,9 @@ def as_writer(log: list[tuple[int, int, str, bytes]], crashes: list[int]) -> tup
     return fold.state.snapshot(), verdicts, [deltas[s] for s in sorted(deltas)]
 
 
-def as_replay(log: list[tuple[int, int, str, bytes]], cuts: list[int] | None) -> tuple[
-    bytes, Verdicts
-]:
+def as_replay(
+    log: list[tuple[int, int, str, bytes]], cuts: list[int] | None
+) -> tuple[bytes, Verdicts]:
     """As ``fold_stream`` folds: the registry deferred without changes, then batches cut at
     ``cuts`` (the fast reader), or one message at a time (nats-py) when None."""
     state = new_state()
@@ -195,7 +196,7 @@ def as_replay(log: list[tuple[int, int, str, bytes]], cuts: list[int] | None) ->
             folder(*message)
     else:
         bounds = [0, *sorted(c for c in cuts if 0 < c < len(log)), len(log)]
-        for a, b in zip(bounds, bounds[1:], strict=False):
+        for a, b in itertools.pairwise(bounds):
             if a < b:
                 folder.fold_batch(log[a:b])
     assert folder.finished and folder.count == len(log) and folder.dead == len(refused)
