@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from pipeline_kit import bucket_values as bucket_values  # the fault tests import it from here
 from pipeline_kit import read_events
+from pipeline_kit import read_log as read_log  # the fault tests import it from here
 from pipeline_kit import read_stream as read_stream
 
 from projector.ops.flags import FOLD
