@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from seqstate.decay import NS_PER_MS
-from seqstate.events import AddRequest, Event, RouterHeartbeat, WorkerAdded
+from seqstate.events import MAX_PREFILL_MS, AddRequest, Event, RouterHeartbeat, WorkerAdded
+from seqstate.prefill import PrefillTracker
 from seqstate.state import SequenceState
 
 MAX_RANKS_PER_WORKER: Final = 1024
@@ -35,6 +36,8 @@ MAX_RANKS: Final = 16_384
 MAX_ROUTERS: Final = 100_000
 # The largest sum a rank keeps: what a delta (msgpack) and a bucket value can carry.
 MAX_SUM: Final = 2**64 - 1
+# One AddRequest adds at most MAX_PREFILL_MS whole milliseconds: below this, no add can overflow.
+_MS_NEAR_MAX: Final = MAX_SUM - int(MAX_PREFILL_MS)
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,20 @@ class RankBounds:
             )
         if type(event) is AddRequest:
             rank = (event.worker_id, event.dp_rank)
-            if event.prefill_tokens and event.track_prefill_tokens:
-                why = _prefill_overflow(state, rank, event)
-                if why:
-                    return why
-            if rank in workers.slots or not state.lazy_workers:
+            slot = workers.slots.get(rank)
+            known = slot is not None
+            if slot is None and state.departures.slots:  # a departed worker's, in its grace
+                slot = state.departures.slots.get(rank)
+            if slot is not None and event.prefill_tokens and event.track_prefill_tokens:
+                prefill = slot.prefill  # the fold's hot path: two additions, one call if near
+                if (
+                    prefill.full_tokens + event.prefill_tokens > MAX_SUM
+                    or prefill.modeled_ms_sum > _MS_NEAR_MAX
+                ):
+                    why = _prefill_overflow(rank, prefill, event)
+                    if why:
+                        return why
+            if known or not state.lazy_workers:
                 return ""  # an existing rank, or none is created (unknown_worker)
             return self._over(
                 event.worker_id, workers.ranks_of(event.worker_id) + 1, len(workers.slots) + 1
@@ -93,14 +105,8 @@ class RankBounds:
         return ""
 
 
-def _prefill_overflow(state: SequenceState, rank: tuple[int, int], event: AddRequest) -> str:
+def _prefill_overflow(rank: tuple[int, int], prefill: PrefillTracker, event: AddRequest) -> str:
     """Why booking ``event``'s prefill would take a sum of its rank past :data:`MAX_SUM`."""
-    slot = state.workers.slots.get(rank)
-    if slot is None:
-        slot = state.departures.slots.get(rank)  # a departed worker's, within its grace
-        if slot is None:
-            return ""  # a new rank: each number alone is a u64
-    prefill = slot.prefill
     tokens = prefill.full_tokens + event.prefill_tokens
     if tokens > MAX_SUM:
         return (

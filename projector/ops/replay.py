@@ -115,7 +115,7 @@ class _Folder:
 
     def fold_batch(self, batch: list[tuple[int, int, str, bytes]]) -> bool:
         """:meth:`__call__` over a batch, with the per-message work kept in one tight loop."""
-        fold, on_refused = self.fold.__call__, self.on_refused
+        fold, on_refused, refusal = self.fold.__call__, self.on_refused, Refusal
         end = self.end_seq
         until = self.until_ns if self.until_ns is not None else 1 << 64
         last, folded, dead = self.last, 0, 0
@@ -124,7 +124,7 @@ class _Folder:
                 self.finished = True
                 break
             verdict = fold(seq, at_ns, subject, data)
-            if type(verdict) is Refusal:
+            if type(verdict) is refusal:
                 dead += 1
                 if on_refused is not None:
                     on_refused(seq, verdict)
