@@ -12,6 +12,8 @@ bucket identical, before and after ``seqstate rebuild``.
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_events, read_stream, run_cli
 
@@ -24,6 +26,23 @@ from seqstate import AddRequest, Fold, Free, Refusal, WorkerRemoved, encode_even
 from seqstate.fold import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE, WRONG_SUBJECT
 
 REPRO = b"\x92\x01" + b"\x91" * 1000 + b"\xc0"  # the issue's message, as reported
+
+
+async def raw_publish(url: str, subject: bytes, payload: bytes) -> None:
+    """A PUB no client library would send (its subject as raw bytes), answered by a PONG."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        await reader.readline()  # INFO
+        writer.write(
+            b'CONNECT {"verbose":false,"pedantic":false}\r\n'
+            + b"PUB %s %d\r\n%s\r\nPING\r\n" % (subject, len(payload), payload)
+        )
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 10)
+        assert line.startswith(b"PONG"), line
+    finally:
+        writer.close()
 
 
 async def test_the_issues_poison_pills_are_dead_lettered_and_every_fold_agrees(
@@ -57,12 +76,16 @@ async def test_the_issues_poison_pills_are_dead_lettered_and_every_fold_agrees(
         (config.event_subject(1), encode_event(WorkerRemoved(2)), WRONG_SUBJECT),
     ]
     assert 1_040_000 < len(encode_event(big)) < nc.max_payload
+    free = encode_event(Free("before", 2))
     async with Pipeline(nc, config) as pipeline:
         pub = RouterPublisher(nc, namespace=ns, router_id="pp", config=config)
         first = await pub.add("before", 2, block_hashes=[1, 2], prefill_tokens=10)
         for subject, payload, _ in pills:  # raw, around the publisher's checks
             await nc.publish(subject, payload)
         await nc.flush()
+        # A subject that is not UTF-8: nats-py's read loop raised on it, and the writer's
+        # connection stopped handing anything over, at every restart.
+        await raw_publish(nats_server.url, f"seqstate.events.{ns}.".encode() + b"\xff.0", free)
         await pub.free("p1", 3)
         last = await pub.add("after", 2, block_hashes=[3])
         await pipeline.wait_applied(last)
@@ -71,7 +94,8 @@ async def test_the_issues_poison_pills_are_dead_lettered_and_every_fold_agrees(
         assert sorted(writer.state.requests.owner) == ["after", "before"]
         state = writer.state.snapshot()
     kinds = [kind for _, _, kind in pills if kind]
-    assert counts == {UNDECODABLE: 3, TOO_LARGE: 1, OUT_OF_BOUNDS: 2, WRONG_SUBJECT: 2}
+    kinds.append(WRONG_SUBJECT)  # the subject that is not UTF-8
+    assert counts == {UNDECODABLE: 3, TOO_LARGE: 1, OUT_OF_BOUNDS: 2, WRONG_SUBJECT: 3}
     # The dead letters are the one fold's refusals, reason for reason, at their sequences.
     log = await read_events(nc, config)
     assert [seq for seq, *_ in log] == list(range(first, last + 1))  # every pill was stored
