@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 
+from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_events, read_stream, run_cli
 
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
+from projector.nats.stream import last_seq_of
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.headers import REASON, SOURCE_SEQ
@@ -82,11 +84,15 @@ async def test_the_issues_poison_pills_are_dead_lettered_and_every_fold_agrees(
         first = await pub.add("before", 2, block_hashes=[1, 2], prefill_tokens=10)
         for subject, payload, _ in pills:  # raw, around the publisher's checks
             await nc.publish(subject, payload)
-        await nc.flush()
+        freed = await pub.free("p1", 3)  # acknowledged: every pill before it is stored
         # A subject that is not UTF-8: nats-py's read loop raised on it, and the writer's
         # connection stopped handing anything over, at every restart.
         await raw_publish(nats_server.url, f"seqstate.events.{ns}.".encode() + b"\xff.0", free)
-        await pub.free("p1", 3)
+        await eventually(
+            lambda: last_seq_of(nc.jetstream(), config.events_stream, config.events_subjects),
+            lambda seq: seq > freed,
+            what="the message of a subject that is not UTF-8 stored",
+        )
         last = await pub.add("after", 2, block_hashes=[3])
         await pipeline.wait_applied(last)
         writer = pipeline.writer
