@@ -30,6 +30,7 @@ from seqstate.events import (
     decode_event,
     encode_event,
 )
+from seqstate.fold import Fold, FoldRules, Refusal
 from seqstate.loads import LoadRow, PotentialLoadRow, PrefillSnapshot, RankLoad
 from seqstate.registry import PromptRegistry
 from seqstate.snapshot import SnapshotError
@@ -42,6 +43,8 @@ __all__ = [
     "Delta",
     "Event",
     "EventDecodeError",
+    "Fold",
+    "FoldRules",
     "Free",
     "LoadRow",
     "MarkPrefillCompleted",
@@ -50,6 +53,7 @@ __all__ = [
     "PromptRegistry",
     "RankChange",
     "RankLoad",
+    "Refusal",
     "RouterGoodbye",
     "RouterHeartbeat",
     "SeqstateError",

@@ -119,6 +119,7 @@ class Delta(Struct, omit_defaults=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Delta)
+_TOO_DEEP: Final = "malformed delta bytes: nested too deeply"
 
 
 def encode_delta(delta: Delta) -> bytes:
@@ -126,7 +127,11 @@ def encode_delta(delta: Delta) -> bytes:
 
 
 def decode_delta(data: bytes | bytearray | memoryview) -> Delta:
-    return _decoder.decode(data)
+    """One delta; any defect raises ``msgspec.DecodeError`` (a ValidationError is one)."""
+    try:
+        return _decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError(_TOO_DEEP) from None
 
 
 _batch_decoder = msgspec.msgpack.Decoder(list[Delta])
@@ -138,7 +143,13 @@ def encode_deltas(deltas: list[Delta]) -> bytes:
 
 
 def decode_deltas(data: bytes | bytearray | memoryview) -> list[Delta]:
-    return _batch_decoder.decode(data)
+    """A message of deltas; any defect raises ``msgspec.DecodeError``. A field this build
+    does not know is skipped (a newer writer's), and skipping recurses: a value nested past
+    the interpreter's recursion limit is a decode error, never a crash of the reader."""
+    try:
+        return _batch_decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError(_TOO_DEEP) from None
 
 
 class DeltaTooLarge(SeqstateError, ValueError):

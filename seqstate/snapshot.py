@@ -162,6 +162,8 @@ def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
         body = _decoder.decode(raw[len(MAGIC) :])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise SnapshotError(f"damaged snapshot: {exc}") from None
+    except RecursionError:  # an unknown field's value nested past the recursion limit
+        raise SnapshotError("damaged snapshot: nested too deeply") from None
     if body.version != SNAPSHOT_VERSION:
         raise SnapshotError(
             f"snapshot version {body.version} is not readable (this build reads {SNAPSHOT_VERSION})"

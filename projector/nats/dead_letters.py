@@ -28,16 +28,19 @@ from projector.wire.headers import (
     SUBJECT,
     TRUNCATED,
 )
+from seqstate import fold
 
 log = logging.getLogger("seqstate.dead")
 
 # Why a message was dead-lettered, in one bounded word each: a metric's label
-# (``seqstate_dead_letters_total{reason}``), where the free-text reason could not go.
-UNDECODABLE = "undecodable"  # not an event (a delta) at all, or one with invalid fields
-TOO_LARGE = "too_large"  # an event whose delta could never fit a message
-OUT_OF_BOUNDS = "out_of_bounds"  # an event that would pass the rank bounds
+# (``seqstate_dead_letters_total{reason}``), where the free-text reason could not go. The
+# writer's are the fold's refusals (seqstate.fold, the one fold of the log).
+UNDECODABLE = fold.UNDECODABLE  # not an event (a delta) at all, or one with invalid fields
+TOO_LARGE = fold.TOO_LARGE  # an event whose delta could never fit a message
+OUT_OF_BOUNDS = fold.OUT_OF_BOUNDS  # an event that would pass a bound of the write model
+WRONG_SUBJECT = fold.WRONG_SUBJECT  # an event on another subject than its own
 IMPLAUSIBLE = "implausible"  # a delta no writer of the namespace could have written
-WRITER_KINDS = (UNDECODABLE, TOO_LARGE, OUT_OF_BOUNDS)  # of events
+WRITER_KINDS = fold.KINDS  # of events
 PROJECTOR_KINDS = (UNDECODABLE, IMPLAUSIBLE)  # of deltas
 
 PREFIX_BYTES = 64 * 1024  # of a large payload, enough to see what it was

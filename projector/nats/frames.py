@@ -25,9 +25,14 @@ class Parser:
         self.quiet_beats = 0
 
     def parse(
-        self, buf: bytes, pos: int, batch: list[tuple[int, int, bytes]], replies: list[bytes]
+        self,
+        buf: bytes,
+        pos: int,
+        batch: list[tuple[int, int, str, bytes]],
+        replies: list[bytes],
     ) -> tuple[int, int]:
-        """Append deliveries to ``batch`` and protocol answers to ``replies``.
+        """Append deliveries to ``batch`` as ``(stream_seq, log_time_ns, subject, payload)``
+        (the fold checks each event's subject) and protocol answers to ``replies``.
 
         Returns ``(status, pos)``: ``pos`` is where the unconsumed bytes start.
         """
@@ -55,7 +60,14 @@ class Parser:
                     self.last_cseq = cseq
                     self.quiet_beats = 0
                     seq = int(tokens[1])
-                    batch.append((seq, int(tokens[3]), buf[start + headers : start + total]))
+                    batch.append(
+                        (
+                            seq,
+                            int(tokens[3]),
+                            fields[1].decode(errors="replace"),
+                            buf[start + headers : start + total],
+                        )
+                    )
                     if seq >= end_seq:
                         return DONE, stop
                 elif headers:

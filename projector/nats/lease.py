@@ -258,7 +258,7 @@ class Lease:
         revision = entry.revision or 0
         try:
             return revision, _decoder.decode(entry.value or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return revision, None
 
     async def _kv_handle(self) -> KeyValue:

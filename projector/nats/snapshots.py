@@ -133,7 +133,7 @@ class SnapshotStore:
                 continue
             try:
                 meta = msgspec.json.decode(entry.description or b"", type=SnapshotMeta)
-            except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+            except (msgspec.DecodeError, msgspec.ValidationError, TypeError, RecursionError):
                 meta = None
             out.append(SnapshotInfo(entry.name, meta, entry.size or 0, entry.mtime or ""))
         out.sort(key=lambda info: info.applied_seq)

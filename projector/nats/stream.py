@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import nats.errors
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
@@ -45,6 +47,52 @@ ACK_WAIT_S = 22 * 3600.0  # never redelivered for want of an ack: ordered, as na
 ACK = b"+ACK"
 STATUS = api.Header.STATUS
 DELIVERY = "$JS.ACK."  # the reply subject of every message a consumer delivers
+
+
+def _utf8(raw: bytes) -> bytes:
+    return raw.decode(errors="replace").encode()
+
+
+def _tolerate_any_subject() -> None:
+    """A message whose subject is not UTF-8 must not stop a consumer.
+
+    nats-py decodes each delivery's subject strictly, in its read loop: one message published
+    raw on ``seqstate.events.<ns>.\\xff.0`` raised there, and the connection silently stopped
+    handing messages over, to the writer and to every subscription on it, at every restart.
+    Decoded with replacement characters instead (as the fast replay reader decodes it), such
+    a subject meets no event's own, and the fold refuses it (``wrong_subject``) on every path
+    alike. Patched only where the client has the method this knows (nats-py 2.x)."""
+    original = getattr(Client, "_build_message", None)
+    if original is None or getattr(original, "_seqstate_tolerant", False):
+        return
+    if list(inspect.signature(original).parameters) != [
+        "self",
+        "sid",
+        "subject",
+        "reply",
+        "data",
+        "headers",
+    ]:
+        return
+
+    def build(
+        self: Client,
+        sid: int,
+        subject: bytes,
+        reply: bytes,
+        data: bytes,
+        headers: dict[str, str] | None,
+    ) -> Any:
+        try:
+            return original(self, sid, subject, reply, data, headers)
+        except UnicodeDecodeError:
+            return original(self, sid, _utf8(subject), _utf8(reply), data, headers)
+
+    build._seqstate_tolerant = True  # type: ignore[attr-defined]
+    Client._build_message = build  # type: ignore[method-assign]
+
+
+_tolerate_any_subject()
 
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:

@@ -3,13 +3,14 @@
 nats-py turns each delivered message into a ``Msg`` with parsed headers and runs a callback
 through a queue: 50-55k messages/s on these machines, the ceiling of any replay through it.
 A replay needs none of that: it reads one push consumer's deliveries in order and needs, per
-message, the stream sequence and nanosecond log time (both in the ``$JS.ACK`` reply subject)
-and the payload. So a child process opens its own connection, subscribes to the consumer's
-deliver subject, slices frames out of the socket buffer, answers flow control, and writes the
-triples to a pipe in batches; the parent, on the other core, decodes and folds. The parent owns
-the consumer (created once the child's subscription is in place, deleted at the end) and falls
-back to the nats-py path when the child cannot be used (an NKEY seed or a credentials file:
-signing the server's nonce is nats-py's; a gap, an early exit).
+message, the stream sequence and nanosecond log time (both in the ``$JS.ACK`` reply subject),
+the subject (the fold checks it against the event) and the payload. So a child process opens
+its own connection, subscribes to the consumer's deliver subject, slices frames out of the
+socket buffer, answers flow control, and writes those to a pipe in batches; the parent, on
+the other core, decodes and folds. The parent owns the consumer (created once the child's
+subscription is in place, deleted at the end) and falls back to the nats-py path when the
+child cannot be used (an NKEY seed or a credentials file: signing the server's nonce is
+nats-py's; a gap, an early exit).
 
 The child connects as the client did: the same server, credentials (user and password, or a
 token, from the URL or the ``nats_*`` settings) and TLS (whenever the client's connection is
@@ -19,7 +20,7 @@ connection can fail (-ERR, end of file, a handshake error, silence) ends it with
 stderr: it never waits or spins.
 
 Pipe format: ``RDY\\n`` once subscribed, then frames of a 4-byte big-endian length and a
-msgpack list of ``(seq, log_time_ns, payload)``; a zero length ends the stream.
+msgpack list of ``(seq, log_time_ns, subject, payload)``; a zero length ends the stream.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from seqstate.errors import SeqstateError
 
 READY = b"RDY\n"
 _LENGTH = struct.Struct(">I")
-Batch = list[tuple[int, int, bytes]]
+Batch = list[tuple[int, int, str, bytes]]  # (stream_seq, log_time_ns, subject, payload)
 _batch_encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(Batch)
 
@@ -261,7 +262,8 @@ async def fast_fold(
     start_seq: int,
     end_seq: int,
 ) -> tuple[int, str | None]:
-    """Feed ``fold`` batches of ``(seq, log_time_ns, payload)``, ``start_seq..end_seq`` in order.
+    """Feed ``fold`` batches of ``(seq, log_time_ns, subject, payload)``, ``start_seq..end_seq``
+    in order.
 
     ``fold`` returns False to stop early. Returns the last sequence fed and, if the fast path
     gave up before the end, why: the events fed stand, and the caller continues after them.

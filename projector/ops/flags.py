@@ -50,6 +50,7 @@ FOLD = (
     "worker_grace_s",
     "max_ranks_per_worker",
     "max_ranks",
+    "max_event_bytes",
     "max_tombstones",
     "max_ended",
 )  # every fold

@@ -1,9 +1,12 @@
 """Replay: fold the log into a fresh state in process, to any point, and compare or rebuild.
 
-Because every event is applied at its log time, folding the stream again gives the state the
-writer had at any sequence, byte for byte; ``--at`` stops at a log time instead, which answers
-"what did the scheduler see at 12:03:07?". A replay starts from the newest valid snapshot at or
-before its target (so it costs the tail), or from an empty state at ``--from-seq``.
+Because every event is applied at its log time, and every message goes through the writer's
+own fold (:class:`seqstate.fold.Fold`, by the configuration's ``fold_rules``: what the writer
+dead-lettered, a replay skips, for the same reason), folding the stream again gives the state
+the writer had at any sequence, byte for byte; ``--at`` stops at a log time instead, which
+answers "what did the scheduler see at 12:03:07?". A replay starts from the newest valid
+snapshot at or before its target (so it costs the tail), or from an empty state at
+``--from-seq``.
 
 ``verify`` replays to the bucket's recorded position and names every key whose value differs.
 ``rebuild`` re-derives the whole bucket of a namespace from the write model. The bucket has one
@@ -36,8 +39,7 @@ from projector.read.projection import every_key
 from projector.run.assemble import build_lease, build_projector
 from projector.wire.config import Config
 from projector.wire.values import load_key, slot_key, tracker_key
-from seqstate import EventDecodeError, LoadRow, RankLoad, SequenceState, decode_event
-from seqstate.bounds import RankBounds
+from seqstate import Fold, FoldRules, LoadRow, RankLoad, Refusal, SequenceState
 from seqstate.errors import SeqstateError
 
 Progress = Callable[[int, int], None]  # (events folded, events to fold)
@@ -69,7 +71,10 @@ class Replayed:
 
 
 class _Folder:
-    """Folds ``(seq, log_time_ns, payload)`` in order; either read path feeds it."""
+    """Folds ``(seq, log_time_ns, subject, payload)`` in order through the log's one
+    :class:`~seqstate.fold.Fold` (the writer's), so that a replay refuses what the writer
+    dead-lettered and applies the rest; either read path feeds it. ``on_refused(seq,
+    refusal)``, if given, is told of each refused message."""
 
     def __init__(
         self,
@@ -78,30 +83,27 @@ class _Folder:
         end_seq: int,
         until_ns: int | None,
         progress: Progress | None,
-        bounds: RankBounds,
+        rules: FoldRules,
+        on_refused: Callable[[int, Refusal], None] | None = None,
     ) -> None:
-        self.apply = state.apply
+        self.fold = Fold(state, rules)
         self.state = state
-        self.refusal = bounds.refusal  # what the writer dead-letters, a replay skips too
+        self.on_refused = on_refused
         self.start_seq, self.end_seq, self.until_ns = start_seq, end_seq, until_ns
         self.progress = progress
         self.first = self.last = self.count = self.dead = 0
         self.finished = False
 
-    def __call__(self, seq: int, at_ns: int, data: bytes) -> bool:
-        """Fold one event; False once the range (or the time bound) is done."""
+    def __call__(self, seq: int, at_ns: int, subject: str, data: bytes) -> bool:
+        """Fold one message; False once the range (or the time bound) is done."""
         if seq > self.end_seq or (self.until_ns is not None and at_ns > self.until_ns):
             self.finished = True
             return False
-        try:
-            event = decode_event(data)
-        except EventDecodeError:
+        verdict = self.fold(seq, at_ns, subject, data)
+        if type(verdict) is Refusal:
             self.dead += 1
-        else:
-            if self.refusal(self.state, event):
-                self.dead += 1
-            else:
-                self.apply(event, at_ns)
+            if self.on_refused is not None:
+                self.on_refused(seq, verdict)
         self.first = self.first or seq
         self.last = seq
         self.count += 1
@@ -112,25 +114,21 @@ class _Folder:
             return False
         return True
 
-    def fold_batch(self, batch: list[tuple[int, int, bytes]]) -> bool:
-        """:meth:`__call__` over a batch, with the per-event work kept in one tight loop."""
-        apply, decode, refusal, state = self.apply, decode_event, self.refusal, self.state
+    def fold_batch(self, batch: list[tuple[int, int, str, bytes]]) -> bool:
+        """:meth:`__call__` over a batch, with the per-message work kept in one tight loop."""
+        fold, on_refused, refusal = self.fold.__call__, self.on_refused, Refusal
         end = self.end_seq
         until = self.until_ns if self.until_ns is not None else 1 << 64
         last, folded, dead = self.last, 0, 0
-        for seq, at_ns, data in batch:
+        for seq, at_ns, subject, data in batch:
             if seq > end or at_ns > until:
                 self.finished = True
                 break
-            try:
-                event = decode(data)
-            except EventDecodeError:
+            verdict = fold(seq, at_ns, subject, data)
+            if type(verdict) is refusal:
                 dead += 1
-            else:
-                if refusal(state, event):
-                    dead += 1
-                else:
-                    apply(event, at_ns)
+                if on_refused is not None:
+                    on_refused(seq, verdict)
             last = seq
             folded += 1
             if seq >= end:
@@ -154,17 +152,20 @@ async def fold_stream(
     until_ns: int | None = None,
     progress: Progress | None = None,
     fast: bool = True,
+    on_refused: Callable[[int, Refusal], None] | None = None,
 ) -> tuple[int, int, int, int]:
-    """Fold events ``start_seq..end_seq`` (stopping before log time ``until_ns``) into ``state``.
+    """Fold events ``start_seq..end_seq`` (stopping before log time ``until_ns``) into ``state``,
+    by the configuration's :attr:`~projector.wire.config.Config.fold_rules`, as the writer folds.
 
-    Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded. The registry is
+    Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded;
+    ``on_refused(seq, refusal)`` is told of each message refused. The registry is
     rebuilt once at the end instead of after every event. The fast path (a reader process,
     see :mod:`projector.nats.stream_reader`) is tried first; if it gives up, the fold continues
     through nats-py from where it stopped.
     """
     if end_seq < start_seq:
         return 0, 0, 0, 0
-    folder = _Folder(state, start_seq, end_seq, until_ns, progress, config.rank_bounds)
+    folder = _Folder(state, start_seq, end_seq, until_ns, progress, config.fold_rules, on_refused)
     state.defer_registry(changes=False)
     # A replay allocates millions of objects that live on: the cyclic collector would scan
     # them again and again for cycles that the fold never makes.
@@ -197,7 +198,7 @@ async def _fold_through_client(nc: Client, config: Config, folder: _Folder, star
         if done.done():
             return
         seq, at_ns = log_time_ns(msg)
-        if not folder(seq, at_ns, msg.data) and not done.done():
+        if not folder(seq, at_ns, msg.subject, msg.data) and not done.done():
             done.set_result(None)
 
     sub = await js.subscribe(

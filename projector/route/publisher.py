@@ -75,7 +75,6 @@ from projector.nats.failures import describe
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from seqstate import (
-    AddOutputBlock,
     AddRequest,
     Event,
     Free,
@@ -105,14 +104,12 @@ REFUSED_RETRIES = 3
 # timeout, for as long as ``retry_for_s`` allows.
 TRANSIENT_ERRORS = frozenset({10008})
 
-_WORKER_EVENTS = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
 # Kept as they are in a msg-id: printable ASCII but "%", the escape. A header value is trimmed
 # and its CR/LF turned into spaces on the way out, so " r" and "r", or "a\nb" and "a b", would
 # otherwise share msg-ids: the second router's events refused as duplicates, or lost on a retry.
 _MSG_ID_SAFE = string.punctuation.replace("%", "")
 SHOWN_ID_CHARS = 60  # of an id in an error message
 _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
-_LIFECYCLE_EVENTS = (RouterHeartbeat, RouterGoodbye)
 
 
 class EventTooLarge(SeqstateError, ValueError):
@@ -433,12 +430,9 @@ class RouterPublisher:
     def subject_for(self, event: Event) -> str:
         """Worker events go to ``<ns>.<worker_id>.<dp_rank>``, a router's heartbeat and
         goodbye to ``<ns>.routers``, Tick and topology to ``<ns>.control`` (the operator's:
-        the router role may publish only the first two)."""
-        if isinstance(event, _WORKER_EVENTS):
-            return self.config.event_subject(event.worker_id, event.dp_rank)
-        if isinstance(event, _LIFECYCLE_EVENTS):
-            return self.config.router_subject
-        return self.config.control_subject
+        the router role may publish only the first two): the subject the fold (seqstate.fold)
+        checks the event against, from the same rule."""
+        return self.config.subject_of(event)
 
     async def publish(self, event: Event) -> int:
         """Publish any seqstate event; returns its stream sequence.
@@ -727,6 +721,12 @@ class RouterPublisher:
                 f"encoded, over the {limit:,} bytes one event may take (the server's "
                 f"max_payload of {self._nc.max_payload:,} less room for its delta's headers); "
                 "it was not sent"
+            )
+        if len(payload) > self.config.max_event_bytes:  # the fold would refuse it: too_large
+            raise EventTooLarge(
+                f"{_what(event, getattr(event, 'request_id', None))}: {len(payload):,} bytes "
+                f"encoded, over the {self.config.max_event_bytes:,} bytes of max_event_bytes, "
+                "the largest event the writer applies; it was not sent"
             )
         return event, payload
 

@@ -60,7 +60,7 @@ def writer_settings(config: Config) -> WriterSettings:
         control_subject=config.control_subject,
         idle_tick_s=config.idle_tick_s,
         tick_every_s=config.tick_every_s,
-        bounds=config.rank_bounds,
+        fold=config.fold_rules,
         window=config.consumer_window,
     )
 

@@ -30,6 +30,7 @@ from projector.read.projection import DeltaGap
 from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config, ConfigError
 from projector.write.snapshotter import SnapshotUnavailable
+from projector.write.writer import EventLimitUnfit
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate")
@@ -41,6 +42,7 @@ class PipelineStopped(SeqstateError, RuntimeError):
 
 PERMANENT: tuple[type[BaseException], ...] = (
     ConfigError,
+    EventLimitUnfit,
     ProvisioningError,
     SnapshotUnavailable,
     DeltaGap,
@@ -123,6 +125,9 @@ class Pipeline:
             with contextlib.suppress(asyncio.CancelledError):
                 await ready  # else asyncio logs its cancellation as a traceback
             await self.stop()
+            for task in self._tasks:  # one that failed at start says why (a setting, ...)
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
             raise PipelineStopped("the writer or the projector did not catch up with its stream")
         return self
 

@@ -21,6 +21,15 @@ from urllib.parse import urlsplit
 from projector.wire.redaction import redact
 from seqstate.bounds import MAX_RANKS, MAX_RANKS_PER_WORKER, RankBounds
 from seqstate.errors import SeqstateError
+from seqstate.events import Event
+from seqstate.fold import (
+    MAX_EVENT_BYTES,
+    FoldRules,
+    control_subject,
+    routers_subject,
+    subject_of,
+    worker_subject,
+)
 from seqstate.state import MAX_ENDED, MAX_TOMBSTONES, SequenceState
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
@@ -146,6 +155,12 @@ class Config:
         MAX_RANKS_PER_WORKER, "ranks one worker may have; an event beyond is dead-lettered", "N"
     )
     max_ranks: int = _setting(MAX_RANKS, "ranks in all; an event beyond is dead-lettered", "N")
+    max_event_bytes: int = _setting(
+        MAX_EVENT_BYTES,
+        "the largest event the fold applies; a larger one is dead-lettered (too_large). The "
+        "writer refuses to start if the server's max_payload less 5 KiB is smaller",
+        "BYTES",
+    )
     max_tombstones: int = _setting(
         MAX_TOMBSTONES,
         "ids of Marks and Frees that came before their Add, remembered at once; "
@@ -284,21 +299,25 @@ class Config:
         return f"seqstate.events.{self.namespace}.>"
 
     def event_subject(self, worker_id: int, dp_rank: int = 0) -> str:
-        return f"seqstate.events.{self.namespace}.{worker_id}.{dp_rank}"
+        return worker_subject(self.namespace, worker_id, dp_rank)
 
     @property
     def control_subject(self) -> str:
         """The operator's and the writer's events: topology (WorkerAdded, WorkerRemoved) and
         the writer's Tick. The ``control`` role (and the writer, for its Ticks) publishes here;
         a router never does (deploy/nats_roles.py denies it)."""
-        return f"seqstate.events.{self.namespace}.control"
+        return control_subject(self.namespace)
+
+    def subject_of(self, event: Event) -> str:
+        """The subject ``event`` is published on: the fold refuses it on another."""
+        return subject_of(self.namespace, event)
 
     @property
     def router_subject(self) -> str:
         """A router's own lifecycle (RouterHeartbeat, RouterGoodbye): events that name no
         worker but are a router's to send, kept off the control subject so that the router
         role never needs it."""
-        return f"seqstate.events.{self.namespace}.routers"
+        return routers_subject(self.namespace)
 
     @property
     def deltas_subject(self) -> str:
@@ -347,6 +366,12 @@ class Config:
     @property
     def rank_bounds(self) -> RankBounds:
         return RankBounds(self.max_ranks_per_worker, self.max_ranks)
+
+    @property
+    def fold_rules(self) -> FoldRules:
+        """What every fold of this namespace's log decides by (the writer, replay, rebuild,
+        verify): the same rules, so the same verdict for every message."""
+        return FoldRules(self.namespace, self.max_event_bytes, self.rank_bounds)
 
     def with_namespace(self, namespace: str | None) -> Config:
         """This configuration for ``namespace`` (itself when None or the same)."""
@@ -517,6 +542,7 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("consumer_window", lambda v: "" if 16 <= v <= 1_000_000 else "must be 16 to 1000000"),
     ("max_ranks_per_worker", _positive),
     ("max_ranks", _positive),
+    ("max_event_bytes", _positive),
     ("max_tombstones", _not_negative),
     ("max_ended", _not_negative),
     ("tls_ca", _file),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -103,6 +103,15 @@ _position_decoder = msgspec.json.Decoder(Position)
 _BIG_ENDIAN = sys.byteorder == "big"
 
 
+def _decoded(decoder: Any, data: bytes) -> Any:
+    """``decoder.decode(data)``; a value nested past the recursion limit (in a field this
+    build skips) is a ``msgspec.DecodeError`` as any other bad value, never a crash."""
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("malformed value: nested too deeply") from None
+
+
 def load_key(namespace: str, rank: Rank) -> str:
     return f"{namespace}.load.{rank[0]}.{rank[1]}"
 
@@ -136,7 +145,7 @@ def encode_tracker(block_size: int) -> bytes:
 
 
 def decode_tracker(data: bytes) -> TrackerValue:
-    return _tracker_decoder.decode(data)
+    return _decoded(_tracker_decoder, data)
 
 
 class Key(NamedTuple):
@@ -192,7 +201,7 @@ def encode_load(rank: Rank, load: RankLoad, applied_seq: int, as_of: int) -> byt
 
 
 def decode_load(data: bytes) -> LoadValue:
-    return _load_decoder.decode(data)
+    return _decoded(_load_decoder, data)
 
 
 def pack_hashes(hashes: list[int]) -> bytes:
@@ -220,7 +229,7 @@ EMPTY_SLOT = _msgpack.encode(RequestValue())  # a free slot's value
 
 def decode_request(data: bytes) -> RequestValue:
     """Raises ``msgspec.DecodeError`` or ``ValueError`` if damaged."""
-    value = _request_decoder.decode(data)
+    value = _decoded(_request_decoder, data)
     if len(value.hashes) % 8:
         raise ValueError(f"packed hashes of {len(value.hashes)} bytes, not a multiple of 8")
     return value
@@ -231,4 +240,4 @@ def encode_position(position: Position) -> bytes:
 
 
 def decode_position(data: bytes) -> Position:
-    return _position_decoder.decode(data)
+    return _decoded(_position_decoder, data)

@@ -14,9 +14,11 @@ in flight, each stored right after the previous one (a compare-and-set on the su
 sequence), so the chain has no hole even when the server crashes, and what is folded while a
 message travels gathers into the next one.
 
-A message that does not decode, or that would pass the rank bounds, is refused
-(:class:`~projector.nats.stream.Refused`): the runner dead-letters it with the reason and its
-sequence, the writer counts it and goes on. When the stream is
+Each message is folded by a :class:`seqstate.fold.Fold`, the one fold every reader of the log
+(replay, rebuild, verify) uses, so they cannot disagree on it: one too large, that does not
+decode, on another subject than its own, or that would pass a bound of the write model is
+refused (:class:`~projector.nats.stream.Refused`): the runner dead-letters it with the reason and
+its sequence, the writer counts it and goes on. When the stream is
 idle, and at least every ``tick_every_s`` when it is not, the writer publishes a Tick, so that
 expiry (and forgetting idle lazy ranks) happens at a time the log recorded.
 
@@ -43,7 +45,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from projector.nats.dead_letters import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE
 from projector.nats.failures import describe
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
@@ -58,19 +59,21 @@ from projector.nats.stream import (
 )
 from projector.nats.tasks import cancel
 from projector.wire.headers import MSG_ID
-from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
+from projector.write.delta_log import ACK_TIMEOUT_S, EVENT_MARGIN, HEADROOM, DeltaLog
 from projector.write.snapshotter import SnapshotStats, Snapshotter
 from seqstate import (
     Delta,
     Event,
-    EventDecodeError,
+    Fold,
+    FoldRules,
+    Refusal,
     SequenceState,
     Tick,
     decode_event,
     encode_event,
 )
-from seqstate.bounds import RankBounds
 from seqstate.deltas import APPLIED
+from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
 
@@ -85,9 +88,13 @@ class WriterStats(SnapshotStats):
     last_seq: int = 0  # outcomes are counted by the state itself: state.counters
 
 
+class EventLimitUnfit(SeqstateError, ValueError):
+    """The fold's event limit is over what this server can store the delta of."""
+
+
 @dataclass(frozen=True)
 class WriterSettings:
-    """What the writer reads of the configuration: its names, its ticks and its bounds."""
+    """What the writer reads of the configuration: its names, its ticks and its fold's rules."""
 
     namespace: str
     events_stream: str
@@ -95,7 +102,7 @@ class WriterSettings:
     control_subject: str
     idle_tick_s: float
     tick_every_s: float
-    bounds: RankBounds
+    fold: FoldRules
     window: int = DEFAULT_WINDOW  # events received and not yet folded, at most (catch-up memory)
 
 
@@ -130,14 +137,14 @@ class Writer(LagWatched):
         self.nc = nc
         self.settings = settings
         self._restore_first = restore
-        self.state = state
+        # The fold every reader of the log shares: the writer's verdicts are replay's.
+        self._fold = Fold(state, settings.fold)
         # The writer never reads its registry (readers build theirs from the bucket), and
         # keeping it current is about a third of the fold's cost.
-        self.state.defer_registry()
+        state.defer_registry()
         self.stats = stats
         self._js: JetStreamContext = nc.jetstream()
         self.dead_letters = dead_letters  # written by the runner; counted (metrics) there
-        self._bounds = settings.bounds
         self.deltas = deltas
         self.snapshotter = snapshotter
         self.snapshots = snapshotter.store
@@ -166,6 +173,28 @@ class Writer(LagWatched):
     def namespace(self) -> str:
         return self.settings.namespace
 
+    @property
+    def state(self) -> SequenceState:
+        """The write model as folded so far."""
+        return self._fold.state
+
+    @state.setter
+    def state(self, state: SequenceState) -> None:
+        self._fold.state = state
+
+    def _check_event_limit(self) -> None:
+        """The fold's size rule is a setting, the same for every fold of the log; the delta of
+        the largest event it takes must still fit this server's messages."""
+        limit, fits = self.settings.fold.max_event_bytes, self.deltas.max_event
+        if limit > fits:
+            raise EventLimitUnfit(
+                f"max_event_bytes={limit}: over the {fits:,} bytes of event whose delta this "
+                f"server can store (its max_payload of {self.nc.max_payload:,} less "
+                f"{HEADROOM + EVENT_MARGIN:,}); set --max-event-bytes "
+                f"(SEQSTATE_MAX_EVENT_BYTES) to at most {fits}, the same for every fold of "
+                "the log"
+            )
+
     async def run(self) -> None:
         async with self._host.announce("writer", self.status):
             await self._run()
@@ -189,6 +218,7 @@ class Writer(LagWatched):
         }
 
     async def _run(self) -> None:
+        self._check_event_limit()
         await self._host.provision()
         self._published_up_to = await self.deltas.open()
         self.stats.last_delta_seq = self._published_up_to
@@ -248,7 +278,7 @@ class Writer(LagWatched):
     async def handle(self, msg: Msg) -> Refused | None:
         """One event folded, or refused; then the delta log and the snapshots keep pace with
         the fold (for a refused event, once its dead letter is stored: :meth:`dead_lettered`)."""
-        refused = self._fold(msg)
+        refused = self._fold_one(msg)
         if refused is not None:
             return refused
         if self.deltas.backlogged:
@@ -261,30 +291,18 @@ class Writer(LagWatched):
         self.stats.dead_letters += 1
         self.snapshotter.take_if_due(self.state, self.stats.last_seq)
 
-    def _fold(self, msg: Msg) -> Refused | None:
+    def _fold_one(self, msg: Msg) -> Refused | None:
         seq, at_ns = log_time_ns(msg)
         self.stats.last_seq = seq
         self._last_event_at = asyncio.get_running_loop().time()
-        if len(msg.data) > self.deltas.max_event:
-            # Its delta (the booking of its prompt) could never be stored: refuse it here,
-            # once, rather than stall on it. RouterPublisher refuses it before it is logged.
-            return Refused(
-                TOO_LARGE,
-                f"refused: an event of {len(msg.data)} bytes; "
-                f"its delta would not fit a message (at most "
-                f"{self.deltas.max_event} bytes of event)",
-            )
-        try:
-            event = decode_event(msg.data)
-        except EventDecodeError as exc:
-            return Refused(UNDECODABLE, str(exc))
-        refused = self._bounds.refusal(self.state, event)
-        if refused:
-            return Refused(OUT_OF_BOUNDS, f"refused: {refused}", event_fields(event))
-        delta = self.state.apply(event, at_ns)
-        delta.seq = seq
+        verdict = self._fold(seq, at_ns, msg.subject, msg.data)
+        if type(verdict) is Refusal:
+            event = verdict.event
+            fields = None if event is None else event_fields(event)
+            return Refused(verdict.kind, verdict.reason, fields)
+        delta: Delta = verdict  # type: ignore[assignment]
         if delta.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):  # the fold's hot path
-            self._log_oddity(seq, event, delta)
+            self._log_oddity(seq, msg.data, delta)
         self.stats.applied += 1
         if seq > self._published_up_to:
             self.deltas.append(delta)
@@ -309,9 +327,10 @@ class Writer(LagWatched):
         """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
         await self.deltas.flush()
 
-    def _log_oddity(self, seq: int, event: Event, delta: Delta) -> None:
+    def _log_oddity(self, seq: int, data: bytes, delta: Delta) -> None:
         """A DEBUG line for an event folded to something other than ``applied`` (a duplicate,
         an unknown request or worker...): which event, what it met, never its block hashes."""
+        event: Event = decode_event(data)  # it decoded once: DEBUG only, off the hot path
         owner = f" (held by worker {delta.owner[0]} rank {delta.owner[1]})" if delta.owner else ""
         log.debug(
             "event %d %s: %s%s",

@@ -30,7 +30,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from pipeline_kit import bucket_values as bucket_values  # the fault tests import it from here
-from pipeline_kit import read_log
+from pipeline_kit import read_events
+from pipeline_kit import read_log as read_log  # the fault tests import it from here
 from pipeline_kit import read_stream as read_stream
 
 from projector.ops.flags import FOLD
@@ -42,14 +43,14 @@ from projector.wire.values import Position, decode_position, position_key
 from seqstate import (
     AddRequest,
     Event,
-    EventDecodeError,
     Free,
     MarkPrefillCompleted,
+    Refusal,
     SequenceState,
     WorkerAdded,
     WorkerRemoved,
-    decode_event,
 )
+from seqstate import Fold as CoreFold
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = TIMEOUT_S  # deadline of any single wait: generous, only a hang ever reaches it
@@ -501,22 +502,18 @@ class Fold:
 
 
 async def fold_log(nc: Client, config: Config) -> Fold:
-    state = config.new_state()
-    state.defer_registry()  # as the writer folds
+    """The log folded by the writer's one fold (``seqstate.fold.Fold``, its configuration's
+    rules): what it refuses, the writer dead-lettered."""
+    fold = CoreFold(config.new_state(), config.fold_rules)
+    fold.state.defer_registry()  # as the writer folds
     image = BucketImage(config.namespace)
     last = last_ns = 0
-    for seq, at_ns, data in await read_log(nc, config):
+    for seq, at_ns, subject, data in await read_events(nc, config):
         last, last_ns = seq, at_ns
-        try:
-            event = decode_event(data)
-        except EventDecodeError:
-            continue
-        if config.rank_bounds.refusal(state, event):
-            continue  # dead-lettered by the writer
-        delta = state.apply(event, at_ns)
-        delta.seq = seq
-        image.apply(delta)
-    return Fold(state, image, last, last_ns)
+        verdict = fold(seq, at_ns, subject, data)
+        if type(verdict) is not Refusal:
+            image.apply(verdict)
+    return Fold(fold.state, image, last, last_ns)
 
 
 async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:

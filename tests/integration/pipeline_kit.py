@@ -18,7 +18,7 @@ from projector.nats.resources import ensure
 from projector.nats.stream import last_seq_of, log_time_ns
 from projector.wire.config import Config
 from projector.wire.values import lease_key
-from seqstate import AddRequest, Free, encode_event
+from seqstate import AddRequest, Fold, Free, SequenceState, encode_event
 
 _names = itertools.count()
 REPO = Path(__file__).resolve().parents[2]
@@ -69,20 +69,21 @@ async def run_cli(config: Config, url: str, *args: str) -> subprocess.CompletedP
     return result
 
 
-async def read_log(nc: Client, config: Config) -> list[tuple[int, int, bytes]]:
-    """Every message of the events stream as ``(seq, log_time_ns, data)``, in stream order.
+async def read_events(nc: Client, config: Config) -> list[tuple[int, int, str, bytes]]:
+    """Every message of the events stream as ``(seq, log_time_ns, subject, data)``, in stream
+    order: what the writer's fold is handed (``seqstate.fold.Fold``).
 
     Read with an ordered consumer, as the writer reads, so the times are the nanosecond log
     times the writer applied (a stored message's parsed time keeps only microseconds).
     """
     js = nc.jetstream()
     last = (await js.stream_info(config.events_stream)).state.last_seq
-    out: list[tuple[int, int, bytes]] = []
+    out: list[tuple[int, int, str, bytes]] = []
     done = asyncio.Event()
 
     async def take(msg) -> None:  # type: ignore[no-untyped-def]
         seq, at_ns = log_time_ns(msg)
-        out.append((seq, at_ns, msg.data))
+        out.append((seq, at_ns, msg.subject, msg.data))
         if seq >= last:
             done.set()
 
@@ -96,6 +97,20 @@ async def read_log(nc: Client, config: Config) -> list[tuple[int, int, bytes]]:
     finally:
         await sub.unsubscribe()
     return [entry for entry in out if entry[0] <= last]
+
+
+async def read_log(nc: Client, config: Config) -> list[tuple[int, int, bytes]]:
+    """Every message of the events stream as ``(seq, log_time_ns, data)``, in stream order
+    (:func:`read_events` without the subjects)."""
+    return [(seq, at_ns, data) for seq, at_ns, _, data in await read_events(nc, config)]
+
+
+def folded(config: Config, log: list[tuple[int, int, str, bytes]]) -> SequenceState:
+    """The write model the writer folds ``log`` into (``read_events``): the one fold."""
+    fold = Fold(config.new_state(), config.fold_rules)
+    for message in log:
+        fold(*message)
+    return fold.state
 
 
 async def fill(nc: Client, config: Config, n: int) -> int:
@@ -114,7 +129,7 @@ async def fill(nc: Client, config: Config, n: int) -> int:
             if i % 3
             else Free(request_id=f"x{i - 3}", worker_id=(i - 3) % 8)
         )
-        futures.append(await js.publish_async(config.event_subject(i % 8), encode_event(event)))
+        futures.append(await js.publish_async(config.subject_of(event), encode_event(event)))
     futures.append(await js.publish_async(config.event_subject(1), b"\xc1 malformed"))
     await asyncio.gather(*futures)
     return await last_seq_of(js, config.events_stream, config.events_subjects)

@@ -131,13 +131,15 @@ async def command(url: str, log: Path, *args: str) -> AsyncIterator[asyncio.subp
 
 
 async def publish(nc: Client, config: Config, script: list[object | bytes]) -> int:
-    """The events (or raw bytes) in order, each on its worker's subject; the last sequence."""
+    """The events (or raw bytes) in order, each on its own subject; the last sequence."""
     js = nc.jetstream()
     seq = 0
     for item in script:
-        worker = getattr(item, "worker_id", 0)
-        data = item if isinstance(item, bytes) else encode_event(item)
-        seq = (await js.publish(config.event_subject(worker), data)).seq
+        if isinstance(item, bytes):
+            subject, data = config.event_subject(0), item
+        else:
+            subject, data = config.subject_of(item), encode_event(item)  # type: ignore[arg-type]
+        seq = (await js.publish(subject, data)).seq
     return seq
 
 

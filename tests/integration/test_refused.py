@@ -84,7 +84,12 @@ async def test_each_refused_message_is_dead_lettered_once_and_the_next_is_handle
     assert picky.dead == [(seqs[1], UNDECODABLE), (seqs[3], OUT_OF_BOUNDS), (seqs[4], UNDECODABLE)]
     dead_letters = consumer._dead_letters
     assert dead_letters is not None
-    assert dead_letters.counts == {UNDECODABLE: 2, "too_large": 0, OUT_OF_BOUNDS: 1}
+    assert dead_letters.counts == {
+        UNDECODABLE: 2,
+        "too_large": 0,
+        OUT_OF_BOUNDS: 1,
+        "wrong_subject": 0,
+    }
 
     stored = await read_stream(nc, dead_letter_stream(config), config.dead_letter_subject)
     assert [data for _, _, data in stored] == [b"bad-2", b"big-4", b"bad-5"]

@@ -27,6 +27,7 @@ from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.run.assemble import build_delta_log, build_projector
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
+from projector.write.writer import EventLimitUnfit
 from seqstate import AddRequest, Free, SequenceState, decode_deltas, decode_event, encode_event
 from seqstate.deltas import split_delta
 
@@ -220,7 +221,9 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
 async def test_an_event_that_cannot_fit_is_refused_at_publish_and_dead_lettered_by_the_writer(
     small: Client,
 ) -> None:
-    config = fresh_config("huge")
+    # The fold's size rule is a setting: on a server with a smaller payload limit, it is set
+    # to what the server can store the delta of (the writer refuses to start above it).
+    config = fresh_config("huge", max_event_bytes=SMALL - 5 * 1024)
     async with Pipeline(small, config) as pipeline:
         pub = RouterPublisher(small, namespace=config.namespace, router_id="h", config=config)
         too_big = AddRequest("huge", 1, block_hashes=list(range(2**40, 2**40 + 7000)))
@@ -239,3 +242,21 @@ async def test_an_event_that_cannot_fit_is_refused_at_publish_and_dead_lettered_
         assert [(r.worker_id, r.active_requests, r.active_blocks) for r in view.loads()] == [
             (1, 1, 2)
         ]
+
+
+async def test_a_writer_whose_event_limit_this_server_cannot_store_refuses_to_start(
+    small: Client,
+) -> None:
+    """The fold's size rule is a setting, the same for the writer and every replay (issue 21):
+    never read from the connection. On a server whose max_payload could not store the delta
+    of an event that large, the writer stops at once with one line naming the setting, rather
+    than fold by a rule a replay would not know."""
+    with pytest.raises(EventLimitUnfit) as refused:
+        async with Pipeline(small, fresh_config("unfit")):
+            pass
+    assert str(refused.value) == (
+        f"max_event_bytes=1043456: over the {SMALL - 5 * 1024:,} bytes of event whose delta "
+        f"this server can store (its max_payload of {SMALL:,} less 5,120); set "
+        f"--max-event-bytes (SEQSTATE_MAX_EVENT_BYTES) to at most {SMALL - 5 * 1024}, the "
+        "same for every fold of the log"
+    )

@@ -70,14 +70,8 @@ def lifecycle(prefix: str) -> list[Event]:
 async def publish(nc: Client, config: Config, events: list[Event]) -> list[int]:
     js = nc.jetstream()
     seqs = []
-    for event in events:
-        worker = getattr(event, "worker_id", None)
-        subject = (
-            config.control_subject
-            if worker is None
-            else config.event_subject(worker, getattr(event, "dp_rank", 0))
-        )
-        seqs.append((await js.publish(subject, encode_event(event))).seq)
+    for event in events:  # each on its own subject: the fold refuses it on another
+        seqs.append((await js.publish(config.subject_of(event), encode_event(event))).seq)
     return seqs
 
 

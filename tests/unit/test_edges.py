@@ -40,6 +40,19 @@ def test_an_event_too_large_to_store_is_refused_in_one_line_before_it_takes_a_ms
     assert pub.router_seq == 0
 
 
+def test_an_event_over_the_folds_size_rule_is_refused_before_it_takes_a_msg_id() -> None:
+    """A smaller ``max_event_bytes`` than the server allows: the writer's fold would refuse
+    the event (too_large), so the publisher refuses it at once, naming the setting."""
+    pub = RouterPublisher(Client(), router_id="r", config=Config(max_event_bytes=1000))
+    with pytest.raises(EventTooLarge) as caught:
+        asyncio.run(pub.add("big", 1, block_hashes=list(range(2**62, 2**62 + 200))))
+    assert str(caught.value) == (
+        "AddRequest for request 'big': 1,873 bytes encoded, over the 1,000 bytes of "
+        "max_event_bytes, the largest event the writer applies; it was not sent"
+    )
+    assert pub.router_seq == 0
+
+
 def test_a_misspelt_field_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match="prefil_tokens"):
         AddRequest(request_id="t", worker_id=5, prefil_tokens=500)  # type: ignore[call-arg]

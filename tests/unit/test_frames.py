@@ -5,15 +5,17 @@ from __future__ import annotations
 from projector.nats.frames import DONE, ERROR, GAP, MORE, Parser
 
 INBOX = b"_INBOX.r.1"
+SUBJECT = b"seqstate.events.ns.1.0"  # a delivery carries the event's own subject
+S = SUBJECT.decode()
 
 
 def delivery(seq: int, cseq: int, ts: int, payload: bytes, *, headers: bool = True) -> bytes:
     reply = b"$JS.ACK.EV.cons.1.%d.%d.%d.0" % (seq, cseq, ts)
     if not headers:
-        return b"MSG %s 1 %s %d\r\n%s\r\n" % (INBOX, reply, len(payload), payload)
+        return b"MSG %s 1 %s %d\r\n%s\r\n" % (SUBJECT, reply, len(payload), payload)
     hdr = b"NATS/1.0\r\nNats-Msg-Id: r:%d\r\n\r\n" % seq
     body = hdr + payload
-    return b"HMSG %s 1 %s %d %d\r\n%s\r\n" % (INBOX, reply, len(hdr), len(body), body)
+    return b"HMSG %s 1 %s %d %d\r\n%s\r\n" % (SUBJECT, reply, len(hdr), len(body), body)
 
 
 def status(text: bytes, reply: bytes = b"", extra: bytes = b"") -> bytes:
@@ -22,7 +24,7 @@ def status(text: bytes, reply: bytes = b"", extra: bytes = b"") -> bytes:
     return b"HMSG %s 1%s %d %d\r\n%s\r\n" % (INBOX, middle, len(hdr), len(hdr), hdr)
 
 
-Batch = list[tuple[int, int, bytes]]
+Batch = list[tuple[int, int, str, bytes]]
 
 
 def parse(parser: Parser, buf: bytes) -> tuple[int, int, Batch, list[bytes]]:
@@ -38,7 +40,7 @@ def test_deliveries_flow_control_and_ping_in_one_buffer() -> None:
     buf = delivery(5, 1, 111, b"a") + b"PING\r\n" + flow + plain + delivery(12, 3, 333, b"\r\nd")
     code, pos, batch, replies = parse(Parser(end_seq=100), buf)
     assert (code, pos) == (MORE, len(buf))
-    assert batch == [(5, 111, b"a"), (9, 222, b"bc"), (12, 333, b"\r\nd")]
+    assert batch == [(5, 111, S, b"a"), (9, 222, S, b"bc"), (12, 333, S, b"\r\nd")]
     assert replies == [b"PONG\r\n", b"PUB $JS.FC.x 0\r\n\r\n"]
 
 
@@ -49,7 +51,7 @@ def test_a_partial_frame_waits_for_more_bytes() -> None:
         code, pos, batch, _ = parse(parser, whole[:cut])
         assert (code, pos, batch) == (MORE, 0, [])
     code, pos, batch, _ = parse(parser, whole + delivery(2, 2, 20, b"w")[:10])
-    assert (code, pos, batch) == (MORE, len(whole), [(1, 10, b"xyz")])
+    assert (code, pos, batch) == (MORE, len(whole), [(1, 10, S, b"xyz")])
 
 
 def test_the_end_sequence_finishes_and_leaves_the_rest() -> None:
@@ -74,7 +76,7 @@ def test_a_skipped_consumer_sequence_is_a_gap() -> None:
     code, _, batch, _ = parse(
         Parser(end_seq=100), delivery(1, 1, 1, b"a") + delivery(3, 3, 3, b"c")
     )
-    assert code == GAP and batch == [(1, 1, b"a")]
+    assert code == GAP and batch == [(1, 1, S, b"a")]
 
 
 def test_an_error_line_is_reported() -> None:

@@ -1,0 +1,231 @@
+"""The fold of the log: for each stored message, applied (its delta) or refused, and why.
+
+Every reader that folds the events stream (the writer, a replay, ``rebuild``, ``verify``, the
+fault tests' reference) hands each stored message, ``(seq, log_time_ns, subject, payload)``, to
+a :class:`Fold`, and nothing else decides. They used to decide each on their own, and they
+disagreed: the writer refused an event too large for its delta to fit a message (a limit it
+read from the server's ``max_payload``), while replay and rebuild booked it, so ``verify`` called
+a wrong bucket identical. Now a disagreement would need two folds of this one class.
+
+The rules, in order; the first that refuses decides, with a ``kind`` (the dead letters' bounded
+word, a metric's label) and a reason for a person:
+
+1. **size** (``too_large``): a payload over ``max_event_bytes``, a number of the configuration
+   (:class:`FoldRules`), never of a live connection. The writer checks at start that the
+   server can store the delta of the largest event it takes.
+2. **decode** (``undecodable``): any bytes at all; whatever the decoder raises is a refusal
+   (the decoder is built never to nest deeper than an event, see :mod:`seqstate.events`).
+3. **subject** (``wrong_subject``): a request event (AddRequest, MarkPrefillCompleted, Free,
+   AddOutputBlock) belongs on its own rank's subject ``seqstate.events.<ns>.<worker>.<rank>``,
+   a router's heartbeat and goodbye on ``seqstate.events.<ns>.routers`` (or, as logs written
+   before that subject have them, on control), every other event on
+   ``seqstate.events.<ns>.control``; an event elsewhere, or naming another rank than its
+   subject, is refused. A router allowed the worker and routers subjects cannot book work on
+   another worker, nor remove one.
+4. **bounds** (``out_of_bounds``): :meth:`seqstate.bounds.RankBounds.refusal` (ranks, routers,
+   and the sums a rank keeps).
+5. **apply**: :meth:`seqstate.state.SequenceState.apply`, whose oddities are outcomes.
+
+:meth:`Fold.__call__` never raises for any message; it is a pure function of the state, the
+rules and the message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Final, NamedTuple
+
+from seqstate.bounds import RankBounds
+from seqstate.deltas import Delta
+from seqstate.events import (
+    AddOutputBlock,
+    AddRequest,
+    Event,
+    EventDecodeError,
+    Free,
+    MarkPrefillCompleted,
+    RouterGoodbye,
+    RouterHeartbeat,
+    decode_event,
+)
+from seqstate.state import SequenceState
+
+# The kinds of refusal: the dead letters count them under these words.
+UNDECODABLE: Final = "undecodable"  # not an event: bad bytes, unknown tag, a field out of range
+TOO_LARGE: Final = "too_large"  # an event whose delta could never fit a message
+WRONG_SUBJECT: Final = "wrong_subject"  # an event on another subject than its own
+OUT_OF_BOUNDS: Final = "out_of_bounds"  # an event that would pass a bound of the write model
+KINDS: Final = (UNDECODABLE, TOO_LARGE, OUT_OF_BOUNDS, WRONG_SUBJECT)
+
+# What the writer took by default before this rule: nats-server's default max_payload (1 MiB)
+# less the room a delta adds to its event (1 KiB) and a message's headers (4 KiB).
+MAX_EVENT_BYTES: Final = 1_048_576 - 5 * 1024
+
+CONTROL: Final = "control"
+ROUTERS: Final = "routers"
+# The events a router publishes on its rank's subject, and those on the routers subject; every
+# other goes on the control subject.
+WORKER_EVENTS: Final = (AddRequest, MarkPrefillCompleted, Free, AddOutputBlock)
+ROUTER_EVENTS: Final = (RouterHeartbeat, RouterGoodbye)
+_WORKER_TYPES: Final = frozenset(WORKER_EVENTS)
+_ROUTER_TYPES: Final = frozenset(ROUTER_EVENTS)
+_UNSEEN: Final[tuple[int, ...]] = (-1,)  # a subject not parsed yet (compared by identity)
+_ROUTERS_ROUTE: Final[tuple[int, ...]] = (-2,)  # the routers subject's route
+_RANK_TOKENS: Final = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
+_ROUTES_KEPT: Final = 65_536  # subjects remembered; a flood of invented ones is forgotten
+
+
+def events_prefix(namespace: str) -> str:
+    """What every event subject of ``namespace`` starts with."""
+    return f"seqstate.events.{namespace}."
+
+
+def worker_subject(namespace: str, worker_id: int, dp_rank: int = 0) -> str:
+    """The subject of a rank's request events."""
+    return f"seqstate.events.{namespace}.{worker_id}.{dp_rank}"
+
+
+def control_subject(namespace: str) -> str:
+    """The subject of the events that name no rank: topology, routers, Ticks."""
+    return f"seqstate.events.{namespace}.{CONTROL}"
+
+
+def routers_subject(namespace: str) -> str:
+    """The subject of a router's own lifecycle: kept off control, which is the operator's."""
+    return f"seqstate.events.{namespace}.{ROUTERS}"
+
+
+def subject_of(namespace: str, event: Event) -> str:
+    """The subject ``event`` is published on (rule 3; a router's lifecycle is also taken on
+    control, where logs written before the routers subject have it)."""
+    if isinstance(event, WORKER_EVENTS):
+        return worker_subject(namespace, event.worker_id, event.dp_rank)
+    if isinstance(event, ROUTER_EVENTS):
+        return routers_subject(namespace)
+    return control_subject(namespace)
+
+
+@dataclass(frozen=True)
+class FoldRules:
+    """What a fold decides by, beside the state's own rules (which its snapshots carry).
+
+    ``namespace`` names the subjects events belong on; ``max_event_bytes`` is the size rule;
+    ``bounds`` the write model's admission bounds. Every fold of a namespace's log is given
+    the same rules (``Config.fold_rules``), so they agree message by message."""
+
+    namespace: str = "default"
+    max_event_bytes: int = MAX_EVENT_BYTES
+    bounds: RankBounds = field(default_factory=RankBounds)
+
+    def __post_init__(self) -> None:
+        if self.max_event_bytes < 1:
+            raise ValueError("max_event_bytes must be positive")
+
+
+class Refusal(NamedTuple):
+    """A message the fold did not apply: ``kind`` (one of :data:`KINDS`), the reason for a
+    person, and the event when it decoded (for a log line's fields)."""
+
+    kind: str
+    reason: str
+    event: Event | None = None
+
+
+Verdict = Delta | Refusal
+
+
+class Fold:
+    """Folds stored messages into ``state`` by ``rules``; ``fold(seq, log_time_ns, subject,
+    payload)`` returns the :class:`Delta` (its ``seq`` set) or the :class:`Refusal`.
+
+    ``state`` may be replaced (a restored snapshot): assign ``fold.state``."""
+
+    __slots__ = ("_apply", "_limit", "_prefix", "_refusal", "_routes", "_state", "rules")
+
+    def __init__(self, state: SequenceState, rules: FoldRules | None = None) -> None:
+        self.rules = rules = rules if rules is not None else FoldRules()
+        self._limit = rules.max_event_bytes
+        self._prefix = events_prefix(rules.namespace)
+        self._refusal = rules.bounds.refusal
+        # subject -> (worker, rank) of a rank's subject, () of the control subject, None of
+        # any other: parsed once per subject, not per message.
+        self._routes: dict[str, tuple[int, ...] | None] = {}
+        self.state = state
+
+    @property
+    def state(self) -> SequenceState:
+        return self._state
+
+    @state.setter
+    def state(self, state: SequenceState) -> None:
+        self._state = state
+        self._apply = state.apply
+
+    def __call__(self, seq: int, log_time_ns: int, subject: str, payload: bytes) -> Verdict:
+        """Apply one stored message, or say why not. Never raises."""
+        if len(payload) > self._limit:
+            return Refusal(
+                TOO_LARGE,
+                f"refused: an event of {len(payload)} bytes; its delta would not fit a message "
+                f"(at most {self._limit} bytes of event)",
+            )
+        try:
+            event = decode_event(payload)
+        except EventDecodeError as exc:
+            return Refusal(UNDECODABLE, str(exc))
+        except Exception as exc:  # whatever a decoder could still raise: never fatal
+            return Refusal(UNDECODABLE, f"malformed event bytes: {type(exc).__name__}: {exc}")
+        route = self._routes.get(subject, _UNSEEN)
+        if route is _UNSEEN:
+            route = self._route(subject)
+        if type(event) in _WORKER_TYPES:  # an isinstance of a Struct class costs ~80 ns each
+            if (
+                not route
+                or route[0] != event.worker_id  # type: ignore[union-attr]
+                or route[1] != event.dp_rank  # type: ignore[union-attr]
+            ):
+                return self._misrouted(subject, event)
+        elif type(event) in _ROUTER_TYPES:
+            if route != () and route != _ROUTERS_ROUTE:
+                return self._misrouted(subject, event)
+        elif route != ():
+            return self._misrouted(subject, event)
+        why = self._refusal(self._state, event)
+        if why:
+            return Refusal(OUT_OF_BOUNDS, f"refused: {why}", event)
+        delta = self._apply(event, log_time_ns)
+        delta.seq = seq
+        return delta
+
+    def _route(self, subject: str) -> tuple[int, ...] | None:
+        routes = self._routes
+        if len(routes) >= _ROUTES_KEPT:
+            routes.clear()
+        route: tuple[int, ...] | None = None
+        if subject.startswith(self._prefix):
+            rest = subject[len(self._prefix) :]
+            if rest == CONTROL:
+                route = ()
+            elif rest == ROUTERS:
+                route = _ROUTERS_ROUTE
+            else:
+                match = _RANK_TOKENS.fullmatch(rest)
+                if match is not None:
+                    route = (int(match[1]), int(match[2]))
+        routes[subject] = route
+        return route
+
+    def _misrouted(self, subject: str, event: Event) -> Refusal:
+        own = subject_of(self.rules.namespace, event)
+        name = type(event).__name__
+        if isinstance(event, WORKER_EVENTS):
+            what = f"{name} of worker {event.worker_id} rank {event.dp_rank}"
+        else:
+            what = name
+        shown = subject if len(subject) <= 200 else subject[:200] + "…"
+        return Refusal(
+            WRONG_SUBJECT,
+            f"refused: {what} on subject {shown!r}; it belongs on {own!r}",
+            event,
+        )
