@@ -264,7 +264,9 @@ def test_a_routers_lifecycle_is_taken_on_the_routers_subject_and_on_control_as_b
         "refused: RouterHeartbeat on subject 'seqstate.events.default.1.0'; it belongs on "
         "'seqstate.events.default.routers'"
     )
-    (verdict,) = feed(fold, [(routers_subject(NS), encode_event(AddRequest(request_id="a")))])
+    (verdict,) = feed(
+        fold, [(routers_subject(NS), encode_event(AddRequest(request_id="a", worker_id=1)))]
+    )
     assert refusal(verdict).kind == WRONG_SUBJECT
 
 
