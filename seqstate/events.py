@@ -11,13 +11,13 @@ On the wire an event travels inside a two-element envelope ``[schema_version, ev
 
 from __future__ import annotations
 
-import threading
 from typing import Annotated, Final
 
 import msgspec
 from msgspec import Meta, Struct
 
 from seqstate.errors import SeqstateError
+from seqstate.nesting import MAX_NESTING, nests_deeper
 
 SCHEMA_VERSION: Final = 1
 
@@ -199,55 +199,25 @@ def _overflow(event: Event) -> str:
 def decode_event(data: bytes | bytearray | memoryview) -> Event:
     """Decode and validate one event; any defect raises :class:`EventDecodeError`, whatever
     the bytes (issue 21's 1 KB message nested 1000 deep included), and the same defect
-    whatever the caller's stack (see :func:`_on_a_fresh_stack`)."""
+    whatever the caller's stack: bytes nested past :data:`~seqstate.nesting.MAX_NESTING`
+    are refused for that, read without recursion (:mod:`seqstate.nesting`)."""
     try:
         envelope = _decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise EventDecodeError(_describe(data, exc)) from None
-    except msgspec.DecodeError as exc:
-        raise EventDecodeError(f"malformed event bytes: {exc}") from None
-    except RecursionError:
-        return _on_a_fresh_stack(data)
+    except (msgspec.DecodeError, RecursionError) as exc:  # a ValidationError is a DecodeError
+        if nests_deeper(data):
+            raise EventDecodeError(_TOO_DEEP) from None
+        if isinstance(exc, msgspec.ValidationError):
+            raise EventDecodeError(_describe(data, exc)) from None
+        if isinstance(exc, msgspec.DecodeError):
+            raise EventDecodeError(f"malformed event bytes: {exc}") from None
+        # As shallow as an event and still out of stack: the caller is at Python's limit.
+        raise EventDecodeError("malformed event bytes: the decoder ran out of stack") from None
     if envelope.version != SCHEMA_VERSION:
         raise EventDecodeError(_unsupported(envelope.version))
     return envelope.event
 
 
-def _on_a_fresh_stack(data: bytes | bytearray | memoryview) -> Event:
-    """Decode again on a thread of its own, whose stack is shallower than any caller's.
-
-    One step of the decoder still recurses: looking for a map's ``type`` key, it skips the
-    values of the keys before it, as deep as they nest, and Python's recursion limit counts
-    the caller's frames too. So whether such a message decodes, or which error it raises,
-    would depend on how deep the caller is, and a writer and a replay (different stacks)
-    would give two verdicts. Decoded here, on the shallowest stack, its verdict is the one
-    any caller that did not run out of stack got: the same everywhere."""
-    outcome: list[Event | EventDecodeError] = []
-
-    def decode() -> None:
-        try:
-            envelope = _decoder.decode(data)
-        except msgspec.ValidationError as exc:
-            outcome.append(EventDecodeError(_describe(data, exc)))
-        except msgspec.DecodeError as exc:
-            outcome.append(EventDecodeError(f"malformed event bytes: {exc}"))
-        except RecursionError:
-            outcome.append(EventDecodeError("malformed event bytes: nested too deeply"))
-        else:
-            if envelope.version != SCHEMA_VERSION:
-                outcome.append(EventDecodeError(_unsupported(envelope.version)))
-            else:
-                outcome.append(envelope.event)
-
-    thread = threading.Thread(target=decode, name="seqstate-decode", daemon=True)
-    thread.start()
-    thread.join()
-    if not outcome:  # the thread died of something else (memory): still only a refusal
-        raise EventDecodeError("malformed event bytes: the decoder failed")
-    result = outcome[0]
-    if isinstance(result, EventDecodeError):
-        raise result
-    return result
+_TOO_DEEP: Final = f"malformed event bytes: nested deeper than {MAX_NESTING} levels"
 
 
 def _describe(data: bytes | bytearray | memoryview, exc: msgspec.ValidationError) -> str:
