@@ -108,6 +108,45 @@ class BucketImage:
             self.applied_seq = seq
         self.as_of = max(self.as_of, delta.at_ns)
 
+    def refusal(self, deltas: list[Delta]) -> str:
+        """Why ``deltas`` cannot be a writer's next ("" if they can), by what they would do
+        to this image: a rank out of range, or a slot no writer could name.
+
+        A writer books a request on the lowest slot its rank does not hold, so a booking
+        names at most the rank's next new slot, and a release a slot the rank has. A forged
+        slot of 2^62 would otherwise make a removal of its rank delete 2^62 keys, one by one.
+        Costs what the deltas name, never the size of the image.
+        """
+        keys: dict[Rank, int] = {}
+        for delta in deltas:
+            for raw in delta.removed_ranks:
+                if not _in_range(raw):
+                    return f"not a writer's delta: rank {raw} is out of range"
+                keys[(raw[0], raw[1])] = 0
+            for raw in delta.added_ranks:
+                if not _in_range(raw):
+                    return f"not a writer's delta: rank {raw} is out of range"
+            for change in delta.changes:
+                raw = change.rank
+                if not _in_range(raw):
+                    return f"not a writer's delta: rank {raw} is out of range"
+                rank = (raw[0], raw[1])
+                n = keys.get(rank)
+                if n is None:
+                    n = self.slot_keys.get(rank, 0)
+                for slot in change.released:
+                    if not 0 <= slot < n:
+                        return f"not a writer's delta: rank {rank} releases slot {slot} of {n}"
+                for booking in change.booked:
+                    if not 0 <= booking.slot <= n:
+                        return (
+                            f"not a writer's delta: rank {rank} books slot {booking.slot} "
+                            f"with {n} slots"
+                        )
+                    n = max(n, booking.slot + 1)
+                keys[rank] = n
+        return ""
+
     def _touch(self, rank: Rank, stamp: tuple[int, int]) -> None:
         if rank not in self.loads:
             self.loads[rank] = EMPTY_LOAD
@@ -138,6 +177,10 @@ class BucketImage:
             else:
                 for slot in slots:
                     self._slots[slot_key(self.namespace, rank, slot)] = None
+        for key in bucket.unreadable:  # a damaged slot value still counts as a slot key
+            kind, rank, slot = parse_key(self.namespace, key)
+            if kind == "req" and rank in self.slot_keys:
+                self.slot_keys[rank] = max(self.slot_keys[rank], slot + 1)
 
     # ---- what to write ----------------------------------------------------------------------
 
@@ -196,3 +239,8 @@ class BucketImage:
     def everything(self) -> dict[str, bytes]:
         """Every key the bucket must hold (no deletes): for an image folded from nothing."""
         return {key: value for key, value in self.take() if value is not None}
+
+
+def _in_range(rank: tuple[int, int]) -> bool:
+    """A worker id is a u64 and a dp rank a u32, as the events carry them."""
+    return 0 <= rank[0] < 2**64 and 0 <= rank[1] < 2**32

@@ -387,24 +387,38 @@ class Projector(LagWatched):
                     f"not a writer's delta: event {last} is beyond the events stream "
                     f"(its last is {self._events_last})"
                 )
+        # A chain that breaks right after the message before it (no message of the stream
+        # between them was removed) lost nothing: that message is not a writer's, and is
+        # refused. Only a break across removed messages is a gap the bucket cannot follow.
+        follows = delta_seq == self.delta_seq + 1
         partial = self.image.partial
         if (
             partial is not None
             and deltas
             and (deltas[0].seq, deltas[0].part) != (partial[0], partial[1] + 1)
         ):
+            if follows:
+                return (
+                    f"not a writer's delta: event {partial[0]} is half applied (part "
+                    f"{partial[1]}), and it does not continue it"
+                )
             raise DeltaGap(
                 f"the deltas of namespace {self.settings.namespace!r} have a gap: message "
                 f"{delta_seq} does not continue event {partial[0]} after its part {partial[1]}"
             )
         if prev > self.applied_seq:
+            if follows:
+                return (
+                    f"not a writer's delta: it continues from event {prev}, but the message "
+                    f"before it ended at event {self.applied_seq}"
+                )
             raise DeltaGap(
                 f"the deltas of namespace {self.settings.namespace!r} have a gap: message "
                 f"{delta_seq} continues from event {prev}, but the bucket reflects event "
                 f"{self.applied_seq}; deltas were lost, so the bucket cannot follow them "
                 f"(`seqstate rebuild` re-derives it from the events)"
             )
-        return ""
+        return self.image.refusal(deltas)
 
     def apply(self, delta: Delta) -> None:
         self.stats.deltas += 1

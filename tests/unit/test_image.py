@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from projector.read.bucket import BucketView
 from projector.read.image import BucketImage
@@ -16,8 +18,18 @@ from projector.wire.values import (
     parse_key,
     slot_key,
 )
-from seqstate import AddRequest, Free, SequenceState, WorkerRemoved
-from seqstate.deltas import split_delta
+from seqstate import (
+    AddRequest,
+    Delta,
+    Event,
+    Free,
+    RankChange,
+    SequenceState,
+    WorkerAdded,
+    WorkerRemoved,
+)
+from seqstate.deltas import Booking, split_delta
+from seqstate.loads import EMPTY_LOAD
 
 pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
@@ -143,3 +155,111 @@ def test_an_event_half_applied_in_parts_is_not_yet_reflected() -> None:
     image.apply(parts[-1])
     assert image.applied_seq == 201 and image.partial is None
     assert decode_position(image.position(9)[1]) == Position(201, 100 * S, 9)
+
+
+# ---- what no writer writes --------------------------------------------------------------------
+
+HONEST = st.lists(
+    st.one_of(
+        st.builds(
+            AddRequest,
+            st.sampled_from([f"q{i}" for i in range(12)]),
+            st.integers(0, 2),
+            dp_rank=st.integers(0, 1),
+            block_hashes=st.lists(st.integers(0, 2**64 - 1), max_size=3),
+        ),
+        st.builds(
+            Free,
+            st.sampled_from([f"q{i}" for i in range(12)]),
+            st.integers(0, 2),
+            dp_rank=st.integers(0, 1),
+        ),
+        st.builds(WorkerAdded, st.integers(0, 2), dp_size=st.integers(1, 2)),
+        st.builds(WorkerRemoved, st.integers(0, 2)),
+    ),
+    max_size=60,
+)
+
+
+def _restored(image: BucketImage) -> BucketImage:
+    """A projector that stopped after ``image``'s writes and resumed from the bucket."""
+    view = BucketView(position=decode_position(image.position(1)[1]))
+    for key, value in image.everything().items():
+        kind, rank, slot = parse_key(NS, key)
+        assert rank is not None
+        if kind == "load":
+            view.loads[rank] = decode_load(value)
+        else:
+            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+    resumed = BucketImage(NS)
+    resumed.restore(view)
+    return resumed
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=HONEST, restart=st.integers(0, 60), budget=st.sampled_from([None, 300]))
+def test_no_delta_a_writer_writes_is_refused(
+    events: list[Event], restart: int, budget: int | None
+) -> None:
+    """The rules that refuse a forged slot must never refuse a writer's delta: on any run of
+    events, expiring ones included, cut into parts or not, and across a projector that resumed
+    from the bucket (which knows its slots only by the keys it holds)."""
+    state = SequenceState(expiry_s=3.0)
+    image = BucketImage(NS)
+    for seq, event in enumerate(events, 1):
+        if seq == restart:
+            image = _restored(image)
+        delta = state.apply(event, seq * S)
+        delta.seq = seq
+        parts = split_delta(delta, budget) if budget else [delta]
+        assert image.refusal(parts) == "", (seq, event)
+        for part in parts:
+            image.apply(part)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (
+            RankChange((1, 0), EMPTY_LOAD, booked=[Booking(2**62, "x", [])]),
+            "rank (1, 0) books slot 4611686018427387904 with 1 slots",
+        ),
+        (RankChange((1, 0), EMPTY_LOAD, released=[5]), "rank (1, 0) releases slot 5 of 1"),
+        (RankChange((1, 0), EMPTY_LOAD, released=[-1]), "rank (1, 0) releases slot -1 of 1"),
+        (RankChange((-1, 0), EMPTY_LOAD), "rank (-1, 0) is out of range"),
+        (RankChange((1, 2**32), EMPTY_LOAD), "rank (1, 4294967296) is out of range"),
+    ],
+)
+def test_a_slot_or_rank_no_writer_could_name_is_refused(change: RankChange, why: str) -> None:
+    """Broke: a forged booking of slot 2^62 was applied, and the removal of its rank then
+    deleted 2^62 keys one by one: the projector never came back. Expected: refused with why,
+    the image untouched; the rank's next slot (1) is still accepted."""
+    image, _ = fold([AddRequest("a", 1, block_hashes=[1])])
+    image.take()
+    assert image.refusal([Delta("applied", S, changes=[change], seq=2)]) == (
+        f"not a writer's delta: {why}"
+    )
+    fine = RankChange((1, 0), EMPTY_LOAD, booked=[Booking(1, "b", [])])
+    assert image.refusal([Delta("applied", S, changes=[fine], seq=2)]) == ""
+    assert image.refusal([Delta("applied", S, removed_ranks=[(2**64, 0)], seq=2)]) != ""
+    assert not image.dirty
+
+
+def test_a_damaged_slot_value_still_counts_as_a_slot_key() -> None:
+    """A resumed projector that could not read a rank's highest slot value must still accept
+    the release of that slot (the writer knows the slot is there)."""
+    image, _ = fold([AddRequest("a", 1), AddRequest("b", 1)])
+    view = BucketView(position=decode_position(image.position(1)[1]))
+    for key, value in image.everything().items():
+        kind, rank, slot = parse_key(NS, key)
+        assert rank is not None
+        if kind == "load":
+            view.loads[rank] = decode_load(value)
+        elif slot == 1:
+            view.unreadable[key] = (rank, "damaged")
+        else:
+            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+    resumed = BucketImage(NS)
+    resumed.restore(view)
+    release = RankChange((1, 0), EMPTY_LOAD, released=[1])
+    assert resumed.refusal([Delta("applied", S, changes=[release], seq=3)]) == ""

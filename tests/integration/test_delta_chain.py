@@ -1,0 +1,100 @@
+"""The projector tells a forged break of the delta chain from deltas that were really lost.
+
+A writer's DELTAS messages form a chain: each names the event the one before it ended at.
+A message that breaks the chain right after the message before it (no message of the stream
+between them was removed) lost nothing: it is not a writer's, and once stopped the projector
+for good, at every restart (``DeltaGap``). It is dead-lettered now. A break across messages
+that are gone from the stream is a real gap: the bucket cannot follow it, and the projector
+still stops and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from eventually import eventually
+from nats.aio.client import Client
+from pipeline_kit import fresh_config, read_stream
+
+from projector.nats.resources import dead_letter_stream, ensure
+from projector.read.projection import DeltaGap
+from projector.run.assemble import build_projector
+from projector.wire.config import Config
+from projector.wire.headers import PREV_SOURCE_SEQ, REASON
+from seqstate import AddRequest, Delta, RankChange, encode_deltas, encode_event
+from seqstate.deltas import Booking
+from seqstate.loads import RankLoad
+
+S = 1_000_000_000
+
+
+def booked(seq: int, slot: int) -> Delta:
+    """The delta of an add on rank (1, 0) that took ``slot``, at event ``seq``."""
+    load = RankLoad(active_blocks=1, active_requests=slot + 1)
+    change = RankChange((1, 0), load, booked=[Booking(slot, f"r{slot}", [slot])])
+    return Delta("applied", seq * S, changes=[change], seq=seq)
+
+
+async def chain(nc: Client, config: Config, messages: list[tuple[int, Delta]]) -> None:
+    """Events 1..10 in the log, then ``messages`` (prev, delta) on the deltas subject."""
+    await ensure(nc, config)
+    js = nc.jetstream()
+    for i in range(10):
+        await js.publish(config.event_subject(1), encode_event(AddRequest(f"e{i}", 1)))
+    for prev, delta in messages:
+        await js.publish(
+            config.deltas_subject, encode_deltas([delta]), headers={PREV_SOURCE_SEQ: str(prev)}
+        )
+
+
+async def test_a_break_right_after_the_message_before_it_is_dead_lettered(nc: Client) -> None:
+    config = fresh_config("chain")
+    bomb = Delta(
+        "applied",
+        4 * S,
+        changes=[RankChange((1, 0), RankLoad(), booked=[Booking(2**62, "x", [])])],
+        seq=4,
+    )
+    await chain(
+        nc,
+        config,
+        [
+            (0, booked(1, 0)),
+            (3, booked(4, 1)),  # forged: the chain ended at event 1
+            (1, bomb),  # forged: a slot no writer could name
+            (1, booked(2, 1)),  # the writer's own continues
+            (2, booked(3, 2)),
+        ],
+    )
+    projector = build_projector(nc, config)
+    task = asyncio.create_task(projector.run())
+    try:
+        await eventually(
+            lambda: (projector.applied_seq, projector.stats.dead_letters),
+            lambda got: got == (3, 2) or task.done(),
+            what="the chain applied to event 3, the two forged messages dead-lettered",
+            check=lambda: task.exception() if task.done() else None,
+        )
+        assert not task.done()
+        assert projector.image.slot_keys[(1, 0)] == 3
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    letters = await read_stream(nc, dead_letter_stream(config), config.dead_letter_subject)
+    assert [h[REASON] for _, h, _ in letters] == [
+        "not a writer's delta: it continues from event 3, but the message before it ended at "
+        "event 1",
+        "not a writer's delta: rank (1, 0) books slot 4611686018427387904 with 1 slots",
+    ]
+
+
+async def test_a_break_across_removed_messages_stops_the_projector(nc: Client) -> None:
+    config = fresh_config("gap")
+    await chain(nc, config, [(0, booked(1, 0)), (1, booked(2, 1)), (2, booked(3, 2))])
+    js = nc.jetstream()
+    await js.delete_msg(config.deltas_stream, 2)  # lost: event 2's delta
+    projector = build_projector(nc, config)
+    with pytest.raises(DeltaGap, match="message 3 continues from event 2, but the bucket "):
+        await asyncio.wait_for(projector.run(), 30)
+    assert projector.applied_seq == 1
