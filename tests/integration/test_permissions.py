@@ -44,7 +44,7 @@ from seqstate import AddRequest, WorkerAdded, WorkerRemoved, decode_event, encod
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
-ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo")
+ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo", "admin")
 PASSWORDS = {role: f"pw-{role}-7Qx2" for role in ROLES}
 VIOLATION = "permissions violation"
 NO_ACK_S = 1.0  # how long a refused JetStream publish waits for the ack that never comes
