@@ -214,11 +214,15 @@ HEADER = """\
 # seqstate.events.<ns>.control, which belongs to the control role (topology) and the writer
 # (its Ticks).
 #
+# The admin signs in the commands that do several roles' work (run, rebuild, snapshot save,
+# serve-http): the writer's, the projector's and the demo's grants, in every namespace, since
+# serve-http folds each model's tracker in a namespace of its own (st-<model>-<group>).
+#
 # Every role subscribes to _INBOX.>: replies (the JetStream API, publish acks) and push
 # consumers' deliveries land there. So a client of this account can read replies meant for
 # another's inbox: give a client you do not trust an account of its own. The writer and the
-# projector also answer `nats micro` discovery ($SRV.>) and their status endpoint, replying
-# to whoever asked.
+# projector (and the admin, which runs them) also answer `nats micro` discovery ($SRV.>) and
+# their status endpoint, replying to whoever asked.
 #
 # Use: nats-server -js -c deploy/nats-roles.conf   (compose.yaml does).
 """

@@ -178,9 +178,9 @@ class BucketImage:
                 for slot in slots:
                     self._slots[slot_key(self.namespace, rank, slot)] = None
         for key in bucket.unreadable:  # a damaged slot value still counts as a slot key
-            kind, rank, slot = parse_key(self.namespace, key)
-            if kind == "req" and rank in self.slot_keys:
-                self.slot_keys[rank] = max(self.slot_keys[rank], slot + 1)
+            kind, of_rank, slot = parse_key(self.namespace, key)
+            if kind == "req" and of_rank is not None and of_rank in self.slot_keys:
+                self.slot_keys[of_rank] = max(self.slot_keys[of_rank], slot + 1)
 
     # ---- what to write ----------------------------------------------------------------------
 
