@@ -6,10 +6,11 @@ control role registers the workers, a scheduler reads the bucket with its creden
 operator verifies with the replay credential: the loads equal an in-process fold of the log
 exactly, and no client was refused anything. Every command the README gives a role runs, as a
 subprocess, signed in as that role; ``seqstate writer`` and ``seqstate projector`` run as
-compose runs them and the writer's idle Tick expires a request. Then each role tries what it
-may not do (a router the control subject and another namespace, every role the others'
-subjects): each is refused by the server (a permission violation, no ack) and nothing is
-stored.
+compose runs them and the writer's idle Tick expires a request; the admin runs the commands
+that do several roles' work (``run``, ``rebuild``, ``snapshot save``, ``serve-http``). Then
+each role tries what it may not do (a router the control subject and another namespace,
+every role the others' subjects): each is refused by the server (a permission violation, no
+ack) and nothing is stored.
 """
 
 from __future__ import annotations
