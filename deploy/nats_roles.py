@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from projector.nats.resources import dead_letter_stream
+from projector.wire.capture import capture_stream
 from projector.wire.config import Config
 
 ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo", "admin")
@@ -121,7 +122,9 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     the streams and buckets) it may publish to."""
     events, deltas, dead = config.events_stream, config.deltas_stream, dead_letter_stream(config)
     registry, snapshots = f"KV_{config.registry_bucket}", f"OBJ_{config.snapshot_bucket}"
-    streams = (events, deltas, dead, registry, snapshots)
+    # A namespace given --dynamo-endpoint also has a capture stream (projector.wire.capture).
+    capture = capture_stream(events, config.namespace)
+    streams = (events, deltas, dead, registry, snapshots, capture)
     # What `ensure` (every writer and projector start; `worker`, `demo`, and `publish` on a
     # server without the events stream) reads: each stream's info. The writer and the
     # projector may also create or update them; none deletes.

@@ -36,6 +36,7 @@ from nats.aio.client import Client
 from pipeline_kit import read_log
 
 from projector.nats.connection import ConnectError, connect
+from projector.nats.resources import dynamo_capture, ensure
 from projector.ops.workers import WorkerControl
 from projector.read.projection import Projector
 from projector.read.reader import RegistryView
@@ -685,3 +686,17 @@ def _all_running(procs: dict[str, asyncio.subprocess.Process], logs: Path) -> No
     for role, proc in procs.items():
         if proc.returncode is not None:
             raise AssertionError(f"{role} exited: {(logs / f'{role}.log').read_text()}")
+
+
+async def test_the_writer_and_the_projector_provision_a_dynamo_capture_as_themselves(
+    roles_server: str,
+) -> None:
+    """``--dynamo-endpoint`` on the writer or the projector, each signed in as its role:
+    the capture stream is created and the events stream sources it, with no permissions
+    violation (each may create and update the namespace's capture stream)."""
+    for role in ("writer", "projector"):
+        async with as_role(roles_server, role, dynamo_endpoint="dyn.backend.generate") as nc:
+            config = role_config(roles_server, role, dynamo_endpoint="dyn.backend.generate")
+            await ensure(nc, config)
+            info = await nc.jetstream().stream_info(config.events_stream)
+            assert [s.name for s in info.config.sources or []] == [dynamo_capture(config)]
