@@ -57,8 +57,8 @@ def run_cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess
 def forged_deltas(rng: random.Random, stored: list[bytes]) -> list[tuple[bytes, dict[str, str]]]:
     """What the writer's role could store that no writer writes: broken bytes, no chain
     header, a chain that breaks, slots no writer names."""
-    out = []
-    for n in range(FORGED):
+    out = [(data, {}) for data in stored]  # exact copies of older messages, no chain header
+    for n in range(FORGED - len(out)):
         data = mutate(rng, rng.choice(stored), rng.choice(stored))
         headers = rng.choice([{}, {PREV_SOURCE_SEQ: "x"}, {PREV_SOURCE_SEQ: str(10**6 + n)}])
         out.append((data, headers))
