@@ -372,9 +372,7 @@ def encode_dynamo(message: DynamoMessage) -> bytes:
         hint = None
         if message.prefill_tokens is not None:
             duration = message.expected_prefill_duration
-            hint = _Hint(
-                message.prefill_tokens, None if duration is None else _Duration(*duration)
-            )
+            hint = _Hint(message.prefill_tokens, None if duration is None else _Duration(*duration))
         data: str | _AddVariant = _AddVariant(
             _Add(
                 message.token_sequence,

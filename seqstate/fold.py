@@ -265,9 +265,7 @@ class Fold:
         except EventDecodeError as exc:
             return self._not_dynamo(subject, payload, str(exc))
         except Exception as exc:  # whatever a decoder could still raise: never fatal
-            return Refusal(
-                UNDECODABLE, f"malformed Dynamo message: {type(exc).__name__}: {exc}"
-            )
+            return Refusal(UNDECODABLE, f"malformed Dynamo message: {type(exc).__name__}: {exc}")
         state = self._state
         if message.publisher_id == self._resync_id:
             delta = state.echo(log_time_ns)
