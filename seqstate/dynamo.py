@@ -224,13 +224,12 @@ def core_event(message: DynamoMessage) -> AddRequest | MarkPrefillCompleted | Fr
 # A NATS subject token: not empty, no dot, no wildcard, no whitespace or control character.
 _TOKEN: Final = r"[^.*>\s\x00-\x1f\x7f]+"
 _ENDPOINT: Final = re.compile(rf"({_TOKEN})\.({_TOKEN})\.({_TOKEN})")
-_SUBJECT: Final = re.compile(
-    rf"namespace\.{_TOKEN}\.component\.{_TOKEN}\.endpoint\.{_TOKEN}\.{TOPIC}"
-)
+_RAW: Final = re.compile(rf"namespace\.{_TOKEN}\.component\.{_TOKEN}\.endpoint\.{_TOKEN}\.{TOPIC}")
+_CAPTURED: Final = re.compile(rf"seqstate\.events\.{_TOKEN}\.dynamo\.{_TOKEN}\.{_TOKEN}\.{_TOKEN}")
+CAPTURED: Final = "dynamo"  # the token after a namespace's events prefix in a captured subject
 
 
-def dynamo_subject(endpoint: str) -> str:
-    """The subject Dynamo publishes ``endpoint``'s (``NS.COMPONENT.ENDPOINT``) lifecycle on."""
+def _endpoint(endpoint: str) -> tuple[str, str, str]:
     match = _ENDPOINT.fullmatch(endpoint)
     if match is None:
         shown = endpoint if len(endpoint) <= 100 else endpoint[:100] + "…"
@@ -239,14 +238,30 @@ def dynamo_subject(endpoint: str) -> str:
             "names without dots, wildcards or spaces, e.g. dynamo.backend.generate)"
         )
     ns, component, name = match.groups()
+    return ns, component, name
+
+
+def dynamo_subject(endpoint: str) -> str:
+    """The subject Dynamo publishes ``endpoint``'s (``NS.COMPONENT.ENDPOINT``) lifecycle on."""
+    ns, component, name = _endpoint(endpoint)
     return f"namespace.{ns}.component.{component}.endpoint.{name}.{TOPIC}"
+
+
+def captured_subject(namespace: str, endpoint: str) -> str:
+    """The subject ``endpoint``'s messages have in ``namespace``'s log: the events stream
+    sources the capture stream, rewriting Dynamo's subject under the namespace's prefix, so
+    every reader that filters the namespace's events reads them too."""
+    ns, component, name = _endpoint(endpoint)
+    return f"seqstate.events.{namespace}.{CAPTURED}.{ns}.{component}.{name}"
 
 
 def is_dynamo_subject(subject: str) -> bool:
     """Whether ``subject`` has the shape of a Dynamo lifecycle subject, whatever endpoint it
-    names: the fold tells Dynamo's messages by their subject alone, with no configuration, so
-    every fold of any log (writer, replay, rebuild, verify) decides alike."""
-    return _SUBJECT.fullmatch(subject) is not None
+    names: Dynamo's own (``namespace.*.component.*.endpoint.*.active_sequences_events``) or a
+    namespace's capture of it (``seqstate.events.*.dynamo.*.*.*``). The fold tells Dynamo's
+    messages by their subject alone, with no configuration, so every fold of any log (writer,
+    replay, rebuild, verify) decides alike."""
+    return _CAPTURED.fullmatch(subject) is not None or _RAW.fullmatch(subject) is not None
 
 
 def resync_publisher_id(namespace: str) -> int:

@@ -27,8 +27,10 @@ word, a metric's label) and a reason for a person:
 5. **apply**: :meth:`seqstate.state.SequenceState.apply`, whose oddities are outcomes.
 
 Dynamo's own replica-sync messages (:mod:`seqstate.dynamo`) are told by their subject alone,
-``namespace.*.component.*.endpoint.*.active_sequences_events`` (no configuration, so every
-fold of a log decides alike), and go through the same rules: size; decode
+the namespace's capture of an endpoint ``seqstate.events.<ns>.dynamo.<NS>.<C>.<E>`` or
+Dynamo's own ``namespace.*.component.*.endpoint.*.active_sequences_events`` (no
+configuration, so every fold of a log decides alike; another namespace's capture is on
+another subject than its own), and go through the same rules: size; decode
 (:func:`~seqstate.dynamo.decode_dynamo`, then the seqstate event the message is, as a Dynamo
 replica applies it); their subject is their own by shape; bounds, as for seqstate's own
 AddRequest; apply. Before the bounds, the message's ``(publisher_id, sequence)`` is counted
@@ -253,7 +255,9 @@ class Fold:
                 match = _RANK_TOKENS.fullmatch(rest)
                 if match is not None:
                     route = (int(match[1]), int(match[2]))
-        elif is_dynamo_subject(subject):
+                elif is_dynamo_subject(subject):  # the namespace's capture of an endpoint
+                    route = _DYNAMO_ROUTE
+        elif is_dynamo_subject(subject) and not subject.startswith("seqstate."):
             route = _DYNAMO_ROUTE
         routes[subject] = route
         return route

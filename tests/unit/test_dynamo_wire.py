@@ -18,6 +18,7 @@ from seqstate.dynamo import (
     TOPIC,
     DynamoEndpointError,
     DynamoMessage,
+    captured_subject,
     core_event,
     decode_dynamo,
     dynamo_subject,
@@ -447,8 +448,9 @@ def test_an_integer_past_u64_cannot_be_encoded() -> None:
 # ---- subjects and the resync publisher ---------------------------------------------------------
 
 
-def test_an_endpoint_names_its_subject() -> None:
+def test_an_endpoint_names_its_subject_and_its_subject_in_a_namespaces_log() -> None:
     assert dynamo_subject(ENDPOINT) == SUBJECT
+    assert captured_subject("ns", ENDPOINT) == "seqstate.events.ns.dynamo.dynamo.backend.generate"
     assert dynamo_subject("ns-1.comp_2.gen") == (
         "namespace.ns-1.component.comp_2.endpoint.gen.active_sequences_events"
     )
@@ -460,6 +462,8 @@ def test_an_endpoint_names_its_subject() -> None:
 def test_a_malformed_endpoint_is_one_clear_error(endpoint: str) -> None:
     with pytest.raises(DynamoEndpointError) as caught:
         dynamo_subject(endpoint)
+    with pytest.raises(DynamoEndpointError):
+        captured_subject("ns", endpoint)
     assert isinstance(caught.value, SeqstateError) and isinstance(caught.value, ValueError)
     assert str(caught.value) == (
         f"Dynamo endpoint {endpoint!r} is not NAMESPACE.COMPONENT.ENDPOINT (three non-empty "
@@ -477,7 +481,12 @@ def test_a_malformed_endpoint_is_one_clear_error(endpoint: str) -> None:
         ("namespace.x.y.component.y.endpoint.z.active_sequences_events", False),
         ("namespace..component.y.endpoint.z.active_sequences_events", False),
         ("namespace.*.component.y.endpoint.z.active_sequences_events", False),
+        ("seqstate.events.ns.dynamo.x.y.z", True),  # a namespace's capture of x.y.z
+        ("seqstate.events.ns.dynamo.x.y", False),
+        ("seqstate.events.ns.dynamo.x.y.z.w", False),
+        ("seqstate.events.ns.dynamo.x.*.z", False),
         ("seqstate.events.default.control", False),
+        ("seqstate.events.default.1.0", False),
         ("", False),
     ],
 )
