@@ -23,14 +23,12 @@ from pathlib import Path
 
 from eventually import eventually
 from fault_kit import (
-    BUSY,
     ROOT,
     Service,
-    bucket_position,
     bucket_values,
-    delta_source_seq,
     fault_config,
     uninterrupted_fold,
+    wait_current,
 )
 from fuzz_bytes import messages, mutate
 from nats.aio.client import Client
@@ -105,28 +103,7 @@ async def test_fuzzed_bytes_on_every_subject_a_role_may_publish_to_stop_nothing(
             await js.publish(subject, data)
         last = await pub.add("last", 1, block_hashes=[3])
 
-        async def deltas() -> int:
-            return await delta_source_seq(js, config)
-
-        async def applied() -> int:
-            return (await bucket_position(js, config)).applied_seq
-
-        await eventually(
-            deltas,
-            lambda seq: seq >= last,
-            what="the writer folded the whole corpus",
-            retry_on=BUSY,
-            watch=writer.logs,
-            check=writer.check,
-        )
-        await eventually(
-            applied,
-            lambda seq: seq >= last,
-            what="the projector wrote the whole corpus",
-            retry_on=BUSY,
-            watch=projector.logs,
-            check=projector.check,
-        )
+        await wait_current(js, writer, projector, last)
 
         def seen() -> int:
             lines = view_log.read_text(errors="replace").splitlines()
