@@ -548,3 +548,50 @@ def test_a_dynamo_message_folds_as_its_seqstate_event_on_its_own_subject(
     assert dynamo.state.publishers.holes == 0
     dynamo.state.publishers.entries.clear()
     assert dynamo.state.snapshot() == own.state.snapshot()
+
+
+# ---- snapshots ----------------------------------------------------------------------------------
+
+
+def test_a_snapshot_keeps_the_publishers_in_order_with_their_counts() -> None:
+    fold = new_fold()
+    for i, c in enumerate(CAPTURE):
+        if i not in (36, 50):  # two holes of frontend B
+            fold(i + 1, c.t_ns, ON, c.data)
+    fold(200, CAPTURE[-1].t_ns, ON, message(MESSAGES[0], request_id="again", sequence=0))
+    publishers = fold.state.publishers
+    assert (publishers.holes, publishers.restarts) == (2, 1)
+    restored = SequenceState.restore(fold.state.snapshot())
+    assert restored.publishers.rows() == publishers.rows()
+    assert (restored.publishers.holes, restored.publishers.restarts) == (2, 1)
+    assert restored.snapshot() == fold.state.snapshot()
+
+
+def test_a_snapshot_written_before_publishers_existed_is_still_read() -> None:
+    """The publishers are trailing fields of the snapshot with defaults: a snapshot from an
+    older build (without them) restores with no publisher known, and the fold goes on."""
+    fold = new_fold()
+    fold_capture(fold, 12)
+    data = fold.state.snapshot()
+    magic, body = data[:4], msgspec.msgpack.decode(data[4:])
+    older = magic + msgspec.msgpack.encode(body[:-3])
+    restored = SequenceState.restore(older)
+    assert len(restored.publishers) == 0 and restored.publishers.capacity == 4096
+    assert rank_numbers(restored) == rank_numbers(fold.state)
+    resumed = Fold(restored, FoldRules(NS))
+    assert all(applied(v).hole is None for v in fold_capture_from(resumed, 12, len(CAPTURE)))
+    assert len(restored.requests) == 0
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.binary(max_size=300)
+    | st.sampled_from([c.data[:n] for c in CAPTURE[:3] for n in range(len(c.data))])
+)
+def test_no_bytes_on_a_dynamo_subject_make_the_fold_raise(data: bytes) -> None:
+    fold = new_fold()
+    verdict = fold(1, 1, ON, data)
+    if type(verdict) is Refusal:
+        assert verdict.kind in (UNDECODABLE, WRONG_SUBJECT) and verdict.reason
+    else:
+        assert decode_dynamo(data)  # only a whole Dynamo message is applied
