@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -323,7 +324,7 @@ def _decode(
     data: bytes | bytearray | memoryview,
     strict: msgspec.msgpack.Decoder[Any],
     cls: type[Struct],
-    prune: Any,
+    prune: Callable[[object], object],
     what: str,
 ) -> Any:
     """One level, strictly; if refused, leniently as serde reads it (see the module's note)."""

@@ -54,6 +54,7 @@ from typing import Final, NamedTuple
 from seqstate.bounds import RankBounds
 from seqstate.deltas import Delta
 from seqstate.dynamo import (
+    CAPTURED,
     core_event,
     decode_dynamo,
     is_dynamo_subject,
@@ -94,6 +95,9 @@ _ROUTER_TYPES: Final = frozenset(ROUTER_EVENTS)
 _UNSEEN: Final[tuple[int, ...]] = (-1,)  # a subject not parsed yet (compared by identity)
 _ROUTERS_ROUTE: Final[tuple[int, ...]] = (-2,)  # the routers subject's route
 _DYNAMO_ROUTE: Final[tuple[int, ...]] = (-3,)  # a Dynamo lifecycle subject's route
+# The first byte of a msgpack array (a seqstate event's envelope) and of a map (Dynamo's).
+_ARRAY_HEADS: Final = frozenset(bytes([b]) for b in (*range(0x90, 0xA0), 0xDC, 0xDD))
+_MAP_HEADS: Final = frozenset(bytes([b]) for b in (*range(0x80, 0x90), 0xDE, 0xDF))
 _RANK_TOKENS: Final = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
 _ROUTES_KEPT: Final = 65_536  # subjects remembered; a flood of invented ones is forgotten
 
@@ -258,7 +262,7 @@ class Fold:
                 elif is_dynamo_subject(subject):  # the namespace's capture of an endpoint
                     route = _DYNAMO_ROUTE
         elif is_dynamo_subject(subject) and not subject.startswith("seqstate."):
-            route = _DYNAMO_ROUTE
+            route = _DYNAMO_ROUTE  # Dynamo's own subject (another namespace's capture: None)
         routes[subject] = route
         return route
 
@@ -295,6 +299,8 @@ class Fold:
     def _not_dynamo(self, subject: str, payload: bytes, reason: str) -> Refusal:
         """Bytes on a Dynamo subject that are no Dynamo message: a seqstate event is on the
         wrong subject, anything else undecodable."""
+        if payload[:1] not in _ARRAY_HEADS:  # an event is an array: no second decode
+            return Refusal(UNDECODABLE, reason)
         try:
             event = decode_event(payload)
         except Exception:
@@ -304,6 +310,8 @@ class Fold:
     def _undecodable(self, subject: str, payload: bytes, reason: str) -> Refusal:
         """Bytes on a seqstate subject that are no seqstate event: a Dynamo message is on the
         wrong subject, anything else undecodable."""
+        if payload[:1] not in _MAP_HEADS:  # a Dynamo message is a map: no second decode
+            return Refusal(UNDECODABLE, reason)
         try:
             message = decode_dynamo(payload)
         except Exception:
@@ -312,8 +320,8 @@ class Fold:
         return Refusal(
             WRONG_SUBJECT,
             f"refused: a Dynamo {message.op} of publisher {message.publisher_id} on subject "
-            f"{_shown(subject)!r}; Dynamo's messages belong on "
-            "'namespace.<NS>.component.<C>.endpoint.<E>.active_sequences_events'",
+            f"{_shown(subject)!r}; the namespace's Dynamo messages belong on "
+            f"'{self._prefix}{CAPTURED}.<NS>.<COMPONENT>.<ENDPOINT>'",
             event,
         )
 

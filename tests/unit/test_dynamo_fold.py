@@ -438,8 +438,8 @@ def test_a_dynamo_message_on_a_seqstate_subject_and_the_reverse_are_wrong_subjec
     assert verdict.kind == WRONG_SUBJECT
     assert verdict.reason == (
         f"refused: a Dynamo AddRequest of publisher {FRONTEND_A} on subject "
-        "'seqstate.events.dyn.1.0'; Dynamo's messages belong on "
-        "'namespace.<NS>.component.<C>.endpoint.<E>.active_sequences_events'"
+        "'seqstate.events.dyn.1.0'; the namespace's Dynamo messages belong on "
+        "'seqstate.events.dyn.dynamo.<NS>.<COMPONENT>.<ENDPOINT>'"
     )
     assert verdict.event == core_event(MESSAGES[0])
     own = Free(request_id="r", worker_id=1)
