@@ -124,9 +124,9 @@ class _Envelope(_Wire):
     payload: bytes
 
 
-# Where a lenient reading prunes unknown fields: each struct's wire names, and which of its
-# fields holds a struct that is pruned in turn. ``data`` and ``_Duration`` are not pruned:
-# serde refuses an unknown variant and an unknown field of a Duration.
+# What a lenient reading keeps of each map: its struct's wire names (``_prune_envelope`` and
+# ``_prune_event``). ``data`` and a ``_Duration`` are not pruned: serde refuses an unknown
+# variant and an unknown field of a Duration.
 def _names(cls: type[Struct]) -> frozenset[str]:
     return frozenset(f.encode_name for f in msgspec.structs.fields(cls))
 
