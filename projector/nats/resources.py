@@ -230,9 +230,9 @@ async def _ensure_stream(
         try:
             return await js.add_stream(wanted)
         except APIError as exc:
-            subjects = ", ".join(wanted.subjects or [])
+            listed = ", ".join(wanted.subjects or [])
             raise ProvisioningError(
-                f"cannot create stream {wanted.name} on {subjects}: {exc.description}"
+                f"cannot create stream {wanted.name} on {listed}: {exc.description}"
                 + (
                     " (another stream, perhaps another namespace's, has them)"
                     if exc.err_code == 10065

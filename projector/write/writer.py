@@ -69,11 +69,11 @@ from seqstate import (
     Refusal,
     SequenceState,
     Tick,
-    decode_event,
     encode_event,
 )
 from seqstate.deltas import APPLIED
 from seqstate.errors import SeqstateError
+from seqstate.fold import event_of
 
 log = logging.getLogger("seqstate.writer")
 
@@ -302,7 +302,7 @@ class Writer(LagWatched):
             return Refused(verdict.kind, verdict.reason, fields)
         delta: Delta = verdict  # type: ignore[assignment]
         if delta.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):  # the fold's hot path
-            self._log_oddity(seq, msg.data, delta)
+            self._log_oddity(seq, msg.subject, msg.data, delta)
         self.stats.applied += 1
         if seq > self._published_up_to:
             self.deltas.append(delta)
@@ -327,10 +327,12 @@ class Writer(LagWatched):
         """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
         await self.deltas.flush()
 
-    def _log_oddity(self, seq: int, data: bytes, delta: Delta) -> None:
+    def _log_oddity(self, seq: int, subject: str, data: bytes, delta: Delta) -> None:
         """A DEBUG line for an event folded to something other than ``applied`` (a duplicate,
         an unknown request or worker...): which event, what it met, never its block hashes."""
-        event: Event = decode_event(data)  # it decoded once: DEBUG only, off the hot path
+        # It decoded once (a Dynamo message: as the event it folds as): DEBUG only, off the
+        # hot path.
+        event: Event = event_of(subject, data)
         owner = f" (held by worker {delta.owner[0]} rank {delta.owner[1]})" if delta.owner else ""
         log.debug(
             "event %d %s: %s%s",

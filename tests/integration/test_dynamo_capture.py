@@ -106,5 +106,5 @@ async def test_an_endpoint_another_namespace_captures_is_refused_in_words(nc: Cl
     "endpoints", ["dynamo.backend", "a.b.c.d", "a..c", "a.b.c,", "a.b.*", "a.b.c, x y.b.c"]
 )
 def test_a_malformed_endpoint_is_one_line(endpoints: str) -> None:
-    with pytest.raises(ConfigError, match="is not a Dynamo endpoint: NAMESPACE.COMPONENT"):
+    with pytest.raises(ConfigError, match=r"is not a Dynamo endpoint: NAMESPACE\.COMPONENT"):
         Config(dynamo_endpoint=endpoints)
