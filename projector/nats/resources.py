@@ -33,7 +33,7 @@ from projector.wire.capture import (
     CAPTURE_MAX_AGE_S,
     RAW_PATTERN,
     capture_stream,
-    raw_subject,
+    dynamo_subject,
     rewrite,
 )
 from projector.wire.config import Config
@@ -199,7 +199,7 @@ async def _ensure_capture(js: JetStreamContext, config: Config) -> api.StreamSou
                 f"Dynamo replica-sync events captured for seqstate namespace "
                 f"{config.namespace} (its events stream sources them)"
             ),
-            subjects=[raw_subject(e) for e in config.dynamo_endpoints],
+            subjects=[dynamo_subject(e) for e in config.dynamo_endpoints],
             storage=api.StorageType.FILE,
             retention=api.RetentionPolicy.LIMITS,
             max_age=CAPTURE_MAX_AGE_S,

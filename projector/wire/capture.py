@@ -20,29 +20,29 @@ from __future__ import annotations
 
 from typing import Final
 
-TOPIC: Final = "active_sequences_events"
+from seqstate.dynamo import TOPIC, captured_subject, dynamo_subject
+
 # Dynamo's subject of any endpoint, with the three tokens the rewrite keeps.
 RAW_PATTERN: Final = f"namespace.*.component.*.endpoint.*.{TOPIC}"
 CAPTURE_MAX_AGE_S: Final = 24 * 3600.0
 
 
-def raw_subject(endpoint: str) -> str:
-    """Dynamo's subject for ``NS.COMPONENT.ENDPOINT`` (a checked setting)."""
-    ns, component, name = endpoint.split(".")
-    return f"namespace.{ns}.component.{component}.endpoint.{name}.{TOPIC}"
-
-
-def captured_subject(namespace: str, endpoint: str) -> str:
-    """The subject an event of ``endpoint`` has in the namespace's log."""
-    return f"seqstate.events.{namespace}.dynamo.{endpoint}"
-
-
 def rewrite(namespace: str) -> str:
-    """The events stream's rewrite of a captured subject (a JetStream subject transform)."""
-    tokens = ".".join("{{wildcard(" + str(n) + ")}}" for n in (1, 2, 3))
-    return f"seqstate.events.{namespace}.dynamo.{tokens}"
+    """The events stream's rewrite of a raw subject into :func:`captured_subject`'s (a
+    JetStream subject transform)."""
+    return captured_subject(namespace, ".".join(f"{{{{wildcard({n})}}}}" for n in (1, 2, 3)))
 
 
 def capture_stream(events_stream: str, namespace: str) -> str:
     """The namespace's capture stream: beside its events stream, one per namespace."""
     return f"{events_stream}_DYNAMO_{namespace}"
+
+
+__all__ = [
+    "CAPTURE_MAX_AGE_S",
+    "RAW_PATTERN",
+    "capture_stream",
+    "captured_subject",
+    "dynamo_subject",
+    "rewrite",
+]

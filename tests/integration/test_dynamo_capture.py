@@ -16,7 +16,7 @@ from nats.aio.client import Client
 
 from projector.nats.resources import ProvisioningError, dynamo_capture, ensure
 from projector.nats.stream import last_seq_of
-from projector.wire.capture import captured_subject, raw_subject
+from projector.wire.capture import captured_subject, dynamo_subject
 from projector.wire.config import Config, ConfigError
 
 _names = itertools.count()
@@ -61,12 +61,12 @@ async def test_a_core_publish_on_the_endpoint_is_stored_under_the_namespace(nc: 
     assert [s.name for s in info.config.sources or []] == [dynamo_capture(config)]
     capture = await js.stream_info(dynamo_capture(config))
     assert capture.config.subjects == [
-        raw_subject("dyn.backend.generate"),
-        raw_subject("dyn.prefill.generate"),
+        dynamo_subject("dyn.backend.generate"),
+        dynamo_subject("dyn.prefill.generate"),
     ]
     # Dynamo publishes on NATS Core: no ack, no headers. Then one of seqstate's own events.
-    await nc.publish(raw_subject("dyn.backend.generate"), b"\x01first")
-    await nc.publish(raw_subject("dyn.prefill.generate"), b"\x02second")
+    await nc.publish(dynamo_subject("dyn.backend.generate"), b"\x01first")
+    await nc.publish(dynamo_subject("dyn.prefill.generate"), b"\x02second")
     await nc.flush()
     got = await stored(nc, config, 2)
     assert got == [
@@ -86,8 +86,8 @@ async def test_two_namespaces_capture_their_own_endpoints_into_one_events_stream
     assert sorted(s.name for s in info.config.sources or []) == sorted(
         [dynamo_capture(a), dynamo_capture(b)]
     )
-    await nc.publish(raw_subject("two.backend.generate"), b"to b")
-    await nc.publish(raw_subject("one.backend.generate"), b"to a")
+    await nc.publish(dynamo_subject("two.backend.generate"), b"to b")
+    await nc.publish(dynamo_subject("one.backend.generate"), b"to a")
     assert await stored(nc, a, 1) == [
         (captured_subject(a.namespace, "one.backend.generate"), b"to a")
     ]
