@@ -99,6 +99,24 @@ class Publishers:
         publisher.late += 1
         return None
 
+    def lossy(self, most: int = 20) -> list[tuple[int, int]]:
+        """``(publisher_id, holes)`` of the ``most`` publishers that lost the most messages,
+        most first (ties by id): what status, metrics and the log name."""
+        lost = [(pid, p.holes) for pid, p in self.entries.items() if p.holes]
+        lost.sort(key=lambda row: (-row[1], row[0]))
+        return lost[:most]
+
+    def report(self) -> dict[str, object]:
+        """The counts as the writer's status and ``seqstate status`` show them (JSON-ready;
+        publisher ids as strings, since JSON numbers lose a u64's low bits)."""
+        return {
+            "publishers": len(self.entries),
+            "lost": self.holes,
+            "restarts": self.restarts,
+            "forgotten": self.forgotten,
+            "lost_by_publisher": {str(pid): holes for pid, holes in self.lossy()},
+        }
+
     def rows(self) -> list[tuple[int, int, int, int, int, int]]:
         """``(publisher_id, last_sequence, heard_ns, holes, restarts, late)`` of every
         publisher, least recently heard first (snapshots)."""

@@ -71,7 +71,7 @@ from seqstate import (
     Tick,
     encode_event,
 )
-from seqstate.deltas import APPLIED
+from seqstate.deltas import APPLIED, Hole
 from seqstate.errors import SeqstateError
 from seqstate.fold import event_of
 
@@ -215,6 +215,7 @@ class Writer(LagWatched):
             "lag_events": lag.events,
             "lag_s": lag.oldest_age_s,
             "outcomes": {k: n for k, n in sorted(self.state.counters.items()) if n},
+            **({"dynamo": publishers.report()} if (publishers := self.state.publishers) else {}),
         }
 
     async def _run(self) -> None:
@@ -308,7 +309,22 @@ class Writer(LagWatched):
             self.deltas.append(delta)
             self.stats.deltas_published += 1
             self.stats.last_delta_seq = seq
+            if delta.hole is not None:  # once: a restart folds it again, unlogged
+                self._log_hole(seq, delta.hole)
         return None
+
+    def _log_hole(self, seq: int, hole: Hole) -> None:
+        """A Dynamo publisher's messages the log never got (NATS Core keeps no copy)."""
+        log.warning(
+            "Dynamo publisher %d lost %d message%s (its sequence %d on) before event %d: "
+            "what they added, marked or freed stays wrong until a Free or expiry",
+            hole.publisher_id,
+            hole.missing,
+            "" if hole.missing == 1 else "s",
+            hole.first_missing,
+            seq,
+            extra={"namespace": self.settings.namespace, "stream_seq": seq},
+        )
 
     def _fold_failed(self, exc: BaseException) -> None:
         log.error(

@@ -11,17 +11,21 @@ format under seqstate's own publisher id, and the ledger ignores them.
 from __future__ import annotations
 
 import json
+import logging
 
+import pytest
 from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
 from eventually import eventually
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from pipeline_kit import fresh_config, run_cli
+from prometheus_client import generate_latest
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
+from projector.ops.metrics import Metrics
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from seqstate import Fold, SequenceState
@@ -75,8 +79,9 @@ def loads_json(out: str) -> dict[tuple[int, int], tuple[int, int]]:
 
 
 async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
-    nc: Client, nats_server: NatsServer
+    nc: Client, nats_server: NatsServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING)
     config = fresh_config("dyn", dynamo_endpoint=ENDPOINT, idle_tick_s=3600.0)
     await ensure(nc, config)
     url = nats_server.url
@@ -107,6 +112,7 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
             if reference_state.workers.slots[rank].requests[rid].marked
         }
         republished = [decode_dynamo(msg.data) for msg in await take(sub, live + len(marked))]
+        await sub.unsubscribe()
         assert {m.publisher_id for m in republished} == {resync_publisher_id(config.namespace)}
         assert [m.sequence for m in republished] == list(range(len(republished)))
         adds = [m for m in republished if m.op == ADD]
@@ -122,11 +128,33 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
         rest = [m.data for m in CAPTURE[HALF:]]
         dropped = next(i for i, d in enumerate(rest) if decode_dynamo(d).op == ADD)
         lost = decode_dynamo(rest.pop(dropped))
+        revealed = next(  # the publisher's next message reveals the hole
+            i
+            for i, data in enumerate(rest)
+            if i >= dropped and decode_dynamo(data).publisher_id == lost.publisher_id
+        )
         await publish(nc, rest)
         last = await logged(nc, config, after + len(rest))
         await pipeline.wait_applied(last)
         publishers = pipeline.writer.state.publishers
         assert publishers.holes == 1 and publishers[lost.publisher_id].holes == 1
+        said = [r.getMessage() for r in caplog.records if "lost 1 message" in r.getMessage()]
+        assert said == [
+            f"Dynamo publisher {lost.publisher_id} lost 1 message (its sequence "
+            f"{lost.sequence} on) before event {after + revealed + 1}: what they added, "
+            "marked or "
+            "freed stays wrong until a Free or expiry"
+        ]
+        metrics = Metrics()
+        metrics.follow("writer", lambda: [pipeline.writer])
+        scraped = generate_latest(metrics.registry).decode()
+        ns = config.namespace
+        assert f'seqstate_dynamo_publishers{{namespace="{ns}"}} 4.0' in scraped
+        for publisher in ("all", str(lost.publisher_id)):
+            assert (
+                f'seqstate_dynamo_messages_lost_total{{namespace="{ns}",publisher="{publisher}"}}'
+                " 1.0"
+            ) in scraped, scraped
     out = await run_cli(config, url, "status")
     assert out.returncode == 0, out.stderr
     assert f"publisher {lost.publisher_id}: 1 message lost" in out.stdout, out.stdout
