@@ -162,6 +162,10 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
         scraped = generate_latest(metrics.registry).decode()
         ns = config.namespace
         assert f'seqstate_dynamo_publishers{{namespace="{ns}"}} 4.0' in scraped
+        big = max(w for w, _ in want)  # a worker id above 2^63, exact in its labels
+        assert f'seqstate_worker_active_blocks{{dp_rank="0",namespace="{ns}",worker="{big}"}}' in (
+            scraped
+        )
         for publisher in ("all", str(lost.publisher_id)):
             assert (
                 f'seqstate_dynamo_messages_lost_total{{namespace="{ns}",publisher="{publisher}"}}'
