@@ -50,7 +50,9 @@ class BucketImage:
         self.namespace = namespace
         self.loads: dict[Rank, RankLoad] = {}
         self.load_stamps: dict[Rank, tuple[int, int]] = {}  # (source seq, log time)
-        self.slot_keys: dict[Rank, int] = {}  # the rank has slot keys 0 .. n-1
+        # The slot keys each rank has in the bucket: a removal deletes exactly those, so its
+        # cost follows the keys written, never a slot number a delta names.
+        self.slot_keys: dict[Rank, set[int]] = {}
         self.applied_seq = 0  # the last event whose delta (every part of it) is applied
         self.as_of = 0  # its log time
         self.partial: tuple[int, int] | None = None  # (event, part) of an event half applied
@@ -77,7 +79,7 @@ class BucketImage:
             self.load_stamps.pop(rank, None)
             self._dirty_loads.discard(rank)
             self._deleted_loads.add(rank)
-            for slot in range(self.slot_keys.pop(rank, 0)):
+            for slot in sorted(self.slot_keys.pop(rank, ())):
                 key = slot_key(ns, rank, slot)
                 self._slots[key] = None
                 self._empty.discard(key)
@@ -87,15 +89,14 @@ class BucketImage:
             rank = (change.rank[0], change.rank[1])
             self._touch(rank, stamp)
             self.loads[rank] = change.load
-            keys = self.slot_keys.get(rank, 0)
+            keys = self.slot_keys.setdefault(rank, set())
             for slot in change.released:
                 self._slots[slot_key(ns, rank, slot)] = EMPTY_SLOT
-                keys = max(keys, slot + 1)
+                keys.add(slot)
             for booking in change.booked:
                 key = slot_key(ns, rank, booking.slot)
                 self._slots[key] = encode_request(seq, booking.request_id, booking.hashes)
-                keys = max(keys, booking.slot + 1)
-            self.slot_keys[rank] = keys
+                keys.add(booking.slot)
         if delta.block_size is not None:
             block_size = delta.block_size or None  # TRACKER_ENDED (0): the tracker is gone
             if block_size != self.block_size:
@@ -109,48 +110,35 @@ class BucketImage:
         self.as_of = max(self.as_of, delta.at_ns)
 
     def refusal(self, deltas: list[Delta]) -> str:
-        """Why ``deltas`` cannot be a writer's next ("" if they can), by what they would do
-        to this image: a rank out of range, or a slot no writer could name.
+        """Why ``deltas`` cannot be a writer's ("" if they can): a number out of the range the
+        events carry (a worker id, a slot or a block hash past u64, a dp rank past u32; a
+        negative hash once stopped the projector for good, as it packed the slot's value).
+        Costs what they name.
 
-        A writer books a request on the lowest slot its rank does not hold, so a booking
-        names at most the rank's next new slot, and a release a slot the rank has. A forged
-        slot of 2^62 would otherwise make a removal of its rank delete 2^62 keys, one by one.
-        Costs what the deltas name, never the size of the image.
+        A slot number is not checked: no rule about it holds across a projector that resumed
+        from a bucket written ahead of its position (a flush cut short), and none is needed,
+        since a slot costs the image one key whatever its number (:attr:`slot_keys`).
         """
-        keys: dict[Rank, int] = {}
         for delta in deltas:
-            for raw in delta.removed_ranks:
-                if not _in_range(raw):
-                    return f"not a writer's delta: rank {raw} is out of range"
-                keys[(raw[0], raw[1])] = 0
-            for raw in delta.added_ranks:
+            ranks = [*delta.removed_ranks, *delta.added_ranks, *(c.rank for c in delta.changes)]
+            for raw in ranks:
                 if not _in_range(raw):
                     return f"not a writer's delta: rank {raw} is out of range"
             for change in delta.changes:
-                raw = change.rank
-                if not _in_range(raw):
-                    return f"not a writer's delta: rank {raw} is out of range"
-                rank = (raw[0], raw[1])
-                n = keys.get(rank)
-                if n is None:
-                    n = self.slot_keys.get(rank, 0)
                 for slot in change.released:
-                    if not 0 <= slot < n:
-                        return f"not a writer's delta: rank {rank} releases slot {slot} of {n}"
+                    if not 0 <= slot < _U64:
+                        return f"not a writer's delta: slot {slot} is out of range"
                 for booking in change.booked:
-                    if not 0 <= booking.slot <= n:
-                        return (
-                            f"not a writer's delta: rank {rank} books slot {booking.slot} "
-                            f"with {n} slots"
-                        )
-                    n = max(n, booking.slot + 1)
-                keys[rank] = n
+                    if not 0 <= booking.slot < _U64:
+                        return f"not a writer's delta: slot {booking.slot} is out of range"
+                    if not all(0 <= h < _U64 for h in booking.hashes):
+                        return "not a writer's delta: a block hash is not a u64"
         return ""
 
     def _touch(self, rank: Rank, stamp: tuple[int, int]) -> None:
         if rank not in self.loads:
             self.loads[rank] = EMPTY_LOAD
-            self.slot_keys.setdefault(rank, 0)
+            self.slot_keys.setdefault(rank, set())
             self._deleted_loads.discard(rank)
         self.load_stamps[rank] = stamp
         self._dirty_loads.add(rank)
@@ -165,10 +153,10 @@ class BucketImage:
         for rank, value in bucket.loads.items():
             self.loads[rank] = value.rank_load()
             self.load_stamps[rank] = (value.applied_seq, value.as_of)
-            self.slot_keys[rank] = 0
+            self.slot_keys[rank] = set()
         for rank, slots in bucket.slots.items():
             if rank in self.loads:
-                self.slot_keys[rank] = max(slots) + 1
+                self.slot_keys[rank] = set(slots)
                 self._empty.update(
                     slot_key(self.namespace, rank, slot)
                     for slot, value in slots.items()
@@ -180,8 +168,7 @@ class BucketImage:
         for key in bucket.unreadable:  # a damaged slot value still counts as a slot key
             parsed = parse_key(self.namespace, key)
             if parsed.kind == "req" and parsed.rank in self.slot_keys:
-                damaged = parsed.rank
-                self.slot_keys[damaged] = max(self.slot_keys[damaged], parsed.slot + 1)
+                self.slot_keys[parsed.rank].add(parsed.slot)
 
     # ---- what to write ----------------------------------------------------------------------
 
@@ -242,6 +229,9 @@ class BucketImage:
         return {key: value for key, value in self.take() if value is not None}
 
 
+_U64 = 2**64
+
+
 def _in_range(rank: tuple[int, int]) -> bool:
     """A worker id is a u64 and a dp rank a u32, as the events carry them."""
-    return 0 <= rank[0] < 2**64 and 0 <= rank[1] < 2**32
+    return 0 <= rank[0] < _U64 and 0 <= rank[1] < 2**32
