@@ -41,12 +41,15 @@ def dynamo_python() -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def live(
+    request: pytest.FixtureRequest,
     dynamo_python: Path,
     nats_server: NatsServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[LiveFleet]:
     """nats-server (JetStream, temp store, free port), a raw capture of the endpoint's
-    ``active_sequences_events``, two mockers (one dp 2), two frontends with replica sync."""
+    ``active_sequences_events``, two mockers (one dp 2), two frontends with replica sync (and
+    the module's ``FRONTEND_ARGS``, if it has any)."""
+    extra: tuple[str, ...] = getattr(request.module, "FRONTEND_ARGS", ())
     fleet = Fleet(dynamo_python, tmp_path_factory.mktemp("dynamo"), nats_server.url)
     fleet.write_model()
     nc = await nats.connect(nats_server.url, max_reconnect_attempts=0)
@@ -54,8 +57,8 @@ async def live(
     live = LiveFleet(fleet, capture)
     try:
         await live.start_workers()
-        await live.start_frontend("frontend-1")
-        await live.start_frontend("frontend-2")
+        await live.start_frontend("frontend-1", *extra)
+        await live.start_frontend("frontend-2", *extra)
         yield live
     finally:
         live.stop()

@@ -1,7 +1,8 @@
 """Talking to a live Dynamo fleet the way its users do: HTTP streams in, gauges and NATS out.
 
 - :class:`Stream`: one streaming ``POST /v1/completions`` on a raw asyncio connection, with the
-  request id chosen by the test (``x-dynamo-request-id``: Dynamo then uses it as the
+  request id chosen by the test (``x-dynamo-request-id``, a UUID: anything else is ignored and
+  Dynamo draws its own; with it, Dynamo uses it as the
   ``request_id`` of every event it publishes about the request, so a stream and its events are
   matched exactly). Closing the connection cancels the request, which Dynamo frees.
 - :func:`scrape`: a frontend's ``/metrics``, parsed by prometheus_client's own parser, into the
@@ -36,6 +37,9 @@ from prometheus_client.parser import text_string_to_metric_families
 Rank = tuple[int, int]  # (worker_id, dp_rank)
 DECODE = "dynamo_frontend_worker_active_decode_blocks"
 PREFILL = "dynamo_frontend_worker_active_prefill_tokens"
+# 1 for each (worker, dp_rank) the frontend's router has registered; its worker id is the label
+# ``router_worker_id`` (``worker_id`` there is the frontend's own id, in hex).
+REGISTERED = "dynamo_component_router_worker_registered"
 
 
 def block(tag: int) -> str:
@@ -87,10 +91,15 @@ async def models(port: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Gauges:
-    """One frontend's view, per (worker_id, dp_rank): what its router believes is in flight."""
+    """One frontend's view, per (worker_id, dp_rank): what its router believes is in flight.
+
+    A rank's decode and prefill series appear only once the router has had a request on it
+    (its own or a peer's): a missing series means zero. ``registered`` lists every rank the
+    router knows, routed to or not."""
 
     decode: dict[Rank, int]
     prefill: dict[Rank, int]
+    registered: frozenset[Rank]
 
 
 async def scrape(port: int) -> Gauges:
@@ -98,15 +107,19 @@ async def scrape(port: int) -> Gauges:
     assert status == 200, (status, body[:200])
     decode: dict[Rank, int] = {}
     prefill: dict[Rank, int] = {}
+    registered: set[Rank] = set()
     for family in text_string_to_metric_families(body.decode()):
         for sample in family.samples:
+            labels = sample.labels
+            if sample.name == REGISTERED and sample.value == 1:
+                registered.add((int(labels["router_worker_id"]), int(labels["dp_rank"])))
             if sample.name not in (DECODE, PREFILL):
                 continue
-            rank = (int(sample.labels["worker_id"]), int(sample.labels["dp_rank"]))
+            rank = (int(labels["worker_id"]), int(labels["dp_rank"]))
             value = int(sample.value)
             assert value == sample.value, sample  # block and token counts are whole
             (decode if sample.name == DECODE else prefill)[rank] = value
-    return Gauges(decode, prefill)
+    return Gauges(decode, prefill, frozenset(registered))
 
 
 def nonzero(gauges: dict[Rank, int]) -> dict[Rank, int]:

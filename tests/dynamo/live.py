@@ -4,10 +4,12 @@ Ready, for a frontend, means three things, each checked where it shows:
 1. ``GET /v1/models`` lists ``tiny`` (the frontend found a worker's model card);
 2. a warm-up request routed by it completed, and its AddRequest on NATS names the frontend's
    ``router_id`` (so the replica-sync path works, and the tests know which replica is which);
-3. its ``/metrics`` has a decode-block gauge for every (worker, dp_rank) that file discovery
-   lists, all zero: the router sees every rank, and nothing of the warm-up is left.
+3. its ``/metrics`` says ``dynamo_component_router_worker_registered`` for every (worker,
+   dp_rank) that file discovery lists, and no decode block or prefill token is left of the
+   warm-up. (The decode-block gauges themselves are no readiness signal: a rank's series
+   appears only once the router has had a request on it.)
 ``/v1/models`` alone is not enough: a frontend lists the model as soon as one worker's card is
-read, seconds before its router knows every worker and rank.
+read, possibly before its router has registered every worker and rank.
 
 The warm-up prompts use block tags of their own (``WARMUP_TAG``), so no test's prefix is
 cached on a worker by them.
@@ -84,8 +86,10 @@ class LiveFleet:
         ranks = self.fleet.ranks()
         await eventually(
             lambda: scrape(front.http_port),
-            lambda g: set(g.decode) == ranks and not any(g.decode.values()),
-            what=f"{name} has a zero decode gauge for each of {sorted(ranks)}",
+            lambda g: g.registered == ranks
+            and not any(g.decode.values())
+            and not any(g.prefill.values()),
+            what=f"{name} registered {sorted(ranks)}, nothing in flight",
             timeout=START_S,
             check=front.check,
             watch=self.fleet.tails,
@@ -94,7 +98,7 @@ class LiveFleet:
 
     async def warm_up(self, front: Frontend) -> int:
         """Route one short request through ``front``; the router_id its AddRequest names."""
-        rid = f"warmup-{front.name}-{uuid.uuid4()}"
+        rid = str(uuid.uuid4())
         prompt = block(WARMUP_TAG + len(self.fleet.frontends)) + "1234"
         stream = await Stream(rid, front.http_port, prompt, 2).open()
         try:

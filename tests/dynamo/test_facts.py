@@ -33,9 +33,9 @@ pytestmark = [pytest.mark.dynamo, pytest.mark.asyncio(loop_scope="module")]
 HELD = 2000  # max_tokens of a stream the test holds open and closes itself (~200 s of decode)
 
 
-def ids(prefix: str, count: int) -> list[str]:
-    run = uuid.uuid4().hex[:8]
-    return [f"{prefix}-{run}-{i}" for i in range(count)]
+def ids(count: int) -> list[str]:
+    """Fresh request ids: UUIDs, the only form Dynamo takes from ``x-dynamo-request-id``."""
+    return [str(uuid.uuid4()) for _ in range(count)]
 
 
 async def views(live: LiveFleet) -> list[Gauges]:
@@ -90,7 +90,7 @@ async def test_decode_blocks_are_each_rank_s_distinct_full_blocks(live: LiveFlee
     f1, f2 = live.frontends
     tag = 1_000_000
     shared = block(tag + 1) + block(tag + 2)
-    rids = ids("decode", 7)
+    rids = ids(7)
     prompts = [shared + block(tag + 100 + i) + ("12345" if i else "") for i in range(7)]
     held, short = rids[:6], rids[6]
     specs = [
@@ -185,15 +185,15 @@ async def test_sequences_are_gap_free_per_publisher_from_zero(live: LiveFleet) -
 
 
 async def test_worker_ids_above_2_63_reach_the_gauges(live: LiveFleet) -> None:
-    """A worker id above 2^63 (the fleet makes sure of one) is a label of both frontends'
-    gauges, written in full as an unsigned decimal."""
+    """A worker id above 2^63 (the fleet makes sure of one) is written in full, as an unsigned
+    decimal, in both frontends' metrics; the rank series of the gauges use the same ids."""
     ranks = live.fleet.ranks()
     high = {rank for rank in ranks if rank[0] >= TOP_BIT}
-    assert high and len(ranks) == 3
+    assert high and len(ranks) == 3 and len({worker for worker, _ in ranks}) == 2
     for front in live.frontends:
         gauges = await scrape(front.http_port)
-        assert set(gauges.decode) == ranks == set(gauges.prefill)
-    assert any(f.router_id is not None and f.router_id >= 0 for f in live.frontends)
+        assert gauges.registered == ranks
+        assert set(gauges.decode) <= ranks and set(gauges.prefill) <= ranks
 
 
 async def test_a_late_frontend_knows_nothing_of_requests_routed_before_it(
@@ -206,7 +206,7 @@ async def test_a_late_frontend_knows_nothing_of_requests_routed_before_it(
     Frees of requests it never saw (no underflow), and it is stopped cleanly."""
     f1, f2 = live.frontends
     tag = 2_000_000
-    rids = ids("late", 4)
+    rids = ids(4)
     specs = [
         (
             rid,
@@ -226,7 +226,7 @@ async def test_a_late_frontend_knows_nothing_of_requests_routed_before_it(
         late = await live.start_frontend("frontend-late")
         assert late.router_id not in {f1.router_id, f2.router_id}
         gauges = await scrape(late.http_port)
-        assert set(gauges.decode) == live.fleet.ranks()
+        assert gauges.registered == live.fleet.ranks()
         assert nonzero(gauges.decode) == {} and nonzero(gauges.prefill) == {}
         for front in (f1, f2):
             assert nonzero((await scrape(front.http_port)).decode) == expected
@@ -246,17 +246,20 @@ async def test_a_late_frontend_knows_nothing_of_requests_routed_before_it(
     assert late is not None and late.popen.returncode is not None
 
 
-async def test_a_replica_s_prefill_gauge_drops_only_on_a_peer_router_s_mark(
+async def test_prefill_gauges_are_no_oracle_once_every_request_has_its_first_token(
     live: LiveFleet,
 ) -> None:
-    """Prefill load, as each frontend shows it, per rank: the initial_effective_prefill_tokens
-    of the requests in flight there, minus those a PEER router has marked. A frontend's own
-    Mark (which it publishes for its peers) and the worker's Mark leave its own gauge as it
-    was, until the Free: so replicas disagree on prefill load once every request has its first
-    token, and neither shows zero. Checked against the captured Marks, whichever arrived."""
+    """Six cold 23-token prompts (one block and seven tokens: nothing cached, so each
+    AddRequest's initial_effective_prefill_tokens is exactly 23), held open until each has the
+    worker's Mark (its first token). Every request is then past prefill, yet in every run we
+    made the frontends' prefill gauges were neither zero nor equal to each other: a replica
+    keeps some requests' tokens until their Free, which ones varying from run to run (see
+    README.md), so none of that is asserted. What holds every time: a frontend shows at most the tokens of the requests in flight on each rank, a
+    rank with nothing in flight shows nothing, and after the drain every gauge is zero. So the
+    live suite compares seqstate's prefill with the Marks, never with these gauges."""
     f1, f2 = live.frontends
     tag = 3_000_000
-    rids = ids("prefill", 6)
+    rids = ids(6)
     specs = [
         (rid, (f1 if i % 2 == 0 else f2).http_port, block(tag + i) + "1234567", HELD)
         for i, rid in enumerate(rids)
@@ -265,31 +268,17 @@ async def test_a_replica_s_prefill_gauge_drops_only_on_a_peer_router_s_mark(
     try:
         adds = await added(live, rids)
         await worker_marked(live, rids)
-        for add in adds.values():  # cold blocks: nothing cached, the whole prompt is prefill
+        upper: dict[tuple[int, int], int] = {}
+        for add in adds.values():
             hint = add.add.prefill_load_hint
             assert hint is not None and hint.initial_effective_prefill_tokens == 23
-
-        def model(router_id: int | None) -> dict[tuple[int, int], int]:
-            shown: dict[tuple[int, int], int] = {}
-            for rid, add in adds.items():
-                peers = live.capture.marked_by(rid) - {router_id, add.event.worker.worker_id}
-                if not peers:
-                    shown[add.rank] = shown.get(add.rank, 0) + 23
-            return shown
-
-        async def agree() -> list[tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]]:
-            return [
-                (nonzero((await scrape(f.http_port)).prefill), model(f.router_id))
-                for f in (f1, f2)
-            ]
-
-        await eventually(
-            agree,
-            lambda pairs: all(shown == wanted for shown, wanted in pairs),
-            what="each frontend's prefill gauge == its own unmarked-by-a-peer requests",
-            watch=live.fleet.tails,
-        )
-        # Each frontend keeps at least its own requests that its peer did not mark.
+            assert hint.expected_prefill_duration is None
+            upper[add.rank] = upper.get(add.rank, 0) + 23
+        await all_show(live, unique_blocks(adds.values()), "6 streams in flight")
+        for front in (f1, f2):
+            shown = nonzero((await scrape(front.http_port)).prefill)
+            assert set(shown) <= set(upper), (shown, upper)
+            assert all(0 < shown[r] <= upper[r] and shown[r] % 23 == 0 for r in shown), shown
         own = {f.router_id: 0 for f in (f1, f2)}
         for add in adds.values():
             own[add.event.router_id] += 1
