@@ -301,4 +301,3 @@ class Fleet:
             text = log.read_text(errors="replace").splitlines()[-lines:]
             parts.append(f"--- {log} ---\n" + "\n".join(_ANSI.sub("", t) for t in text))
         return "\n".join(parts)
-

@@ -50,12 +50,16 @@ class LiveFleet:
             if attempt == HIGH_ID_TRIES:
                 raise AssertionError(f"no worker id above 2^63 in {attempt} starts: {ids}")
             self.fleet.stop_proc(single)
-            await eventually(
-                lambda: single.rpc_port not in self.fleet.worker_ids(),
-                what=f"{single.name}'s discovery records removed after SIGTERM",
-                watch=self.fleet.tails,
-            )
+            await self._deregistered(single)
             single = self.fleet.start_mocker("mocker-a")
+
+    async def _deregistered(self, mocker: Proc) -> None:
+        """A SIGTERMed mocker removes its discovery records (in ~2 s): until they are gone."""
+        await eventually(
+            lambda: mocker.rpc_port not in self.fleet.worker_ids(),
+            what=f"{mocker.name}'s discovery records removed after SIGTERM",
+            watch=self.fleet.tails,
+        )
 
     async def _registered(self, mockers: list[Proc]) -> None:
         def seen() -> bool:
@@ -86,9 +90,9 @@ class LiveFleet:
         ranks = self.fleet.ranks()
         await eventually(
             lambda: scrape(front.http_port),
-            lambda g: g.registered == ranks
-            and not any(g.decode.values())
-            and not any(g.prefill.values()),
+            lambda g: (
+                g.registered == ranks and not any(g.decode.values()) and not any(g.prefill.values())
+            ),
             what=f"{name} registered {sorted(ranks)}, nothing in flight",
             timeout=START_S,
             check=front.check,
@@ -122,4 +126,3 @@ class LiveFleet:
 
     def stop(self) -> None:
         self.fleet.stop()
-

@@ -16,7 +16,6 @@ import pytest
 from dynamo_kit import (
     Gauges,
     Seen,
-    Stream,
     block,
     close_all,
     nonzero,
@@ -254,7 +253,8 @@ async def test_prefill_gauges_are_no_oracle_once_every_request_has_its_first_tok
     worker's Mark (its first token). Every request is then past prefill, yet in every run we
     made the frontends' prefill gauges were neither zero nor equal to each other: a replica
     keeps some requests' tokens until their Free, which ones varying from run to run (see
-    README.md), so none of that is asserted. What holds every time: a frontend shows at most the tokens of the requests in flight on each rank, a
+    README.md), so none of that is asserted. What holds every time: a frontend shows at most
+    the tokens of the requests in flight on each rank, a whole number of requests' worth, a
     rank with nothing in flight shows nothing, and after the drain every gauge is zero. So the
     live suite compares seqstate's prefill with the Marks, never with these gauges."""
     f1, f2 = live.frontends
