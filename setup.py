@@ -14,7 +14,7 @@ pure core. ``SEQSTATE_PURE`` decides:
 mypyc runs when ``build_ext`` is prepared, not when setup.py is imported: the metadata and
 sdist steps of a PEP 517 build then need neither mypy nor msgspec, and an sdist carries the
 Python sources, never the generated C (which is specific to the mypy that wrote it).
-Modules that define msgspec Structs (events, deltas, loads, topology, snapshot) stay
+Modules that define msgspec Structs (events, deltas, loads, topology, snapshot, dynamo) stay
 interpreted: mypyc does not keep a Struct's class options.
 """
 
@@ -34,6 +34,7 @@ NATIVE = [
     "seqstate/decay.py",
     "seqstate/departures.py",
     "seqstate/prefill.py",
+    "seqstate/publishers.py",
     "seqstate/recent.py",
     "seqstate/registry.py",
     "seqstate/request_index.py",

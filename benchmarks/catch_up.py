@@ -72,9 +72,10 @@ BATCH = 200  # events per publish_many call: 100 adds and the frees of the previ
 # ---- a router process ---------------------------------------------------------------------
 
 
-async def router(url: str, index: int, rate: float) -> None:
+async def router(url: str, index: int, rate: float, one_by_one: bool) -> None:
     """Publish until SIGTERM: batches of AddRequests and the Frees of the last batch, flat out
-    (``rate`` 0) or at ``rate`` events/s."""
+    (``rate`` 0) or at ``rate`` events/s; ``one_by_one``: each event awaited on its own, as a
+    router publishes its decisions (``publish``), rather than a batch per ``publish_many``."""
     config = Config(**NAMES)  # type: ignore[arg-type]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -98,7 +99,11 @@ async def router(url: str, index: int, rate: float) -> None:
             frees: list[Event] = [
                 Free(request_id=a.request_id, worker_id=a.worker_id) for a in previous
             ]
-            await pub.publish_many([*adds, *frees])
+            if one_by_one:
+                for event in [*adds, *frees]:
+                    await pub.publish(event)
+            else:
+                await pub.publish_many([*adds, *frees])
             sent += len(adds) + len(frees)
             previous = adds
             n += len(adds)
@@ -201,6 +206,7 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
                         server.url,
                         "--rate",
                         str(opts.rate / opts.routers),
+                        *(["--one-by-one"] if opts.one_by_one else []),
                     ],
                     cwd=REPO,
                     stdout=subprocess.DEVNULL,
@@ -268,6 +274,7 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             result = {
                 "routers": opts.routers,
                 "rate": opts.rate or "flat out",
+                "publish": "one by one" if opts.one_by_one else f"publish_many of {BATCH}",
                 "window": opts.window or "default",
                 "warmup_s": opts.warmup,
                 "pause_s": opts.pause,
@@ -315,11 +322,16 @@ def main() -> None:
     parser.add_argument("--caught-up", type=int, default=1000, help="events behind: caught up")
     parser.add_argument("--window", type=int, default=0, help="--consumer-window (0: default)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--one-by-one",
+        action="store_true",
+        help="routers await each event's publish, as a router does (default: publish_many)",
+    )
     parser.add_argument("--router", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.router is not None:
-        asyncio.run(router(opts.url, opts.router, opts.rate))
+        asyncio.run(router(opts.url, opts.router, opts.rate, opts.one_by_one))
         return
     with tempfile.TemporaryDirectory(prefix="catch-up-") as tmp:
         result = asyncio.run(bench(opts, Path(tmp)))

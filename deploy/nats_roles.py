@@ -13,9 +13,14 @@ from __future__ import annotations
 import sys
 
 from projector.nats.resources import dead_letter_stream
+from projector.wire.capture import capture_stream
 from projector.wire.config import Config
 
-ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo")
+ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo", "admin")
+CONSUMERS = ("writer", "projector")  # they answer `nats micro` and their status endpoint
+# The roles whose work `run`, `rebuild`, `snapshot save` and `serve-http` do between them: the
+# writer's and the projector's, and a router's that registers its workers (the demo's).
+ADMIN_OF = ("writer", "projector", "demo")
 
 
 def read_stream(stream: str) -> list[str]:
@@ -42,10 +47,28 @@ def read_stream(stream: str) -> list[str]:
 def subscriptions(config: Config, role: str) -> list[str]:
     """Per role: the subjects it may subscribe to. Every role gets its inbox; the writer and
     the projector also answer NATS service discovery (``nats micro``: projector.nats.discovery)
-    and their status endpoint, replying to whoever asked (``allow_responses``)."""
-    if role in ("writer", "projector"):
+    and their status endpoint, replying to whoever asked (``allow_responses``); so does the
+    admin, which runs them, in every namespace."""
+    if role in CONSUMERS:
         return ["_INBOX.>", "$SRV.>", f"seqstate.svc.{config.namespace}.{role}.>"]
+    if role == "admin":
+        own = (s for kind in CONSUMERS for s in subscriptions(config, kind))
+        return list(dict.fromkeys(every_namespace(s, config.namespace) for s in own))
     return ["_INBOX.>"]
+
+
+def every_namespace(subject: str, namespace: str) -> str:
+    """``subject`` for every namespace: ``seqstate.<kind>.<namespace>...`` with ``*`` for the
+    namespace's token (NATS wildcards are whole tokens); any other subject as it is.
+
+    ``serve-http`` folds each model's tracker in a namespace of its own
+    (``st-<model>-<group>``, projector.http.tracker_names), named only when a first worker of
+    the model registers, so no allow list can name them in advance.
+    """
+    tokens = subject.split(".")
+    if tokens[0] == "seqstate" and len(tokens) > 2 and tokens[2] == namespace:
+        tokens[2] = "*"
+    return ".".join(tokens)
 
 
 def worker_subjects(config: Config) -> str:
@@ -67,14 +90,41 @@ def denied(config: Config, role: str) -> list[str]:
         return [control, f"{control}.>", f"{routers}.>"]
     if role == "demo":
         return [f"{control}.>", f"{routers}.>"]
+    if role == "admin":
+        return [every_namespace(s, config.namespace) for s in denied(config, "demo")]
     return []
 
 
 def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
-    """Per role: what it is for, and the subjects it may publish to."""
+    """Per role: what it is for, and the subjects it may publish to.
+
+    The admin's are the union of the roles whose work its commands do (``ADMIN_OF``), for
+    every namespace (:func:`every_namespace`): nothing any of them may not.
+    """
+    roles = namespaced_permissions(config)
+    # Beyond them, serve-http's Outcomes follows the writer's dead letters (an ordered
+    # consumer: the read set a replay has on that stream), to answer a refused call at once.
+    dead = read_stream(dead_letter_stream(config))
+    union = (*(s for role in ADMIN_OF for s in roles[role][1]), *dead)
+    roles["admin"] = (
+        "the commands that do several roles' work (an operator's maintenance and all-in-one "
+        "processes): run (the writer and the projector in one process, the demo router "
+        "beside them), rebuild, snapshot save, serve-http; the writer's, the projector's and "
+        "the demo's grants and the read set on the dead letters, in every namespace "
+        "(serve-http's trackers are namespaces of their own)",
+        list(dict.fromkeys(every_namespace(s, config.namespace) for s in union)),
+    )
+    return roles
+
+
+def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
+    """Per role but the admin: what it is for, and the subjects of ``config.namespace`` (and
+    the streams and buckets) it may publish to."""
     events, deltas, dead = config.events_stream, config.deltas_stream, dead_letter_stream(config)
     registry, snapshots = f"KV_{config.registry_bucket}", f"OBJ_{config.snapshot_bucket}"
-    streams = (events, deltas, dead, registry, snapshots)
+    # A namespace given --dynamo-endpoint also has a capture stream (projector.wire.capture).
+    capture = capture_stream(events, config.namespace)
+    streams = (events, deltas, dead, registry, snapshots, capture)
     # What `ensure` (every writer and projector start; `worker`, `demo`, and `publish` on a
     # server without the events stream) reads: each stream's info. The writer and the
     # projector may also create or update them; none deletes.
@@ -167,11 +217,15 @@ HEADER = """\
 # seqstate.events.<ns>.control, which belongs to the control role (topology) and the writer
 # (its Ticks).
 #
+# The admin signs in the commands that do several roles' work (run, rebuild, snapshot save,
+# serve-http): the writer's, the projector's and the demo's grants, in every namespace, since
+# serve-http folds each model's tracker in a namespace of its own (st-<model>-<group>).
+#
 # Every role subscribes to _INBOX.>: replies (the JetStream API, publish acks) and push
 # consumers' deliveries land there. So a client of this account can read replies meant for
 # another's inbox: give a client you do not trust an account of its own. The writer and the
-# projector also answer `nats micro` discovery ($SRV.>) and their status endpoint, replying
-# to whoever asked.
+# projector (and the admin, which runs them) also answer `nats micro` discovery ($SRV.>) and
+# their status endpoint, replying to whoever asked.
 #
 # Use: nats-server -js -c deploy/nats-roles.conf   (compose.yaml does).
 """
@@ -205,7 +259,7 @@ def render(config: Config) -> str:
         out.append("          ] }")
         allowed = ", ".join(f'"{subject}"' for subject in subscriptions(config, role))
         out.append(f"          subscribe: {{ allow: [{allowed}] }}")
-        if role in ("writer", "projector"):
+        if role in (*CONSUMERS, "admin"):
             out.append("          allow_responses: true")
         out.append("        } }")
     out += ["    ]", "  }", "}", ""]

@@ -38,6 +38,7 @@ Outcome = Literal[
     "no_tracker",
     "worker_exists",
     "block_size_mismatch",
+    "echo",
 ]
 OUTCOMES: Final = (
     "applied",
@@ -49,6 +50,9 @@ OUTCOMES: Final = (
     "no_tracker",  # a request event while no worker is registered
     "worker_exists",  # a WorkerAdded for a registered worker: it keeps its range
     "block_size_mismatch",  # a WorkerAdded naming another block size than the tracker's
+    # A Dynamo message seqstate republished itself (a resync, under its own publisher id):
+    # the fold takes it and changes nothing, since the requests it names are the ledger's.
+    "echo",
 )
 
 APPLIED: Final = "applied"
@@ -60,6 +64,7 @@ NO_TRACKER: Final = "no_tracker"
 TRACKER_ENDED: Final = 0  # Delta.block_size of the removal that ends a tracker
 WORKER_EXISTS: Final = "worker_exists"
 BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
+ECHO: Final = "echo"
 
 
 class Booking(Struct, array_like=True, gc=False):
@@ -92,6 +97,15 @@ class RankChange(Struct, array_like=True, gc=False):
         return self.rank[1]
 
 
+class Hole(Struct, array_like=True, gc=False):
+    """Messages of a Dynamo publisher the log never got: ``missing`` of them, from sequence
+    ``first_missing`` on (see :mod:`seqstate.publishers`)."""
+
+    publisher_id: int
+    first_missing: int
+    missing: int
+
+
 class Delta(Struct, omit_defaults=True):
     """What ``SequenceState.apply`` did; ``seq`` is the source stream sequence (writer-set).
 
@@ -115,6 +129,9 @@ class Delta(Struct, omit_defaults=True):
     # Under the slot-tracker rules, a WorkerAdded's delta: the tracker's block size after it;
     # the WorkerRemoved that removes the last worker: TRACKER_ENDED.
     block_size: int | None = None
+    # A Dynamo message that came after a hole in its publisher's sequence: which publisher,
+    # and how many messages are missing (the writer logs and counts it).
+    hole: Hole | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -246,6 +263,7 @@ class _Cutter:
             self.current.orphaned.append(request_id)
         self.parts.append(self.current)
         last = len(self.parts) - 1
+        self.parts[0].hole = delta.hole
         for i, part in enumerate(self.parts):
             part.part = i
             part.more = i < last

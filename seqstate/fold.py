@@ -26,6 +26,21 @@ word, a metric's label) and a reason for a person:
    and the sums a rank keeps).
 5. **apply**: :meth:`seqstate.state.SequenceState.apply`, whose oddities are outcomes.
 
+Dynamo's own replica-sync messages (:mod:`seqstate.dynamo`) are told by their subject alone,
+the namespace's capture of an endpoint ``seqstate.events.<ns>.dynamo.<NS>.<C>.<E>`` or
+Dynamo's own ``namespace.*.component.*.endpoint.*.active_sequences_events`` (no
+configuration, so every fold of a log decides alike; another namespace's capture is on
+another subject than its own), and go through the same rules: size; decode
+(:func:`~seqstate.dynamo.decode_dynamo`, then the seqstate event the message is, as a Dynamo
+replica applies it); their subject is their own by shape; bounds, as for seqstate's own
+AddRequest; apply. Before the bounds, the message's ``(publisher_id, sequence)`` is counted
+(:mod:`seqstate.publishers`): a hole it reveals is the delta's ``hole`` (or said in the
+refusal). A message of seqstate's own resync publisher (:func:`~seqstate.dynamo.
+resync_publisher_id` of the namespace) is the outcome ``echo`` and changes nothing. Mark and
+Free find their request by id, whatever worker they name, as Dynamo's replicas do. The time
+is the log's, never the publisher's ``published_at``. A seqstate event on a Dynamo subject, or
+a Dynamo message on a seqstate subject, is ``wrong_subject``.
+
 :meth:`Fold.__call__` never raises for any message; it is a pure function of the state, the
 rules and the message.
 """
@@ -38,6 +53,13 @@ from typing import Final, NamedTuple
 
 from seqstate.bounds import RankBounds
 from seqstate.deltas import Delta
+from seqstate.dynamo import (
+    CAPTURED,
+    core_event,
+    decode_dynamo,
+    is_dynamo_subject,
+    resync_publisher_id,
+)
 from seqstate.events import (
     AddOutputBlock,
     AddRequest,
@@ -72,6 +94,10 @@ _WORKER_TYPES: Final = frozenset(WORKER_EVENTS)
 _ROUTER_TYPES: Final = frozenset(ROUTER_EVENTS)
 _UNSEEN: Final[tuple[int, ...]] = (-1,)  # a subject not parsed yet (compared by identity)
 _ROUTERS_ROUTE: Final[tuple[int, ...]] = (-2,)  # the routers subject's route
+_DYNAMO_ROUTE: Final[tuple[int, ...]] = (-3,)  # a Dynamo lifecycle subject's route
+# The first byte of a msgpack array (a seqstate event's envelope) and of a map (Dynamo's).
+_ARRAY_HEADS: Final = frozenset(bytes([b]) for b in (*range(0x90, 0xA0), 0xDC, 0xDD))
+_MAP_HEADS: Final = frozenset(bytes([b]) for b in (*range(0x80, 0x90), 0xDE, 0xDF))
 _RANK_TOKENS: Final = re.compile(r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)")
 _ROUTES_KEPT: Final = 65_536  # subjects remembered; a flood of invented ones is forgotten
 
@@ -104,6 +130,14 @@ def subject_of(namespace: str, event: Event) -> str:
     if isinstance(event, ROUTER_EVENTS):
         return routers_subject(namespace)
     return control_subject(namespace)
+
+
+def event_of(subject: str, payload: bytes | bytearray | memoryview) -> Event:
+    """The seqstate event a stored message is (a Dynamo message: the event it folds as), for
+    a log line; raises :class:`~seqstate.events.EventDecodeError` for bytes that are none."""
+    if is_dynamo_subject(subject):
+        return core_event(decode_dynamo(payload))
+    return decode_event(payload)
 
 
 @dataclass(frozen=True)
@@ -141,13 +175,23 @@ class Fold:
 
     ``state`` may be replaced (a restored snapshot): assign ``fold.state``."""
 
-    __slots__ = ("_apply", "_limit", "_prefix", "_refusal", "_routes", "_state", "rules")
+    __slots__ = (
+        "_apply",
+        "_limit",
+        "_prefix",
+        "_refusal",
+        "_resync_id",
+        "_routes",
+        "_state",
+        "rules",
+    )
 
     def __init__(self, state: SequenceState, rules: FoldRules | None = None) -> None:
         self.rules = rules = rules if rules is not None else FoldRules()
         self._limit = rules.max_event_bytes
         self._prefix = events_prefix(rules.namespace)
         self._refusal = rules.bounds.refusal
+        self._resync_id = resync_publisher_id(rules.namespace)
         # subject -> (worker, rank) of a rank's subject, () of the control subject, None of
         # any other: parsed once per subject, not per message.
         self._routes: dict[str, tuple[int, ...] | None] = {}
@@ -170,15 +214,17 @@ class Fold:
                 f"refused: an event of {len(payload)} bytes; its delta would not fit a message "
                 f"(at most {self._limit} bytes of event)",
             )
-        try:
-            event = decode_event(payload)
-        except EventDecodeError as exc:
-            return Refusal(UNDECODABLE, str(exc))
-        except Exception as exc:  # whatever a decoder could still raise: never fatal
-            return Refusal(UNDECODABLE, f"malformed event bytes: {type(exc).__name__}: {exc}")
         route = self._routes.get(subject, _UNSEEN)
         if route is _UNSEEN:
             route = self._route(subject)
+        if route is _DYNAMO_ROUTE:
+            return self._dynamo(seq, log_time_ns, subject, payload)
+        try:
+            event = decode_event(payload)
+        except EventDecodeError as exc:
+            return self._undecodable(subject, payload, str(exc))
+        except Exception as exc:  # whatever a decoder could still raise: never fatal
+            return Refusal(UNDECODABLE, f"malformed event bytes: {type(exc).__name__}: {exc}")
         if type(event) in _WORKER_TYPES:  # an isinstance of a Struct class costs ~80 ns each
             if (
                 not route
@@ -213,8 +259,71 @@ class Fold:
                 match = _RANK_TOKENS.fullmatch(rest)
                 if match is not None:
                     route = (int(match[1]), int(match[2]))
+                elif is_dynamo_subject(subject):  # the namespace's capture of an endpoint
+                    route = _DYNAMO_ROUTE
+        elif is_dynamo_subject(subject) and not subject.startswith("seqstate."):
+            route = _DYNAMO_ROUTE  # Dynamo's own subject (another namespace's capture: None)
         routes[subject] = route
         return route
+
+    def _dynamo(self, seq: int, log_time_ns: int, subject: str, payload: bytes) -> Verdict:
+        """A Dynamo replica-sync message: decoded, counted, bounded, applied as its event."""
+        try:
+            message = decode_dynamo(payload)
+        except EventDecodeError as exc:
+            return self._not_dynamo(subject, payload, str(exc))
+        except Exception as exc:  # whatever a decoder could still raise: never fatal
+            return Refusal(UNDECODABLE, f"malformed Dynamo message: {type(exc).__name__}: {exc}")
+        state = self._state
+        if message.publisher_id == self._resync_id:
+            delta = state.echo(log_time_ns)
+            delta.seq = seq
+            return delta
+        event = core_event(message)
+        hole = state.publishers.heard(message.publisher_id, message.sequence, log_time_ns)
+        why = self._refusal(state, event)
+        if why:
+            if hole is not None:
+                why += (
+                    f" (and {hole.missing} message(s) of Dynamo publisher "
+                    f"{hole.publisher_id} before it, from sequence {hole.first_missing}, "
+                    "never reached the log)"
+                )
+            return Refusal(OUT_OF_BOUNDS, f"refused: {why}", event)
+        delta = self._apply(event, log_time_ns)
+        delta.seq = seq
+        if hole is not None:
+            delta.hole = hole
+        return delta
+
+    def _not_dynamo(self, subject: str, payload: bytes, reason: str) -> Refusal:
+        """Bytes on a Dynamo subject that are no Dynamo message: a seqstate event is on the
+        wrong subject, anything else undecodable."""
+        if payload[:1] not in _ARRAY_HEADS:  # an event is an array: no second decode
+            return Refusal(UNDECODABLE, reason)
+        try:
+            event = decode_event(payload)
+        except Exception:
+            return Refusal(UNDECODABLE, reason)
+        return self._misrouted(subject, event)
+
+    def _undecodable(self, subject: str, payload: bytes, reason: str) -> Refusal:
+        """Bytes on a seqstate subject that are no seqstate event: a Dynamo message is on the
+        wrong subject, anything else undecodable."""
+        if payload[:1] not in _MAP_HEADS:  # a Dynamo message is a map: no second decode
+            return Refusal(UNDECODABLE, reason)
+        try:
+            message = decode_dynamo(payload)
+        except Exception:
+            return Refusal(UNDECODABLE, reason)
+        event = core_event(message)
+        return Refusal(
+            WRONG_SUBJECT,
+            f"refused: a Dynamo {message.op} of publisher {message.publisher_id} on subject "
+            f"{_shown(subject)!r}; the namespace's Dynamo messages belong on "
+            f"'{self._prefix}{CAPTURED}.<NS>.<COMPONENT>.<ENDPOINT>'",
+            event,
+        )
 
     def _misrouted(self, subject: str, event: Event) -> Refusal:
         own = subject_of(self.rules.namespace, event)
@@ -223,9 +332,12 @@ class Fold:
             what = f"{name} of worker {event.worker_id} rank {event.dp_rank}"
         else:
             what = name
-        shown = subject if len(subject) <= 200 else subject[:200] + "…"
         return Refusal(
             WRONG_SUBJECT,
-            f"refused: {what} on subject {shown!r}; it belongs on {own!r}",
+            f"refused: {what} on subject {_shown(subject)!r}; it belongs on {own!r}",
             event,
         )
+
+
+def _shown(subject: str) -> str:
+    return subject if len(subject) <= 200 else subject[:200] + "…"

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Struct
 
 from seqstate.errors import SeqstateError
+from seqstate.publishers import MAX_PUBLISHERS
 from seqstate.sequences import ActiveSequences, RequestState
 from seqstate.state import SequenceState
 from seqstate.topology import WorkerDpRange, WorkerTopologyError
@@ -86,6 +87,12 @@ class _State(Struct, array_like=True):
     departed: list[_Departed] = []  # workers removed within their grace, deadline order
     slot_tracker: bool = False
     block_size: int | None = None  # the tracker's, under the slot-tracker rules
+    # Dynamo publishers (seqstate.publishers): each (id, last_sequence, heard_ns, holes,
+    # restarts, late), least recently heard first; the bound; the totals (holes, restarts,
+    # forgotten), which outlive a forgotten publisher.
+    publishers: list[tuple[int, int, int, int, int, int]] = []
+    max_publishers: int = MAX_PUBLISHERS
+    publisher_totals: tuple[int, int, int] = (0, 0, 0)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -150,6 +157,9 @@ def encode_state(state: SequenceState) -> bytes:
         departed,
         state.slot_tracker,
         state.block_size,
+        state.publishers.rows(),
+        state.publishers.capacity,
+        (state.publishers.holes, state.publishers.restarts, state.publishers.forgotten),
     )
     return MAGIC + _encoder.encode(body)
 
@@ -191,6 +201,7 @@ def _rebuild(body: _State) -> SequenceState:
         orphan_after_s=body.orphan_after_s,
         worker_grace_s=body.worker_grace_s,
         slot_tracker=body.slot_tracker,
+        max_publishers=body.max_publishers,
     )
     state.now_ns = body.now_ns
     state.block_size = body.block_size
@@ -213,6 +224,9 @@ def _rebuild(body: _State) -> SequenceState:
     state.counters.update(body.counters)
     state.idle_since = {(w, r): since for w, r, since in body.idle_since}
     state.routers = dict(body.routers)
+    state.publishers.load(body.publishers)
+    publishers = state.publishers
+    publishers.holes, publishers.restarts, publishers.forgotten = body.publisher_totals
     for delta in state.projection():
         state.registry.apply(delta)
     return state

@@ -28,6 +28,7 @@ from seqstate.events import (
     WorkerAdded,
     WorkerRemoved,
 )
+from seqstate.publishers import MAX_PUBLISHERS, Publishers
 from seqstate.recent import RecentIds
 from seqstate.registry import PromptRegistry
 from seqstate.request_index import RequestIndex
@@ -86,6 +87,7 @@ class SequenceState:
         orphan_after_s: float | None = None,
         worker_grace_s: float | None = None,
         slot_tracker: bool = False,
+        max_publishers: int = MAX_PUBLISHERS,
     ) -> None:
         if expiry_s is not None:
             if not expiry_s > 0:
@@ -136,6 +138,8 @@ class SequenceState:
         self.tombstones = RecentIds(retention_ns, max_tombstones)
         self.ended = RecentIds(retention_ns, max_ended)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        # Dynamo publishers' sequences: the holes in them (seqstate.publishers).
+        self.publishers = Publishers(max_publishers)
         self.registry = PromptRegistry()
         self._projecting = True  # False while a replay defers the registry (defer_registry)
         self._changes = True  # False: deltas carry no per-rank changes (defer_registry)
@@ -183,6 +187,12 @@ class SequenceState:
         if self._projecting:
             self.registry.apply(delta)
         return delta
+
+    def echo(self, at_ns: int) -> Delta:
+        """A message seqstate published itself came back (a Dynamo resync): counted, and
+        nothing else changes, not even the state's clock."""
+        self.counters[outcomes.ECHO] += 1
+        return Delta(outcome=outcomes.ECHO, at_ns=at_ns if at_ns > self.now_ns else self.now_ns)
 
     def defer_registry(self, *, changes: bool = True) -> None:
         """Stop keeping the registry current until :meth:`sync_registry` (fast replays).

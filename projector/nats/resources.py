@@ -29,6 +29,13 @@ from nats.js.kv import KeyValue
 
 from projector.nats.connection import refused_or
 from projector.nats.failures import describe
+from projector.wire.capture import (
+    CAPTURE_MAX_AGE_S,
+    RAW_PATTERN,
+    capture_stream,
+    dynamo_subject,
+    rewrite,
+)
 from projector.wire.config import Config
 from seqstate.errors import SeqstateError
 
@@ -56,6 +63,11 @@ def dead_letter_stream(config: Config) -> str:
     return f"{config.events_stream}_DEAD"
 
 
+def dynamo_capture(config: Config) -> str:
+    """The stream that stores the namespace's Dynamo endpoints' events (projector.wire.capture)."""
+    return capture_stream(config.events_stream, config.namespace)
+
+
 async def wait_for_jetstream(js: JetStreamContext, timeout: float = 10.0) -> None:
     """Right after a server (or cluster) starts, management calls can time out: poll first."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -81,7 +93,9 @@ def check_server(nc: Client) -> None:
 
 def resource_names(config: Config) -> list[str]:
     """Every stream, bucket and object store of ``config``, as the JetStream API names them."""
+    capture = [dynamo_capture(config)] if config.dynamo_endpoints else []
     return [
+        *capture,
         config.events_stream,
         config.deltas_stream,
         dead_letter_stream(config),
@@ -113,6 +127,7 @@ async def _ensure(nc: Client, config: Config) -> Resources:
     js = nc.jetstream()
     await wait_for_jetstream(js)
     storage = api.StorageType.FILE
+    sources = [await _ensure_capture(js, config)] if config.dynamo_endpoints else None
     events = await _ensure_stream(
         js,
         api.StreamConfig(
@@ -125,6 +140,7 @@ async def _ensure(nc: Client, config: Config) -> Resources:
             num_replicas=config.replicas,
             allow_direct=True,
             discard=api.DiscardPolicy.NEW,
+            sources=sources,
         ),
         keep_every_message=True,
     )
@@ -166,6 +182,43 @@ async def _ensure(nc: Client, config: Config) -> Resources:
     return Resources(events, deltas, dead, registry)
 
 
+async def _ensure_capture(js: JetStreamContext, config: Config) -> api.StreamSource:
+    """The namespace's capture stream (its Dynamo endpoints' subjects, added to any it has),
+    and the events stream's source of it, rewriting each subject into the namespace's.
+
+    The capture stream only buffers: the server copies each message on into the events
+    stream at once, whether seqstate's processes run or not. It keeps a day of messages, in
+    case the events stream refuses them for a while (full, or its leader being elected).
+    """
+    name = dynamo_capture(config)
+    await _ensure_stream(
+        js,
+        api.StreamConfig(
+            name=name,
+            description=(
+                f"Dynamo replica-sync events captured for seqstate namespace "
+                f"{config.namespace} (its events stream sources them)"
+            ),
+            subjects=[dynamo_subject(e) for e in config.dynamo_endpoints],
+            storage=api.StorageType.FILE,
+            retention=api.RetentionPolicy.LIMITS,
+            max_age=CAPTURE_MAX_AGE_S,
+            num_replicas=config.replicas,
+        ),
+    )
+    return api.StreamSource(
+        name=name,
+        subject_transforms=[api.SubjectTransform(src=RAW_PATTERN, dest=rewrite(config.namespace))],
+    )
+
+
+def _sources(have: list[api.StreamSource] | None, wanted: list[api.StreamSource] | None) -> list:
+    """The stream's sources, with each wanted one added if no source of its name is there."""
+    kept = list(have or [])
+    names = {source.name for source in kept}
+    return kept + [source for source in wanted or [] if source.name not in names]
+
+
 async def _ensure_stream(
     js: JetStreamContext, wanted: api.StreamConfig, *, keep_every_message: bool = False
 ) -> api.StreamInfo:
@@ -174,7 +227,18 @@ async def _ensure_stream(
     try:
         info = await js.stream_info(wanted.name)  # type: ignore[arg-type]
     except NotFoundError:
-        return await js.add_stream(wanted)
+        try:
+            return await js.add_stream(wanted)
+        except APIError as exc:
+            listed = ", ".join(wanted.subjects or [])
+            raise ProvisioningError(
+                f"cannot create stream {wanted.name} on {listed}: {exc.description}"
+                + (
+                    " (another stream, perhaps another namespace's, has them)"
+                    if exc.err_code == 10065
+                    else ""
+                )
+            ) from None
     have = info.config
     if keep_every_message and have.max_age:
         log.warning(
@@ -206,6 +270,7 @@ async def _ensure_stream(
         "description": wanted.description,
         "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
         "allow_direct": bool(have.allow_direct or wanted.allow_direct),
+        "sources": _sources(have.sources, wanted.sources),
     }
     if keep_every_message:
         changes["discard"] = api.DiscardPolicy.NEW
@@ -217,6 +282,7 @@ async def _ensure_stream(
         "description": have.description,
         "max_age": have.max_age,
         "allow_direct": bool(have.allow_direct),
+        "sources": list(have.sources or []),
     }
     if keep_every_message:
         current["discard"] = have.discard

@@ -39,6 +39,7 @@ log = logging.getLogger("seqstate")
 # Messages a runner holds received and not yet handled, at most (``consumer_window``): what a
 # consumer far behind holds in memory, whatever its backlog. 4096 large AddRequests are ~10 MB.
 DEFAULT_WINDOW = 4096
+YIELD_EVERY = 64  # messages handled back to back before the runner lets other tasks run
 MIN_WINDOW = 16
 HEARTBEAT_S = 1.0  # the server's idle heartbeat to the runner's consumer
 STALE_S = 3.5  # no message and no heartbeat for this long: the consumer (or server) is gone
@@ -251,6 +252,7 @@ class OrderedConsumer:
         self._generation = 0
         self._queue: deque[tuple[int, Msg]] = deque()
         self._held = 0  # deliveries in the queue (not status messages)
+        self._since_yield = 0  # messages handled since the runner last gave the loop a turn
         self._wake = asyncio.Event()
         self._delivered = 0  # consumer sequence of the last message taken from the queue
         self._unacked = 0  # handled since the last ack
@@ -473,7 +475,13 @@ class OrderedConsumer:
             refused = await self._processor.handle(msg)
             if refused is not None:
                 await self._dead_letter(msg, refused)
-            await asyncio.sleep(0)
+            # A backlog never makes a handler wait, so it would starve the loop's other tasks
+            # (the delta log, a snapshot being saved, the ticker, the lease): give them a turn,
+            # every YIELD_EVERY messages (a turn per message cost a loop pass per event).
+            self._since_yield += 1
+            if self._since_yield >= YIELD_EVERY:
+                self._since_yield = 0
+                await asyncio.sleep(0)
         except Exception as exc:
             self._halted = True
             self.failure = exc

@@ -42,6 +42,7 @@ CONNECT = (
 )
 NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 PROVISION = ("duplicate_window_s", "replicas")  # what creating the streams and buckets needs
+DYNAMO = ("dynamo_endpoint",)  # the consumers that provision a Dynamo capture
 FOLD = (
     "expiry_s",
     "forget_lazy_ranks_s",

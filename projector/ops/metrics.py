@@ -262,6 +262,17 @@ class _StateCollector(Collector):
         snap_bytes = GaugeMetricFamily(
             "seqstate_snapshot_bytes", "size of the writer's newest snapshot", labels=("namespace",)
         )
+        publishers = GaugeMetricFamily(
+            "seqstate_dynamo_publishers",
+            "Dynamo processes whose replica-sync messages the writer counts (at most 4096)",
+            labels=("namespace",),
+        )
+        lost = CounterMetricFamily(
+            "seqstate_dynamo_messages_lost",
+            "messages missing from a Dynamo publisher's sequence (NATS Core kept no copy); "
+            "the 20 publishers that lost the most, and the namespace's total (publisher 'all')",
+            labels=("namespace", "publisher"),
+        )
         seen: set[tuple[str, str]] = set()
         for source, items in metrics.consumers():
             role = source.role
@@ -276,6 +287,11 @@ class _StateCollector(Collector):
                     for outcome, n in c.state.counters.items():
                         events.add_metric([namespace, outcome], n)
                     deltas.add_metric([namespace], c.deltas.messages)
+                    if counted := c.state.publishers:
+                        publishers.add_metric([namespace], len(counted))
+                        lost.add_metric([namespace, "all"], counted.holes)
+                        for publisher, n in counted.lossy():
+                            lost.add_metric([namespace, str(publisher)], n)
                     applied.add_metric([namespace, role], c.applied.value)
                     stats = c.stats
                     if stats.last_snapshot_stored_s is not None:
@@ -291,3 +307,4 @@ class _StateCollector(Collector):
                     lag_events.add_metric([namespace, role], lag.events)
                     lag_s.add_metric([namespace, role], lag.oldest_age_s)
         yield from (events, dead, deltas, writes, applied, lag_events, lag_s, snap_age, snap_bytes)
+        yield from (publishers, lost)

@@ -15,21 +15,28 @@ logged, and whether it reaches a warning threshold (``--behind-warn-events``,
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from projector.nats.discovery import status_subject
 from projector.nats.lag import Lag, describe, over, projector_lag, thresholds, writer_lag
 from projector.nats.resources import dead_letter_stream
 from projector.nats.retention import trimmed_below
-from projector.nats.snapshots import SnapshotStore
+from projector.nats.snapshots import SnapshotInfo, SnapshotStore
 from projector.nats.stream import last_seq_of
 from projector.read.bucket import read_bucket
 from projector.run.assemble import build_delta_log
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
 from projector.wire.redaction import redact
+from seqstate import SeqstateError, SnapshotError
+from seqstate.snapshot import decode_state
+
+WRITER_ASK_S = 1.0  # how long status waits for a running writer's own report
 
 
 class ConsumerStatus(msgspec.Struct):
@@ -81,6 +88,10 @@ class StatusReport(msgspec.Struct):
     writer: LagStatus | None = None  # None: no events stream
     projector: LagStatus | None = None  # None: no deltas stream or no bucket
     warns_at: str = ""  # the warning thresholds in words
+    # Dynamo publishers' counts (Publishers.report), where they come from ("the running
+    # writer", "the snapshot at event N"); None: no Dynamo traffic folded, or none known
+    dynamo: dict[str, Any] | None = None
+    dynamo_from: str = ""
 
 
 async def _stream(nc: Client, name: str) -> StreamStatus:
@@ -133,7 +144,10 @@ async def collect(nc: Client, config: Config) -> StatusReport:
     if events.exists and exists:  # this namespace's newest event: the stream may be shared
         newest = await last_seq_of(nc.jetstream(), config.events_stream, config.events_subjects)
         lag = max(0, newest - applied)
+    dynamo, dynamo_from = await _dynamo_loss(nc, config, store, snapshots)
     return StatusReport(
+        dynamo=dynamo,
+        dynamo_from=dynamo_from,
         namespace=config.namespace,
         server=f"{redact(nc.connected_url.netloc) if nc.connected_url else '?'} "
         f"(nats-server {version.major}.{version.minor}.{version.patch})",
@@ -152,6 +166,28 @@ async def collect(nc: Client, config: Config) -> StatusReport:
         projector=projector,
         warns_at=thresholds(config),
     )
+
+
+async def _dynamo_loss(
+    nc: Client, config: Config, store: SnapshotStore, snapshots: list[SnapshotInfo]
+) -> tuple[dict[str, Any] | None, str]:
+    """What Dynamo's publishers lost: from the running writer if one answers (its live
+    count), else from the newest snapshot (as of its event)."""
+    try:
+        reply = await nc.request(status_subject(config, "writer"), b"", timeout=WRITER_ASK_S)
+        report = msgspec.json.decode(reply.data).get("dynamo")
+        return report, "the running writer"
+    except (nats.errors.Error, TimeoutError, msgspec.DecodeError, AttributeError):
+        pass
+    for info in reversed(snapshots):
+        try:
+            state = decode_state(await store.fetch(info.name))
+        except (SnapshotError, SeqstateError, msgspec.DecodeError):
+            continue
+        if state.publishers:
+            return state.publishers.report(), f"the snapshot at event {info.applied_seq}"
+        return None, ""
+    return None, ""
 
 
 async def _writer_position(nc: Client, config: Config) -> int:
@@ -226,4 +262,16 @@ def format_status(report: StatusReport) -> str:
         if report.trimmed_below
         else "events: never trimmed"
     )
+    if report.dynamo:
+        d = report.dynamo
+        lines.append(
+            f"dynamo: {d['publishers']} publishers, {_messages(d['lost'])} lost, "
+            f"{d['restarts']} restarts ({report.dynamo_from})"
+        )
+        for publisher, lost in d["lost_by_publisher"].items():
+            lines.append(f"  publisher {publisher}: {_messages(lost)} lost")
     return "\n".join(lines)
+
+
+def _messages(n: int) -> str:
+    return f"{n} message" + ("" if n == 1 else "s")

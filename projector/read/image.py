@@ -178,9 +178,10 @@ class BucketImage:
                 for slot in slots:
                     self._slots[slot_key(self.namespace, rank, slot)] = None
         for key in bucket.unreadable:  # a damaged slot value still counts as a slot key
-            kind, rank, slot = parse_key(self.namespace, key)
-            if kind == "req" and rank in self.slot_keys:
-                self.slot_keys[rank] = max(self.slot_keys[rank], slot + 1)
+            parsed = parse_key(self.namespace, key)
+            if parsed.kind == "req" and parsed.rank in self.slot_keys:
+                damaged = parsed.rank
+                self.slot_keys[damaged] = max(self.slot_keys[damaged], parsed.slot + 1)
 
     # ---- what to write ----------------------------------------------------------------------
 

@@ -236,6 +236,13 @@ class Config:
     http_token_file: str | None = _setting(
         None, "a file holding serve-http's bearer token (as --http-token; one line)", "PATH"
     )
+    dynamo_endpoint: str | None = _setting(
+        None,
+        "fold a Dynamo deployment's own replica-sync events into this namespace: its "
+        "endpoint NS.COMPONENT.ENDPOINT (several, comma-separated); JetStream stores them "
+        "(routers started with --router-replica-sync on the NATS event plane)",
+        "ENDPOINTS",
+    )
     ready_lag_s: float | None = _setting(
         10.0,
         "/readyz answers 200 only while the oldest event not handled yet (for the projector: "
@@ -318,6 +325,13 @@ class Config:
         worker but are a router's to send, kept off the control subject so that the router
         role never needs it."""
         return routers_subject(self.namespace)
+
+    @property
+    def dynamo_endpoints(self) -> tuple[str, ...]:
+        """The Dynamo endpoints this namespace captures (``NS.COMPONENT.ENDPOINT`` each)."""
+        if not self.dynamo_endpoint:
+            return ()
+        return tuple(dict.fromkeys(e.strip() for e in self.dynamo_endpoint.split(",")))
 
     @property
     def deltas_subject(self) -> str:
@@ -492,9 +506,23 @@ def _name(value: str) -> str:
     return "" if _TOKEN.match(value) else "use letters, digits, '-' and '_' only"
 
 
+def _check_endpoints(value: str | None) -> str:
+    if value is None:
+        return ""
+    for endpoint in value.split(","):
+        tokens = endpoint.strip().split(".")
+        if len(tokens) != 3 or not all(_TOKEN.match(t) for t in tokens):
+            return (
+                f"{endpoint.strip()!r} is not a Dynamo endpoint: NAMESPACE.COMPONENT.ENDPOINT, "
+                "each of letters, digits, '-' and '_' (several, comma-separated)"
+            )
+    return ""
+
+
 _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("nats_url", _check_url),
     ("namespace", _name),
+    ("dynamo_endpoint", _check_endpoints),
     ("events_stream", _name),
     ("deltas_stream", _name),
     ("registry_bucket", _name),

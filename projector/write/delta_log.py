@@ -144,7 +144,7 @@ class DeltaLog:
         self.last_stream_seq = seq = raw.seq or 0
         while True:
             if raw.subject == subject:
-                source = source_seq(raw.headers, raw.data)
+                source = await self._writer_source(raw.headers or {}, raw.data)
                 if source is not None:
                     part = source_part(raw.headers)
                     if part is not None:  # stored up to part ``part`` of event ``source``
@@ -352,6 +352,16 @@ class DeltaLog:
         )
         self.last_stream_seq = seq
         return None
+
+    async def _writer_source(self, headers: dict[str, str], data: bytes | None) -> int | None:
+        """Where a writer's message ends (its source sequence); None for a message no writer
+        of this namespace could have stored. A message that merely decodes is not enough:
+        a broken copy of a writer's message, stored last, once made a restarting writer
+        resume from the copy's older event, and then stop on its predecessor's real chain
+        as if another writer had written it."""
+        if not await self._plausible(headers, data):
+            return None
+        return source_seq(headers, data)
 
     async def _plausible(self, headers: dict[str, str], data: bytes | None) -> bool:
         """Could a writer of this namespace have stored this message (as the projector asks)?"""

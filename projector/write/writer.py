@@ -69,11 +69,11 @@ from seqstate import (
     Refusal,
     SequenceState,
     Tick,
-    decode_event,
     encode_event,
 )
-from seqstate.deltas import APPLIED
+from seqstate.deltas import APPLIED, Hole
 from seqstate.errors import SeqstateError
+from seqstate.fold import event_of
 
 log = logging.getLogger("seqstate.writer")
 
@@ -215,6 +215,7 @@ class Writer(LagWatched):
             "lag_events": lag.events,
             "lag_s": lag.oldest_age_s,
             "outcomes": {k: n for k, n in sorted(self.state.counters.items()) if n},
+            **({"dynamo": publishers.report()} if (publishers := self.state.publishers) else {}),
         }
 
     async def _run(self) -> None:
@@ -302,13 +303,28 @@ class Writer(LagWatched):
             return Refused(verdict.kind, verdict.reason, fields)
         delta: Delta = verdict  # type: ignore[assignment]
         if delta.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):  # the fold's hot path
-            self._log_oddity(seq, msg.data, delta)
+            self._log_oddity(seq, msg.subject, msg.data, delta)
         self.stats.applied += 1
         if seq > self._published_up_to:
             self.deltas.append(delta)
             self.stats.deltas_published += 1
             self.stats.last_delta_seq = seq
+            if delta.hole is not None:  # once: a restart folds it again, unlogged
+                self._log_hole(seq, delta.hole)
         return None
+
+    def _log_hole(self, seq: int, hole: Hole) -> None:
+        """A Dynamo publisher's messages the log never got (NATS Core keeps no copy)."""
+        log.warning(
+            "Dynamo publisher %d lost %d message%s (its sequence %d on) before event %d: "
+            "what they added, marked or freed stays wrong until a Free or expiry",
+            hole.publisher_id,
+            hole.missing,
+            "" if hole.missing == 1 else "s",
+            hole.first_missing,
+            seq,
+            extra={"namespace": self.settings.namespace, "stream_seq": seq},
+        )
 
     def _fold_failed(self, exc: BaseException) -> None:
         log.error(
@@ -327,10 +343,12 @@ class Writer(LagWatched):
         """Until every delta folded so far is stored on SEQSTATE_DELTAS."""
         await self.deltas.flush()
 
-    def _log_oddity(self, seq: int, data: bytes, delta: Delta) -> None:
+    def _log_oddity(self, seq: int, subject: str, data: bytes, delta: Delta) -> None:
         """A DEBUG line for an event folded to something other than ``applied`` (a duplicate,
         an unknown request or worker...): which event, what it met, never its block hashes."""
-        event: Event = decode_event(data)  # it decoded once: DEBUG only, off the hot path
+        # It decoded once (a Dynamo message: as the event it folds as): DEBUG only, off the
+        # hot path.
+        event: Event = event_of(subject, data)
         owner = f" (held by worker {delta.owner[0]} rank {delta.owner[1]})" if delta.owner else ""
         log.debug(
             "event %d %s: %s%s",

@@ -271,6 +271,32 @@ async def bucket_position(js: JetStreamContext, config: Config) -> Position:
     return decode_position(entry.value or b"")
 
 
+async def wait_current(
+    js: JetStreamContext, writer: Service, projector: Service, last: int, *, interval: float = 0.25
+) -> None:
+    """Until the writer's deltas, then the bucket, reflect event ``last``; fails at once,
+    with its logs, if either process exits on its own."""
+    config = writer.config
+
+    async def deltas() -> int:
+        return await delta_source_seq(js, config)
+
+    async def applied() -> int:
+        return (await bucket_position(js, config)).applied_seq
+
+    waits = ((deltas, writer, "the writer"), (applied, projector, "the bucket"))
+    for probe, service, what in waits:
+        await eventually(
+            probe,
+            lambda seq: seq >= last,
+            what=f"{what} reflects event {last}",
+            interval=interval,
+            retry_on=BUSY,
+            watch=service.logs,
+            check=service.check,
+        )
+
+
 # ---- the workload -------------------------------------------------------------------------------
 
 

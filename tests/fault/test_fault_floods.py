@@ -10,17 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from eventually import eventually
 from fault_kit import (
-    BUSY,
     Service,
-    bucket_position,
     bucket_values,
-    delta_source_seq,
     fault_config,
     read_log,
     read_stream,
     uninterrupted_fold,
+    wait_current,
 )
 from nats.aio.client import Client
 
@@ -67,30 +64,7 @@ async def _run(
         assert seqs == sorted(seqs), "the events were not stored in the order given"
         last = seqs[-1]  # an event the writer applies: it makes a delta
 
-        async def deltas() -> int:
-            return await delta_source_seq(js, config)
-
-        async def applied() -> int:
-            return (await bucket_position(js, config)).applied_seq
-
-        await eventually(
-            deltas,
-            lambda seq: seq >= last,
-            what="the writer went on",
-            interval=0.05,
-            retry_on=BUSY,
-            watch=writer.logs,
-            check=writer.check,
-        )
-        await eventually(
-            applied,
-            lambda seq: seq >= last,
-            what="the projector went on",
-            interval=0.05,
-            retry_on=BUSY,
-            watch=projector.logs,
-            check=projector.check,
-        )
+        await wait_current(js, writer, projector, last, interval=0.05)
         for service in services:
             code = await service.stop()
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eventually import eventually
 from fault_kit import (
-    BUSY,
     Service,
-    bucket_position,
     bucket_values,
-    delta_source_seq,
     fault_config,
     uninterrupted_fold,
+    wait_current,
     workload,
 )
 from nats.aio.client import Client
@@ -65,28 +62,7 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
                 else (await js.publish(step.subject, step.raw)).seq
             )
 
-        async def deltas() -> int:
-            return await delta_source_seq(js, config)
-
-        async def applied() -> int:
-            return (await bucket_position(js, config)).applied_seq
-
-        await eventually(
-            deltas,
-            lambda seq: seq >= last,
-            what="the writer went on",
-            retry_on=BUSY,
-            watch=writer.logs,
-            check=writer.check,
-        )
-        await eventually(
-            applied,
-            lambda seq: seq >= last,
-            what="the projector went on",
-            retry_on=BUSY,
-            watch=projector.logs,
-            check=projector.check,
-        )
+        await wait_current(js, writer, projector, last)
         for service in services:
             code = await service.stop()
             assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"

@@ -14,10 +14,10 @@ from fault_kit import (
     Service,
     bucket_position,
     bucket_values,
-    delta_source_seq,
     fault_config,
     kill_schedule,
     run_with_kills,
+    wait_current,
     workload,
 )
 from nats.aio.client import Client
@@ -77,9 +77,6 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
     async def further() -> int:
         return await applied() + 150
 
-    async def deltas() -> int:
-        return await delta_source_seq(js, config)
-
     try:
         await writer.start(js, 0)
         # A late kill lets the projector apply 150 more events first, publishing on.
@@ -95,22 +92,7 @@ async def test_a_projector_killed_at_random_points_writes_the_uninterrupted_buck
             router_id=f"fault-p{seed}",
         )
         assert await last_seq_of(js, config.events_stream, config.events_subjects) == last
-        await eventually(
-            deltas,
-            lambda seq: seq >= last,
-            what="the writer caught up",
-            retry_on=BUSY,
-            watch=writer.logs,
-            check=writer.check,
-        )
-        await eventually(
-            applied,
-            lambda seq: seq >= last,
-            what="the last projector caught up",
-            retry_on=BUSY,
-            watch=projector.logs,
-            check=projector.check,
-        )
+        await wait_current(js, writer, projector, last)
         code = await projector.stop()
         assert code == 0, f"projector exited with {code} on SIGTERM\n{projector.logs()}"
         code = await writer.stop()

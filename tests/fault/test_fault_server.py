@@ -26,9 +26,7 @@ from pathlib import Path
 
 import nats
 import pytest
-from eventually import eventually
 from fault_kit import (
-    BUSY,
     WAIT_S,
     Service,
     Step,
@@ -40,6 +38,7 @@ from fault_kit import (
     fold_differences,
     fold_log,
     read_stream,
+    wait_current,
     workload,
 )
 from nats.aio.client import Client
@@ -186,9 +185,6 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
         async def deltas() -> int:
             return await delta_source_seq(js, config)
 
-        async def applied() -> int:
-            return (await bucket_position(js, config)).applied_seq
-
         async def events() -> int:
             return await last_seq_of(js, config.events_stream, config.events_subjects)
 
@@ -227,22 +223,7 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
                     await victim.start(js, 0)
 
         await asyncio.gather(publisher(), crasher())
-        await eventually(
-            deltas,
-            lambda seq: seq >= last,
-            what="the writer caught up",
-            retry_on=BUSY,
-            watch=writer.logs,
-            check=writer.check,
-        )
-        await eventually(
-            applied,
-            lambda seq: seq >= last,
-            what="the projector caught up",
-            retry_on=BUSY,
-            watch=projector.logs,
-            check=projector.check,
-        )
+        await wait_current(js, writer, projector, last)
         for service in services:
             if service.command == also:
                 assert len(service.runs) == KILLS + 1, "restarted only by the test"

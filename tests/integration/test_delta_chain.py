@@ -19,7 +19,7 @@ from pipeline_kit import fresh_config, read_stream
 
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.read.projection import DeltaGap
-from projector.run.assemble import build_projector
+from projector.run.assemble import build_delta_log, build_projector
 from projector.wire.config import Config
 from projector.wire.headers import PREV_SOURCE_SEQ, REASON
 from seqstate import AddRequest, Delta, RankChange, encode_deltas, encode_event
@@ -98,3 +98,21 @@ async def test_a_break_across_removed_messages_stops_the_projector(nc: Client) -
     with pytest.raises(DeltaGap, match="message 3 continues from event 2, but the bucket "):
         await asyncio.wait_for(projector.run(), 30)
     assert projector.applied_seq == 1
+
+
+async def test_a_restarting_writer_resumes_at_the_real_chain_not_at_a_broken_copy(
+    nc: Client,
+) -> None:
+    """Broke (the fuzz on real processes found it): a restarting writer took the deltas
+    subject's last message for the chain's end if it merely decoded. A broken copy of an
+    older message stored last made it resume from that older event; its deltas then came back
+    as duplicates of its predecessor's, and it stopped on its predecessor's real chain as if
+    another writer had written it. Expected: the copy (no chain header; then with a chain
+    that breaks) is stepped over, and the chain's end is the last real message's event."""
+    config = fresh_config("resume")
+    await chain(nc, config, [(0, booked(1, 0)), (1, booked(2, 1)), (2, booked(3, 2))])
+    js = nc.jetstream()
+    copy = encode_deltas([booked(1, 0)])
+    await js.publish(config.deltas_subject, copy)  # no chain header
+    await js.publish(config.deltas_subject, copy, headers={PREV_SOURCE_SEQ: "5"})
+    assert await build_delta_log(nc, config).open() == 3

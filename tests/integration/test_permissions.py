@@ -6,10 +6,11 @@ control role registers the workers, a scheduler reads the bucket with its creden
 operator verifies with the replay credential: the loads equal an in-process fold of the log
 exactly, and no client was refused anything. Every command the README gives a role runs, as a
 subprocess, signed in as that role; ``seqstate writer`` and ``seqstate projector`` run as
-compose runs them and the writer's idle Tick expires a request. Then each role tries what it
-may not do (a router the control subject and another namespace, every role the others'
-subjects): each is refused by the server (a permission violation, no ack) and nothing is
-stored.
+compose runs them and the writer's idle Tick expires a request; the admin runs the commands
+that do several roles' work (``run``, ``rebuild``, ``snapshot save``, ``serve-http``). Then
+each role tries what it may not do (a router the control subject and another namespace,
+every role the others' subjects): each is refused by the server (a permission violation, no
+ack) and nothing is stored.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -27,11 +30,13 @@ from pathlib import Path
 import nats.errors
 import pytest
 from eventually import eventually
+from http_kit import exchange, rows
 from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import read_log
 
 from projector.nats.connection import ConnectError, connect
+from projector.nats.resources import dynamo_capture, ensure
 from projector.ops.workers import WorkerControl
 from projector.read.projection import Projector
 from projector.read.reader import RegistryView
@@ -44,7 +49,7 @@ from seqstate import AddRequest, WorkerAdded, WorkerRemoved, decode_event, encod
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
-ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo")
+ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo", "admin")
 PASSWORDS = {role: f"pw-{role}-7Qx2" for role in ROLES}
 VIOLATION = "permissions violation"
 NO_ACK_S = 1.0  # how long a refused JetStream publish waits for the ack that never comes
@@ -388,6 +393,96 @@ async def test_every_documented_command_runs_as_its_role(
             assert "ranks 0-1 in the registry" in out, out
 
 
+# The README's "admin" row: the commands that do several roles' work. Not in DOCUMENTED: a
+# run and a rebuild each take the namespace's lease, which the pipeline fixture's projector
+# holds, and a snapshot save beside a running writer could save under the same name.
+async def test_the_admin_runs_the_commands_of_several_roles(tmp_path: Path) -> None:
+    """On a server of its own, signed in as "admin": ``run --nats-url`` (the writer, the
+    projector and the demo router in one process, on that server: no embedded one), then,
+    after a router's events, ``rebuild`` (the bucket is the log's fold, to the last event),
+    ``snapshot save`` (at that event) and ``serve-http`` (a worker registered and a request
+    booked, in a tracker namespace of its own). Each exits 0 and no client is refused
+    anything."""
+    with started_roles_server(tmp_path / "js") as url:
+        argv: tuple[str, ...] = ("run", "--nats-url", url, "--demo", "--no-live")
+        argv += ("--workers", "1", "--duration", "2")
+        rc, out, err = await as_cli(url, "admin", *argv)
+        _clean("admin", argv, rc, out, err)
+        assert f"writer and projector running for namespace 'default' at {url}" in err, err
+        assert "embedded nats-server" not in out + err, err
+        assert "demo: routed" in out, out
+
+        line = {"type": "AddRequest", "request_id": "adm-a", "worker_id": 5, "block_hashes": [1]}
+        rc, out, err = await as_cli(url, "router", "publish", stdin=json.dumps(line).encode())
+        _clean("router", ("publish",), rc, out, err)
+        last = int(out.strip().rsplit(" ", 1)[1])  # "published 1 event, last sequence N"
+
+        argv = ("rebuild", "--no-progress")
+        rc, out, err = await as_cli(url, "admin", *argv)
+        _clean("admin", argv, rc, out, err)
+        assert out.startswith(f"rebuilt the bucket of 'default' at event {last}: "), out
+        argv = ("replay", "--verify", "--no-progress")
+        rc, out, err = await as_cli(url, "replay", *argv)
+        _clean("replay", argv, rc, out, err)
+        assert out.strip().endswith("identical: 0 keys differ"), out
+
+        argv = ("snapshot", "save", "--no-progress")
+        rc, out, err = await as_cli(url, "admin", *argv)
+        _clean("admin", argv, rc, out, err)
+        assert out.startswith(f"saved and verified default.{last:020d} "), out
+
+        await _serve_http_as_admin(url, tmp_path / "serve-http.log")
+
+
+async def _serve_http_as_admin(url: str, log_path: Path) -> None:
+    """``seqstate serve-http`` signed in as "admin" on any free port (the one it logs): one
+    model's worker registered, a request booked and the loads read back; SIGTERM ends it."""
+    with log_path.open("wb") as log_file:  # a file: a pipe could fill
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "projector",
+            "serve-http",
+            "--port",
+            "0",
+            env=role_env(url, "admin"),
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+
+        def exited() -> None:
+            if proc.returncode is not None:
+                raise AssertionError(f"serve-http exited: {log_path.read_text()}")
+
+        said = await eventually(
+            lambda: re.search(r"slot-tracker API on http://[\d.]+:(\d+)", log_path.read_text()),
+            what="serve-http says which port it listens on",
+            interval=0.05,
+            check=exited,
+        )
+        m = {"model_name": "llama"}
+        register = {**m, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+        add = {**m, "request_id": "k", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1, 2]}
+        answers = await exchange(
+            int(said.group(1)),
+            [
+                ("POST", "/register", register),
+                ("POST", "/add", {**add, "new_isl_tokens": 64}),
+                ("GET", "/loads", None),
+            ],
+        )
+        assert [status for status, _ in answers] == [201, 201, 200], answers
+        assert rows(answers[2]) == [("llama", 1, 0, 64, 2)]
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.wait_for(proc.wait(), 30)
+    text = log_path.read_text()
+    _clean("admin", ("serve-http",), rc, text, text)
+
+
 async def test_publish_as_a_router_is_refused_the_control_subject_in_one_line(
     roles_server: str, pipeline: tuple[Writer, Projector]
 ) -> None:
@@ -467,6 +562,18 @@ FORBIDDEN: dict[str, list[str]] = {
     "projector": [WORKER, CONTROL, ROUTERS, "seqstate.deltas.default", "seqstate.dead.default"],
     "replay": [WORKER, CONTROL, ROUTERS, KV_LOAD, "seqstate.deltas.default"],
     "demo": [f"{CONTROL}.1", OTHER_NAMESPACE, KV_LOAD, "seqstate.deltas.default"],
+    # Every namespace's subjects are the admin's (serve-http's trackers are namespaces of
+    # their own), and the operator's control subject: refused what none of its commands
+    # needs, a single event's removal from the log (an empty body: a bad request if it ever
+    # went through), another bucket or stream, another application's subjects.
+    "admin": [
+        f"{CONTROL}.1",
+        f"{ROUTERS}.1",
+        "$JS.API.STREAM.MSG.DELETE.SEQSTATE_EVENTS",
+        "$JS.API.CONSUMER.CREATE.NOT_SEQSTATE",
+        "$KV.not-seqstate.k",
+        "orders.created",
+    ],
 }
 
 
@@ -579,3 +686,17 @@ def _all_running(procs: dict[str, asyncio.subprocess.Process], logs: Path) -> No
     for role, proc in procs.items():
         if proc.returncode is not None:
             raise AssertionError(f"{role} exited: {(logs / f'{role}.log').read_text()}")
+
+
+async def test_the_writer_and_the_projector_provision_a_dynamo_capture_as_themselves(
+    roles_server: str,
+) -> None:
+    """``--dynamo-endpoint`` on the writer or the projector, each signed in as its role:
+    the capture stream is created and the events stream sources it, with no permissions
+    violation (each may create and update the namespace's capture stream)."""
+    for role in ("writer", "projector"):
+        async with as_role(roles_server, role, dynamo_endpoint="dyn.backend.generate") as nc:
+            config = role_config(roles_server, role, dynamo_endpoint="dyn.backend.generate")
+            await ensure(nc, config)
+            info = await nc.jetstream().stream_info(config.events_stream)
+            assert [s.name for s in info.config.sources or []] == [dynamo_capture(config)]

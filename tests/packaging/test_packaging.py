@@ -40,6 +40,7 @@ COMPILED = {
     "decay",
     "departures",
     "prefill",
+    "publishers",
     "recent",
     "registry",
     "request_index",

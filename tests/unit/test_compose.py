@@ -450,6 +450,19 @@ def test_compose_secrets_stay_out_of_git_and_the_image():
             assert line.split("=", 1)[1] == "", f"the example ships a password: {line}"
 
 
+def test_the_env_example_names_every_role_password():
+    """A .env made from the example (its lines, or its loop of fresh secrets) sets every
+    password the role config reads: one it lacks (the admin's, once) stops compose, and the
+    server with it."""
+    wanted = set(re.findall(r"\$(SEQSTATE_\w+_PASSWORD)", ROLES_CONF.read_text()))
+    example = (ROOT / "deploy" / "compose.env.example").read_text()
+    lines = {line.split("=", 1)[0] for line in example.splitlines() if line.startswith("SEQ")}
+    assert lines == wanted, sorted(lines ^ wanted)
+    loop = re.search(r"for r in ([A-Z ]+); do", example)
+    assert loop, "the example no longer shows how to make fresh secrets"
+    assert {f"SEQSTATE_{r}_PASSWORD" for r in loop.group(1).split()} == wanted
+
+
 # --- monitoring: metrics ports, health checks, Prometheus and Grafana -----------------------
 
 MONITORING = ("prometheus", "grafana")

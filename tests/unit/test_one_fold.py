@@ -6,7 +6,10 @@ verify replay: on hypothesis-generated logs mixing good events with hostile mess
 bytes, nesting of any depth, integers at and past their bounds, arrays that claim billions of
 items, truncated events, events on another subject, events over the size rule), each path
 gives the same verdict for every message, kind and reason alike, every delta encodes, and
-the write models are byte-identical.
+the write models are byte-identical. Dynamo's own replica-sync messages are mixed in (on the
+namespace's capture subject and elsewhere, from a few publishers whose sequences jump, restart
+and repeat, seqstate's own resync publisher among them, and hostile ones too): every path
+decides on them alike.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from seqstate import (
     encode_event,
 )
 from seqstate.bounds import RankBounds
+from seqstate.dynamo import DynamoMessage, captured_subject, encode_dynamo, resync_publisher_id
 from seqstate.fold import control_subject, subject_of, worker_subject
 
 NS = "fz"
@@ -71,9 +75,55 @@ EVENTS: st.SearchStrategy[Event] = st.one_of(
     st.builds(RouterHeartbeat, st.sampled_from(["ra", "rb", "rc", "rd"])),
     st.builds(RouterGoodbye, st.sampled_from(["ra", "rb"])),
 )
+DYNAMO_ON = captured_subject(NS, "dyn.backend.generate")
 SUBJECTS = st.sampled_from(
-    [control_subject(NS), worker_subject(NS, 1, 0), f"seqstate.events.{NS}.x", "a.b"]
+    [control_subject(NS), worker_subject(NS, 1, 0), f"seqstate.events.{NS}.x", "a.b", DYNAMO_ON]
 )
+DYNAMO: st.SearchStrategy[DynamoMessage] = st.builds(
+    DynamoMessage,
+    publisher_id=st.sampled_from([11, 2**64 - 1, 2**64 - 1, resync_publisher_id(NS)]),
+    sequence=st.integers(0, 3),  # holes, restarts, repeats
+    published_at_ms=st.integers(0, 2**64 - 1),
+    request_id=IDS,
+    worker_id=st.integers(0, 2),
+    dp_rank=st.integers(0, 1),
+    router_id=st.sampled_from([5, 2**64 - 1]),
+    lora_name=st.none() | st.just("l"),
+    op=st.sampled_from(["AddRequest", "MarkPrefillCompleted", "Free"]),
+    token_sequence=st.none() | st.lists(st.integers(0, 2**64 - 1), max_size=4),
+    track_prefill_tokens=st.booleans(),
+    expected_output_tokens=st.none() | st.integers(0, 2**32 - 1),
+    prefill_tokens=st.none() | TOKENS,
+    expected_prefill_duration=st.none()
+    | st.tuples(st.sampled_from([0, 5, 5, 10**9, 2**64 - 1]), st.integers(0, 2**32 - 1)),
+)
+
+
+@st.composite
+def dynamo(draw: st.DrawFn) -> tuple[str, bytes]:
+    """A Dynamo message: on the capture subject, or another; whole, or made hostile."""
+    data = encode_dynamo(draw(DYNAMO))
+    subject = draw(
+        st.sampled_from(
+            [DYNAMO_ON] * 6 + [worker_subject(NS, 1, 0), captured_subject("other", "a.b.c")]
+        )
+    )
+    depth = draw(st.sampled_from([3, 14, 200, 950, 5000]))
+    data = draw(
+        st.sampled_from(
+            [
+                data,
+                data,
+                data,
+                data,
+                data,
+                data[: draw(st.integers(0, len(data) - 1))],  # truncated
+                bytes([data[0] + 1]) + data[1:] + b"\xa1x" + b"\x91" * depth + b"\xc0",
+                bytes([data[0] + 1]) + data[1:] + b"\xa1x" + b"\x81\xa1k" * depth + b"\xc0",
+            ]
+        )
+    )
+    return subject, data
 
 
 @st.composite
@@ -110,9 +160,13 @@ def hostile(draw: st.DrawFn) -> tuple[str, bytes]:
 
 @st.composite
 def message(draw: st.DrawFn) -> tuple[str, bytes]:
-    kind = draw(st.sampled_from(["own", "own", "own", "own", "misrouted", "hostile"]))
+    kind = draw(
+        st.sampled_from(["own", "own", "own", "own", "misrouted", "hostile", "dynamo", "dynamo"])
+    )
     if kind == "hostile":
         return draw(hostile())
+    if kind == "dynamo":
+        return draw(dynamo())
     event = draw(EVENTS)
     subject = subject_of(NS, event)
     if kind == "misrouted":

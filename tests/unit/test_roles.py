@@ -50,8 +50,45 @@ def test_the_control_subject_is_the_operators_and_the_writers_never_a_routers() 
         "demo",
     ]
     assert [r for r, publish in allowed.items() if routers in publish] == ["router", "demo"]
-    for role in allowed:  # nobody may publish beyond its namespace's own subjects
+    for role in set(allowed) - {"admin"}:  # beyond its namespace's subjects: the admin alone
         assert all(not s.startswith("seqstate.events.*") for s in allowed[role]), role
+
+
+def test_the_admin_may_do_what_its_commands_roles_may_in_every_namespace_and_no_more() -> None:
+    """``run``, ``rebuild``, ``snapshot save`` and ``serve-http`` do the writer's, the
+    projector's and a router's (the demo's) work, and serve-http follows the dead letters:
+    the admin gets exactly that, each namespace's subject widened to every namespace (a
+    serve-http tracker is a namespace of its own); nothing that no role has, no other role's
+    read-only extras (``$SRV.>`` requests), and a worker subject's sub-tokens stay denied."""
+    generator = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))
+    config = Config()
+    allowed = {role: publish for role, (_, publish) in generator["permissions"](config).items()}
+    admin = allowed.pop("admin")
+    assert len(admin) == len(set(admin))
+
+    def narrowed(subject: str) -> str:
+        tokens = subject.split(".")
+        if tokens[0] == "seqstate":
+            assert tokens[2] == "*", subject  # every namespace, never one
+            tokens[2] = config.namespace
+        return ".".join(tokens)
+
+    granted = {s for publish in allowed.values() for s in publish}
+    assert [s for s in admin if narrowed(s) not in granted] == []
+    dead = generator["read_stream"]("SEQSTATE_EVENTS_DEAD")
+    union = {*allowed["writer"], *allowed["projector"], *allowed["demo"], *dead}
+    assert {narrowed(s) for s in admin} == union
+    assert "seqstate.events.*.control" in admin and "$SRV.>" not in admin
+    assert generator["denied"](config, "admin") == [
+        "seqstate.events.*.control.>",
+        "seqstate.events.*.routers.>",
+    ]
+    assert generator["subscriptions"](config, "admin") == [
+        "_INBOX.>",
+        "$SRV.>",
+        "seqstate.svc.*.writer.>",
+        "seqstate.svc.*.projector.>",
+    ]
 
 
 def test_nats_server_accepts_the_role_config() -> None:

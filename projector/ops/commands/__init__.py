@@ -7,6 +7,7 @@ order ``seqstate --help`` lists them in.
 from __future__ import annotations
 
 from projector.ops.commands.command import CliError, Command
+from projector.ops.commands.dynamo import DYNAMO
 from projector.ops.commands.inspecting import INSPECT
 from projector.ops.commands.loads import LOADS, WATCH
 from projector.ops.commands.pipeline import DEMO, PROJECTOR, RUN, WRITER
@@ -33,6 +34,7 @@ COMMANDS: list[Command] = [
     SNAPSHOT,
     WORKER,
     SERVE_HTTP,
+    DYNAMO,
 ]
 
 __all__ = ["COMMANDS", "CliError", "Command"]

@@ -274,7 +274,7 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
     add_demo_flags(run)
 
 
-_CONSUMER = flags.READ + flags.PROVISION
+_CONSUMER = flags.READ + flags.PROVISION + flags.DYNAMO
 RUN = Command(
     "run",
     "writer + projector in one process; an embedded nats-server unless NATS_URL is set",

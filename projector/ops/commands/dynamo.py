@@ -1,0 +1,54 @@
+"""``seqstate dynamo resync``: tell Dynamo's router replicas the requests in flight."""
+
+from __future__ import annotations
+
+import argparse
+
+from projector.nats.connection import connect, require_url
+from projector.ops import flags
+from projector.ops.commands.command import CliError, Command
+from projector.wire.config import Config
+
+
+async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
+    from projector.ops.resync import ResyncError, resync
+
+    async with connect(require_url(config), service=False, config=config) as nc:
+        try:
+            done = await resync(nc, config)
+        except ResyncError as exc:
+            raise CliError(str(exc)) from None
+    endpoints = ", ".join(config.dynamo_endpoints)
+    print(
+        f"resynced {done.requests} requests in flight ({done.marked} with their prefill "
+        f"done) of namespace {config.namespace!r} to {endpoints}, as Dynamo publisher "
+        f"{done.publisher_id}; the log at event {done.last_seq}"
+        + (f"; {done.skipped} skipped (ended, or not Dynamo's)" if done.skipped else "")
+    )
+    return 0
+
+
+def add_dynamo_flags(dynamo: argparse.ArgumentParser) -> None:
+    dynamo.add_argument("action", choices=["resync"])
+
+
+def _examples() -> str:
+    return (
+        "examples:\n  seqstate dynamo resync --namespace prod --dynamo-endpoint "
+        "dynamo.backend.generate\n\n"
+        "resync republishes, in Dynamo's wire format, each request in flight of the\n"
+        "namespace's Dynamo endpoints (its AddRequest as routed, and its\n"
+        "MarkPrefillCompleted if its prefill is done), so that a router replica started\n"
+        "after they were routed counts them as its peers do. Run it after starting a\n"
+        "frontend; the ledger ignores its own republished messages."
+    )
+
+
+DYNAMO = Command(
+    "dynamo",
+    "Dynamo's routers: resync a late replica with the requests in flight",
+    cmd_dynamo,
+    flags.READ + flags.FOLD + flags.DYNAMO,
+    add_dynamo_flags,
+    epilog=_examples,
+)

@@ -1,0 +1,43 @@
+"""The raw capture of a real Dynamo 1.6.1 fleet's replica-sync traffic, for the tests.
+
+155 messages two KV-router frontends (with ``--router-replica-sync``) and two mocker workers
+(one with dp 2) published on NATS Core (``shared/dynamo/replica-sync-1.6.1.jsonl``, copied
+into ``tests/data`` because CI has only the repository): each with its subject, the time it was
+seen (ns) and its bytes, in the order seen.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Final, NamedTuple
+
+PATH: Final = Path(__file__).parent / "data" / "replica-sync-1.6.1.jsonl"
+
+
+class Captured(NamedTuple):
+    subject: str
+    t_ns: int
+    data: bytes
+
+
+def _load() -> list[Captured]:
+    rows = []
+    for line in PATH.read_text().splitlines():
+        row = json.loads(line)
+        rows.append(Captured(row["subject"], row["t_ns"], base64.b64decode(row["data_b64"])))
+    return rows
+
+
+CAPTURE: Final = _load()
+SUBJECT: Final = "namespace.dynamo.component.backend.endpoint.generate.active_sequences_events"
+ENDPOINT: Final = "dynamo.backend.generate"
+# The processes of the capture: two frontends (router replicas) and two workers, with the
+# publisher id each drew and, for a worker, its worker id (its Marks name it as their router).
+FRONTEND_A: Final = 5396769825624678  # router_id 60572485714993071
+FRONTEND_B: Final = 3443434125927359  # router_id 12694754911180156447
+WORKER_DP2: Final = 2757362059656683  # worker 18391909055928191313, ranks 0 and 1
+WORKER_DP1: Final = 6703009540806474  # worker 8764477833420859781
+BIG_WORKER: Final = 18391909055928191313  # above 2^63
+SMALL_WORKER: Final = 8764477833420859781
