@@ -1,9 +1,9 @@
 """Issue 22, item 6: seqstate folding a real Dynamo fleet's replica-sync events, checked through
 its CLI only, against the frontends' own gauges (the facts test_facts.py pins).
 
-These switch on by themselves: each is skipped while the installed ``seqstate`` lacks the piece
-it needs (``run --dynamo-endpoint``: capture and fold; ``dynamo resync``: catch-up), which other
-branches of issue 22 are building. The skip reason names the missing piece.
+Each is skipped, with the missing piece named, while the installed ``seqstate`` lacks what it
+needs (``run --dynamo-endpoint``: capture and fold; ``dynamo resync``: catch-up): so the live
+suite also runs on a branch where those have not landed yet.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Seqstate:
             entry = {
                 "blocks": row["active_blocks"],
                 "requests": row["active_requests"],
-                "prefill": row["prefill"]["full_tokens"],
+                "prefill": row["active_prefill_tokens"],
             }
             if any(entry.values()):
                 rows[(row["worker_id"], row["dp_rank"])] = entry
@@ -263,6 +263,8 @@ async def test_a_late_frontend_is_resynced(live: LiveFleet, seqstate: Seqstate) 
         requests = per_rank(live, rids)
         await agree(live, seqstate, requests, "6 streams held")
         late = await live.start_frontend("frontend-late")
+        before = await scrape(late.http_port)
+        assert nonzero(before.decode) == {} and nonzero(before.prefill) == {}
         rc, out, err = await seqstate.cli(
             "dynamo", "resync", "--namespace", NAMESPACE, "--dynamo-endpoint", DYNAMO_ENDPOINT
         )
