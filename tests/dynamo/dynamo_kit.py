@@ -316,13 +316,24 @@ class Capture:
         return [s.kind for s in self.seen if s.event.request_id == request_id]
 
     def adds(self, request_ids: Iterable[str]) -> dict[str, Seen]:
-        """request id -> its AddRequest (exactly one each, or the test fails here)."""
+        """request id -> its first AddRequest. A second one from the same publisher fails the
+        test here; one from another publisher is a republication (``seqstate dynamo
+        resync``), see :meth:`republished`."""
         found: dict[str, Seen] = {}
         for s in self.of(request_ids):
-            if s.kind == "AddRequest":
-                assert s.event.request_id not in found, f"two AddRequests for {s.event.request_id}"
-                found[s.event.request_id] = s
+            if s.kind != "AddRequest":
+                continue
+            first = found.setdefault(s.event.request_id, s)
+            if first is not s:
+                assert first.envelope.publisher_id != s.envelope.publisher_id, (
+                    f"two AddRequests for {s.event.request_id} from one publisher"
+                )
         return found
+
+    def republished(self, request_ids: Iterable[str]) -> list[Seen]:
+        """AddRequests of ``request_ids`` after the first one of each (another publisher's)."""
+        firsts = {id(s) for s in self.adds(request_ids).values()}
+        return [s for s in self.of(request_ids) if s.kind == "AddRequest" and id(s) not in firsts]
 
     def freed(self, request_ids: Iterable[str]) -> set[str]:
         return {s.event.request_id for s in self.of(request_ids) if s.kind == "Free"}

@@ -11,7 +11,9 @@ Every process runs in a process group of its own, its stdout and stderr in a log
 fleet's root, so a failed run can be read afterwards (the conftest attaches each log's tail to
 the failure report). Stopping is SIGTERM to the group, then SIGKILL to the group if it has not
 exited within ``STOP_S``: a frontend or a mocker spawns threads and helpers, and a killed parent
-must not leave them holding ports for the next test.
+must not leave them holding ports for the next test. A test process that dies without its
+teardown (SIGKILL) takes the fleet with it: each process is started with Linux's
+``PR_SET_PDEATHSIG`` (SIGTERM), as our own nats-server is.
 
 Worker instance ids are random u64s drawn by each worker at start. seqstate must carry all 64
 bits, and a value above 2^63 is what breaks a signed 64-bit path, so :meth:`Fleet.start_workers`
@@ -31,6 +33,8 @@ import subprocess
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from projector.nats.server import _death_signal_setter
 
 DYNAMO_VERSION = "1.6.1"
 MODEL = "tiny"
@@ -190,6 +194,8 @@ class Fleet:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: stopped as one
                 cwd=self.root,
+                # SIGTERM when the test process dies, even by SIGKILL: no fleet outlives its run.
+                preexec_fn=_death_signal_setter(),
             )
 
     def start_mocker(self, name: str, *, dp: int = 1) -> Proc:

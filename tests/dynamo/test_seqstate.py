@@ -196,6 +196,28 @@ async def hold(live: LiveFleet, tag: int, count: int) -> tuple[list[str], list[S
     return rids, streams
 
 
+async def until_a_high_worker_holds_one(
+    live: LiveFleet, rids: list[str], streams: list[Stream], tag: int
+) -> None:
+    """Hold one more stream at a time until a worker id above 2^63 has a request in flight.
+    The KV router sends a new cold prompt to the least loaded rank, so an idle rank gets one
+    within a few; ten is a bound, not a guess."""
+    f1 = live.frontends[0]
+    for extra in range(10):
+        if any(worker >= 1 << 63 for worker, _ in per_rank(live, rids)):
+            return
+        rid = str(uuid.uuid4())
+        prompt = block(tag + 500 + extra) + block(tag + 600 + extra) + "12"
+        streams += await open_streams([(rid, f1.http_port, prompt, HELD)])
+        rids.append(rid)
+        await eventually(
+            lambda: live.capture.adds(rids),
+            lambda adds: len(adds) == len(rids),
+            what="the extra stream's AddRequest",
+        )
+    assert any(worker >= 1 << 63 for worker, _ in per_rank(live, rids)), per_rank(live, rids)
+
+
 async def test_seqstate_equals_both_frontends_then_zero(
     live: LiveFleet, seqstate: Seqstate
 ) -> None:
@@ -204,7 +226,10 @@ async def test_seqstate_equals_both_frontends_then_zero(
     first token no prefill is left (seqstate applies every Mark); after the drain, zero."""
     rids, streams = await hold(live, 5_000_000, 8)
     try:
-        await agree(live, seqstate, per_rank(live, rids), "8 streams held")
+        await until_a_high_worker_holds_one(live, rids, streams, 5_000_000)
+        await agree(live, seqstate, per_rank(live, rids), f"{len(rids)} streams held")
+        rows = await seqstate.loads()
+        assert any(worker >= 1 << 63 for worker, _ in rows), rows  # a u64 through the CLI
         first_token = await eventually(
             lambda: {r for r in rids if live.capture.marked_by(r)},
             lambda marked: marked == set(rids),
@@ -224,7 +249,7 @@ async def test_seqstate_equals_both_frontends_then_zero(
             what="the cut streams' Frees",
         )
         assert sum(unique_blocks(live.capture.in_flight(rids).values()).values()) > 0
-        await agree(live, seqstate, per_rank(live, rids), "6 streams held after 2 cuts")
+        await agree(live, seqstate, per_rank(live, rids), "2 streams cut")
     finally:
         await close_all(streams)
     await agree(live, seqstate, {}, "the drain")
@@ -270,6 +295,17 @@ async def test_a_late_frontend_is_resynced(live: LiveFleet, seqstate: Seqstate) 
         )
         assert rc == 0, (out, err)
         await agree(live, seqstate, requests, "after the resync, the late frontend included")
+        # What resync published: each held request's AddRequest again, as Dynamo wrote it (same
+        # worker, rank and blocks), under one publisher id that is none of Dynamo's.
+        again = live.capture.republished(rids)
+        firsts = live.capture.adds(rids)
+        assert sorted(s.event.request_id for s in again) == sorted(rids)
+        (publisher,) = {s.envelope.publisher_id for s in again}
+        assert publisher not in {s.envelope.publisher_id for s in firsts.values()}
+        for seen in again:
+            first = firsts[seen.event.request_id]
+            assert seen.rank == first.rank
+            assert seen.add.token_sequence == first.add.token_sequence
     finally:
         await close_all(streams)
     try:
