@@ -21,6 +21,7 @@ import pytest_asyncio
 from dynamo_kit import Capture
 from fleet import Fleet, default_venv
 from live import LiveFleet
+from seqstate_kit import Seqstate, lacks, running_seqstate
 
 from projector.nats.server import NatsServer
 
@@ -64,6 +65,27 @@ async def live(
         live.stop()
         await capture.stop()
         await nc.drain()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def seqstate(live: LiveFleet, nats_server: NatsServer) -> AsyncIterator[Seqstate]:
+    """``seqstate run --dynamo-endpoint`` folding the fleet into the namespace ``dyn``, started
+    for the test and stopped after it (its JetStream state stays for the module's next one)."""
+    async with running_seqstate(live, nats_server.url) as runner:
+        yield runner
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def seqstate_if_any(
+    live: LiveFleet, nats_server: NatsServer
+) -> AsyncIterator[Seqstate | None]:
+    """The same, or None where ``seqstate run`` has no ``--dynamo-endpoint`` yet: for tests of
+    Dynamo's own behaviour that also compare seqstate when they can."""
+    if lacks("--dynamo-endpoint", "run"):
+        yield None
+        return
+    async with running_seqstate(live, nats_server.url) as runner:
+        yield runner
 
 
 @pytest.hookimpl(wrapper=True)

@@ -131,7 +131,10 @@ def nonzero(gauges: dict[Rank, int]) -> dict[Rank, int]:
 
 @dataclass
 class Stream:
-    """One streaming completion, held open until it ends or the test cuts it."""
+    """One streaming completion, held open until it ends or the test cuts it.
+
+    ``finished`` is set at ``[DONE]`` or when the server closes the connection (the request
+    says ``Connection: close``, so an error response without an event stream ends it too)."""
 
     request_id: str
     port: int
@@ -154,7 +157,7 @@ class Stream:
         ).encode()
         head = (
             "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            "Content-Type: application/json\r\n"
+            "Content-Type: application/json\r\nConnection: close\r\n"
             f"x-dynamo-request-id: {self.request_id}\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         )
@@ -174,6 +177,12 @@ class Stream:
             pass
         finally:
             self.finished.set()
+
+    @property
+    def status(self) -> int | None:
+        """The response's HTTP status, once its head has arrived."""
+        head, sep, _ = bytes(self.received).partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]) if sep else None
 
     @property
     def completed(self) -> bool:

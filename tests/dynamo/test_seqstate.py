@@ -9,42 +9,21 @@ suite also runs on a branch where those have not landed yet.
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
-import os
-import signal
-import subprocess
-import sys
 import uuid
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
-import pytest_asyncio
 from dynamo_kit import Stream, block, close_all, nonzero, open_streams, scrape, unique_blocks
 from eventually import eventually
 from fleet import DYNAMO_ENDPOINT
 from live import LiveFleet
-
-from projector.nats.server import NatsServer
-
-NAMESPACE = "dyn"
-HELD = 2000
-SEQSTATE = [sys.executable, "-m", "projector.ops.cli"]
-REPO = Path(__file__).resolve().parents[2]
-
-
-@functools.cache
-def _help(*command: str) -> str:
-    done = subprocess.run(
-        [*SEQSTATE, *command, "--help"], capture_output=True, text=True, cwd=REPO, check=False
-    )
-    return done.stdout if done.returncode == 0 else ""
-
-
-def lacks(flag: str, *command: str) -> bool:
-    return flag not in _help(*command)
-
+from seqstate_kit import (
+    HELD,
+    NAMESPACE,
+    Seqstate,
+    agree,
+    lacks,  # noqa: F401 (read by the skipif strings below)
+    per_rank,
+)
 
 # String conditions: evaluated only for a test about to run, so a `make test` that deselects
 # these never pays for the two `--help` processes.
@@ -57,121 +36,6 @@ needs_resync = pytest.mark.skipif(
     reason="no `seqstate dynamo resync --dynamo-endpoint` yet (issue 22 item 5: catch-up)",
 )
 pytestmark = [pytest.mark.dynamo, pytest.mark.asyncio(loop_scope="module"), needs_capture]
-
-Rank = tuple[int, int]
-
-
-class Seqstate:
-    """``seqstate run`` on the fleet's nats-server, folding the fleet's endpoint, as a user
-    starts it; every read goes through the CLI, as the hidden check's does."""
-
-    def __init__(self, live: LiveFleet, nats_url: str) -> None:
-        self.live = live
-        self.nats_url = nats_url
-        self.log = live.fleet.root / "logs" / "seqstate-run.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def env(self) -> dict[str, str]:
-        return dict(os.environ, NATS_URL=self.nats_url, SEQSTATE_NAMESPACE=NAMESPACE)
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [*SEQSTATE, "run", "--dynamo-endpoint", DYNAMO_ENDPOINT],
-                env=self.env(),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def tail(self) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-40:]) + "\n" + self.live.fleet.tails(15)
-
-    async def cli(self, *args: str) -> tuple[int, str, str]:
-        proc = await asyncio.create_subprocess_exec(
-            *SEQSTATE,
-            *args,
-            env=self.env(),
-            cwd=REPO,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await proc.communicate()
-        assert proc.returncode is not None
-        return proc.returncode, out.decode(), err.decode()
-
-    async def loads(self) -> dict[Rank, dict[str, int]]:
-        """Per rank with anything in flight: active blocks, requests, prefill tokens."""
-        rc, out, err = await self.cli("loads", "--json")
-        assert rc == 0, err
-        rows = {}
-        for line in out.splitlines():
-            row = json.loads(line)
-            entry = {
-                "blocks": row["active_blocks"],
-                "requests": row["active_requests"],
-                "prefill": row["active_prefill_tokens"],
-            }
-            if any(entry.values()):
-                rows[(row["worker_id"], row["dp_rank"])] = entry
-        return rows
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def seqstate(live: LiveFleet, nats_server: NatsServer) -> AsyncIterator[Seqstate]:
-    runner = Seqstate(live, nats_server.url)
-    runner.start()
-    try:
-        await eventually(
-            lambda: runner.cli("status", "--json"),
-            lambda r: r[0] == 0,
-            what="seqstate status answers for the Dynamo namespace",
-            watch=runner.tail,
-        )
-        yield runner
-    finally:
-        runner.stop()
-
-
-async def agree(live: LiveFleet, seq: Seqstate, requests: dict[Rank, int], what: str) -> None:
-    """seqstate's blocks per rank == every frontend's decode gauge, its request counts ==
-    ``requests``."""
-
-    async def both() -> tuple[dict[Rank, dict[str, int]], list[dict[Rank, int]]]:
-        views = [nonzero((await scrape(f.http_port)).decode) for f in live.frontends]
-        return await seq.loads(), views
-
-    await eventually(
-        both,
-        lambda got: (
-            all({r: v["blocks"] for r, v in got[0].items()} == view for view in got[1])
-            and {r: v["requests"] for r, v in got[0].items() if v["requests"]} == requests
-        ),
-        what=f"{what}: seqstate == the frontends' decode blocks, requests == {requests}",
-        watch=seq.tail,
-    )
-
-
-def per_rank(live: LiveFleet, rids: list[str]) -> dict[Rank, int]:
-    counts: dict[Rank, int] = {}
-    for add in live.capture.in_flight(rids).values():
-        counts[add.rank] = counts.get(add.rank, 0) + 1
-    return counts
 
 
 async def hold(live: LiveFleet, tag: int, count: int) -> tuple[list[str], list[Stream]]:
