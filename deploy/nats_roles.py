@@ -13,10 +13,23 @@ from __future__ import annotations
 import sys
 
 from projector.nats.resources import dead_letter_stream
-from projector.wire.capture import capture_stream
+from projector.wire.capture import RAW_PATTERN, capture_stream
 from projector.wire.config import Config
 
-ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo", "admin")
+ROLES = (
+    "router",
+    "scheduler",
+    "control",
+    "writer",
+    "projector",
+    "replay",
+    "demo",
+    "admin",
+    "dynamo",
+)
+# Dynamo's own processes talk on subjects of their own, all below this prefix (its event plane
+# on NATS: replica sync, KV events, metrics); seqstate captures one kind of them.
+DYNAMO_SUBJECTS = "namespace.>"
 CONSUMERS = ("writer", "projector")  # they answer `nats micro` and their status endpoint
 # The roles whose work `run`, `rebuild`, `snapshot save` and `serve-http` do between them: the
 # writer's and the projector's, and a router's that registers its workers (the demo's).
@@ -54,6 +67,8 @@ def subscriptions(config: Config, role: str) -> list[str]:
     if role == "admin":
         own = (s for kind in CONSUMERS for s in subscriptions(config, kind))
         return list(dict.fromkeys(every_namespace(s, config.namespace) for s in own))
+    if role == "dynamo":
+        return ["_INBOX.>", DYNAMO_SUBJECTS]
     return ["_INBOX.>"]
 
 
@@ -105,7 +120,8 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     # Beyond them, serve-http's Outcomes follows the writer's dead letters (an ordered
     # consumer: the read set a replay has on that stream), to answer a refused call at once.
     dead = read_stream(dead_letter_stream(config))
-    union = (*(s for role in ADMIN_OF for s in roles[role][1]), *dead)
+    # And `seqstate dynamo resync` republishes requests in flight on Dynamo's subjects.
+    union = (*(s for role in ADMIN_OF for s in roles[role][1]), *dead, RAW_PATTERN)
     roles["admin"] = (
         "the commands that do several roles' work (an operator's maintenance and all-in-one "
         "processes): run (the writer and the projector in one process, the demo router "
@@ -198,6 +214,12 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
             "shows the registry's live table",
             [*router, config.control_subject, *info, *read_stream(registry)],
         ),
+        "dynamo": (
+            "Dynamo's own processes (KV-router frontends with --router-replica-sync, workers) "
+            "on the NATS event plane: Dynamo's subjects only, none of seqstate's; the "
+            "namespace's capture stream stores their replica-sync events",
+            [DYNAMO_SUBJECTS],
+        ),
     }
 
 
@@ -218,8 +240,12 @@ HEADER = """\
 # (its Ticks).
 #
 # The admin signs in the commands that do several roles' work (run, rebuild, snapshot save,
-# serve-http): the writer's, the projector's and the demo's grants, in every namespace, since
-# serve-http folds each model's tracker in a namespace of its own (st-<model>-<group>).
+# serve-http, dynamo resync): the writer's, the projector's and the demo's grants, in every
+# namespace, since serve-http folds each model's tracker in a namespace of its own
+# (st-<model>-<group>), and Dynamo's replica-sync subjects (a resync republishes on them).
+#
+# Dynamo's own processes sign in as "dynamo" (NATS_SERVER=nats://dynamo:PASSWORD@host:4222):
+# they publish and subscribe on Dynamo's subjects (namespace.>), and nothing of seqstate's.
 #
 # Every role subscribes to _INBOX.>: replies (the JetStream API, publish acks) and push
 # consumers' deliveries land there. So a client of this account can read replies meant for

@@ -47,10 +47,11 @@ from seqstate import (
     RouterGoodbye,
     WorkerRemoved,
     decode_deltas,
-    decode_event,
 )
 from seqstate.deltas import Delta
+from seqstate.dynamo import is_dynamo_subject
 from seqstate.errors import SeqstateError
+from seqstate.fold import event_of
 
 Update = Callable[[int, int], None]
 DEFAULT_WINDOW = 100_000  # newest events of the namespace read for a request not in the bucket
@@ -106,7 +107,7 @@ async def scan_events(
     subject: str,
     start: int,
     end: int,
-    wanted: Callable[[bytes], bool],
+    wanted: Callable[[str, bytes], bool],
     progress: Update | None = None,
 ) -> list[Found]:
     """The events on ``subject`` from sequence ``start`` to ``end`` whose bytes ``wanted``
@@ -122,9 +123,9 @@ async def scan_events(
         if seq > end:
             done.set()
             return
-        if wanted(msg.data):
+        if wanted(msg.subject, msg.data):
             with contextlib.suppress(EventDecodeError):
-                event = decode_event(msg.data)
+                event = event_of(msg.subject, msg.data)
                 out.append(Found(seq, at_ns, msg.subject, (msg.headers or {}).get(MSG_ID), event))
         if progress is not None:
             progress(seq - start + 1, total)
@@ -360,6 +361,8 @@ async def inspect_request(
     last = await last_seq_of(js, config.events_stream, config.events_subjects)
     first = await first_seq_of(js, config.events_stream, config.events_subjects) if last else 0
     subject, start = _search_window(config, active, first, last, since_seq, window)
+    if active is not None and (captured := await _dynamo_subject_at(js, config, active[2])):
+        subject = captured  # a Dynamo request's events are on its endpoint's subject
     wanted = _naming(request_id)
     events = await scan_events(js, config, subject, start, last, wanted, progress) if last else []
     deltas = DeltaIndex(js, config)
@@ -386,6 +389,15 @@ async def inspect_request(
     else:
         _tell_never_booked(report, adds)
     return report
+
+
+async def _dynamo_subject_at(js: JetStreamContext, config: Config, seq: int) -> str | None:
+    """The subject of event ``seq`` if it is a captured Dynamo message."""
+    try:
+        msg = await js.get_msg(config.events_stream, seq)
+    except NotFoundError:
+        return None
+    return msg.subject if msg.subject and is_dynamo_subject(msg.subject) else None
 
 
 async def _active_slot(nc: Client, config: Config, request_id: str) -> tuple[Rank, int, int] | None:
@@ -420,16 +432,16 @@ def _search_window(
     return config.events_subjects, max(since_seq, first)
 
 
-def _naming(request_id: str) -> Callable[[bytes], bool]:
+def _naming(request_id: str) -> Callable[[str, bytes], bool]:
     """Whether an event's bytes name the request: a substring test first, so that only the
-    few candidates are decoded."""
+    few candidates are decoded (a Dynamo message as the event it folds as)."""
     needle = request_id.encode()
 
-    def wanted(data: bytes) -> bool:
+    def wanted(subject: str, data: bytes) -> bool:
         if needle not in data:
             return False
         try:
-            return getattr(decode_event(data), "request_id", None) == request_id
+            return getattr(event_of(subject, data), "request_id", None) == request_id
         except EventDecodeError:
             return False
 
@@ -546,7 +558,7 @@ def _tell_never_booked(report: RequestReport, adds: list[Found]) -> None:
 async def _event_at(js: JetStreamContext, config: Config, seq: int) -> Any:
     try:
         msg = await js.get_msg(config.events_stream, seq)
-        return decode_event(msg.data or b"")
+        return event_of(msg.subject or "", msg.data or b"")
     except (NotFoundError, EventDecodeError):
         return None
 

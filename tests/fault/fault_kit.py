@@ -116,6 +116,8 @@ class Service:
         ]
         if c.replicas != 1:  # as an operator starts a cluster's consumers
             argv += ["--replicas", str(c.replicas)]
+        if c.dynamo_endpoint and self.command in ("writer", "projector"):
+            argv += ["--dynamo-endpoint", c.dynamo_endpoint]
         if self.command == "writer":  # each command takes the settings it uses, no others
             argv += [
                 "--snapshot-every-events",

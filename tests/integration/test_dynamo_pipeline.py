@@ -99,6 +99,18 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
         assert out.returncode == 0, out.stderr
         assert loads_json(out.stdout) == want
 
+        # inspect finds a Dynamo request: active, on its rank, its events on its subject.
+        rid, rank = sorted(reference(config, HALF).requests.owner.items())[0]
+        out = await run_cli(config, url, "inspect", "request", rid, "--json", "--no-progress")
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert (report["state"], report["worker_id"], report["dp_rank"]) == ("active", *rank)
+        assert report["searched"]["subject"] == captured_subject(config.namespace, ENDPOINT)
+        assert [e["type"] for e in report["events"]][:1] == ["AddRequest"], report
+        assert report["events"][0]["outcome"] == "applied", report
+        out = await run_cli(config, url, "inspect", "worker", str(rank[0]), "--json")
+        assert out.returncode == 0, out.stderr
+
         # A late frontend's resync: the requests in flight, in Dynamo's wire format.
         sub = await nc.subscribe(SUBJECT)
         out = await run_cli(config, url, "dynamo", "resync", "--dynamo-endpoint", ENDPOINT)
@@ -150,6 +162,10 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
         scraped = generate_latest(metrics.registry).decode()
         ns = config.namespace
         assert f'seqstate_dynamo_publishers{{namespace="{ns}"}} 4.0' in scraped
+        big = max(w for w, _ in want)  # a worker id above 2^63, exact in its labels
+        assert f'seqstate_worker_active_blocks{{dp_rank="0",namespace="{ns}",worker="{big}"}}' in (
+            scraped
+        )
         for publisher in ("all", str(lost.publisher_id)):
             assert (
                 f'seqstate_dynamo_messages_lost_total{{namespace="{ns}",publisher="{publisher}"}}'

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import nats.errors
 import pytest
+from dynamo_capture import CAPTURE
 from eventually import eventually
 from http_kit import exchange, rows
 from log_text import plain_lines
@@ -46,10 +47,21 @@ from projector.wire.config import Config
 from projector.wire.values import load_key
 from projector.write.writer import Writer
 from seqstate import AddRequest, WorkerAdded, WorkerRemoved, decode_event, encode_event
+from seqstate.dynamo import dynamo_subject
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
-ROLES = ("router", "scheduler", "control", "writer", "projector", "replay", "demo", "admin")
+ROLES = (
+    "router",
+    "scheduler",
+    "control",
+    "writer",
+    "projector",
+    "replay",
+    "demo",
+    "admin",
+    "dynamo",
+)
 PASSWORDS = {role: f"pw-{role}-7Qx2" for role in ROLES}
 VIOLATION = "permissions violation"
 NO_ACK_S = 1.0  # how long a refused JetStream publish waits for the ack that never comes
@@ -573,7 +585,10 @@ FORBIDDEN: dict[str, list[str]] = {
         "$JS.API.CONSUMER.CREATE.NOT_SEQSTATE",
         "$KV.not-seqstate.k",
         "orders.created",
+        "namespace.dynamo.component.backend.endpoint.generate.kv_metrics",
     ],
+    # Dynamo's own processes: Dynamo's subjects, and nothing of seqstate's.
+    "dynamo": [WORKER, CONTROL, ROUTERS, KV_LOAD, "seqstate.deltas.default", "$JS.API.INFO"],
 }
 
 
@@ -700,3 +715,29 @@ async def test_the_writer_and_the_projector_provision_a_dynamo_capture_as_themse
             await ensure(nc, config)
             info = await nc.jetstream().stream_info(config.events_stream)
             assert [s.name for s in info.config.sources or []] == [dynamo_capture(config)]
+
+
+async def test_dynamo_publishes_as_dynamo_and_the_admin_resyncs(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """Dynamo's processes sign in as ``dynamo``: their replica-sync messages (a frontend's
+    first six AddRequests of the shared capture) are stored by the namespace's capture and
+    folded; ``seqstate dynamo resync`` as the admin republishes them on Dynamo's subject."""
+    endpoint = "dynamo.backend.generate"
+    async with as_role(roles_server, "writer", dynamo_endpoint=endpoint) as wnc:
+        await ensure(wnc, role_config(roles_server, "writer", dynamo_endpoint=endpoint))
+    async with as_role(roles_server, "dynamo") as dnc:
+        for message in CAPTURE[:6]:
+            await dnc.publish(dynamo_subject(endpoint), message.data)
+        await dnc.flush()
+    writer = pipeline[0]
+    await eventually(
+        lambda: sum(1 for rid in writer.state.requests.owner if "-" in rid),
+        lambda n: n >= 6,
+        what="the six Dynamo requests folded",
+    )
+    await pipeline[1].wait_flushed(writer.applied.value)
+    argv = ("dynamo", "resync", "--dynamo-endpoint", endpoint)
+    rc, out, err = await as_cli(roles_server, "admin", *argv)
+    _clean("admin", argv, rc, out, err)
+    assert "resynced 6 requests in flight" in out, out

@@ -326,3 +326,44 @@ async def test_prefill_complete_and_free_are_logged_under_the_worker_that_holds_
     folded = await replay(nc, tracker)
     assert folded.state.counters["worker_mismatch"] == 0
     assert folded.state.counters["unknown_request"] == 0
+
+
+async def test_a_worker_id_above_2_63_goes_through_serve_http_whole(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """Dynamo's worker ids use all 64 bits (issue 22): 2^64-1 is registered, booked on,
+    loaded and freed through the HTTP API, and comes back exact in /loads and /workers,
+    never through a float or a signed integer."""
+    config = fresh_config("big")
+    m = {"model_name": "wide"}
+    top = 2**64 - 1
+    async with serve_http(nats_server.url, config) as one:
+        answers = await exchange(
+            one,
+            [
+                (
+                    "POST",
+                    "/register",
+                    {**m, "worker_id": top, "block_size": 16, "dp_start": 0, "dp_size": 1},
+                ),
+                (
+                    "POST",
+                    "/add",
+                    {
+                        **m,
+                        "request_id": "q",
+                        "worker_id": top,
+                        "dp_rank": 0,
+                        "sequence_hashes": [1, 2, 3],
+                    },
+                ),
+                ("GET", "/loads", None),
+                ("GET", "/workers", None),
+                ("POST", "/free", {**m, "request_id": "q"}),
+                ("GET", "/loads", None),
+            ],
+        )
+    assert [a.status for a in answers] == [201, 201, 200, 200, 200, 200], answers
+    assert rows(answers[2]) == [("wide", top, 0, 0, 3)]  # no prefill, 3 blocks
+    assert str(top).encode() in answers[3].raw, answers[3]
+    assert rows(answers[5]) == [("wide", top, 0, 0, 0)]

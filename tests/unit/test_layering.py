@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LINT = Path(sys.executable).parent / "lint-imports"
 LAYERS = "projector's wings are layered"
-INDEPENDENT = "write, read and route are independent of each other"
+INDEPENDENT = "write, read, route and dynamo are independent of each other"
 CORE = "the core is pure: no projector, no NATS, no asyncio"
 NO_CONFIG = "the consumers take only the settings they read: no Config"
 
@@ -57,6 +57,8 @@ def test_the_tree_keeps_every_contract(tree: Path) -> None:
         ("projector/read/projection.py", "import projector.write.delta_log", [INDEPENDENT]),
         ("projector/route/publisher.py", "import projector.read.reader", [INDEPENDENT]),
         ("projector/write/writer.py", "import projector.route.outcomes", [INDEPENDENT]),
+        ("projector/dynamo/republish.py", "import projector.read.bucket", [INDEPENDENT]),
+        ("projector/dynamo/republish.py", "import projector.ops.resync", [LAYERS]),
         ("seqstate/blocks.py", "import asyncio", [CORE]),
         ("seqstate/state.py", "import nats.errors", [CORE]),
         ("seqstate/events.py", "import projector.wire.values", [CORE]),
