@@ -80,8 +80,27 @@ class Seqstate:
                 self.kill()
 
     def tail(self) -> str:
+        """For a failed wait: seqstate's log, its ``status`` (the streams' counts say where
+        the events stopped: never captured, never sourced, or never folded), Dynamo's logs."""
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-40:]) + "\n" + self.live.fleet.tails(15)
+        status = subprocess.run(
+            [*SEQSTATE, "status", "--json"],
+            env=self.env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+        return "\n".join(
+            [
+                *text.splitlines()[-40:],
+                f"--- seqstate status (rc {status.returncode}) ---",
+                status.stdout.strip(),
+                status.stderr.strip()[-2000:],
+                self.live.fleet.tails(15),
+            ]
+        )
 
     async def cli(self, *args: str) -> tuple[int, str, str]:
         proc = await asyncio.create_subprocess_exec(
