@@ -138,10 +138,28 @@ async def agree(
     requests: dict[Rank, int],
     what: str,
     frontends: list[Frontend] | None = None,
+    rids: list[str] | None = None,
 ) -> None:
     """seqstate's blocks per rank == every frontend's decode gauge (or ``frontends``'), its
-    request counts == ``requests``."""
+    request counts == ``requests``. On a timeout the report has ``seqstate inspect request``
+    of the first three ``rids``: what seqstate made of each request's events."""
     fronts = live.frontends if frontends is None else frontends
+
+    def watch() -> str:
+        parts = [seq.tail()]
+        for rid in (rids or [])[:3]:
+            done = subprocess.run(
+                [*SEQSTATE, "inspect", "--no-progress", "request", rid],
+                env=seq.env(),
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=60,
+            )
+            parts.append(f"--- inspect request {rid} (rc {done.returncode}) ---")
+            parts += [done.stdout[-3000:], done.stderr[-1000:]]
+        return "\n".join(parts)
 
     async def both() -> tuple[dict[Rank, dict[str, int]], list[dict[Rank, int]]]:
         views = [nonzero((await scrape(f.http_port)).decode) for f in fronts]
@@ -154,7 +172,7 @@ async def agree(
             and {r: v["requests"] for r, v in got[0].items() if v["requests"]} == requests
         ),
         what=f"{what}: seqstate == the frontends' decode blocks, requests == {requests}",
-        watch=seq.tail,
+        watch=watch,
     )
 
 

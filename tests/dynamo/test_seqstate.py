@@ -91,7 +91,7 @@ async def test_seqstate_equals_both_frontends_then_zero(
     rids, streams = await hold(live, 5_000_000, 8)
     try:
         await until_a_high_worker_holds_one(live, rids, streams, 5_000_000)
-        await agree(live, seqstate, per_rank(live, rids), f"{len(rids)} streams held")
+        await agree(live, seqstate, per_rank(live, rids), f"{len(rids)} streams held", rids=rids)
         rows = await seqstate.loads()
         assert any(worker >= 1 << 63 for worker, _ in rows), rows  # a u64 through the CLI
         first_token = await eventually(
