@@ -18,8 +18,9 @@ from pathlib import Path
 
 from dynamo_kit import nonzero, scrape
 from eventually import eventually
-from fleet import DYNAMO_ENDPOINT, Frontend
+from fleet import DYNAMO_ENDPOINT, EVENTS_SUBJECT, Frontend
 from live import LiveFleet
+from nats.js.errors import NotFoundError
 
 NAMESPACE = "dyn"
 HELD = 2000
@@ -185,10 +186,22 @@ def per_rank(live: LiveFleet, rids: list[str]) -> dict[Rank, int]:
 
 @asynccontextmanager
 async def running_seqstate(live: LiveFleet, nats_url: str) -> AsyncIterator[Seqstate]:
-    """``seqstate run`` started, ready (``status`` answers), stopped (SIGTERM) on leaving."""
+    """``seqstate run`` started, ready, stopped (SIGTERM) on leaving.
+
+    Ready means a JetStream stream listens on Dynamo's subject (what Dynamo publishes from
+    then on is kept) and ``status`` answers. ``status`` alone answered before the capture
+    stream existed: a test's first AddRequests, sent right then, were lost to seqstate while
+    their Marks, a few ms later, were captured (seen on a loaded machine)."""
     runner = Seqstate(live, nats_url)
     runner.start()
+    js = live.capture.nc.jetstream()
     try:
+        await eventually(
+            lambda: js.find_stream_name_by_subject(EVENTS_SUBJECT),
+            retry_on=(NotFoundError,),
+            what=f"a stream capturing {EVENTS_SUBJECT}",
+            watch=runner.tail,
+        )
         await eventually(
             lambda: runner.cli("status", "--json"),
             lambda r: r[0] == 0,
