@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 NATIVE := seqstate/.native-built
 CORE_SRC := $(wildcard seqstate/*.py)
 
-.PHONY: test run bench lint native pure clean
+.PHONY: test test-dynamo run bench lint native pure clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,16 @@ lint: $(STAMP)
 test: $(NATIVE) lint
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m core
+
+# The live suite against a real Dynamo 1.6.1 fleet (tests/dynamo, README.md there). Dynamo is a
+# test tool, never a dependency of seqstate: its venv is built once by the installer kept in
+# tests/dynamo, outside the checkout (DYNAMO_VENV overrides where), and reused while it imports.
+# `make test` deselects these tests; only `-m dynamo` runs them.
+DYNAMO_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/seqstate/dynamo-1.6.1
+
+test-dynamo: $(NATIVE)
+	bash tests/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
+	DYNAMO_VENV="$(DYNAMO_VENV)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m dynamo tests/dynamo
 
 run: $(NATIVE)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo

@@ -67,8 +67,19 @@ else:
         )
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A ``core`` test may not use the nats-server: the pure pass is the core's, and fast."""
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``core`` test may not use the nats-server: the pure pass is the core's, and fast.
+
+    A ``dynamo`` test (tests/dynamo: a real Dynamo fleet, ``make test-dynamo``) runs only when
+    the ``-m`` expression names that marker; any other run deselects it. Deselected rather than
+    skipped when the Dynamo venv is absent: what ``make test`` runs, and how long it takes, must
+    not depend on whether this machine happens to have a Dynamo venv in its cache.
+    """
+    if "dynamo" not in (config.getoption("markexpr") or ""):
+        live = [item for item in items if item.get_closest_marker("dynamo")]
+        if live:
+            config.hook.pytest_deselected(items=live)
+            items[:] = [item for item in items if not item.get_closest_marker("dynamo")]
     served = [
         item.nodeid
         for item in items
