@@ -186,7 +186,13 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             w_log, p_log = work / "writer.log", work / "projector.log"
             extra = [f"--consumer-window={opts.window}"] if opts.window else []
             writer = command(
-                ["writer", f"--metrics-port={w_port}", "--lag-check-s=0.5", *extra],
+                [
+                    "writer",
+                    f"--metrics-port={w_port}",
+                    "--lag-check-s=0.5",
+                    *extra,
+                    *opts.writer_flag,
+                ],
                 server.url,
                 w_log,
             )
@@ -275,6 +281,7 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "routers": opts.routers,
                 "rate": opts.rate or "flat out",
                 "publish": "one by one" if opts.one_by_one else f"publish_many of {BATCH}",
+                "writer_flags": opts.writer_flag,
                 "window": opts.window or "default",
                 "warmup_s": opts.warmup,
                 "pause_s": opts.pause,
@@ -322,6 +329,13 @@ def main() -> None:
     parser.add_argument("--caught-up", type=int, default=1000, help="events behind: caught up")
     parser.add_argument("--window", type=int, default=0, help="--consumer-window (0: default)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--writer-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a flag for `seqstate writer` (repeatable), e.g. --writer-flag=--max-ended=100000",
+    )
     parser.add_argument(
         "--one-by-one",
         action="store_true",

@@ -17,20 +17,29 @@ NEVER: Final = 2**64  # later than any log time
 STALE_SLACK: Final = 1024
 
 
+# An entry packs its value (a small code) and the log time it was written into one int: one
+# object per entry instead of a tuple of three, about 100 bytes less per id (the writer keeps
+# 250,000 ended ids by default).
+VALUE_BITS: Final = 8
+VALUE_MASK: Final = (1 << VALUE_BITS) - 1
+
+
 class RecentIds:
     """``request_id -> (value, written_at_ns)``, forgetting entries older than ``retention_ns``
-    and the oldest ones beyond ``capacity``."""
+    and the oldest ones beyond ``capacity``. ``value`` is a code below 256."""
 
-    __slots__ = ("_queue", "_stamp", "capacity", "due_ns", "entries", "evicted", "retention_ns")
+    __slots__ = ("_queue", "capacity", "due_ns", "entries", "evicted", "retention_ns")
 
     def __init__(self, retention_ns: int, capacity: int) -> None:
         self.retention_ns = retention_ns
         self.capacity = capacity
-        # request_id -> (value, written_at_ns, stamp); the stamp is unique per write.
-        self.entries: dict[str, tuple[int, int, int]] = {}
-        # (written_at_ns, stamp, request_id); stale when the id was rewritten or deleted since.
-        self._queue: deque[tuple[int, int, str]] = deque()
-        self._stamp = 0
+        # request_id -> written_at_ns << VALUE_BITS | value, in write order.
+        self.entries: dict[str, int] = {}
+        # (written_at_ns, request_id) in write order; stale when the id was deleted since, or
+        # rewritten at another time. A rewrite at the same log time leaves two entries that
+        # both match the id: the first one met retires it, no sooner by age (the same time)
+        # and at most a few places sooner by count (among ids written at that same time).
+        self._queue: deque[tuple[int, str]] = deque()
         # When the oldest entry falls out of retention: callers skip prune() before then.
         self.due_ns: int = NEVER
         self.evicted = 0  # dropped for capacity before their time (an operator signal)
@@ -42,17 +51,16 @@ class RecentIds:
         return request_id in self.entries
 
     def get(self, request_id: str) -> int | None:
-        entry = self.entries.get(request_id)
-        return None if entry is None else entry[0]
+        packed = self.entries.get(request_id)
+        return None if packed is None else packed & VALUE_MASK
 
     def put(self, request_id: str, value: int, now_ns: int) -> None:
         entries = self.entries
         if request_id in entries:
             del entries[request_id]  # re-insert so dict order stays write order
-        self._stamp = stamp = self._stamp + 1
-        entries[request_id] = (value, now_ns, stamp)
+        entries[request_id] = now_ns << VALUE_BITS | value
         queue = self._queue
-        queue.append((now_ns, stamp, request_id))
+        queue.append((now_ns, request_id))
         if len(entries) > self.capacity:
             self._pop_front(evicting=True)
             self._set_due()
@@ -65,8 +73,8 @@ class RecentIds:
             self._compact()
 
     def pop(self, request_id: str) -> int | None:
-        entry = self.entries.pop(request_id, None)
-        return None if entry is None else entry[0]
+        packed = self.entries.pop(request_id, None)
+        return None if packed is None else packed & VALUE_MASK
 
     def prune(self, now_ns: int) -> None:
         """Forget entries written more than ``retention_ns`` before ``now_ns``."""
@@ -74,9 +82,9 @@ class RecentIds:
         cutoff = now_ns - self.retention_ns
         entries = self.entries
         while queue and queue[0][0] < cutoff:
-            _, stamp, request_id = queue.popleft()
-            entry = entries.get(request_id)
-            if entry is not None and entry[2] == stamp:
+            at, request_id = queue.popleft()
+            packed = entries.get(request_id)
+            if packed is not None and packed >> VALUE_BITS == at:
                 del entries[request_id]
         if len(queue) > 2 * len(entries) + STALE_SLACK:
             self._compact()
@@ -86,7 +94,7 @@ class RecentIds:
     def _compact(self) -> None:
         """Drop the stale queue entries. It runs only when they outnumber the live ones, so
         it costs fewer steps than the entries it drops, each appended once: amortised O(1)."""
-        self._queue = deque((at, stamp, rid) for rid, (_, at, stamp) in self.entries.items())
+        self._queue = deque((packed >> VALUE_BITS, rid) for rid, packed in self.entries.items())
         self._set_due()
 
     def _set_due(self) -> None:
@@ -97,9 +105,9 @@ class RecentIds:
         queue = self._queue
         entries = self.entries
         while queue:
-            _, stamp, request_id = queue.popleft()
-            entry = entries.get(request_id)
-            if entry is not None and entry[2] == stamp:
+            at, request_id = queue.popleft()
+            packed = entries.get(request_id)
+            if packed is not None and packed >> VALUE_BITS == at:
                 del entries[request_id]
                 if evicting:
                     self.evicted += 1
@@ -107,14 +115,13 @@ class RecentIds:
 
     def items(self) -> Iterator[tuple[str, int, int]]:
         """``(request_id, value, written_at_ns)`` oldest first."""
-        for request_id, (value, at, _) in self.entries.items():
-            yield request_id, value, at
+        for request_id, packed in self.entries.items():
+            yield request_id, packed & VALUE_MASK, packed >> VALUE_BITS
 
     def load(self, items: list[tuple[str, int, int]]) -> None:
         """Replace the content with ``items`` (oldest first), as :meth:`items` gave them."""
         # In place: the owner keeps a reference to this dict.
         self.entries.clear()
-        self.entries.update((rid, (value, at, i)) for i, (rid, value, at) in enumerate(items, 1))
-        self._queue = deque((at, i, rid) for i, (rid, _, at) in enumerate(items, 1))
-        self._stamp = len(items)
+        self.entries.update((rid, at << VALUE_BITS | value) for rid, value, at in items)
+        self._queue = deque((at, rid) for rid, _, at in items)
         self._set_due()

@@ -24,6 +24,7 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
+from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
 from eventually import eventually
 from fault_kit import (
     BUSY,
@@ -36,6 +37,7 @@ from fault_kit import (
     bucket_values,
     delta_source_seq,
     fault_config,
+    fold_log,
     read_stream,
     uninterrupted_fold,
     workload,
@@ -43,9 +45,10 @@ from fault_kit import (
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from projector.nats.resources import dead_letter_stream, ensure
+from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
 from projector.nats.server import NatsCluster
 from projector.nats.snapshots import SnapshotStore
+from projector.nats.stream import last_seq_of
 from projector.read.reader import RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.wire.config import Config
@@ -495,3 +498,35 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
             proc.wait(10)
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+async def test_a_dynamo_capture_on_the_cluster_is_r3_and_every_message_folds(
+    cluster: NatsCluster,
+) -> None:
+    """Issue 22: with ``--replicas 3``, the namespace's Dynamo capture stream is R3 like the
+    events stream it feeds, and the shared capture's 155 real messages, published on NATS Core
+    to any node, are each stored once in the namespace's log and fold to a drained ledger (no
+    request in flight, four publishers, no hole)."""
+    config = fault_config("dc", replicas=3, dynamo_endpoint=ENDPOINT)
+    nc = await cluster_client(cluster)
+    try:
+        await ensure(nc, config)
+        js = nc.jetstream(timeout=2.0)
+        assert (await replica_report(js, dynamo_capture(config)))[0] == 3
+        assert (await replica_report(js, config.events_stream))[0] == 3
+        for message in CAPTURE:
+            await nc.publish(SUBJECT, message.data)
+        await nc.flush()
+        await eventually(
+            lambda: last_seq_of(js, config.events_stream, config.events_subjects),
+            lambda last: last >= len(CAPTURE),
+            what="every captured message in the namespace's log",
+            retry_on=BUSY,
+        )
+        fold = await fold_log(nc, config)
+        assert fold.last == len(CAPTURE)
+        state = fold.state
+        assert len(state.requests) == 0
+        assert (len(state.publishers), state.publishers.holes) == (4, 0)
+    finally:
+        await nc.close()
