@@ -34,6 +34,7 @@ from pipeline_kit import read_events
 from pipeline_kit import read_log as read_log  # the fault tests import it from here
 from pipeline_kit import read_stream as read_stream
 
+from projector.nats.snapshots import SnapshotStore
 from projector.ops.flags import FOLD
 from projector.read.image import BucketImage
 from projector.route.publisher import RouterPublisher
@@ -542,6 +543,28 @@ async def fold_log(nc: Client, config: Config) -> Fold:
         if type(verdict) is not Refusal:
             image.apply(verdict)
     return Fold(fold.state, image, last, last_ns)
+
+
+async def stop_all(services: list[Service]) -> None:
+    """SIGTERM each service in turn: each must stop cleanly (exit 0)."""
+    for service in services:
+        code = await service.stop()
+        assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
+
+
+async def assert_exact(nc: Client, config: Config, last: int) -> bytes:
+    """The ledger after a clean stop at event ``last``: the newest snapshot is at ``last`` and
+    is the snapshot of one uninterrupted fold of the log, and the bucket (its position aside)
+    holds exactly that fold's values. Returns the snapshot."""
+    snapshot, values, logged = await uninterrupted_fold(nc, config)
+    assert logged == last
+    store = await SnapshotStore(nc, config).open()
+    newest = (await store.list())[-1]
+    assert newest.applied_seq == last and await store.fetch(newest.name) == snapshot
+    got = await bucket_values(nc, config)
+    assert got.pop(position_key(config.namespace)), "no position"
+    assert got == values
+    return snapshot
 
 
 async def uninterrupted_fold(nc: Client, config: Config) -> tuple[bytes, dict[str, bytes], int]:

@@ -14,15 +14,19 @@ from pathlib import Path
 
 from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
 from eventually import eventually
-from fault_kit import Service, bucket_values, fault_config, uninterrupted_fold, wait_current
+from fault_kit import (
+    Service,
+    assert_exact,
+    fault_config,
+    stop_all,
+    wait_current,
+)
 from nats.aio.client import Client
 from pipeline_kit import run_cli
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import last_seq_of
-from projector.wire.values import position_key
 from seqstate import SequenceState
 
 
@@ -60,22 +64,13 @@ async def test_seqstate_killed_while_dynamo_routes_ends_equal(
 
         last = await eventually(logged, lambda n: n >= len(data), what="every message stored")
         await wait_current(js, writer, projector, last)
-        for service in services:
-            code = await service.stop()
-            assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
+        await stop_all(services)
     finally:
         for service in services:
             service.close()
     assert last == len(data)  # every captured message, once, in the namespace's log
-    snapshot, values, logged_last = await uninterrupted_fold(nc, config)
-    assert logged_last == last
-    store = await SnapshotStore(nc, config).open()
-    newest = (await store.list())[-1]
-    assert newest.applied_seq == last and await store.fetch(newest.name) == snapshot
+    snapshot = await assert_exact(nc, config, last)
     state = SequenceState.restore(snapshot)
     assert len(state.requests) == 0 and state.publishers.holes == 0  # the capture drains
-    got = await bucket_values(nc, config)
-    assert got.pop(position_key(config.namespace))
-    assert got == values
     out = await run_cli(config, nats_server.url, "replay", "--verify", "--no-progress")
     assert out.returncode == 0 and "identical: 0 keys differ" in out.stdout, out.stdout

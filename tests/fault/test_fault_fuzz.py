@@ -25,9 +25,9 @@ from eventually import eventually
 from fault_kit import (
     ROOT,
     Service,
-    bucket_values,
+    assert_exact,
     fault_config,
-    uninterrupted_fold,
+    stop_all,
     wait_current,
 )
 from fuzz_bytes import messages, mutate
@@ -36,11 +36,9 @@ from pipeline_kit import name_flags, read_events
 
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
-from projector.nats.snapshots import SnapshotStore
 from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
 from projector.wire.headers import PREV_SOURCE_SEQ
-from projector.wire.values import position_key
 from seqstate import Fold, Refusal
 
 SEED = 2112
@@ -118,23 +116,14 @@ async def test_fuzzed_bytes_on_every_subject_a_role_may_publish_to_stop_nothing(
                 )
 
         await eventually(seen, lambda seq: seq >= last, what="the view followed", check=view_alive)
-        for service in services:
-            code = await service.stop()
-            assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
+        await stop_all(services)
     finally:
         for service in services:
             service.close()
         if view.poll() is None:
             view.kill()
             view.wait(10)
-    snapshot, values, logged = await uninterrupted_fold(nc, config)
-    assert logged == last
-    store = await SnapshotStore(nc, config).open()
-    newest = (await store.list())[-1]
-    assert newest.applied_seq == last and await store.fetch(newest.name) == snapshot
-    got = await bucket_values(nc, config)
-    assert got.pop(position_key(config.namespace))
-    assert got == values
+    await assert_exact(nc, config, last)
     # The dead letters: each message the one fold refuses, once, and each forged delta.
     fold = Fold(config.new_state(), config.fold_rules)
     refused = sum(type(fold(*message)) is Refusal for message in await read_events(nc, config))

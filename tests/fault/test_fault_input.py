@@ -12,9 +12,10 @@ from pathlib import Path
 
 from fault_kit import (
     Service,
+    assert_exact,
     bucket_values,
     fault_config,
-    uninterrupted_fold,
+    stop_all,
     wait_current,
     workload,
 )
@@ -22,10 +23,9 @@ from nats.aio.client import Client
 
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
-from projector.nats.snapshots import SnapshotStore
 from projector.route.publisher import RouterPublisher
 from projector.wire.headers import PREV_SOURCE_SEQ, SIZE, TRUNCATED
-from projector.wire.values import load_key, position_key
+from projector.wire.values import load_key
 from seqstate import Delta, WorkerAdded, encode_deltas
 
 
@@ -63,22 +63,13 @@ async def test_a_huge_message_and_a_rank_bomb_are_dead_lettered_and_the_ledger_s
             )
 
         await wait_current(js, writer, projector, last)
-        for service in services:
-            code = await service.stop()
-            assert code == 0, f"{service.command} exited with {code}\n{service.logs()}"
+        await stop_all(services)
     finally:
         for service in services:
             service.close()
-    snapshot, values, logged = await uninterrupted_fold(nc, config)
-    assert logged == last
-    store = await SnapshotStore(nc, config).open()
-    newest = (await store.list())[-1]
-    assert newest.applied_seq == last and await store.fetch(newest.name) == snapshot
-    got = await bucket_values(nc, config)
-    assert got.pop(position_key(config.namespace))
-    assert got == values
+    await assert_exact(nc, config, last)
     bombed = {load_key(config.namespace, (100 + w, 0)) for w in range(25)}
-    assert not bombed & set(got), "a refused worker has ranks in the bucket"
+    assert not bombed & set(await bucket_values(nc, config)), "a refused worker has ranks"
     dead = await js.stream_info(dead_letter_stream(config))
     assert dead.state.messages == 3 + 1 + 25 + 1  # the workload's malformed three, then ours
     letters = [
