@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 import msgspec
+import nats
 import pytest
+from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
 from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
@@ -29,6 +31,7 @@ from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from projector.wire.values import Position, encode_position, lease_key, position_key
 from seqstate import decode_deltas
+from seqstate.dynamo import captured_subject
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -706,3 +709,34 @@ def test_run_restarts_a_failed_pipeline_in_process_and_says_so(tmp_path: Path) -
     log = "".join(lines) + rest
     assert "pipeline stopped (" in log and "restarting it in 1s" in log, log
     assert "pipeline running again (restart 1)" in log, log
+
+
+async def test_run_captures_dynamo_from_the_moment_it_says_it_runs(tmp_path: Path) -> None:
+    """``seqstate run --dynamo-endpoint E`` says so in the line that says it runs, and it is
+    provisioned by then: Dynamo's messages published right after that line (a frontend's
+    first six AddRequests, NATS Core) are stored and folded, none lost."""
+    proc, lines = started_run(
+        tmp_path / "store", "--port", "0", "--namespace", "dynrun", "--dynamo-endpoint", ENDPOINT
+    )
+    try:
+        line = lines[-1]
+        assert f"capturing Dynamo endpoint {ENDPOINT}" in line, line
+        url = line.split(" at ", 1)[1].split(",", 1)[0]
+        nc = await nats.connect(url)
+        try:
+            for message in CAPTURE[:6]:
+                await nc.publish(SUBJECT, message.data)
+            await nc.flush()
+            config = Config(namespace="dynrun")
+            captured = captured_subject(config.namespace, ENDPOINT)
+            js = nc.jetstream()
+
+            async def stored() -> int:
+                info = await js.stream_info(config.events_stream, subjects_filter=captured)
+                return (info.state.subjects or {}).get(captured, 0)
+
+            await eventually(stored, lambda n: n == 6, what="the six AddRequests stored")
+        finally:
+            await nc.close()
+    finally:
+        stopped(proc)

@@ -58,9 +58,13 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             supervisor.result()  # its error: it could not start
         elif started.is_set():  # (not a signal while it was starting)
             log.info(
-                "writer and projector running for namespace %r at %s",
+                "writer and projector running for namespace %r at %s%s",
                 config.namespace,
                 url,
+                # Provisioned by now: Dynamo's messages from here on are stored.
+                f", capturing Dynamo endpoint {', '.join(config.dynamo_endpoints)}"
+                if config.dynamo_endpoints
+                else "",
                 extra={"namespace": config.namespace},
             )
         tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
