@@ -47,7 +47,7 @@ from projector.wire.config import Config
 from projector.wire.values import load_key
 from projector.write.writer import Writer
 from seqstate import AddRequest, WorkerAdded, WorkerRemoved, decode_event, encode_event
-from seqstate.dynamo import dynamo_subject
+from seqstate.dynamo import decode_dynamo, dynamo_subject
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
@@ -731,9 +731,10 @@ async def test_dynamo_publishes_as_dynamo_and_the_admin_resyncs(
             await dnc.publish(dynamo_subject(endpoint), message.data)
         await dnc.flush()
     writer = pipeline[0]
+    six = {decode_dynamo(message.data).request_id for message in CAPTURE[:6]}
     await eventually(
-        lambda: sum(1 for rid in writer.state.requests.owner if "-" in rid),
-        lambda n: n >= 6,
+        lambda: six - set(writer.state.requests.owner),
+        lambda missing: not missing,
         what="the six Dynamo requests folded",
     )
     await pipeline[1].wait_flushed(writer.applied.value)
