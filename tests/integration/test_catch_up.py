@@ -51,16 +51,14 @@ async def fill_raw(nc: Client, config: Config, n: int) -> list[int]:
     return [ack.seq for ack in await asyncio.gather(*acks)]
 
 
-async def test_a_runner_far_behind_holds_at_most_its_window_then_handles_all_in_order(
-    nc: Client,
-) -> None:
-    """Broke: 5,000 messages waiting, a runner with a window of 64 whose processor is stuck on
-    the first. Expected: the server's consumer has 64 unacknowledged messages and no more; the
-    runner never held more than 64; released, it handles all 5,000 once, in order, with no
-    restart (nothing dropped, nothing sent twice)."""
-    config = fresh_config("cu")
-    seqs = await fill_raw(nc, config, 5000)
-    held = Held(hold_at=seqs[0])
+async def held_runner(
+    nc: Client, prefix: str, count: int, hold_index: int, *, window: int
+) -> tuple[Config, list[int], Held, list[BaseException], OrderedConsumer]:
+    """``count`` raw events, and a started runner (``window``) whose processor holds at the
+    ``hold_index``-th of them until released; its failures are collected."""
+    config = fresh_config(prefix)
+    seqs = await fill_raw(nc, config, count)
+    held = Held(hold_at=seqs[hold_index])
     failures: list[BaseException] = []
     runner = OrderedConsumer(
         nc.jetstream(),
@@ -68,9 +66,20 @@ async def test_a_runner_far_behind_holds_at_most_its_window_then_handles_all_in_
         config.events_subjects,
         held,
         on_failure=failures.append,
-        window=64,
+        window=window,
     )
     await runner.start()
+    return config, seqs, held, failures, runner
+
+
+async def test_a_runner_far_behind_holds_at_most_its_window_then_handles_all_in_order(
+    nc: Client,
+) -> None:
+    """Broke: 5,000 messages waiting, a runner with a window of 64 whose processor is stuck on
+    the first. Expected: the server's consumer has 64 unacknowledged messages and no more; the
+    runner never held more than 64; released, it handles all 5,000 once, in order, with no
+    restart (nothing dropped, nothing sent twice)."""
+    config, seqs, held, failures, runner = await held_runner(nc, "cu", 5000, 0, window=64)
     try:
         await asyncio.wait_for(held.holding.wait(), WAIT_S)
         js = nc.jetstream()
@@ -108,19 +117,7 @@ async def test_a_consumer_deleted_under_the_runner_is_started_again_after_the_la
     """Broke: deleted the runner's consumer on the server while its processor was stuck in
     the middle of 3,000 messages. Expected: it starts a new consumer after the last message it
     handled and goes on: every message handled once, in order."""
-    config = fresh_config("cd")
-    seqs = await fill_raw(nc, config, 3000)
-    held = Held(hold_at=seqs[1000])
-    failures: list[BaseException] = []
-    runner = OrderedConsumer(
-        nc.jetstream(),
-        config.events_stream,
-        config.events_subjects,
-        held,
-        on_failure=failures.append,
-        window=128,
-    )
-    await runner.start()
+    config, seqs, held, failures, runner = await held_runner(nc, "cd", 3000, 1000, window=128)
     try:
         await asyncio.wait_for(held.holding.wait(), WAIT_S)
         assert runner._consumer is not None
