@@ -196,7 +196,7 @@ def _add_answer(
         return 404, {"error": f"Worker {_rank(body.worker_id, body.dp_rank)} not found"}
     if outcome == "duplicate":
         held = "" if owner is None else f" (assigned to worker {_rank(*owner)})"
-        return 409, {"error": f"Request ID already exists{held}"}
+        return 409, {"error": f"Request {body.request_id} already exists{held}"}
     return None
 
 
@@ -208,7 +208,8 @@ def _prefill_complete_answer(
     if outcome == "no_tracker":
         return _no_tracker(body)
     if outcome == "unknown_request":
-        return 404, {"error": "Request ID not found"}
+        assert isinstance(body, RequestBody)
+        return 404, {"error": f"Request {body.request_id} not found"}
     return None
 
 

@@ -74,7 +74,7 @@ async def test_a_dynamo_client_session_pipelined_over_one_connection(
         )
         assert [status for status, _ in answers] == [201, 201, 409, 201, 200, 200, 200, 404, 405]
         duplicate = (
-            "Request ID already exists (assigned to worker WorkerWithDpRank { "
+            "Request a already exists (assigned to worker WorkerWithDpRank { "
             "worker_id: 3, dp_rank: 1 })"
         )
         assert answers[2][1] == {"error": duplicate}

@@ -112,14 +112,16 @@ def no_rank(worker: int, rank: int) -> dict[str, str]:
     }
 
 
-def duplicate(worker: int, rank: int) -> dict[str, str]:
+def duplicate(request_id: str, worker: int, rank: int) -> dict[str, str]:
+    """Dynamo's 409, naming the request as it was given."""
     return {
-        "error": "Request ID already exists (assigned to worker WorkerWithDpRank "
+        "error": f"Request {request_id} already exists (assigned to worker WorkerWithDpRank "
         f"{{ worker_id: {worker}, dp_rank: {rank} }})"
     }
 
 
-NOT_FOUND = {"error": "Request ID not found"}
+def not_found(request_id: str) -> dict[str, str]:
+    return {"error": f"Request {request_id} not found"}
 
 
 def parse(text: str) -> dict[str, str]:
@@ -185,7 +187,7 @@ async def test_every_status_and_error_text_of_the_contract(
                 # /add
                 (add("a", 1, [1, 2, 3], 100), 201, OK),
                 (add("b", 1, [], 7, rank=1), 201, OK),  # no blocks, prefill tokens still count
-                (add("a", 1, [9], rank=1), 409, duplicate(1, 0)),
+                (add("a", 1, [9], rank=1), 409, duplicate("a", 1, 0)),
                 (add("a", 1, [9], rank=2), 404, no_rank(1, 2)),  # the rank before the duplicate
                 (add("c", 9, [9]), 404, no_rank(9, 0)),
                 (
@@ -196,8 +198,8 @@ async def test_every_status_and_error_text_of_the_contract(
                 # /prefill_complete
                 (by_id("/prefill_complete", "a"), 200, OK),
                 (by_id("/prefill_complete", "a"), 200, OK),  # idempotent
-                (by_id("/prefill_complete", "ghost"), 404, NOT_FOUND),
-                (by_id("/prefill_complete", "c"), 404, NOT_FOUND),  # its add failed
+                (by_id("/prefill_complete", "ghost"), 404, not_found("ghost")),
+                (by_id("/prefill_complete", "c"), 404, not_found("c")),  # its add failed
                 (
                     by_id("/prefill_complete", "a", model="never"),
                     404,
@@ -207,7 +209,7 @@ async def test_every_status_and_error_text_of_the_contract(
                 (by_id("/free", "ghost"), 200, OK),
                 (by_id("/free", "b"), 200, OK),
                 (by_id("/free", "b"), 200, OK),  # a duplicate free is a no-op
-                (by_id("/prefill_complete", "b"), 404, NOT_FOUND),  # freed
+                (by_id("/prefill_complete", "b"), 404, not_found("b")),  # freed
                 (
                     by_id("/free", "b", model="never"),
                     404,
@@ -448,7 +450,7 @@ async def test_dynamos_scenarios_with_their_numbers(nc: Client, nats_server: Nat
                 (loads(), 200, load_rows((1, 0, 50, 3), (2, 0, 0, 3))),
                 (unreg(1), 200, OK),
                 (loads(), 200, load_rows((2, 0, 0, 3))),
-                (by_id("/prefill_complete", "r2"), 404, NOT_FOUND),  # dropped with its worker
+                (by_id("/prefill_complete", "r2"), 404, not_found("r2")),  # dropped with its worker
                 (by_id("/free", "r2"), 200, OK),
                 # unregister then register starts fresh
                 (reg(1), 201, OK),
@@ -470,7 +472,7 @@ async def test_dynamos_scenarios_with_their_numbers(nc: Client, nats_server: Nat
                 (loads(), 200, load_rows((1, 0, 0, 0), (2, 0, 0, 3))),
                 # a duplicate add changes nothing: the original keeps its rank and prefill
                 (add("d", 2, [5], 30), 201, OK),
-                (add("d", 1, [6], 40), 409, duplicate(2, 0)),
+                (add("d", 1, [6], 40), 409, duplicate("d", 2, 0)),
                 (loads(), 200, load_rows((1, 0, 0, 0), (2, 0, 30, 4))),
                 # negative hashes (i64) are blocks like any other
                 (add("s", 1, [-1, -2], 0), 201, OK),
@@ -543,7 +545,7 @@ async def test_where_seqstate_departs_from_dynamo_on_purpose(
                 (add("early", 1, [1, 2], 64), 201, OK),
                 (loads(), 200, load_rows((1, 0, 0, 0))),  # Dynamo: (1, 0, 64, 2), leaking
                 (by_id("/free", "early"), 200, OK),
-                (by_id("/prefill_complete", "soon"), 404, NOT_FOUND),
+                (by_id("/prefill_complete", "soon"), 404, not_found("soon")),
                 (add("soon", 1, [1, 2], 64), 201, OK),
                 (loads(), 200, load_rows((1, 0, 0, 2))),  # Dynamo: (1, 0, 64, 2)
                 (by_id("/free", "soon"), 200, OK),

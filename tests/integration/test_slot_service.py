@@ -100,7 +100,7 @@ async def test_dynamos_scenarios_with_their_statuses_and_numbers(
             409,
             {
                 "error": (
-                    "Request ID already exists (assigned to worker WorkerWithDpRank { "
+                    "Request r1 already exists (assigned to worker WorkerWithDpRank { "
                     "worker_id: 1, dp_rank: 0 })"
                 )
             },
@@ -116,7 +116,7 @@ async def test_dynamos_scenarios_with_their_statuses_and_numbers(
         assert loads((await get(s, "/loads", model_name="m/1"))[1])[0] == ("m/1", 1, 0, 50, 4)
         assert await post(s, "/prefill_complete", **m, request_id="ghost") == (
             404,
-            {"error": "Request ID not found"},
+            {"error": "Request ghost not found"},
         )
         status, rows = await post(
             s, "/potential_loads", **m, sequence_hashes=[1, 2, 9], new_isl_tokens=10
@@ -192,7 +192,7 @@ async def test_two_serving_processes_on_one_stream_answer_alike(
             409,
             {
                 "error": (
-                    "Request ID already exists (assigned to worker WorkerWithDpRank { "
+                    "Request x already exists (assigned to worker WorkerWithDpRank { "
                     "worker_id: 1, dp_rank: 0 })"
                 )
             },

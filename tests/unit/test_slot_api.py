@@ -120,7 +120,7 @@ def test_each_outcome_gets_dynamos_status_and_text() -> None:
         409,
         {
             "error": (
-                "Request ID already exists (assigned to worker WorkerWithDpRank { worker_id: 7, "
+                "Request r already exists (assigned to worker WorkerWithDpRank { worker_id: 7, "
                 "dp_rank: 3 })"
             )
         },
@@ -134,7 +134,7 @@ def test_each_outcome_gets_dynamos_status_and_text() -> None:
         assert answer("/prefill_complete", req, outcome) == (200, {"status": "ok"})
     assert answer("/prefill_complete", req, "unknown_request") == (
         404,
-        {"error": "Request ID not found"},
+        {"error": "Request r not found"},
     )
     for outcome in ("applied", "unknown_request"):  # a free of an unknown id is 200
         assert answer("/free", req, outcome) == (200, {"status": "ok"})
