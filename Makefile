@@ -17,7 +17,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	SEQSTATE_PURE=1 $(BIN)/python -m pip install --quiet -e '.[test]'
+	SEQSTATE_PURE=1 $(BIN)/python -m pip install --quiet -e '.[test,fast]'
 	touch $(STAMP)
 
 $(NATIVE): $(STAMP) setup.py $(CORE_SRC)

@@ -33,7 +33,6 @@ import hashlib
 import hmac
 import logging
 from collections import deque
-from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import Protocol
 from urllib.parse import parse_qsl
@@ -49,10 +48,10 @@ Answer = tuple[int, object]  # status, JSON payload (None: an empty body)
 
 
 class Handler(Protocol):
-    async def begin(
-        self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
-    ) -> Awaitable[Answer]:
-        """Start one call; the call's effects are ordered once this returns."""
+    def submit(self, call: Call) -> None:
+        """Start ``call``: :meth:`Call.begun` once its effects are ordered (its event stored,
+        or queued where nothing can overtake it), :meth:`Call.answer` once answered (which
+        implies begun). Either may be called before ``submit`` returns."""
 
     def reads(self, path: str) -> bool:
         """Whether a call must wait for the answers of those before it to begin."""
@@ -101,17 +100,79 @@ def _credential(authorization: bytes) -> bytes | None:
     return credential.strip()
 
 
+WAITING, SUBMITTED, BEGUN, ANSWERED = range(4)
+
+
+class Call:
+    """One request on a connection, from its parse to its response's bytes.
+
+    No task, future or callback is made per call: the handler calls :meth:`begun` and
+    :meth:`answer`, and the connection moves on from there."""
+
+    __slots__ = (
+        "body",
+        "close",
+        "conn",
+        "content_type",
+        "data",
+        "method",
+        "path",
+        "query",
+        "state",
+    )
+
+    def __init__(
+        self,
+        conn: _Connection,
+        method: str,
+        path: str,
+        query: dict[str, str],
+        content_type: str | None,
+        body: bytes,
+        close: bool,
+    ) -> None:
+        self.conn = conn
+        self.method = method
+        self.path = path
+        self.query = query
+        self.content_type = content_type
+        self.body = body
+        self.close = close
+        self.state = WAITING
+        self.data = b""
+
+    def begun(self) -> None:
+        if self.state == SUBMITTED:
+            self.state = BEGUN
+            self.conn.not_begun -= 1
+            self.conn.advance()
+
+    def answer(self, status: int, payload: object) -> None:
+        if self.state == ANSWERED:
+            return
+        allow = self.conn.handler.allowed(self.path) if status == 405 else None
+        data = response(status, payload, close=self.close, allow=allow)
+        self.data = data[: data.index(b"\r\n\r\n") + 4] if self.method == "HEAD" else data
+        conn = self.conn
+        if self.state == SUBMITTED:
+            conn.not_begun -= 1
+        if self.state != WAITING:
+            conn.not_answered -= 1
+        self.state = ANSWERED
+        conn.advance()
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, handler: Handler, token_digest: bytes | None = None) -> None:
         self.handler = handler
         self.token_digest = token_digest  # None: every call is let in
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
-        self.replies: deque[asyncio.Future[bytes]] = deque()
-        self.begun: asyncio.Future[None] | None = None  # the last call's begin is over
-        # The reply of the last call handed to the handler: what a read waits for (a reply
-        # queued since without the handler, a 401 or a 413, has no effect to wait for).
-        self.last_call: asyncio.Future[bytes] | None = None
+        self.calls: deque[Call] = deque()  # every call not yet written, in order
+        self.waiting: deque[Call] = deque()  # the calls not submitted yet: always a suffix
+        self.not_begun = 0  # submitted calls not begun yet
+        self.not_answered = 0  # submitted calls not answered yet
+        self._advancing = False
         self.paused = False
         self._reset()
 
@@ -129,8 +190,7 @@ class _Connection(asyncio.Protocol):
     # ---- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio class
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -141,9 +201,8 @@ class _Connection(asyncio.Protocol):
             self._reply_now(400, {"error": "malformed HTTP request"}, close=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for reply in self.replies:
-            reply.cancel()
-        self.replies.clear()
+        self.calls.clear()
+        self.waiting.clear()
         self.transport = None
 
     # ---- httptools callbacks ----------------------------------------------------------------
@@ -197,77 +256,88 @@ class _Connection(asyncio.Protocol):
                 close=close,
             )
             return
-        parsed = httptools.parse_url(self.url)
-        path = parsed.path.decode("utf-8", "replace")
-        query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
+        url = self.url
+        if b"?" in url or b"#" in url or not url.startswith(b"/"):
+            parsed = httptools.parse_url(url)
+            path = parsed.path.decode("utf-8", "replace")
+            query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
+        else:  # the common case: a plain path, no parse needed
+            path, query = url.decode("utf-8", "replace"), {}
         method = self.parser.get_method().decode("ascii", "replace")
-        args = (method, path, query, self.content_type, b"".join(self.body))
-        answered = self.last_call if self.handler.reads(path) else None
-        begun = asyncio.get_running_loop().create_future()
-        reply = asyncio.ensure_future(self._answer(args, self.begun, answered, begun, close))
-        self.begun = begun
-        self.last_call = reply
-        self._queue(reply)
+        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        call = Call(self, method, path, query, self.content_type, body, close)
+        self.calls.append(call)
+        self.waiting.append(call)
+        self._limit()
+        self.advance()
 
     # ---- answering in order -----------------------------------------------------------------
 
-    async def _answer(
-        self,
-        args: tuple[str, str, dict[str, str], str | None, bytes],
-        before: asyncio.Future[None] | None,
-        answered: asyncio.Future[bytes] | None,
-        begun: asyncio.Future[None],
-        close: bool,
-    ) -> bytes:
-        allow = None
+    def advance(self) -> None:
+        """Write what is answered at the front, then submit what may begin now: a call once
+        every call before it has begun (so their effects are ordered), a read once every
+        call before it is answered. Re-entered by a handler that answers at once: the outer
+        loop goes on instead."""
+        if self._advancing:
+            return
+        self._advancing = True
         try:
-            if before is not None:
-                await before  # set however the call before ended: never raises
-            if answered is not None:
-                await asyncio.wait([answered])  # its outcome, whatever it is, comes first
-            pending = await self.handler.begin(*args)
-            begun.set_result(None)
-            status, payload = await pending
-            if status == 405:
-                allow = self.handler.allowed(args[1])
-        except Exception:  # a bug must not take the connection's other calls with it
-            log.exception("call %s %s failed", args[0], args[1])  # never its body
-            status, payload = 500, {"error": "internal error"}
+            progress = True
+            while progress:
+                progress = self._write_answered()
+                waiting = self.waiting
+                if (
+                    waiting
+                    and self.not_begun == 0
+                    and (self.not_answered == 0 or not self.handler.reads(waiting[0].path))
+                    and self.transport is not None
+                ):
+                    call = waiting.popleft()
+                    call.state = SUBMITTED
+                    self.not_begun += 1
+                    self.not_answered += 1
+                    try:
+                        self.handler.submit(call)
+                    except Exception:  # a bug must not take the connection's other calls along
+                        log.exception("call %s %s failed", call.method, call.path)  # no body
+                        call.answer(500, {"error": "internal error"})
+                    progress = True
         finally:
-            if not begun.done():
-                begun.set_result(None)
-        data = response(status, payload, close=close, allow=allow)
-        return data[: data.index(b"\r\n\r\n") + 4] if args[0] == "HEAD" else data
+            self._advancing = False
+
+    def _write_answered(self) -> bool:
+        calls, transport = self.calls, self.transport
+        wrote = False
+        while calls and calls[0].state == ANSWERED and transport is not None:
+            call = calls.popleft()
+            transport.write(call.data)
+            wrote = True
+            if call.close:
+                transport.close()
+                self.transport = None
+                self.waiting.clear()
+                return False
+        if wrote and self.paused and len(calls) < MAX_IN_FLIGHT // 2 and transport is not None:
+            transport.resume_reading()
+            self.paused = False
+        return False
+
+    def _limit(self) -> None:
+        if len(self.calls) >= MAX_IN_FLIGHT and self.transport is not None and not self.paused:
+            self.transport.pause_reading()
+            self.paused = True
 
     def _reply_now(self, status: int, payload: object, *, close: bool) -> None:
         self._queue_now(response(status, payload, close=close))
 
     def _queue_now(self, data: bytes) -> None:
-        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        reply.set_result(data)
-        self._queue(reply)
-
-    def _queue(self, reply: asyncio.Future[bytes]) -> None:
-        self.replies.append(reply)
-        reply.add_done_callback(lambda _: self._flush())
-        if len(self.replies) >= MAX_IN_FLIGHT and self.transport is not None and not self.paused:
-            self.transport.pause_reading()
-            self.paused = True
-
-    def _flush(self) -> None:
-        replies, transport = self.replies, self.transport
-        while replies and replies[0].done() and transport is not None:
-            reply = replies.popleft()
-            if reply.cancelled():
-                continue
-            data = reply.result()
-            transport.write(data)
-            if b"\r\nconnection: close\r\n" in data[: data.find(b"\r\n\r\n") + 4]:
-                transport.close()
-                return
-        if self.paused and len(replies) < MAX_IN_FLIGHT // 2 and transport is not None:
-            transport.resume_reading()
-            self.paused = False
+        """A reply that needs no handler (401, 413, 400): it has no effect to order."""
+        call = Call(self, "", "", {}, None, b"", b"\r\nconnection: close\r\n" in data)
+        call.state = ANSWERED
+        call.data = data
+        self.calls.append(call)
+        self._limit()
+        self.advance()
 
 
 async def serve(

@@ -36,6 +36,8 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
+from projector.http.group_commit import GroupCommit
+from projector.http.http_server import Call
 from projector.http.serde_errors import (
     PARSE_PREFIX,
     accepted_fields,
@@ -56,6 +58,8 @@ from projector.http.slot_api import (
     request_event,
 )
 from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
+from projector.nats import batch_publish
+from projector.nats.batch_publish import BatchPublisher
 from projector.nats.logs import event_fields
 from projector.nats.resources import ensure
 from projector.read.bucket import read_trackers
@@ -65,8 +69,10 @@ from projector.route.publisher import RouterPublisher
 from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
+from seqstate import Delta, SequenceState
 from seqstate.deltas import APPLIED
 from seqstate.errors import SeqstateError
+from seqstate.fold import Verdict
 
 log = logging.getLogger("seqstate.slots")
 
@@ -169,14 +175,19 @@ class _Tracker:
     # /prefill_complete or /free that follows at once finds its request (the bucket shows it
     # a flush later). Bounded: the oldest are forgotten, and found in the view instead.
     booked: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # While this process holds the lease: its calls' group commit, bound to its writer.
+    commit: GroupCommit | None = None
 
-    def holder(self, request_id: str, *, ending: bool) -> tuple[int, int]:
+    def holder(
+        self, request_id: str, *, ending: bool, state: SequenceState | None = None
+    ) -> tuple[int, int]:
         """The worker and rank that hold ``request_id``, as far as this process can tell
-        without asking anyone: its own adds, then the bucket. (0, 0) when neither knows it
-        (an unknown request: the fold answers that, whatever the worker)."""
+        without asking anyone: its own adds, then its writer's fold (``state``, when it holds
+        the lease) or the bucket. (0, 0) when none knows it (an unknown request: the fold
+        answers that, whatever the worker)."""
         held = self.booked.pop(request_id, None) if ending else self.booked.get(request_id)
         if held is None:
-            held = self.view.rank_of(request_id)
+            held = self.view.rank_of(request_id) if state is None else _rank_in(state, request_id)
         return (0, 0) if held is None else held
 
     def book(self, request_id: str, rank: tuple[int, int]) -> None:
@@ -205,6 +216,34 @@ class _Tracker:
             del self.booked[request_id]
 
 
+def _rank_in(state: SequenceState, request_id: str) -> tuple[int, int] | None:
+    rank = state.requests.worker_for(request_id)
+    return None if rank is None else (rank[0], rank[1])
+
+
+class _AwaitedCall:
+    """A call made through :meth:`SlotService.call` (tests, tools): its answer as a future."""
+
+    __slots__ = ("body", "content_type", "method", "path", "query", "result")
+
+    def __init__(
+        self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
+    ) -> None:
+        self.method, self.path, self.query = method, path, query
+        self.content_type, self.body = content_type, body
+        self.result: asyncio.Future[tuple[int, object]] = asyncio.get_running_loop().create_future()
+
+    def begun(self) -> None:
+        pass
+
+    def answer(self, status: int, payload: object) -> None:
+        if not self.result.done():
+            self.result.set_result((status, payload))
+
+
+MUTATIONS_FOLDED_HERE = frozenset({"/add", "/prefill_complete", "/free"})
+
+
 class SlotService:
     """``service = await SlotService(nc, config).start()``; ``await service.call(...)``."""
 
@@ -215,10 +254,20 @@ class SlotService:
         self.trackers: dict[str, _Tracker] = {}
         self._answered: dict[str, int] = {}  # per namespace: the last event answered
         self._opening: dict[str, asyncio.Lock] = {}
+        self._batches: BatchPublisher | None = None  # None: no group commit on this server
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> SlotService:
         """Provision, then serve every tracker the bucket holds."""
         await ensure(self.nc, self.config)
+        if batch_publish.supported(self.nc):
+            self._batches = await BatchPublisher(self.nc).start()
+        else:
+            log.warning(
+                "nats-server %s has no atomic batch publish (2.12+): every call waits for "
+                "its outcome from the deltas stream, much slower",
+                self.nc.connected_server_version,
+            )
         for namespace in await read_trackers(self.nc, self.config):
             with contextlib.suppress(NotATrackerNamespace):
                 await self._open(namespace)
@@ -226,12 +275,21 @@ class SlotService:
 
     async def stop(self) -> None:
         for tracker in self.trackers.values():
+            if tracker.commit is not None:
+                await tracker.commit.close("serve-http is stopping")
+                tracker.commit = None
+        for task in list(self._closing):
+            with contextlib.suppress(Exception):
+                await task
+        for tracker in self.trackers.values():
             tracker.task.cancel()
             with contextlib.suppress(BaseException):
                 await tracker.task
             await tracker.outcomes.stop()
             await tracker.view.stop()
         self.trackers = {}
+        if self._batches is not None:
+            await self._batches.stop()
 
     # ---- the trackers -----------------------------------------------------------------------
 
@@ -279,7 +337,198 @@ class SlotService:
         self, method: str, path: str, query: dict[str, str], content_type: str | None, body: bytes
     ) -> tuple[int, object]:
         """One HTTP call: its status and its JSON body (None: an empty body)."""
-        return await (await self.begin(method, path, query, content_type, body))
+        call = _AwaitedCall(method, path, query, content_type, body)
+        try:
+            self.submit(call)  # type: ignore[arg-type]  # the same two methods as Call
+        except Exception:
+            log.exception("call %s %s failed", method, path)
+            call.answer(500, {"error": "internal error"})
+        return await call.result
+
+    # ---- the lease holder's own calls: answered from its fold, without a task each --------
+
+    def submit(self, call: Call) -> None:
+        """Start one HTTP call (:class:`projector.http.http_server.Handler`).
+
+        Where this process holds the tracker's lease, a lifecycle call is queued for the
+        group commit and answered from the writer's fold, and a read is answered from that
+        fold at once: no task, no future. Everything else (registrations, a tracker not
+        served yet, a process that does not hold the lease) takes :meth:`begin`'s path."""
+        path = call.path
+        if path in MUTATIONS_FOLDED_HERE and call.method == "POST":
+            if call.content_type is not None and _is_json(call.content_type):
+                try:
+                    parsed = _parse(path, call.body)
+                except _BodyRejected as rejected:
+                    call.answer(*rejected.answer)
+                    return
+                namespace = namespace_for(
+                    parsed.model_name, parsed.routing_group, self.config.namespace
+                )
+                tracker = self.trackers.get(namespace)
+                commit = None if tracker is None else self._commit(tracker)
+                if tracker is not None and commit is not None:
+                    self._fold_here(tracker, commit, path, parsed, call)
+                    return
+        elif path in READS and call.method in ("GET", "HEAD") and path != "/potential_loads":
+            states = self._states(call.query)
+            if states is not None:
+                call.answer(200, self._rows(path, states))
+                return
+        task = asyncio.ensure_future(self._begin_and_answer(call))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _begin_and_answer(self, call: Call) -> None:
+        try:
+            pending = await self.begin(
+                call.method, call.path, call.query, call.content_type, call.body
+            )
+            call.begun()
+            status, payload = await pending
+        except Exception:  # a bug must not take the connection's other calls with it
+            log.exception("call %s %s failed", call.method, call.path)  # never its body
+            status, payload = 500, {"error": "internal error"}
+        call.answer(status, payload)
+
+    def _commit(self, tracker: _Tracker) -> GroupCommit | None:
+        """The tracker's group commit while this process's writer folds it, else None."""
+        if self._batches is None:
+            return None
+        pipeline = tracker.standby.pipeline
+        commit = tracker.commit
+        if pipeline is None or not tracker.standby.active.is_set():
+            if commit is not None:
+                self._retire(tracker, "this process no longer holds the tracker's lease")
+            return None
+        writer = pipeline.writer
+        if commit is None or commit.writer is not writer or commit.closed:
+            if commit is not None:
+                self._retire(tracker, "the tracker's pipeline restarted")
+            commit = tracker.commit = GroupCommit(
+                writer, self._batches, answer_within_s=self.outcome_wait_s
+            ).start()
+        return commit
+
+    def _retire(self, tracker: _Tracker, why: str) -> None:
+        commit, tracker.commit = tracker.commit, None
+        if commit is not None:
+            task = asyncio.ensure_future(commit.close(why))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def _fold_here(
+        self, tracker: _Tracker, commit: GroupCommit, path: str, parsed: _Body, call: Call
+    ) -> None:
+        """Queue a lifecycle call's event; the writer's fold of it answers it."""
+        if isinstance(parsed, RequestBody):
+            worker, rank = tracker.holder(
+                parsed.request_id, ending=path == "/free", state=commit.writer.state
+            )
+            event = request_event(path, parsed, worker, rank)
+        else:
+            event = event_for(parsed)
+        event, payload = tracker.publisher.check(event)
+        if isinstance(parsed, AddBody):
+            tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
+        namespace = tracker.config.namespace
+
+        def folded(seq: int, verdict: Verdict) -> None:
+            if type(verdict) is not Delta:
+                outcome, owner, block_size = None, None, None
+            else:
+                outcome, owner, block_size = verdict.outcome, verdict.owner, verdict.block_size
+            if isinstance(parsed, AddBody):
+                tracker.settle(
+                    parsed.request_id, (parsed.worker_id, parsed.dp_rank), outcome, owner
+                )
+            if outcome is not None and seq > self._answered.get(namespace, 0):
+                self._answered[namespace] = seq
+            call.answer(*answer(path, parsed, outcome, owner=owner, block_size=block_size))
+
+        def failed(seq: int, why: str) -> None:
+            if seq:  # stored, folded by another writer: its delta says how
+                task = asyncio.ensure_future(self._late(tracker, path, parsed, seq, event, call))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+                return
+            if isinstance(parsed, AddBody):
+                tracker.settle(parsed.request_id, (parsed.worker_id, parsed.dp_rank), None, None)
+            call.answer(503, {"error": f"perhaps not stored: {why}"})
+
+        async def again(why: str) -> None:
+            try:
+                seq = await tracker.publisher.publish(event)
+            except Exception as exc:
+                log.warning("%s: not stored (%s, then %s)", path, why, exc)
+                failed(0, f"{why}; alone: {exc}")
+                return
+            failed(seq, why)
+
+        commit.submit(tracker.publisher.subject_for(event), payload, folded, failed, again)
+        call.begun()
+
+    async def _late(
+        self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object, call: Call
+    ) -> None:
+        try:
+            status, payload = await self._finish(tracker, path, parsed, seq, event)
+        except Exception as exc:
+            log.warning("%s: no outcome for stored event %d: %s", path, seq, exc)
+            status, payload = 503, {"error": f"stored as event {seq}, outcome unknown: {exc}"}
+        call.answer(status, payload)
+
+    def _states(self, query: dict[str, str]) -> list[tuple[_Tracker, SequenceState]] | None:
+        """The trackers a read names, each with its writer's fold, if this process folds every
+        one of them and each fold holds every call this process answered; else None."""
+        model, group = query.get("model_name"), query.get("routing_group")
+        found = []
+        for t in self.trackers.values():
+            if (model is None or t.model_name == model) and (
+                group is None or t.routing_group == group
+            ):
+                commit = self._commit(t)
+                if commit is None:
+                    return None
+                writer = commit.writer
+                if writer.stats.last_seq < self._answered.get(t.config.namespace, 0):
+                    return None
+                found.append((t, writer.state))
+        found.sort(key=lambda f: (f[0].model_name, f[0].routing_group))
+        return found
+
+    def _rows(self, path: str, states: list[tuple[_Tracker, SequenceState]]) -> object:
+        if path == "/loads":
+            return [
+                LoadOut(
+                    t.model_name,
+                    t.routing_group,
+                    row.worker_id,
+                    row.dp_rank,
+                    row.active_prefill_tokens,
+                    row.active_blocks,
+                )
+                for t, state in states
+                for row in state.registry.loads(state.now_ns)
+            ]
+        out = []
+        for t, state in states:
+            ranks: dict[int, list[int]] = {}
+            for row in state.registry.loads(state.now_ns):
+                ranks.setdefault(row.worker_id, []).append(row.dp_rank)
+            block_size = state.block_size or 0
+            for worker_id, dp_ranks in sorted(ranks.items()):
+                out.append(
+                    WorkerOut(
+                        worker_id,
+                        t.model_name,
+                        t.routing_group,
+                        block_size,
+                        min(dp_ranks),
+                        len(dp_ranks),
+                    )
+                )
+        return out
 
     @staticmethod
     def allowed(path: str) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Callable
 
 import nats.errors
 
@@ -21,6 +22,7 @@ from projector.nats.logs import error_line, setup_logging
 from projector.ops import flags
 from projector.ops.commands import COMMANDS, CliError
 from projector.ops.flags import config_from
+from projector.wire.config import Config
 from seqstate import SeqstateError
 
 EXIT_ERROR = 1
@@ -30,6 +32,22 @@ BY_NAME = {command.name: command for command in COMMANDS}
 def build_parser() -> argparse.ArgumentParser:
     """Every command's grammar, as ``main`` parses it (the compose checks read it too)."""
     return flags.build_parser(COMMANDS)
+
+
+def event_loop(config: Config, chosen: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop a command runs on: uvloop for a command that takes ``--event-loop`` (serve-http,
+    where the loop's own cost per call shows), when installed or asked for; else asyncio's."""
+    if not chosen or config.event_loop == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if config.event_loop == "uvloop":
+            raise CliError(
+                "--event-loop uvloop: uvloop is not installed (pip install 'seqstate[fast]')"
+            ) from None
+        return None
+    return uvloop.new_event_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         if trace is not None and not trace.is_file():
             raise CliError(f"--trace {trace}: no such file")
         setup_logging(args.log_level, args.log_format)
-        return asyncio.run(BY_NAME[args.command].run(args, config))
+        command = BY_NAME[args.command]
+        loop = event_loop(config, "event_loop" in command.settings)
+        with asyncio.Runner(loop_factory=loop) as runner:
+            return runner.run(command.run(args, config))
     except KeyboardInterrupt:
         return 130
     except SeqstateError as exc:

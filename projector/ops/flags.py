@@ -74,7 +74,13 @@ METRICS = (
     "ready_lag_events",
     "ready_lag_s",
 )  # the long-running consumers'
-HTTP = ("http_host", "http_port", "http_token", "http_token_file")  # serve-http's own port
+HTTP = (
+    "http_host",
+    "http_port",
+    "http_token",
+    "http_token_file",
+    "event_loop",
+)  # serve-http's own port
 READ = CONNECT + NAMES  # every command
 
 

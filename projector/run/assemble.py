@@ -62,6 +62,8 @@ def writer_settings(config: Config) -> WriterSettings:
         tick_every_s=config.tick_every_s,
         fold=config.fold_rules,
         window=config.consumer_window,
+        # serve-http's lease holder answers reads from its writer's fold (projector.http)
+        keep_registry=config.rules == "slot-tracker",
     )
 
 

@@ -236,6 +236,12 @@ class Config:
     http_token_file: str | None = _setting(
         None, "a file holding serve-http's bearer token (as --http-token; one line)", "PATH"
     )
+    event_loop: str = _setting(
+        "auto",
+        "serve-http's event loop: 'uvloop' (the 'fast' extra), 'asyncio', or 'auto' (uvloop "
+        "when installed)",
+        "LOOP",
+    )
     dynamo_endpoint: str | None = _setting(
         None,
         "fold a Dynamo deployment's own replica-sync events into this namespace: its "
@@ -609,6 +615,10 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
         lambda v: "" if 0 <= v <= 65_535 else "not a port: use 0-65535 (0: any free port)",
     ),
     ("http_token", lambda v: "" if v is None else bearer_problem(v)),
+    (
+        "event_loop",
+        lambda v: "" if v in ("auto", "uvloop", "asyncio") else "use 'auto', 'uvloop' or 'asyncio'",
+    ),
     ("http_token_file", _file),
     ("ready_lag_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
 ]

@@ -45,6 +45,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from projector.nats.batch_publish import BATCH_ID, BATCH_SEQUENCE
 from projector.nats.failures import describe
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
@@ -73,9 +74,12 @@ from seqstate import (
 )
 from seqstate.deltas import APPLIED, Hole
 from seqstate.errors import SeqstateError
-from seqstate.fold import event_of
+from seqstate.fold import Verdict, event_of
 
 log = logging.getLogger("seqstate.writer")
+
+# (stream sequence, sequence in its batch, the fold's verdict); (0, 0, None): never folded
+FoldListener = Callable[[int, int, Verdict | None], None]
 
 
 @dataclass
@@ -104,6 +108,9 @@ class WriterSettings:
     tick_every_s: float
     fold: FoldRules
     window: int = DEFAULT_WINDOW  # events received and not yet folded, at most (catch-up memory)
+    # Keep the registry current on every event (about a third of the fold's cost): for a
+    # process that answers reads from the write model itself (serve-http's lease holder).
+    keep_registry: bool = False
 
 
 class Writer(LagWatched):
@@ -139,9 +146,12 @@ class Writer(LagWatched):
         self._restore_first = restore
         # The fold every reader of the log shares: the writer's verdicts are replay's.
         self._fold = Fold(state, settings.fold)
-        # The writer never reads its registry (readers build theirs from the bucket), and
+        # A writer rarely reads its registry (readers build theirs from the bucket), and
         # keeping it current is about a third of the fold's cost.
-        state.defer_registry()
+        if not settings.keep_registry:
+            state.defer_registry()
+        # batch id -> who waits for the fold of that batch's messages (await_batch)
+        self._awaited: dict[str, FoldListener] = {}
         self.stats = stats
         self._js: JetStreamContext = nc.jetstream()
         self.dead_letters = dead_letters  # written by the runner; counted (metrics) there
@@ -240,6 +250,7 @@ class Writer(LagWatched):
                 await self.flush()
                 await self.snapshotter.final(self.state, self.stats.last_seq)
         finally:
+            self._release_awaited()
             await cancel(watcher)
             await cancel(ticker)
             await self.deltas.close()
@@ -265,7 +276,8 @@ class Writer(LagWatched):
                 "; ".join(differing),
             )
         self.state = state
-        self.state.defer_registry()
+        if not self.settings.keep_registry:
+            self.state.defer_registry()
         self.stats.last_seq = info.applied_seq
         self.applied.advance(info.applied_seq)
 
@@ -292,11 +304,40 @@ class Writer(LagWatched):
         self.stats.dead_letters += 1
         self.snapshotter.take_if_due(self.state, self.stats.last_seq)
 
+    def await_batch(self, batch_id: str, listener: FoldListener) -> None:
+        """Call ``listener(seq, batch_sequence, verdict)`` as each message of atomic batch
+        ``batch_id`` is folded (its headers name the batch: projector.nats.batch_publish), and
+        ``listener(0, 0, None)`` if the writer stops first. Until :meth:`forget_batch`."""
+        self._awaited[batch_id] = listener
+
+    def forget_batch(self, batch_id: str) -> None:
+        self._awaited.pop(batch_id, None)
+
+    def _release_awaited(self) -> None:
+        awaited, self._awaited = self._awaited, {}
+        for listener in awaited.values():
+            listener(0, 0, None)
+
+    def _tell(self, seq: int, msg: Msg, verdict: Verdict) -> None:
+        """The fold of a message someone awaits, told to them (serve-http's calls)."""
+        headers = msg.headers
+        if not headers:
+            return
+        listener = self._awaited.get(headers.get(BATCH_ID, ""))
+        if listener is not None:
+            try:
+                number = int(headers.get(BATCH_SEQUENCE, "0"))
+            except ValueError:
+                number = 0
+            listener(seq, number, verdict)
+
     def _fold_one(self, msg: Msg) -> Refused | None:
         seq, at_ns = log_time_ns(msg)
         self.stats.last_seq = seq
         self._last_event_at = asyncio.get_running_loop().time()
         verdict = self._fold(seq, at_ns, msg.subject, msg.data)
+        if self._awaited:
+            self._tell(seq, msg, verdict)
         if type(verdict) is Refusal:
             event = verdict.event
             fields = None if event is None else event_fields(event)

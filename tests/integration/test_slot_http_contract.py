@@ -139,7 +139,7 @@ async def run(port: int, steps: list[tuple[Any, int, Any]]) -> None:
     """Send the steps pipelined on one connection; every answer must be as expected."""
     replies = await exchange(port, [call for call, _, _ in steps])
     for n, ((call, status, body), reply) in enumerate(zip(steps, replies, strict=True)):
-        assert (reply.status, reply.body) == (status, body), f"step {n} {call!r}"
+        assert (reply.status, reply.body) == (status, body), f"step {n} {call!r} {reply.body}"
 
 
 async def test_every_status_and_error_text_of_the_contract(
