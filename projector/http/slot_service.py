@@ -36,8 +36,8 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
-from projector.http.group_commit import GroupCommit
 from projector.http.http_server import Call
+from projector.http.own_fold import OwnFold
 from projector.http.serde_errors import (
     PARSE_PREFIX,
     accepted_fields,
@@ -58,8 +58,7 @@ from projector.http.slot_api import (
     request_event,
 )
 from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
-from projector.nats import batch_publish
-from projector.nats.batch_publish import BatchPublisher
+from projector.nats import fast_publish
 from projector.nats.logs import event_fields
 from projector.nats.resources import ensure
 from projector.read.bucket import read_trackers
@@ -69,6 +68,7 @@ from projector.route.publisher import RouterPublisher
 from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
+from projector.write.writer import Writer
 from seqstate import Delta, SequenceState
 from seqstate.deltas import APPLIED
 from seqstate.errors import SeqstateError
@@ -175,8 +175,9 @@ class _Tracker:
     # /prefill_complete or /free that follows at once finds its request (the bucket shows it
     # a flush later). Bounded: the oldest are forgotten, and found in the view instead.
     booked: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    # While this process holds the lease: its calls' group commit, bound to its writer.
-    commit: GroupCommit | None = None
+    # While this process holds the lease: its calls, answered by its writer's fold.
+    own: OwnFold | None = None
+    opening_own: bool = False
 
     def holder(
         self, request_id: str, *, ending: bool, state: SequenceState | None = None
@@ -254,19 +255,16 @@ class SlotService:
         self.trackers: dict[str, _Tracker] = {}
         self._answered: dict[str, int] = {}  # per namespace: the last event answered
         self._opening: dict[str, asyncio.Lock] = {}
-        self._batches: BatchPublisher | None = None  # None: no group commit on this server
+        self._fast = fast_publish.usable(nc)  # False: every call takes the slow path
         self._closing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> SlotService:
         """Provision, then serve every tracker the bucket holds."""
         await ensure(self.nc, self.config)
-        if batch_publish.supported(self.nc):
-            self._batches = await BatchPublisher(self.nc).start()
-        else:
+        if not self._fast:
             log.warning(
-                "nats-server %s has no atomic batch publish (2.12+): every call waits for "
-                "its outcome from the deltas stream, much slower",
-                self.nc.connected_server_version,
+                "this nats-py keeps no pending buffer serve-http can publish into: every "
+                "call waits for its outcome from the deltas stream, much slower"
             )
         for namespace in await read_trackers(self.nc, self.config):
             with contextlib.suppress(NotATrackerNamespace):
@@ -275,9 +273,9 @@ class SlotService:
 
     async def stop(self) -> None:
         for tracker in self.trackers.values():
-            if tracker.commit is not None:
-                await tracker.commit.close("serve-http is stopping")
-                tracker.commit = None
+            if tracker.own is not None:
+                await tracker.own.close("serve-http is stopping")
+                tracker.own = None
         for task in list(self._closing):
             with contextlib.suppress(Exception):
                 await task
@@ -288,8 +286,6 @@ class SlotService:
             await tracker.outcomes.stop()
             await tracker.view.stop()
         self.trackers = {}
-        if self._batches is not None:
-            await self._batches.stop()
 
     # ---- the trackers -----------------------------------------------------------------------
 
@@ -375,9 +371,7 @@ class SlotService:
             if states is not None:
                 call.answer(200, self._rows(path, states))
                 return
-        task = asyncio.ensure_future(self._begin_and_answer(call))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._spawn(self._begin_and_answer(call))
 
     async def _begin_and_answer(self, call: Call) -> None:
         try:
@@ -391,34 +385,52 @@ class SlotService:
             status, payload = 500, {"error": "internal error"}
         call.answer(status, payload)
 
-    def _commit(self, tracker: _Tracker) -> GroupCommit | None:
-        """The tracker's group commit while this process's writer folds it, else None."""
-        if self._batches is None:
+    def _commit(self, tracker: _Tracker) -> OwnFold | None:
+        """Where this process's writer folds the tracker: what answers its calls from that
+        fold (None: not here, or not ready yet; the slow path answers meanwhile)."""
+        if not self._fast:
             return None
         pipeline = tracker.standby.pipeline
-        commit = tracker.commit
+        own = tracker.own
         if pipeline is None or not tracker.standby.active.is_set():
-            if commit is not None:
+            if own is not None:
                 self._retire(tracker, "this process no longer holds the tracker's lease")
             return None
         writer = pipeline.writer
-        if commit is None or commit.writer is not writer or commit.closed:
-            if commit is not None:
-                self._retire(tracker, "the tracker's pipeline restarted")
-            commit = tracker.commit = GroupCommit(
-                writer, self._batches, answer_within_s=self.outcome_wait_s
-            ).start()
-        return commit
+        if own is not None and own.writer is writer and not own.closed:
+            return own
+        if own is not None:
+            self._retire(tracker, "the tracker's pipeline restarted")
+        if not tracker.opening_own:
+            tracker.opening_own = True
+            self._spawn(self._open_own(tracker, writer))
+        return None
+
+    async def _open_own(self, tracker: _Tracker, writer: Writer) -> None:
+        try:
+            own = await OwnFold(self.nc, writer, answer_within_s=self.outcome_wait_s).start()
+        except Exception as exc:
+            log.warning("cannot answer from this writer's fold: %s", exc)
+            return
+        finally:
+            tracker.opening_own = False
+        if tracker.own is None and not own.closed:
+            tracker.own = own
+        else:
+            await own.close("not needed")
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _retire(self, tracker: _Tracker, why: str) -> None:
-        commit, tracker.commit = tracker.commit, None
-        if commit is not None:
-            task = asyncio.ensure_future(commit.close(why))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        own, tracker.own = tracker.own, None
+        if own is not None:
+            self._spawn(own.close(why))
 
     def _fold_here(
-        self, tracker: _Tracker, commit: GroupCommit, path: str, parsed: _Body, call: Call
+        self, tracker: _Tracker, commit: OwnFold, path: str, parsed: _Body, call: Call
     ) -> None:
         """Queue a lifecycle call's event; the writer's fold of it answers it."""
         if isinstance(parsed, RequestBody):
@@ -448,24 +460,13 @@ class SlotService:
 
         def failed(seq: int, why: str) -> None:
             if seq:  # stored, folded by another writer: its delta says how
-                task = asyncio.ensure_future(self._late(tracker, path, parsed, seq, event, call))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                self._spawn(self._late(tracker, path, parsed, seq, event, call))
                 return
             if isinstance(parsed, AddBody):
                 tracker.settle(parsed.request_id, (parsed.worker_id, parsed.dp_rank), None, None)
-            call.answer(503, {"error": f"perhaps not stored: {why}"})
+            call.answer(503, {"error": f"no answer for the call's event: {why}"})
 
-        async def again(why: str) -> None:
-            try:
-                seq = await tracker.publisher.publish(event)
-            except Exception as exc:
-                log.warning("%s: not stored (%s, then %s)", path, why, exc)
-                failed(0, f"{why}; alone: {exc}")
-                return
-            failed(seq, why)
-
-        commit.submit(tracker.publisher.subject_for(event), payload, folded, failed, again)
+        commit.submit(tracker.publisher.subject_for(event), payload, folded, failed)
         call.begun()
 
     async def _late(

@@ -27,7 +27,6 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
-from projector.nats import batch_publish
 from projector.nats.connection import refused_or
 from projector.nats.failures import describe
 from projector.wire.capture import (
@@ -140,8 +139,6 @@ async def _ensure(nc: Client, config: Config) -> Resources:
             duplicate_window=config.duplicate_window_s,
             num_replicas=config.replicas,
             allow_direct=True,
-            # serve-http's group commit (projector.nats.batch_publish), where the server has it
-            allow_atomic=True if batch_publish.supported(nc) else None,
             discard=api.DiscardPolicy.NEW,
             sources=sources,
         ),
@@ -273,7 +270,6 @@ async def _ensure_stream(
         "description": wanted.description,
         "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
         "allow_direct": bool(have.allow_direct or wanted.allow_direct),
-        "allow_atomic": bool(have.allow_atomic or wanted.allow_atomic),
         "sources": _sources(have.sources, wanted.sources),
     }
     if keep_every_message:
@@ -286,7 +282,6 @@ async def _ensure_stream(
         "description": have.description,
         "max_age": have.max_age,
         "allow_direct": bool(have.allow_direct),
-        "allow_atomic": bool(have.allow_atomic),
         "sources": list(have.sources or []),
     }
     if keep_every_message:

@@ -45,7 +45,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from projector.nats.batch_publish import BATCH_ID, BATCH_SEQUENCE
 from projector.nats.failures import describe
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
@@ -78,8 +77,8 @@ from seqstate.fold import Verdict, event_of
 
 log = logging.getLogger("seqstate.writer")
 
-# (stream sequence, sequence in its batch, the fold's verdict); (0, 0, None): never folded
-FoldListener = Callable[[int, int, Verdict | None], None]
+# (stream sequence, the fold's verdict); (0, None): never folded by this writer
+FoldListener = Callable[[int, Verdict | None], None]
 
 
 @dataclass
@@ -150,7 +149,7 @@ class Writer(LagWatched):
         # keeping it current is about a third of the fold's cost.
         if not settings.keep_registry:
             state.defer_registry()
-        # batch id -> who waits for the fold of that batch's messages (await_batch)
+        # msg id -> who waits for the fold of that message (await_fold)
         self._awaited: dict[str, FoldListener] = {}
         self.stats = stats
         self._js: JetStreamContext = nc.jetstream()
@@ -304,32 +303,27 @@ class Writer(LagWatched):
         self.stats.dead_letters += 1
         self.snapshotter.take_if_due(self.state, self.stats.last_seq)
 
-    def await_batch(self, batch_id: str, listener: FoldListener) -> None:
-        """Call ``listener(seq, batch_sequence, verdict)`` as each message of atomic batch
-        ``batch_id`` is folded (its headers name the batch: projector.nats.batch_publish), and
-        ``listener(0, 0, None)`` if the writer stops first. Until :meth:`forget_batch`."""
-        self._awaited[batch_id] = listener
+    def await_fold(self, msg_id: str, listener: FoldListener) -> None:
+        """Call ``listener(seq, verdict)`` once the message published with ``Nats-Msg-Id:
+        msg_id`` is folded, or ``listener(0, None)`` if the writer stops first (serve-http's
+        lease holder answers its calls so). Once: the listener is forgotten then."""
+        self._awaited[msg_id] = listener
 
-    def forget_batch(self, batch_id: str) -> None:
-        self._awaited.pop(batch_id, None)
+    def forget_fold(self, msg_id: str) -> None:
+        self._awaited.pop(msg_id, None)
 
     def _release_awaited(self) -> None:
         awaited, self._awaited = self._awaited, {}
         for listener in awaited.values():
-            listener(0, 0, None)
+            listener(0, None)
 
     def _tell(self, seq: int, msg: Msg, verdict: Verdict) -> None:
-        """The fold of a message someone awaits, told to them (serve-http's calls)."""
+        """The fold of a message someone awaits, told to them."""
         headers = msg.headers
-        if not headers:
-            return
-        listener = self._awaited.get(headers.get(BATCH_ID, ""))
-        if listener is not None:
-            try:
-                number = int(headers.get(BATCH_SEQUENCE, "0"))
-            except ValueError:
-                number = 0
-            listener(seq, number, verdict)
+        if headers:
+            listener = self._awaited.pop(headers.get(MSG_ID, ""), None)
+            if listener is not None:
+                listener(seq, verdict)
 
     def _fold_one(self, msg: Msg) -> Refused | None:
         seq, at_ns = log_time_ns(msg)

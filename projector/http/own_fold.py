@@ -1,0 +1,176 @@
+"""The lease holder's calls: stored one message each, answered from its own writer's fold.
+
+Why: a durable call used to wait for two JetStream round trips back to back (its event's
+publish and ack, then the writer's delta read back from the deltas stream by an outcome
+follower) and cost about 6.5 NATS messages of client parsing (issue 23). The process that
+holds a namespace's lease runs that namespace's writer, so it need not read the writer's
+verdict back from the deltas: it hears it.
+
+- Each call's event is published at once, with its own ``Nats-Msg-Id`` and a reply subject
+  under one wildcard subscription: no request, future or task per call, and nats-py's
+  flusher writes every event published in one turn of the loop in one go (the group commit
+  of this path: measured, a JetStream atomic batch costs the server ~2.4 ms per batch on a
+  file stream, against ~17 µs per plain publish; BENCHMARKS.md).
+- Each call is answered from the writer's fold of its own stored message, which the writer's
+  consumer hands over with the message's msg-id (:meth:`Writer.await_fold`). So the answer
+  is by construction what every replay of the log decides for that message: same position,
+  same log time (the event's time is the log's, fixed when it is stored, before its answer),
+  whatever else the log holds around it. Nothing needs fencing or stamping: a router or
+  another replica publishing at the same moment only changes where the event lands, and the
+  fold says what that means.
+- The ack only says when the event was *not* stored (an error: ``503``, nothing stored) and
+  where it was (its sequence: a call whose event this writer did not fold, because the lease
+  moved on, is answered from the deltas, as a replica that does not hold the lease answers).
+  No ack and no fold within ``answer_within_s``: ``503``, perhaps stored. Never a guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from projector.nats import fast_publish
+from projector.nats.failures import describe
+from projector.write.writer import Writer
+from seqstate.fold import Verdict
+
+log = logging.getLogger("seqstate.slots")
+
+SWEEP_S = 1.0
+
+Folded = Callable[[int, Verdict], None]  # (stream sequence, verdict)
+Failed = Callable[[int, str], None]  # (stream sequence if known stored else 0, why)
+
+
+class _Ack(msgspec.Struct):
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, object] | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(_Ack)
+
+
+class _Entry:
+    __slots__ = ("deadline", "failed", "folded", "seq")
+
+    def __init__(self, folded: Folded, failed: Failed, deadline: float) -> None:
+        self.folded = folded
+        self.failed = failed
+        self.deadline = deadline
+        self.seq = 0  # from the ack, once it came
+
+
+class OwnFold:
+    """``own = await OwnFold(nc, writer).start()``; ``own.submit(...)`` per call, for as
+    long as this process's ``writer`` folds the namespace; ``await own.close(why)``."""
+
+    def __init__(self, nc: Client, writer: Writer, *, answer_within_s: float = 30.0) -> None:
+        self.nc = nc
+        self.writer = writer
+        self.answer_within_s = answer_within_s
+        self._prefix = f"{nc.new_inbox()}."
+        self._run = f"fold-{uuid.uuid4().hex[:16]}:"
+        self._ids = itertools.count(1)
+        self._waiting: dict[str, _Entry] = {}
+        self._deadlines: deque[tuple[float, str]] = deque()
+        self._sub: Subscription | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self.closed = False
+
+    async def start(self) -> OwnFold:
+        self._sub = await self.nc.subscribe(f"{self._prefix}*", cb=self._on_ack)
+        self._sweeper = asyncio.create_task(self._sweep(), name="seqstate-own-fold-sweep")
+        return self
+
+    async def close(self, why: str) -> None:
+        """Stop; every call not answered yet is failed (its ack's sequence, if it came, lets
+        the caller answer it from the deltas)."""
+        self.closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        self._fail_all(why)
+
+    def submit(self, subject: str, payload: bytes, folded: Folded, failed: Failed) -> None:
+        """Publish one event; ``folded(seq, verdict)`` once the writer folded it, else
+        ``failed(seq, why)`` (``seq`` 0: perhaps not stored). Returns once it is queued on
+        the connection: the next call's event goes after it."""
+        msg_id = f"{self._run}{next(self._ids)}"
+        deadline = self._loop.time() + self.answer_within_s
+        entry = _Entry(folded, failed, deadline)
+        self._waiting[msg_id] = entry
+        self._deadlines.append((deadline, msg_id))
+
+        def on_fold(seq: int, verdict: Verdict | None) -> None:
+            if self._waiting.pop(msg_id, None) is None:
+                return
+            if verdict is None:
+                entry.failed(entry.seq, "the lease holder's writer stopped before it folded it")
+            else:
+                entry.folded(seq, verdict)
+
+        self.writer.await_fold(msg_id, on_fold)
+        try:
+            fast_publish.publish(self.nc, subject, payload, self._prefix + msg_id, msg_id)
+        except (nats.errors.Error, OSError) as exc:
+            self.writer.forget_fold(msg_id)
+            if self._waiting.pop(msg_id, None) is not None:
+                entry.failed(0, f"not sent: {describe(exc)}")
+
+    async def _on_ack(self, msg: Msg) -> None:
+        msg_id = msg.subject[len(self._prefix) :]
+        entry = self._waiting.get(msg_id)
+        if entry is None:
+            return  # answered already: the fold came first
+        try:
+            ack = _ack_decoder.decode(msg.data) if msg.data else None
+        except msgspec.DecodeError:
+            ack = None
+        if ack is not None and ack.error is None and ack.seq:
+            entry.seq = ack.seq
+            return
+        # Refused (or no stream took it): nothing is stored.
+        self.writer.forget_fold(msg_id)
+        del self._waiting[msg_id]
+        why = "no stream took it" if ack is None else str(ack.error.get("description", ack.error))
+        entry.failed(0, f"not stored: {why}")
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now, deadlines = self._loop.time(), self._deadlines
+            while deadlines and deadlines[0][0] <= now:
+                _, msg_id = deadlines.popleft()
+                entry = self._waiting.pop(msg_id, None)
+                if entry is not None:
+                    self.writer.forget_fold(msg_id)
+                    entry.failed(
+                        entry.seq, f"not folded within {self.answer_within_s:g}s: perhaps stored"
+                    )
+            if not self._waiting:
+                deadlines.clear()
+
+    def _fail_all(self, why: str) -> None:
+        waiting, self._waiting = self._waiting, {}
+        self._deadlines.clear()
+        for msg_id, entry in waiting.items():
+            self.writer.forget_fold(msg_id)
+            entry.failed(entry.seq, why)

@@ -1,0 +1,67 @@
+"""A publish without a coroutine, on nats-py's own connection: serve-http's hot path.
+
+Why: ``await nc.publish(...)`` needs a task to await it; the slot tracker's hot path answers a
+call from a protocol callback, where making a task per call is most of what a call costs
+(issue 23). And nats-py encodes a header dict per message (a regular expression per key).
+This appends the ``HPUB`` command nats-py would write to the same pending buffer nats-py's
+flusher writes, and kicks the flusher as nats-py does. So it keeps everything the client
+gives: the connection's TLS and credentials, its reconnect buffer (a publish while
+reconnecting is sent after the reconnect, up to the client's ``pending_size``), its
+statistics. Acks, msg-ids and what to do without them are the caller's
+(:mod:`projector.http.own_fold`). Measured against ``nc.publish`` in
+``benchmarks/hot_publish.py``.
+
+It reads four attributes nats-py keeps private (``_pending``, ``_pending_data_size``,
+``_max_pending_size``, ``_flush_queue``): :func:`usable` says whether this client has them,
+and the caller falls back to ``nc.publish`` if not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+from nats.aio.client import Client
+
+_ATTRIBUTES = ("_pending", "_pending_data_size", "_max_pending_size", "_flush_queue", "stats")
+
+
+def usable(nc: Client) -> bool:
+    """Whether ``nc`` keeps the pending buffer this publishes into (nats-py 2.x)."""
+    return all(hasattr(nc, name) for name in _ATTRIBUTES) and isinstance(
+        getattr(nc, "_pending", None), list
+    )
+
+
+def publish(nc: Client, subject: str, payload: bytes, reply: str, msg_id: str) -> None:
+    """Queue ``payload`` on ``subject`` with ``Nats-Msg-Id: msg_id``, replies to ``reply``;
+    written by the client's flusher on its next turn, with every other queued command. Raises
+    what ``nc.publish`` raises for a closed or draining connection, a payload over the
+    server's limit, or a full reconnect buffer."""
+    if nc.is_closed:
+        raise nats.errors.ConnectionClosedError
+    if nc.is_draining_pubs:
+        raise nats.errors.ConnectionDrainingError
+    if len(payload) > nc.max_payload:
+        raise nats.errors.MaxPayloadError
+    header = b"NATS/1.0\r\nNats-Msg-Id: %b\r\n\r\n" % msg_id.encode()
+    command = b"HPUB %b %b %d %d\r\n%b%b\r\n" % (
+        subject.encode(),
+        reply.encode(),
+        len(header),
+        len(header) + len(payload),
+        header,
+        payload,
+    )
+    size = nc._pending_data_size + len(command)
+    if nc.is_reconnecting and nc._max_pending_size > 0 and size > nc._max_pending_size:
+        raise nats.errors.OutboundBufferLimitError
+    nc._pending.append(command)
+    nc._pending_data_size = size
+    stats = nc.stats
+    stats["out_msgs"] += 1
+    stats["out_bytes"] += len(payload)
+    queue = nc._flush_queue
+    if nc.is_connected and queue is not None and queue.empty():
+        # One future per flush, not per message: the flusher sets it once written.
+        queue.put_nowait(asyncio.get_running_loop().create_future())
