@@ -4,17 +4,20 @@ answer alike."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from eventually import eventually
-from http_kit import WAIT_S, exchange, request, rows, serve_http
+from http_kit import REPO, WAIT_S, exchange, free_port, request, rows, serve_http
 from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import fresh_config, read_stream, run_cli, second_loopback
+from pipeline_kit import fresh_config, name_flags, read_stream, run_cli, second_loopback
 
 from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
@@ -367,3 +370,62 @@ async def test_a_worker_id_above_2_63_goes_through_serve_http_whole(
     assert rows(answers[2]) == [("wide", top, 0, 0, 3)]  # no prefill, 3 blocks
     assert str(top).encode() in answers[3].raw, answers[3]
     assert rows(answers[5]) == [("wide", top, 0, 0, 0)]
+
+
+@pytest.mark.parametrize(
+    ("flags", "loop"), [((), "uvloop"), (("--event-loop", "asyncio"), "asyncio")]
+)
+async def test_serve_http_runs_on_uvloop_unless_asked_for_asyncio(
+    nats_server: NatsServer, flags: tuple[str, ...], loop: str
+) -> None:
+    """Issue 23: uvloop (the ``fast`` extra, which ``make`` installs) by default; stock asyncio
+    on request, or where uvloop is not installed. Either serves the same pipelined session."""
+    config = fresh_config("el")
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "projector",
+        "serve-http",
+        "--port",
+        str(port),
+        *name_flags(config),
+        *flags,
+        env={**environ, "NATS_URL": nats_server.url},
+        cwd=REPO,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = ""
+        async with asyncio.timeout(WAIT_S):
+            while "serving the slot-tracker API" not in line:
+                raw = await proc.stdout.readline()
+                assert raw, "serve-http exited before it served"
+                line = raw.decode()
+        assert f"{loop} event loop" in line, line
+        m = {"model_name": "m/loop"}
+        add = {**m, "request_id": "a", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [1, 2]}
+        answers = await exchange(
+            port,
+            [
+                (
+                    "POST",
+                    "/register",
+                    {**m, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1},
+                ),
+                ("POST", "/add", add),
+                ("POST", "/add", add),
+                ("GET", "/loads", None),
+                ("POST", "/free", {**m, "request_id": "a"}),
+                ("GET", "/loads", None),
+            ],
+        )
+        assert [a.status for a in answers] == [201, 201, 409, 200, 200, 200]
+        assert rows(answers[3]) == [("m/loop", 1, 0, 0, 2)]
+        assert rows(answers[5]) == [("m/loop", 1, 0, 0, 0)]
+    finally:
+        proc.terminate()
+        assert await proc.wait() == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -45,10 +46,13 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
         metrics.starting = ""
         port = int(server.sockets[0].getsockname()[1])  # --http-port 0: the one chosen
         log.info(
-            "serving the slot-tracker API on http://%s:%d (%d trackers)%s",
+            "serving the slot-tracker API on http://%s:%d (%d trackers, %s event loop)%s",
             host,
             port,
             len(service.trackers),
+            "uvloop"
+            if type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+            else "asyncio",
             ", bearer token required" if token is not None else "",
         )
         if token is None and not _loopback(host):

@@ -1,0 +1,149 @@
+"""Issue 23: serve-http's lease holder answers each lifecycle call from its own writer's fold.
+
+What must hold: every answer is what a replay of the stored log decides for that call's event
+(same position, same log time), the events went the lease holder's way (one message each,
+its msg-id, no outcome read back from the deltas), and an event the server refuses is
+answered 503 at once, never guessed."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import msgspec
+from eventually import eventually
+from nats.aio.client import Client
+from pipeline_kit import fresh_config, read_events
+from test_slot_service import JSON, post, serving
+
+from projector.http.slot_api import AddBody, RequestBody, answer
+from projector.http.slot_service import SlotService
+from projector.http.tracker_names import namespace_for
+from projector.nats.server import NatsServer
+from projector.wire.config import Config
+from projector.wire.headers import MSG_ID
+from seqstate import Fold, Refusal
+
+M = "m/own"
+WORKERS = 3
+
+
+def _calls(seed: int, n: int) -> list[tuple[str, dict[str, Any]]]:
+    """Adds (some duplicates), marks and frees, some of ids never added."""
+    rng = random.Random(seed)
+    live: list[str] = []
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i in range(n):
+        roll = rng.random()
+        if roll < 0.5 or not live:
+            rid = rng.choice(live) if live and rng.random() < 0.15 else f"r{i}"
+            body = {
+                "model_name": M,
+                "request_id": rid,
+                "worker_id": rng.randrange(WORKERS + 1),  # one worker is never registered
+                "dp_rank": 0,
+                "sequence_hashes": [rng.randrange(-(2**63), 2**63) for _ in range(3)],
+                "new_isl_tokens": rng.choice([0, 64, 300]),
+            }
+            out.append(("/add", body))
+            live.append(rid)
+        elif roll < 0.7:
+            out.append(("/prefill_complete", {"model_name": M, "request_id": rng.choice(live)}))
+        else:
+            rid = rng.choice(live) if rng.random() < 0.9 else "ghost"
+            out.append(("/free", {"model_name": M, "request_id": rid}))
+    return out
+
+
+async def _holding(service: SlotService) -> None:
+    """Until the tracker's lease holder (this process) answers from its own fold."""
+    tracker = service.trackers[namespace_for(M, "default", service.config.namespace)]
+
+    async def ready() -> bool:
+        service._commit(tracker)  # opens it once the pipeline runs
+        return tracker.own is not None
+
+    await eventually(ready, bool, what="the lease holder's own fold")
+
+
+def _tracker_config(config: Config) -> Config:
+    """The tracker's namespace as serve-http folds it."""
+    tracker = config.with_namespace(namespace_for(M, "default", config.namespace))
+    return dataclasses.replace(tracker, rules="slot-tracker", worker_grace_s=0.0)
+
+
+async def test_every_answer_is_what_a_replay_of_the_log_decides(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    config = fresh_config("of")
+    work = _calls(23, 300)
+    async with serving(nats_server.url, config) as service:
+        for worker in range(WORKERS):
+            status, _ = await post(
+                service,
+                "/register",
+                model_name=M,
+                worker_id=worker,
+                block_size=16,
+                dp_start=0,
+                dp_size=1,
+            )
+            assert status == 201
+        await _holding(service)
+        answers = [
+            await service.call("POST", path, {}, JSON, msgspec.json.encode(body))
+            for path, body in work
+        ]
+    tracker = _tracker_config(config)
+    js = nc.jetstream()
+    fold = Fold(tracker.new_state(), tracker.fold_rules)
+    expected = []
+    for seq, at_ns, subject, data in await read_events(nc, tracker):
+        verdict = fold(seq, at_ns, subject, data)
+        headers = (await js.get_msg(tracker.events_stream, seq)).headers or {}
+        if not headers.get(MSG_ID, "").startswith("fold-"):
+            continue  # the registrations, and ticks: not the holder's own calls
+        assert type(verdict) is not Refusal, verdict
+        expected.append((verdict.outcome, verdict.owner, verdict.block_size))
+    assert len(expected) == len(work), "every lifecycle call went the lease holder's way"
+    decoders = {"/add": AddBody, "/prefill_complete": RequestBody, "/free": RequestBody}
+    statuses = set()
+    for (path, body), got, (outcome, owner, block_size) in zip(
+        work, answers, expected, strict=True
+    ):
+        parsed = msgspec.convert(body, decoders[path])
+        want = answer(path, parsed, outcome, owner=owner, block_size=block_size)
+        assert msgspec.json.encode(got) == msgspec.json.encode(want), (path, body)
+        statuses.add(got[0])
+    assert statuses == {200, 201, 404, 409}  # the run met every kind of answer
+
+
+async def test_an_event_the_server_refuses_is_answered_503_at_once(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    config = fresh_config("or")
+    async with serving(nats_server.url, config) as service:
+        status, _ = await post(
+            service, "/register", model_name=M, worker_id=1, block_size=16, dp_start=0, dp_size=1
+        )
+        assert status == 201
+        await _holding(service)
+        js = nc.jetstream()
+        info = await js.stream_info(config.events_stream)
+        full = info.config
+        full.max_msgs = info.state.messages  # discard new: the next event is refused
+        await js.update_stream(full)
+        add = {
+            "model_name": M,
+            "request_id": "x",
+            "worker_id": 1,
+            "dp_rank": 0,
+            "sequence_hashes": [1],
+        }
+        status, body = await post(service, "/add", **add)
+        assert status == 503 and "not stored" in body["error"], body
+        assert (await js.stream_info(config.events_stream)).state.messages == info.state.messages
+        full.max_msgs = -1
+        await js.update_stream(full)
+        assert await post(service, "/add", **add) == (201, {"status": "ok"})
