@@ -64,6 +64,18 @@ UNAUTHORIZED = {"error": "unauthorized: this server wants 'Authorization: Bearer
 CHALLENGE = 'Bearer realm="seqstate"'
 
 
+class Encoded:
+    """A JSON body encoded already (a read answered from a cache): written as it is."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
+
+
 def response(
     status: int,
     payload: object,
@@ -72,19 +84,24 @@ def response(
     allow: str | None = None,
     challenge: str | None = None,
 ) -> bytes:
-    body = b"" if payload is None else msgspec.json.encode(payload)
-    head = (
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-length: {len(body)}\r\n"
-    ).encode()
+    if payload is None:
+        body = b""
+    elif type(payload) is Encoded:
+        body = payload.data
+    else:
+        body = msgspec.json.encode(payload)
+    parts = [_STATUS_LINES[status], b"content-length: %d\r\n" % len(body)]
     if payload is not None:
-        head += b"content-type: application/json\r\n"
+        parts.append(b"content-type: application/json\r\n")
     if allow is not None:
-        head += f"allow: {allow}\r\n".encode()
+        parts.append(f"allow: {allow}\r\n".encode())
     if challenge is not None:
-        head += f"www-authenticate: {challenge}\r\n".encode()
+        parts.append(f"www-authenticate: {challenge}\r\n".encode())
     if close:
-        head += b"connection: close\r\n"
-    return head + b"\r\n" + body
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    parts.append(body)
+    return b"".join(parts)
 
 
 def _digest(secret: bytes) -> bytes:
