@@ -19,10 +19,12 @@ and the caller falls back to ``nc.publish`` if not.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import nats.errors
 from nats.aio.client import Client
 
+_BAD = re.compile(r"[\s]")  # what would break the HPUB line: whitespace of any kind
 _ATTRIBUTES = ("_pending", "_pending_data_size", "_max_pending_size", "_flush_queue", "stats")
 
 
@@ -42,9 +44,13 @@ def publish(nc: Client, subject: str, payload: bytes, reply: str, msg_id: str) -
         raise nats.errors.ConnectionClosedError
     if nc.is_draining_pubs:
         raise nats.errors.ConnectionDrainingError
-    if len(payload) > nc.max_payload:
-        raise nats.errors.MaxPayloadError
+    if not subject or _BAD.search(subject) or _BAD.search(reply):
+        raise nats.errors.BadSubjectError
+    if "\r" in msg_id or "\n" in msg_id:
+        raise ValueError(f"a msg-id holds no line break: {msg_id!r}")
     header = b"NATS/1.0\r\nNats-Msg-Id: %b\r\n\r\n" % msg_id.encode()
+    if len(header) + len(payload) > nc.max_payload:  # the server counts both
+        raise nats.errors.MaxPayloadError
     command = b"HPUB %b %b %d %d\r\n%b%b\r\n" % (
         subject.encode(),
         reply.encode(),
@@ -54,7 +60,8 @@ def publish(nc: Client, subject: str, payload: bytes, reply: str, msg_id: str) -
         payload,
     )
     size = nc._pending_data_size + len(command)
-    if nc.is_reconnecting and nc._max_pending_size > 0 and size > nc._max_pending_size:
+    limit = nc._max_pending_size
+    if not nc.is_connected and (limit <= 0 or size > limit):  # as nc.publish: no buffering
         raise nats.errors.OutboundBufferLimitError
     nc._pending.append(command)
     nc._pending_data_size = size

