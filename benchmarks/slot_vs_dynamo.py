@@ -76,6 +76,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from http_servers import listener_pid  # benchmarks/ is the script's own path
+
 REPO: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN: Final = os.path.dirname(sys.executable)
 DEFAULT_DYNAMO_PY: Final = os.path.expanduser("~/.cache/seqstate/dynamo-1.6.1/bin/python")
@@ -626,24 +628,6 @@ class Processes:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-
-
-def listener_pid(port: int) -> int | None:
-    """The local process listening on ``port`` (a server started elsewhere), for its CPU."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    return int(pid)
-    return None
 
 
 def url_target(name: str, url: str) -> Target:

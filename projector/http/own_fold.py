@@ -150,7 +150,8 @@ class OwnFold:
         # Refused (or no stream took it): nothing is stored.
         self.writer.forget_fold(msg_id)
         del self._waiting[msg_id]
-        why = "no stream took it" if ack is None else str(ack.error.get("description", ack.error))
+        error = None if ack is None else ack.error
+        why = "no stream took it" if error is None else str(error.get("description", error))
         entry.failed(0, f"not stored: {why}")
 
     async def _sweep(self) -> None:

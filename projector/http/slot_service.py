@@ -69,7 +69,7 @@ from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
 from projector.write.writer import Writer
-from seqstate import Delta, SequenceState
+from seqstate import Delta, LoadRow, SequenceState
 from seqstate.deltas import APPLIED
 from seqstate.errors import SeqstateError
 from seqstate.fold import Verdict
@@ -246,6 +246,32 @@ class _AwaitedCall:
 
 MUTATIONS_FOLDED_HERE = frozenset({"/add", "/prefill_complete", "/free"})
 READ_CACHE = 64  # read bodies kept (distinct path and query pairs)
+
+
+def _load_rows(t: _Tracker, rows: list[LoadRow]) -> list[LoadOut]:
+    """``/loads``' rows of one tracker (the registry's, sorted by worker and rank)."""
+    return [
+        LoadOut(
+            t.model_name,
+            t.routing_group,
+            row.worker_id,
+            row.dp_rank,
+            row.active_prefill_tokens,
+            row.active_blocks,
+        )
+        for row in rows
+    ]
+
+
+def _worker_rows(t: _Tracker, rows: list[LoadRow], block_size: int) -> list[WorkerOut]:
+    """``/workers``' rows of one tracker: a worker's ranks as one range."""
+    ranks: dict[int, list[int]] = {}
+    for row in rows:
+        ranks.setdefault(row.worker_id, []).append(row.dp_rank)
+    return [
+        WorkerOut(worker_id, t.model_name, t.routing_group, block_size, min(dp), len(dp))
+        for worker_id, dp in sorted(ranks.items())
+    ]
 
 
 class SlotService:
@@ -520,36 +546,13 @@ class SlotService:
         return body
 
     def _rows(self, path: str, states: list[tuple[_Tracker, SequenceState]]) -> object:
-        if path == "/loads":
-            return [
-                LoadOut(
-                    t.model_name,
-                    t.routing_group,
-                    row.worker_id,
-                    row.dp_rank,
-                    row.active_prefill_tokens,
-                    row.active_blocks,
-                )
-                for t, state in states
-                for row in state.registry.loads(state.now_ns)
-            ]
-        out = []
+        out: list[Any] = []
         for t, state in states:
-            ranks: dict[int, list[int]] = {}
-            for row in state.registry.loads(state.now_ns):
-                ranks.setdefault(row.worker_id, []).append(row.dp_rank)
-            block_size = state.block_size or 0
-            for worker_id, dp_ranks in sorted(ranks.items()):
-                out.append(
-                    WorkerOut(
-                        worker_id,
-                        t.model_name,
-                        t.routing_group,
-                        block_size,
-                        min(dp_ranks),
-                        len(dp_ranks),
-                    )
-                )
+            rows = state.registry.loads(state.now_ns)
+            if path == "/loads":
+                out.extend(_load_rows(t, rows))
+            else:
+                out.extend(_worker_rows(t, rows, state.block_size or 0))
         return out
 
     @staticmethod
@@ -687,39 +690,12 @@ class SlotService:
         return found
 
     async def _loads(self, query: dict[str, str]) -> list[LoadOut]:
-        out = []
-        for t in await self._matching(query):
-            for row in t.view.loads():
-                out.append(
-                    LoadOut(
-                        t.model_name,
-                        t.routing_group,
-                        row.worker_id,
-                        row.dp_rank,
-                        row.active_prefill_tokens,
-                        row.active_blocks,
-                    )
-                )
-        return out
+        return [row for t in await self._matching(query) for row in _load_rows(t, t.view.loads())]
 
     async def _workers(self, query: dict[str, str]) -> list[WorkerOut]:
         out = []
         for t in await self._matching(query):
-            ranks: dict[int, list[int]] = {}
-            for row in t.view.loads():
-                ranks.setdefault(row.worker_id, []).append(row.dp_rank)
-            block_size = t.view.block_size or 0
-            for worker_id, dp_ranks in sorted(ranks.items()):
-                out.append(
-                    WorkerOut(
-                        worker_id,
-                        t.model_name,
-                        t.routing_group,
-                        block_size,
-                        min(dp_ranks),
-                        len(dp_ranks),
-                    )
-                )
+            out.extend(_worker_rows(t, t.view.loads(), t.view.block_size or 0))
         return out
 
     async def _potential(self, namespace: str, body: PotentialLoadsBody) -> tuple[int, object]:
