@@ -42,6 +42,9 @@ DEFAULT_WINDOW = 4096
 YIELD_EVERY = 64  # messages handled back to back before the runner lets other tasks run
 MIN_WINDOW = 16
 HEARTBEAT_S = 1.0  # the server's idle heartbeat to the runner's consumer
+# Caught up, the runner acks what it handled at most this often (a heartbeat acks the rest):
+# not once per message, which at a call's pace was one more message per event to the server.
+ACK_IDLE_S = 0.05
 STALE_S = 3.5  # no message and no heartbeat for this long: the consumer (or server) is gone
 CREATE_S = 5.0  # creating a consumer: a server that does not answer in time is asked again
 ACK_WAIT_S = 22 * 3600.0  # never redelivered for want of an ack: ordered, as nats-py's are
@@ -184,9 +187,10 @@ class OrderedConsumer:
 
     - acknowledgement ``all`` with ``max_ack_pending = window``: the server sends at most
       ``window`` messages past the last one acknowledged, and the runner acknowledges (one ack
-      covers every message before it) each quarter window handled, and whenever it has handled
-      all it holds. What it holds is ``window`` messages at most, whatever the backlog, and a
-      backlog flows at the fold's own rate, with no drop, no reset and no wasted delivery;
+      covers every message before it) each quarter window handled, and when it has handled all
+      it holds (at most every ``ACK_IDLE_S``; each idle heartbeat acks the rest). What it
+      holds is ``window`` messages at most, whatever the backlog, and a backlog flows at the
+      fold's own rate, with no drop, no reset and no wasted delivery;
     - flow control, answered once the messages before it are handled: a bound in bytes too
       (the server's window, at most 32 MB), for very large messages;
     - ordered: a message whose consumer sequence is not the next one (lost in a reconnect, or
@@ -257,6 +261,7 @@ class OrderedConsumer:
         self._delivered = 0  # consumer sequence of the last message taken from the queue
         self._unacked = 0  # handled since the last ack
         self._ack_reply: str | None = None  # the last message handled: acking it acks all
+        self._acked_at = 0.0  # loop time of the last ack
         self._heard_at = 0.0  # loop time of the last message or heartbeat received
         self._reopen = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
@@ -378,6 +383,7 @@ class OrderedConsumer:
 
     async def _run(self) -> None:
         queue = self._queue
+        loop = asyncio.get_running_loop()
         while not self._halted:
             if not queue:
                 self._wake.clear()
@@ -409,12 +415,15 @@ class OrderedConsumer:
                     continue
             self._unacked += 1
             self._ack_reply = msg.reply
-            if self._unacked >= self._ack_every or not queue:
+            if self._unacked >= self._ack_every or (
+                not queue and loop.time() - self._acked_at >= ACK_IDLE_S
+            ):
                 await self._ack()
 
     async def _ack(self) -> None:
         """Acknowledge every message handled so far (acknowledgement ``all``)."""
         reply, self._unacked = self._ack_reply, 0
+        self._acked_at = asyncio.get_running_loop().time()
         if reply is not None:
             with contextlib.suppress(nats.errors.Error, OSError):
                 await self._js._nc.publish(reply, ACK)

@@ -87,7 +87,11 @@ class Config:
         5.0, "seconds of stream silence before the writer logs a Tick", "SECONDS"
     )
     flush_interval_s: float = _setting(
-        0.005, "at most one write per bucket key per this many seconds", "SECONDS"
+        # 20 ms, not 5: at a call's pace a request booked and freed within one flush costs
+        # the bucket nothing, which halved serve-http's KV traffic (BENCHMARKS.md, issue 23)
+        0.02,
+        "at most one write per bucket key per this many seconds",
+        "SECONDS",
     )
     replicas: int = _setting(1, "replicas of each stream and bucket (1, 3 or 5)", "N")
     snapshot_every_events: int = _setting(
