@@ -66,11 +66,6 @@ from seqstate.errors import SeqstateError
 log = logging.getLogger("seqstate.writer")
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
-# A message of a few deltas waits this long for more first: at a call's pace (serve-http) the
-# deltas of one event each went out alone, each a publish, an ack and two deliveries. The
-# bucket's own flush interval (20 ms) dwarfs it.
-LINGER_S = 0.002
-LINGER_UNDER = 32  # deltas: a message holding this many already goes at once
 MAX_BATCH = 256  # deltas per message
 # Deltas folded but not stored; the fold waits beyond this. 64 full messages keep the one in
 # flight busy; more only holds memory while the deltas lag (a writer catching up kept 100,000,
@@ -260,8 +255,6 @@ class DeltaLog:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                if len(self._pending) < LINGER_UNDER:
-                    await asyncio.sleep(LINGER_S)  # let a few more deltas join this message
                 count, payload = self._next_message()
                 last = self._pending[count - 1]
                 started = time.perf_counter()

@@ -205,7 +205,7 @@ def test_replay_verify_runs_with_the_replay_credential(
             env=env,
             cwd=REPO,
         )
-        assert result.returncode == 0, result.stderr
+        assert result.returncode == 0, result.stdout + result.stderr
         assert PASSWORDS["replay"] not in result.stdout + result.stderr
         assert VIOLATION not in (result.stdout + result.stderr).lower()
 
