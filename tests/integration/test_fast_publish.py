@@ -369,16 +369,20 @@ async def test_publishes_while_reconnecting_are_stored_after_the_restart(
         assert client.pending_data_size > 0  # held by the client, the server being away
         again = await _restart(restartable)
 
-        total = before + during
-        acks = await scope.all_acked([scope.reply(i) for i in range(total)])
-        assert [acks[scope.reply(i)]["seq"] for i in range(total)] == list(range(1, total + 1))
-        stored = await scope.stored(js)
-        assert [m.data for m in stored] == [payload(i) for i in range(total)]
+        await _all_stored_in_order(scope, js, before + during)
         assert client.stats["reconnects"] >= 1
     finally:
         await client.close()
         if again is not None:
             await asyncio.to_thread(again.stop)
+
+
+async def _all_stored_in_order(scope: Scope, js: JetStreamContext, count: int) -> None:
+    """The first ``count`` publishes of ``scope`` acked at sequences 1..count and stored so."""
+    acks = await scope.all_acked([scope.reply(i) for i in range(count)])
+    assert [acks[scope.reply(i)]["seq"] for i in range(count)] == list(range(1, count + 1))
+    stored = await scope.stored(js)
+    assert [m.data for m in stored] == [payload(i) for i in range(count)]
 
 
 async def test_a_full_reconnect_buffer_raises_and_keeps_what_it_held(
@@ -405,10 +409,7 @@ async def test_a_full_reconnect_buffer_raises_and_keeps_what_it_held(
         assert client.pending_data_size <= limit
         again = await _restart(restartable)
 
-        acks = await scope.all_acked([scope.reply(i) for i in range(held)])
-        assert [acks[scope.reply(i)]["seq"] for i in range(held)] == list(range(1, held + 1))
-        stored = await scope.stored(js)
-        assert [m.data for m in stored] == [payload(i) for i in range(held)]
+        await _all_stored_in_order(scope, js, held)
     finally:
         await client.close()
         if again is not None:
