@@ -7,8 +7,10 @@ answered 503 at once, never guessed."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -20,6 +22,7 @@ from test_slot_service import JSON, post, serving
 from projector.http.slot_api import AddBody, RequestBody, answer
 from projector.http.slot_service import SlotService
 from projector.http.tracker_names import namespace_for
+from projector.nats.connection import connect
 from projector.nats.server import NatsServer
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID
@@ -147,3 +150,78 @@ async def test_an_event_the_server_refuses_is_answered_503_at_once(
         full.max_msgs = -1
         await js.update_stream(full)
         assert await post(service, "/add", **add) == (201, {"status": "ok"})
+
+
+async def test_a_server_restart_mid_run_leaves_the_answers_and_loads_a_replay_of_the_log(
+    tmp_path: Path,
+) -> None:
+    """nats-server stops and comes back while the lease holder answers calls: every call is
+    answered (a 503 at worst, never a wrong status), and afterwards ``/loads`` is what one
+    fold of the stored log gives."""
+    server = NatsServer(tmp_path / "js")
+    await asyncio.to_thread(server.start)
+    again: NatsServer | None = None
+    config = fresh_config("os")
+    try:
+        async with connect(server.url, service=True, config=config) as nc:
+            service = await SlotService(nc, config, outcome_wait_s=10.0).start()
+            try:
+                for worker in range(WORKERS):
+                    status, _ = await post(
+                        service,
+                        "/register",
+                        model_name=M,
+                        worker_id=worker,
+                        block_size=16,
+                        dp_start=0,
+                        dp_size=1,
+                    )
+                    assert status == 201
+                await _holding(service)
+                work = _calls(7, 240)
+                answers: list[tuple[int, object]] = []
+
+                async def run() -> None:
+                    for path, body in work:
+                        answers.append(
+                            await service.call("POST", path, {}, JSON, msgspec.json.encode(body))
+                        )
+
+                calls = asyncio.create_task(run())
+                await eventually(lambda: len(answers) >= 80, bool, what="80 calls answered")
+                await asyncio.to_thread(server.stop)
+                again = NatsServer(server.store_dir, port=server.port)
+                await asyncio.to_thread(again.start)
+                await asyncio.wait_for(calls, 120)
+                assert {status for status, _ in answers} <= {200, 201, 404, 409, 503}
+                assert sum(status != 503 for status, _ in answers) >= 200
+                tracker = _tracker_config(config)
+                fold = Fold(tracker.new_state(), tracker.fold_rules)
+                at = 0
+                for seq, at_ns, subject, data in await read_events(nc, tracker):
+                    fold(seq, at_ns, subject, data)
+                    at = at_ns
+                want = [
+                    (M, r.worker_id, r.dp_rank, r.active_prefill_tokens, r.active_blocks)
+                    for r in fold.state.registry.loads(at)
+                ]
+
+                async def loads_now() -> list[tuple[Any, ...]]:
+                    status, body = await service.call("GET", "/loads", {}, None, b"")
+                    assert status == 200
+                    return [
+                        (
+                            r["model_name"],
+                            r["worker_id"],
+                            r["dp_rank"],
+                            r["active_prefill_tokens"],
+                            r["active_decode_blocks"],
+                        )
+                        for r in msgspec.json.decode(msgspec.json.encode(body))
+                    ]
+
+                await eventually(loads_now, lambda got: got == want, what="/loads = the replay")
+            finally:
+                await service.stop()
+    finally:
+        await asyncio.to_thread((again or server).stop)
