@@ -10,9 +10,14 @@ headroom. What a library would have done is kept small and explicit here:
 - requests on one connection take effect one after another and are answered in order (HTTP/1.1
   pipelining), as hyper serves axum's: a call sees every effect of the calls before it on its
   connection (a pipelined add after a register finds the tracker). A call is *begun* once the
-  one before it has begun (for a mutation: its event is stored, so the log holds them in
-  order), and a read once every call before it is answered; what is left of each call (the
-  writer's fold of its event) is awaited by all of them at once. Connections run concurrently;
+  one before it has begun (for a mutation: its event is ordered, queued on the lease holder's
+  one connection or stored, so the log holds them in order), and a read once every call
+  before it is answered; what is left of each call (the writer's fold of its event) is
+  awaited by all of them at once. Connections run concurrently;
+- no task, future or callback per call (issue 23: on this path they were a large part of a
+  call's cost): a :class:`Call` is a small object the handler tells ``begun()`` and
+  ``answer()``, and the connection moves on from there. It runs on uvloop's transports as on
+  asyncio's;
 - at most ``MAX_IN_FLIGHT`` calls per connection: beyond that the connection stops being read
   (TCP backpressure), never buffered without bound;
 - a body over ``MAX_BODY`` bytes is 413 (axum's default limit, 2 MiB); a request that does not
