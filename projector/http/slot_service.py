@@ -6,14 +6,17 @@ One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracke
 - each ``(model_name, routing_group)`` is a namespace (:mod:`projector.http.tracker_names`) folded
   by the slot-tracker rules, whose writer and projector run in whichever serving process holds
   its lease (:class:`~projector.run.standby.StandbyPipeline`): every process offers to;
-- a mutating call publishes its event and answers with the writer's outcome of it
-  (:class:`~projector.route.outcomes.Outcomes`), as soon as the writer has folded it;
+- a mutating call publishes its event and answers with the writer's outcome of it, as soon
+  as the writer has folded it: in the process that holds the lease, heard from its own
+  writer (:mod:`projector.http.own_fold`); elsewhere, read from the deltas
+  (:class:`~projector.route.outcomes.Outcomes`);
 - ``/prefill_complete`` and ``/free`` name no worker: their events name the worker and rank
   that hold the request (the add this process stored, else the bucket's view), so they are
   logged on that rank's subject (where ``inspect`` reads) and no ``worker_mismatch`` is counted;
-- reads answer from a :class:`~projector.read.reader.RegistryView` per namespace, once it reflects
-  every call this process has answered (read-your-writes, paid by the read that needs it,
-  not by every write); a registration is answered only once the bucket shows it, so another
+- reads answer from the lease holder's own fold where this process holds every lease they
+  read, else from a :class:`~projector.read.reader.RegistryView` per namespace, once it
+  reflects every call this process has answered (read-your-writes, paid by the read that
+  needs it, not by every write); a registration is answered only once the bucket shows it, so another
   process that is asked about the tracker next finds it there.
 
 A call for a namespace this process does not serve yet looks for the tracker in the bucket
@@ -377,9 +380,9 @@ class SlotService:
     def submit(self, call: Call) -> None:
         """Start one HTTP call (:class:`projector.http.http_server.Handler`).
 
-        Where this process holds the tracker's lease, a lifecycle call is queued for the
-        group commit and answered from the writer's fold, and a read is answered from that
-        fold at once: no task, no future. Everything else (registrations, a tracker not
+        Where this process holds the tracker's lease, a lifecycle call's event is published
+        at once and the call answered from the writer's fold of it (:mod:`.own_fold`), and a
+        read is answered from that fold at once: no task, no future. Everything else (registrations, a tracker not
         served yet, a process that does not hold the lease) takes :meth:`begin`'s path."""
         path = call.path
         if path in MUTATIONS_FOLDED_HERE and call.method == "POST":
@@ -463,7 +466,7 @@ class SlotService:
     def _fold_here(
         self, tracker: _Tracker, commit: OwnFold, path: str, parsed: _Body, call: Call
     ) -> None:
-        """Queue a lifecycle call's event; the writer's fold of it answers it."""
+        """Publish a lifecycle call's event; the writer's fold of it answers it."""
         if isinstance(parsed, RequestBody):
             worker, rank = tracker.holder(
                 parsed.request_id, ending=path == "/free", state=commit.writer.state
