@@ -16,8 +16,8 @@ One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracke
 - reads answer from the lease holder's own fold where this process holds every lease they
   read, else from a :class:`~projector.read.reader.RegistryView` per namespace, once it
   reflects every call this process has answered (read-your-writes, paid by the read that
-  needs it, not by every write); a registration is answered only once the bucket shows it, so another
-  process that is asked about the tracker next finds it there.
+  needs it, not by every write); a registration is answered only once the bucket shows it,
+  so another process that is asked about the tracker next finds it there.
 
 A call for a namespace this process does not serve yet looks for the tracker in the bucket
 (another process may have created it); with none there, a lifecycle call is ``404 no slot
@@ -382,8 +382,9 @@ class SlotService:
 
         Where this process holds the tracker's lease, a lifecycle call's event is published
         at once and the call answered from the writer's fold of it (:mod:`.own_fold`), and a
-        read is answered from that fold at once: no task, no future. Everything else (registrations, a tracker not
-        served yet, a process that does not hold the lease) takes :meth:`begin`'s path."""
+        read is answered from that fold at once: no task, no future. Everything else
+        (registrations, a tracker not served yet, a process that does not hold the lease)
+        takes :meth:`begin`'s path."""
         path = call.path
         if path in MUTATIONS_FOLDED_HERE and call.method == "POST":
             if call.content_type is not None and _is_json(call.content_type):
