@@ -269,7 +269,7 @@ class _Connection(asyncio.Protocol):
         if not self.authorised:
             head_only = self.parser.get_method() == b"HEAD"
             data = response(401, UNAUTHORIZED, close=close, challenge=CHALLENGE)
-            self._queue_now(data[: data.index(b"\r\n\r\n") + 4] if head_only else data)
+            self._queue_now(data[: data.index(b"\r\n\r\n") + 4] if head_only else data, close)
             return
         if self.too_large:
             self._reply_now(
@@ -306,7 +306,8 @@ class _Connection(asyncio.Protocol):
         try:
             progress = True
             while progress:
-                progress = self._write_answered()
+                self._write_answered()
+                progress = False
                 waiting = self.waiting
                 if (
                     waiting
@@ -327,7 +328,7 @@ class _Connection(asyncio.Protocol):
         finally:
             self._advancing = False
 
-    def _write_answered(self) -> bool:
+    def _write_answered(self) -> None:
         calls, transport = self.calls, self.transport
         wrote = False
         while calls and calls[0].state == ANSWERED and transport is not None:
@@ -338,11 +339,10 @@ class _Connection(asyncio.Protocol):
                 transport.close()
                 self.transport = None
                 self.waiting.clear()
-                return False
+                return
         if wrote and self.paused and len(calls) < MAX_IN_FLIGHT // 2 and transport is not None:
             transport.resume_reading()
             self.paused = False
-        return False
 
     def _limit(self) -> None:
         if len(self.calls) >= MAX_IN_FLIGHT and self.transport is not None and not self.paused:
@@ -350,11 +350,11 @@ class _Connection(asyncio.Protocol):
             self.paused = True
 
     def _reply_now(self, status: int, payload: object, *, close: bool) -> None:
-        self._queue_now(response(status, payload, close=close))
+        self._queue_now(response(status, payload, close=close), close)
 
-    def _queue_now(self, data: bytes) -> None:
+    def _queue_now(self, data: bytes, close: bool) -> None:
         """A reply that needs no handler (401, 413, 400): it has no effect to order."""
-        call = Call(self, "", "", {}, None, b"", b"\r\nconnection: close\r\n" in data)
+        call = Call(self, "", "", {}, None, b"", close)
         call.state = ANSWERED
         call.data = data
         self.calls.append(call)

@@ -42,6 +42,7 @@ from nats.aio.subscription import Subscription
 
 from projector.nats import fast_publish
 from projector.nats.failures import describe
+from projector.nats.pub_ack import ACK_DECODER
 from projector.write.writer import Writer
 from seqstate.fold import Verdict
 
@@ -53,22 +54,12 @@ Folded = Callable[[int, Verdict], None]  # (stream sequence, verdict)
 Failed = Callable[[int, str], None]  # (stream sequence if known stored else 0, why)
 
 
-class _Ack(msgspec.Struct):
-    seq: int = 0
-    duplicate: bool = False
-    error: dict[str, object] | None = None
-
-
-_ack_decoder = msgspec.json.Decoder(_Ack)
-
-
 class _Entry:
-    __slots__ = ("deadline", "failed", "folded", "seq")
+    __slots__ = ("failed", "folded", "seq")
 
-    def __init__(self, folded: Folded, failed: Failed, deadline: float) -> None:
+    def __init__(self, folded: Folded, failed: Failed) -> None:
         self.folded = folded
         self.failed = failed
-        self.deadline = deadline
         self.seq = 0  # from the ack, once it came
 
 
@@ -115,7 +106,7 @@ class OwnFold:
         the connection: the next call's event goes after it."""
         msg_id = f"{self._run}{next(self._ids)}"
         deadline = self._loop.time() + self.answer_within_s
-        entry = _Entry(folded, failed, deadline)
+        entry = _Entry(folded, failed)
         self._waiting[msg_id] = entry
         self._deadlines.append((deadline, msg_id))
 
@@ -141,7 +132,7 @@ class OwnFold:
         if entry is None:
             return  # answered already: the fold came first
         try:
-            ack = _ack_decoder.decode(msg.data) if msg.data else None
+            ack = ACK_DECODER.decode(msg.data) if msg.data else None
         except msgspec.DecodeError:
             ack = None
         if ack is not None and ack.error is None and ack.seq:
@@ -151,7 +142,7 @@ class OwnFold:
         self.writer.forget_fold(msg_id)
         del self._waiting[msg_id]
         error = None if ack is None else ack.error
-        why = "no stream took it" if error is None else str(error.get("description", error))
+        why = "no stream took it" if error is None else error.description or str(error)
         entry.failed(0, f"not stored: {why}")
 
     async def _sweep(self) -> None:

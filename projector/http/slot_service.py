@@ -288,8 +288,8 @@ class SlotService:
         self._answered: dict[str, int] = {}  # per namespace: the last event answered
         self._opening: dict[str, asyncio.Lock] = {}
         self._fast = fast_publish.usable(nc)  # False: every call takes the slow path
-        # (path, query, folds read) -> (their positions, the body): see _read_here
-        self._read_cache: dict[tuple[object, ...], tuple[tuple[int, ...], Encoded]] = {}
+        # (path, query) -> (the positions of the folds read, the body): see _read_here
+        self._read_cache: dict[tuple[object, ...], tuple[tuple[tuple[int, int], ...], Encoded]] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> SlotService:
@@ -402,9 +402,9 @@ class SlotService:
                     self._fold_here(tracker, commit, path, parsed, call)
                     return
         elif path in READS and call.method in ("GET", "HEAD") and path != "/potential_loads":
-            states = self._states(call.query)
-            if states is not None:
-                call.answer(200, self._read_here(path, call.query, states))
+            writers = self._states(call.query)
+            if writers is not None:
+                call.answer(200, self._read_here(path, call.query, writers))
                 return
         self._spawn(self._begin_and_answer(call))
 
@@ -514,9 +514,9 @@ class SlotService:
             status, payload = 503, {"error": f"stored as event {seq}, outcome unknown: {exc}"}
         call.answer(status, payload)
 
-    def _states(self, query: dict[str, str]) -> list[tuple[_Tracker, SequenceState]] | None:
-        """The trackers a read names, each with its writer's fold, if this process folds every
-        one of them and each fold holds every call this process answered; else None."""
+    def _states(self, query: dict[str, str]) -> list[tuple[_Tracker, Writer]] | None:
+        """The trackers a read names, each with its writer, if this process folds every one
+        of them and each fold holds every call this process answered; else None."""
         model, group = query.get("model_name"), query.get("routing_group")
         found = []
         for t in self.trackers.values():
@@ -529,29 +529,30 @@ class SlotService:
                 writer = commit.writer
                 if writer.stats.last_seq < self._answered.get(t.config.namespace, 0):
                     return None
-                found.append((t, writer.state))
+                found.append((t, writer))
         found.sort(key=lambda f: (f[0].model_name, f[0].routing_group))
         return found
 
     def _read_here(
-        self, path: str, query: dict[str, str], states: list[tuple[_Tracker, SequenceState]]
+        self, path: str, query: dict[str, str], writers: list[tuple[_Tracker, Writer]]
     ) -> Encoded:
         """A read's body from the writers' folds; encoded once per position of the folds it
         reads (a scheduler polling ``/loads`` between two events reads the same bytes)."""
-        key = (path, tuple(sorted(query.items())), tuple(id(st) for _, st in states))
-        position = tuple(t.own.writer.stats.last_seq if t.own else -1 for t, _ in states)
+        key = (path, tuple(sorted(query.items())))
+        position = tuple((id(w.state), w.stats.last_seq) for _, w in writers)
         cached = self._read_cache.get(key)
         if cached is not None and cached[0] == position:
             return cached[1]
-        body = Encoded(msgspec.json.encode(self._rows(path, states)))
+        body = Encoded(msgspec.json.encode(self._rows(path, writers)))
         if len(self._read_cache) >= READ_CACHE:
             self._read_cache.clear()
         self._read_cache[key] = (position, body)
         return body
 
-    def _rows(self, path: str, states: list[tuple[_Tracker, SequenceState]]) -> object:
+    def _rows(self, path: str, writers: list[tuple[_Tracker, Writer]]) -> object:
         out: list[Any] = []
-        for t, state in states:
+        for t, writer in writers:
+            state = writer.state
             rows = state.registry.loads(state.now_ns)
             if path == "/loads":
                 out.extend(_load_rows(t, rows))

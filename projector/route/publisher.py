@@ -72,6 +72,7 @@ from nats.aio.msg import Msg
 
 from projector.nats.connection import was_refused
 from projector.nats.failures import describe
+from projector.nats.pub_ack import ACK_DECODER
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from seqstate import (
@@ -138,27 +139,12 @@ class PublishError(SeqstateError, RuntimeError):
         self.sequences = sequences
 
 
-class _ApiError(msgspec.Struct):
-    code: int = 0
-    err_code: int = 0
-    description: str = ""
-
-
-class _Ack(msgspec.Struct):
-    """A JetStream publish ack as the server sends it (or its error)."""
-
-    seq: int = 0
-    duplicate: bool = False
-    error: _ApiError | None = None
-
-
 # What a send or an ack wait can raise while the server is away or the client gave up on it:
 # the client's own errors, and the socket's (TimeoutError is an OSError too). A publish turns
 # each into a retry and, at the end, a PublishError: a router handles one exception, not ours
 # plus nats-py's.
 _CONNECTION_ERRORS = (nats.errors.Error, OSError)
 
-_ACK_DECODER = msgspec.json.Decoder(_Ack)
 _NO_RESPONDERS = "503"
 
 
@@ -640,7 +626,7 @@ class RouterPublisher:
             return
         rnd, i = entry
         try:
-            ack = _ACK_DECODER.decode(msg.data)
+            ack = ACK_DECODER.decode(msg.data)
         except msgspec.DecodeError:
             status = (msg.headers or {}).get("Status")
             if status == _NO_RESPONDERS:

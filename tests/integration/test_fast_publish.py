@@ -69,6 +69,16 @@ class Scope:
             StreamConfig(name=self.stream, subjects=[f"{self.tag}.events.>"], storage=storage)
         )
 
+    @classmethod
+    async def opened(
+        cls, js: JetStreamContext, nc: Client, *, storage: StorageType = StorageType.MEMORY
+    ) -> Scope:
+        """A scope whose stream exists and whose acks are listened to on ``nc``."""
+        scope = cls()
+        await scope.create(js, storage=storage)
+        await scope.listen(nc)
+        return scope
+
     async def listen(self, nc: Client) -> None:
         async def on_ack(msg: Msg) -> None:
             self.acks[msg.subject] = json.loads(msg.data)
@@ -152,9 +162,7 @@ def test_usable_with_the_installed_nats_py(nc: Client) -> None:
 async def test_every_publish_is_acked_and_stored_in_order_with_its_msg_id(
     nc: Client, js: JetStreamContext
 ) -> None:
-    scope = Scope()
-    await scope.create(js)
-    await scope.listen(nc)
+    scope = await Scope.opened(js, nc)
     n = 300
     ids = [f"{scope.tag}-{i}" for i in range(n)]
     out_msgs = nc.stats["out_msgs"]
@@ -175,9 +183,7 @@ async def test_every_publish_is_acked_and_stored_in_order_with_its_msg_id(
 
 
 async def test_the_same_msg_id_twice_is_stored_once(nc: Client, js: JetStreamContext) -> None:
-    scope = Scope()
-    await scope.create(js)
-    await scope.listen(nc)
+    scope = await Scope.opened(js, nc)
     msg_id = f"{scope.tag}-once"
     fast_publish.publish(nc, scope.subject, b"first", scope.reply(0), msg_id)
     first = (await scope.all_acked([scope.reply(0)]))[scope.reply(0)]
@@ -193,9 +199,7 @@ async def test_the_same_msg_id_twice_is_stored_once(nc: Client, js: JetStreamCon
 async def test_a_payload_over_max_payload_raises_and_sends_nothing(
     nc: Client, js: JetStreamContext
 ) -> None:
-    scope = Scope()
-    await scope.create(js)
-    await scope.listen(nc)
+    scope = await Scope.opened(js, nc)
     out_msgs, pending = nc.stats["out_msgs"], nc.pending_data_size
     with pytest.raises(nats.errors.MaxPayloadError):
         fast_publish.publish(
@@ -223,9 +227,7 @@ async def test_a_closed_connection_raises(nats_server: NatsServer) -> None:
 async def test_interleaved_with_nc_and_js_publish_keeps_publish_order(
     nc: Client, js: JetStreamContext
 ) -> None:
-    scope = Scope()
-    await scope.create(js)
-    await scope.listen(nc)
+    scope = await Scope.opened(js, nc)
     n = 240
     fast_replies = []
     for i in range(n):
@@ -308,9 +310,7 @@ async def test_over_tls_with_a_password_publishes_are_stored_and_acked(
     assert tls_nc.ssl_context is not None and tls_nc.connected_url is not None
     assert tls_nc.connected_url.scheme == "tls"
     js = tls_nc.jetstream()
-    scope = Scope()
-    await scope.create(js)
-    await scope.listen(tls_nc)
+    scope = await Scope.opened(js, tls_nc)
     n = 100
     for i in range(n):
         scope.publish(tls_nc, i)
@@ -355,9 +355,7 @@ async def test_publishes_while_reconnecting_are_stored_after_the_restart(
     again: NatsServer | None = None
     try:
         js = client.jetstream()
-        scope = Scope()
-        await scope.create(js, storage=StorageType.FILE)
-        await scope.listen(client)
+        scope = await Scope.opened(js, client, storage=StorageType.FILE)
         before, during = 20, 50
         for i in range(before):
             scope.publish(client, i)
@@ -395,9 +393,7 @@ async def test_a_full_reconnect_buffer_raises_and_keeps_what_it_held(
     again: NatsServer | None = None
     try:
         js = client.jetstream()
-        scope = Scope()
-        await scope.create(js, storage=StorageType.FILE)
-        await scope.listen(client)
+        scope = await Scope.opened(js, client, storage=StorageType.FILE)
         await _stop_and_wait_reconnecting(restartable, client)
 
         held = 0

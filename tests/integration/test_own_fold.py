@@ -17,7 +17,7 @@ import msgspec
 from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_events
-from test_slot_service import JSON, post, serving
+from test_slot_service import JSON, get, loads, post, serving
 
 from projector.http.slot_api import AddBody, RequestBody, answer
 from projector.http.slot_service import SlotService
@@ -70,6 +70,22 @@ async def _holding(service: SlotService) -> None:
     await eventually(ready, bool, what="the lease holder's own fold")
 
 
+async def _registered_and_holding(service: SlotService) -> None:
+    """WORKERS workers registered, and this process answering from its own fold."""
+    for worker in range(WORKERS):
+        status, _ = await post(
+            service,
+            "/register",
+            model_name=M,
+            worker_id=worker,
+            block_size=16,
+            dp_start=0,
+            dp_size=1,
+        )
+        assert status == 201
+    await _holding(service)
+
+
 def _tracker_config(config: Config) -> Config:
     """The tracker's namespace as serve-http folds it."""
     tracker = config.with_namespace(namespace_for(M, "default", config.namespace))
@@ -82,18 +98,7 @@ async def test_every_answer_is_what_a_replay_of_the_log_decides(
     config = fresh_config("of")
     work = _calls(23, 300)
     async with serving(nats_server.url, config) as service:
-        for worker in range(WORKERS):
-            status, _ = await post(
-                service,
-                "/register",
-                model_name=M,
-                worker_id=worker,
-                block_size=16,
-                dp_start=0,
-                dp_size=1,
-            )
-            assert status == 201
-        await _holding(service)
+        await _registered_and_holding(service)
         answers = [
             await service.call("POST", path, {}, JSON, msgspec.json.encode(body))
             for path, body in work
@@ -166,18 +171,7 @@ async def test_a_server_restart_mid_run_leaves_the_answers_and_loads_a_replay_of
         async with connect(server.url, service=True, config=config) as nc:
             service = await SlotService(nc, config, outcome_wait_s=10.0).start()
             try:
-                for worker in range(WORKERS):
-                    status, _ = await post(
-                        service,
-                        "/register",
-                        model_name=M,
-                        worker_id=worker,
-                        block_size=16,
-                        dp_start=0,
-                        dp_size=1,
-                    )
-                    assert status == 201
-                await _holding(service)
+                await _registered_and_holding(service)
                 work = _calls(7, 240)
                 answers: list[tuple[int, object]] = []
 
@@ -207,18 +201,9 @@ async def test_a_server_restart_mid_run_leaves_the_answers_and_loads_a_replay_of
                 ]
 
                 async def loads_now() -> list[tuple[Any, ...]]:
-                    status, body = await service.call("GET", "/loads", {}, None, b"")
+                    status, body = await get(service, "/loads")
                     assert status == 200
-                    return [
-                        (
-                            r["model_name"],
-                            r["worker_id"],
-                            r["dp_rank"],
-                            r["active_prefill_tokens"],
-                            r["active_decode_blocks"],
-                        )
-                        for r in msgspec.json.decode(msgspec.json.encode(body))
-                    ]
+                    return loads(body)
 
                 await eventually(loads_now, lambda got: got == want, what="/loads = the replay")
             finally:
