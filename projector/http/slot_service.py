@@ -64,7 +64,9 @@ from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tr
 from projector.nats import fast_publish
 from projector.nats.logs import event_fields
 from projector.nats.resources import ensure
-from projector.read.bucket import read_trackers
+from projector.nats.stream import last_seq_of
+from projector.nats.tasks import cancel
+from projector.read.bucket import CurrentValues, tracker_of_entry
 from projector.read.reader import RegistryView
 from projector.route.outcomes import Outcomes
 from projector.route.publisher import RouterPublisher
@@ -89,6 +91,7 @@ _DECODERS: dict[str, msgspec.json.Decoder] = {  # type: ignore[type-arg]
     "/free": msgspec.json.Decoder(RequestBody),
     "/potential_loads": msgspec.json.Decoder(PotentialLoadsBody),
 }
+TRACKERS_RETRY_S = 1.0  # a watch of the trackers that failed starts again after this
 READS = frozenset({"/loads", "/workers", "/potential_loads"})
 ROUTES: dict[str, str] = {
     **dict.fromkeys(_DECODERS, "POST"),
@@ -285,12 +288,14 @@ class SlotService:
         self.config = dataclasses.replace(config, rules="slot-tracker", worker_grace_s=0.0)
         self.outcome_wait_s = outcome_wait_s
         self.trackers: dict[str, _Tracker] = {}
+        self._js = nc.jetstream()
         self._answered: dict[str, int] = {}  # per namespace: the last event answered
         self._opening: dict[str, asyncio.Lock] = {}
         self._fast = fast_publish.usable(nc)  # False: every call takes the slow path
         # (path, query) -> (the positions of the folds read, the body): see _read_here
         self._read_cache: dict[tuple[object, ...], tuple[tuple[tuple[int, int], ...], Encoded]] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._following: asyncio.Task[None] | None = None
 
     async def start(self) -> SlotService:
         """Provision, then serve every tracker the bucket holds."""
@@ -300,12 +305,54 @@ class SlotService:
                 "this nats-py keeps no pending buffer serve-http can publish into: every "
                 "call waits for its outcome from the deltas stream, much slower"
             )
-        for namespace in await read_trackers(self.nc, self.config):
-            with contextlib.suppress(NotATrackerNamespace):
-                await self._open(namespace)
+        served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._following = asyncio.create_task(
+            self._follow_trackers(served), name="seqstate-slot-trackers"
+        )
+        await asyncio.wait([served, self._following], return_when=asyncio.FIRST_COMPLETED)
+        if not served.done():
+            await self._following  # its failure, told
         return self
 
+    async def _follow_trackers(self, served: asyncio.Future[None]) -> None:
+        """Serve every tracker the bucket holds (``served`` once those there at the start
+        are), and each one registered later through any process: an unfiltered ``/loads`` here
+        then shows it too, a watch's delivery after its registration was answered."""
+        while True:
+            try:
+                await self._watch_trackers(served)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not served.done():
+                    raise
+                log.warning("watching the trackers failed (%s); watching again", exc)
+                await asyncio.sleep(TRACKERS_RETRY_S)
+
+    async def _watch_trackers(self, served: asyncio.Future[None]) -> None:
+        kv = await self.nc.jetstream().key_value(self.config.registry_bucket)
+        current = CurrentValues(self.nc, self.config.registry_bucket, "*.tracker")
+        watcher = await kv.watch("*.tracker")
+        try:
+            while True:
+                entry = await watcher.updates(timeout=None)
+                tracker = tracker_of_entry(entry)
+                if tracker is not None and tracker[0] not in self.trackers:
+                    try:
+                        await self._open(tracker[0])
+                    except NotATrackerNamespace:
+                        pass
+                    except Exception as exc:  # served once a call names it
+                        log.warning("cannot serve tracker %s yet: %s", tracker[0], exc)
+                if not served.done() and await current.done_after(entry):
+                    served.set_result(None)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
     async def stop(self) -> None:
+        if self._following is not None:
+            await cancel(self._following)
         for tracker in self.trackers.values():
             if tracker.own is not None:
                 await tracker.own.close("serve-http is stopping")
@@ -518,6 +565,8 @@ class SlotService:
         """The trackers a read names, each with its writer, if this process folds every one
         of them and each fold holds every call this process answered; else None."""
         model, group = query.get("model_name"), query.get("routing_group")
+        if self._unknown(model, group):
+            return None
         found = []
         for t in self.trackers.values():
             if (model is None or t.model_name == model) and (
@@ -674,13 +723,41 @@ class SlotService:
     # ---- reads ------------------------------------------------------------------------------
 
     async def _caught_up(self, tracker: _Tracker) -> None:
-        """Until the tracker's view reflects every call this process has answered."""
-        await tracker.view.wait_for(
-            self._answered.get(tracker.config.namespace, 0), self.outcome_wait_s
-        )
+        """Until the tracker's view reflects every call answered before this read began, by
+        this process or any other (read-your-writes across replicas)."""
+        await tracker.view.wait_for(await self._read_position(tracker), self.outcome_wait_s)
+
+    async def _read_position(self, tracker: _Tracker) -> int:
+        """The event a read must reflect: the last one folded where the namespace is folded
+        when the read began, as far as deltas name it (a refused event has none).
+
+        Any call answered anywhere was folded by the lease holder first (its own fold answers
+        it, or its outcome does). The holder's writer has folded it then; elsewhere the
+        namespace's newest stored event is asked for, and its outcome waited for, which comes
+        only after every event before it was folded.
+        """
+        config = tracker.config
+        target = self._answered.get(config.namespace, 0)
+        pipeline = tracker.standby.pipeline
+        if pipeline is not None and tracker.standby.active.is_set():
+            return max(target, pipeline.writer.deltas.appended)
+        stored = await last_seq_of(self._js, config.events_stream, config.events_subjects)
+        await tracker.outcomes.folded(stored, self.outcome_wait_s)
+        return max(target, tracker.outcomes.named)
+
+    def _unknown(self, model: str | None, group: str | None) -> str | None:
+        """The namespace a read names whole (model and group) if this process does not serve
+        it yet: it may have been registered through another process a moment ago."""
+        if model is None or group is None:
+            return None
+        namespace = namespace_for(model, group, self.config.namespace)
+        return None if namespace in self.trackers else namespace
 
     async def _matching(self, query: dict[str, str]) -> list[_Tracker]:
         model, group = query.get("model_name"), query.get("routing_group")
+        named = self._unknown(model, group)
+        if named is not None:
+            await self._existing(named)
         found = sorted(
             (
                 t

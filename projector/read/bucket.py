@@ -11,7 +11,6 @@ waits for the value the server marked as the last pending one.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import msgspec
@@ -122,6 +121,17 @@ def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
         view.unreadable[key] = (rank, str(exc))
 
 
+def tracker_of_entry(entry: KeyValue.Entry | None) -> tuple[str, int] | None:
+    """A ``<ns>.tracker`` update of a watch: ``(namespace, block size)``, or None for the
+    watch's marker, a deletion, or a damaged value (verify names it, rebuild repairs it)."""
+    if entry is None or not entry.value or entry.operation in (KV_DEL, KV_PURGE):
+        return None
+    try:
+        return entry.key.split(".", 1)[0], decode_tracker(entry.value).block_size
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 async def read_trackers(nc: Client, config: Config, *, timeout: float = 30.0) -> dict[str, int]:
     """Every namespace of the bucket folded by the slot-tracker rules that has a tracker now,
     with its block size: what a ``serve-http`` starting up must serve (``<ns>.tracker``)."""
@@ -132,10 +142,9 @@ async def read_trackers(nc: Client, config: Config, *, timeout: float = 30.0) ->
     try:
         while True:
             entry = await watcher.updates(timeout=timeout)
-            if entry is not None and entry.value and entry.operation not in (KV_DEL, KV_PURGE):
-                # A damaged value is skipped: verify names it, rebuild repairs it.
-                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
-                    found[entry.key.split(".", 1)[0]] = decode_tracker(entry.value).block_size
+            tracker = tracker_of_entry(entry)
+            if tracker is not None:
+                found[tracker[0]] = tracker[1]
             if await current.done_after(entry):
                 return found
     finally:

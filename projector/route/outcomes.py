@@ -21,6 +21,7 @@ import contextlib
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from projector.nats.progress import Progress
 from projector.nats.resources import dead_letter_stream
@@ -60,7 +61,10 @@ class Outcomes:
         self.config = config
         self.remember = remember
         self._js = nc.jetstream()
-        self._seen = Progress()  # the highest event sequence a delta has named
+        self._seen = Progress()  # the highest event sequence a delta has named (or settled)
+        # The highest event sequence a delta has named (the newest stored when this started,
+        # then each one followed): a position every view of the namespace reaches.
+        self.named = 0
         self._recent: dict[int, EventOutcome] = {}  # in sequence order, the oldest first
         self._oldest = 0  # the lowest sequence still answerable (older ones are forgotten)
         self._consumer: OrderedConsumer | None = None
@@ -81,14 +85,19 @@ class Outcomes:
         if newest:
             msg = await self._js.get_msg(self.config.deltas_stream, seq=newest)
             deltas = decode_deltas(msg.data or b"")
-            self._oldest = max((d.seq or 0 for d in deltas), default=0) + 1
+            self.named = max((d.seq or 0 for d in deltas), default=0)
+            self._oldest = self.named + 1
         await self._consumer.start(after=newest)
         dead, subject = dead_letter_stream(self.config), self.config.dead_letter_subject
         # A failure here only loses the early answer: a later delta still settles the call.
         self._dead = OrderedConsumer(
             self._js, dead, subject, _Refusals(self), on_failure=lambda exc: None
         )
-        await self._dead.start(after=await last_seq_of(self._js, dead, subject))
+        newest_dead = await last_seq_of(self._js, dead, subject)
+        if newest_dead:  # a refused event with no delta after it is folded too
+            with contextlib.suppress(NotFoundError):
+                self.refused_by((await self._js.get_msg(dead, seq=newest_dead)).headers)
+        await self._dead.start(after=newest_dead)
         return self
 
     def refused(self, seq: int) -> None:
@@ -97,6 +106,13 @@ class Outcomes:
         while len(self._refused) > REMEMBER_REFUSED:
             del self._refused[next(iter(self._refused))]
         self._seen.release(seq)
+
+    def refused_by(self, dead_letter_headers: dict[str, str] | None) -> None:
+        """A dead letter: if it is one of this namespace's events, that event was refused."""
+        headers = dead_letter_headers or {}
+        if headers.get(SOURCE_STREAM) == self.config.events_stream:
+            with contextlib.suppress(KeyError, ValueError):
+                self.refused(int(headers[SOURCE_SEQ]))
 
     async def stop(self) -> None:
         if self._consumer is not None:
@@ -119,7 +135,19 @@ class Outcomes:
             del recent[oldest]
             self._oldest = oldest + 1
         if last:
+            self.named = last
             self._seen.advance(last)
+
+    async def folded(self, seq: int, timeout: float | None = None) -> None:
+        """Until the writer has folded event ``seq`` (and so every event before it): a delta
+        named it or a later one, or it was refused; ``TimeoutError`` after ``timeout``."""
+        if seq > self.named and seq not in self._refused:
+            await self._seen.wait(seq, timeout)
+            self._raise_stopped()
+
+    def _raise_stopped(self) -> None:
+        if self._consumer is not None and self._consumer.failure is not None:
+            raise OutcomesStopped(f"the deltas stopped: {self._consumer.failure!r}")
 
     async def of(self, seq: int, timeout: float | None = None) -> EventOutcome:
         """The outcome of event ``seq``, once the writer has stored its delta (or a later
@@ -127,8 +155,7 @@ class Outcomes:
         if seq in self._refused:
             return EventOutcome(seq, None)
         await self._seen.wait(seq, timeout)
-        if self._consumer is not None and self._consumer.failure is not None:
-            raise OutcomesStopped(f"the deltas stopped: {self._consumer.failure!r}")
+        self._raise_stopped()
         found = self._recent.get(seq)
         if found is not None:
             return found
@@ -144,7 +171,4 @@ class _Refusals:
         self._outcomes = outcomes
 
     async def handle(self, msg: Msg) -> None:
-        headers = msg.headers or {}
-        if headers.get(SOURCE_STREAM) == self._outcomes.config.events_stream:
-            with contextlib.suppress(KeyError, ValueError):
-                self._outcomes.refused(int(headers[SOURCE_SEQ]))
+        self._outcomes.refused_by(msg.headers)

@@ -137,19 +137,66 @@ async def test_a_restart_loses_no_booking_and_two_processes_answer_alike(
         assert rows((await exchange(one, [("GET", "/loads", None)]))[0]) == before
         assert (await exchange(two, [("POST", "/free", {**m, "request_id": "k"})]))[0][0] == 200
         after = [rows((await exchange(p, [("GET", "/loads", None)]))[0]) for p in (two, one)]
-        assert after[0] == [("llama", 1, 0, 0, 0)]
+        assert after == [[("llama", 1, 0, 0, 0)]] * 2
 
-        # The other process shows it once its view has it: read-your-writes is per process.
-        async def loads_of_one() -> list[tuple[Any, ...]]:
-            return rows((await exchange(one, [("GET", "/loads", None)]))[0])
 
-        after[1] = await eventually(
-            loads_of_one,
-            lambda got: got == after[0],
-            what="the other process's /loads with the free",
-            timeout=WAIT_S,
-            interval=0.05,
-        )
+async def test_read_your_writes_holds_across_processes(nc: Client, nats_server: NatsServer) -> None:
+    """A write answered by one process is in the next read of any other, at once: whichever
+    of them holds the tracker's lease (answers from its fold) and whichever reads its view."""
+    config = fresh_config("ry")
+    m = {"model_name": "llama"}
+    url = nats_server.url
+    async with serve_http(url, config) as one, serve_http(url, config) as two:
+        register = {**m, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+        assert (await exchange(one, [("POST", "/register", register)]))[0][0] == 201
+        expected: list[tuple[Any, ...]] = []
+        for n in range(20):
+            writer, reader = (one, two) if n % 2 else (two, one)
+            add = {
+                **m,
+                "request_id": f"r{n}",
+                "worker_id": 1,
+                "dp_rank": 0,
+                "sequence_hashes": [n, n + 1],
+                "new_isl_tokens": 16 * (n + 1),
+            }
+            assert (await exchange(writer, [("POST", "/add", add)]))[0][0] == 201
+            loads = (await exchange(reader, [("GET", "/loads", None)]))[0]
+            assert rows(loads)[0][3] == sum(16 * (k + 1) for k in range(n + 1)), (n, loads)
+            potential = {**m, "sequence_hashes": [], "new_isl_tokens": 0}
+            status, body = (await exchange(reader, [("POST", "/potential_loads", potential)]))[0]
+            assert status == 200 and body[0]["active_requests"] == n + 1, (n, body)
+            expected = rows(loads)
+        assert rows((await exchange(one, [("GET", "/loads", None)]))[0]) == expected
+
+        # A tracker registered through one process: a read naming it through the other sees
+        # it at once; an unfiltered read, once the other's watch of the trackers has it.
+        other = {
+            "model_name": "qwen",
+            "worker_id": 7,
+            "block_size": 16,
+            "dp_start": 0,
+            "dp_size": 1,
+        }
+        assert (await exchange(one, [("POST", "/register", other)]))[0][0] == 201
+        named = await exchange(two, [("GET", "/loads?model_name=qwen&routing_group=default", None)])
+        assert rows(named[0]) == [("qwen", 7, 0, 0, 0)]
+        fresh = [("qwen", 7, 0, 0, 0)]
+        async with serve_http(url, config) as three:
+            assert (await exchange(one, [("POST", "/register", {**other, "model_name": "q2"})]))[0][
+                0
+            ] == 201
+
+            async def everything() -> list[tuple[Any, ...]]:
+                return rows((await exchange(three, [("GET", "/loads", None)]))[0])
+
+            await eventually(
+                everything,
+                lambda got: got == sorted([*expected, *fresh, ("q2", 7, 0, 0, 0)]),
+                what="every tracker in an unfiltered /loads of a third process",
+                timeout=WAIT_S,
+                interval=0.05,
+            )
 
 
 async def _answers_on(address: str, port: int, token: str | None = None) -> bool:
