@@ -81,3 +81,30 @@ async def test_a_follower_started_late_answers_what_is_published_after_it(nc: Cl
                 await outcomes.of(seqs[0])  # remember=2: the oldest went
         finally:
             await outcomes.stop()
+
+
+async def test_a_follower_started_late_knows_what_was_folded_before_it(nc: Client) -> None:
+    """``folded`` asks no wait for an event folded before the follower started: one a delta
+    named, or one refused with no delta after it (its dead letter is the newest)."""
+    config = fresh_config("of", rules="slot-tracker")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="of", config=config)
+        first = await pub.publish(WorkerAdded(worker_id=1, block_size=16))
+        await pipeline.wait_applied(first)
+        outcomes = await Outcomes(nc, config).start()
+        try:
+            await outcomes.folded(first, timeout=0)
+            assert outcomes.named == first
+            with pytest.raises(TimeoutError):
+                await outcomes.folded(first + 1, timeout=0)  # not stored yet
+        finally:
+            await outcomes.stop()
+        js = nc.jetstream()
+        bad = (await js.publish(config.control_subject, b"\xc1 not an event")).seq
+        await pipeline.writer.wait_applied(bad, timeout=20)  # its dead letter is stored
+        late = await Outcomes(nc, config).start()
+        try:
+            await late.folded(bad, timeout=0)
+            assert late.named == first  # no delta after the refused event
+        finally:
+            await late.stop()
