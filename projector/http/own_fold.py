@@ -40,7 +40,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from projector.nats import fast_publish
+from projector.nats import direct_delivery, fast_publish
 from projector.nats.failures import describe
 from projector.nats.pub_ack import ACK_DECODER
 from projector.write.writer import Writer
@@ -83,6 +83,7 @@ class OwnFold:
 
     async def start(self) -> OwnFold:
         self._sub = await self.nc.subscribe(f"{self._prefix}*", cb=self._on_ack)
+        direct_delivery.attach(self._sub, self._acked)
         self._sweeper = asyncio.create_task(self._sweep(), name="seqstate-own-fold-sweep")
         return self
 
@@ -126,7 +127,10 @@ class OwnFold:
             if self._waiting.pop(msg_id, None) is not None:
                 entry.failed(0, f"not sent: {describe(exc)}")
 
-    async def _on_ack(self, msg: Msg) -> None:
+    async def _on_ack(self, msg: Msg) -> None:  # where nats-py's queue cannot be bypassed
+        self._acked(msg)
+
+    def _acked(self, msg: Msg) -> None:
         msg_id = msg.subject[len(self._prefix) :]
         entry = self._waiting.get(msg_id)
         if entry is None:

@@ -31,6 +31,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
+from projector.nats import direct_delivery
 from projector.nats.progress import Progress
 from projector.nats.tasks import attempt, cancel
 
@@ -297,8 +298,10 @@ class OrderedConsumer:
         self._queue.clear()  # anything queued is of a consumer replaced
         self._held = 0
 
-        async def receive(msg: Msg) -> None:
-            self._heard_at = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+
+        def received(msg: Msg) -> None:
+            self._heard_at = loop.time()
             self._queue.append((generation, msg))
             if msg.reply.startswith(DELIVERY):
                 self._held += 1
@@ -306,9 +309,13 @@ class OrderedConsumer:
                     self.peak_held = self._held
             self._wake.set()
 
+        async def receive(msg: Msg) -> None:  # where nats-py's queue cannot be bypassed
+            received(msg)
+
         inbox = nc.new_inbox()
-        self._heard_at = asyncio.get_running_loop().time()
+        self._heard_at = loop.time()
         self._sub = await nc.subscribe(inbox, cb=receive, pending_msgs_limit=2 * self.window + 64)
+        direct_delivery.attach(self._sub, received)
         config = api.ConsumerConfig(
             deliver_subject=inbox,
             filter_subject=self.subjects,
