@@ -95,7 +95,10 @@ class Config:
     )
     replicas: int = _setting(1, "replicas of each stream and bucket (1, 3 or 5)", "N")
     snapshot_every_events: int = _setting(
-        10_000, "snapshot the write model every N events; 0: never by count", "N"
+        10_000,
+        "snapshot the write model every N events (a large one only every size/64 bytes of "
+        "events); 0: never by count",
+        "N",
     )
     snapshot_every_s: float = _setting(
         60.0, "snapshot the write model every so many seconds; 0: never by time", "SECONDS"
