@@ -453,6 +453,21 @@ class SlotService:
             if writers is not None:
                 call.answer(200, self._read_here(path, call.query, writers))
                 return
+        elif (
+            path == "/potential_loads"
+            and call.method == "POST"
+            and call.content_type is not None
+            and _is_json(call.content_type)
+        ):
+            try:
+                parsed = _parse(path, call.body)
+            except _BodyRejected as rejected:
+                call.answer(*rejected.answer)
+                return
+            writer = self._fold_of(parsed.model_name, parsed.routing_group)
+            if writer is not None:
+                call.answer(*_potential_rows(writer.state, parsed))
+                return
         self._spawn(self._begin_and_answer(call))
 
     async def _begin_and_answer(self, call: Call) -> None:
@@ -581,6 +596,12 @@ class SlotService:
                 found.append((t, writer))
         found.sort(key=lambda f: (f[0].model_name, f[0].routing_group))
         return found
+
+    def _fold_of(self, model_name: str, routing_group: str) -> Writer | None:
+        """The writer whose fold answers a read of one tracker here: this process holds its
+        lease, and the fold holds every call this process answered; else None."""
+        found = self._states({"model_name": model_name, "routing_group": routing_group})
+        return found[0][1] if found else None
 
     def _read_here(
         self, path: str, query: dict[str, str], writers: list[tuple[_Tracker, Writer]]
@@ -788,6 +809,16 @@ class SlotService:
             return 404, {"error": f"no slot tracker for {body.where()}"}
         hashes = [as_u64(h) for h in body.sequence_hashes]
         return 200, tracker.view.potential_loads(hashes, body.new_isl_tokens)
+
+
+def _potential_rows(state: SequenceState, body: PotentialLoadsBody) -> tuple[int, object]:
+    """``/potential_loads`` from a writer's fold, as :meth:`SlotService._potential` answers it
+    from a view: 404 while the tracker has no rank."""
+    registry = state.registry
+    if not registry.loads(state.now_ns):
+        return 404, {"error": f"no slot tracker for {body.where()}"}
+    hashes = [as_u64(h) for h in body.sequence_hashes]
+    return 200, registry.potential_loads(hashes, body.new_isl_tokens, state.now_ns)
 
 
 __all__ = ["OK", "ROUTES", "SlotService"]

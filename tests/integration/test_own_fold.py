@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_events
 from test_slot_service import JSON, get, loads, post, serving
 
-from projector.http.slot_api import AddBody, RequestBody, answer
+from projector.http.slot_api import AddBody, RequestBody, answer, as_u64
 from projector.http.slot_service import SlotService
 from projector.http.tracker_names import namespace_for
 from projector.nats.connection import connect
@@ -30,6 +30,7 @@ from seqstate import Fold, Refusal
 
 M = "m/own"
 WORKERS = 3
+PROBE_EVERY = 10  # calls between two /potential_loads
 
 
 def _calls(seed: int, n: int) -> list[tuple[str, dict[str, Any]]]:
@@ -97,16 +98,23 @@ async def test_every_answer_is_what_a_replay_of_the_log_decides(
 ) -> None:
     config = fresh_config("of")
     work = _calls(23, 300)
+    probe = {"model_name": M, "sequence_hashes": work[0][1]["sequence_hashes"][:2]}
+    probe["new_isl_tokens"] = 100
+    answers, potentials = [], []
     async with serving(nats_server.url, config) as service:
         await _registered_and_holding(service)
-        answers = [
-            await service.call("POST", path, {}, JSON, msgspec.json.encode(body))
-            for path, body in work
-        ]
+        for n, (path, body) in enumerate(work, 1):
+            answers.append(await service.call("POST", path, {}, JSON, msgspec.json.encode(body)))
+            if n % PROBE_EVERY == 0:  # read from the same fold, at once
+                potential = msgspec.json.encode(probe)
+                potentials.append(
+                    await service.call("POST", "/potential_loads", {}, JSON, potential)
+                )
     tracker = _tracker_config(config)
     js = nc.jetstream()
     fold = Fold(tracker.new_state(), tracker.fold_rules)
-    expected = []
+    expected, expected_potentials = [], []
+    hashes = [as_u64(h) for h in probe["sequence_hashes"]]
     for seq, at_ns, subject, data in await read_events(nc, tracker):
         verdict = fold(seq, at_ns, subject, data)
         headers = (await js.get_msg(tracker.events_stream, seq)).headers or {}
@@ -114,6 +122,11 @@ async def test_every_answer_is_what_a_replay_of_the_log_decides(
             continue  # the registrations, and ticks: not the holder's own calls
         assert type(verdict) is not Refusal, verdict
         expected.append((verdict.outcome, verdict.owner, verdict.block_size))
+        if len(expected) % PROBE_EVERY == 0:
+            state = fold.state
+            rows = state.registry.potential_loads(hashes, 100, state.now_ns)
+            expected_potentials.append((200, rows))
+    assert msgspec.json.encode(potentials) == msgspec.json.encode(expected_potentials)
     assert len(expected) == len(work), "every lifecycle call went the lease holder's way"
     decoders = {"/add": AddBody, "/prefill_complete": RequestBody, "/free": RequestBody}
     statuses = set()
