@@ -54,6 +54,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from fold import cpu_model  # noqa: E402  (benchmarks/: the script's own path)
+from pipeline import git_revision  # noqa: E402
+
 from projector.nats import fast_publish  # noqa: E402
 from projector.nats.server import NatsServer  # noqa: E402
 
@@ -214,33 +217,7 @@ async def measure(
     return Result(variant, n, cpu, wall)
 
 
-def _git_commit() -> str:
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head}{' (dirty)' if dirty else ''}"
-
-
 def machine(binary: str) -> dict[str, Any]:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            names = (line.split(":", 1)[1] for line in cpuinfo if line.startswith("model name"))
-            model = next(names, model).strip()
-    except OSError:
-        pass
     try:
         server = subprocess.run(
             [binary, "--version"], capture_output=True, text=True, check=True
@@ -250,8 +227,8 @@ def machine(binary: str) -> dict[str, Any]:
     return {
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(sys.orig_argv),
-        "commit": _git_commit(),
-        "cpu": model,
+        "commit": git_revision(),
+        "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)),
         "loadavg_1m_at_start": os.getloadavg()[0],
         "python": f"{platform.python_implementation()} {platform.python_version()}",

@@ -921,16 +921,18 @@ async def wrk_check(port: int, seconds: float, lua: str) -> dict[str, float]:
 # Servers as child processes, the probe, the report.
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 async def one_shot(
-    port: int, raw: bytes, timeout: float = 5.0
+    port: int, raw: bytes, timeout: float = 5.0, host: str = "127.0.0.1"
 ) -> tuple[int, dict[str, str], bytes]:
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+    """One request on a connection of its own: the status, the headers (lower-case names)
+    and the body."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     try:
         writer.write(raw)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)

@@ -19,14 +19,13 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from slot_vs_dynamo import (  # benchmarks/ is the script's own path
+from pipeline import git_revision  # benchmarks/ is the script's own path
+from slot_vs_dynamo import (
     DEFAULT_DYNAMO_PY,
-    REPO,
     Processes,
     StartError,
     Target,
@@ -107,9 +106,7 @@ async def run(args: argparse.Namespace) -> int:
     procs = Processes(tmp)
     try:
         targets = await start_servers(args, procs)
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
+        commit = git_revision()
         print(
             f"# /potential_loads under writes, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
         )

@@ -76,12 +76,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from http_servers import listener_pid  # benchmarks/ is the script's own path
+from fold import cpu_model  # benchmarks/ is the script's own path
+from http_servers import free_port, listener_pid, one_shot
+from pipeline import git_revision
 
 REPO: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN: Final = os.path.dirname(sys.executable)
 DEFAULT_DYNAMO_PY: Final = os.path.expanduser("~/.cache/seqstate/dynamo-1.6.1/bin/python")
 SERVERS: Final = ("seqstate", "dynamo")
+
+
+ONE_SHOT_S: Final = 10.0  # a call of the correctness pass, at most
 
 
 class StartError(Exception):
@@ -424,23 +429,6 @@ def failed_measurement(note: str) -> dict[str, Any]:
 # One-shot calls, readiness, the correctness pass.
 
 
-async def one_shot(host: str, port: int, raw: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    try:
-        writer.write(raw)
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
-        lines = head.decode("latin-1").split("\r\n")
-        length = 0
-        for line in lines[1:]:
-            k, _, v = line.partition(":")
-            if k.strip().lower() == "content-length":
-                length = int(v)
-        body = await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
-        return int(lines[0].split()[1]), body
-    finally:
-        writer.close()
-
-
 async def wait_http(
     name: str, host: str, port: int, proc: subprocess.Popen[bytes] | None, timeout: float
 ) -> None:
@@ -450,7 +438,7 @@ async def wait_http(
         if proc is not None and proc.poll() is not None:
             raise StartError(f"{name} exited with status {proc.returncode} before it answered")
         try:
-            status, body = await one_shot(host, port, get("/health"), 2.0)
+            status, _, body = await one_shot(port, get("/health"), 2.0, host)
             if status == 200:
                 return
             last = f"GET /health answered {status} {body[:100]!r}"
@@ -563,7 +551,7 @@ async def correctness(targets: dict[str, Target], tag: str) -> list[dict[str, An
         row: dict[str, Any] = {"call": label}
         for name, t in targets.items():
             try:
-                status, body = await one_shot(t.host, t.port, raw)
+                status, _, body = await one_shot(t.port, raw, ONE_SHOT_S, t.host)
                 row[name] = {"status": status, "body": decoded(body)}
             except Exception as e:  # a hang or a drop is a result too
                 row[name] = {"status": 0, "body": f"<{type(e).__name__}: {e}>"}
@@ -578,12 +566,6 @@ async def correctness(targets: dict[str, Target], tag: str) -> list[dict[str, An
 
 # ---------------------------------------------------------------------------------------------
 # Processes.
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class Processes:
@@ -703,15 +685,7 @@ def run_text(cmd: list[str], timeout: float = 30) -> str:
 
 
 def header(args: argparse.Namespace, loop_name: str) -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    commit = run_text(["git", "rev-parse", "--short", "HEAD"])
-    if run_text(["git", "status", "--porcelain", "--untracked-files=no"]):
-        commit += " (+ uncommitted changes)"
+    commit = git_revision()
     if args.seqstate_src:
         commit += f"; serve-http run from {os.path.abspath(args.seqstate_src)}"
     dynamo = ""
@@ -726,7 +700,7 @@ def header(args: argparse.Namespace, loop_name: str) -> dict[str, Any]:
     return {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "nproc": os.cpu_count(),
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "commit": commit,
         "python": sys.version.split()[0],

@@ -31,9 +31,9 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from nats.aio.client import Client
@@ -66,7 +66,7 @@ from projector.nats.logs import event_fields
 from projector.nats.resources import ensure
 from projector.nats.stream import last_seq_of
 from projector.nats.tasks import cancel
-from projector.read.bucket import CurrentValues, tracker_of_entry
+from projector.read.bucket import tracker_updates
 from projector.read.reader import RegistryView
 from projector.route.outcomes import Outcomes
 from projector.route.publisher import RouterPublisher
@@ -74,7 +74,7 @@ from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
 from projector.write.writer import Writer
-from seqstate import Delta, LoadRow, SequenceState
+from seqstate import Delta, LoadRow, PotentialLoadRow, SequenceState
 from seqstate.deltas import APPLIED
 from seqstate.errors import SeqstateError
 from seqstate.fold import Verdict
@@ -250,7 +250,8 @@ class _AwaitedCall:
             self.result.set_result((status, payload))
 
 
-MUTATIONS_FOLDED_HERE = frozenset({"/add", "/prefill_complete", "/free"})
+# The POSTs the lease holder answers from its own fold, without a task each.
+FOLDED_HERE = frozenset({"/add", "/prefill_complete", "/free", "/potential_loads"})
 READ_CACHE = 64  # read bodies kept (distinct path and query pairs)
 
 
@@ -330,25 +331,18 @@ class SlotService:
                 await asyncio.sleep(TRACKERS_RETRY_S)
 
     async def _watch_trackers(self, served: asyncio.Future[None]) -> None:
-        kv = await self.nc.jetstream().key_value(self.config.registry_bucket)
-        current = CurrentValues(self.nc, self.config.registry_bucket, "*.tracker")
-        watcher = await kv.watch("*.tracker")
-        try:
-            while True:
-                entry = await watcher.updates(timeout=None)
-                tracker = tracker_of_entry(entry)
-                if tracker is not None and tracker[0] not in self.trackers:
+        async with contextlib.aclosing(tracker_updates(self.nc, self.config)) as updates:
+            async for tracker in updates:
+                if tracker is None:
+                    if not served.done():
+                        served.set_result(None)
+                elif tracker[0] not in self.trackers:
                     try:
                         await self._open(tracker[0])
                     except NotATrackerNamespace:
                         pass
                     except Exception as exc:  # served once a call names it
                         log.warning("cannot serve tracker %s yet: %s", tracker[0], exc)
-                if not served.done() and await current.done_after(entry):
-                    served.set_result(None)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
 
     async def stop(self) -> None:
         if self._following is not None:
@@ -433,29 +427,15 @@ class SlotService:
         (registrations, a tracker not served yet, a process that does not hold the lease)
         takes :meth:`begin`'s path."""
         path = call.path
-        if path in MUTATIONS_FOLDED_HERE and call.method == "POST":
-            if call.content_type is not None and _is_json(call.content_type):
-                try:
-                    parsed = _parse(path, call.body)
-                except _BodyRejected as rejected:
-                    call.answer(*rejected.answer)
+        if call.method in ("GET", "HEAD"):
+            if path in READS and path != "/potential_loads":
+                writers = self._states(call.query)
+                if writers is not None:
+                    call.answer(200, self._read_here(path, call.query, writers))
                     return
-                namespace = namespace_for(
-                    parsed.model_name, parsed.routing_group, self.config.namespace
-                )
-                tracker = self.trackers.get(namespace)
-                commit = None if tracker is None else self._commit(tracker)
-                if tracker is not None and commit is not None:
-                    self._fold_here(tracker, commit, path, parsed, call)
-                    return
-        elif path in READS and call.method in ("GET", "HEAD") and path != "/potential_loads":
-            writers = self._states(call.query)
-            if writers is not None:
-                call.answer(200, self._read_here(path, call.query, writers))
-                return
         elif (
-            path == "/potential_loads"
-            and call.method == "POST"
+            call.method == "POST"
+            and path in FOLDED_HERE
             and call.content_type is not None
             and _is_json(call.content_type)
         ):
@@ -464,10 +444,22 @@ class SlotService:
             except _BodyRejected as rejected:
                 call.answer(*rejected.answer)
                 return
-            writer = self._fold_of(parsed.model_name, parsed.routing_group)
-            if writer is not None:
-                call.answer(*_potential_rows(writer.state, parsed))
-                return
+            if isinstance(parsed, PotentialLoadsBody):
+                writer = self._fold_of(parsed.model_name, parsed.routing_group)
+                if writer is not None:
+                    state = writer.state
+                    registry = state.registry if len(state.registry) else None
+                    call.answer(*_potential_answer(parsed, registry, state.now_ns))
+                    return
+            else:
+                namespace = namespace_for(
+                    parsed.model_name, parsed.routing_group, self.config.namespace
+                )
+                tracker = self.trackers.get(namespace)
+                commit = None if tracker is None else self._commit(tracker)
+                if tracker is not None and commit is not None:
+                    self._fold_here(tracker, commit, path, parsed, call)
+                    return
         self._spawn(self._begin_and_answer(call))
 
     async def _begin_and_answer(self, call: Call) -> None:
@@ -803,22 +795,30 @@ class SlotService:
 
     async def _potential(self, namespace: str, body: PotentialLoadsBody) -> tuple[int, object]:
         tracker = await self._existing(namespace)
-        if tracker is not None:
-            await self._caught_up(tracker)
-        if tracker is None or not tracker.view.loads():
-            return 404, {"error": f"no slot tracker for {body.where()}"}
-        hashes = [as_u64(h) for h in body.sequence_hashes]
-        return 200, tracker.view.potential_loads(hashes, body.new_isl_tokens)
+        if tracker is None:
+            return _potential_answer(body, None, 0)
+        await self._caught_up(tracker)
+        view = tracker.view
+        return _potential_answer(body, view if view.loads() else None, view.log_now_ns())
 
 
-def _potential_rows(state: SequenceState, body: PotentialLoadsBody) -> tuple[int, object]:
-    """``/potential_loads`` from a writer's fold, as :meth:`SlotService._potential` answers it
-    from a view: 404 while the tracker has no rank."""
-    registry = state.registry
-    if not registry.loads(state.now_ns):
+class _PotentialSource(Protocol):
+    """A fold's registry, or a view of one."""
+
+    def potential_loads(
+        self, block_hashes: Sequence[int], isl_tokens: int, now_ns: int
+    ) -> list[PotentialLoadRow]: ...
+
+
+def _potential_answer(
+    body: PotentialLoadsBody, source: _PotentialSource | None, now_ns: int
+) -> tuple[int, object]:
+    """``/potential_loads`` at ``now_ns`` from ``source``; 404 while the tracker has no rank
+    (``source`` None)."""
+    if source is None:
         return 404, {"error": f"no slot tracker for {body.where()}"}
     hashes = [as_u64(h) for h in body.sequence_hashes]
-    return 200, registry.potential_loads(hashes, body.new_isl_tokens, state.now_ns)
+    return 200, source.potential_loads(hashes, body.new_isl_tokens, now_ns)
 
 
 __all__ = ["OK", "ROUTES", "SlotService"]

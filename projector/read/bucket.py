@@ -11,6 +11,8 @@ waits for the value the server marked as the last pending one.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -121,31 +123,43 @@ def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
         view.unreadable[key] = (rank, str(exc))
 
 
-def tracker_of_entry(entry: KeyValue.Entry | None) -> tuple[str, int] | None:
-    """A ``<ns>.tracker`` update of a watch: ``(namespace, block size)``, or None for the
-    watch's marker, a deletion, or a damaged value (verify names it, rebuild repairs it)."""
-    if entry is None or not entry.value or entry.operation in (KV_DEL, KV_PURGE):
-        return None
+async def tracker_updates(
+    nc: Client, config: Config, *, timeout: float | None = None
+) -> AsyncGenerator[tuple[str, int] | None, None]:
+    """Each namespace of the bucket folded by the slot-tracker rules that has a tracker
+    (``<ns>.tracker``), as ``(namespace, block size)``: those there now, then ``None`` once
+    they are all delivered, then each one written later. ``timeout``: between two updates
+    (``TimeoutError`` beyond). Close it (``contextlib.aclosing``) to stop its watch."""
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    current = CurrentValues(nc, config.registry_bucket, "*.tracker")
+    watcher = await kv.watch("*.tracker")
+    told = False
     try:
-        return entry.key.split(".", 1)[0], decode_tracker(entry.value).block_size
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+        while True:
+            entry = await watcher.updates(timeout=timeout)
+            if entry is not None and entry.value and entry.operation not in (KV_DEL, KV_PURGE):
+                # A damaged value is skipped: verify names it, rebuild repairs it.
+                try:
+                    block_size = decode_tracker(entry.value).block_size
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass
+                else:
+                    yield entry.key.split(".", 1)[0], block_size
+            if not told and await current.done_after(entry):
+                told = True
+                yield None
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()
 
 
 async def read_trackers(nc: Client, config: Config, *, timeout: float = 30.0) -> dict[str, int]:
     """Every namespace of the bucket folded by the slot-tracker rules that has a tracker now,
     with its block size: what a ``serve-http`` starting up must serve (``<ns>.tracker``)."""
-    kv = await nc.jetstream().key_value(config.registry_bucket)
     found: dict[str, int] = {}
-    current = CurrentValues(nc, config.registry_bucket, "*.tracker")
-    watcher = await kv.watch("*.tracker")
-    try:
-        while True:
-            entry = await watcher.updates(timeout=timeout)
-            tracker = tracker_of_entry(entry)
-            if tracker is not None:
-                found[tracker[0]] = tracker[1]
-            if await current.done_after(entry):
-                return found
-    finally:
-        await watcher.stop()
+    async with contextlib.aclosing(tracker_updates(nc, config, timeout=timeout)) as updates:
+        async for tracker in updates:
+            if tracker is None:
+                break
+            found[tracker[0]] = tracker[1]
+    return found
