@@ -34,6 +34,7 @@ from eventually import eventually
 from http_kit import exchange, rows
 from log_text import plain_lines
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from pipeline_kit import read_log
 
 from projector.nats.connection import ConnectError, connect
@@ -742,3 +743,55 @@ async def test_dynamo_publishes_as_dynamo_and_the_admin_resyncs(
     rc, out, err = await as_cli(roles_server, "admin", *argv)
     _clean("admin", argv, rc, out, err)
     assert "resynced 6 requests in flight" in out, out
+
+
+async def test_a_dynamo_client_on_the_default_inbox_sees_no_seqstate_reply(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """The dynamo role may subscribe to nats' default ``_INBOX.>`` (Dynamo's processes take
+    their replies there). A Dynamo-side client listening there (the server accepts the
+    subscription: no error) while a router publishes (its acks), a scheduler reads the bucket,
+    the replay role reads the log (a replay's and status's push deliveries carry every event,
+    msg-ids included) and a router's ``seqstate publish`` runs, receives nothing."""
+    seen: list[str] = []
+    errors: list[Exception] = []
+
+    async def listen(msg: Msg) -> None:
+        seen.append(msg.subject)
+
+    async def error(exc: Exception) -> None:
+        errors.append(exc)
+
+    spy = await nats.connect(
+        roles_server,
+        max_reconnect_attempts=0,
+        user="dynamo",
+        password=PASSWORDS["dynamo"],
+        error_cb=error,
+    )
+    try:
+        await spy.subscribe("_INBOX.>", cb=listen)
+        await spy.flush()
+        async with (
+            as_role(roles_server, "router") as rnc,
+            as_role(roles_server, "scheduler") as snc,
+        ):
+            pub = RouterPublisher(rnc, router_id="inbox-probe", config=Config())
+            await pub.add("inbox-1", 7, 0, block_hashes=[1, 2])
+            last = await pub.free("inbox-1", 7, 0)
+            async with RegistryView(snc, config=Config()) as view:
+                await view.wait_for(last, timeout=20)
+        await pipeline[1].wait_flushed(last)
+        for role, argv in (
+            ("replay", ("replay", "--verify")),
+            ("replay", ("status",)),
+            ("router", ("publish", "--router-id", "inbox-cli")),
+        ):
+            stdin = b'{"type": "Free", "request_id": "inbox-2", "worker_id": 7}\n'
+            rc, out, err = await as_cli(roles_server, role, *argv, stdin=stdin)
+            _clean(role, argv, rc, out, err)
+        await spy.flush()
+    finally:
+        await spy.close()
+    assert errors == []
+    assert seen == []
