@@ -804,6 +804,27 @@ async def _stored_ids(nats_server: NatsServer, config: Config) -> list[str]:
         await nc.close()
 
 
+async def _resumed(
+    nats_server: NatsServer, config: Config, path: Path, stored: int, total: int
+) -> None:
+    """``publish FILE --router-id p3 --resume``: the rest published, the whole file stored
+    once, in order."""
+    resumed = seqstate(
+        "publish",
+        str(path),
+        "--router-id",
+        "p3",
+        "--resume",
+        *name_flags(config),
+        NATS_URL=nats_server.url,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout == (
+        f"published {total - stored} events ({stored} already stored), last sequence {total}\n"
+    )
+    assert await _stored_ids(nats_server, config) == [f"f{i}" for i in range(total)]
+
+
 async def test_an_interrupted_publish_says_what_it_stored_and_resumes(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -837,20 +858,7 @@ async def test_an_interrupted_publish_says_what_it_stored_and_resumes(
     assert "is at stream sequence 1; 0 stored by this run)" in error, error
     assert len(await _stored_ids(nats_server, config)) == stored
 
-    resumed = seqstate(
-        "publish",
-        str(path),
-        "--router-id",
-        "p3",
-        "--resume",
-        *name_flags(config),
-        NATS_URL=nats_server.url,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout == (
-        f"published {20_000 - stored} events ({stored} already stored), last sequence 20000\n"
-    )
-    assert await _stored_ids(nats_server, config) == [f"f{i}" for i in range(20_000)]
+    await _resumed(nats_server, config, path, stored, 20_000)
 
 
 async def test_a_resume_after_the_duplicate_window_stores_each_event_once(
@@ -892,17 +900,4 @@ async def test_a_resume_after_the_duplicate_window_stores_each_event_once(
         f"event than {other}:6: not a run of this file, not resuming"
     )
 
-    resumed = seqstate(
-        "publish",
-        str(path),
-        "--router-id",
-        "p3",
-        "--resume",
-        *name_flags(config),
-        NATS_URL=nats_server.url,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout == (
-        f"published {5_000 - stored} events ({stored} already stored), last sequence 5000\n"
-    )
-    assert await _stored_ids(nats_server, config) == [f"f{i}" for i in range(5_000)]
+    await _resumed(nats_server, config, path, stored, 5_000)
