@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 
 from projector.nats.resources import dead_letter_stream
+from projector.nats.security import INBOX_PREFIX
 from projector.wire.capture import RAW_PATTERN, capture_stream
 from projector.wire.config import Config
 
@@ -57,19 +58,29 @@ def read_stream(stream: str) -> list[str]:
     ]
 
 
+def inbox(role: str) -> str:
+    """A seqstate role's inboxes: below ``_SEQSTATE_INBOX.<role>``, the prefix its client takes
+    when it signs in as the user named after the role (projector.nats.security.inbox_prefix),
+    so that no other role, Dynamo's least of all, reads its replies."""
+    return f"{INBOX_PREFIX}.{role}.>"
+
+
 def subscriptions(config: Config, role: str) -> list[str]:
-    """Per role: the subjects it may subscribe to. Every role gets its inbox; the writer and
-    the projector also answer NATS service discovery (``nats micro``: projector.nats.discovery)
-    and their status endpoint, replying to whoever asked (``allow_responses``); so does the
-    admin, which runs them, in every namespace."""
+    """Per role: the subjects it may subscribe to. Every role gets its own inbox; the writer
+    and the projector also answer NATS service discovery (``nats micro``:
+    projector.nats.discovery) and their status endpoint, replying to whoever asked
+    (``allow_responses``); so does the admin, which runs them, in every namespace. Dynamo's
+    processes keep nats' default ``_INBOX.>``, which no seqstate client uses."""
     if role in CONSUMERS:
-        return ["_INBOX.>", "$SRV.>", f"seqstate.svc.{config.namespace}.{role}.>"]
+        return [inbox(role), "$SRV.>", f"seqstate.svc.{config.namespace}.{role}.>"]
     if role == "admin":
-        own = (s for kind in CONSUMERS for s in subscriptions(config, kind))
-        return list(dict.fromkeys(every_namespace(s, config.namespace) for s in own))
+        own = (s for kind in CONSUMERS for s in subscriptions(config, kind)[1:])
+        return list(
+            dict.fromkeys([inbox(role), *(every_namespace(s, config.namespace) for s in own)])
+        )
     if role == "dynamo":
         return ["_INBOX.>", DYNAMO_SUBJECTS]
-    return ["_INBOX.>"]
+    return [inbox(role)]
 
 
 def every_namespace(subject: str, namespace: str) -> str:
@@ -247,11 +258,13 @@ HEADER = """\
 # Dynamo's own processes sign in as "dynamo" (NATS_SERVER=nats://dynamo:PASSWORD@host:4222):
 # they publish and subscribe on Dynamo's subjects (namespace.>), and nothing of seqstate's.
 #
-# Every role subscribes to _INBOX.>: replies (the JetStream API, publish acks) and push
-# consumers' deliveries land there. So a client of this account can read replies meant for
-# another's inbox: give a client you do not trust an account of its own. The writer and the
-# projector (and the admin, which runs them) also answer `nats micro` discovery ($SRV.>) and
-# their status endpoint, replying to whoever asked.
+# Each seqstate role subscribes to its own inbox, _SEQSTATE_INBOX.<role>.>: replies (the
+# JetStream API, publish acks) and push consumers' deliveries land there. A seqstate client
+# takes _SEQSTATE_INBOX.<user> as its inbox prefix when it signs in with a user name (set
+# SEQSTATE_NATS_INBOX_PREFIX=_SEQSTATE_INBOX.<role> with an nkey or a credentials file).
+# Dynamo's processes keep nats' default _INBOX.>, where no seqstate reply goes. The writer
+# and the projector (and the admin, which runs them) also answer `nats micro` discovery
+# ($SRV.>) and their status endpoint, replying to whoever asked.
 #
 # Use: nats-server -js -c deploy/nats-roles.conf   (compose.yaml does).
 """

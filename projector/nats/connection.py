@@ -4,7 +4,9 @@
 gives up quickly for a one-shot command; either way its callbacks log instead of printing
 tracebacks. ``nats_for`` starts an embedded nats-server when no URL is configured. It signs in
 with the credentials of the URL or of the ``nats_*`` settings (user and password, token, NKEY
-seed file, credentials file). Nothing here shows a password, a token, a seed or a JWT: URLs and
+seed file, credentials file), and takes its reply inboxes under its own prefix
+(:func:`projector.nats.security.inbox_prefix`), never under ``_INBOX.``, where Dynamo's
+processes read. Nothing here shows a password, a token, a seed or a JWT: URLs and
 the client's errors go through :mod:`projector.nats.security` first.
 
 A subject the server refuses this user (a permissions violation) is no reply at all to a
@@ -36,6 +38,7 @@ from projector.nats.security import (
     client_tls,
     config_secrets,
     connect_settings_from_env,
+    inbox_prefix,
 )
 from projector.nats.server import NatsServer
 from projector.wire.config import Config
@@ -472,7 +475,7 @@ async def connect(
     """
     settings = config if config is not None else connect_settings_from_env()
     tls = client_tls(settings)
-    auth = auth_options(settings)
+    auth = {**auth_options(settings), "inbox_prefix": inbox_prefix(settings, url)}
     asyncio_log = logging.getLogger("asyncio")
     if _quiet_tls_eof not in asyncio_log.filters:
         asyncio_log.addFilter(_quiet_tls_eof)

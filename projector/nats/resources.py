@@ -29,6 +29,7 @@ from nats.js.kv import KeyValue
 
 from projector.nats.connection import refused_or
 from projector.nats.failures import describe
+from projector.wire import msg_ids
 from projector.wire.capture import (
     CAPTURE_MAX_AGE_S,
     RAW_PATTERN,
@@ -141,6 +142,7 @@ async def _ensure(nc: Client, config: Config) -> Resources:
             allow_direct=True,
             discard=api.DiscardPolicy.NEW,
             sources=sources,
+            metadata={msg_ids.KEY: msg_ids.new_key()},
         ),
         keep_every_message=True,
     )
@@ -212,6 +214,15 @@ async def _ensure_capture(js: JetStreamContext, config: Config) -> api.StreamSou
     )
 
 
+_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
+
+
+def msg_id_key(info: api.StreamInfo) -> str | None:
+    """The events stream's msg-id key (:mod:`projector.wire.msg_ids`), None on a stream that
+    no writer of this version has provisioned yet."""
+    return (info.config.metadata or {}).get(msg_ids.KEY)
+
+
 def _sources(have: list[api.StreamSource] | None, wanted: list[api.StreamSource] | None) -> list:
     """The stream's sources, with each wanted one added if no source of its name is there."""
     kept = list(have or [])
@@ -230,6 +241,8 @@ async def _ensure_stream(
         try:
             return await js.add_stream(wanted)
         except APIError as exc:
+            if exc.err_code == _NAME_IN_USE:  # made meanwhile by another process (its own key)
+                return await _ensure_stream(js, wanted, keep_every_message=keep_every_message)
             listed = ", ".join(wanted.subjects or [])
             raise ProvisioningError(
                 f"cannot create stream {wanted.name} on {listed}: {exc.description}"
@@ -263,7 +276,7 @@ async def _ensure_stream(
             replicas,
             wanted.num_replicas,
         )
-    changes = {
+    changes: dict[str, object] = {
         "subjects": subjects + missing,
         "duplicate_window": max(have.duplicate_window or 0, wanted.duplicate_window or 0),
         "num_replicas": max(replicas, wanted.num_replicas or 1),
@@ -275,7 +288,7 @@ async def _ensure_stream(
     if keep_every_message:
         changes["discard"] = api.DiscardPolicy.NEW
         changes["discard_new_per_subject"] = bool((have.max_msgs_per_subject or 0) > 0)
-    current = {
+    current: dict[str, object] = {
         "subjects": subjects,
         "duplicate_window": have.duplicate_window,
         "num_replicas": have.num_replicas,
@@ -287,6 +300,9 @@ async def _ensure_stream(
     if keep_every_message:
         current["discard"] = have.discard
         current["discard_new_per_subject"] = bool(have.discard_new_per_subject)
+    if wanted.metadata:  # a key the stream lacks is added; one it has is never changed
+        changes["metadata"] = {**wanted.metadata, **(have.metadata or {})}
+        current["metadata"] = have.metadata or {}
     if changes == current:
         return info
     updated = api.StreamConfig.from_response(have.as_dict())

@@ -24,9 +24,10 @@ import ssl
 from collections.abc import Mapping
 from contextlib import suppress
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
-from projector.wire.config import Config, ConfigError
-from projector.wire.redaction import JWT
+from projector.wire.config import Config, ConfigError, is_literal_subject
+from projector.wire.redaction import JWT, server_urls
 
 # ---- credentials from settings ---------------------------------------------------------------
 
@@ -99,6 +100,29 @@ def auth_options(config: Config) -> dict[str, Any]:
         _creds(config.nats_creds)
         return {"user_credentials": config.nats_creds}
     return {}
+
+
+# ---- the inbox prefix ------------------------------------------------------------------------
+
+# Outside ``_INBOX.>``: Dynamo's processes, which cannot be told otherwise, reply there, so a
+# deployment grants them ``_INBOX.>``; a seqstate client's replies must not land where they read.
+INBOX_PREFIX = "_SEQSTATE_INBOX"
+
+
+def inbox_prefix(config: Config, url: str | None = None) -> str:
+    """The prefix of the client's reply inboxes: ``nats_inbox_prefix`` if set, else
+    ``_SEQSTATE_INBOX.<user>`` for a client signing in with a user name (the setting's, else
+    the URL's), so that each user of deploy/nats-roles.conf (named after its role) reads only
+    its own replies; else ``_SEQSTATE_INBOX``."""
+    if config.nats_inbox_prefix:
+        return config.nats_inbox_prefix
+    user = config.nats_user
+    if user is None and config.nats_token is None and url:
+        parts = urlsplit(server_urls(url)[0] if server_urls(url) else url)
+        if parts.password is not None and parts.username:
+            user = unquote(parts.username)
+    prefix = f"{INBOX_PREFIX}.{user}" if user else INBOX_PREFIX
+    return prefix if is_literal_subject(prefix) else INBOX_PREFIX
 
 
 # ---- TLS -------------------------------------------------------------------------------------

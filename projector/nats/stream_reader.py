@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import struct
 import sys
 from collections.abc import Callable
@@ -268,7 +267,7 @@ async def fast_fold(
     ``fold`` returns False to stop early. Returns the last sequence fed and, if the fast path
     gave up before the end, why: the events fed stand, and the caller continues after them.
     """
-    inbox = f"_INBOX.seqstate-replay.{os.getpid()}.{id(fold)}"
+    inbox = nc.new_inbox()  # under the client's own prefix: its role may read only there
     params = reader_params(nc, config, inbox, end_seq)
     if isinstance(params, str):
         return start_seq - 1, params

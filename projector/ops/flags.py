@@ -39,6 +39,7 @@ CONNECT = (
     "nats_token",
     "nats_nkey_seed",
     "nats_creds",
+    "nats_inbox_prefix",
 )
 NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 PROVISION = ("duplicate_window_s", "replicas")  # what creating the streams and buckets needs

@@ -26,7 +26,6 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
 
 import msgspec
 from nats.aio.client import Client
@@ -38,6 +37,7 @@ from projector.nats.stream import first_seq_of, last_seq_of, log_time_ns
 from projector.read.bucket import BucketView, read_bucket
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID
+from projector.wire.msg_ids import router_of
 from projector.wire.values import LoadValue, Rank
 from seqstate import (
     AddRequest,
@@ -342,8 +342,9 @@ class RequestReport:
 
 def _router_of(found: Found) -> str | None:
     router = getattr(found.event, "router_id", "") or None
-    if router is None and found.msg_id and ":" in found.msg_id:
-        router = unquote(found.msg_id.rsplit(":", 1)[0])
+    if router is None and found.msg_id:
+        parsed = router_of(found.msg_id)
+        router = parsed[0] if parsed is not None else None
     return router
 
 

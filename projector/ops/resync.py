@@ -6,23 +6,49 @@ published it, so it is republished as it was (the endpoint it came from, its has
 hint, LoRA and router). Whether its prefill is done: a replay of the log (from the newest
 snapshot) says, and a request the replay finds ended since the bucket was read is left out.
 Requests seqstate's own routers booked (not Dynamo messages) are not Dynamo's to know.
+
+A request may still end while its Add is on its way: its router's Free, stored after the
+replay, would reach the replicas before the republished Add, which then puts the request back
+until the replicas' own expiry. So a resync never stops at the publish; it fences:
+
+1. the Adds (and Marks) are sent and flushed: the server has handed each to every subscriber
+   on it, the replicas and the capture stream alike;
+2. then a fence, a Free of a fresh request id (which every replica ignores), is sent, and the
+   replay goes on along the log up to where the capture stored it (and to the log's end then);
+3. every request republished that this fold finds ended gets its Free again, after its Add,
+   from the same connection: each replica sees the two in that order.
+
+A Free stored before the fence is caught by step 3. One stored after it was published once
+the server had handed the Adds to every subscriber, so each replica has the Add first and
+applies the Free after it. A Free sent again for a request a replica no longer holds is
+ignored (Dynamo finds a Free by request id, and ignores an unknown one), and the replica that
+routed a request ignores all of this as its own echo. The fold ignores every message of the
+resync publisher, so none of it changes the ledger.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from nats.aio.client import Client
-from nats.js import JetStreamContext
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from projector.dynamo.republish import InFlight, Republisher
-from projector.ops.replay import replay
+from projector.nats.stream import last_seq_of, log_time_ns
+from projector.ops.replay import fold_stream, replay
 from projector.read.bucket import read_bucket
 from projector.wire.config import Config
-from seqstate import SeqstateError
-from seqstate.dynamo import ADD, CAPTURED, DynamoMessage, decode_dynamo
+from seqstate import SeqstateError, SequenceState
+from seqstate.dynamo import ADD, CAPTURED, DynamoMessage, captured_subject, decode_dynamo
 from seqstate.events import EventDecodeError
+
+# How long the fence may take to come back through the capture: the server copies a message
+# from the capture stream into the events stream at once; only a capture that is not there
+# (or an events stream refusing messages) takes longer.
+FENCE_WAIT_S = 30.0
 
 
 class ResyncError(SeqstateError, RuntimeError):
@@ -35,7 +61,18 @@ class Resynced:
     marked: int  # of them, with their Mark
     skipped: int  # held by the bucket, but not a Dynamo request of these endpoints, or ended
     publisher_id: int
-    last_seq: int  # the log's event the replay reached
+    last_seq: int  # the log's event the fold reached (the fence, or beyond)
+    freed: int = 0  # of the requests republished, those found ended after: Free sent again
+
+
+@dataclass
+class Found:
+    """The requests in flight, and the fold that found them (to go on with)."""
+
+    requests: list[InFlight]
+    skipped: int
+    state: SequenceState
+    last_seq: int
 
 
 def endpoint_of(namespace: str, subject: str) -> str | None:
@@ -44,8 +81,8 @@ def endpoint_of(namespace: str, subject: str) -> str | None:
     return subject[len(prefix) :] if subject.startswith(prefix) else None
 
 
-async def in_flight(nc: Client, config: Config) -> tuple[list[InFlight], int, int]:
-    """The Dynamo requests in flight, the bucket's entries skipped, and the replay's last event."""
+async def in_flight(nc: Client, config: Config) -> Found:
+    """The Dynamo requests in flight, the bucket's entries skipped, and the replay."""
     if not config.dynamo_endpoints:
         raise ResyncError(
             "no Dynamo endpoint to resync: give --dynamo-endpoint NS.COMPONENT.ENDPOINT "
@@ -67,7 +104,12 @@ async def in_flight(nc: Client, config: Config) -> tuple[list[InFlight], int, in
                 skipped += 1
                 continue
             found.append(InFlight(request[0], request[1], live.marked))
-    return found, skipped, replayed.last_seq
+    return Found(found, skipped, state, replayed.last_seq)
+
+
+def _live(state: SequenceState, rank: tuple[int, int], request_id: str) -> bool:
+    slot = state.workers.slots.get(rank)
+    return slot is not None and request_id in slot.requests
 
 
 async def _stored_add(
@@ -88,15 +130,70 @@ async def _stored_add(
     return (endpoint, message) if message.op == ADD else None
 
 
-async def resync(nc: Client, config: Config) -> Resynced:
-    """Republish every Dynamo request in flight of ``config``'s endpoints (module docstring)."""
-    requests, skipped, last = await in_flight(nc, config)
+async def stored_at(
+    nc: Client, config: Config, endpoint: str, data: bytes, *, after: int, timeout: float
+) -> int | None:
+    """The events stream's sequence of the message ``data`` captured from ``endpoint``, the
+    first after ``after``: waited for up to ``timeout`` (None if it never came)."""
+    js = nc.jetstream()
+    found: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def take(msg: Msg) -> None:
+        if not found.done() and msg.data == data:
+            found.set_result(log_time_ns(msg)[0])
+
+    sub = await js.subscribe(
+        captured_subject(config.namespace, endpoint),
+        stream=config.events_stream,
+        ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+        config=api.ConsumerConfig(opt_start_seq=after + 1),
+        cb=take,
+    )
+    try:
+        return await asyncio.wait_for(found, timeout)
+    except TimeoutError:
+        return None
+    finally:
+        await sub.unsubscribe()
+
+
+async def resync(nc: Client, config: Config, *, fence_wait_s: float = FENCE_WAIT_S) -> Resynced:
+    """Republish every Dynamo request in flight of ``config``'s endpoints, then fence and free
+    again those that ended meanwhile (module docstring)."""
+    found = await in_flight(nc, config)
+    requests = found.requests
     republisher = Republisher(nc, config.namespace)
     await republisher.publish(requests)
-    return Resynced(
+    last, freed, fenced = found.last_seq, 0, True
+    if requests:
+        fence = republisher.fence(requests[-1])
+        await republisher.send([fence])
+        at = await stored_at(
+            nc, config, requests[-1].endpoint, fence[1], after=found.last_seq, timeout=fence_wait_s
+        )
+        fenced = at is not None
+        js = nc.jetstream()
+        end = max(at or 0, await last_seq_of(js, config.events_stream, config.events_subjects))
+        if end > found.last_seq:
+            await fold_stream(nc, config, found.state, start_seq=found.last_seq + 1, end_seq=end)
+            last = end
+        ended = [r for r in requests if not _live(found.state, r.rank, r.add.request_id)]
+        freed = await republisher.send(republisher.frees(ended))
+    done = Resynced(
         requests=len(requests),
         marked=sum(r.marked for r in requests),
-        skipped=skipped,
+        skipped=found.skipped,
         publisher_id=republisher.publisher_id,
         last_seq=last,
+        freed=freed,
     )
+    if not fenced:
+        raise ResyncError(
+            f"republished {done.requests} requests in flight, but the log did not show "
+            f"resync's fence within {fence_wait_s:g} s (is the namespace capturing "
+            f"{', '.join(config.dynamo_endpoints)}: seqstate run --dynamo-endpoint?); "
+            f"{freed} freed by event {last} were sent their Free again, a request freed "
+            "after that may stay on Dynamo's replicas until their expiry"
+        )
+    return done

@@ -1,10 +1,14 @@
 """RouterPublisher: how a router puts lifecycle events on the SEQSTATE_EVENTS stream.
 
-Every event gets ``Nats-Msg-Id: <router_id>:<router_seq>`` (``router_seq`` counts from 1 per
-publisher), so a publish retried after a lost ack is stored once: JetStream acknowledges the
-repeat with the original sequence and flags it duplicate. A router id may hold any characters
-(1 to 256 of them); in the msg-id, those a header line cannot carry as they are (spaces,
-controls, non-ASCII, and ``%``) are percent-encoded, so no two router ids share msg-ids.
+Every event gets ``Nats-Msg-Id: <router_id>:<router_seq>:<tag>`` (``router_seq`` counts from
+1 per publisher), so a publish retried after a lost ack is stored once: JetStream acknowledges
+the repeat with the original sequence and flags it duplicate. A router id may hold any
+characters (1 to 256 of them); in the msg-id, those a header line cannot carry as they are
+(spaces, controls, non-ASCII, and ``%``) are percent-encoded, so no two router ids share
+msg-ids. The tag (:mod:`projector.wire.msg_ids`) is 64 random bits per publisher, or derived
+from ``msg_id_key`` when given: without it, a client that may publish on Dynamo's subjects
+could take a router's next msg-id first (the events stream stores what the Dynamo capture
+copies in, headers included) and have the router's event dropped as a duplicate.
 
 Publishes are pipelined on the one connection, their acks collected on a reply subscription of
 the publisher's own, and each call awaits its own acks, so callers can fire many events
@@ -39,11 +43,13 @@ event and its encoded bytes, a :meth:`publish_many` its batch). :attr:`in_flight
 The writer being slow does not slow a publisher: the stream takes the events, and the writer's
 lag shows in ``seqstate status`` and in its log.
 
-``router_id`` must be unique per publisher *incarnation* within the stream's duplicate window
-(120 s): a restarted router that reuses its id would repeat msg-ids ``<id>:1, <id>:2, ...``,
-which JetStream would silently discard as duplicates. Include something per-process in it
-(host, pid, a random suffix). As a guard, a duplicate ack on a *first* attempt (which only a
-msg-id collision can cause) raises :class:`PublishError` instead of passing as success.
+A restarted router may reuse its ``router_id``: each publisher draws its own tag, so its
+msg-ids are its own. With ``msg_id_key`` (``seqstate publish``) they are the same for every
+publisher of a router id, so a second run meets the first one's ids. As a guard, a duplicate
+ack on a *first* attempt (which only a msg-id collision can cause) raises
+:class:`PublishError` instead of passing as success; when the message stored under that id
+came in through the Dynamo capture (it carries ``Nats-Stream-Source``) and this client may
+read it, the error says so: a forged id, not an earlier run.
 
 Order: events published one after another (each awaited) are stored in that order. Events
 fired concurrently are stored in some order, and a retried one may land after events published
@@ -70,11 +76,13 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from projector.nats.connection import was_refused
+from projector.nats.connection import PermissionRefused, refused_or, was_refused
 from projector.nats.failures import describe
 from projector.nats.pub_ack import ACK_DECODER
+from projector.wire import msg_ids
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
+from projector.wire.headers import STREAM_SOURCE
 from seqstate import (
     AddRequest,
     Event,
@@ -122,8 +130,13 @@ class PublishError(SeqstateError, RuntimeError):
 
     Raised by :meth:`RouterPublisher.publish_many`, ``sequences`` holds the stream sequence of
     every event of the call in the given order, ``None`` for each one not stored (the one named
-    and any other that failed); else it is ``None``.
+    and any other that failed); else it is ``None``. ``taken_at``: when the event's msg-id was
+    already used (a first attempt acknowledged as a duplicate), the stream sequence holding it;
+    ``squatted``: that message came in through the Dynamo capture.
     """
+
+    taken_at: int | None = None
+    squatted: bool = False
 
     def __init__(
         self,
@@ -182,6 +195,7 @@ class _Call:
         "refusals",
         "seqs",
         "subjects",
+        "taken",
     )
 
     def __init__(
@@ -199,6 +213,7 @@ class _Call:
         self.errors: dict[int, list[str]] = {}  # the failed attempts of each event
         self.fatal: dict[int, PublishError] = {}  # not to be retried (a msg-id collision)
         self.refusals: dict[int, int] = {}  # the error acks of each event (see REFUSED_RETRIES)
+        self.taken: dict[int, int] = {}  # a first attempt acked duplicate: the seq holding it
 
     def request_id(self, i: int) -> str | None:
         return getattr(self.events[i], "request_id", None)
@@ -230,6 +245,8 @@ class RouterPublisher:
         timeout: float = 5.0,
         retry_for_s: float = RETRY_FOR_S,
         heartbeat_every_s: float = 5.0,
+        msg_id_key: str | None = None,
+        router_seq: int = 0,
     ) -> None:
         if not router_id:
             raise ValueError("router_id must not be empty")
@@ -239,9 +256,11 @@ class RouterPublisher:
                 "(what a RouterHeartbeat carries)"
             )
         try:
-            self._msg_id_prefix = quote(router_id, safe=_MSG_ID_SAFE) + ":"
+            quoted = quote(router_id, safe=_MSG_ID_SAFE)
         except UnicodeEncodeError:
             raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
+        self._msg_id_prefix = quoted + ":"
+        self._msg_id_suffix = ":" + msg_ids.tag(msg_id_key, quoted)
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending}: must be at least 1")
         if retries is not None and retries < 0:
@@ -267,7 +286,9 @@ class RouterPublisher:
         self._in_flight = 0
         self._peak_in_flight = 0
         self._waiting = 0
-        self._router_seq = 0
+        if router_seq < 0:
+            raise ValueError(f"router_seq={router_seq}: must not be negative")
+        self._router_seq = router_seq  # the last one used: a resumed publisher goes on after it
         self._last_seq: int | None = None
         # One future per call in progress (resolved with None however the call ends): flush
         # waits for those in progress when it is called, so steady traffic cannot starve it.
@@ -329,6 +350,10 @@ class RouterPublisher:
             except PublishError as exc:  # the next beat tries again; the timeout is generous
                 self.heartbeat_failures += 1
                 log.warning("router %s: heartbeat not stored: %s", self.router_id, exc)
+
+    def msg_id(self, router_seq: int) -> str:
+        """The msg-id of this publisher's event number ``router_seq``."""
+        return f"{self._msg_id_prefix}{router_seq}{self._msg_id_suffix}"
 
     @property
     def router_seq(self) -> int:
@@ -434,7 +459,7 @@ class RouterPublisher:
             [event],
             [self.subject_for(event)],
             [payload],
-            [f"{self._msg_id_prefix}{self._router_seq}"],
+            [self.msg_id(self._router_seq)],
         )
         try:
             return (await self._run(call))[0]
@@ -450,8 +475,8 @@ class RouterPublisher:
         - Every event is checked (:meth:`check`) before any is sent: a bad or too large one
           raises (:class:`seqstate.EventDecodeError`, :class:`EventTooLarge`) and nothing of
           the batch is published or takes a router_seq.
-        - Every event gets its own ``Nats-Msg-Id: <router_id>:<router_seq>``, consecutive in
-          the given order, so a retried one is stored once.
+        - Every event gets its own ``Nats-Msg-Id: <router_id>:<router_seq>:<tag>``,
+          ``router_seq`` consecutive in the given order, so a retried one is stored once.
         - An event whose ack times out, finds no stream or carries an error is sent again with
           its msg-id (for ``retry_for_s``; an error ack ``REFUSED_RETRIES`` times; at most
           ``retries`` times when set); one that still fails, or whose first attempt is
@@ -480,14 +505,14 @@ class RouterPublisher:
         if not checked:
             return []
         subject_for = self.subject_for
-        prefix = self._msg_id_prefix
+        prefix, suffix = self._msg_id_prefix, self._msg_id_suffix
         first = self._router_seq + 1
         self._router_seq += len(checked)
         call = _Call(
             [event for event, _ in checked],
             [subject_for(event) for event, _ in checked],
             [payload for _, payload in checked],
-            [f"{prefix}{n}" for n in range(first, first + len(checked))],
+            [f"{prefix}{n}{suffix}" for n in range(first, first + len(checked))],
         )
         del checked  # the call holds what it needs
         return await self._run(call)
@@ -544,6 +569,18 @@ class RouterPublisher:
             return stored
         failed = next(i for i, seq in enumerate(seqs) if seq is None)
         error = call.fatal.get(failed)
+        if failed in call.taken:
+            squat = await self._squatted(call.taken[failed])
+            if squat is not None:
+                error = PublishError(
+                    f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
+                    f"{call.msg_ids[failed]} is taken by {squat}, so the event was not stored",
+                    msg_id=call.msg_ids[failed],
+                    request_id=call.request_id(failed),
+                )
+                error.squatted = True
+            assert error is not None
+            error.taken_at = call.taken[failed]
         if error is None:
             attempts = len(call.errors.get(failed, ()))
             error = PublishError(
@@ -555,6 +592,27 @@ class RouterPublisher:
             )
         error.sequences = list(seqs)
         raise error
+
+    async def _squatted(self, seq: int) -> str | None:
+        """What stream sequence ``seq`` holds, said, if it came in through the Dynamo capture
+        (a forged msg-id, not an earlier run); None if not, or if this client may not read it
+        (the router role may not: then the error names the msg-id only)."""
+        js = self._nc.jetstream()
+        try:
+            msg = await refused_or(
+                self._nc,
+                asyncio.wait_for(js.get_msg(self.config.events_stream, seq), self.timeout),
+            )
+        except (PermissionRefused, TimeoutError, *_CONNECTION_ERRORS):
+            return None
+        source = (msg.headers or {}).get(STREAM_SOURCE)
+        if source is None:
+            return None
+        return (
+            f"stream sequence {seq}, a message copied in from {source.split(' ', 1)[0]} (the "
+            f"Dynamo capture, subject {msg.subject!r}) whose publisher forged this msg-id in "
+            "its Nats-Msg-Id header"
+        )
 
     async def _open_inbox(self) -> None:
         async with self._inbox_lock:
@@ -647,6 +705,7 @@ class RouterPublisher:
         elif ack.duplicate and rnd.first:
             call = rnd.call
             request_id = call.request_id(i)
+            call.taken[i] = ack.seq
             call.fatal[i] = PublishError(
                 f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} was already "
                 f"used (stream sequence {ack.seq}), so the event was not stored; another "

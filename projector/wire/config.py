@@ -35,6 +35,13 @@ from seqstate.state import MAX_ENDED, MAX_TOMBSTONES, SequenceState
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 _SCHEMES = ("nats", "tls", "ws", "wss")
 _HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a name, IPv4, or IPv6 (urlsplit drops the brackets)
+# A literal NATS subject: names without wildcards, whitespace or controls, joined by dots.
+_SUBJECT = re.compile(r"[^.*>\s\x00-\x1f\x7f]+(\.[^.*>\s\x00-\x1f\x7f]+)*")
+
+
+def is_literal_subject(text: str) -> bool:
+    """Whether ``text`` is a NATS subject with no wildcard (a prefix of inboxes, say)."""
+    return _SUBJECT.fullmatch(text) is not None
 
 
 class ConfigError(SeqstateError, ValueError):
@@ -207,6 +214,13 @@ class Config:
     )
     nats_creds: str | None = _setting(
         None, "NATS credentials file (user JWT and seed, as nsc writes it)", "PATH"
+    )
+    nats_inbox_prefix: str | None = _setting(
+        None,
+        "the subject prefix of this client's reply inboxes (default: _SEQSTATE_INBOX.<user> "
+        "when signing in with a user name, else _SEQSTATE_INBOX): deploy/nats-roles.conf lets "
+        "each role subscribe below its own only",
+        "SUBJECT",
     )
     metrics_port: int | None = _setting(
         None,
@@ -592,6 +606,14 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("nats_nkey_seed", _file),
     ("nats_creds", _file),
     ("nats_user", lambda v: "" if v is None or v.strip() else "must not be empty"),
+    (
+        "nats_inbox_prefix",
+        lambda v: (
+            ""
+            if v is None or is_literal_subject(v)
+            else "not a subject prefix: dot-separated names, no wildcard, space or empty name"
+        ),
+    ),
     (
         "metrics_port",
         lambda v: (

@@ -5,6 +5,10 @@ side that reads: a name cannot drift between the writer, the projector, replay a
 # The server stores a message once per id within its duplicate window: a retry after a lost
 # ack, or a second writer at the same position, cannot store it twice.
 MSG_ID = "Nats-Msg-Id"
+# What the server adds to a message it copied in from another stream (the Dynamo capture):
+# every message of the events stream that carries it came from Dynamo's side, and its
+# Nats-Msg-Id, if any, is whatever the client that published it there chose.
+STREAM_SOURCE = "Nats-Stream-Source"
 # A compare-and-set on the subject's last message, so two writers cannot interleave.
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 

@@ -58,7 +58,8 @@ from projector.nats.stream import (
     log_time_ns,
 )
 from projector.nats.tasks import cancel
-from projector.wire.headers import MSG_ID
+from projector.wire import msg_ids
+from projector.wire.headers import MSG_ID, STREAM_SOURCE
 from projector.write.delta_log import ACK_TIMEOUT_S, EVENT_MARGIN, HEADROOM, DeltaLog
 from projector.write.snapshotter import SnapshotStats, Snapshotter
 from seqstate import (
@@ -161,6 +162,7 @@ class Writer(LagWatched):
         self._lag_of = measure_lag
         self._rules_differing = rules_differing
         self._published_up_to = 0
+        self._tick_tag = ""  # read at the first Tick
         self._last_event_at = 0.0
         self._stopping = asyncio.Event()
         self._failure: BaseException | None = None
@@ -320,7 +322,7 @@ class Writer(LagWatched):
     def _tell(self, seq: int, msg: Msg, verdict: Verdict) -> None:
         """The fold of a message someone awaits, told to them."""
         headers = msg.headers
-        if headers:
+        if headers and STREAM_SOURCE not in headers:  # a captured message's msg-id is forged
             listener = self._awaited.pop(headers.get(MSG_ID, ""), None)
             if listener is not None:
                 listener(seq, verdict)
@@ -411,12 +413,14 @@ class Writer(LagWatched):
                 now - self._last_event_at < idle and now - ticked < every
             ):
                 continue
-            # The msg-id makes concurrent writers (or a retry) log one Tick per position.
+            # The msg-id makes concurrent writers (or a retry) log one Tick per position; its
+            # tag keeps a client that may publish on Dynamo's subjects from taking it first.
             try:
+                tag = self._tick_tag or await self._read_tick_tag()
                 await self._js.publish(
                     self.settings.control_subject,
                     encode_event(Tick()),
-                    headers={MSG_ID: f"tick:{self.settings.namespace}:{self.stats.last_seq}"},
+                    headers={MSG_ID: f"tick:{self.settings.namespace}:{self.stats.last_seq}:{tag}"},
                     timeout=ACK_TIMEOUT_S,
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
@@ -424,6 +428,14 @@ class Writer(LagWatched):
                 continue
             self.stats.ticks_published += 1
             self._last_event_at = ticked = loop.time()
+
+    async def _read_tick_tag(self) -> str:
+        """The Ticks' tag, from the events stream's msg-id key (a random one if it has none,
+        so that this writer's Ticks are its own)."""
+        info = await self._js.stream_info(self.settings.events_stream)
+        key = (info.config.metadata or {}).get(msg_ids.KEY)
+        self._tick_tag = msg_ids.tick_tag(key, self.settings.namespace)
+        return self._tick_tag
 
     async def _measure_lag(self) -> Lag:
         return await self._lag_of(self.applied.value)

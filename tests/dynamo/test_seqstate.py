@@ -15,15 +15,20 @@ import pytest
 from dynamo_kit import Stream, block, close_all, nonzero, open_streams, scrape, unique_blocks
 from eventually import eventually
 from fleet import DYNAMO_ENDPOINT
+from holding_proxy import HoldingProxy
 from live import LiveFleet
 from seqstate_kit import (
     HELD,
     NAMESPACE,
+    REPO,
+    SEQSTATE,
     Seqstate,
     agree,
     lacks,  # noqa: F401 (read by the skipif strings below)
     per_rank,
 )
+
+from projector.nats.server import NatsServer
 
 # String conditions: evaluated only for a test about to run, so a `make test` that deselects
 # these never pays for the two `--help` processes.
@@ -177,3 +182,60 @@ async def test_a_late_frontend_is_resynced(live: LiveFleet, seqstate: Seqstate) 
     finally:
         if late is not None:
             live.fleet.stop_proc(late)
+
+
+@needs_resync
+async def test_a_resync_never_resurrects_requests_freed_while_it_runs(
+    live: LiveFleet, seqstate: Seqstate, nats_server: NatsServer
+) -> None:
+    """Eight streams held through both frontends; ``seqstate dynamo resync`` is held (a proxy
+    between it and NATS) at its first publish, after it has read the ledger; four streams are
+    cut then, and their Frees folded. Released, resync sends its Adds, then the Free of each
+    request that ended meanwhile: both frontends show the four still held, as seqstate does,
+    and zero after the drain. (Before, the four came back on every replica that had not
+    routed them, until the replicas' own expiry.)"""
+    rids, streams = await hold(live, 10_000_000, 8)
+    proxy = await HoldingProxy(nats_server.port).start()
+    try:
+        await agree(live, seqstate, per_rank(live, rids), "8 streams held")
+        resync = await asyncio.create_subprocess_exec(
+            *SEQSTATE,
+            "dynamo",
+            "resync",
+            "--namespace",
+            NAMESPACE,
+            "--dynamo-endpoint",
+            DYNAMO_ENDPOINT,
+            env=dict(seqstate.env(), NATS_URL=proxy.url),
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        await eventually(
+            lambda: proxy.held.is_set() or resync.returncode is not None,
+            what="resync at its first publish (held by the proxy)",
+        )
+        assert resync.returncode is None
+        # Both frontends routed some of the four (the streams alternate between them).
+        await asyncio.gather(*(s.cut() for s in streams[:4]))
+        await eventually(
+            lambda: live.capture.freed(rids[:4]),
+            lambda freed: len(freed) == 4,
+            what="the cut streams' Frees",
+        )
+        await agree(live, seqstate, per_rank(live, rids), "4 cut while resync is held")
+        proxy.release.set()
+        out, err = await resync.communicate()
+        assert resync.returncode == 0, (out, err)
+        await eventually(
+            lambda: live.capture.republished(rids),
+            lambda again: len(again) == 8,
+            what="the 8 republished AddRequests on Dynamo's subject",
+        )
+        await agree(live, seqstate, per_rank(live, rids), "after the resync: the 4 still held")
+        assert "resynced 8 requests in flight" in out.decode(), out
+        assert "; 4 ended meanwhile, their Free sent again" in out.decode(), out
+    finally:
+        await proxy.stop()
+        await close_all(streams)
+    await agree(live, seqstate, {}, "the drain")

@@ -108,3 +108,32 @@ async def test_an_endpoint_another_namespace_captures_is_refused_in_words(nc: Cl
 def test_a_malformed_endpoint_is_one_line(endpoints: str) -> None:
     with pytest.raises(ConfigError, match=r"is not a Dynamo endpoint: NAMESPACE\.COMPONENT"):
         Config(dynamo_endpoint=endpoints)
+
+
+async def test_a_forged_msg_id_on_a_dynamo_subject_is_named_a_squat(nc: Client) -> None:
+    """A client that knows a router's next msg-id (here: the test computes one of ``seqstate
+    publish``'s from the stream's key) and puts it on a Dynamo message takes it first; the
+    router's event is refused, and the error says by what: a message copied in from the
+    capture, not an earlier run. (Without the key, or a random tag, no one else knows it.)"""
+    from projector.nats.resources import msg_id_key
+    from projector.route.publisher import PublishError, RouterPublisher
+
+    config = config_for(f"sq{next(_names)}.backend.generate")
+    key = msg_id_key((await ensure(nc, config)).events)
+    assert key is not None and len(key) == 32
+    pub = RouterPublisher(nc, router_id="p9", config=config, msg_id_key=key)
+    await nc.publish(
+        dynamo_subject(config.dynamo_endpoints[0]),
+        b"forged",
+        headers={"Nats-Msg-Id": pub.msg_id(1)},
+    )
+    await stored(nc, config, 1)
+    with pytest.raises(PublishError) as raised:
+        await pub.add("r1", 1)
+    assert raised.value.squatted and raised.value.taken_at == 1
+    assert str(raised.value) == (
+        f"AddRequest for request 'r1': msg-id {pub.msg_id(1)} is taken by stream sequence 1, a "
+        f"message copied in from {dynamo_capture(config)} (the Dynamo capture, subject "
+        f"'{captured_subject(config.namespace, config.dynamo_endpoints[0])}') whose publisher "
+        "forged this msg-id in its Nats-Msg-Id header, so the event was not stored"
+    )

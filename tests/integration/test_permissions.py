@@ -34,6 +34,7 @@ from eventually import eventually
 from http_kit import exchange, rows
 from log_text import plain_lines
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from pipeline_kit import read_log
 
 from projector.nats.connection import ConnectError, connect
@@ -526,7 +527,7 @@ async def test_a_router_publisher_is_told_the_control_subject_is_refused(
         with pytest.raises(PublishError) as refused:
             await pub.publish(WorkerRemoved(worker_id=1))
     assert str(refused.value) == (
-        "WorkerRemoved: msg-id perm-lib:1 not stored: NATS refused a publish to "
+        f"WorkerRemoved: msg-id {pub.msg_id(1)} not stored: NATS refused a publish to "
         '"seqstate.events.default.control" (permissions violation: this user may not '
         "publish it)"
     )
@@ -742,3 +743,156 @@ async def test_dynamo_publishes_as_dynamo_and_the_admin_resyncs(
     rc, out, err = await as_cli(roles_server, "admin", *argv)
     _clean("admin", argv, rc, out, err)
     assert "resynced 6 requests in flight" in out, out
+
+
+async def test_a_dynamo_client_on_the_default_inbox_sees_no_seqstate_reply(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """The dynamo role may subscribe to nats' default ``_INBOX.>`` (Dynamo's processes take
+    their replies there). A Dynamo-side client listening there (the server accepts the
+    subscription: no error) while a router publishes (its acks), a scheduler reads the bucket,
+    the replay role reads the log (a replay's and status's push deliveries carry every event,
+    msg-ids included) and a router's ``seqstate publish`` runs, receives nothing."""
+    seen: list[str] = []
+    errors: list[Exception] = []
+
+    async def listen(msg: Msg) -> None:
+        seen.append(msg.subject)
+
+    async def error(exc: Exception) -> None:
+        errors.append(exc)
+
+    spy = await nats.connect(
+        roles_server,
+        max_reconnect_attempts=0,
+        user="dynamo",
+        password=PASSWORDS["dynamo"],
+        error_cb=error,
+    )
+    try:
+        await spy.subscribe("_INBOX.>", cb=listen)
+        await spy.flush()
+        async with (
+            as_role(roles_server, "router") as rnc,
+            as_role(roles_server, "scheduler") as snc,
+        ):
+            pub = RouterPublisher(rnc, router_id="inbox-probe", config=Config())
+            await pub.add("inbox-1", 7, 0, block_hashes=[1, 2])
+            last = await pub.free("inbox-1", 7, 0)
+            async with RegistryView(snc, config=Config()) as view:
+                await view.wait_for(last, timeout=20)
+        await pipeline[1].wait_flushed(last)
+        for role, argv in (
+            ("replay", ("replay", "--verify")),
+            ("replay", ("status",)),
+            ("router", ("publish", "--router-id", "inbox-cli")),
+        ):
+            stdin = b'{"type": "Free", "request_id": "inbox-2", "worker_id": 7}\n'
+            rc, out, err = await as_cli(roles_server, role, *argv, stdin=stdin)
+            _clean(role, argv, rc, out, err)
+        await spy.flush()
+    finally:
+        await spy.close()
+    assert errors == []
+    assert seen == []
+
+
+# What a client of the dynamo role may put on a Dynamo subject, beside its message: JetStream's
+# publish headers. The capture stream refuses those asking for what it does not allow
+# (rollups, per-message TTLs, atomic batches, schedules, counters); the rest are stored and
+# copied into the events stream, the Nats-Expected-* checks dropped on the way (a source does
+# not check them again), the msg-id kept: the one header that reaches seqstate's events.
+FORGED: list[tuple[dict[str, str], bool]] = [  # (headers, reaches the events stream)
+    *(({"Nats-Msg-Id": f"forger:{n}"}, True) for n in range(1, 6)),  # a router's ids, as were
+    ({"Nats-Rollup": "all"}, False),
+    ({"Nats-Rollup": "sub"}, False),
+    ({"Nats-TTL": "1s"}, False),
+    ({"Nats-Batch-Id": "b1", "Nats-Batch-Sequence": "1", "Nats-Batch-Commit": "1"}, False),
+    (
+        {"Nats-Schedule": "@every 1s", "Nats-Schedule-Target": "seqstate.events.default.control"},
+        False,
+    ),
+    ({"Nats-Incr": "1"}, False),
+    ({"Nats-Expected-Stream": "SEQSTATE_EVENTS_DYNAMO_default"}, True),
+    ({"Nats-Expected-Last-Subject-Sequence-Subject": "seqstate.events.default.control"}, False),
+    ({"Nats-Expected-Last-Sequence": "0"}, False),  # the capture holds messages: refused
+    ({"Nats-Marker-Reason": "MaxAge"}, True),
+]
+
+
+async def test_a_dynamo_clients_forged_headers_take_nothing_from_seqstate(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """A client of the dynamo role puts JetStream headers on Dynamo messages, among them the
+    msg-ids a router's events had (``<router_id>:<n>``). Each is refused by the capture or
+    reaches the events stream as a Dynamo message and nothing more: no purge, no stall (a
+    message sent after them is folded), and the router's own events, published after, are
+    stored and folded, none taken as a duplicate."""
+    endpoint = "dynamo.backend.generate"
+    async with as_role(roles_server, "writer", dynamo_endpoint=endpoint) as wnc:
+        await ensure(wnc, role_config(roles_server, "writer", dynamo_endpoint=endpoint))
+    writer = pipeline[0]
+    async with as_role(roles_server, "replay") as onc:
+        js = onc.jetstream()
+        before = (await js.stream_info("SEQSTATE_EVENTS")).state
+        forger = await nats.connect(
+            roles_server, max_reconnect_attempts=0, user="dynamo", password=PASSWORDS["dynamo"]
+        )
+        try:
+            for i, (headers, _) in enumerate(FORGED):
+                free = _dynamo(i, f"forged-{i}", "Free")
+                await forger.publish(dynamo_subject(endpoint), free, headers=headers)
+            await forger.publish(dynamo_subject(endpoint), _dynamo(len(FORGED), "after", "Add"))
+            await forger.flush()
+        finally:
+            await forger.close()
+        await eventually(
+            lambda: "after" in writer.state.requests.owner,
+            what="the Dynamo message sent after the forged ones folded",
+        )
+        async with as_role(roles_server, "router") as rnc:
+            pub = RouterPublisher(rnc, router_id="forger", config=Config())
+            seqs = [await pub.add(f"forger-{n}", 3, 0, block_hashes=[n]) for n in range(1, 6)]
+        assert len(set(seqs)) == 5
+        await eventually(
+            lambda: {f"forger-{n}" for n in range(1, 6)} - set(writer.state.requests.owner),
+            lambda missing: not missing,
+            what="the router's five events folded",
+        )
+        after = (await js.stream_info("SEQSTATE_EVENTS")).state
+        # nothing purged or removed: every message stored since is still there
+        assert after.messages - before.messages == after.last_seq - before.last_seq
+        reached = []
+        for seq in range(before.last_seq + 1, after.last_seq + 1):
+            msg = await js.get_msg("SEQSTATE_EVENTS", seq)
+            if msg.subject.endswith(".dynamo.dynamo.backend.generate"):
+                headers = {
+                    k: v for k, v in (msg.headers or {}).items() if k != "Nats-Stream-Source"
+                }
+                reached.append((decode_dynamo(msg.data).request_id, headers))
+    assert reached == [
+        *(
+            (f"forged-{i}", {k: v for k, v in h.items() if not k.startswith("Nats-Expected-")})
+            for i, (h, ok) in enumerate(FORGED)
+            if ok
+        ),
+        ("after", {}),
+    ]
+
+
+def _dynamo(sequence: int, request_id: str, op: str) -> bytes:
+    """A Dynamo replica-sync message of a forging publisher (its own id, sequences from 0)."""
+    from seqstate.dynamo import ADD, FREE, DynamoMessage, encode_dynamo
+
+    return encode_dynamo(
+        DynamoMessage(
+            publisher_id=4242,
+            sequence=sequence,
+            published_at_ms=1,
+            request_id=request_id,
+            worker_id=3,
+            router_id=99,
+            op=ADD if op == "Add" else FREE,
+            token_sequence=[1, 2] if op == "Add" else None,
+        )
+    )

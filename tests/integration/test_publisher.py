@@ -63,6 +63,13 @@ async def config(nc: Client) -> AsyncIterator[Config]:
         await js.delete_stream(cfg.events_stream)
 
 
+def bare(msg_id: str) -> str:
+    """A router's msg-id without its tag: ``<router_id>:<n>``."""
+    head, n, tag = msg_id.rsplit(":", 2)
+    assert len(tag) == 16 and int(tag, 16) >= 0, msg_id
+    return f"{head}:{n}"
+
+
 async def _stored(nc: Client, config: Config, seq: int) -> tuple[str, Any, dict[str, str]]:
     msg = await nc.jetstream().get_msg(config.events_stream, seq)
     assert msg.data is not None and msg.subject is not None
@@ -111,7 +118,7 @@ async def test_lifecycle_is_stored_in_order_with_router_id_and_msg_ids(
         subject, stored, headers = await _stored(nc, config, seq)
         assert stored == event
         assert subject == config.event_subject(7, 2)
-        assert headers[MSG_ID_HEADER] == f"r1:{n}"
+        assert bare(headers[MSG_ID_HEADER]) == f"r1:{n}"
     assert await _stream_messages(nc, config) == 3
     assert await pub.flush() == s3
 
@@ -127,7 +134,7 @@ async def test_control_events_go_to_the_control_subject(nc: Client, config: Conf
     subject, stored, headers = await _stored(nc, config, s3)
     assert subject == config.event_subject(3, 1)
     assert stored == Free(request_id="x", worker_id=3, dp_rank=1, router_id="ctl")
-    assert headers[MSG_ID_HEADER] == "ctl:3"
+    assert bare(headers[MSG_ID_HEADER]) == "ctl:3"
 
 
 async def test_a_routers_heartbeat_and_goodbye_go_to_the_routers_subject(
@@ -176,7 +183,7 @@ async def test_lost_ack_is_retried_with_the_same_msg_id_and_stored_once(
 
     monkeypatch.setattr(nc, "publish", lose_first_ack)
     seq = await pub.add("req-lost", 1)
-    assert [c[MSG_ID_HEADER] for c in calls] == ["lossy:1", "lossy:1"]
+    assert [bare(c[MSG_ID_HEADER]) for c in calls] == ["lossy:1", "lossy:1"]
     assert await _stream_messages(nc, config) == 1
     _, stored, _ = await _stored(nc, config, seq)
     assert stored == AddRequest(request_id="req-lost", worker_id=1, router_id="lossy")
@@ -218,7 +225,7 @@ async def test_no_stream_raises_publish_error_after_retries(nc: Client) -> None:
         await pub.add("req-nowhere", 4)
     message = str(raised.value)
     assert "req-nowhere" in message and "lost:1" in message and "3 attempt" in message
-    assert raised.value.msg_id == "lost:1" and raised.value.request_id == "req-nowhere"
+    assert bare(raised.value.msg_id) == "lost:1" and raised.value.request_id == "req-nowhere"
     assert pub.pending == 0 and await pub.flush() is None
 
 
@@ -227,7 +234,7 @@ async def test_ack_timeout_retries_same_msg_id_then_raises(nc: Client) -> None:
     seen: list[str] = []
 
     async def silent(msg: Msg) -> None:  # a responder that never acks
-        seen.append((msg.headers or {})[MSG_ID_HEADER])
+        seen.append(bare((msg.headers or {})[MSG_ID_HEADER]))
 
     sub = await nc.subscribe(config.event_subject(5, 0), cb=silent)
     try:
@@ -241,12 +248,27 @@ async def test_ack_timeout_retries_same_msg_id_then_raises(nc: Client) -> None:
         await sub.unsubscribe()
 
 
-async def test_reused_router_id_is_not_silently_deduplicated(nc: Client, config: Config) -> None:
-    first = RouterPublisher(nc, router_id="dup", config=config)
+async def test_a_restarted_router_may_reuse_its_id(nc: Client, config: Config) -> None:
+    """Each publisher draws its own tag: a router restarted under its id stores its events
+    under msg-ids of its own, none deduplicated away."""
+    first = RouterPublisher(nc, router_id="again", config=config)
     await first.add("a", 1)
-    restarted = RouterPublisher(nc, router_id="dup", config=config)
-    with pytest.raises(PublishError, match=r"'b'.*dup:1.*already used"):
+    restarted = RouterPublisher(nc, router_id="again", config=config)
+    await restarted.add("b", 1)
+    ids = [(await _stored(nc, config, seq))[2][MSG_ID_HEADER] for seq in (1, 2)]
+    assert [bare(i) for i in ids] == ["again:1", "again:1"] and ids[0] != ids[1]
+    assert first.msg_id(1) == ids[0] and restarted.msg_id(1) == ids[1]
+
+
+async def test_reused_router_id_is_not_silently_deduplicated(nc: Client, config: Config) -> None:
+    """With one key (``seqstate publish``'s, the events stream's), a second publisher of a
+    router id meets the first one's msg-ids: refused, never passed as stored."""
+    first = RouterPublisher(nc, router_id="dup", config=config, msg_id_key="k")
+    await first.add("a", 1)
+    restarted = RouterPublisher(nc, router_id="dup", config=config, msg_id_key="k")
+    with pytest.raises(PublishError, match=r"'b'.*dup:1:.*already used") as raised:
         await restarted.add("b", 1)
+    assert raised.value.taken_at == 1 and not raised.value.squatted
     assert await _stream_messages(nc, config) == 1
 
 
@@ -258,7 +280,7 @@ async def test_invalid_event_is_rejected_before_publishing(nc: Client, config: C
         await pub.add("r", 1, expected_prefill_ms=-1.0)
     assert pub.router_seq == 0
     assert await pub.add("r", 1) == 1
-    assert (await _stored(nc, config, 1))[2][MSG_ID_HEADER] == "v:1"
+    assert bare((await _stored(nc, config, 1))[2][MSG_ID_HEADER]) == "v:1"
 
 
 ROUTER_IDS = {  # id -> its msg-ids' prefix
@@ -300,7 +322,7 @@ async def test_router_ids_of_any_alphabet_publish_with_msg_ids_of_their_own(
             RouterHeartbeat(router_id=rid),
             AddRequest(request_id="q", worker_id=1, router_id=rid),
         ]
-        assert [headers[MSG_ID_HEADER] for _, _, headers in stored] == [
+        assert [bare(headers[MSG_ID_HEADER]) for _, _, headers in stored] == [
             f"{prefix}:1",
             f"{prefix}:2",
         ]
@@ -402,7 +424,7 @@ def _record_sends(nc: Client, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str
     async def recording(subject: str, payload: bytes = b"", **kw: Any) -> None:
         msg_id = (kw.get("headers") or {}).get(MSG_ID_HEADER)
         if msg_id is not None:
-            sent.append((subject, msg_id))
+            sent.append((subject, bare(msg_id)))
         await real(subject, payload, **kw)
 
     monkeypatch.setattr(nc, "publish", recording)
@@ -413,7 +435,7 @@ async def _stream_order(nc: Client, config: Config, count: int) -> list[tuple[st
     """(subject, event, msg-id) of the stream's first ``count`` messages, in stream order."""
     first = (await nc.jetstream().stream_info(config.events_stream)).state.first_seq
     stored = [await _stored(nc, config, seq) for seq in range(first, first + count)]
-    return [(subject, event, headers[MSG_ID_HEADER]) for subject, event, headers in stored]
+    return [(subject, event, bare(headers[MSG_ID_HEADER])) for subject, event, headers in stored]
 
 
 async def test_publish_many_stores_a_call_in_order_with_consecutive_msg_ids(
@@ -451,7 +473,7 @@ async def test_publish_many_stores_a_call_in_order_with_consecutive_msg_ids(
 
     more = await pub.publish_many(_adds(3, start=100))  # msg-ids count on
     assert min(more) > seqs[-1]
-    assert [(await _stored(nc, config, s))[2][MSG_ID_HEADER] for s in more] == [
+    assert [bare((await _stored(nc, config, s))[2][MSG_ID_HEADER]) for s in more] == [
         f"b1:{n}" for n in range(len(events) + 2, len(events) + 5)
     ]
     assert pub.pending == 0 and await pub.flush() == more[-1]
@@ -481,7 +503,10 @@ async def test_publish_many_checks_every_event_before_sending_any(
 
     seqs = await pub.publish_many(_adds(2))  # nothing was spent: the msg-ids start at 1
     assert [msg_id for _, msg_id in sent] == ["chk:1", "chk:2"]
-    assert [(await _stored(nc, config, s))[2][MSG_ID_HEADER] for s in seqs] == ["chk:1", "chk:2"]
+    assert [bare((await _stored(nc, config, s))[2][MSG_ID_HEADER]) for s in seqs] == [
+        "chk:1",
+        "chk:2",
+    ]
 
 
 async def test_publish_many_retries_a_lost_ack_with_its_msg_id_and_stores_it_once(
@@ -522,7 +547,8 @@ async def test_publish_many_a_retried_event_lands_after_later_ones_and_says_so(
     diverted: list[str] = []
 
     async def first_attempt_of_2_finds_no_stream(subject: str, payload: bytes, **kw: Any) -> None:
-        if (kw.get("headers") or {}).get(MSG_ID_HEADER) == "late:2" and not diverted:
+        msg_id = (kw.get("headers") or {}).get(MSG_ID_HEADER)
+        if msg_id is not None and bare(msg_id) == "late:2" and not diverted:
             diverted.append(subject)
             subject = f"nowhere-{uuid.uuid4().hex}"  # no stream: the server answers 503
         await real(subject, payload, **kw)
@@ -552,7 +578,7 @@ async def test_publish_many_raises_after_persistent_failure_and_keeps_the_rest(
         with pytest.raises(PublishError) as raised:
             await pub.publish_many(events)
         error = raised.value
-        assert (error.msg_id, error.request_id) == ("part:2", "req-1")
+        assert (bare(error.msg_id), error.request_id) == ("part:2", "req-1")
         assert "req-1" in str(error) and "part:2" in str(error) and "3 attempt" in str(error)
         assert "NoStreamResponseError" in str(error)
         assert error.sequences is not None and error.sequences[1] is None
@@ -569,7 +595,7 @@ async def test_publish_many_ack_timeouts_retry_same_msg_ids_then_raise(nc: Clien
     seen: list[str] = []
 
     async def silent(msg: Msg) -> None:  # a responder that never acks
-        seen.append((msg.headers or {})[MSG_ID_HEADER])
+        seen.append(bare((msg.headers or {})[MSG_ID_HEADER]))
 
     sub = await nc.subscribe(config.event_subject(5, 0), cb=silent)
     try:
@@ -588,9 +614,9 @@ async def test_publish_many_ack_timeouts_retry_same_msg_ids_then_raise(nc: Clien
 async def test_publish_many_with_a_reused_router_id_is_not_silently_deduplicated(
     nc: Client, config: Config
 ) -> None:
-    first = RouterPublisher(nc, router_id="dupm", config=config)
+    first = RouterPublisher(nc, router_id="dupm", config=config, msg_id_key="k")
     await first.publish_many(_adds(2))
-    restarted = RouterPublisher(nc, router_id="dupm", config=config)
+    restarted = RouterPublisher(nc, router_id="dupm", config=config, msg_id_key="k")
     with pytest.raises(PublishError, match=r"'req-10'.*dupm:1.*already used") as raised:
         await restarted.publish_many(_adds(3, start=10))
     assert raised.value.sequences is not None

@@ -222,3 +222,22 @@ def test_the_http_flags_belong_to_serve_http_alone() -> None:
     assert (args.cfg_http_host, args.cfg_http_port) == ("0.0.0.0", "1")
     args = build_parser().parse_args(["serve-http", "--http-host", "::1", "--http-token", "t"])
     assert (args.cfg_http_host, args.cfg_http_token) == ("::1", "t")
+
+
+def test_the_inbox_prefix_is_the_users_own_and_never_nats_default() -> None:
+    from projector.nats.security import inbox_prefix
+
+    assert inbox_prefix(Config()) == "_SEQSTATE_INBOX"
+    assert inbox_prefix(Config(nats_user="router", nats_password="pw")) == (
+        "_SEQSTATE_INBOX.router"
+    )
+    assert inbox_prefix(Config(), "nats://replay:pw@h:4222,nats://replay:pw@h2:4222") == (
+        "_SEQSTATE_INBOX.replay"
+    )
+    assert inbox_prefix(Config(), "nats://s3cr3t-token@h:4222") == "_SEQSTATE_INBOX"
+    assert inbox_prefix(Config(nats_user="a b", nats_password="pw")) == "_SEQSTATE_INBOX"
+    chosen = Config.from_env({"SEQSTATE_NATS_INBOX_PREFIX": "_SEQSTATE_INBOX.router"})
+    assert inbox_prefix(chosen, "nats://admin:pw@h") == "_SEQSTATE_INBOX.router"
+    for bad in ("_X.>", "a..b", "a b"):
+        with pytest.raises(ConfigError, match="SEQSTATE_NATS_INBOX_PREFIX"):
+            Config.from_env({"SEQSTATE_NATS_INBOX_PREFIX": bad})

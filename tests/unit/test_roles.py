@@ -88,7 +88,7 @@ def test_the_admin_may_do_what_its_commands_roles_may_in_every_namespace_and_no_
         "seqstate.events.*.routers.>",
     ]
     assert generator["subscriptions"](config, "admin") == [
-        "_INBOX.>",
+        "_SEQSTATE_INBOX.admin.>",
         "$SRV.>",
         "seqstate.svc.*.writer.>",
         "seqstate.svc.*.projector.>",

@@ -24,6 +24,7 @@ async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
         f"done) of namespace {config.namespace!r} to {endpoints}, as Dynamo publisher "
         f"{done.publisher_id}; the log at event {done.last_seq}"
         + (f"; {done.skipped} skipped (ended, or not Dynamo's)" if done.skipped else "")
+        + (f"; {done.freed} ended meanwhile, their Free sent again" if done.freed else "")
     )
     return 0
 
@@ -39,8 +40,10 @@ def _examples() -> str:
         "resync republishes, in Dynamo's wire format, each request in flight of the\n"
         "namespace's Dynamo endpoints (its AddRequest as routed, and its\n"
         "MarkPrefillCompleted if its prefill is done), so that a router replica started\n"
-        "after they were routed counts them as its peers do. Run it after starting a\n"
-        "frontend; the ledger ignores its own republished messages."
+        "after they were routed counts them as its peers do; then it waits for the log to\n"
+        "show what it sent, and sends the Free again of each request that ended\n"
+        "meanwhile, so no replica keeps a request the ledger has freed. Run it after\n"
+        "starting a frontend; the ledger ignores its own republished messages."
     )
 
 
