@@ -238,6 +238,7 @@ class _Connection(asyncio.Protocol):
         self.idle_mark = -1
         self.idle_since = 0.0
         self.watchdog: asyncio.TimerHandle | None = None
+        self.timers: list[asyncio.TimerHandle] = []  # the closing's: cancelled once closed
         self._reset()
 
     def _reset(self) -> None:
@@ -283,6 +284,8 @@ class _Connection(asyncio.Protocol):
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
+        for timer in self.timers:
+            timer.cancel()
 
     # ---- reading, bounded -------------------------------------------------------------------
 
@@ -533,15 +536,17 @@ class _Connection(asyncio.Protocol):
     def _close_after(self, transport: asyncio.Transport) -> None:
         """Close once written. After a refusal the client may still be sending: its bytes
         are read and dropped for up to ``LINGER_S`` after our end is shut, so that it reads
-        the answer rather than a reset."""
+        the answer rather than a reset. A client that reads none of it within
+        ``SEND_TIMEOUT_S`` is cut off: a close waits for the written bytes to be taken."""
         self.transport = None
         self.waiting.clear()
+        self.timers.append(self.loop.call_later(SEND_TIMEOUT_S, transport.abort))
         if not self.refused or not transport.can_write_eof():
             transport.close()
             return
         transport.write_eof()
         transport.resume_reading()
-        self.loop.call_later(LINGER_S, transport.close)
+        self.timers.append(self.loop.call_later(LINGER_S, transport.close))
 
     def _limit(self) -> None:
         if len(self.calls) >= MAX_IN_FLIGHT:
