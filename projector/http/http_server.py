@@ -18,9 +18,10 @@ headroom. What a library would have done is kept small and explicit here:
   call's cost): a :class:`Call` is a small object the handler tells ``begun()`` and
   ``answer()``, and the connection moves on from there. It runs on uvloop's transports as on
   asyncio's;
-- at most ``MAX_IN_FLIGHT`` calls per connection, and at most ``WRITE_HIGH`` bytes of answers
-  its client has not read: beyond either the connection stops being read (TCP backpressure)
-  until they drain, never buffered without bound, and other connections are served on;
+- at most ``MAX_IN_FLIGHT`` calls per connection, and about ``WRITE_HIGH`` bytes of answers
+  its client has not read: beyond either the connection stops being read (TCP backpressure),
+  and beyond the second its calls stop being begun, until they drain; never buffered without
+  bound, and other connections are served on;
 - every part of a request is bounded as it arrives, before it is kept: a URL over ``MAX_URL``
   is 414, headers over ``MAX_HEADERS`` 431, a body over ``MAX_BODY`` 413 (axum's default
   limit, 2 MiB; with its ``Content-Length`` it is refused before it is read); a request that
@@ -267,13 +268,16 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         """The transport's buffer is over its high-water mark: the client does not read what
-        it is sent. Its requests are not read either until it does (TCP backpressure)."""
+        it is sent. Its calls are not begun, nor its requests read, until it does (TCP
+        backpressure): beyond the mark wait only the answers of calls begun already (one
+        read at most: a read begins once every call before it is answered)."""
         self.writing_paused = True
         self.write_paused_at = self.loop.time()
         self._pause()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        self.advance()  # the calls read meanwhile
         self._maybe_resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -503,6 +507,7 @@ class _Connection(asyncio.Protocol):
                 waiting = self.waiting
                 if (
                     waiting
+                    and not self.writing_paused  # its answers wait to be read: so do its calls
                     and self.not_begun == 0
                     and (self.not_answered == 0 or not self.handler.reads(waiting[0].path))
                     and self.transport is not None

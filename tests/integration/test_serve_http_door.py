@@ -80,10 +80,10 @@ def with_url(target: str) -> bytes:
     return f"GET {target} HTTP/1.1\r\nhost: x\r\n\r\n".encode()
 
 
-def with_header_lines(total: int) -> bytes:
+def with_header_lines(total: int, target: str = "/health") -> bytes:
     """A GET whose header lines (``name: value\\r\\n`` each) take ``total`` bytes in all."""
     fixed = len(b"host: x\r\n") + len(b"x-pad: \r\n")
-    return f"GET /health HTTP/1.1\r\nhost: x\r\nx-pad: {'p' * (total - fixed)}\r\n\r\n".encode()
+    return f"GET {target} HTTP/1.1\r\nhost: x\r\nx-pad: {'p' * (total - fixed)}\r\n\r\n".encode()
 
 
 def rss_mb(port: int) -> float:
@@ -169,6 +169,8 @@ async def test_each_part_of_a_request_is_bounded_where_it_arrives(
         assert (await exchange(port, [with_header_lines(16 * KiB)]))[0] == (200, None)
         over = await refused(port, with_header_lines(16 * KiB + 1))
         assert over == (431, {"error": "the request's headers are over 16384 bytes"})
+        both = with_header_lines(16 * KiB, at)  # each at its limit at once
+        assert (await exchange(port, [both]))[0] == (200, None)
 
         # The body: a 1M-token prompt's /add (62,500 i64 hashes) padded to 2 MiB is booked;
         # a body one byte over is 413 as soon as its Content-Length is read, unsent.
