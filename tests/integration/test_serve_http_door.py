@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 from collections.abc import AsyncIterator, Callable
@@ -29,8 +30,9 @@ from http_kit import (
     rows,
     serve_http,
 )
+from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import fresh_config
+from pipeline_kit import cli, fresh_config
 
 from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
@@ -347,3 +349,14 @@ async def test_a_name_too_long_for_nats_is_400_and_serve_http_stays_connected(
         ]
         status, _, why = await http_get(metrics, "/readyz")
         assert (status, why) == (200, "ready\n")
+
+
+def test_a_deployment_name_that_leaves_no_room_for_a_tracker_is_refused_in_one_line() -> None:
+    """Its name is part of every tracker's namespace: serve-http refuses it before it starts."""
+    config = dataclasses.replace(fresh_config("dd"), namespace="d-" * 700)
+    result = cli(config, "nats://127.0.0.1:1", "serve-http")
+    assert result.returncode == 1
+    assert plain_lines(result.stderr) == [
+        "seqstate: error: --namespace: 1400 characters leave no room for the names of a tracker "
+        "in its namespace (a token of NATS subjects): use a shorter one"
+    ]
