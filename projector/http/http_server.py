@@ -18,10 +18,17 @@ headroom. What a library would have done is kept small and explicit here:
   call's cost): a :class:`Call` is a small object the handler tells ``begun()`` and
   ``answer()``, and the connection moves on from there. It runs on uvloop's transports as on
   asyncio's;
-- at most ``MAX_IN_FLIGHT`` calls per connection: beyond that the connection stops being read
-  (TCP backpressure), never buffered without bound;
-- a body over ``MAX_BODY`` bytes is 413 (axum's default limit, 2 MiB); a request that does not
-  parse is 400 and the connection closes; ``Connection: close`` and HTTP/1.0 close after the
+- at most ``MAX_IN_FLIGHT`` calls per connection, and about ``WRITE_HIGH`` bytes of answers
+  its client has not read: beyond either the connection stops being read (TCP backpressure),
+  and beyond the second its calls stop being begun, until they drain; never buffered without
+  bound, and other connections are served on;
+- every part of a request is bounded as it arrives, before it is kept: a URL over ``MAX_URL``
+  is 414, headers over ``MAX_HEADERS`` 431, a body over ``MAX_BODY`` 413 (axum's default
+  limit, 2 MiB; with its ``Content-Length`` it is refused before it is read); a request that
+  does not parse is 400. Each refusal is a JSON error, and the connection closes after it;
+- a head must arrive within ``HEAD_TIMEOUT_S`` (slowloris), a body within ``BODY_TIMEOUT_S``
+  (408); a connection idle for ``IDLE_TIMEOUT_S`` is closed, one that reads none of its
+  answers for ``SEND_TIMEOUT_S`` aborted; ``Connection: close`` and HTTP/1.0 close after the
   response;
 - with a bearer token (``serve(..., token=...)``), a call without ``Authorization: Bearer
   <token>`` is 401 before anything else is looked at (its route, its body, which is not even
@@ -47,8 +54,23 @@ import msgspec
 
 log = logging.getLogger("seqstate.http")
 
+# What one request may be (the most trusted servers' practice: bound everything, name each
+# refusal, close the connection after it). nginx's and hyper's limits are of these sizes.
+MAX_URL = 8 * 1024  # the request target: 414 over it
+MAX_HEADERS = 16 * 1024  # every header line, "name: value\r\n": 431 over it
+MAX_HEAD = MAX_URL + MAX_HEADERS + 8 * 1024  # what a head may take on the wire: 431 over it
+# A body: axum's default limit. A 1M-token prompt's /add (62,500 i64 hashes) is ~1.3 MB.
 MAX_BODY = 2 * 1024 * 1024
 MAX_IN_FLIGHT = 64
+PIECE = 4096  # a head is parsed this many bytes at a time, and counted in between
+WRITE_HIGH = 64 * 1024  # answers not read by the client beyond this: its requests wait
+HEAD_TIMEOUT_S = 5.0  # a request's head (the first: from the connection's opening)
+BODY_TIMEOUT_S = 30.0  # a request's body, from its head's first byte
+IDLE_TIMEOUT_S = 120.0  # nothing in flight; over reqwest's 90 s pool idle timeout
+SEND_TIMEOUT_S = 60.0  # answers not read at all for this long: the connection is aborted
+LINGER_S = 2.0  # after a refusal, what the client still sends is dropped, then it closes
+HEADERS_TOO_LARGE = f"the request's headers are over {MAX_HEADERS} bytes"
+TOO_LARGE = "Failed to buffer the request body: length limit exceeded"  # axum's words
 Answer = tuple[int, object]  # status, JSON payload (None: an empty body)
 
 
@@ -184,61 +206,237 @@ class Call:
         conn.advance()
 
 
+class _Refused(Exception):
+    """Raised in a parser callback to stop the parse: the connection's refusal says why."""
+
+
+HEAD, BODY, BETWEEN = range(3)  # where a connection is in its current request
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, handler: Handler, token_digest: bytes | None = None) -> None:
         self.handler = handler
         self.token_digest = token_digest  # None: every call is let in
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
         self.calls: deque[Call] = deque()  # every call not yet written, in order
         self.waiting: deque[Call] = deque()  # the calls not submitted yet: always a suffix
         self.not_begun = 0  # submitted calls not begun yet
         self.not_answered = 0  # submitted calls not answered yet
         self._advancing = False
-        self.paused = False
+        self.paused = False  # not reading: too many calls in flight, or output not drained
+        self.reading = True  # the transport's own state (paused or not)
+        self.writing_paused = False  # the transport's buffer is over its high-water mark
+        self.write_paused_at = 0.0
+        self.held: bytes | None = None  # received, not parsed yet (arrived as we paused)
+        self.resuming = False
+        self.refused = False  # a refusal is queued: nothing more is read
+        self.phase = HEAD  # the first request's head is timed from the connection
+        self.since = self.loop.time()  # when the current request's first byte came
+        self.head_bytes = 0  # received while a head is incomplete (over-counted by a piece)
+        self.requests = 0  # requests parsed: an idle connection is one that adds none
+        self.idle_mark = -1
+        self.idle_since = 0.0
+        self.watchdog: asyncio.TimerHandle | None = None
+        self.timers: list[asyncio.TimerHandle] = []  # the closing's: cancelled once closed
         self._reset()
 
     def _reset(self) -> None:
         self.url = b""
         self.content_type: str | None = None
+        self.content_length: int | None = None
         self.authorization: bytes | None = None
         self.authorizations = 0  # Authorization headers seen: more than one is refused
         self.authorised = self.token_digest is None
         self.body: list[bytes] = []
         self.size = 0
-        self.too_large = False
+        self.header_bytes = 0
         self.close_after = False
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio class
+        transport.set_write_buffer_limits(high=WRITE_HIGH)  # type: ignore[attr-defined]
+        self.watchdog = self.loop.call_later(HEAD_TIMEOUT_S, self._watch)
 
     def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._reply_now(400, {"error": "upgrades are not supported"}, close=True)
-        except httptools.HttpParserError:
-            self._reply_now(400, {"error": "malformed HTTP request"}, close=True)
+        if self.refused:
+            return  # answered already: the rest is not read, only let drain until the close
+        self._feed(data)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the client does not read what
+        it is sent. Its calls are not begun, nor its requests read, until it does (TCP
+        backpressure): beyond the mark wait only the answers of calls begun already (one
+        read at most: a read begins once every call before it is answered)."""
+        self.writing_paused = True
+        self.write_paused_at = self.loop.time()
+        self._pause()
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self.advance()  # the calls read meanwhile
+        self._maybe_resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.calls.clear()
         self.waiting.clear()
+        self.held = None
         self.transport = None
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+        for timer in self.timers:
+            timer.cancel()
+
+    # ---- reading, bounded -------------------------------------------------------------------
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        """Parse ``data`` a piece at a time: a head's bytes are counted as they come, so none
+        grows past ``MAX_HEAD`` in the parser (httptools keeps a header it has not finished);
+        a body of a known length is fed to its end. Once reading is paused, what is left is
+        held until it resumes: the calls in flight stay bounded."""
+        parser = self.parser
+        while data:
+            if self.phase == BODY and self.content_length is not None:
+                limit = self.content_length - self.size
+            else:
+                limit = PIECE
+            if len(data) > limit:
+                if type(data) is bytes:
+                    data = memoryview(data)  # sliced without a copy
+                piece, data = data[:limit], data[limit:]
+            else:  # the common case: one request, or the rest of a body
+                piece, data = data, b""
+            try:
+                parser.feed_data(piece)
+            except httptools.HttpParserUpgrade:
+                self._refuse(400, "upgrades are not supported")
+                return
+            except httptools.HttpParserError:
+                if not self.refused:
+                    self._refuse(400, "malformed HTTP request")
+                return
+            if self.phase != BODY:
+                self.head_bytes += len(piece)
+                if self.head_bytes > MAX_HEAD:  # the URL is not (on_url): its headers are
+                    self._refuse(431, HEADERS_TOO_LARGE)
+                    return
+            if self.paused and data:
+                self.held = bytes(data)
+                return
+
+    def _refuse(self, status: int, error: str) -> None:
+        """Answer ``status`` once the calls before it are answered, and close: nothing more
+        is read from this connection (a client may still be sending what was refused)."""
+        self.refused = True
+        self.held = None
+        self._pause()
+        self._queue_now(response(status, {"error": error}, close=True), True)
+
+    def _refusal(self, status: int, error: str) -> _Refused:
+        self._refuse(status, error)
+        return _Refused(error)
+
+    def _pause(self) -> None:
+        self.paused = True
+        if self.reading and self.transport is not None:
+            self.transport.pause_reading()
+            self.reading = False
+
+    def _maybe_resume(self) -> None:
+        if self.paused and not self.resuming and self._may_read():
+            self.resuming = True
+            self.loop.call_soon(self._resume)
+
+    def _may_read(self) -> bool:
+        return (
+            not self.writing_paused
+            and len(self.calls) < MAX_IN_FLIGHT // 2
+            and not self.refused
+            and self.transport is not None
+        )
+
+    def _resume(self) -> None:
+        """Read again: what was held first. The client waited for us, so the request it is
+        in the middle of is timed afresh."""
+        self.resuming = False
+        if not self.paused or not self._may_read():
+            return
+        self.paused = False
+        self.since = self.loop.time()
+        held, self.held = self.held, None
+        if held:
+            self._feed(held)
+        if not self.paused and not self.reading and self.transport is not None:
+            self.transport.resume_reading()
+            self.reading = True
+
+    # ---- timeouts ---------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Every few seconds at most, while the connection lives: a head not complete within
+        ``HEAD_TIMEOUT_S`` of its first byte (of the connection, for the first request) or a
+        body not within ``BODY_TIMEOUT_S`` is 408 (a client that sent nothing is closed
+        silently); a connection with nothing in flight for ``IDLE_TIMEOUT_S`` is closed; one
+        whose output has not drained for ``SEND_TIMEOUT_S`` is aborted. Time spent paused by
+        us is not the client's: the clocks start again when reading does."""
+        self.watchdog = None
+        transport = self.transport
+        if transport is None:
+            return
+        now = self.loop.time()
+        if self.writing_paused and now - self.write_paused_at >= SEND_TIMEOUT_S:
+            log.info("closing a connection that has not read its answers for %g s", SEND_TIMEOUT_S)
+            transport.abort()
+            return
+        wait = HEAD_TIMEOUT_S
+        if self.refused or self.paused:
+            pass
+        elif self.phase == HEAD or self.phase == BODY:
+            limit = HEAD_TIMEOUT_S if self.phase == HEAD else BODY_TIMEOUT_S
+            wait = self.since + limit - now
+            if wait <= 0:
+                if self.phase == HEAD and self.requests == 0 and self.head_bytes == 0:
+                    transport.close()  # it never sent a byte: nothing to answer
+                    return
+                part = "head" if self.phase == HEAD else "body"
+                self._refuse(408, f"the request's {part} did not arrive within {limit:g} s")
+                wait = HEAD_TIMEOUT_S
+        elif not self.calls:  # between requests, nothing owed (perhaps a few stray CRLFs)
+            if self.idle_mark != self.requests:
+                self.idle_mark, self.idle_since = self.requests, now
+            wait = self.idle_since + IDLE_TIMEOUT_S - now
+            if wait <= 0:
+                transport.close()
+                return
+        self.watchdog = self.loop.call_later(min(wait, HEAD_TIMEOUT_S), self._watch)
 
     # ---- httptools callbacks ----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._reset()
+        self.phase = HEAD
+        self.since = self.loop.time()
+        self.head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        if len(self.url) > MAX_URL:
+            raise self._refusal(414, f"the request's URL is over {MAX_URL} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value) + 4  # "name: value\r\n"
+        if self.header_bytes > MAX_HEADERS:
+            raise self._refusal(431, HEADERS_TOO_LARGE)
         lowered = name.lower()
         if lowered == b"content-type":
             self.content_type = value.decode("latin-1")
+        elif lowered == b"content-length":
+            with contextlib.suppress(ValueError):  # the parser refuses a malformed one
+                self.content_length = int(value)
         elif lowered == b"connection" and value.lower() == b"close":
             self.close_after = True
         elif lowered == b"authorization":
@@ -246,6 +444,7 @@ class _Connection(asyncio.Protocol):
             self.authorizations += 1
 
     def on_headers_complete(self) -> None:
+        self.phase = BODY
         if self.parser.get_http_version() == "1.0" and not self.parser.should_keep_alive():
             self.close_after = True
         if self.token_digest is not None and self.authorizations == 1:
@@ -254,29 +453,26 @@ class _Connection(asyncio.Protocol):
             self.authorised = credential is not None and hmac.compare_digest(
                 _digest(credential), self.token_digest
             )
+        if self.authorised and (self.content_length or 0) > MAX_BODY:
+            raise self._refusal(413, TOO_LARGE)
 
     def on_body(self, body: bytes) -> None:
+        self.size += len(body)
         if not self.authorised:
             return  # answered 401 whatever it holds: not worth a byte of memory
-        self.size += len(body)
-        if self.size > MAX_BODY:
-            self.too_large = True
-        elif not self.too_large:
-            self.body.append(body)
+        if self.size > MAX_BODY:  # a chunked body: its length was not told in advance
+            raise self._refusal(413, TOO_LARGE)
+        self.body.append(body)
 
     def on_message_complete(self) -> None:
+        self.phase = BETWEEN
+        self.head_bytes = 0
+        self.requests += 1
         close = self.close_after
         if not self.authorised:
             head_only = self.parser.get_method() == b"HEAD"
             data = response(401, UNAUTHORIZED, close=close, challenge=CHALLENGE)
             self._queue_now(data[: data.index(b"\r\n\r\n") + 4] if head_only else data, close)
-            return
-        if self.too_large:
-            self._reply_now(
-                413,
-                {"error": "Failed to buffer the request body: length limit exceeded"},
-                close=close,
-            )
             return
         url = self.url
         if b"?" in url or b"#" in url or not url.startswith(b"/"):
@@ -311,6 +507,7 @@ class _Connection(asyncio.Protocol):
                 waiting = self.waiting
                 if (
                     waiting
+                    and not self.writing_paused  # its answers wait to be read: so do its calls
                     and self.not_begun == 0
                     and (self.not_answered == 0 or not self.handler.reads(waiting[0].path))
                     and self.transport is not None
@@ -336,21 +533,29 @@ class _Connection(asyncio.Protocol):
             transport.write(call.data)
             wrote = True
             if call.close:
-                transport.close()
-                self.transport = None
-                self.waiting.clear()
+                self._close_after(transport)
                 return
-        if wrote and self.paused and len(calls) < MAX_IN_FLIGHT // 2 and transport is not None:
-            transport.resume_reading()
-            self.paused = False
+        if wrote and self.paused:
+            self._maybe_resume()
+
+    def _close_after(self, transport: asyncio.Transport) -> None:
+        """Close once written. After a refusal the client may still be sending: its bytes
+        are read and dropped for up to ``LINGER_S`` after our end is shut, so that it reads
+        the answer rather than a reset. A client that reads none of it within
+        ``SEND_TIMEOUT_S`` is cut off: a close waits for the written bytes to be taken."""
+        self.transport = None
+        self.waiting.clear()
+        self.timers.append(self.loop.call_later(SEND_TIMEOUT_S, transport.abort))
+        if not self.refused or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        transport.resume_reading()
+        self.timers.append(self.loop.call_later(LINGER_S, transport.close))
 
     def _limit(self) -> None:
-        if len(self.calls) >= MAX_IN_FLIGHT and self.transport is not None and not self.paused:
-            self.transport.pause_reading()
-            self.paused = True
-
-    def _reply_now(self, status: int, payload: object, *, close: bool) -> None:
-        self._queue_now(response(status, payload, close=close), close)
+        if len(self.calls) >= MAX_IN_FLIGHT:
+            self._pause()
 
     def _queue_now(self, data: bytes, close: bool) -> None:
         """A reply that needs no handler (401, 413, 400): it has no effect to order."""

@@ -60,7 +60,12 @@ from projector.http.slot_api import (
     register_problem,
     request_event,
 )
-from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
+from projector.http.tracker_names import (
+    NotATrackerNamespace,
+    TrackerNameTooLong,
+    namespace_for,
+    tracker_of,
+)
 from projector.nats import fast_publish
 from projector.nats.logs import event_fields
 from projector.nats.resources import ensure
@@ -425,9 +430,27 @@ class SlotService:
         at once and the call answered from the writer's fold of it (:mod:`.own_fold`), and a
         read is answered from that fold at once: no task, no future. Everything else
         (registrations, a tracker not served yet, a process that does not hold the lease)
-        takes :meth:`begin`'s path."""
+        takes :meth:`begin`'s path. Names too long to be a tracker's (its namespace is a
+        token of NATS subjects) are 400 before anything reaches NATS."""
+        try:
+            self._submit(call)
+        except TrackerNameTooLong as exc:
+            call.answer(400, {"error": str(exc)})
+
+    def health(self) -> tuple[int, object]:
+        """``GET /health``: Dynamo's 200 with an empty body while this process can serve
+        calls; 503 while NATS is disconnected (the client reconnects meanwhile), which a
+        Kubernetes probe or a load balancer reads as not ready."""
+        if self.nc.is_connected:
+            return 200, None
+        return 503, {"error": "not ready: NATS is disconnected (reconnecting)"}
+
+    def _submit(self, call: Call) -> None:
         path = call.path
         if call.method in ("GET", "HEAD"):
+            if path == "/health":
+                call.answer(*self.health())
+                return
             if path in READS and path != "/potential_loads":
                 writers = self._states(call.query)
                 if writers is not None:
@@ -469,6 +492,8 @@ class SlotService:
             )
             call.begun()
             status, payload = await pending
+        except TrackerNameTooLong as exc:
+            status, payload = 400, {"error": str(exc)}
         except Exception:  # a bug must not take the connection's other calls with it
             log.exception("call %s %s failed", call.method, call.path)  # never its body
             status, payload = 500, {"error": "internal error"}
@@ -650,6 +675,8 @@ class SlotService:
             method = "GET"
         if method != wanted:
             return _now(405, {"error": "method not allowed"})
+        if path == "/health":
+            return _now(*self.health())
         if wanted == "GET":
             return _now(200, await self._read(path, query))
         if content_type is None or not _is_json(content_type):
@@ -686,9 +713,7 @@ class SlotService:
         """The body of a GET: a read has nothing to store, so it is answered when begun."""
         if path == "/loads":
             return await self._loads(query)
-        if path == "/workers":
-            return await self._workers(query)
-        return None  # /health
+        return await self._workers(query)
 
     def _register_problem(self, parsed: RegisterBody) -> str | None:
         """What Dynamo refuses in a registration, then what only the ledger bounds."""

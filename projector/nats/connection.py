@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import nats
 import nats.errors
 from nats.aio.client import Client
+from nats.protocol.parser import PERMISSIONS_ERR
 
 from projector.nats.security import (
     auth_options,
@@ -138,6 +139,34 @@ class _TlsClient(Client):
             info["tls_required"] = True  # nats-py's cue to upgrade before CONNECT
             self._server_info["tls_required"] = True
         await super()._process_info(info, initial_connection)
+
+    async def _process_err(self, err_msg: str) -> None:
+        """A server's ``-ERR`` (lower-cased by nats-py's parser): one that ends the connection
+        is a lost connection, so the client reconnects as after any other.
+
+        nats-py closes the client for good at any ``-ERR`` but a stale connection or a
+        permissions violation: one publish on a subject longer than the server's control
+        line ("maximum control line exceeded"), or over its payload limit, left a service
+        with a closed client and no reconnect, answering on without NATS. Only a refusal of
+        the credentials still closes it (nats-py's way: no reconnect can mend it), and a
+        service exits then (:func:`closed_for_good`).
+        """
+        if any(refusal in err_msg for refusal in _AUTH_ERRORS) or PERMISSIONS_ERR in err_msg:
+            await super()._process_err(err_msg)
+            return
+        error = nats.errors.Error(err_msg.strip(" '"))  # logged as "nats: <the server's words>"
+        await self._error_cb(error)
+        await self._process_op_err(error)
+
+
+# The -ERR texts (lower-cased) that refuse the credentials, as nats.go lists them: no
+# reconnect mends those, every other -ERR that ends a connection is reconnected from.
+_AUTH_ERRORS = (
+    "authorization violation",
+    "user authentication expired",
+    "user authentication revoked",
+    "account authentication expired",
+)
 
 
 def tls_asked_for(url: str, tls: ssl.SSLContext | None) -> bool:
@@ -292,6 +321,9 @@ class _Callbacks:
         # The subjects refused a publish so far (lower-cased, as nats-py reports them), the
         # newest REFUSED_KEPT: a publisher asks before it retries (was_refused).
         self.refused_subjects: dict[str, None] = {}
+        # Set when the client is closed not by us (a refusal of its credentials): why.
+        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.client: weakref.ref[Client] | None = None  # once dialed
 
     async def on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
@@ -328,6 +360,14 @@ class _Callbacks:
 
     async def on_reconnect(self) -> None:
         log.info("nats: reconnected")
+
+    async def on_closed(self) -> None:
+        if self.dialing or self.closing or self.lost.done():
+            return
+        nc = None if self.client is None else self.client()
+        error = None if nc is None else nc.last_error
+        why = scrub(str(error) if error else "closed", self.url, self.secrets)
+        self.lost.set_result(why)
 
 
 async def _watch(dialing: asyncio.Future[Client], callbacks: _Callbacks, until: float) -> None:
@@ -378,6 +418,7 @@ async def _dial(
                 error_cb=callbacks.on_error,
                 disconnected_cb=callbacks.on_disconnect,
                 reconnected_cb=callbacks.on_reconnect,
+                closed_cb=callbacks.on_closed,
                 **options,
             )
         )
@@ -415,6 +456,18 @@ def _cause(dialing: asyncio.Future[Client], callbacks: _Callbacks) -> BaseExcept
 # The callbacks of each client connect() made, for refused_or and was_refused.
 _WATCHED: weakref.WeakKeyDictionary[Client, _Callbacks] = weakref.WeakKeyDictionary()
 REFUSED_KEPT = 64
+
+
+async def closed_for_good(nc: Client) -> str:
+    """Waits until ``nc`` (a client of :func:`connect`) is closed by anything but its own
+    end, which no reconnect follows (the server refused its credentials): why, in one line.
+    A service that cannot go on without NATS exits then, rather than serve on without it.
+    Never returns for a client :func:`connect` did not make."""
+    callbacks = _WATCHED.get(nc)
+    if callbacks is None:
+        await asyncio.get_running_loop().create_future()  # never set
+    assert callbacks is not None
+    return await asyncio.shield(callbacks.lost)
 
 
 def was_refused(nc: Client, subject: str) -> bool:
@@ -487,6 +540,7 @@ async def connect(
     )
     nc = await _dial(url, callbacks, tls, auth)
     _WATCHED[nc] = callbacks
+    callbacks.client = weakref.ref(nc)
     try:
         yield nc
     finally:

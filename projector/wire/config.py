@@ -33,6 +33,10 @@ from seqstate.fold import (
 from seqstate.state import MAX_ENDED, MAX_TOMBSTONES, SequenceState
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+# A namespace is a token of every subject and KV key of its pipeline; NATS reads a protocol
+# line (``HPUB <subject> <reply> <sizes>``) into its max_control_line, 4,096 bytes by default,
+# and ends the connection on a longer one. Half is the namespace's, half the rest of the line's.
+MAX_NAMESPACE_BYTES = 2048
 _SCHEMES = ("nats", "tls", "ws", "wss")
 _HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a name, IPv4, or IPv6 (urlsplit drops the brackets)
 # A literal NATS subject: names without wildcards, whitespace or controls, joined by dots.
@@ -533,6 +537,12 @@ def _name(value: str) -> str:
     return "" if _TOKEN.match(value) else "use letters, digits, '-' and '_' only"
 
 
+def _namespace(value: str) -> str:
+    if len(value) > MAX_NAMESPACE_BYTES:
+        return f"at most {MAX_NAMESPACE_BYTES} characters (a token of NATS subjects)"
+    return _name(value)
+
+
 def _check_endpoints(value: str | None) -> str:
     if value is None:
         return ""
@@ -548,7 +558,7 @@ def _check_endpoints(value: str | None) -> str:
 
 _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("nats_url", _check_url),
-    ("namespace", _name),
+    ("namespace", _namespace),
     ("dynamo_endpoint", _check_endpoints),
     ("events_stream", _name),
     ("deltas_stream", _name),

@@ -1,19 +1,26 @@
 """Issue 12: a ``serve-http`` process that runs a tracker's writer and projector is SIGKILLed in
 the middle of a pipelined run while a second one serves on; the second takes the tracker over,
 the first comes back, and in the end both answer ``/loads`` as one uninterrupted fold of the
-log says, and the bucket holds exactly what that fold's deltas write."""
+log says, and the bucket holds exactly what that fold's deltas write.
+
+And nats-server itself SIGKILLed under a serving process: /health and /readyz say not ready
+while it is away, ready once it is back, and calls are answered again, with nothing lost. A
+process whose credentials the server stops accepting cannot go on: it exits, in one line."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import random
+import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
 from eventually import eventually
 from fault_kit import BUSY, bucket_position, fault_config, fold_differences, fold_log
-from http_kit import exchange, kill, request, rows, serve_http
+from http_kit import RUNNING, exchange, free_port, http_get, kill, request, rows, serve_http
+from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import bucket_values
 
@@ -149,3 +156,87 @@ async def test_a_killed_serving_process_leaves_the_ledger_a_replay_of_the_log(
     image = fold.image.everything()
     image.pop(position_key(tracker.namespace), None)
     assert fold_differences(image, values) == ""
+
+
+async def test_serve_http_is_not_ready_while_nats_is_away_and_serves_again_after(
+    tmp_path: Path,
+) -> None:
+    server = NatsServer(tmp_path / "store")
+    server.start()  # its port is kept across restarts, so serve-http finds it again
+    config = fault_config("fn")
+    metrics = free_port()
+    m = {"model_name": M}
+
+    def add(rid: str) -> tuple[str, str, dict[str, Any]]:
+        body = {**m, "request_id": rid, "worker_id": 0, "dp_rank": 0, "sequence_hashes": [1, 2]}
+        return ("POST", "/add", body)
+
+    async def health(port: int) -> Any:
+        return (await exchange(port, [("GET", "/health", None)]))[0]
+
+    async def ready() -> tuple[int, str]:
+        status, _, why = await http_get(metrics, "/readyz")
+        return status, why
+
+    try:
+        async with serve_http(server.url, config, "--metrics-port", str(metrics)) as port:
+            register = {**m, "worker_id": 0, "block_size": 16, "dp_start": 0, "dp_size": 1}
+            answers = await exchange(port, [("POST", "/register", register), add("before")])
+            assert [a.status for a in answers] == [201, 201]
+            await eventually(ready, lambda r: r[0] == 200, what="/readyz ready at first")
+
+            server.kill()
+            down = await eventually(
+                lambda: health(port), lambda r: r.status == 503, what="/health while NATS is away"
+            )
+            assert down.body == {"error": "not ready: NATS is disconnected (reconnecting)"}
+            assert await ready() == (503, "nats: disconnected\n")
+
+            server.start()
+            await eventually(
+                lambda: health(port), lambda r: r == (200, None), what="/health once NATS is back"
+            )
+            await eventually(ready, lambda r: r == (200, "ready\n"), what="/readyz once back")
+            answers = await exchange(
+                port,
+                [
+                    add("after"),
+                    ("POST", "/free", {**m, "request_id": "before"}),
+                    ("GET", "/loads", None),
+                ],
+            )
+            assert [a.status for a in answers] == [201, 200, 200], answers
+            assert rows(answers[2]) == [(M, 0, 0, 0, 2)]
+    finally:
+        server.stop()
+
+
+async def test_serve_http_exits_in_one_line_when_its_credentials_are_revoked(
+    tmp_path: Path,
+) -> None:
+    """No reconnect can mend a refusal of the credentials: serve-http must not look alive
+    without NATS (its /health answering 200 to nobody's benefit), it exits non-zero."""
+    conf = tmp_path / "users.conf"
+    users = (
+        'server_name: seqstate\nauthorization {{ users = [ {{user: "svc", password: "{}"}} ] }}\n'
+    )
+    conf.write_text(users.format("first"))
+    server = NatsServer(tmp_path / "store", extra_args=("-c", str(conf)))
+    server.start()
+    try:
+        url = server.url.replace("nats://", "nats://svc:first@")
+        async with serve_http(url, fault_config("fc")) as port:
+            proc = RUNNING[port]
+            conf.write_text(users.format("next"))
+            assert server._proc is not None
+            server._proc.send_signal(signal.SIGHUP)  # reload: the password has changed
+            await eventually(lambda: proc.poll(), lambda rc: rc is not None, what="exited")
+            assert proc.returncode == 1
+            assert proc.stdout is not None
+            lines = plain_lines(proc.stdout.read().decode())
+            assert lines[-1] == (
+                "seqstate: error: NATS closed the connection for good (nats: authorization "
+                "failed): serve-http cannot go on"
+            ), lines
+    finally:
+        server.stop()

@@ -165,18 +165,23 @@ async def exchange(
         )
         answers = []
         for call in calls:
-            status_line = await asyncio.wait_for(reader.readline(), WAIT_S)
-            status = int(status_line.split()[1])
-            headers = {}
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode().partition(":")
-                headers[name.strip().lower()] = value.strip()
             head_only = call.startswith(b"HEAD ") if isinstance(call, bytes) else call[0] == "HEAD"
-            length = 0 if head_only else int(headers.get("content-length", 0))
-            answers.append(Reply(status, headers, await reader.readexactly(length)))
+            answers.append(await read_reply(reader, head_only=head_only))
         return answers
     finally:
         writer.close()
+
+
+async def read_reply(reader: asyncio.StreamReader, *, head_only: bool = False) -> Reply:
+    """The next response on a connection (``head_only``: the answer to a HEAD, no body)."""
+    status_line = await asyncio.wait_for(reader.readline(), WAIT_S)
+    status = int(status_line.split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = 0 if head_only else int(headers.get("content-length", 0))
+    return Reply(status, headers, await reader.readexactly(length))
 
 
 def rows(answer: Reply | tuple[int, Any]) -> list[tuple[Any, ...]]:
@@ -193,3 +198,20 @@ def rows(answer: Reply | tuple[int, Any]) -> list[tuple[Any, ...]]:
         )
         for r in body
     ]
+
+
+async def http_get(
+    port: int, path: str, method: str = "GET", address: str = "127.0.0.1"
+) -> tuple[int, str, str]:
+    """``(status, content type, body)`` of one request to the metrics port."""
+    reader, writer = await asyncio.open_connection(address, port)
+    try:
+        writer.write(f"{method} {path} HTTP/1.1\r\nhost: localhost\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers.get("content-type", ""), body.decode()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from eventually import eventually
+from http_kit import http_get
 from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import REPO, fill, fresh_config, name_flags, read_log, second_loopback
@@ -54,23 +55,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def http_get(
-    port: int, path: str, method: str = "GET", address: str = "127.0.0.1"
-) -> tuple[int, str, str]:
-    """``(status, content type, body)`` of one request to the metrics port."""
-    reader, writer = await asyncio.open_connection(address, port)
-    try:
-        writer.write(f"{method} {path} HTTP/1.1\r\nhost: localhost\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 10)
-    finally:
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    return int(lines[0].split()[1]), headers.get("content-type", ""), body.decode()
 
 
 def parse(text: str) -> Samples:

@@ -111,6 +111,15 @@ def test_with_namespace() -> None:
     assert (other.namespace, other.flush_interval_s) == ("prod", 0.5)
 
 
+def test_a_namespace_is_a_token_of_at_most_2048_characters() -> None:
+    """It is a token of every subject of its pipeline: a longer one would make protocol lines
+    over NATS's default 4 KiB control line, which ends the connection."""
+    assert len(Config(namespace="n" * 2048).namespace) == 2048
+    with pytest.raises(ConfigError) as caught:
+        Config(namespace="n" * 2049)
+    assert caught.value.problem == "at most 2048 characters (a token of NATS subjects)"
+
+
 def test_a_bad_url_is_named_without_its_secret() -> None:
     with pytest.raises(ConfigError) as caught:
         Config.from_env({"NATS_URL": "nats://alice:S3cret@host:port"})

@@ -13,7 +13,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from projector.nats.connection import connect, require_url
+from projector.nats.connection import closed_for_good, connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
@@ -26,8 +26,16 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
     """Dynamo's standalone slot-tracker API, durable underneath (see projector/slot_service)."""
     from projector.http.http_server import close, serve
     from projector.http.slot_service import SlotService
+    from projector.http.tracker_names import TrackerNameTooLong, namespace_for
 
     token = bearer_token(config)
+    try:  # a deployment's name is part of every tracker's namespace
+        namespace_for("", "", config.namespace)
+    except TrackerNameTooLong:
+        raise CliError(
+            f"--namespace: {len(config.namespace)} characters leave no room for the names "
+            "of a tracker in its namespace (a token of NATS subjects): use a shorter one"
+        ) from None
     host = config.http_host
     catch_signals()
     async with (
@@ -63,11 +71,18 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
                 port,
             )
         try:
-            await until_signal(server.serve_forever())
+            await until_signal(server.serve_forever(), _lost(nc))
         finally:
             await close(server)
             await service.stop()
     return 0
+
+
+async def _lost(nc: Client) -> None:
+    """Ends serve-http when its NATS client is closed for good (its credentials refused): it
+    cannot serve a call without NATS, and must not look alive meanwhile."""
+    why = await closed_for_good(nc)
+    raise CliError(f"NATS closed the connection for good ({why}): serve-http cannot go on")
 
 
 @contextlib.asynccontextmanager
