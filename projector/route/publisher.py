@@ -71,7 +71,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from projector.nats.connection import was_refused
-from projector.nats.failures import describe
+from projector.nats.failures import describe, refusal
 from projector.nats.pub_ack import ACK_DECODER
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
@@ -282,6 +282,9 @@ class RouterPublisher:
         self._heartbeats: asyncio.Task[None] | None = None
         self._closing = False
         self.heartbeat_failures = 0
+        # Attempts the server refused (error acks, permission refusals), by a word for why
+        # (projector.nats.failures.refusal): a router's own count, for its metrics.
+        self.refused: dict[str, int] = {}
 
     # ---- lifecycle: heartbeats and goodbye -------------------------------------------------
 
@@ -643,6 +646,7 @@ class RouterPublisher:
             if err.err_code not in TRANSIENT_ERRORS:
                 calls = rnd.call.refusals
                 calls[i] = calls.get(i, 0) + 1
+                self._count_refusal(refusal(api_error))
             self._settle(rnd, i, None, _describe(api_error))
         elif ack.duplicate and rnd.first:
             call = rnd.call
@@ -657,6 +661,9 @@ class RouterPublisher:
             self._settle(rnd, i, None, None)
         else:
             self._settle(rnd, i, ack.seq, None)
+
+    def _count_refusal(self, why: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
 
     def _release(self) -> None:
         self._in_flight -= 1
@@ -689,6 +696,7 @@ class RouterPublisher:
                 subject = rnd.call.subjects[i]
                 if was_refused(self._nc, subject):  # no retry can change the server's mind
                     rnd.call.fatal.setdefault(i, _refused(rnd.call, i))
+                    self._count_refusal("permission")
                 self._settle(rnd, i, None, _describe(TimeoutError()))
             rnd.cursor += 1
 
