@@ -37,7 +37,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import nats.errors
@@ -86,6 +86,9 @@ class Lag:
     streams: tuple[StreamUse, ...] = ()
     storage: StorageUse | None = None
     exact: bool = True  # False: counted by sequence difference (an older server)
+    # Captured messages waited at this measurement and the one before, and the events stream
+    # took none of them in between: it refuses them (full), it is not slow (set by the watch).
+    stalled: bool = False
 
     def _age(self, *stamps: int | None) -> float:
         known = [ns for ns in stamps if ns is not None]
@@ -361,6 +364,9 @@ class LagWatch:
     async def check(self) -> Lag:
         """Measure now (within a bounded time), judge, and return the measurement."""
         lag = await asyncio.wait_for(self._measure(), ATTEMPT_TIMEOUT_S)
+        before, now = self.lag.capture, lag.capture
+        if now and now.waiting and before and before.waiting and now.sourced <= before.sourced:
+            lag = replace(lag, stalled=True)
         self.lag = lag
         self._judge(lag, asyncio.get_running_loop().time())
         return lag

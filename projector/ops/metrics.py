@@ -172,7 +172,9 @@ class Metrics:
         """``(ready, why)``: ready while NATS is connected and every consumer has caught up
         with its input, its last lag measurement at most ``ready_lag_events`` events behind
         what was logged and captured (Dynamo's messages waiting outside the events stream
-        count), the oldest of those waiting at most ``ready_lag_s``.
+        count), the oldest of those waiting at most ``ready_lag_s``, and the events stream
+        taking what is captured (captured messages that wait at two checks in a row, none
+        taken in between, make it not ready at once: the events stream refuses them).
 
         A consumer that has not measured its lag yet is not ready: at start it may be folding a
         backlog of any size, and only a measurement says it is not."""
@@ -196,6 +198,11 @@ class Metrics:
                     )
                 if not consumer.caught_up.is_set() or lag.behind_events > self.ready_lag_events:
                     return False, f"replaying: {behind} {where}"
+                if lag.stalled:
+                    return False, (
+                        f"behind: the events stream took none of the {lag.captured} Dynamo "
+                        f"messages captured since the last check (full?) {where}"
+                    )
                 if self.ready_lag_s is not None and lag.behind_s > self.ready_lag_s:
                     return False, (
                         f"replaying: {behind}, the oldest waiting "

@@ -170,7 +170,7 @@ async def collect(nc: Client, config: Config) -> StatusReport:
             config, "projector", await projector_lag(js, config, applied, delta_seq)
         )
     writer, capture = None, None
-    folded = await _writer_position(nc, config)  # the deltas, then the log
+    folded = await writer_position(nc, config)  # the deltas, then the log
     names = [config.events_stream, config.deltas_stream, dead_letter_stream(config)]
     streams = [await _stream(nc, name) for name in names]
     storage = None
@@ -270,7 +270,7 @@ async def _dynamo_loss(
     return None, ""
 
 
-async def _writer_position(nc: Client, config: Config) -> int:
+async def writer_position(nc: Client, config: Config) -> int:
     """The last event the writer has visibly handled: the newest its stored deltas cover, or
     its newest dead letter, if that is later (0: none)."""
     js = nc.jetstream()
