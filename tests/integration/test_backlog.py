@@ -260,8 +260,9 @@ async def test_status_counts_the_namespaces_own_events_on_a_shared_stream(
 
     text, report = await status(mine, nats_server.url)
     writer = report["writer"]
-    assert (writer["events"], writer["newest"], writer["exact"]) == (2, newest, True)
+    assert (writer["events"], writer["newest"]) == (2, newest), writer
     assert report["lag_events"] == 2, report
+    assert writer["exact"] is True  # counted by the server, not a sequence difference
     assert (
         "writer lag: 2 events stored but not folded yet (folded up to event 0, the log at "
         f"{newest})"
