@@ -162,7 +162,7 @@ class Config:
     )
     lag_check_s: float = _setting(
         2.0,
-        "the writer and the projector look up their lag this often (two small reads)",
+        "the writer and the projector look up their lag this often (a few small reads)",
         "SECONDS",
     )
     consumer_window: int = _setting(
