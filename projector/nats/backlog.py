@@ -18,8 +18,9 @@ Three places can hold a namespace's backlog, and each is counted in its own mess
   subjects names, in its ``Nats-Stream-Source`` header, the capture sequence it was sourced
   from: every captured message after it waits, and any the capture stream no longer holds
   between the two was dropped before it was sourced (its byte limit, or its age limit, while
-  the events stream refused). When that header is gone (the events trimmed past it), the
-  server's own count for the source (its ``lag``) is used;
+  the events stream refused). None there: none was sourced yet, unless the namespace's events
+  were trimmed past the last one; then the server's own count for the source (its ``lag``,
+  which leaves out the few messages in flight) is used;
 - the JetStream storage of the streams: messages and bytes against their limits, and the
   account's storage against its own.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.errors
@@ -179,11 +181,16 @@ def sourced_seq(headers: dict[str, str] | None, capture: str) -> int:
 
 
 async def captured(
-    js: JetStreamContext, events: api.StreamInfo, capture: str, subjects: str
+    js: JetStreamContext,
+    events: api.StreamInfo,
+    capture: str,
+    subjects: str,
+    trimmed: Callable[[], Awaitable[bool]],
 ) -> Captured | None:
     """What ``capture`` holds that the stream of ``events`` (its info, which lists its
     sources) has not sourced yet; ``subjects``: what the events stream rewrites the captured
-    messages to. None: no such capture stream."""
+    messages to; ``trimmed``: whether the namespace's events were ever trimmed (asked only
+    when none of them is a captured one). None: no such capture stream."""
     try:
         state = (await js.stream_info(capture)).state
     except NotFoundError:
@@ -202,7 +209,7 @@ async def captured(
                 error = str(source.error.get("description") or source.error)
     last, first = state.last_seq, state.first_seq
     dropped = max(0, first - 1 - sourced)
-    if not sourced and lag is not None:  # none sourced yet, or trimmed from the events
+    if not sourced and lag is not None and await trimmed():  # sourced, then trimmed
         sourced, dropped = max(0, last - lag), 0  # the server's count: in flight left out
     waiting = max(0, last - max(sourced, first - 1))
     oldest = None

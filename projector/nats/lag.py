@@ -55,6 +55,7 @@ from projector.nats.backlog import (
     waiting_after,
 )
 from projector.nats.resources import dead_letter_stream, dynamo_capture
+from projector.nats.retention import trimmed_below
 from projector.nats.retry import ATTEMPT_TIMEOUT_S
 from projector.nats.stream import last_seq_of
 from projector.wire.chain import covered_source
@@ -239,7 +240,12 @@ async def capture_of(
             events = await js.stream_info(config.events_stream)
         except NotFoundError:
             return None
-    return await captured(js, events, dynamo_capture(config), captured_subjects(config.namespace))
+
+    async def trimmed() -> bool:
+        return bool(await trimmed_below(js._nc, config))
+
+    subjects = captured_subjects(config.namespace)
+    return await captured(js, events, dynamo_capture(config), subjects, trimmed)
 
 
 async def writer_lag(

@@ -241,6 +241,37 @@ async def test_a_full_events_stream_shows_the_dynamo_backlog_until_it_is_lifted(
         assert pick(samples, "seqstate_stream_max_messages", stream=config.events_stream) is None
 
 
+async def test_a_capture_refused_from_its_first_message_is_counted_exactly(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """Broke: the events stream filled to its limit by a router's events, then 40 Dynamo
+    messages captured: none could be taken, so no captured message in the events stream
+    names where the capture stands. Expected: ``status`` counts all 40 waiting (not the
+    server's source lag, which leaves out those in flight)."""
+    config = dynamo_config("bf")
+    await ensure(nc, config)
+    await limit(nc, config.events_stream, max_msgs=LIMIT)
+    router = RouterPublisher(nc, namespace=config.namespace, router_id="fill", config=config)
+    await router.publish_many([Free(f"f{i}", i % 3) for i in range(LIMIT)])
+    for message in CAPTURE[:40]:
+        await nc.publish(dynamo_subject(config.dynamo_endpoint or ""), message.data)
+    await nc.flush()
+    js = nc.jetstream()
+    await eventually(
+        lambda: js.stream_info(dynamo_capture(config)),
+        lambda info: info.state.messages == 40,
+        what="40 Dynamo messages captured",
+    )
+    text, report = await status(config, nats_server.url)
+    assert report["capture"]["waiting"] == 40 and report["capture"]["taken_seq"] == 0, report
+    assert report["writer"]["events"] == LIMIT and report["writer"]["captured"] == 40
+    assert (
+        "40 Dynamo messages captured but not in the events stream yet (captured up to 40, "
+        "taken up to 0)" in text
+    ), text
+    assert await taken(nc, config) == 0
+
+
 async def test_status_counts_the_namespaces_own_events_on_a_shared_stream(
     nc: Client, nats_server: NatsServer
 ) -> None:
