@@ -25,7 +25,7 @@ from eventually import eventually
 from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import REPO, fresh_config, name_flags, run_cli
-from test_metrics import cli_env, command, free_port, http_get, pick, scrape
+from test_metrics import cli_env, command, free_port, http_get, parse, pick, scrape
 
 from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
 from projector.nats.server import NatsServer
@@ -506,3 +506,29 @@ async def read_lines(stream: asyncio.StreamReader, into: list[str]) -> None:
 def field(line: str, key: str) -> int:
     """A number of a piped demo line: ``... captured waiting=125 ...``."""
     return int(line.split(f"{key}=", 1)[1].split()[0].replace(",", ""))
+
+
+async def test_a_routers_refused_publishes_are_counted_in_its_own_metrics(nc: Client) -> None:
+    """Broke: a router publishing into a full events stream: its PublishError said so, but
+    nothing counted the refusals where an operator looks (the ledger never sees them).
+    Expected: the publisher counts every refused attempt by why, and a router's registry
+    exports them as ``seqstate_publishes_refused_total{role="router"}``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from projector import publisher_collector
+    from projector.route.publisher import PublishError
+
+    config = fresh_config("rr")
+    await ensure(nc, config)
+    await limit(nc, config.events_stream, max_msgs=3)
+    pub = RouterPublisher(nc, namespace=config.namespace, router_id="rr", config=config)
+    registry = CollectorRegistry()
+    registry.register(publisher_collector(pub))
+    await pub.publish_many([Free(f"k{i}", 0) for i in range(3)])
+    with pytest.raises(PublishError, match="the stream is full"):
+        await pub.publish(Free("over", 0))
+    attempts = pub.refused["stream_full"]
+    assert attempts >= 1 and set(pub.refused) == {"stream_full"}
+    samples = parse(generate_latest(registry).decode())
+    labels = {"namespace": config.namespace, "role": "router", "reason": "stream_full"}
+    assert pick(samples, "seqstate_publishes_refused_total", **labels) == attempts
