@@ -83,8 +83,8 @@ def render(
 def backlog_fields(lag: Lag | None, refused: int) -> dict[str, object]:
     """What waits beside the table: the writer's events stored but not folded, the Dynamo
     messages captured and not in the events stream yet (and any dropped before it took them),
-    how full each stream with a limit is, and the publishes refused. No lag measured yet: the
-    refusals alone."""
+    how full each stream is that refuses at its limit (or drops beyond it, once half full), and
+    the publishes refused. No lag measured yet: the refusals alone."""
     out: dict[str, object] = {}
     if lag is not None and lag.measured_ns:
         out["unfolded"] = lag.events
@@ -92,8 +92,8 @@ def backlog_fields(lag: Lag | None, refused: int) -> dict[str, object]:
             out["captured waiting"] = lag.capture.waiting
             if lag.capture.dropped:
                 out["captured dropped"] = lag.capture.dropped
-        for use in lag.streams:
-            if use.max_messages or use.max_bytes:
+        for use in lag.streams:  # one that refuses at its limit; one that drops, once half full
+            if (use.max_messages or use.max_bytes) and (use.discard == "new" or use.share >= 0.5):
                 out[use.name] = f"{use.share:.0%} full"
     out["refused"] = refused
     return out
