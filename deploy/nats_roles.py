@@ -190,6 +190,8 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
                 *read_stream(deltas),
                 *read_stream(registry),
                 *read_stream(snapshots),
+                # its lag: the oldest Dynamo message waiting in the capture stream
+                f"$JS.API.STREAM.MSG.GET.{capture}",
                 config.deltas_subject,
                 config.dead_letter_subject,
                 f"$JS.API.STREAM.PURGE.{events}",
@@ -206,8 +208,11 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
                 *read_stream(registry),
                 f"$KV.{config.registry_bucket}.>",
                 # its readiness counts what the writer has not handled yet: the events
-                # stream's newest messages, and the newest writer dead letter
-                *(f"$JS.API.STREAM.MSG.GET.{s}" for s in (events, dead)),
+                # stream's newest messages, and the newest writer dead letter; the
+                # namespace's events counted by the server (a direct get); the oldest
+                # Dynamo message waiting in the capture stream
+                *(f"$JS.API.STREAM.MSG.GET.{s}" for s in (events, dead, capture)),
+                f"$JS.API.DIRECT.GET.{events}",
             ],
         ),
         "replay": (

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from projector.read.reader import RegistryUnavailable, RegistryView
     from projector.read.view_metrics import view_collector
     from projector.route.publisher import EventTooLarge, PublishError, RouterPublisher
+    from projector.route.refusals import publisher_collector
     from projector.wire.config import Config, ConfigError
     from seqstate.errors import SeqstateError
 
@@ -40,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "RegistryView": "projector.read.reader",
     "RegistryUnavailable": "projector.read.reader",
     "view_collector": "projector.read.view_metrics",
+    "publisher_collector": "projector.route.refusals",
     "Config": "projector.wire.config",
     "ConfigError": "projector.wire.config",
     "connect": "projector.nats.connection",
@@ -68,6 +70,7 @@ __all__ = [
     "WorkerNotRegistered",
     "WorkerRefused",
     "connect",
+    "publisher_collector",
     "view_collector",
 ]
 

@@ -7,10 +7,16 @@ would retry the same message forever. So a dead letter carries a bounded prefix 
 payload and a reference to the original (stream and sequence, where it still is), and says
 how big the original was. Its msg-id is the original's position, so a consumer that crashed
 and re-read the message writes its dead letter once.
+
+The log hears of dead letters at a bounded rate: the first is logged at once, in full; those
+that follow within ``LOG_EVERY_S`` are counted, and one line per interval says how many, of
+which kinds, and names the last (20,000 hostile messages once made 20,000 lines). A quiet
+interval later, the next is logged at once again. ``counts`` (the metrics) stays exact.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Mapping
@@ -46,6 +52,7 @@ PROJECTOR_KINDS = (UNDECODABLE, IMPLAUSIBLE)  # of deltas
 PREFIX_BYTES = 64 * 1024  # of a large payload, enough to see what it was
 REASON_CHARS = 1000
 HEADROOM = 4096  # for the headers and the protocol line, under the server's limit
+LOG_EVERY_S = 10.0  # at most one line per this many seconds about dead letters, after the first
 
 
 def one_line(text: str, limit: int = REASON_CHARS) -> str:
@@ -67,12 +74,21 @@ class DeadLetters:
         subject: str,
         max_payload: int,
         kinds: tuple[str, ...],
+        log_every_s: float = LOG_EVERY_S,
     ) -> None:
         self._js = js
         self._namespace = namespace
         self._subject = subject
         self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
         self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
+        self.log_every_s = log_every_s
+        # The log's side: until ``_quiet_until`` (loop time) a dead letter is held (counted
+        # by kind, the last one kept in words) for the line that ``_timer`` says at that time.
+        self._quiet_until = 0.0
+        self._since = 0.0  # when the interval of the held ones began
+        self._held: dict[str, int] = {}
+        self._last = ""
+        self._timer: asyncio.TimerHandle | None = None
 
     async def put(
         self,
@@ -93,15 +109,7 @@ class DeadLetters:
         payload."""
         if kind not in self.counts:
             raise ValueError(f"dead letter kind {kind!r}: not one of {tuple(self.counts)}")
-        log.warning(
-            "dead letter: %s %d on %s (%d bytes): %s",
-            stream,
-            seq,
-            subject,
-            len(payload),
-            one_line(reason, 300),
-            extra={**(fields or {}), "stream_seq": seq, "namespace": self._namespace},
-        )
+        said = f"{stream} {seq} on {subject} ({len(payload)} bytes): {one_line(reason, 300)}"
         headers = {
             MSG_ID: f"dead:{self._namespace}:{stream}:{seq}",
             REASON: one_line(reason),
@@ -120,3 +128,39 @@ class DeadLetters:
             f"dead letter of {stream} {seq}",
         )
         self.counts[kind] += 1
+        self._tell(kind, said, {**(fields or {}), "stream_seq": seq})
+
+    def _tell(self, kind: str, said: str, fields: Mapping[str, Any]) -> None:
+        """Log this dead letter now, if the log has been quiet for an interval; else hold
+        it for the interval's line."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now >= self._quiet_until and not self._held:
+            log.warning("dead letter: %s", said, extra={**fields, "namespace": self._namespace})
+            self._since, self._quiet_until = now, now + self.log_every_s
+            return
+        self._held[kind] = self._held.get(kind, 0) + 1
+        self._last = said
+        if self._timer is None:
+            self._timer = loop.call_at(self._quiet_until, self.say_held)
+
+    def say_held(self) -> None:
+        """The line for the dead letters held since the last one (none: nothing said); a
+        consumer that stops says it at once."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._held:
+            return
+        now = asyncio.get_running_loop().time()
+        held, self._held = self._held, {}
+        kinds = ", ".join(f"{kind} {n:,}" for kind, n in sorted(held.items()))
+        log.warning(
+            "dead letters: %s more in the last %.1fs (%s); the last: %s",
+            f"{sum(held.values()):,}",
+            now - self._since,
+            kinds,
+            self._last,
+            extra={"namespace": self._namespace},
+        )
+        self._since, self._quiet_until = now, now + self.log_every_s

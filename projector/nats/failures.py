@@ -50,3 +50,16 @@ def describe(exc: BaseException) -> str:
     text = str(exc)
     name = type(exc).__name__
     return f"{name}: {text}" if text and text != name else name
+
+
+def refusal(exc: BaseException) -> str:
+    """Why a publish was not stored, in one bounded word (a metric's label): ``stream_full``
+    (a limit of the stream's own), ``storage_full`` (the server's or the account's),
+    ``no_answer`` (no ack in time), or ``other``."""
+    if storage_full(exc):
+        return "storage_full"
+    if isinstance(exc, nats.js.errors.APIError) and exc.err_code == STREAM_LIMIT:
+        return "stream_full"
+    if isinstance(exc, TimeoutError | nats.errors.TimeoutError):
+        return "no_answer"
+    return "other"

@@ -2,23 +2,26 @@
 
 A consumer's lag is what its input holds that it has not handled yet:
 
-- the writer's: events stored on the events stream but not folded yet (the newest event of the
-  namespace minus the last one folded), and how long ago the oldest of them was logged;
+- the writer's: the namespace's events stored on the events stream but not folded yet, and how
+  long ago the oldest of them was logged; and the namespace's Dynamo messages captured but not
+  in the events stream yet (:mod:`projector.nats.backlog`: the events stream refuses them,
+  full, or has not sourced them yet), with those the capture stream dropped before they were
+  taken;
 - the projector's: deltas stored on the deltas stream but not yet in the bucket (in events, the
-  newest event with a stored delta minus the bucket's position; in delta messages too), and
-  how long ago the oldest of those messages was stored. Its ``upstream`` part: events logged
-  that the writer has not handled visibly yet (no delta, no dead letter), and how long ago the
-  oldest was logged. A paused writer stores no delta, so the projector alone is never behind
-  then, while its bucket grows stale: :attr:`Lag.behind_events` and :attr:`Lag.behind_s`
-  count both, and ``/readyz`` judges by them.
+  namespace's events up to the newest with a stored delta that the bucket does not have; in
+  delta messages too), and how long ago the oldest of those messages was stored. Its
+  ``upstream`` part: events logged that the writer has not handled visibly yet (no delta, no
+  dead letter), and Dynamo messages captured and not in the events stream yet, and how long
+  ago the oldest was logged. A paused writer stores no delta, so the projector alone is never
+  behind then, while its bucket grows stale: :attr:`Lag.behind_events` and
+  :attr:`Lag.behind_s` count both, and ``/readyz`` judges by them.
 
-Each measurement is a few small reads of the server (the newest message on the namespace's
-subjects; when something waits, the oldest such message, for its log time; the projector's
-also the newest event and, when the writer is behind, the newest dead letter), made every
-``lag_check_s``, never per message. ``seqstate status`` measures the same from outside,
-with the positions the consumers leave on the streams and in the bucket. The counts are
-sequence differences: exact for a namespace alone on its streams; when namespaces share a
-stream, the other namespaces' messages in between count too.
+Events are counted by the server, the namespace's own (:func:`~projector.nats.backlog.
+waiting_after`), never as a sequence difference, which counted every namespace's events on a
+shared stream. Each measurement is a few small reads of the server, made every
+``lag_check_s``, never per message; the writer's also reads how full its streams are against
+their limits, and the account's storage. ``seqstate status`` measures the same from outside,
+with the positions the consumers leave on the streams and in the bucket.
 
 :class:`LagWatch` keeps a consumer's last measurement (``lag``) and tells the log when it falls
 behind: one warning when the lag reaches ``behind_warn_events`` events or the oldest waiting
@@ -31,27 +34,37 @@ and a lag hovering at a threshold must not make a line per check.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import nats.errors
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from projector.nats.resources import dead_letter_stream
+from projector.nats.backlog import (
+    Captured,
+    StorageUse,
+    StreamUse,
+    Waiting,
+    captured,
+    storage_use,
+    use_of,
+    waiting_after,
+)
+from projector.nats.resources import dead_letter_stream, dynamo_capture
+from projector.nats.retention import trimmed_below
 from projector.nats.retry import ATTEMPT_TIMEOUT_S
 from projector.nats.stream import last_seq_of
 from projector.wire.chain import covered_source
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
+from seqstate.dynamo import CAPTURED
 
 REPEAT_S = 60.0  # while behind, the warning is repeated this often
 CAUGHT_UP = 0.1  # caught up again: under this share of each threshold
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 @dataclass(frozen=True)
@@ -68,46 +81,74 @@ class Lag:
     # dead letter yet), and the log time of the oldest of them (None: none).
     upstream: int = 0
     upstream_oldest_ns: int | None = None
+    # The writer's: the namespace's capture stream against what the events stream has taken
+    # of it (None: no capture stream); its streams' use, and the account's storage.
+    capture: Captured | None = None
+    streams: tuple[StreamUse, ...] = ()
+    storage: StorageUse | None = None
+    exact: bool = True  # False: counted by sequence difference (an older server)
+    # Captured messages waited at this measurement and the one before, and the events stream
+    # took none of them in between: it refuses them (full), it is not slow (set by the watch).
+    stalled: bool = False
+
+    def _age(self, *stamps: int | None) -> float:
+        known = [ns for ns in stamps if ns is not None]
+        return max(0.0, (self.measured_ns - min(known)) / 1e9) if known else 0.0
 
     @property
     def oldest_age_s(self) -> float:
         """How long the oldest waiting message had waited when measured (0.0: none waits)."""
-        if self.oldest_ns is None:
-            return 0.0
-        return max(0.0, (self.measured_ns - self.oldest_ns) / 1e9)
+        return self._age(self.oldest_ns)
+
+    @property
+    def captured(self) -> int:
+        """Dynamo messages captured and not in the events stream yet."""
+        return self.capture.waiting if self.capture is not None else 0
+
+    @property
+    def waiting(self) -> int:
+        """What the consumer's input holds that it has not handled: its events, and the
+        messages captured for it that wait outside the events stream."""
+        return self.events + self.captured
+
+    @property
+    def waiting_s(self) -> float:
+        """How long the oldest of :attr:`waiting` had waited (0.0: none)."""
+        return self._age(self.oldest_ns, self.capture.oldest_ns if self.capture else None)
 
     @property
     def behind_events(self) -> int:
-        """Events logged that the consumer's output does not reflect yet, upstream included
-        (the projector's bucket: neither the writer's deltas nor the bucket have them)."""
-        return self.events + self.upstream
+        """Events logged (or captured) that the consumer's output does not reflect yet,
+        upstream included (the projector's bucket: neither the writer's deltas nor the bucket
+        have them)."""
+        return self.waiting + self.upstream
 
     @property
     def behind_s(self) -> float:
         """How long the oldest event the output does not reflect yet had waited (0.0: none)."""
-        oldest = [ns for ns in (self.oldest_ns, self.upstream_oldest_ns) if ns is not None]
-        if not oldest:
-            return 0.0
-        return max(0.0, (self.measured_ns - min(oldest)) / 1e9)
+        capture = self.capture.oldest_ns if self.capture else None
+        return self._age(self.oldest_ns, self.upstream_oldest_ns, capture)
 
 
 def describe(who: str, lag: Lag) -> str:
     """The lag in words, as the log and ``seqstate status`` say it."""
-    if who == "writer":
-        if not lag.events:
-            return f"nothing to fold (folded up to event {lag.position})"
-        return (
+    if who == "writer" and not lag.events:
+        said = f"nothing to fold (folded up to event {lag.position})"
+    elif who == "writer":
+        said = (
             f"{lag.events:,} events stored but not folded yet (folded up to event "
             f"{lag.position}, the log at {lag.newest}), the oldest logged "
             f"{lag.oldest_age_s:.1f}s ago"
         )
-    if not lag.messages:
-        return f"every delta is in the bucket (up to event {lag.position})"
-    return (
-        f"{lag.events:,} events in {lag.messages:,} delta messages not in the bucket yet "
-        f"(the bucket at event {lag.position}, the deltas at {lag.newest}), the oldest "
-        f"stored {lag.oldest_age_s:.1f}s ago"
-    )
+    elif not lag.messages:
+        said = f"every delta is in the bucket (up to event {lag.position})"
+    else:
+        said = (
+            f"{lag.events:,} events in {lag.messages:,} delta messages not in the bucket yet "
+            f"(the bucket at event {lag.position}, the deltas at {lag.newest}), the oldest "
+            f"stored {lag.oldest_age_s:.1f}s ago"
+        )
+    return said + "".join(f"; {line}" for line in captured_lines(lag.capture, lag.measured_ns))
 
 
 class LagLimits(Protocol):
@@ -148,36 +189,95 @@ def thresholds(config: LagLimits) -> str:
     return " or ".join(said) or "never"
 
 
+def captured_lines(capture: Captured | None, measured_ns: int) -> list[str]:
+    """What waits in (or was dropped from) a capture stream, as measured at ``measured_ns``,
+    in words; nothing if nothing."""
+    if capture is None:
+        return []
+    lines = []
+    if capture.waiting:
+        age = ""
+        if capture.oldest_ns is not None:
+            waited = max(0.0, (measured_ns - capture.oldest_ns) / 1e9)
+            age = f", the oldest captured {waited:.1f}s ago"
+        lines.append(
+            f"{capture.waiting:,} Dynamo messages captured but not in the events stream yet "
+            f"(captured up to {capture.last}, taken up to {capture.sourced}){age}"
+            + (f": {capture.error}" if capture.error else "")
+        )
+    if capture.dropped:
+        lines.append(
+            f"{capture.dropped:,} captured Dynamo messages dropped by {capture.stream} before "
+            "the events stream took them (lost: raise its byte limit, lift the events "
+            "stream's)"
+        )
+    return lines
+
+
 def over(config: LagLimits, lag: Lag, share: float = 1.0) -> bool:
     """Whether ``lag`` reaches ``share`` of either threshold (a threshold 'off' never does)."""
     events, seconds = config.behind_warn_events, config.behind_warn_s
-    return (events is not None and lag.events >= events * share) or (
-        seconds is not None and lag.oldest_age_s >= seconds * share
+    return (events is not None and lag.waiting >= events * share) or (
+        seconds is not None and lag.waiting_s >= seconds * share
     )
 
 
 # ---- measuring ----------------------------------------------------------------------------
 
 
-async def _log_time_after(js: JetStreamContext, stream: str, subjects: str, seq: int) -> int | None:
-    """Log time (ns) of the first message on ``subjects`` after sequence ``seq``; None if none."""
-    try:
-        msg = await js.get_msg(stream, seq=seq + 1, subject=subjects, next=True)
-    except NotFoundError:
-        return None
-    if msg.time is None:
-        return None
-    return (msg.time - _EPOCH) // dt.timedelta(microseconds=1) * 1000
+def captured_subjects(namespace: str) -> str:
+    """Where the events stream puts the namespace's captured Dynamo messages."""
+    return f"seqstate.events.{namespace}.{CAPTURED}.>"
 
 
-async def writer_lag(js: JetStreamContext, config: Config, folded: int) -> Lag:
-    """The writer's lag, for a writer that has handled every event up to ``folded``."""
+async def capture_of(
+    js: JetStreamContext, config: Config, events: api.StreamInfo | None = None
+) -> Captured | None:
+    """The namespace's capture stream against what its events stream (``events``: its info,
+    if read already) has taken of it; None: no capture stream, or no events stream."""
+    if events is None:
+        try:
+            events = await js.stream_info(config.events_stream)
+        except NotFoundError:
+            return None
+
+    async def trimmed() -> bool:
+        return bool(await trimmed_below(js._nc, config))
+
+    subjects = captured_subjects(config.namespace)
+    return await captured(js, events, dynamo_capture(config), subjects, trimmed)
+
+
+async def writer_lag(
+    js: JetStreamContext, config: Config, folded: int, *, capture: bool | None = None
+) -> Lag:
+    """The writer's lag, for a writer that has handled every event up to ``folded``; with
+    what waits in the capture stream (``capture``: whether to look; by default when the
+    configuration names Dynamo endpoints: a role may read only its own), and how full the
+    streams are."""
     newest = await last_seq_of(js, config.events_stream, config.events_subjects)
-    behind = max(0, newest - folded)
-    oldest = None
-    if behind:
-        oldest = await _log_time_after(js, config.events_stream, config.events_subjects, folded)
-    return Lag(behind, behind, folded, newest, oldest, time.time_ns())
+    waiting = await waiting_after(js, config.events_stream, config.events_subjects, folded)
+    events = await js.stream_info(config.events_stream)
+    captures = bool(config.dynamo_endpoints) if capture is None else capture
+    names = [dynamo_capture(config)] if captures else []
+    streams = [use_of(events)]
+    for name in [*names, dead_letter_stream(config)]:
+        try:
+            streams.append(use_of(await js.stream_info(name)))
+        except NotFoundError:
+            continue
+    return Lag(
+        waiting.count,
+        waiting.count,
+        folded,
+        max(newest, folded),
+        waiting.oldest_ns,
+        time.time_ns(),
+        capture=await capture_of(js, config, events) if captures else None,
+        streams=tuple(streams),
+        storage=await storage_use(js),
+        exact=waiting.exact,
+    )
 
 
 async def projector_lag(js: JetStreamContext, config: Config, applied: int, delta_seq: int) -> Lag:
@@ -186,36 +286,34 @@ async def projector_lag(js: JetStreamContext, config: Config, applied: int, delt
     try:
         raw = await js.get_last_msg(config.deltas_stream, config.deltas_subject)
     except NotFoundError:
-        messages, newest, oldest = 0, applied, None
+        messages, newest, oldest = Waiting(), applied, None
     else:
-        messages = max(0, (raw.seq or 0) - delta_seq)
         covered = covered_source(raw.headers, raw.data)
         newest = applied if covered is None else covered  # not a writer's: skipped
-        oldest = None
-        if messages:
-            oldest = await _log_time_after(
-                js, config.deltas_stream, config.deltas_subject, delta_seq
-            )
-    upstream, upstream_oldest = await _upstream(js, config, max(newest, applied))
+        messages = await waiting_after(js, config.deltas_stream, config.deltas_subject, delta_seq)
+        oldest = messages.oldest_ns
+    unhandled = await _upstream(js, config, max(newest, applied))
+    # The bucket lacks the namespace's events after its position: those the writer has
+    # handled are the projector's to bring in, the rest are upstream.
+    missing = await waiting_after(js, config.events_stream, config.events_subjects, applied)
     return Lag(
-        max(0, newest - applied),
-        messages,
+        max(0, missing.count - unhandled.count) if newest > applied else 0,
+        messages.count,
         applied,
         newest,
         oldest,
         time.time_ns(),
-        upstream,
-        upstream_oldest,
+        unhandled.count,
+        unhandled.oldest_ns,
+        capture=await capture_of(js, config) if config.dynamo_endpoints else None,
+        exact=missing.exact and messages.exact,
     )
 
 
-async def _upstream(js: JetStreamContext, config: Config, handled: int) -> tuple[int, int | None]:
-    """Events logged after ``handled`` (the newest with a delta) that the writer has not
-    dead-lettered either: ``(count, log time of the oldest)``. An event the writer refused
-    has no delta but is handled: the newest dead letter of the writer says how far it got."""
-    logged = await last_seq_of(js, config.events_stream, config.events_subjects)
-    if logged <= handled:
-        return 0, None
+async def _upstream(js: JetStreamContext, config: Config, handled: int) -> Waiting:
+    """The namespace's events logged after ``handled`` (the newest with a delta) that the
+    writer has not dead-lettered either. An event the writer refused has no delta but is
+    handled: the newest dead letter of the writer says how far it got."""
     try:
         raw = await js.get_last_msg(dead_letter_stream(config), config.dead_letter_subject)
     except NotFoundError:
@@ -225,10 +323,7 @@ async def _upstream(js: JetStreamContext, config: Config, handled: int) -> tuple
         seq = headers.get(SOURCE_SEQ, "")
         if headers.get(SOURCE_STREAM) == config.events_stream and seq.isdigit():
             handled = max(handled, int(seq))
-    if logged <= handled:
-        return 0, None
-    oldest = await _log_time_after(js, config.events_stream, config.events_subjects, handled)
-    return logged - handled, oldest
+    return await waiting_after(js, config.events_stream, config.events_subjects, handled)
 
 
 # ---- watching -----------------------------------------------------------------------------
@@ -275,6 +370,9 @@ class LagWatch:
     async def check(self) -> Lag:
         """Measure now (within a bounded time), judge, and return the measurement."""
         lag = await asyncio.wait_for(self._measure(), ATTEMPT_TIMEOUT_S)
+        before, now = self.lag.capture, lag.capture
+        if now and now.waiting and before and before.waiting and now.sourced <= before.sourced:
+            lag = replace(lag, stalled=True)
         self.lag = lag
         self._judge(lag, asyncio.get_running_loop().time())
         return lag

@@ -14,12 +14,24 @@ run out): a full stream then refuses new events, and ``RouterPublisher`` raises
 ``PublishError`` saying so, where the default policy ``old`` would drop the *oldest* events,
 unfolded ones included, without a word. A ``max_age`` on it, which drops events whatever the
 policy, is warned about.
+
+The capture and dead-letter streams are buffers and copies, so they have byte limits
+(``capture_max_bytes``, ``dead_letter_max_bytes``) and drop their oldest messages beyond
+(discard ``old``). The capture stream keeps sourced messages until then, so ``new`` would
+have it refuse Dynamo's messages once a day's traffic filled it, however healthy the events
+stream; with ``old``, only a backlog the events stream refused for longer than the limit holds
+loses its oldest, and :mod:`projector.nats.backlog` counts those exactly (``status``, the
+metrics), as the fold counts them per Dynamo publisher. A byte limit on an existing stream
+is only ever raised (a stream without one, as streams created before the setting, gets it):
+two processes given different values must not take turns rewriting it, and an operator's
+larger limit stays; 'off' lifts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -28,7 +40,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from projector.nats.connection import refused_or
-from projector.nats.failures import describe
+from projector.nats.failures import STORAGE_EXCEEDED, describe
 from projector.wire import msg_ids
 from projector.wire.capture import (
     CAPTURE_MAX_AGE_S,
@@ -156,6 +168,7 @@ async def _ensure(nc: Client, config: Config) -> Resources:
             retention=api.RetentionPolicy.LIMITS,
             duplicate_window=config.duplicate_window_s,
             num_replicas=config.replicas,
+            allow_direct=True,  # the projector's lag counts its namespace's delta messages
         ),
     )
     dead = await _ensure_stream(
@@ -167,6 +180,8 @@ async def _ensure(nc: Client, config: Config) -> Resources:
             storage=storage,
             retention=api.RetentionPolicy.LIMITS,
             max_age=7 * 24 * 3600.0,
+            max_bytes=_bytes_limit(config.dead_letter_max_bytes),
+            discard=api.DiscardPolicy.OLD,
             num_replicas=config.replicas,
         ),
     )
@@ -205,6 +220,8 @@ async def _ensure_capture(js: JetStreamContext, config: Config) -> api.StreamSou
             storage=api.StorageType.FILE,
             retention=api.RetentionPolicy.LIMITS,
             max_age=CAPTURE_MAX_AGE_S,
+            max_bytes=_bytes_limit(config.capture_max_bytes),
+            discard=api.DiscardPolicy.OLD,
             num_replicas=config.replicas,
         ),
     )
@@ -223,6 +240,28 @@ def msg_id_key(info: api.StreamInfo) -> str | None:
     return (info.config.metadata or {}).get(msg_ids.KEY)
 
 
+def _bytes_limit(setting: int | None) -> int:
+    return -1 if setting is None else setting  # JetStream's "no limit"
+
+
+def _raised_bytes(name: str, have: int | None, wanted: int) -> int:
+    """The byte limit an existing stream keeps: the larger (no limit, -1, the largest of
+    all when asked for); a stream without one gets the one wanted."""
+    have = have if have and have > 0 else -1
+    if have == -1 or wanted == -1:
+        return wanted
+    if wanted < have:
+        log.warning(
+            "stream %s keeps its byte limit of %d although this process asks for %d: "
+            "seqstate never lowers a byte limit (lower it by hand, and the setting of every "
+            "process, if you mean to)",
+            name,
+            have,
+            wanted,
+        )
+    return max(have, wanted)
+
+
 def _sources(have: list[api.StreamSource] | None, wanted: list[api.StreamSource] | None) -> list:
     """The stream's sources, with each wanted one added if no source of its name is there."""
     kept = list(have or [])
@@ -239,7 +278,7 @@ async def _ensure_stream(
         info = await js.stream_info(wanted.name)  # type: ignore[arg-type]
     except NotFoundError:
         try:
-            return await js.add_stream(wanted)
+            return await _unreserved(js.add_stream, wanted, None)
         except APIError as exc:
             if exc.err_code == _NAME_IN_USE:  # made meanwhile by another process (its own key)
                 return await _ensure_stream(js, wanted, keep_every_message=keep_every_message)
@@ -288,6 +327,8 @@ async def _ensure_stream(
     if keep_every_message:
         changes["discard"] = api.DiscardPolicy.NEW
         changes["discard_new_per_subject"] = bool((have.max_msgs_per_subject or 0) > 0)
+    if wanted.max_bytes is not None:  # a limit of seqstate's setting
+        changes["max_bytes"] = _raised_bytes(wanted.name or "", have.max_bytes, wanted.max_bytes)
     current: dict[str, object] = {
         "subjects": subjects,
         "duplicate_window": have.duplicate_window,
@@ -303,15 +344,44 @@ async def _ensure_stream(
     if wanted.metadata:  # a key the stream lacks is added; one it has is never changed
         changes["metadata"] = {**wanted.metadata, **(have.metadata or {})}
         current["metadata"] = have.metadata or {}
+    if wanted.max_bytes is not None:
+        current["max_bytes"] = have.max_bytes if have.max_bytes and have.max_bytes > 0 else -1
     if changes == current:
         return info
     updated = api.StreamConfig.from_response(have.as_dict())
     for key, value in changes.items():
         setattr(updated, key, value)
     try:
-        return await js.update_stream(updated)
+        return await _unreserved(js.update_stream, updated, have.max_bytes)
     except APIError as exc:
         raise ProvisioningError(f"cannot update stream {wanted.name}: {exc.description}") from None
+
+
+async def _unreserved(
+    call: Callable[[api.StreamConfig], Awaitable[api.StreamInfo]],
+    config: api.StreamConfig,
+    instead: int | None,
+) -> api.StreamInfo:
+    """``call(config)``; if the server cannot reserve the byte limit asked for (a server
+    whose whole JetStream storage is smaller), once more with the limit ``instead`` (none,
+    or the stream's own), saying so: the server's storage is the bound then."""
+    asked = config.max_bytes or -1
+    try:
+        return await call(config)
+    except APIError as exc:
+        if exc.err_code != STORAGE_EXCEEDED or asked <= 0 or asked == (instead or -1):
+            raise
+        refused = describe(exc)
+    log.warning(
+        "stream %s keeps %s: the server cannot reserve the %d bytes of its byte limit "
+        "(%s); its JetStream storage bounds it instead",
+        config.name,
+        f"its byte limit of {instead}" if instead and instead > 0 else "no byte limit",
+        asked,
+        refused,
+    )
+    config.max_bytes = instead if instead and instead > 0 else -1
+    return await call(config)
 
 
 async def _ensure_bucket(js: JetStreamContext, wanted: api.KeyValueConfig) -> KeyValue:

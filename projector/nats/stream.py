@@ -160,6 +160,9 @@ class DeadLetterSink(Protocol):
         fields: Mapping[str, Any] | None = None,
     ) -> None: ...
 
+    def say_held(self) -> None:
+        """Log what the sink holds back of its dead letters (its log is rate-bounded)."""
+
 
 class Processor(Protocol):
     async def handle(self, msg: Msg) -> Refused | None:
@@ -476,6 +479,8 @@ class OrderedConsumer:
             if task is not current:
                 await cancel(task)
         self._tasks = []
+        if self._dead_letters is not None:
+            self._dead_letters.say_held()
         if self._sub is not None:
             await attempt(self._sub.unsubscribe())
             self._sub = None

@@ -18,8 +18,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.client import Client
 from rich.console import RenderableType
@@ -27,6 +28,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from projector.nats.lag import Lag, writer_lag
 from projector.nats.resources import ensure
 from projector.ops.workload import (
     MOONCAKE_BLOCK_TOKENS,
@@ -38,7 +40,7 @@ from projector.ops.workload import (
     trace_extent,
 )
 from projector.read.reader import RegistryView
-from projector.route.publisher import RouterPublisher
+from projector.route.publisher import PublishError, RouterPublisher
 from projector.wire.config import Config
 from seqstate import PotentialLoadRow, WorkerAdded
 
@@ -49,6 +51,7 @@ log = logging.getLogger("seqstate.demo")
 class DemoStats:
     routed: int = 0
     completed: int = 0
+    refused: int = 0  # requests the log would not take (a full stream): not routed
     in_flight: int = 0
     cached_blocks: int = 0
     prompt_blocks: int = 0
@@ -194,22 +197,34 @@ class DemoRouter:
         self.stats.prompt_blocks += len(hashes)
         self.stats.cached_blocks += cached
         self.stats.peak_requests = max(self.stats.peak_requests, self.stats.in_flight)
-        await self.publisher.add(
-            request_id,
-            rank[0],
-            rank[1],
-            block_hashes=hashes,
-            prefill_tokens=max(request.isl_tokens - cached * self.block_tokens, 0),
-            expected_prefill_ms=request.prefill_ms,
-            expected_output_tokens=request.output_tokens,
-        )
+        try:
+            await self.publisher.add(
+                request_id,
+                rank[0],
+                rank[1],
+                block_hashes=hashes,
+                prefill_tokens=max(request.isl_tokens - cached * self.block_tokens, 0),
+                expected_prefill_ms=request.prefill_ms,
+                expected_output_tokens=request.output_tokens,
+            )
+        except PublishError as exc:  # a full stream: the request is turned away, said once
+            self._refused(request_id, exc)
+            return
         task = asyncio.create_task(self._lifecycle(request_id, rank, request))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _refused(self, request_id: str, exc: PublishError) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self.stats.in_flight -= 1
+        self.stats.refused += 1
+        if self.stats.refused == 1:
+            log.warning("demo: a request was refused, and is not routed: %s", exc)
+
     async def _lifecycle(self, request_id: str, rank: tuple[int, int], r: DemoRequest) -> None:
         await asyncio.sleep(r.prefill_ms / 1000)
-        await self.publisher.mark_prefill_completed(request_id, rank[0], rank[1])
+        with contextlib.suppress(PublishError):  # refused: its Free is tried all the same
+            await self.publisher.mark_prefill_completed(request_id, rank[0], rank[1])
         await asyncio.sleep(r.decode_ms / 1000)
         await self._free(request_id)
         self.stats.completed += 1
@@ -218,7 +233,8 @@ class DemoRouter:
         rank = self._live.pop(request_id, None)
         if rank is not None:
             self.stats.in_flight -= 1
-            await self.publisher.free(request_id, rank[0], rank[1])
+            with contextlib.suppress(PublishError):  # refused: the ledger expires it
+                await self.publisher.free(request_id, rank[0], rank[1])
 
     async def drain(self) -> None:
         """Cancel the lifecycles and free what is still in flight (a clean router shutdown)."""
@@ -280,8 +296,61 @@ def workload_from(args: argparse.Namespace) -> tuple[Iterator[DemoRequest], int,
     return iter(requests), SYNTHETIC_BLOCK_TOKENS, name
 
 
-async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None:
-    """The demo router plus a live table (or a line per second with ``--no-live``)."""
+class Backlog:
+    """What the live view shows of the backlog: the writer's last lag measurement, and the
+    publishes refused (the demo's, and the writer's Ticks). In ``run --demo`` the pipeline's
+    own writer measures it; beside a pipeline of another process, the demo measures it the
+    way ``seqstate status`` does, every ``every_s``, as long as its role may read the
+    streams (the ``demo`` role may not: then the refusals alone)."""
+
+    def __init__(
+        self,
+        nc: Client,
+        config: Config,
+        publisher: RouterPublisher,
+        writer: Callable[[], Any] | None = None,
+        every_s: float = 2.0,
+    ) -> None:
+        self._nc, self._config, self._publisher = nc, config, publisher
+        self._writer = writer
+        self._every_s = every_s
+        self._measured: Lag | None = None
+
+    def fields(self) -> dict[str, object]:
+        from projector.ops.live import backlog_fields
+
+        writer = self._writer() if self._writer is not None else None
+        lag = writer.lag if writer is not None else self._measured
+        refused = sum(self._publisher.refused.values())
+        if writer is not None:
+            refused += sum(writer.stats.publishes_refused.values())
+        return backlog_fields(lag, refused)
+
+    async def measure(self) -> None:
+        """Until cancelled (or refused): measure from outside, when no writer is at hand."""
+        from projector.ops.status import writer_position
+
+        if self._writer is not None:
+            return
+        js = self._nc.jetstream()
+        while True:
+            try:
+                folded = await writer_position(self._nc, self._config)
+                self._measured = await writer_lag(js, self._config, folded, capture=True)
+            except Exception as exc:  # its role may not read the streams: no backlog shown
+                log.debug("demo: the backlog is not measured: %r", exc)
+                return
+            await asyncio.sleep(self._every_s)
+
+
+async def run_demo(
+    nc: Client,
+    config: Config,
+    args: argparse.Namespace,
+    writer: Callable[[], Any] | None = None,
+) -> None:
+    """The demo router plus a live table (or a line per second with ``--no-live``), and the
+    backlog beneath it (``writer``: the pipeline's writer now, in ``run --demo``)."""
     from rich.console import Console, Group
     from rich.live import Live
 
@@ -300,6 +369,8 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
     await router.start()
     title = f"seqstate demo · {config.namespace} · {args.workers} workers · {name}"
     console = Console()
+    backlog = Backlog(nc, config, router.publisher, writer)
+    measuring = asyncio.create_task(backlog.measure())
     driver = asyncio.create_task(router.drive())
     try:
         if args.no_live or not console.is_terminal:
@@ -307,18 +378,19 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
                 s = router.stats.as_dict(router.view)
                 where = progress.fields(router.stats.routed, router.stats.elapsed())
                 s.update(where)
+                s.update(backlog.fields())
                 print(" ".join(f"{k}={v}" for k, v in s.items()), flush=True)
                 await asyncio.wait([driver], timeout=1.0)
         else:
             with Live(console=console, auto_refresh=False, transient=False) as live:
                 while not driver.done():
-                    table = render(
-                        router.view.loads(), title=title, stats=router.stats.as_dict(router.view)
-                    )
+                    stats = router.stats.as_dict(router.view) | backlog.fields()
+                    table = render(router.view.loads(), title=title, stats=stats)
                     live.update(Group(table, progress_line(progress, router.stats)), refresh=True)
                     await asyncio.wait([driver], timeout=0.25)
         driver.result()
     finally:
+        measuring.cancel()
         driver.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await driver
@@ -327,7 +399,8 @@ async def run_demo(nc: Client, config: Config, args: argparse.Namespace) -> None
         hit = st.cached_blocks / st.prompt_blocks if st.prompt_blocks else 0.0
         print(
             f"demo: routed {st.routed} requests ({st.completed} completed, "
-            f"peak {st.peak_requests} in flight, prefix hit {hit:.0%}); "
-            f"last event {router.publisher.last_sequence}",
+            f"peak {st.peak_requests} in flight, prefix hit {hit:.0%}"
+            + (f", {st.refused} refused by the log" if st.refused else "")
+            + f"); last event {router.publisher.last_sequence}",
             flush=True,
         )

@@ -42,7 +42,8 @@ CONNECT = (
     "nats_inbox_prefix",
 )
 NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
-PROVISION = ("duplicate_window_s", "replicas")  # what creating the streams and buckets needs
+# what creating the streams and buckets needs
+PROVISION = ("duplicate_window_s", "replicas", "capture_max_bytes", "dead_letter_max_bytes")
 DYNAMO = ("dynamo_endpoint",)  # the consumers that provision a Dynamo capture
 FOLD = (
     "expiry_s",

@@ -9,13 +9,16 @@ shown live (:func:`render`) or written where there is no terminal (:func:`plain_
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from seqstate import LoadRow
+
+if TYPE_CHECKING:
+    from projector.nats.lag import Lag
 
 BAR_WIDTH: Final = 24
 # Eighth blocks, so a bar moves visibly before a whole cell fills.
@@ -75,6 +78,25 @@ def render(
     if not stats:
         return table
     return Group(table, _stats_line(stats))
+
+
+def backlog_fields(lag: Lag | None, refused: int) -> dict[str, object]:
+    """What waits beside the table: the writer's events stored but not folded, the Dynamo
+    messages captured and not in the events stream yet (and any dropped before it took them),
+    how full each stream is that refuses at its limit (or drops beyond it, once half full), and
+    the publishes refused. No lag measured yet: the refusals alone."""
+    out: dict[str, object] = {}
+    if lag is not None and lag.measured_ns:
+        out["unfolded"] = lag.events
+        if lag.capture is not None:
+            out["captured waiting"] = lag.capture.waiting
+            if lag.capture.dropped:
+                out["captured dropped"] = lag.capture.dropped
+        for use in lag.streams:  # one that refuses at its limit; one that drops, once half full
+            if (use.max_messages or use.max_bytes) and (use.discard == "new" or use.share >= 0.5):
+                out[use.name] = f"{use.share:.0%} full"
+    out["refused"] = refused
+    return out
 
 
 def plain_table(rows: Sequence[LoadRow]) -> str:

@@ -35,9 +35,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from projector.read.view_metrics import RankRow, view_ranks, worker_families
+from projector.route.refusals import RefusedRow, refused_family
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
+
+    from projector.nats.lag import Lag
 
 WRITER, PROJECTOR, VIEW = "writer", "projector", "view"
 FLUSH_BUCKETS = (
@@ -168,7 +171,10 @@ class Metrics:
     def readiness(self) -> tuple[bool, str]:
         """``(ready, why)``: ready while NATS is connected and every consumer has caught up
         with its input, its last lag measurement at most ``ready_lag_events`` events behind
-        the log, the oldest of those waiting at most ``ready_lag_s``.
+        what was logged and captured (Dynamo's messages waiting outside the events stream
+        count), the oldest of those waiting at most ``ready_lag_s``, and the events stream
+        taking what is captured (captured messages that wait at two checks in a row, none
+        taken in between, make it not ready at once: the events stream refuses them).
 
         A consumer that has not measured its lag yet is not ready: at start it may be folding a
         backlog of any size, and only a measurement says it is not."""
@@ -184,12 +190,22 @@ class Metrics:
                 where = f"({source.role} of namespace {namespace})"
                 if not lag.measured_ns:
                     return False, f"replaying: lag not measured yet {where}"
-                behind = lag.behind_events
-                if not consumer.caught_up.is_set() or behind > self.ready_lag_events:
-                    return False, f"replaying: {behind} events behind {where}"
+                behind = f"{lag.behind_events - lag.captured} events behind"
+                if lag.captured:  # captured, and the events stream has not taken them
+                    behind += (
+                        f" and {lag.captured} Dynamo messages captured, waiting outside the "
+                        "events stream"
+                    )
+                if not consumer.caught_up.is_set() or lag.behind_events > self.ready_lag_events:
+                    return False, f"replaying: {behind} {where}"
+                if lag.stalled:
+                    return False, (
+                        f"behind: the events stream took none of the {lag.captured} Dynamo "
+                        f"messages captured since the last check (full?) {where}"
+                    )
                 if self.ready_lag_s is not None and lag.behind_s > self.ready_lag_s:
                     return False, (
-                        f"replaying: {behind} events behind, the oldest waiting "
+                        f"replaying: {behind}, the oldest waiting "
                         f"{lag.behind_s:.1f}s (ready at {self.ready_lag_s:g}s) {where}"
                     )
         return True, "ready"
@@ -254,6 +270,12 @@ class _StateCollector(Collector):
             "how long the oldest waiting message had waited, at the last lag measurement",
             labels=ROLE_LABELS,
         )
+        behind = GaugeMetricFamily(
+            "seqstate_behind_events",
+            "events (and captured Dynamo messages) the consumer's output does not reflect "
+            "yet, what the writer has not handled included: what /readyz judges",
+            labels=ROLE_LABELS,
+        )
         snap_age = GaugeMetricFamily(
             "seqstate_snapshot_age_seconds",
             "seconds since the writer stored its newest snapshot",
@@ -273,6 +295,8 @@ class _StateCollector(Collector):
             "the 20 publishers that lost the most, and the namespace's total (publisher 'all')",
             labels=("namespace", "publisher"),
         )
+        backlog = _BacklogFamilies()
+        refused: list[RefusedRow] = []
         seen: set[tuple[str, str]] = set()
         for source, items in metrics.consumers():
             role = source.role
@@ -293,6 +317,8 @@ class _StateCollector(Collector):
                         for publisher, n in counted.lossy():
                             lost.add_metric([namespace, str(publisher)], n)
                     applied.add_metric([namespace, role], c.applied.value)
+                    refused.append((namespace, role, c.stats.publishes_refused))
+                    backlog.add(namespace, c.lag)
                     stats = c.stats
                     if stats.last_snapshot_stored_s is not None:
                         snap_age.add_metric(
@@ -306,5 +332,70 @@ class _StateCollector(Collector):
                 if lag.measured_ns:  # never measured: no value, rather than a false 0
                     lag_events.add_metric([namespace, role], lag.events)
                     lag_s.add_metric([namespace, role], lag.oldest_age_s)
+                    behind.add_metric([namespace, role], lag.behind_events)
         yield from (events, dead, deltas, writes, applied, lag_events, lag_s, snap_age, snap_bytes)
-        yield from (publishers, lost)
+        yield from (publishers, lost, behind, refused_family(refused))
+        yield from backlog.families()
+
+
+class _BacklogFamilies:
+    """What waits outside the events stream, and how full the streams are: from the writer's
+    last lag measurement (absent until it has measured; a stream's limit absent when it has
+    none)."""
+
+    def __init__(self) -> None:
+        self.waiting = GaugeMetricFamily(
+            "seqstate_capture_waiting_messages",
+            "Dynamo messages captured for the namespace and not in the events stream yet "
+            "(the events stream refuses them, full, or has not taken them yet)",
+            labels=("namespace",),
+        )
+        self.dropped = GaugeMetricFamily(
+            "seqstate_capture_dropped_messages",
+            "captured Dynamo messages the capture stream dropped before the events stream "
+            "took them (its byte or age limit, while the events stream refused them)",
+            labels=("namespace",),
+        )
+        self.stream = {
+            key: GaugeMetricFamily(f"seqstate_stream_{key}", what, labels=("stream",))
+            for key, what in (
+                ("messages", "messages stored in the stream"),
+                ("bytes", "bytes stored in the stream"),
+                ("max_messages", "the stream's message limit (absent: none)"),
+                ("max_bytes", "the stream's byte limit (absent: none)"),
+            )
+        }
+        self.storage = GaugeMetricFamily(
+            "seqstate_jetstream_storage_bytes",
+            "the account's JetStream file storage in use",
+        )
+        self.max_storage = GaugeMetricFamily(
+            "seqstate_jetstream_max_storage_bytes",
+            "the account's JetStream file storage limit (absent: none set for the account)",
+        )
+        self._streams: set[str] = set()
+
+    def add(self, namespace: str, lag: Lag) -> None:
+        if not lag.measured_ns:
+            return
+        if lag.capture is not None:
+            self.waiting.add_metric([namespace], lag.capture.waiting)
+            self.dropped.add_metric([namespace], lag.capture.dropped)
+        for use in lag.streams:
+            if use.name in self._streams:  # shared by namespaces: once
+                continue
+            self._streams.add(use.name)
+            self.stream["messages"].add_metric([use.name], use.messages)
+            self.stream["bytes"].add_metric([use.name], use.bytes)
+            if use.max_messages is not None:
+                self.stream["max_messages"].add_metric([use.name], use.max_messages)
+            if use.max_bytes is not None:
+                self.stream["max_bytes"].add_metric([use.name], use.max_bytes)
+        if lag.storage is not None and not self.storage.samples:
+            self.storage.add_metric([], lag.storage.bytes)
+            if lag.storage.max_bytes is not None:
+                self.max_storage.add_metric([], lag.storage.max_bytes)
+
+    def families(self) -> Iterator[Metric]:
+        yield from (self.waiting, self.dropped, *self.stream.values())
+        yield from (self.storage, self.max_storage)

@@ -5,11 +5,17 @@ where it matters: the newest event in the log versus the event the bucket's posi
 read model reflects. Consumers are listed per stream as the server reports them.
 
 That lag is split in two (:mod:`projector.nats.lag`, the measures the consumers take of themselves):
-the writer's, events not folded yet (the newest event against the last one its stored deltas,
-or its dead letters, cover), and the projector's, deltas not in the bucket yet (the newest
-delta against the bucket's position); each with how long ago the oldest waiting message was
-logged, and whether it reaches a warning threshold (``--behind-warn-events``,
-``--behind-warn-s``).
+the writer's, the namespace's events not folded yet (after the last one its stored deltas, or
+its dead letters, cover) and its Dynamo messages captured but not in the events stream yet,
+and the projector's, deltas not in the bucket yet (the newest delta against the bucket's
+position); each with how long ago the oldest waiting message was logged, and whether it
+reaches a warning threshold (``--behind-warn-events``, ``--behind-warn-s``). Every count is
+the namespace's own, counted by the server, though the streams be shared.
+
+Beside the lag, what fills up: each stream against its limits (messages, bytes, and whether a
+full one refuses new messages or drops its oldest), the account's JetStream storage, and the
+publishes refused that a running writer counted (its Ticks); a router's refusals are its own
+metric (:mod:`projector.route.refusals`).
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from projector.nats.backlog import Captured, size, use_of, waiting_after
 from projector.nats.discovery import status_subject
 from projector.nats.lag import Lag, describe, over, projector_lag, thresholds, writer_lag
-from projector.nats.resources import dead_letter_stream
+from projector.nats.resources import dead_letter_stream, dynamo_capture
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
 from projector.nats.stream import last_seq_of
@@ -53,6 +60,22 @@ class StreamStatus(msgspec.Struct):
     first_seq: int = 0
     last_seq: int = 0
     consumers: list[ConsumerStatus] = []
+    max_messages: int | None = None  # its limits (None: none)
+    max_bytes: int | None = None
+    discard: str = "old"  # at a limit: "new" refuses new messages, "old" drops the oldest
+    full: float = 0.0  # the larger share of a limit in use (0.0: no limits)
+
+
+class CaptureStatus(msgspec.Struct):
+    """The namespace's capture stream against what the events stream has taken of it."""
+
+    stream: str
+    captured_seq: int  # the capture stream's newest message
+    taken_seq: int  # the newest of them in the events stream
+    waiting: int  # captured, not in the events stream yet
+    dropped: int  # dropped by the capture stream before the events stream took them
+    oldest_log_time: str | None  # of the oldest waiting (None: none waits)
+    error: str = ""  # what the events stream reports of the source
 
 
 class LagStatus(msgspec.Struct):
@@ -69,6 +92,8 @@ class LagStatus(msgspec.Struct):
     oldest_age_s: float | None
     behind: bool  # at or over a warning threshold
     said: str  # the lag in words
+    captured: int = 0  # Dynamo messages captured, waiting outside the events stream
+    exact: bool = True  # False: a sequence difference (a server without batched gets)
 
 
 class StatusReport(msgspec.Struct):
@@ -92,6 +117,12 @@ class StatusReport(msgspec.Struct):
     # writer", "the snapshot at event N"); None: no Dynamo traffic folded, or none known
     dynamo: dict[str, Any] | None = None
     dynamo_from: str = ""
+    capture: CaptureStatus | None = None  # None: the namespace captures no Dynamo endpoint
+    captured_behind: int = 0  # captured, not in the events stream yet: the bucket lacks them
+    storage_bytes: int = 0  # the account's JetStream file storage in use
+    max_storage_bytes: int | None = None  # its limit (None: none set for the account)
+    # the running writer's publishes that were not stored, by why (None: no writer answered)
+    writer_refused: dict[str, int] | None = None
 
 
 async def _stream(nc: Client, name: str) -> StreamStatus:
@@ -104,8 +135,20 @@ async def _stream(nc: Client, name: str) -> StreamStatus:
     for c in await js.consumers_info(name):
         delivered = c.delivered.stream_seq if c.delivered and c.delivered.stream_seq else 0
         consumers.append(ConsumerStatus(c.name or "", c.num_pending or 0, delivered))
-    s = info.state
-    return StreamStatus(name, True, s.messages, s.bytes, s.first_seq, s.last_seq, consumers)
+    s, use = info.state, use_of(info)
+    return StreamStatus(
+        name,
+        True,
+        s.messages,
+        s.bytes,
+        s.first_seq,
+        s.last_seq,
+        consumers,
+        use.max_messages,
+        use.max_bytes,
+        use.discard,
+        round(use.share, 4),
+    )
 
 
 async def collect(nc: Client, config: Config) -> StatusReport:
@@ -126,25 +169,32 @@ async def collect(nc: Client, config: Config) -> StatusReport:
         projector = _lag_status(
             config, "projector", await projector_lag(js, config, applied, delta_seq)
         )
-    writer = None
-    folded = await _writer_position(nc, config)  # the deltas, then the log
-    names = (config.events_stream, config.deltas_stream, dead_letter_stream(config))
+    writer, capture = None, None
+    folded = await writer_position(nc, config)  # the deltas, then the log
+    names = [config.events_stream, config.deltas_stream, dead_letter_stream(config)]
     streams = [await _stream(nc, name) for name in names]
+    storage = None
     if streams[0].exists:
-        writer = _lag_status(config, "writer", await writer_lag(js, config, folded))
-    if not streams[1].exists:
+        lag = await writer_lag(js, config, folded, capture=True)  # with the flag or not
+        writer, capture, storage = _lag_status(config, "writer", lag), lag.capture, lag.storage
+    if not streams[1].exists:  # no deltas
         projector = None
+    if capture is not None:  # beside the events stream that sources it
+        streams.insert(1, await _stream(nc, dynamo_capture(config)))
     store = await SnapshotStore(nc, config).open(create=False)
     snapshots = await store.list()
     trimmed = await trimmed_below(nc, config)
     version = nc.connected_server_version
     events = streams[0]
-    lag: int | None = None
+    behind: int | None = None
     newest = 0
-    if events.exists and exists:  # this namespace's newest event: the stream may be shared
+    if events.exists and exists:  # this namespace's events: the stream may be shared
         newest = await last_seq_of(nc.jetstream(), config.events_stream, config.events_subjects)
-        lag = max(0, newest - applied)
-    dynamo, dynamo_from = await _dynamo_loss(nc, config, store, snapshots)
+        behind = (
+            await waiting_after(js, config.events_stream, config.events_subjects, applied)
+        ).count
+    running = await _running_writer(nc, config)
+    dynamo, dynamo_from = await _dynamo_loss(running, store, snapshots)
     return StatusReport(
         dynamo=dynamo,
         dynamo_from=dynamo_from,
@@ -157,28 +207,58 @@ async def collect(nc: Client, config: Config) -> StatusReport:
         ranks=ranks,
         applied_seq=applied,
         as_of=as_of,
-        lag_events=lag,
+        lag_events=behind,
         snapshots=len(snapshots),
         newest_snapshot_seq=snapshots[-1].applied_seq if snapshots else 0,
         trimmed_below=trimmed,
-        position_beyond_log=applied > newest if lag is not None else False,
+        position_beyond_log=applied > newest if behind is not None else False,
         writer=writer,
         projector=projector,
         warns_at=thresholds(config),
+        capture=_capture_status(capture),
+        captured_behind=capture.waiting if capture is not None else 0,
+        storage_bytes=storage.bytes if storage else 0,
+        max_storage_bytes=storage.max_bytes if storage else None,
+        writer_refused=running.get("publishes_refused") if running is not None else None,
     )
 
 
-async def _dynamo_loss(
-    nc: Client, config: Config, store: SnapshotStore, snapshots: list[SnapshotInfo]
-) -> tuple[dict[str, Any] | None, str]:
-    """What Dynamo's publishers lost: from the running writer if one answers (its live
-    count), else from the newest snapshot (as of its event)."""
+async def _running_writer(nc: Client, config: Config) -> dict[str, Any] | None:
+    """The running writer's own report (its status endpoint); None if none answers."""
     try:
         reply = await nc.request(status_subject(config, "writer"), b"", timeout=WRITER_ASK_S)
-        report = msgspec.json.decode(reply.data).get("dynamo")
-        return report, "the running writer"
-    except (nats.errors.Error, TimeoutError, msgspec.DecodeError, AttributeError):
-        pass
+        report = msgspec.json.decode(reply.data)
+    except (nats.errors.Error, TimeoutError, msgspec.DecodeError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _capture_status(capture: Captured | None) -> CaptureStatus | None:
+    if capture is None:
+        return None
+    return CaptureStatus(
+        capture.stream,
+        capture.last,
+        capture.sourced,
+        capture.waiting,
+        capture.dropped,
+        _when(capture.oldest_ns),
+        capture.error,
+    )
+
+
+def _when(ns: int | None) -> str | None:
+    return None if ns is None else dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat()
+
+
+async def _dynamo_loss(
+    running: dict[str, Any] | None, store: SnapshotStore, snapshots: list[SnapshotInfo]
+) -> tuple[dict[str, Any] | None, str]:
+    """What Dynamo's publishers lost: from the running writer if one answered (its live
+    count), else from the newest snapshot (as of its event)."""
+    if running is not None:
+        report = running.get("dynamo")
+        return (report if isinstance(report, dict) else None), "the running writer"
     for info in reversed(snapshots):
         try:
             state = decode_state(await store.fetch(info.name))
@@ -190,7 +270,7 @@ async def _dynamo_loss(
     return None, ""
 
 
-async def _writer_position(nc: Client, config: Config) -> int:
+async def writer_position(nc: Client, config: Config) -> int:
     """The last event the writer has visibly handled: the newest its stored deltas cover, or
     its newest dead letter, if that is later (0: none)."""
     js = nc.jetstream()
@@ -207,32 +287,42 @@ async def _writer_position(nc: Client, config: Config) -> int:
 
 
 def _lag_status(config: Config, who: str, lag: Lag) -> LagStatus:
-    when = None
-    if lag.oldest_ns is not None:
-        when = dt.datetime.fromtimestamp(lag.oldest_ns / 1e9, dt.UTC).isoformat()
     age = round(lag.oldest_age_s, 3) if lag.oldest_ns is not None else None
     return LagStatus(
         lag.position,
         lag.newest,
         lag.events,
         lag.messages,
-        when,
+        _when(lag.oldest_ns),
         age,
         over(config, lag),
         describe(who, lag),
+        lag.captured,
+        lag.exact,
     )
 
 
 def format_status(report: StatusReport) -> str:
     lines = [f"namespace {report.namespace!r} on {report.server}", ""]
-    lines.append(f"{'stream':<24}{'messages':>10}{'bytes':>12}{'first':>10}{'last':>10}")
+    width = max([24, *(len(s.name) + 2 for s in report.streams)])
+    head = f"{'stream':<{width}}{'messages':>10}{'bytes':>12}{'first':>10}{'last':>10}  limits"
+    lines.append(head)
     for s in report.streams:
         if not s.exists:
-            lines.append(f"{s.name:<24}  (missing)")
+            lines.append(f"{s.name:<{width}}  (missing)")
             continue
-        lines.append(f"{s.name:<24}{s.messages:>10}{s.bytes:>12}{s.first_seq:>10}{s.last_seq:>10}")
+        lines.append(
+            f"{s.name:<{width}}{s.messages:>10}{s.bytes:>12}{s.first_seq:>10}{s.last_seq:>10}"
+            f"  {_limits(s)}"
+        )
         for c in s.consumers:
             lines.append(f"  consumer {c.name}: pending {c.pending}, delivered {c.delivered_seq}")
+    storage = f"JetStream storage (the account's): {size(report.storage_bytes)} in use, "
+    if report.max_storage_bytes is None:
+        lines.append(storage + "no account limit")
+    else:
+        share = report.storage_bytes / report.max_storage_bytes
+        lines.append(storage + f"of {size(report.max_storage_bytes)} ({share:.0%})")
     lines.append("")
     if not report.bucket_exists:
         lines.append(f"bucket {report.bucket}: missing (no projector has run)")
@@ -248,7 +338,15 @@ def format_status(report: StatusReport) -> str:
             "--verify`, then `seqstate rebuild`)"
         )
     elif report.lag_events is not None:
-        lines.append(f"lag: {report.lag_events} events behind the log")
+        lines.append(
+            f"lag: {report.lag_events} events behind the log"
+            + (
+                f", and {report.captured_behind} Dynamo messages captured but not in the "
+                "events stream yet"
+                if report.captured_behind
+                else ""
+            )
+        )
     for who, lag in (("writer", report.writer), ("projector", report.projector)):
         if lag is not None:
             flag = f"  BEHIND (warns at {report.warns_at})" if lag.behind else ""
@@ -262,6 +360,9 @@ def format_status(report: StatusReport) -> str:
         if report.trimmed_below
         else "events: never trimmed"
     )
+    if report.writer_refused:
+        refused = ", ".join(f"{n} {why}" for why, n in sorted(report.writer_refused.items()))
+        lines.append(f"publishes refused: the running writer's Ticks: {refused}")
     if report.dynamo:
         d = report.dynamo
         lines.append(
@@ -271,6 +372,17 @@ def format_status(report: StatusReport) -> str:
         for publisher, lost in d["lost_by_publisher"].items():
             lines.append(f"  publisher {publisher}: {_messages(lost)} lost")
     return "\n".join(lines)
+
+
+def _limits(s: StreamStatus) -> str:
+    """``5,000 messages, 1.0 GiB (12% full), refuses new`` or ``none``."""
+    limits = [f"{s.max_messages:,} messages"] if s.max_messages is not None else []
+    if s.max_bytes is not None:
+        limits.append(size(s.max_bytes))
+    if not limits:
+        return "none"
+    at_limit = "refuses new" if s.discard == "new" else "drops oldest"
+    return f"{', '.join(limits)} ({s.full:.0%} full), {at_limit}"
 
 
 def _messages(n: int) -> str:

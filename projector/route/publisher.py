@@ -77,7 +77,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from projector.nats.connection import PermissionRefused, refused_or, was_refused
-from projector.nats.failures import describe
+from projector.nats.failures import describe, refusal
 from projector.nats.pub_ack import ACK_DECODER
 from projector.wire import msg_ids
 from projector.wire.config import Config
@@ -303,6 +303,9 @@ class RouterPublisher:
         self._heartbeats: asyncio.Task[None] | None = None
         self._closing = False
         self.heartbeat_failures = 0
+        # Attempts the server refused (error acks, permission refusals), by a word for why
+        # (projector.nats.failures.refusal): a router's own count, for its metrics.
+        self.refused: dict[str, int] = {}
 
     # ---- lifecycle: heartbeats and goodbye -------------------------------------------------
 
@@ -701,6 +704,7 @@ class RouterPublisher:
             if err.err_code not in TRANSIENT_ERRORS:
                 calls = rnd.call.refusals
                 calls[i] = calls.get(i, 0) + 1
+                self._count_refusal(refusal(api_error))
             self._settle(rnd, i, None, _describe(api_error))
         elif ack.duplicate and rnd.first:
             call = rnd.call
@@ -716,6 +720,9 @@ class RouterPublisher:
             self._settle(rnd, i, None, None)
         else:
             self._settle(rnd, i, ack.seq, None)
+
+    def _count_refusal(self, why: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
 
     def _release(self) -> None:
         self._in_flight -= 1
@@ -748,6 +755,7 @@ class RouterPublisher:
                 subject = rnd.call.subjects[i]
                 if was_refused(self._nc, subject):  # no retry can change the server's mind
                     rnd.call.fatal.setdefault(i, _refused(rnd.call, i))
+                    self._count_refusal("permission")
                 self._settle(rnd, i, None, _describe(TimeoutError()))
             rnd.cursor += 1
 

@@ -91,6 +91,19 @@ class Config:
     duplicate_window_s: float = _setting(
         120.0, "JetStream's duplicate window: a retried publish is stored once", "SECONDS"
     )
+    capture_max_bytes: int | None = _setting(
+        1024**3,
+        "bytes the Dynamo capture stream keeps (its oldest dropped beyond, counted if the "
+        "events stream had not taken them); never lowered on an existing stream; 'off': no "
+        "limit",
+        "BYTES",
+    )
+    dead_letter_max_bytes: int | None = _setting(
+        256 * 1024**2,
+        "bytes the dead-letter stream keeps (its oldest dropped beyond; the metrics keep "
+        "the counts); never lowered on an existing stream; 'off': no limit",
+        "BYTES",
+    )
     expiry_s: float | None = _setting(
         300.0, "seconds after which an unfreed request expires; 'off' disables", "SECONDS"
     )
@@ -160,7 +173,7 @@ class Config:
     )
     lag_check_s: float = _setting(
         2.0,
-        "the writer and the projector look up their lag this often (two small reads)",
+        "the writer and the projector look up their lag this often (a few small reads)",
         "SECONDS",
     )
     consumer_window: int = _setting(
@@ -533,6 +546,15 @@ def _not_negative(value: float | None) -> str:
     return "" if value is None or value >= 0 else "must not be negative"
 
 
+MIN_STREAM_BYTES = 8 * 1024**2  # a stream's byte limit: room for a few of the largest messages
+
+
+def _stream_bytes(value: int | None) -> str:
+    if value is None or value >= MIN_STREAM_BYTES:
+        return ""
+    return f"must be at least {MIN_STREAM_BYTES} (8 MiB), or 'off'"
+
+
 def _name(value: str) -> str:
     return "" if _TOKEN.match(value) else "use letters, digits, '-' and '_' only"
 
@@ -568,6 +590,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
         "duplicate_window_s",
         lambda v: "" if v >= 120 else "must be at least 120 seconds (retried publishes)",
     ),
+    ("capture_max_bytes", _stream_bytes),
+    ("dead_letter_max_bytes", _stream_bytes),
     ("expiry_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
     ("idle_tick_s", _positive),
     ("flush_interval_s", _positive),

@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats.errors
@@ -45,7 +45,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from projector.nats.failures import describe
+from projector.nats.failures import describe, refusal
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.logs import event_fields
@@ -90,6 +90,8 @@ class WriterStats(SnapshotStats):
     ticks_published: int = 0
     last_delta_seq: int = 0  # source sequence of the last delta handed to the delta log
     last_seq: int = 0  # outcomes are counted by the state itself: state.counters
+    # its own publishes to the events stream (Ticks) that were not stored, by why
+    publishes_refused: dict[str, int] = field(default_factory=dict)
 
 
 class EventLimitUnfit(SeqstateError, ValueError):
@@ -225,6 +227,8 @@ class Writer(LagWatched):
             "snapshots_saved": stats.snapshots_saved,
             "lag_events": lag.events,
             "lag_s": lag.oldest_age_s,
+            "captured_waiting": lag.captured,
+            "publishes_refused": dict(stats.publishes_refused),
             "outcomes": {k: n for k, n in sorted(self.state.counters.items()) if n},
             **({"dynamo": publishers.report()} if (publishers := self.state.publishers) else {}),
         }
@@ -425,6 +429,8 @@ class Writer(LagWatched):
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
                 log.warning("Tick not logged: %s", describe(exc))
+                refused = self.stats.publishes_refused
+                refused[refusal(exc)] = refused.get(refusal(exc), 0) + 1
                 continue
             self.stats.ticks_published += 1
             self._last_event_at = ticked = loop.time()

@@ -58,6 +58,9 @@ class Sink:
         self.put_args.append((stream, seq, subject, payload, reason, kind, fields))
         self.counts[kind] += 1
 
+    def say_held(self) -> None:
+        pass
+
 
 class Refuser:
     def __init__(self, events: list[str]) -> None:

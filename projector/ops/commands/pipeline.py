@@ -39,10 +39,16 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     check_demo_flags(args)
     port = embedded_port(args.port)
     stop = catch_signals()
+    current: list[Any] = []  # the pipeline running now: the live view shows its backlog
     async with (
         nats_for(config, args.store_dir, port) as (nc, url),
-        pipeline_metrics(nc, config) as on_pipeline,
+        pipeline_metrics(nc, config) as metrics_of,
     ):
+
+        def on_pipeline(pipeline: Any) -> None:
+            current[:] = [] if pipeline is None else [pipeline]
+            metrics_of(pipeline)
+
         await refuse_a_second_run(nc, config)
         started = asyncio.Event()
         supervisor = asyncio.ensure_future(
@@ -71,7 +77,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
         if args.demo:
             from projector.ops.demo import run_demo
 
-            tasks.append(run_demo(nc, config, args))
+            tasks.append(run_demo(nc, config, args, lambda: current[0].writer if current else None))
         try:
             # The demo stops first (it frees what it has in flight), then the pipeline, so
             # that the writer and the projector take in those frees before they stop.
