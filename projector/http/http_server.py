@@ -52,6 +52,8 @@ from urllib.parse import parse_qsl
 import httptools
 import msgspec
 
+from seqstate.errors import SeqstateError
+
 log = logging.getLogger("seqstate.http")
 
 # What one request may be (the most trusted servers' practice: bound everything, name each
@@ -206,7 +208,7 @@ class Call:
         conn.advance()
 
 
-class _Refused(Exception):
+class _Refused(SeqstateError):
     """Raised in a parser callback to stop the parse: the connection's refusal says why."""
 
 
