@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from eventually import eventually
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
@@ -111,6 +112,17 @@ def folded(config: Config, log: list[tuple[int, int, str, bytes]]) -> SequenceSt
     for message in log:
         fold(*message)
     return fold.state
+
+
+async def logged(nc: Client, config: Config, count: int) -> int:
+    """The sequence of the namespace's newest event, once ``count`` are stored (messages
+    published on NATS Core, which a capture stores with no ack to wait for)."""
+    js = nc.jetstream()
+    return await eventually(
+        lambda: last_seq_of(js, config.events_stream, config.events_subjects),
+        lambda last: last >= count,
+        what=f"{count} captured messages stored",
+    )
 
 
 async def fill(nc: Client, config: Config, n: int) -> int:
