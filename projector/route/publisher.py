@@ -71,7 +71,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from projector.nats.connection import was_refused
-from projector.nats.failures import describe
+from projector.nats.failures import JETSTREAM_OFF, describe, unstored
 from projector.nats.pub_ack import ACK_DECODER
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
@@ -516,7 +516,13 @@ class RouterPublisher:
             # waiting for slots (backpressure) is not failing.
             deadline = loop.time() + self.retry_for_s
             attempt = 0
+            asked = False  # whether JetStream was asked why no stream answered
             while True:
+                if not asked and any(call.errors.get(i, [""])[-1] == _NO_STREAM for i in todo):
+                    asked = True  # no retry can store anything while JetStream is off
+                    if await unstored(self._nc, self.config.events_stream) == JETSTREAM_OFF:
+                        for i in todo:
+                            call.fatal.setdefault(i, _unstored(call, i, JETSTREAM_OFF))
                 refusals = call.refusals
                 todo = [
                     i
@@ -545,11 +551,16 @@ class RouterPublisher:
         failed = next(i for i, seq in enumerate(seqs) if seq is None)
         error = call.fatal.get(failed)
         if error is None:
-            attempts = len(call.errors.get(failed, ()))
+            errors = call.errors.get(failed, [])
+            why = _reasons(errors)
+            if errors and errors[-1] in (_TIMED_OUT, _NO_STREAM):  # what the stream says
+                timed_out = errors[-1] == _TIMED_OUT
+                if said := await unstored(self._nc, self.config.events_stream, timed_out=timed_out):
+                    why += f"; {said}"
             error = PublishError(
                 f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
-                f"{call.msg_ids[failed]} not stored after {attempts} attempt(s) to "
-                f"{call.subjects[failed]}: {_reasons(call.errors.get(failed, []))}",
+                f"{call.msg_ids[failed]} not stored after {len(errors)} attempt(s) to "
+                f"{call.subjects[failed]}: {why}",
                 msg_id=call.msg_ids[failed],
                 request_id=call.request_id(failed),
             )
@@ -630,7 +641,7 @@ class RouterPublisher:
         except msgspec.DecodeError:
             status = (msg.headers or {}).get("Status")
             if status == _NO_RESPONDERS:
-                problem = _describe(nats.js.errors.NoStreamResponseError())
+                problem = _NO_STREAM
             else:
                 problem = f"unreadable ack (status {status}): {msg.data[:200]!r}"
             self._settle(rnd, i, None, problem)
@@ -728,11 +739,19 @@ class RouterPublisher:
 
 def _refused(call: _Call, i: int) -> PublishError:
     """Event ``i`` of ``call`` was refused by the server's permissions: said so, not retried."""
+    return _unstored(
+        call,
+        i,
+        f'NATS refused a publish to "{call.subjects[i]}" (permissions violation: this user may '
+        "not publish it)",
+    )
+
+
+def _unstored(call: _Call, i: int, why: str) -> PublishError:
+    """Event ``i`` of ``call`` cannot be stored, for a reason no retry changes."""
     request_id = call.request_id(i)
     return PublishError(
-        f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} not stored: NATS "
-        f'refused a publish to "{call.subjects[i]}" (permissions violation: this user may '
-        "not publish it)",
+        f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} not stored: {why}",
         msg_id=call.msg_ids[i],
         request_id=request_id,
     )
@@ -766,5 +785,9 @@ def _describe(exc: BaseException) -> str:
     """A failed attempt, as :func:`projector.nats.failures.describe` names it (a full stream,
     JetStream storage full); a timeout here is an ack that never came."""
     if isinstance(exc, TimeoutError):
-        return "ack timed out"
+        return _TIMED_OUT
     return describe(exc)
+
+
+_TIMED_OUT = "ack timed out"
+_NO_STREAM = _describe(nats.js.errors.NoStreamResponseError())

@@ -54,10 +54,15 @@ def name_flags(config: Config) -> list[str]:
     ]
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without any seqstate setting (a command's defaults)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+
+
 def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``seqstate ARGS`` against ``config`` on the server at ``url``, as an operator runs it:
     its defaults (progress bars included), no setting from this process's environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    env = clean_env()
     env["NATS_URL"] = url
     command = [sys.executable, "-m", "projector", *args, *name_flags(config)]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import nats.errors
 from dynamo_capture import CAPTURE
 from eventually import eventually
 from nats.aio.client import Client
-from pipeline_kit import REPO, fresh_config, logged, name_flags, run_cli
+from pipeline_kit import REPO, clean_env, fresh_config, logged, name_flags, run_cli
 from prometheus_client import generate_latest
 
 from projector.nats.discovery import status_subject
@@ -86,7 +85,7 @@ def run_argv(config: Config, url: str) -> list[str]:
 @contextlib.asynccontextmanager
 async def started_run(nc: Client, config: Config, url: str, log: Path) -> AsyncIterator[None]:
     """``seqstate run --nats-url`` as a user starts it, until its writer answers its status."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    env = clean_env()
     with log.open("ab") as out:
         proc = await asyncio.create_subprocess_exec(
             *run_argv(config, url), env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
