@@ -522,7 +522,8 @@ class RouterPublisher:
                     asked = True  # no retry can store anything while JetStream is off
                     if await unstored(self._nc, self.config.events_stream) == JETSTREAM_OFF:
                         for i in todo:
-                            call.fatal.setdefault(i, _unstored(call, i, JETSTREAM_OFF))
+                            if call.seqs[i] is None:
+                                call.fatal.setdefault(i, _unstored(call, i, JETSTREAM_OFF))
                 refusals = call.refusals
                 todo = [
                     i
