@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from seqstate.decay import NS_PER_MS
+from seqstate.deltas import U64_MAX
 from seqstate.events import MAX_PREFILL_MS, AddRequest, Event, RouterHeartbeat, WorkerAdded
 from seqstate.prefill import PrefillTracker
 from seqstate.state import SequenceState
@@ -35,7 +36,7 @@ MAX_RANKS: Final = 16_384
 # lapses, so a flood of invented ids must not grow the state without bound.
 MAX_ROUTERS: Final = 100_000
 # The largest sum a rank keeps: what a delta (msgpack) and a bucket value can carry.
-MAX_SUM: Final = 2**64 - 1
+MAX_SUM: Final = U64_MAX
 # One AddRequest adds at most MAX_PREFILL_MS whole milliseconds: below this, no add can overflow.
 _MS_NEAR_MAX: Final = MAX_SUM - int(MAX_PREFILL_MS)
 

@@ -29,6 +29,10 @@ from msgspec import Struct
 from seqstate.errors import SeqstateError
 from seqstate.loads import RankLoad
 
+# The largest integer msgpack carries, so the largest any delta or snapshot may hold: a count
+# that could grow past it (by amounts the input chooses) saturates here instead.
+U64_MAX: Final = 2**64 - 1
+
 Outcome = Literal[
     "applied",
     "duplicate",
@@ -99,7 +103,8 @@ class RankChange(Struct, array_like=True, gc=False):
 
 class Hole(Struct, array_like=True, gc=False):
     """Messages of a Dynamo publisher the log never got: ``missing`` of them, from sequence
-    ``first_missing`` on (see :mod:`seqstate.publishers`)."""
+    ``first_missing`` on (see :mod:`seqstate.publishers`). Both are below 2^64: a sequence is a
+    u64, and a hole lies between two of one publisher's sequences."""
 
     publisher_id: int
     first_missing: int

@@ -88,11 +88,16 @@ class _State(Struct, array_like=True):
     slot_tracker: bool = False
     block_size: int | None = None  # the tracker's, under the slot-tracker rules
     # Dynamo publishers (seqstate.publishers): each (id, last_sequence, heard_ns, holes,
-    # restarts, late), least recently heard first; the bound; the totals (holes, restarts,
-    # forgotten), which outlive a forgotten publisher.
+    # restarts, late), least recently heard first; the bound; the totals (holes, late,
+    # forgotten), which outlive a forgotten publisher. Restarts are no longer counted (0): an
+    # id's sequence 0 after a higher one is late, since Dynamo draws a new id at every start.
     publishers: list[tuple[int, int, int, int, int, int]] = []
     max_publishers: int = MAX_PUBLISHERS
     publisher_totals: tuple[int, int, int] = (0, 0, 0)
+    # The publishers that lost the most, (id, holes), most first. None: a snapshot from before
+    # it, whose publishers counted restarts, which this build counts as late (in their rows
+    # and, second of publisher_totals, instead of a total of late messages it did not keep).
+    lossiest: list[tuple[int, int]] | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -131,6 +136,7 @@ def _encode_slot(state: SequenceState, rank: tuple[int, int], slot: ActiveSequen
 
 
 def encode_state(state: SequenceState) -> bytes:
+    publishers = state.publishers
     slots = [_encode_slot(state, rank, slot) for rank, slot in state.workers.slots.items()]
     parked = state.departures.slots
     departed = [
@@ -157,9 +163,10 @@ def encode_state(state: SequenceState) -> bytes:
         departed,
         state.slot_tracker,
         state.block_size,
-        state.publishers.rows(),
-        state.publishers.capacity,
-        (state.publishers.holes, state.publishers.restarts, state.publishers.forgotten),
+        [(pid, last, heard, holes, 0, late) for pid, last, heard, holes, late in publishers.rows()],
+        publishers.capacity,
+        (publishers.holes, publishers.late, publishers.forgotten),
+        publishers.lossy(),
     )
     return MAGIC + _encoder.encode(body)
 
@@ -224,12 +231,23 @@ def _rebuild(body: _State) -> SequenceState:
     state.counters.update(body.counters)
     state.idle_since = {(w, r): since for w, r, since in body.idle_since}
     state.routers = dict(body.routers)
-    state.publishers.load(body.publishers)
-    publishers = state.publishers
-    publishers.holes, publishers.restarts, publishers.forgotten = body.publisher_totals
+    _restore_publishers(state, body)
     for delta in state.projection():
         state.registry.apply(delta)
     return state
+
+
+def _restore_publishers(state: SequenceState, body: _State) -> None:
+    """The publishers' table and counts; an older snapshot's restarts become late messages."""
+    publishers = state.publishers
+    rows = [
+        (pid, last, heard, holes, late + restarts)
+        for pid, last, heard, holes, restarts, late in body.publishers
+    ]
+    publishers.load(rows, body.lossiest)
+    publishers.holes, publishers.late, publishers.forgotten = body.publisher_totals
+    if body.lossiest is None:  # the total counted restarts: add the late its rows counted
+        publishers.late += sum(row[5] for row in body.publishers)
 
 
 def _decode_slot(state: SequenceState, s: _Slot) -> ActiveSequences:

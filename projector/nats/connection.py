@@ -107,6 +107,59 @@ def describe_violation(
     return f"NATS refused {what} (permissions violation{who}){while_}"
 
 
+def describe_refusal(text: str, *, user: str | None = None, names: Iterable[str] = ()) -> str:
+    """One line for a permissions violation that ended a command: what the user lacks the
+    permission to do (read a stream, write a bucket...), then the subject refused."""
+    found = _VIOLATION.search(text.lower())
+    if found is None:
+        return describe_violation(text, user=user, names=names)
+    op, subject = found.groups()
+    sent = _as_sent(subject, names)
+    who = f"user {user!r}" if user else "this user"
+    return (
+        f"{who} lacks the permission to {_needed_for(op, sent)}: NATS refused a {op} to "
+        f'"{sent}" (permissions violation)'
+    )
+
+
+# JetStream API requests that read a stream (its info, messages, consumers), and those that
+# create or change one: the stream's name is the token after the prefix.
+_READS = (
+    "STREAM.INFO.", "STREAM.MSG.GET.", "DIRECT.GET.", "CONSUMER.CREATE.",
+    "CONSUMER.DURABLE.CREATE.", "CONSUMER.INFO.", "CONSUMER.DELETE.", "CONSUMER.MSG.NEXT.",
+    "CONSUMER.LIST.", "CONSUMER.NAMES.",
+)  # fmt: skip
+_CHANGES = ("STREAM.CREATE.", "STREAM.UPDATE.")
+_ASKS = {"INFO": "ask JetStream for the account's info", "STREAM.NAMES": "list the streams"}
+
+
+def _needed_for(op: str, subject: str) -> str:
+    """What a refused ``op`` (publish, subscription) to ``subject`` was for, in words."""
+    tokens = subject.split(".")
+    if op != "publish":
+        return f"subscribe to {subject}"
+    if subject.startswith("$JS.API."):
+        api = subject[len("$JS.API.") :]
+        for prefixes, verb in ((_READS, "read"), (_CHANGES, "create or update")):
+            prefix = next((p for p in prefixes if api.startswith(p)), None)
+            if prefix is not None:
+                return f"{verb} {_resource(api[len(prefix) :].split('.')[0])}"
+        return _ASKS.get(api, f"use JetStream's API ({api})")
+    if len(tokens) > 2 and tokens[0] in ("$KV", "$O"):
+        return f"write {'bucket' if tokens[0] == '$KV' else 'object store'} {tokens[1]}"
+    if len(tokens) > 2 and tokens[0] == "$JS" and tokens[1] in ("ACK", "FC"):
+        return f"read {_resource(tokens[2])}"
+    return f"publish to {subject}"
+
+
+def _resource(stream: str) -> str:
+    """A stream as the user knows it: a bucket, an object store, or a stream."""
+    for prefix, kind in (("KV_", "bucket"), ("OBJ_", "object store")):
+        if stream.startswith(prefix):
+            return f"{kind} {stream[len(prefix) :]}"
+    return f"stream {stream}"
+
+
 class TlsNotOffered(SeqstateError, nats.errors.Error):
     """TLS was asked for (a ``tls://`` URL, a TLS setting) and the server offers none."""
 
@@ -324,6 +377,10 @@ class _Callbacks:
         # Set when the client is closed not by us (a refusal of its credentials): why.
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.client: weakref.ref[Client] | None = None  # once dialed
+        # A command that ends at its first permissions violation (connect's fail_on_refusal):
+        # its task, cancelled with the violation's text kept for the error it then raises.
+        self.command: asyncio.Task[Any] | None = None
+        self.violation: str | None = None
 
     async def on_error(self, exc: Exception) -> None:
         if isinstance(exc, nats.errors.SlowConsumerError):
@@ -340,6 +397,12 @@ class _Callbacks:
             if waiting and found is not None:
                 for waiter in waiting:  # each reports it in its own words: no second line
                     waiter.set_result(text)
+                return
+            command = self.command
+            if found is not None and command is not None and not command.done():
+                if self.violation is None:  # the first one ends the command; said once
+                    self.violation = text
+                    command.cancel()
                 return
             log.warning("nats: %s", text)
             return
@@ -517,7 +580,11 @@ async def refused_or(
 
 @contextlib.asynccontextmanager
 async def connect(
-    url: str, *, service: bool, config: Config | None = None
+    url: str,
+    *,
+    service: bool,
+    config: Config | None = None,
+    fail_on_refusal: bool = False,
 ) -> AsyncIterator[Client]:
     """A client that reconnects forever if ``service``, logging instead of printing tracebacks.
 
@@ -525,6 +592,11 @@ async def connect(
     config, from ``SEQSTATE_TLS_*`` and ``SEQSTATE_NATS_*`` (so a router or a scheduler using
     RouterPublisher or RegistryView connects as the CLI does). Credentials in ``url`` still
     work; a setting wins over them.
+
+    ``fail_on_refusal`` (a command's client): the first permissions violation the server
+    reports ends the block at once with :class:`PermissionRefused`, saying what the user lacks
+    the permission to do (a refused JetStream API request is otherwise only a timeout, "nats:
+    timeout", seconds later). Otherwise the violation is logged and the client goes on.
     """
     settings = config if config is not None else connect_settings_from_env()
     tls = client_tls(settings)
@@ -541,9 +613,22 @@ async def connect(
     nc = await _dial(url, callbacks, tls, auth)
     _WATCHED[nc] = callbacks
     callbacks.client = weakref.ref(nc)
+    if fail_on_refusal:
+        callbacks.command = asyncio.current_task()
     try:
         yield nc
+    except asyncio.CancelledError:
+        if callbacks.violation is None:
+            raise
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # the cancellation was ours: the refusal is what ends it
+        names = _resource_names(config) if config is not None else ()
+        raise PermissionRefused(
+            describe_refusal(callbacks.violation, user=settings.nats_user, names=names)
+        ) from None
     finally:
+        callbacks.command = None  # a violation while draining is no longer the command's
         callbacks.closing = True
         with contextlib.suppress(Exception):
             await nc.drain()
@@ -583,6 +668,12 @@ async def nats_for(
         )
         async with connect(server.url, service=True, config=config) as nc:
             yield nc, server.url
+
+
+def _resource_names(config: Config) -> list[str]:
+    from projector.nats.resources import resource_names  # it provisions through this module
+
+    return resource_names(config)
 
 
 def require_url(config: Config) -> str:

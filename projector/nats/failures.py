@@ -3,15 +3,21 @@
 nats-py's JetStream errors carry their meaning in fields (``code``, ``err_code``,
 ``description``) and none in their arguments, so ``repr`` shows ``ServiceUnavailableError()``:
 a server out of storage was logged that way, for as long as the writer retried, and never
-named. :func:`describe` says what the server said, with its error code, and names the two
-conditions an operator must act on: JetStream's storage (the server's or the account's) is
-full, or a stream has reached a limit of its own.
+named. :func:`describe` says what the server said, with its error code, and names the
+conditions an operator must act on, with what to do: JetStream's storage (the server's or the
+account's) is full, a stream has reached a limit of its own, or JetStream is off (nothing
+answers its API: nats-py says ``ServiceUnavailableError: code=None``).
+
+A server whose disk fills under it answers a write with nothing at all: the write times out,
+like one lost on the wire. :func:`unstored` asks the stream, once, whether it still answers;
+if it does, the silence is named as the likely full disk it is.
 """
 
 from __future__ import annotations
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client
 
 from seqstate.errors import SeqstateError
 
@@ -25,21 +31,77 @@ STORAGE_EXCEEDED = 10047  # insufficient storage resources available
 MEMORY_EXCEEDED = 10028  # insufficient memory resources available
 ACCOUNT_LIMITS = 10002  # resource limits exceeded for account
 OUT_OF_STORAGE = frozenset({NO_STORAGE, STORAGE_EXCEEDED, MEMORY_EXCEEDED, ACCOUNT_LIMITS})
+STORAGE_FULL = "JetStream storage full"
+STORAGE_ADVICE = (
+    "free disk space on the server, or raise its JetStream limit (max_file_store, "
+    "max_memory_store, or the account's)"
+)
+JETSTREAM_OFF = (
+    "JetStream is off on this NATS server (nothing answers its API for this account): start "
+    "nats-server with -js, or give its config a jetstream {} block (and the account "
+    "jetstream: enabled); a server out of storage turns it off too, and says so in its log"
+)
+NO_ANSWER = "no answer in time"
+PROBE_S = 1.0  # how long the stream has to answer the question that names a silent write
+
+
+class JetStreamOff(SeqstateError, ConnectionError):
+    """The NATS server (or this account) has no JetStream: no stream, bucket or snapshot."""
+
+    def __init__(self) -> None:
+        super().__init__(JETSTREAM_OFF)
 
 
 def storage_full(exc: BaseException) -> bool:
-    """The server (or the account) has no JetStream storage left for this write."""
-    return isinstance(exc, nats.js.errors.APIError) and exc.err_code in OUT_OF_STORAGE
+    """The server (or the account) has no JetStream storage left for this write: a limit's
+    error code, or the disk's own words (an object store's write passes them on)."""
+    return isinstance(exc, nats.js.errors.APIError) and (
+        exc.err_code in OUT_OF_STORAGE or "no space left on device" in (exc.description or "")
+    )
+
+
+def jetstream_off(exc: BaseException) -> bool:
+    """Nothing answered a JetStream API request: nats-py turns the server's "no responders"
+    into a ServiceUnavailableError without a JetStream error code (an error the JetStream API
+    sends, a full disk's included, has one)."""
+    return isinstance(exc, JetStreamOff) or (
+        isinstance(exc, nats.js.errors.ServiceUnavailableError) and exc.err_code is None
+    )
+
+
+async def unstored(nc: Client, stream: str, *, timed_out: bool = False) -> str | None:
+    """Why a write to ``stream`` was not stored, as the server tells when asked once (for at
+    most ``PROBE_S``) about the stream, or None if it tells nothing more. ``timed_out``: the
+    write had no answer at all, else "no responders" (no stream took its subject).
+
+    No answer to the question either: nothing more is known (a server away, an election).
+    Nothing answers it: JetStream is off. No such stream: said. The stream answers: after a
+    timeout, the server took the write and stored nothing, which is what a server whose disk
+    is full does (it logs 'no space left on device', and tells the client nothing)."""
+    try:
+        await nc.jetstream(timeout=PROBE_S).stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        return f"stream {stream} does not exist"
+    except Exception as exc:
+        return JETSTREAM_OFF if jetstream_off(exc) else None
+    if not timed_out:
+        return None
+    return (
+        f"stream {stream} answers but stored nothing: {STORAGE_FULL}? (a server whose disk is "
+        f"full says so only in its log: 'no space left on device'); {STORAGE_ADVICE}"
+    )
 
 
 def describe(exc: BaseException) -> str:
     """One line for a failed request: what the server said, a full disk or stream named."""
     if isinstance(exc, TimeoutError | nats.errors.TimeoutError):
-        return "no answer in time"
+        return NO_ANSWER
+    if jetstream_off(exc):
+        return JETSTREAM_OFF
     if isinstance(exc, nats.js.errors.APIError) and exc.err_code is not None:
         said = f"{exc.description} (JetStream error {exc.err_code})"
         if storage_full(exc):
-            return f"JetStream storage is full: {said}"
+            return f"{STORAGE_FULL}: {said}; {STORAGE_ADVICE}"
         if exc.err_code == STREAM_LIMIT and "exceeded" in (exc.description or ""):
             return f"the stream is full: {said}"
         return said
@@ -63,3 +125,17 @@ def refusal(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError | nats.errors.TimeoutError):
         return "no_answer"
     return "other"
+
+
+async def explain(nc: Client, exc: BaseException, stream: str) -> str:
+    """:func:`describe` for a failed write to ``stream``; when it had no answer, or no stream
+    answered it, with what the stream says of itself (:func:`unstored`): a full disk, JetStream
+    off, no such stream."""
+    said = describe(exc)
+    timed_out = isinstance(exc, TimeoutError | nats.errors.TimeoutError)
+    if not (timed_out or isinstance(exc, nats.js.errors.NoStreamResponseError)):
+        return said
+    more = await unstored(nc, stream, timed_out=timed_out)
+    if more is None:
+        return said
+    return more if more == JETSTREAM_OFF else f"{said}; {more}"

@@ -322,7 +322,9 @@ class Lease:
             except TRANSIENT as exc:
                 if not failing:
                     log.warning(
-                        "lease of namespace %r not renewed (%r); retrying", self.namespace, exc
+                        "lease of namespace %r not renewed (%s); retrying",
+                        self.namespace,
+                        describe_failure(exc),
                     )
                 failing = True
                 continue

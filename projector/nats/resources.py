@@ -40,7 +40,7 @@ from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from projector.nats.connection import refused_or
-from projector.nats.failures import STORAGE_EXCEEDED, describe
+from projector.nats.failures import STORAGE_EXCEEDED, JetStreamOff, describe, jetstream_off
 from projector.wire import msg_ids
 from projector.wire.capture import (
     CAPTURE_MAX_AGE_S,
@@ -81,15 +81,24 @@ def dynamo_capture(config: Config) -> str:
     return capture_stream(config.events_stream, config.namespace)
 
 
-async def wait_for_jetstream(js: JetStreamContext, timeout: float = 10.0) -> None:
-    """Right after a server (or cluster) starts, management calls can time out: poll first."""
+async def wait_for_jetstream(nc: Client, timeout: float = 10.0) -> None:
+    """Right after a server (or cluster) starts, management calls can time out: poll first.
+    A server whose INFO offers no JetStream, and on which nothing answers its API, has none:
+    :class:`JetStreamOff` at once."""
+    js = nc.jetstream()
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         try:
             await js.account_info()
             return
         except (TimeoutError, APIError) as exc:
+            if jetstream_off(exc) and not (getattr(nc, "_server_info", None) or {}).get(
+                "jetstream"
+            ):
+                raise JetStreamOff() from None
             if asyncio.get_running_loop().time() > deadline:
+                if jetstream_off(exc):
+                    raise JetStreamOff() from None
                 raise ProvisioningError(f"JetStream is not available: {describe(exc)}") from None
             await asyncio.sleep(0.2)
 
@@ -138,7 +147,7 @@ async def ensure(nc: Client, config: Config) -> Resources:
 async def _ensure(nc: Client, config: Config) -> Resources:
     check_server(nc)
     js = nc.jetstream()
-    await wait_for_jetstream(js)
+    await wait_for_jetstream(nc)
     storage = api.StorageType.FILE
     sources = [await _ensure_capture(js, config)] if config.dynamo_endpoints else None
     events = await _ensure_stream(

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.js import api
 from nats.js.errors import (
@@ -33,8 +34,9 @@ from nats.js.errors import (
 )
 from nats.js.object_store import ObjectStore
 
+from projector.nats.failures import explain
 from projector.wire.config import Config
-from seqstate import SCHEMA_VERSION, SequenceState, SnapshotError
+from seqstate import SCHEMA_VERSION, SeqstateError, SequenceState, SnapshotError
 from seqstate.snapshot import SNAPSHOT_VERSION
 
 log = logging.getLogger("seqstate.snapshots")
@@ -44,6 +46,10 @@ SEQ_DIGITS = 20
 
 def digest_of(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class SnapshotNotStored(SeqstateError, RuntimeError):
+    """The server did not store a snapshot; the message says why (a full disk, say)."""
 
 
 class SnapshotMeta(msgspec.Struct, frozen=True):
@@ -153,11 +159,15 @@ class SnapshotStore:
             digest_of(state_bytes),
         )
         name = self.name_for(applied_seq)
-        await self.store.put(
-            name,
-            state_bytes,
-            meta=api.ObjectMeta(name=name, description=msgspec.json.encode(meta).decode()),
-        )
+        try:
+            await self.store.put(
+                name,
+                state_bytes,
+                meta=api.ObjectMeta(name=name, description=msgspec.json.encode(meta).decode()),
+            )
+        except (TimeoutError, nats.errors.Error) as exc:  # a full disk, say: named
+            why = await explain(self.nc, exc, f"OBJ_{self.config.snapshot_bucket}")
+            raise SnapshotNotStored(f"snapshot {name} not stored: {why}") from None
         stored = await self.fetch(name)
         if stored != state_bytes:
             raise SnapshotError(f"snapshot {name} read back differently from what was stored")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import nats.errors
 
+from projector.nats.failures import describe, jetstream_off, storage_full
 from projector.nats.logs import error_line, setup_logging
 from projector.ops import flags
 from projector.ops.commands import COMMANDS, CliError
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _describe(exc: Exception) -> str | None:
     """One line for a NATS failure an operator can act on; None for a bug (keep the traceback)."""
+    if jetstream_off(exc) or storage_full(exc):  # a whole sentence, with what to do
+        return describe(exc)
     if isinstance(exc, (nats.errors.Error, TimeoutError, ConnectionError)):
         return f"NATS: {exc or type(exc).__name__}"
     return None

@@ -41,6 +41,7 @@ from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
 from projector.wire.redaction import redact
 from seqstate import SeqstateError, SnapshotError
+from seqstate.deltas import U64_MAX
 from seqstate.snapshot import decode_state
 
 WRITER_ASK_S = 1.0  # how long status waits for a running writer's own report
@@ -367,7 +368,7 @@ def format_status(report: StatusReport) -> str:
         d = report.dynamo
         lines.append(
             f"dynamo: {d['publishers']} publishers, {_messages(d['lost'])} lost, "
-            f"{d['restarts']} restarts ({report.dynamo_from})"
+            f"{d.get('late', 0)} late ({report.dynamo_from})"
         )
         for publisher, lost in d["lost_by_publisher"].items():
             lines.append(f"  publisher {publisher}: {_messages(lost)} lost")
@@ -386,4 +387,6 @@ def _limits(s: StreamStatus) -> str:
 
 
 def _messages(n: int) -> str:
+    if n >= U64_MAX:  # the count saturates there
+        return f"at least {n} messages"
     return f"{n} message" + ("" if n == 1 else "s")

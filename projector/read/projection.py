@@ -51,8 +51,9 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
+from projector.nats.acked import acked_jetstream
 from projector.nats.dead_letters import IMPLAUSIBLE, UNDECODABLE
-from projector.nats.failures import describe
+from projector.nats.failures import describe, explain
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.lease import Lease, LeaseLost
@@ -153,7 +154,7 @@ class Projector(LagWatched):
         self.settings = settings
         self.lease: Lease | None = None  # every write of the bucket checks it first
         self.stats = ProjectorStats()
-        self._js = nc.jetstream()
+        self._js = acked_jetstream(nc)  # an error ack fails its write at once
         self.dead_letters = dead_letters  # written by the runner; counted (metrics) there
         self._host = host
         self._read_bucket = read_bucket
@@ -451,7 +452,8 @@ class Projector(LagWatched):
                         )
                     )
                     return
-                log.warning("flush failed, retrying in %.2fs: %s", backoff, describe(exc))
+                why = await explain(self.nc, exc, f"KV_{self.settings.registry_bucket}")
+                log.warning("flush failed, retrying in %.2fs: %s", backoff, why)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue

@@ -31,9 +31,10 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from projector.nats.failures import JETSTREAM_OFF, jetstream_off
 from projector.nats.progress import Progress
 from projector.wire.config import Config
 from projector.wire.values import (
@@ -165,6 +166,10 @@ class RegistryView:
             raise RegistryUnavailable(
                 f"bucket {self.config.registry_bucket!r} does not exist: is a projector running?"
             ) from None
+        except ServiceUnavailableError as exc:
+            if jetstream_off(exc):
+                raise RegistryUnavailable(JETSTREAM_OFF) from None
+            raise
         ready = self._ready = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(self._initial_timeout):

@@ -77,7 +77,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from projector.nats.connection import PermissionRefused, refused_or, was_refused
-from projector.nats.failures import describe, refusal
+from projector.nats.failures import JETSTREAM_OFF, describe, refusal, unstored
 from projector.nats.pub_ack import ACK_DECODER
 from projector.wire import msg_ids
 from projector.wire.config import Config
@@ -544,7 +544,14 @@ class RouterPublisher:
             # waiting for slots (backpressure) is not failing.
             deadline = loop.time() + self.retry_for_s
             attempt = 0
+            asked = False  # whether JetStream was asked why no stream answered
             while True:
+                if not asked and any(call.errors.get(i, [""])[-1] == _NO_STREAM for i in todo):
+                    asked = True  # no retry can store anything while JetStream is off
+                    if await unstored(self._nc, self.config.events_stream) == JETSTREAM_OFF:
+                        for i in todo:
+                            if call.seqs[i] is None:
+                                call.fatal.setdefault(i, _unstored(call, i, JETSTREAM_OFF))
                 refusals = call.refusals
                 todo = [
                     i
@@ -570,6 +577,13 @@ class RouterPublisher:
             self._last_seq = max(stored)
         if len(stored) == len(seqs):
             return stored
+        raise await self._failure(call)
+
+    async def _failure(self, call: _Call) -> PublishError:
+        """The error of a call some event of which was not stored: the first such event's,
+        named as precisely as the stream lets us (a squatted msg-id, a full disk, JetStream
+        off), with the sequences of those that were."""
+        seqs = call.seqs
         failed = next(i for i, seq in enumerate(seqs) if seq is None)
         error = call.fatal.get(failed)
         if failed in call.taken:
@@ -585,16 +599,21 @@ class RouterPublisher:
             assert error is not None
             error.taken_at = call.taken[failed]
         if error is None:
-            attempts = len(call.errors.get(failed, ()))
+            errors = call.errors.get(failed, [])
+            why = _reasons(errors)
+            if errors and errors[-1] in (_TIMED_OUT, _NO_STREAM):  # what the stream says
+                timed_out = errors[-1] == _TIMED_OUT
+                if said := await unstored(self._nc, self.config.events_stream, timed_out=timed_out):
+                    why += f"; {said}"
             error = PublishError(
                 f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
-                f"{call.msg_ids[failed]} not stored after {attempts} attempt(s) to "
-                f"{call.subjects[failed]}: {_reasons(call.errors.get(failed, []))}",
+                f"{call.msg_ids[failed]} not stored after {len(errors)} attempt(s) to "
+                f"{call.subjects[failed]}: {why}",
                 msg_id=call.msg_ids[failed],
                 request_id=call.request_id(failed),
             )
         error.sequences = list(seqs)
-        raise error
+        return error
 
     async def _squatted(self, seq: int) -> str | None:
         """What stream sequence ``seq`` holds, said, if it came in through the Dynamo capture
@@ -691,7 +710,7 @@ class RouterPublisher:
         except msgspec.DecodeError:
             status = (msg.headers or {}).get("Status")
             if status == _NO_RESPONDERS:
-                problem = _describe(nats.js.errors.NoStreamResponseError())
+                problem = _NO_STREAM
             else:
                 problem = f"unreadable ack (status {status}): {msg.data[:200]!r}"
             self._settle(rnd, i, None, problem)
@@ -795,11 +814,19 @@ class RouterPublisher:
 
 def _refused(call: _Call, i: int) -> PublishError:
     """Event ``i`` of ``call`` was refused by the server's permissions: said so, not retried."""
+    return _unstored(
+        call,
+        i,
+        f'NATS refused a publish to "{call.subjects[i]}" (permissions violation: this user may '
+        "not publish it)",
+    )
+
+
+def _unstored(call: _Call, i: int, why: str) -> PublishError:
+    """Event ``i`` of ``call`` cannot be stored, for a reason no retry changes."""
     request_id = call.request_id(i)
     return PublishError(
-        f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} not stored: NATS "
-        f'refused a publish to "{call.subjects[i]}" (permissions violation: this user may '
-        "not publish it)",
+        f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} not stored: {why}",
         msg_id=call.msg_ids[i],
         request_id=request_id,
     )
@@ -833,5 +860,9 @@ def _describe(exc: BaseException) -> str:
     """A failed attempt, as :func:`projector.nats.failures.describe` names it (a full stream,
     JetStream storage full); a timeout here is an ack that never came."""
     if isinstance(exc, TimeoutError):
-        return "ack timed out"
+        return _TIMED_OUT
     return describe(exc)
+
+
+_TIMED_OUT = "ack timed out"
+_NO_STREAM = _describe(nats.js.errors.NoStreamResponseError())

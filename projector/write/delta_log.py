@@ -48,7 +48,7 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
-from projector.nats.failures import describe
+from projector.nats.failures import describe, explain
 from projector.nats.progress import Progress
 from projector.nats.tasks import cancel
 from projector.wire.chain import chain_problem, source_part, source_seq
@@ -316,11 +316,12 @@ class DeltaLog:
                     continue
             except (TimeoutError, nats.errors.Error) as exc:
                 error = exc
+            why = await explain(self._js._nc, error, self._settings.deltas_stream)
             if loop.time() >= deadline:
                 raise WriterStalled(
-                    f"a delta publish failed for {self._retry_for_s:g}s: {describe(error)}"
+                    f"a delta publish failed for {self._retry_for_s:g}s: {why}"
                 ) from None
-            log.warning("delta publish failed, retrying in %.2fs: %s", backoff, describe(error))
+            log.warning("delta publish failed, retrying in %.2fs: %s", backoff, why)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
         self.last_stream_seq = stored_at

@@ -45,7 +45,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from projector.nats.failures import describe, refusal
+from projector.nats.failures import describe, explain, refusal
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.logs import event_fields
@@ -428,7 +428,8 @@ class Writer(LagWatched):
                     timeout=ACK_TIMEOUT_S,
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
-                log.warning("Tick not logged: %s", describe(exc))
+                why = await explain(self.nc, exc, self.settings.events_stream)
+                log.warning("Tick not logged: %s", why)
                 refused = self.stats.publishes_refused
                 refused[refusal(exc)] = refused.get(refusal(exc), 0) + 1
                 continue

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from eventually import eventually
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
@@ -53,10 +54,15 @@ def name_flags(config: Config) -> list[str]:
     ]
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without any seqstate setting (a command's defaults)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+
+
 def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``seqstate ARGS`` against ``config`` on the server at ``url``, as an operator runs it:
     its defaults (progress bars included), no setting from this process's environment."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    env = clean_env()
     env["NATS_URL"] = url
     command = [sys.executable, "-m", "projector", *args, *name_flags(config)]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
@@ -111,6 +117,17 @@ def folded(config: Config, log: list[tuple[int, int, str, bytes]]) -> SequenceSt
     for message in log:
         fold(*message)
     return fold.state
+
+
+async def logged(nc: Client, config: Config, count: int) -> int:
+    """The sequence of the namespace's newest event, once ``count`` are stored (messages
+    published on NATS Core, which a capture stores with no ack to wait for)."""
+    js = nc.jetstream()
+    return await eventually(
+        lambda: last_seq_of(js, config.events_stream, config.events_subjects),
+        lambda last: last >= count,
+        what=f"{count} captured messages stored",
+    )
 
 
 async def fill(nc: Client, config: Config, n: int) -> int:

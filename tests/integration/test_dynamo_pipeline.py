@@ -15,16 +15,14 @@ import logging
 
 import pytest
 from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
-from eventually import eventually
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from pipeline_kit import fresh_config, run_cli
+from pipeline_kit import fresh_config, logged, run_cli
 from prometheus_client import generate_latest
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.nats.stream import last_seq_of
 from projector.ops.metrics import Metrics
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
@@ -57,16 +55,6 @@ async def publish(nc: Client, messages: list[bytes]) -> None:
     for data in messages:
         await nc.publish(SUBJECT, data)  # NATS Core: no ack, as Dynamo publishes
     await nc.flush()
-
-
-async def logged(nc: Client, config: Config, count: int) -> int:
-    """The sequence of the namespace's newest event, once ``count`` are stored."""
-    js = nc.jetstream()
-    return await eventually(
-        lambda: last_seq_of(js, config.events_stream, config.events_subjects),
-        lambda last: last >= count,
-        what=f"{count} captured messages stored",
-    )
 
 
 def loads_json(out: str) -> dict[tuple[int, int], tuple[int, int]]:

@@ -548,6 +548,59 @@ async def test_a_role_that_may_not_provision_is_told_so_in_one_line(tmp_path: Pa
     ]
 
 
+def _lacks(role: str, what: str, subject: str) -> list[str]:
+    return [
+        f"seqstate: error: user {role!r} lacks the permission to {what}: NATS refused a publish "
+        f'to "{subject}" (permissions violation)'
+    ]
+
+
+BUCKET_READ = ("read bucket seqstate-registry", "$JS.API.STREAM.INFO.KV_seqstate-registry")
+SNAPSHOTS_READ = (
+    "read object store seqstate-snapshots",
+    "$JS.API.STREAM.INFO.OBJ_seqstate-snapshots",
+)
+# Commands a router or Dynamo's processes may not run: each reads something the role may not.
+UNREADABLE: list[tuple[str, tuple[str, ...], tuple[str, str]]] = [
+    ("router", ("status",), BUCKET_READ),
+    ("router", ("loads",), BUCKET_READ),
+    ("router", ("top", "--once", "--interval", "0.2"), BUCKET_READ),
+    ("router", ("watch", "--duration", "1"), BUCKET_READ),
+    ("router", ("inspect", "worker", "5"), BUCKET_READ),
+    ("router", ("worker", "list"), BUCKET_READ),
+    ("router", ("snapshot", "list"), SNAPSHOTS_READ),
+    ("router", ("snapshot", "show"), SNAPSHOTS_READ),
+    (
+        "router",
+        ("replay", "--no-progress"),
+        ("read stream SEQSTATE_EVENTS", "$JS.API.STREAM.MSG.GET.SEQSTATE_EVENTS"),
+    ),
+    (
+        "scheduler",
+        ("replay", "--no-progress"),
+        ("read stream SEQSTATE_EVENTS", "$JS.API.STREAM.MSG.GET.SEQSTATE_EVENTS"),
+    ),
+    (
+        "scheduler",
+        ("status",),
+        ("read stream SEQSTATE_DELTAS", "$JS.API.STREAM.MSG.GET.SEQSTATE_DELTAS"),
+    ),
+    ("dynamo", ("loads", "--json"), BUCKET_READ),
+]
+
+
+async def test_a_role_that_may_not_read_is_told_it_lacks_the_permission_in_one_line(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """Each command a role may not run: exit 1 and one line saying what the user lacks the
+    permission to read, as soon as the server refuses it. It used to log the server's -ERR,
+    then end, after the request's timeout, with "NATS: nats: timeout"."""
+    for role, argv, (what, subject) in UNREADABLE:
+        rc, out, err = await as_cli(roles_server, role, *argv)
+        assert (rc, out) == (1, ""), (role, argv, out, err)
+        assert plain_lines(err) == _lacks(role, what, subject), (role, argv, err)
+
+
 # --- what each role may not do ----------------------------------------------------------------
 
 KV_LOAD = f"$KV.seqstate-registry.{load_key('default', (1, 0))}"

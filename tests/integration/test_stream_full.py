@@ -31,6 +31,12 @@ from projector.run.assemble import build_writer
 from projector.wire.config import Config
 from seqstate import Free
 
+STORAGE_FULL_10023 = (
+    "JetStream storage full: insufficient resources (JetStream error 10023); free disk space "
+    "on the server, or raise its JetStream limit (max_file_store, max_memory_store, or the "
+    "account's)"
+)
+
 
 def frees(n: int, start: int = 0) -> list[Free]:
     return [Free(request_id=f"f{i}", worker_id=i % 3) for i in range(start, start + n)]
@@ -121,8 +127,8 @@ async def test_a_server_out_of_storage_makes_publish_raise_saying_so(tmp_path: P
             )
             with pytest.raises(
                 PublishError,
-                match="JetStream storage is full: insufficient "
-                r"resources \(JetStream error 10023\)",
+                match="JetStream storage full: insufficient "
+                r"resources \(JetStream error 10023\); free disk space on the server",
             ) as raised:
                 await pub.publish_many(frees(5000))
             sequences = raised.value.sequences
@@ -140,7 +146,7 @@ async def test_a_write_retried_on_a_full_disk_is_logged_naming_it(
     """Broke: a server whose JetStream storage is full refused the writer's delta publishes,
     the projector's flushes, every retried write; each was logged as
     ``ServiceUnavailableError()``, the disk never named. Expected: every retry's line says
-    "JetStream storage is full", and the error given up on is one."""
+    "JetStream storage full", and the error given up on is one."""
     conf = tmp_path / "small.conf"
     conf.write_text("jetstream { max_file_store: 256KB }\n")
     with NatsServer(tmp_path / "store", extra_args=("-c", str(conf))) as server:
@@ -159,9 +165,7 @@ async def test_a_write_retried_on_a_full_disk_is_logged_naming_it(
             assert said, "no retry was logged"
             for line in said:
                 assert line.startswith("a filler write failed, retrying in "), line
-                assert line.endswith(
-                    ": JetStream storage is full: insufficient resources (JetStream error 10023)"
-                ), line
+                assert line.endswith(f": {STORAGE_FULL_10023}"), line
         finally:
             await nc.close()
 
@@ -171,7 +175,7 @@ async def test_a_writer_whose_deltas_meet_a_full_disk_says_so(
 ) -> None:
     """Broke: events logged, then the server's storage filled (here by another stream), then
     the writer started. Its delta publishes were refused and logged, for a minute, as
-    ``ServiceUnavailableError()``. Expected: each line says JetStream storage is full."""
+    ``ServiceUnavailableError()``. Expected: each line says JetStream storage full."""
     conf = tmp_path / "small.conf"
     conf.write_text("jetstream { max_file_store: 256KB }\n")
     with NatsServer(tmp_path / "store", extra_args=("-c", str(conf))) as server:
@@ -201,8 +205,6 @@ async def test_a_writer_whose_deltas_meet_a_full_disk_says_so(
                     task.cancel()
                     await asyncio.wait([task], timeout=30)
             failed = [line for line in said if "delta publish failed" in line]
-            assert failed[0].endswith(
-                ": JetStream storage is full: insufficient resources (JetStream error 10023)"
-            ), failed
+            assert failed[0].endswith(f": {STORAGE_FULL_10023}"), failed
         finally:
             await nc.close()

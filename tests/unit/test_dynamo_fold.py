@@ -114,12 +114,12 @@ def test_the_capture_folds_to_zero_everywhere_after_its_drain() -> None:
     assert state.counters["worker_mismatch"] == state.counters["unknown_request"] == 0
     assert state.counters["mark_before_add"] == 0 and state.counters["expired"] == 0
     assert state.publishers.rows() == [  # least recently heard first
-        (WORKER_DP1, 13, CAPTURE[126].t_ns, 0, 0, 0),
-        (WORKER_DP2, 25, CAPTURE[147].t_ns, 0, 0, 0),
-        (FRONTEND_A, 55, CAPTURE[152].t_ns, 0, 0, 0),
-        (FRONTEND_B, 58, CAPTURE[154].t_ns, 0, 0, 0),
+        (WORKER_DP1, 13, CAPTURE[126].t_ns, 0, 0),
+        (WORKER_DP2, 25, CAPTURE[147].t_ns, 0, 0),
+        (FRONTEND_A, 55, CAPTURE[152].t_ns, 0, 0),
+        (FRONTEND_B, 58, CAPTURE[154].t_ns, 0, 0),
     ]
-    assert (state.publishers.holes, state.publishers.restarts) == (0, 0)
+    assert (state.publishers.holes, state.publishers.late) == (0, 0)
     assert all(applied(v).hole is None for v in verdicts)
     state.check_invariants()
 
@@ -339,16 +339,20 @@ def test_a_hole_survives_a_split_delta_and_the_wire() -> None:
     assert all(p.hole is None for p in parts[1:])
 
 
-def test_a_restart_at_zero_is_no_hole() -> None:
+def test_a_late_zero_is_late_and_opens_no_hole_after_it() -> None:
+    """Dynamo draws a new publisher id at every start: an id's sequence 0 after a higher one
+    is no restart but a late (or forged) message, and the publisher's next message in order
+    reveals no hole."""
     fold = new_fold()
     fold_capture(fold, 6)  # frontend A, sequences 0-5
-    restarted = message(MESSAGES[0], request_id="after-restart", sequence=0)
-    delta = applied(fold(7, CAPTURE[5].t_ns, ON, restarted))
+    late_zero = message(MESSAGES[0], request_id="late-zero", sequence=0)
+    delta = applied(fold(7, CAPTURE[5].t_ns, ON, late_zero))
     assert delta.outcome == "applied" and delta.hole is None
-    then = message(MESSAGES[1], request_id="after-restart-2", sequence=1)
+    then = message(MESSAGES[1], request_id="in-order", sequence=6)
     assert applied(fold(8, CAPTURE[5].t_ns, ON, then)).hole is None
     publisher = fold.state.publishers[FRONTEND_A]
-    assert (publisher.restarts, publisher.holes, publisher.last_sequence) == (1, 0, 1)
+    assert (publisher.late, publisher.holes, publisher.last_sequence) == (1, 0, 6)
+    assert (fold.state.publishers.late, fold.state.publishers.holes) == (1, 0)
 
 
 def test_a_duplicate_is_counted_as_late_never_as_a_hole() -> None:
@@ -560,10 +564,11 @@ def test_a_snapshot_keeps_the_publishers_in_order_with_their_counts() -> None:
             fold(i + 1, c.t_ns, ON, c.data)
     fold(200, CAPTURE[-1].t_ns, ON, message(MESSAGES[0], request_id="again", sequence=0))
     publishers = fold.state.publishers
-    assert (publishers.holes, publishers.restarts) == (2, 1)
+    assert (publishers.holes, publishers.late) == (2, 1)
     restored = SequenceState.restore(fold.state.snapshot())
     assert restored.publishers.rows() == publishers.rows()
-    assert (restored.publishers.holes, restored.publishers.restarts) == (2, 1)
+    assert (restored.publishers.holes, restored.publishers.late) == (2, 1)
+    assert restored.publishers.lossy() == publishers.lossy() == [(FRONTEND_B, 2)]
     assert restored.snapshot() == fold.state.snapshot()
 
 
@@ -574,7 +579,7 @@ def test_a_snapshot_written_before_publishers_existed_is_still_read() -> None:
     fold_capture(fold, 12)
     data = fold.state.snapshot()
     magic, body = data[:4], msgspec.msgpack.decode(data[4:])
-    older = magic + msgspec.msgpack.encode(body[:-3])
+    older = magic + msgspec.msgpack.encode(body[:-4])
     restored = SequenceState.restore(older)
     assert len(restored.publishers) == 0 and restored.publishers.capacity == 4096
     assert rank_numbers(restored) == rank_numbers(fold.state)

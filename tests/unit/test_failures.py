@@ -9,6 +9,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
+from projector.nats.connection import describe_refusal
 from projector.nats.failures import describe, storage_full
 from projector.nats.retry import retrying
 
@@ -33,19 +34,37 @@ def test_a_full_disk_was_nameless() -> None:
     assert repr(FULL) == "ServiceUnavailableError()"
 
 
+ADVICE = (
+    "; free disk space on the server, or raise its JetStream limit (max_file_store, "
+    "max_memory_store, or the account's)"
+)
+
+
 @pytest.mark.parametrize(
     ("error", "said"),
     [
-        (FULL, "JetStream storage is full: insufficient resources (JetStream error 10023)"),
+        (FULL, f"JetStream storage full: insufficient resources (JetStream error 10023){ADVICE}"),
         (
             from_server(500, 10047, "insufficient storage resources available"),
-            "JetStream storage is full: insufficient storage resources available (JetStream "
-            "error 10047)",
+            "JetStream storage full: insufficient storage resources available (JetStream "
+            f"error 10047){ADVICE}",
         ),
         (
             from_server(400, 10002, "resource limits exceeded for account"),
-            "JetStream storage is full: resource limits exceeded for account (JetStream "
-            "error 10002)",
+            "JetStream storage full: resource limits exceeded for account (JetStream "
+            f"error 10002){ADVICE}",
+        ),
+        (  # an object store's write on a full disk passes the disk's own words on
+            from_server(500, 10051, "write /js/OBJ_s/msgs/1.blk: no space left on device"),
+            "JetStream storage full: write /js/OBJ_s/msgs/1.blk: no space left on device "
+            f"(JetStream error 10051){ADVICE}",
+        ),
+        (  # no responders on the JetStream API: nats-py's ServiceUnavailableError, no code
+            nats.js.errors.ServiceUnavailableError(),
+            "JetStream is off on this NATS server (nothing answers its API for this account): "
+            "start nats-server with -js, or give its config a jetstream {} block (and the "
+            "account jetstream: enabled); a server out of storage turns it off too, and says "
+            "so in its log",
         ),
         (
             from_server(503, 10077, "maximum messages exceeded"),
@@ -64,7 +83,7 @@ def test_a_full_disk_was_nameless() -> None:
 )
 def test_describe_names_what_the_server_said(error: BaseException, said: str) -> None:
     assert describe(error) == said
-    assert storage_full(error) == said.startswith("JetStream storage is full")
+    assert storage_full(error) == said.startswith("JetStream storage full")
 
 
 async def test_a_retried_request_names_the_full_disk_in_its_log_line(
@@ -82,6 +101,63 @@ async def test_a_retried_request_names_the_full_disk_in_its_log_line(
     said = [r.getMessage() for r in caplog.records]
     assert calls >= 2 and said, said
     assert said[0] == (
-        "a put failed, retrying in 0.05s: JetStream storage is full: insufficient resources "
-        "(JetStream error 10023)"
+        "a put failed, retrying in 0.05s: JetStream storage full: insufficient resources "
+        f"(JetStream error 10023){ADVICE}"
     )
+
+
+@pytest.mark.parametrize(
+    ("violation", "said"),
+    [
+        (
+            'nats: permissions violation for publish to "$js.api.stream.info.kv_seqstate-registry"',
+            "user 'router' lacks the permission to read bucket seqstate-registry: NATS refused "
+            'a publish to "$JS.API.STREAM.INFO.KV_seqstate-registry" (permissions violation)',
+        ),
+        (
+            'nats: permissions violation for publish to "$js.api.stream.msg.get.seqstate_events"',
+            "user 'router' lacks the permission to read stream SEQSTATE_EVENTS: NATS refused a "
+            'publish to "$JS.API.STREAM.MSG.GET.SEQSTATE_EVENTS" (permissions violation)',
+        ),
+        (
+            "nats: permissions violation for publish to "
+            '"$js.api.consumer.create.seqstate_events.c1.seqstate.events.default.>"',
+            "user 'router' lacks the permission to read stream SEQSTATE_EVENTS: NATS refused a "
+            'publish to "$JS.API.CONSUMER.CREATE.SEQSTATE_EVENTS.c1.seqstate.events.default.>" '
+            "(permissions violation)",
+        ),
+        (
+            "nats: permissions violation for publish to "
+            '"$js.api.stream.info.obj_seqstate-snapshots"',
+            "user 'router' lacks the permission to read object store seqstate-snapshots: NATS "
+            'refused a publish to "$JS.API.STREAM.INFO.OBJ_seqstate-snapshots" (permissions '
+            "violation)",
+        ),
+        (
+            'nats: permissions violation for publish to "$js.api.stream.update.seqstate_events"',
+            "user 'router' lacks the permission to create or update stream SEQSTATE_EVENTS: NATS "
+            'refused a publish to "$JS.API.STREAM.UPDATE.SEQSTATE_EVENTS" (permissions violation)',
+        ),
+        (
+            'nats: permissions violation for publish to "$js.api.info"',
+            "user 'router' lacks the permission to ask JetStream for the account's info: NATS "
+            'refused a publish to "$JS.API.INFO" (permissions violation)',
+        ),
+        (
+            'nats: permissions violation for publish to "$kv.seqstate-registry.default.load.1.0"',
+            "user 'router' lacks the permission to write bucket seqstate-registry: NATS refused "
+            'a publish to "$KV.seqstate-registry.default.load.1.0" (permissions violation)',
+        ),
+        (
+            'nats: permissions violation for subscription to "seqstate.svc.default.writer.status"',
+            "user 'router' lacks the permission to subscribe to "
+            "seqstate.svc.default.writer.status: NATS refused a subscription to "
+            '"seqstate.svc.default.writer.status" (permissions violation)',
+        ),
+    ],
+)
+def test_a_refused_command_says_what_the_user_lacks_the_permission_to_do(
+    violation: str, said: str
+) -> None:
+    names = ["SEQSTATE_EVENTS", "KV_seqstate-registry", "OBJ_seqstate-snapshots"]
+    assert describe_refusal(violation, user="router", names=names) == said

@@ -13,7 +13,9 @@ from projector.wire.config import Config
 async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
     from projector.ops.resync import ResyncError, resync
 
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         try:
             done = await resync(nc, config)
         except ResyncError as exc:

@@ -24,13 +24,17 @@ async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
             raise CliError(f"inspect worker {args.id}: not a worker id (an integer)") from None
         if worker_id < 0:
             raise CliError(f"inspect worker {args.id}: not a worker id (an integer >= 0)")
-        async with connect(require_url(config), service=False, config=config) as nc:
+        async with connect(
+            require_url(config), service=False, config=config, fail_on_refusal=True
+        ) as nc:
             report = await inspect_worker(nc, config, worker_id)
         print(msgspec.json.encode(report.as_dict()).decode() if args.json else report.text())
         return 0
     if args.window < 1:
         raise CliError(f"--window {args.window}: must be at least 1")
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         with progress_bar(not args.no_progress, "searching the log") as progress:
             done = await inspect_request(
                 nc, config, args.id, since_seq=args.since_seq, window=args.window, progress=progress

@@ -24,7 +24,7 @@ async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
     from projector.read.reader import RegistryView
 
     async with (
-        connect(require_url(config), service=False, config=config) as nc,
+        connect(require_url(config), service=False, config=config, fail_on_refusal=True) as nc,
         RegistryView(nc, config=config) as view,
     ):
         rows = view.loads()
@@ -44,7 +44,7 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
 
     catch_signals()
     async with (
-        connect(require_url(config), service=True, config=config) as nc,
+        connect(require_url(config), service=True, config=config, fail_on_refusal=True) as nc,
         RegistryView(nc, config=config) as view,
     ):
         if args.json or not sys.stdout.isatty():

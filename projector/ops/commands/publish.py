@@ -66,7 +66,9 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
             events.append((number, decode_event(encode_event(decoder.decode(line)))))
         except (msgspec.DecodeError, EventDecodeError) as exc:
             raise CliError(f"{name}:{number}: not an event: {exc}") from None
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         from projector.nats.resources import ensure, msg_id_key, resource_names
         from projector.route.publisher import EventTooLarge
 

@@ -34,7 +34,9 @@ def print_loads(rows: list[LoadRow], as_json: bool) -> None:
 async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     from projector.ops.replay import log_bounds, parse_at, replay, verify
 
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         with progress_bar(not args.no_progress, "replay") as progress:
             if args.verify:
                 if args.from_seq is not None or args.to_seq is not None or args.at:
@@ -78,7 +80,9 @@ async def cmd_rebuild(args: argparse.Namespace, config: Config) -> int:
     from projector.nats.resources import ensure
     from projector.ops.replay import rebuild
 
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         await ensure(nc, config)
         with progress_bar(not args.no_progress, "rebuild") as progress:
             done = await rebuild(nc, config, progress=progress)
@@ -95,7 +99,9 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
     from projector.ops.replay import replay
     from seqstate import SnapshotError
 
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         store = await SnapshotStore(nc, config).open()
         if args.action == "list":
             infos = await store.list()

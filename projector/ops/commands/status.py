@@ -15,7 +15,9 @@ from projector.wire.config import Config
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     from projector.ops.status import collect, format_status
 
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         report = await collect(nc, config)
     print(msgspec.json.encode(report).decode() if args.json else format_status(report))
     return 0

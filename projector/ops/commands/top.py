@@ -23,7 +23,9 @@ async def cmd_top(args: argparse.Namespace, config: Config) -> int:
         raise CliError(f"--interval {args.interval:g}: must be positive")
     catch_signals()
     # Live, it rides out a NATS restart as watch does; --once is a one-shot read that fails fast.
-    async with connect(require_url(config), service=not args.once, config=config) as nc:
+    async with connect(
+        require_url(config), service=not args.once, config=config, fail_on_refusal=True
+    ) as nc:
         view = CountingView(nc, config=config)
         async with view:
             view.reset_counts()  # what the start delivered is the state, not traffic

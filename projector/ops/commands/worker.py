@@ -22,7 +22,9 @@ async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
     elif args.worker_id is None:
         raise CliError(f"worker {args.action} needs a WORKER_ID")
     worker_id = int(args.worker_id or 0)
-    async with connect(require_url(config), service=False, config=config) as nc:
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
         control = WorkerControl(nc, config=config, wait_s=args.wait)
         if args.action == "list":
             workers = await control.workers()
