@@ -69,7 +69,7 @@ from projector.nats.tasks import cancel
 from projector.read.bucket import tracker_updates
 from projector.read.reader import RegistryView
 from projector.route.outcomes import Outcomes
-from projector.route.publisher import RouterPublisher
+from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
@@ -108,6 +108,12 @@ def _now(status: int, payload: object) -> asyncio.Future[tuple[int, object]]:
     answered: asyncio.Future[tuple[int, object]] = asyncio.get_running_loop().create_future()
     answered.set_result((status, payload))
     return answered
+
+
+def _too_large(exc: EventTooLarge) -> tuple[int, object]:
+    """A call whose event is over the size every door allows: nothing is stored (413, as a
+    body over the HTTP limit; the error names the limit)."""
+    return 413, {"error": str(exc)}
 
 
 class _BodyRejected(SeqstateError):
@@ -529,7 +535,11 @@ class SlotService:
             event = request_event(path, parsed, worker, rank)
         else:
             event = event_for(parsed)
-        event, payload = tracker.publisher.check(event)
+        try:
+            event, payload = tracker.publisher.check(event)
+        except EventTooLarge as exc:
+            call.answer(*_too_large(exc))
+            return
         if isinstance(parsed, AddBody):
             tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
         namespace = tracker.config.namespace
@@ -677,7 +687,10 @@ class SlotService:
             event = request_event(path, parsed, worker, rank)
         else:
             event = event_for(parsed)
-        seq = await tracker.publisher.publish(event)
+        try:
+            seq = await tracker.publisher.publish(event)
+        except EventTooLarge as exc:
+            return _now(*_too_large(exc))
         if isinstance(parsed, AddBody):
             tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
         return self._finish(tracker, path, parsed, seq, event)

@@ -70,7 +70,7 @@ from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write
 from projector.wire.chain import chain_problem
 from projector.wire.headers import PREV_SOURCE_SEQ
-from projector.wire.values import load_key, slot_key, tracker_key
+from projector.wire.values import load_key, part_key, slot_key, tracker_key
 from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 
@@ -533,6 +533,11 @@ def every_key(namespace: str, bucket: BucketView) -> list[Write]:
     keys = [load_key(namespace, rank) for rank in bucket.loads]
     keys += [
         slot_key(namespace, rank, slot) for rank, slots in bucket.slots.items() for slot in slots
+    ]
+    keys += [
+        part_key(namespace, rank, slot, part)
+        for (rank, slot), parts in bucket.parts.items()
+        for part in parts
     ]
     keys += list(bucket.unreadable)
     keys += bucket.strays

@@ -121,12 +121,7 @@ def test_a_restored_image_goes_on_writing_what_an_uninterrupted_one_writes() -> 
     written = image.everything()
     view = BucketView(position=decode_position(image.position(7)[1]))
     for key, value in written.items():
-        kind, rank, slot = parse_key(NS, key)
-        assert rank is not None
-        if kind == "load":
-            view.loads[rank] = decode_load(value)
-        else:
-            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+        view.put(NS, key, value)
     resumed = BucketImage(NS)
     resumed.restore(view)
     assert resumed.applied_seq == 7
@@ -188,12 +183,7 @@ def _restored(image: BucketImage, bucket: dict[str, bytes] | None = None) -> Buc
     values ``bucket``, or those of ``image`` alone)."""
     view = BucketView(position=decode_position(image.position(1)[1]))
     for key, value in (image.everything() if bucket is None else bucket).items():
-        kind, rank, slot = parse_key(NS, key)
-        assert rank is not None
-        if kind == "load":
-            view.loads[rank] = decode_load(value)
-        else:
-            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+        view.put(NS, key, value)
     resumed = BucketImage(NS)
     resumed.restore(view)
     return resumed
@@ -323,7 +313,7 @@ def test_a_damaged_slot_value_still_counts_as_a_slot_key() -> None:
     image, _ = fold([AddRequest("a", 1), AddRequest("b", 1)])
     view = BucketView(position=decode_position(image.position(1)[1]))
     for key, value in image.everything().items():
-        kind, rank, slot = parse_key(NS, key)
+        kind, rank, slot, _ = parse_key(NS, key)
         assert rank is not None
         if kind == "load":
             view.loads[rank] = decode_load(value)
