@@ -277,6 +277,11 @@ def request_values(applied_seq: int, request_id: str, hashes: list[int]) -> list
 
 
 EMPTY_SLOT = _msgpack.encode(RequestValue())  # a free slot's value, and an emptied part's
+# The largest value a key of a slot may take, but for a head whose id is over ID_ROOM (which is
+# no larger than its event): a server whose max_payload is smaller cannot hold the bucket.
+LARGEST_VALUE: Final = len(
+    _msgpack.encode(RequestValue(2**64 - 1, "i" * ID_ROOM, bytes(8 * KEY_HASHES), MAX_PART))
+)
 
 
 def decode_request(data: bytes) -> RequestValue:

@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 
 import msgspec
+import nats
 import pytest
 from eventually import eventually
 from http_kit import exchange, serve_http
@@ -40,13 +41,14 @@ from projector.http.tracker_names import namespace_for
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
+from projector.read.projection import BucketUnfit
 from projector.read.reader import RegistryView
 from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from projector.wire.headers import REASON
 from projector.wire.sizes import event_limit
-from projector.wire.values import EMPTY_SLOT, parse_key
+from projector.wire.values import EMPTY_SLOT, LARGEST_VALUE, parse_key
 from seqstate import AddRequest, Free, WorkerRemoved, encode_event
 from seqstate.dynamo import DynamoMessage, dynamo_subject, encode_dynamo
 
@@ -126,6 +128,10 @@ async def test_a_router_books_a_1m_token_prompt_and_140000_small_hashes_whole(
     keys = [parse_key(ns, key) for key in values]
     parts = collections.Counter(k.slot for k in keys if k.kind == "part" and k.rank == (1, 0))
     assert parts == {0: 15, 1: 34}, parts
+    # `seqstate rebuild` writes the same layout from the write model.
+    rebuilt = await run_cli(config, nats_server.url, "rebuild")
+    assert rebuilt.returncode == 0, rebuilt
+    await assert_exact(nc, nats_server.url, config, [MILLION, SMALL])
     # Freed, then the rank removed: its parts are emptied, then deleted with it.
     async with Pipeline(nc, config) as pipeline:
         pub = RouterPublisher(nc, namespace=ns, router_id="lp2", config=config)
@@ -286,3 +292,28 @@ async def test_a_captured_dynamo_long_prompt_is_applied_and_one_over_the_limit_d
     await assert_exact(
         nc, nats_server.url, config, [list(range(2**16, 2**16 + 140_000)), MILLION, WIDE]
     )
+
+
+async def test_a_projector_refuses_a_server_whose_payload_limit_cannot_hold_a_long_prompts_key(
+    tmp_path: Path,
+) -> None:
+    """On a server of 32 KiB messages an event of 27 KiB can hold 27,000 hashes: a key of
+    4,096 of them (32 KiB packed) could never be written, and the bucket would stop at the
+    first long prompt. The projector says so at start, in one line, rather than then."""
+    conf = tmp_path / "server.conf"
+    conf.write_text(f"max_payload: {32 * 1024}\n")
+    config = fresh_config("tiny", max_event_bytes=27 * 1024)
+    with NatsServer(tmp_path / "js", extra_args=("-c", str(conf))) as server:
+        small = await nats.connect(server.url, max_reconnect_attempts=0)
+        try:
+            with pytest.raises(BucketUnfit) as refused:
+                async with Pipeline(small, config):
+                    pass
+        finally:
+            await small.close()
+    assert str(refused.value) == (
+        f"the server's max_payload of 32,768 bytes is under the {LARGEST_VALUE:,} one bucket "
+        "value may take (4,096 hashes of a long prompt beside a request id of up to 4 KiB); "
+        "raise nats-server's max_payload"
+    )
+    assert LARGEST_VALUE == 36_921
