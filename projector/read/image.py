@@ -115,11 +115,18 @@ class BucketImage:
             self._touch(rank, stamp)
             self.loads[rank] = change.load
             keys = self.slot_keys.setdefault(rank, set())
+            slots, parts = self._slots, self.parts
             for slot in change.released:
-                self._hold(rank, slot, [EMPTY_SLOT], keys)
+                keys.add(slot)
+                slots[slot_key(ns, rank, slot)] = EMPTY_SLOT
+                if parts and (rank, slot) in parts:
+                    self._hold_parts(rank, slot, [])
             for booking in change.booked:
-                values = request_values(seq, booking.request_id, booking.hashes)
-                self._hold(rank, booking.slot, values, keys)
+                head, *rest = request_values(seq, booking.request_id, booking.hashes)
+                keys.add(booking.slot)
+                slots[slot_key(ns, rank, booking.slot)] = head
+                if rest or (parts and (rank, booking.slot) in parts):
+                    self._hold_parts(rank, booking.slot, rest)
         if delta.block_size is not None:
             block_size = delta.block_size or None  # TRACKER_ENDED (0): the tracker is gone
             if block_size != self.block_size:
@@ -132,22 +139,16 @@ class BucketImage:
             self.applied_seq = seq
         self.as_of = max(self.as_of, delta.at_ns)
 
-    def _hold(self, rank: Rank, slot: int, values: list[bytes], keys: set[int]) -> None:
-        """``slot`` holds ``values`` (its head's, then its parts'); parts beyond them that may
+    def _hold_parts(self, rank: Rank, slot: int, values: list[bytes]) -> None:
+        """``slot``'s parts now hold ``values`` (part 1 first); parts beyond them that may
         hold hashes are emptied. Costs the keys written, never the slot's history."""
-        ns = self.namespace
-        keys.add(slot)
-        self._slots[slot_key(ns, rank, slot)] = values[0]
-        count = len(values) - 1
         parts = self.parts.get((rank, slot))
         if parts is None:
-            if not count:
-                return
             parts = self.parts[(rank, slot)] = Parts()
+        count = len(values)
         for part in range(1, max(count, parts.live) + 1):
-            self._parts[part_key(ns, rank, slot, part)] = (
-                values[part] if part <= count else EMPTY_SLOT
-            )
+            key = part_key(self.namespace, rank, slot, part)
+            self._parts[key] = values[part - 1] if part <= count else EMPTY_SLOT
         parts.live = count
         parts.keys = max(parts.keys, count)
 

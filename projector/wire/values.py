@@ -263,7 +263,9 @@ def encode_request(applied_seq: int, request_id: str, hashes: list[int]) -> byte
 def request_values(applied_seq: int, request_id: str, hashes: list[int]) -> list[bytes]:
     """A booked slot's values: its head's, then each part's (none for a prompt that fits one
     key). Deterministic: the same booking gives the same bytes on any server."""
-    first = KEY_HASHES if len(request_id.encode()) <= ID_ROOM else 0
+    # At most 4 UTF-8 bytes a character: most ids are known short without being encoded.
+    short = len(request_id) <= ID_ROOM // 4 or len(request_id.encode()) <= ID_ROOM
+    first = KEY_HASHES if short else 0
     if len(hashes) <= first:
         return [encode_request(applied_seq, request_id, hashes)]
     parts = -(-(len(hashes) - first) // KEY_HASHES)
