@@ -21,6 +21,7 @@ deltas, never on when a flush happened. A take lists the part keys before the sl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from projector.wire.values import (
@@ -47,21 +48,13 @@ if TYPE_CHECKING:
 Write = tuple[str, bytes | None]  # (key, value); None deletes the key
 
 
+@dataclass(slots=True)
 class Parts:
     """A slot's part keys: ``keys`` the highest the bucket has (a removal deletes 1..keys),
     ``live`` the highest that may hold hashes (a release empties 1..live)."""
 
-    __slots__ = ("keys", "live")
-
-    def __init__(self, keys: int = 0, live: int = 0) -> None:
-        self.keys = keys
-        self.live = live
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Parts) and (self.keys, self.live) == (other.keys, other.live)
-
-    def __repr__(self) -> str:
-        return f"Parts(keys={self.keys}, live={self.live})"
+    keys: int = 0
+    live: int = 0
 
 
 class BucketImage:

@@ -7,16 +7,17 @@ RegistryView (reader) cannot drift apart:
   time-free load (the prefill part keeps its anchor in log time, decay is evaluated by the
   reader), stamped with the sequence and log time of the event that last changed it.
 - ``<ns>.req.<worker_id>.<dp_rank>.<slot>``: msgpack ``{"applied_seq", "request_id",
-  "hashes"}``, one live request of the rank: the prompt-block hashes it holds, in prompt order,
+  "hashes", "parts"}``, one live request of the rank: the prompt-block hashes it holds (the
+  first 4,096 of a long prompt, whose rest is in ``parts`` part keys), in prompt order,
   packed as little-endian u64 (8 bytes each; a msgpack list of random u64s would take 9, and
   decoding the packed form is one C call). The slot is the request's slot in the write model
   (the lowest free one of its rank when it was booked), so keys are reused: a rank has as many
   slot keys as it ever had requests in flight at once, not one per request it ever served,
   and a free slot holds the empty value (an empty msgpack map, ``EMPTY_SLOT``: no stamp, so a
   slot freed again is no write at all when the bucket already holds it) instead of leaving a
-  delete marker per request in the bucket's stream. A booking writes one key of the size of
-  its prompt, a free writes one small value: the cost of an event follows what it changed.
-  A reader reference-counts each rank's hashes over its slots.
+  delete marker per request in the bucket's stream. A booking writes the keys of its prompt
+  (one but for a long one), a free one small value each: the cost of an event follows what
+  it changed. A reader reference-counts each rank's hashes over its slots.
 - ``<ns>.req.<worker_id>.<dp_rank>.<slot>.<part>`` (part 1, 2, ...): the rest of a long
   prompt. A key holds at most ``KEY_HASHES`` (4,096) hashes, 32 KiB: a head holds the first
   4,096 and its number of parts (``"parts"``, left out when 0, so a prompt of up to 4,096

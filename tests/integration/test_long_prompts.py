@@ -217,8 +217,7 @@ async def test_post_add_books_140000_small_hashes_and_refuses_an_event_over_the_
                 ("POST", "/add", add("after", [1, 2, 3])),
             ],
         )
-        assert [a.status for a in answers] == [201, 201, 201, 413, 201], answers
-        assert answers[3].body == {
+        refusal = {
             "error": (
                 f"AddRequest for request {over[:60]!r}… ({len(over):,} characters): "
                 f"{limit + 1:,} bytes encoded, over the {limit:,} bytes one event may take "
@@ -226,8 +225,13 @@ async def test_post_add_books_140000_small_hashes_and_refuses_an_event_over_the_
                 "it was not sent"
             )
         }
+        assert [a.status for a in answers] == [201, 201, 201, 413, 201], answers
+        assert answers[3].body == refusal
+        # A process that does not hold the tracker's lease refuses it alike.
+        async with serve_http(nats_server.url, config) as other:
+            assert await exchange(other, [("POST", "/add", add(over, hashes))]) == [(413, refusal)]
         stored = await last_seq_of(nc.jetstream(), config.events_stream, tracker.events_subjects)
-        assert stored == 4  # the registration and three adds: nothing of the refused one
+        assert stored == 4  # the registration and three adds: nothing of the refused ones
         await assert_exact(nc, nats_server.url, tracker, [SMALL, hashes, [*SMALL[:10], 0]])
 
 
