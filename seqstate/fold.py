@@ -30,7 +30,8 @@ Dynamo's own replica-sync messages (:mod:`seqstate.dynamo`) are told by their su
 the namespace's capture of an endpoint ``seqstate.events.<ns>.dynamo.<NS>.<C>.<E>`` or
 Dynamo's own ``namespace.*.component.*.endpoint.*.active_sequences_events`` (no
 configuration, so every fold of a log decides alike; another namespace's capture is on
-another subject than its own), and go through the same rules: size; decode
+another subject than its own), and go through the same rules: size (a message refused for
+it still counts in its publisher's sequence: it reached the log, it is not lost); decode
 (:func:`~seqstate.dynamo.decode_dynamo`, then the seqstate event the message is, as a Dynamo
 replica applies it); their subject is their own by shape; bounds, as for seqstate's own
 AddRequest; apply. Before the bounds, the message's ``(publisher_id, sequence)`` is counted
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 from seqstate.bounds import RankBounds
-from seqstate.deltas import Delta
+from seqstate.deltas import Delta, Hole
 from seqstate.dynamo import (
     CAPTURED,
     core_event,
@@ -208,15 +209,11 @@ class Fold:
 
     def __call__(self, seq: int, log_time_ns: int, subject: str, payload: bytes) -> Verdict:
         """Apply one stored message, or say why not. Never raises."""
-        if len(payload) > self._limit:
-            return Refusal(
-                TOO_LARGE,
-                f"refused: an event of {len(payload)} bytes; its delta would not fit a message "
-                f"(at most {self._limit} bytes of event)",
-            )
         route = self._routes.get(subject, _UNSEEN)
         if route is _UNSEEN:
             route = self._route(subject)
+        if len(payload) > self._limit:
+            return self._too_large(route, log_time_ns, payload)
         if route is _DYNAMO_ROUTE:
             return self._dynamo(seq, log_time_ns, subject, payload)
         try:
@@ -243,6 +240,27 @@ class Fold:
         delta = self._apply(event, log_time_ns)
         delta.seq = seq
         return delta
+
+    def _too_large(
+        self, route: tuple[int, ...] | None, log_time_ns: int, payload: bytes
+    ) -> Refusal:
+        """Rule 1. A Dynamo message refused for its size still took its place in its
+        publisher's sequence: counted as heard, so the next one reveals no hole it is not."""
+        reason = (
+            f"refused: an event of {len(payload)} bytes; its delta would not fit a message "
+            f"(at most {self._limit} bytes of event)"
+        )
+        if route is _DYNAMO_ROUTE:
+            try:
+                message = decode_dynamo(payload)
+            except Exception:  # its bytes are no Dynamo message: nothing to count
+                return Refusal(TOO_LARGE, reason)
+            if message.publisher_id != self._resync_id:
+                hole = self._state.publishers.heard(
+                    message.publisher_id, message.sequence, log_time_ns
+                )
+                reason += _hole_text(hole)
+        return Refusal(TOO_LARGE, reason)
 
     def _route(self, subject: str) -> tuple[int, ...] | None:
         routes = self._routes
@@ -283,13 +301,7 @@ class Fold:
         hole = state.publishers.heard(message.publisher_id, message.sequence, log_time_ns)
         why = self._refusal(state, event)
         if why:
-            if hole is not None:
-                why += (
-                    f" (and {hole.missing} message(s) of Dynamo publisher "
-                    f"{hole.publisher_id} before it, from sequence {hole.first_missing}, "
-                    "never reached the log)"
-                )
-            return Refusal(OUT_OF_BOUNDS, f"refused: {why}", event)
+            return Refusal(OUT_OF_BOUNDS, f"refused: {why}{_hole_text(hole)}", event)
         delta = self._apply(event, log_time_ns)
         delta.seq = seq
         if hole is not None:
@@ -337,6 +349,16 @@ class Fold:
             f"refused: {what} on subject {_shown(subject)!r}; it belongs on {own!r}",
             event,
         )
+
+
+def _hole_text(hole: Hole | None) -> str:
+    """What a refusal adds when the message revealed a hole in its publisher's sequence."""
+    if hole is None:
+        return ""
+    return (
+        f" (and {hole.missing} message(s) of Dynamo publisher {hole.publisher_id} before it, "
+        f"from sequence {hole.first_missing}, never reached the log)"
+    )
 
 
 def _shown(subject: str) -> str:

@@ -74,7 +74,7 @@ from projector.nats.tasks import cancel
 from projector.read.bucket import tracker_updates
 from projector.read.reader import RegistryView
 from projector.route.outcomes import Outcomes
-from projector.route.publisher import RouterPublisher
+from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
@@ -113,6 +113,12 @@ def _now(status: int, payload: object) -> asyncio.Future[tuple[int, object]]:
     answered: asyncio.Future[tuple[int, object]] = asyncio.get_running_loop().create_future()
     answered.set_result((status, payload))
     return answered
+
+
+def _too_large(exc: EventTooLarge) -> tuple[int, object]:
+    """A call whose event is over the size every door allows: nothing is stored (413, as a
+    body over the HTTP limit; the error names the limit)."""
+    return 413, {"error": str(exc)}
 
 
 class _BodyRejected(SeqstateError):
@@ -554,7 +560,11 @@ class SlotService:
             event = request_event(path, parsed, worker, rank)
         else:
             event = event_for(parsed)
-        event, payload = tracker.publisher.check(event)
+        try:
+            event, payload = tracker.publisher.check(event)
+        except EventTooLarge as exc:
+            call.answer(*_too_large(exc))
+            return
         if isinstance(parsed, AddBody):
             tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
         namespace = tracker.config.namespace
@@ -685,6 +695,10 @@ class SlotService:
             parsed = _parse(path, body)
         except _BodyRejected as rejected:
             return _now(*rejected.answer)
+        return await self._begin_write(path, parsed)
+
+    async def _begin_write(self, path: str, parsed: _Body) -> Awaitable[tuple[int, object]]:
+        """:meth:`begin` for a parsed POST: its tracker found or opened, its event stored."""
         namespace = namespace_for(parsed.model_name, parsed.routing_group, self.config.namespace)
         if isinstance(parsed, PotentialLoadsBody):
             return _now(*await self._potential(namespace, parsed))
@@ -704,7 +718,10 @@ class SlotService:
             event = request_event(path, parsed, worker, rank)
         else:
             event = event_for(parsed)
-        seq = await tracker.publisher.publish(event)
+        try:
+            seq = await tracker.publisher.publish(event)
+        except EventTooLarge as exc:
+            return _now(*_too_large(exc))
         if isinstance(parsed, AddBody):
             tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
         return self._finish(tracker, path, parsed, seq, event)

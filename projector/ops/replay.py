@@ -38,7 +38,7 @@ from projector.read.bucket import BucketView, read_bucket
 from projector.read.projection import every_key
 from projector.run.assemble import build_lease, build_projector
 from projector.wire.config import Config
-from projector.wire.values import load_key, slot_key, tracker_key
+from projector.wire.values import RequestValue, load_key, part_key, slot_key, tracker_key
 from seqstate import Fold, FoldRules, LoadRow, RankLoad, Refusal, SequenceState
 from seqstate.errors import SeqstateError
 
@@ -277,8 +277,9 @@ async def replay(
 def differences(state: SequenceState, bucket: BucketView, namespace: str) -> list[str]:
     """Each bucket key whose value differs from ``state``'s, with what differs.
 
-    Slots are part of the write model, so each live request must sit in its own slot's key;
-    a slot key beyond the live ones must hold the empty value.
+    Slots are part of the write model, so each live request must sit in its own slot's key
+    (a long prompt's rest in its parts, stamped like it); a slot key beyond the live ones must
+    hold the empty value, and a part hashes only under a head that claims it.
     """
     out = [f"{key}: unreadable ({why})" for key, (_, why) in sorted(bucket.unreadable.items())]
     out += [f"{key}: not a key of the read model" for key in sorted(bucket.strays)]
@@ -309,24 +310,44 @@ def differences(state: SequenceState, bucket: BucketView, namespace: str) -> lis
         held = bucket.requests(rank)
         for slot in sorted(set(live) | set(held)):
             key = slot_key(namespace, rank, slot)
-            if key in bucket.unreadable:
-                continue
-            want_request, got_value = live.get(slot), held.get(slot)
-            if got_value is None:
-                assert want_request is not None
-                out.append(f"{key}: request {want_request[0]!r} missing from the bucket")
-            elif want_request is None:
-                out.append(
-                    f"{key}: request {got_value.request_id!r} in the bucket, not live "
-                    "in the replayed state"
+            if key not in bucket.unreadable:
+                out += _slot_difference(
+                    bucket, namespace, rank, slot, live.get(slot), held.get(slot)
                 )
-            elif (got_value.request_id, got_value.hash_list()) != want_request:
-                out.append(
-                    f"{key}: bucket request {got_value.request_id!r} "
-                    f"({len(got_value.hashes) // 8} hashes), replay {want_request[0]!r} "
-                    f"({len(want_request[1])} hashes)"
-                )
+    for rank, slot, part in bucket.stray_parts():
+        out.append(f"{part_key(namespace, rank, slot, part)}: hashes that no request holds")
     return out
+
+
+def _slot_difference(
+    bucket: BucketView,
+    namespace: str,
+    rank: tuple[int, int],
+    slot: int,
+    want: tuple[str, list[int]] | None,
+    got: RequestValue | None,
+) -> list[str]:
+    """How the bucket's request ``got`` (its head) in ``slot`` differs from ``want`` (the
+    replay's ``(id, hashes)``; None: both free), with its parts: nothing if it does not."""
+    key = slot_key(namespace, rank, slot)
+    if got is None:
+        assert want is not None
+        return [f"{key}: request {want[0]!r} missing from the bucket"]
+    if want is None:
+        return [f"{key}: request {got.request_id!r} in the bucket, not live in the replayed state"]
+    parts = (part_key(namespace, rank, slot, p) for p in range(1, got.parts + 1))
+    if any(part in bucket.unreadable for part in parts):
+        return []  # named as unreadable already
+    try:
+        hashes = bucket.hashes(rank, slot)
+    except ValueError as exc:
+        return [f"{key}: request {got.request_id!r}: {exc}"]
+    if (got.request_id, hashes) != want:
+        return [
+            f"{key}: bucket request {got.request_id!r} ({len(hashes)} hashes), replay "
+            f"{want[0]!r} ({len(want[1])} hashes)"
+        ]
+    return []
 
 
 def _load_text(load: RankLoad) -> str:

@@ -38,7 +38,8 @@ class CountingView(RegistryView):
     def receive(self, key: str, value: bytes | None, *, deleted: bool = False) -> None:
         if not hasattr(self, "adds"):
             self.reset_counts()
-        kind, rank, _ = parse_key(self.config.namespace, key)
+        parsed = parse_key(self.config.namespace, key)  # a head, not a long prompt's parts
+        kind, rank = parsed.kind, parsed.rank
         if kind == "req" and rank is not None and not deleted:
             try:
                 booked = bool(value) and not decode_request(value or b"").empty

@@ -44,6 +44,8 @@ class BucketView:
     position: Position | None = None
     loads: dict[Rank, LoadValue] = field(default_factory=dict)
     slots: dict[Rank, dict[int, RequestValue]] = field(default_factory=dict)  # empty ones too
+    # Each slot's part keys (a long prompt's rest), by part number, empty ones too.
+    parts: dict[tuple[Rank, int], dict[int, RequestValue]] = field(default_factory=dict)
     unreadable: dict[str, tuple[Rank | None, str]] = field(default_factory=dict)
     tracker: TrackerValue | None = None  # under the slot-tracker rules
     # Keys of the namespace that name nothing the projector writes (``<ns>.load.x.y``): no
@@ -51,8 +53,63 @@ class BucketView:
     strays: list[str] = field(default_factory=list)
 
     def requests(self, rank: Rank) -> dict[int, RequestValue]:
-        """The rank's occupied slots."""
+        """The rank's occupied slots (each head's value: its first hashes, see :meth:`hashes`)."""
         return {slot: v for slot, v in self.slots.get(rank, {}).items() if not v.empty}
+
+    def hashes(self, rank: Rank, slot: int) -> list[int]:
+        """The whole prompt of the request in ``slot``: its head's hashes and its parts', in
+        order. Raises ``ValueError`` naming the first part missing or stamped by another
+        booking (a torn read, or a damaged bucket)."""
+        head = self.slots[rank][slot]
+        hashes = head.hash_list()
+        held = self.parts.get((rank, slot), {})
+        for part in range(1, head.parts + 1):
+            value = held.get(part)
+            if value is None or value.empty:
+                raise ValueError(f"part {part} of {head.parts} is missing")
+            if value.applied_seq != head.applied_seq:
+                raise ValueError(
+                    f"part {part} of {head.parts} is of the booking at event "
+                    f"{value.applied_seq}, its head of event {head.applied_seq}"
+                )
+            hashes += value.hash_list()
+        return hashes
+
+    def stray_parts(self) -> list[tuple[Rank, int, int]]:
+        """``(rank, slot, part)`` of each part holding hashes that no head claims: its slot's
+        head is empty or gone, or has fewer parts."""
+        out = []
+        for (rank, slot), held in self.parts.items():
+            head = self.slots.get(rank, {}).get(slot)
+            claimed = 0 if head is None or head.empty else head.parts
+            out += [
+                (rank, slot, part)
+                for part, value in held.items()
+                if part > claimed and not value.empty
+            ]
+        return sorted(out)
+
+    def put(self, namespace: str, key: str, value: bytes) -> None:
+        """Take one current value of the bucket (its key parsed, its value decoded; a value
+        that does not decode goes to :attr:`unreadable`)."""
+        kind, rank, slot, part = parse_key(namespace, key)  # the lease is no read model
+        if not kind:
+            if key.split(".", 1)[-1] not in OTHER_KEYS:
+                self.strays.append(key)
+            return
+        try:
+            if kind == "position":
+                self.position = decode_position(value)
+            elif kind == "load" and rank is not None:
+                self.loads[rank] = decode_load(value)
+            elif kind == "req" and rank is not None:
+                self.slots.setdefault(rank, {})[slot] = decode_request(value)
+            elif kind == "part" and rank is not None:
+                self.parts.setdefault((rank, slot), {})[part] = decode_request(value)
+            elif kind == "tracker":
+                self.tracker = decode_tracker(value)
+        except (msgspec.DecodeError, ValueError) as exc:
+            self.unreadable[key] = (rank, str(exc))
 
 
 class CurrentValues:
@@ -97,30 +154,11 @@ async def read_bucket(
         while True:
             entry = await watcher.updates(timeout=timeout)
             if entry is not None and entry.operation not in (KV_DEL, KV_PURGE) and entry.value:
-                _take(view, config.namespace, entry.key, entry.value)
+                view.put(config.namespace, entry.key, entry.value)
             if await current.done_after(entry):
                 return view
     finally:
         await watcher.stop()
-
-
-def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
-    kind, rank, slot = parse_key(namespace, key)  # the lease is no read model
-    if not kind:
-        if key.split(".", 1)[-1] not in OTHER_KEYS:
-            view.strays.append(key)
-        return
-    try:
-        if kind == "position":
-            view.position = decode_position(value)
-        elif kind == "load" and rank is not None:
-            view.loads[rank] = decode_load(value)
-        elif kind == "req" and rank is not None:
-            view.slots.setdefault(rank, {})[slot] = decode_request(value)
-        elif kind == "tracker":
-            view.tracker = decode_tracker(value)
-    except (msgspec.DecodeError, ValueError) as exc:
-        view.unreadable[key] = (rank, str(exc))
 
 
 async def tracker_updates(

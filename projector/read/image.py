@@ -7,17 +7,21 @@ DELTAS stream and writes what :meth:`BucketImage.take` hands it; ``rebuild`` fee
 write model's projection; tests feed it lists of deltas.
 
 What it keeps is what the next delta's writes depend on, and no more: each rank's load and
-stamp, and how many slot keys the rank has (so a removed rank's keys can all be deleted). The
-hashes of a booking are encoded into its slot's value at once and not kept: the projector's
-memory follows the number of ranks, not the number of active hashes.
+stamp, the slot keys the rank has (so a removed rank's keys can all be deleted), and for a
+slot that held a long prompt, how many part keys it has and how many may hold hashes (so a
+release, or a shorter request taking the slot, empties exactly the parts left over). The
+hashes of a booking are encoded into its slot's values at once and not kept: the projector's
+memory follows the number of ranks and slots, not the number of active hashes.
 
 Writes are coalesced: a key changed twice before :meth:`take` is written once, with its last
 value; a rank's load is encoded at :meth:`take` time. So the bytes written depend only on the
-deltas, never on when a flush happened.
+deltas, never on when a flush happened. A take lists the part keys before the slot keys
+(heads), so a reader that sees a head has seen the parts written with it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from projector.wire.values import (
@@ -26,11 +30,12 @@ from projector.wire.values import (
     Rank,
     encode_load,
     encode_position,
-    encode_request,
     encode_tracker,
     load_key,
     parse_key,
+    part_key,
     position_key,
+    request_values,
     slot_key,
     tracker_key,
 )
@@ -43,6 +48,15 @@ if TYPE_CHECKING:
 Write = tuple[str, bytes | None]  # (key, value); None deletes the key
 
 
+@dataclass(slots=True)
+class Parts:
+    """A slot's part keys: ``keys`` the highest the bucket has (a removal deletes 1..keys),
+    ``live`` the highest that may hold hashes (a release empties 1..live)."""
+
+    keys: int = 0
+    live: int = 0
+
+
 class BucketImage:
     """One namespace's bucket, folded from deltas. See the module docstring."""
 
@@ -53,10 +67,13 @@ class BucketImage:
         # The slot keys each rank has in the bucket: a removal deletes exactly those, so its
         # cost follows the keys written, never a slot number a delta names.
         self.slot_keys: dict[Rank, set[int]] = {}
+        # The slots that have part keys (a long prompt's), and how many: most never do.
+        self.parts: dict[tuple[Rank, int], Parts] = {}
         self.applied_seq = 0  # the last event whose delta (every part of it) is applied
         self.as_of = 0  # its log time
         self.partial: tuple[int, int] | None = None  # (event, part) of an event half applied
         self._slots: dict[str, bytes | None] = {}  # slot keys written since the last take
+        self._parts: dict[str, bytes | None] = {}  # part keys written since the last take
         # Slot keys the bucket holds empty, as far as the writes taken tell: a request booked
         # and freed between two takes then costs no write at all (the bytes would not change).
         self._empty: set[str] = set()
@@ -80,6 +97,7 @@ class BucketImage:
             self._dirty_loads.discard(rank)
             self._deleted_loads.add(rank)
             for slot in sorted(self.slot_keys.pop(rank, ())):
+                self._delete_parts(rank, slot)
                 key = slot_key(ns, rank, slot)
                 self._slots[key] = None
                 self._empty.discard(key)
@@ -90,13 +108,18 @@ class BucketImage:
             self._touch(rank, stamp)
             self.loads[rank] = change.load
             keys = self.slot_keys.setdefault(rank, set())
+            slots, parts = self._slots, self.parts
             for slot in change.released:
-                self._slots[slot_key(ns, rank, slot)] = EMPTY_SLOT
                 keys.add(slot)
+                slots[slot_key(ns, rank, slot)] = EMPTY_SLOT
+                if parts and (rank, slot) in parts:
+                    self._hold_parts(rank, slot, [])
             for booking in change.booked:
-                key = slot_key(ns, rank, booking.slot)
-                self._slots[key] = encode_request(seq, booking.request_id, booking.hashes)
+                head, *rest = request_values(seq, booking.request_id, booking.hashes)
                 keys.add(booking.slot)
+                slots[slot_key(ns, rank, booking.slot)] = head
+                if rest or (parts and (rank, booking.slot) in parts):
+                    self._hold_parts(rank, booking.slot, rest)
         if delta.block_size is not None:
             block_size = delta.block_size or None  # TRACKER_ENDED (0): the tracker is gone
             if block_size != self.block_size:
@@ -108,6 +131,28 @@ class BucketImage:
             self.partial = None
             self.applied_seq = seq
         self.as_of = max(self.as_of, delta.at_ns)
+
+    def _hold_parts(self, rank: Rank, slot: int, values: list[bytes]) -> None:
+        """``slot``'s parts now hold ``values`` (part 1 first); parts beyond them that may
+        hold hashes are emptied. Costs the keys written, never the slot's history."""
+        parts = self.parts.get((rank, slot))
+        if parts is None:
+            parts = self.parts[(rank, slot)] = Parts()
+        count = len(values)
+        for part in range(1, max(count, parts.live) + 1):
+            key = part_key(self.namespace, rank, slot, part)
+            self._parts[key] = values[part - 1] if part <= count else EMPTY_SLOT
+        parts.live = count
+        parts.keys = max(parts.keys, count)
+
+    def _delete_parts(self, rank: Rank, slot: int) -> None:
+        parts = self.parts.pop((rank, slot), None)
+        if parts is None:
+            return
+        for part in range(1, parts.keys + 1):
+            key = part_key(self.namespace, rank, slot, part)
+            self._parts[key] = None
+            self._empty.discard(key)
 
     def refusal(self, deltas: list[Delta]) -> str:
         """Why ``deltas`` cannot be a writer's ("" if they can): a number out of the range the
@@ -166,16 +211,42 @@ class BucketImage:
             else:
                 for slot in slots:
                     self._slots[slot_key(self.namespace, rank, slot)] = None
+        for (rank, slot), values in bucket.parts.items():
+            if rank not in self.loads:
+                for part in values:
+                    self._parts[part_key(self.namespace, rank, slot, part)] = None
+                continue
+            self.slot_keys[rank].add(slot)  # its removal deletes them, even with no head
+            live = max((part for part, value in values.items() if not value.empty), default=0)
+            self.parts[(rank, slot)] = Parts(max(values), live)
+            self._empty.update(
+                part_key(self.namespace, rank, slot, part)
+                for part, value in values.items()
+                if value.empty
+            )
         for key in bucket.unreadable:  # a damaged slot value still counts as a slot key
             parsed = parse_key(self.namespace, key)
-            if parsed.kind == "req" and parsed.rank in self.slot_keys:
+            if parsed.rank is None or parsed.rank not in self.slot_keys:
+                continue
+            if parsed.kind == "req":
                 self.slot_keys[parsed.rank].add(parsed.slot)
+            elif parsed.kind == "part":  # and may hold hashes
+                self.slot_keys[parsed.rank].add(parsed.slot)
+                parts = self.parts.setdefault((parsed.rank, parsed.slot), Parts())
+                parts.keys = max(parts.keys, parsed.part)
+                parts.live = max(parts.live, parsed.part)
 
     # ---- what to write ----------------------------------------------------------------------
 
     @property
     def dirty(self) -> bool:
-        return bool(self._slots or self._dirty_loads or self._deleted_loads or self._tracker_dirty)
+        return bool(
+            self._slots
+            or self._parts
+            or self._dirty_loads
+            or self._deleted_loads
+            or self._tracker_dirty
+        )
 
     def take(self) -> list[Write]:
         """Every write owed since the last take, in a deterministic order; then owe nothing."""
@@ -185,14 +256,15 @@ class BucketImage:
             seq, as_of = self.load_stamps[rank]
             writes.append((load_key(ns, rank), encode_load(rank, self.loads[rank], seq, as_of)))
         empty = self._empty
-        for key, value in self._slots.items():
-            if value == EMPTY_SLOT:
-                if key in empty:
-                    continue
-                empty.add(key)
-            else:
-                empty.discard(key)
-            writes.append((key, value))
+        for pending in (self._parts, self._slots):  # a head after the parts written with it
+            for key, value in pending.items():
+                if value == EMPTY_SLOT:
+                    if key in empty:
+                        continue
+                    empty.add(key)
+                else:
+                    empty.discard(key)
+                writes.append((key, value))
         if self._tracker_dirty:
             block_size = self.block_size
             writes.append(
@@ -200,6 +272,7 @@ class BucketImage:
             )
         self._tracker_dirty = False
         self._slots = {}
+        self._parts = {}
         self._dirty_loads = set()
         self._deleted_loads = set()
         return writes
@@ -217,8 +290,9 @@ class BucketImage:
                 self._tracker_dirty = True
             else:
                 self._empty.discard(key)  # what the bucket holds there is not known now
-                if key not in self._slots:
-                    self._slots[key] = value
+                pending = self._parts if parsed.kind == "part" else self._slots
+                if key not in pending:
+                    pending[key] = value
 
     def position(self, delta_seq: int) -> tuple[str, bytes]:
         return position_key(self.namespace), encode_position(

@@ -1,11 +1,12 @@
 """The projector: folds SEQSTATE_DELTAS into the registry bucket that schedulers watch.
 
 It is the single writer of the bucket. What to write is decided by a pure fold, the
-:class:`~projector.read.image.BucketImage`: a booking becomes its slot's value, a release an empty
-value, a load its rank's load key. The projector keeps each rank's load and slot count, never
-the hashes, so its memory and its cost per delta follow what the delta changed. The
-hash-to-ranks index that answers potential-load queries is built by each reader from the slot
-values, so the projector, which never answers a query, does not pay for it.
+:class:`~projector.read.image.BucketImage`: a booking becomes its slot's value (and a long
+prompt's part keys), a release an empty value, a load its rank's load key. The projector
+keeps each rank's load and slot count, never the hashes, so its memory and its cost per delta
+follow what the delta changed. The hash-to-ranks index that answers potential-load queries
+is built by each reader from the slot values, so the projector, which never answers a query,
+does not pay for it.
 
 Writes are coalesced: a delta only marks its keys dirty, and a flush at most every
 ``flush_interval_s`` (5 ms by default) writes each dirty key once, pipelined, then the
@@ -71,7 +72,7 @@ from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write
 from projector.wire.chain import chain_problem
 from projector.wire.headers import PREV_SOURCE_SEQ
-from projector.wire.values import load_key, slot_key, tracker_key
+from projector.wire.values import LARGEST_VALUE, load_key, part_key, slot_key, tracker_key
 from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 
@@ -87,6 +88,10 @@ class BucketLost(SeqstateError, RuntimeError):
 
 class DeltaGap(SeqstateError, RuntimeError):
     """The deltas stream is missing deltas: the projector cannot follow it exactly."""
+
+
+class BucketUnfit(SeqstateError, ValueError):
+    """The server's payload limit is under what one bucket value may take."""
 
 
 @dataclass
@@ -212,6 +217,12 @@ class Projector(LagWatched):
         }
 
     async def _run(self) -> None:
+        if self.nc.max_payload < LARGEST_VALUE:  # a long prompt's keys would never be written
+            raise BucketUnfit(
+                f"the server's max_payload of {self.nc.max_payload:,} bytes is under the "
+                f"{LARGEST_VALUE:,} one bucket value may take (4,096 hashes of a long prompt "
+                "beside a request id of up to 4 KiB); raise nats-server's max_payload"
+            )
         await self._host.provision()
         if self._held_lease is not None:
             self.lease = self._held_lease
@@ -535,6 +546,11 @@ def every_key(namespace: str, bucket: BucketView) -> list[Write]:
     keys = [load_key(namespace, rank) for rank in bucket.loads]
     keys += [
         slot_key(namespace, rank, slot) for rank, slots in bucket.slots.items() for slot in slots
+    ]
+    keys += [
+        part_key(namespace, rank, slot, part)
+        for (rank, slot), parts in bucket.parts.items()
+        for part in parts
     ]
     keys += list(bucket.unreadable)
     keys += bucket.strays

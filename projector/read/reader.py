@@ -5,7 +5,9 @@ The view watches the namespace's keys and folds each value into a
 a slot's request released and the new one booked, a removed rank), so ``loads`` and
 ``potential_loads`` are the core's own code over the same data the writer's registry holds: no
 second implementation of the rules. A slot value costs the view the hashes of that one
-request, whatever the size of its rank's set.
+request, whatever the size of its rank's set; a long prompt's part keys (see
+:mod:`projector.wire.values`) are counted key by key, each its own hashes, so a part that
+arrives before or after its head adds up the same, and at each position the counts are exact.
 
 Time: values carry their prefill anchors in log time. The view keeps one estimate of the log's
 clock, anchored at receive time: each value received at local monotonic time ``t`` with
@@ -59,6 +61,12 @@ log = logging.getLogger("seqstate.reader")
 
 class RegistryUnavailable(SeqstateError, RuntimeError):
     """The bucket does not exist (no projector has run in this account) or cannot be watched."""
+
+
+def _part_slot(slot: int, part: int) -> int:
+    """Where the view's registry holds part ``part`` of ``slot``'s request: a negative
+    number, unique per (slot, part) since a part number is below 2^32 (``parse_key``)."""
+    return -1 - (slot << 32 | part)
 
 
 def _delivered(info: api.ConsumerInfo) -> tuple[int, int]:
@@ -336,7 +344,7 @@ class RegistryView:
 
     def receive(self, key: str, value: bytes | None, *, deleted: bool = False) -> None:
         """Fold one bucket entry into the replica; a damaged value is counted and skipped."""
-        kind, rank, slot = parse_key(self.config.namespace, key)
+        kind, rank, slot, part = parse_key(self.config.namespace, key)
         if kind == "lease":  # who writes, not what: renewed every second even when nothing moves
             return
         self.values_received += 1
@@ -362,18 +370,22 @@ class RegistryView:
                     self.unreadable.pop(rank, None)
                     self._observe(load.as_of)
                     self.registry.apply(Delta("applied", 0, [RankChange(rank, load.rank_load())]))
-            elif kind == "req" and rank is not None:
+            elif (kind == "req" or kind == "part") and rank is not None:
                 current = self.registry.load_of(rank)
                 if current is None and (deleted or not value):
                     return  # the rest of a removed rank
+                # Each key counts its own hashes: a long prompt's parts are held apart from
+                # its head, under a number no slot has, and the counts add up the same.
+                held = slot if kind == "req" else _part_slot(slot, part)
                 booked = []
                 if not deleted and value:
                     request = decode_request(value)
                     if not request.empty:
-                        booked = [Booking(slot, request.request_id, request.hash_list())]
-                change = RankChange(rank, current or EMPTY_LOAD, [slot], booked)
+                        booked = [Booking(held, request.request_id, request.hash_list())]
+                change = RankChange(rank, current or EMPTY_LOAD, [held], booked)
                 self.registry.apply(Delta("applied", 0, [change]))
-                self._index_slot(rank, slot, booked[0].request_id if booked else None)
+                if kind == "req":
+                    self._index_slot(rank, slot, booked[0].request_id if booked else None)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             self.bad_values += 1
             if kind == "load":

@@ -83,6 +83,7 @@ from projector.wire import msg_ids
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from projector.wire.headers import STREAM_SOURCE
+from projector.wire.sizes import oversize
 from seqstate import (
     AddRequest,
     Event,
@@ -98,8 +99,6 @@ from seqstate.events import MAX_ROUTER_ID
 
 log = logging.getLogger("seqstate.publisher")
 
-# An event's delta is about its size plus headers; both must fit under the server's limit.
-EVENT_HEADROOM = 8 * 1024
 # Pause before retry n (1-based): BACKOFF_S * 2**(n-1), capped; gives a stream leader election
 # or a brief disconnect a moment, without slowing a clean failure much.
 BACKOFF_S = 0.05
@@ -122,7 +121,8 @@ _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
 
 
 class EventTooLarge(SeqstateError, ValueError):
-    """An event too large for the server to store, or for the writer to store its delta."""
+    """An event over the one size rule (:mod:`projector.wire.sizes`): the writer would not
+    apply it, or the server could not store its delta."""
 
 
 class PublishError(SeqstateError, RuntimeError):
@@ -786,19 +786,10 @@ class RouterPublisher:
             event = msgspec.structs.replace(event, router_id=self.router_id)
         payload = encode_event(event)
         decode_event(payload)  # constructors skip Meta bounds; the writer will not
-        limit = self._nc.max_payload - EVENT_HEADROOM
-        if len(payload) > limit:
+        why = oversize(len(payload), self._nc.max_payload, self.config.max_event_bytes)
+        if why:  # the one size rule (projector.wire.sizes): the fold would refuse it too
             raise EventTooLarge(
-                f"{_what(event, getattr(event, 'request_id', None))}: {len(payload):,} bytes "
-                f"encoded, over the {limit:,} bytes one event may take (the server's "
-                f"max_payload of {self._nc.max_payload:,} less room for its delta's headers); "
-                "it was not sent"
-            )
-        if len(payload) > self.config.max_event_bytes:  # the fold would refuse it: too_large
-            raise EventTooLarge(
-                f"{_what(event, getattr(event, 'request_id', None))}: {len(payload):,} bytes "
-                f"encoded, over the {self.config.max_event_bytes:,} bytes of max_event_bytes, "
-                "the largest event the writer applies; it was not sent"
+                f"{_what(event, getattr(event, 'request_id', None))}: {why}; it was not sent"
             )
         return event, payload
 

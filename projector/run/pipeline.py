@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from projector.nats.failures import describe
 from projector.nats.lease import Lease
 from projector.nats.resources import ProvisioningError
-from projector.read.projection import DeltaGap
+from projector.read.projection import BucketUnfit, DeltaGap
 from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config, ConfigError
 from projector.write.snapshotter import SnapshotUnavailable
@@ -46,6 +46,7 @@ PERMANENT: tuple[type[BaseException], ...] = (
     ProvisioningError,
     SnapshotUnavailable,
     DeltaGap,
+    BucketUnfit,
 )
 STABLE_S = 60.0  # a pipeline that ran this long before failing starts the backoff afresh
 

@@ -7,16 +7,31 @@ RegistryView (reader) cannot drift apart:
   time-free load (the prefill part keeps its anchor in log time, decay is evaluated by the
   reader), stamped with the sequence and log time of the event that last changed it.
 - ``<ns>.req.<worker_id>.<dp_rank>.<slot>``: msgpack ``{"applied_seq", "request_id",
-  "hashes"}``, one live request of the rank: the prompt-block hashes it holds, in prompt order,
+  "hashes", "parts"}``, one live request of the rank: the prompt-block hashes it holds (the
+  first 4,096 of a long prompt, whose rest is in ``parts`` part keys), in prompt order,
   packed as little-endian u64 (8 bytes each; a msgpack list of random u64s would take 9, and
   decoding the packed form is one C call). The slot is the request's slot in the write model
   (the lowest free one of its rank when it was booked), so keys are reused: a rank has as many
   slot keys as it ever had requests in flight at once, not one per request it ever served,
   and a free slot holds the empty value (an empty msgpack map, ``EMPTY_SLOT``: no stamp, so a
   slot freed again is no write at all when the bucket already holds it) instead of leaving a
-  delete marker per request in the bucket's stream. A booking writes one key of the size of
-  its prompt, a free writes one small value: the cost of an event follows what it changed.
-  A reader reference-counts each rank's hashes over its slots.
+  delete marker per request in the bucket's stream. A booking writes the keys of its prompt
+  (one but for a long one), a free one small value each: the cost of an event follows what
+  it changed. A reader reference-counts each rank's hashes over its slots.
+- ``<ns>.req.<worker_id>.<dp_rank>.<slot>.<part>`` (part 1, 2, ...): the rest of a long
+  prompt. A key holds at most ``KEY_HASHES`` (4,096) hashes, 32 KiB: a head holds the first
+  4,096 and its number of parts (``"parts"``, left out when 0, so a prompt of up to 4,096
+  blocks is one key, as before parts existed), each part the next 4,096, as msgpack
+  ``{"applied_seq", "hashes"}`` stamped like its head. A head whose request id takes more than
+  ``ID_ROOM`` bytes holds no hash (the id alone may be as large as its event). So no value
+  is larger than 36 KiB or its event, whatever the server: the chunking is fixed, never
+  derived from a server's limit, so the bucket's bytes stay a pure function of the log. A
+  part whose request ended, or whose slot took a shorter one, holds the empty value, as a
+  free slot does; a removed rank's part keys are deleted with its slots.
+- Torn reads: the projector writes a slot's parts before its head, and the position after
+  both, so a reader that sees position ``n`` holds every part of every head reflecting ``n``;
+  between two positions it may see a head with parts of another booking (told apart by the
+  stamp) or an emptied part under a head not yet emptied.
 - Stamps come from the deltas, never from flush timing, so the bucket's bytes are a pure
   function of the log: a projector that crashed and resumed writes what an uninterrupted one
   writes.
@@ -32,7 +47,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import msgspec
 
@@ -74,11 +89,13 @@ class LoadValue(msgspec.Struct, frozen=True):
 
 
 class RequestValue(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One slot: the request it holds, stamped with the event that booked it; or none."""
+    """One slot: the request it holds, stamped with the event that booked it; or none. Also
+    the value of a part key (no ``request_id``, no ``parts``: its head has them)."""
 
     applied_seq: int = 0
     request_id: str = ""
     hashes: bytes = b""
+    parts: int = 0  # a head's part keys holding the rest of its hashes
 
     @property
     def empty(self) -> bool:
@@ -120,6 +137,11 @@ def slot_key(namespace: str, rank: Rank, slot: int) -> str:
     return f"{namespace}.req.{rank[0]}.{rank[1]}.{slot}"
 
 
+def part_key(namespace: str, rank: Rank, slot: int, part: int) -> str:
+    """Part ``part`` (1, 2, ...) of the request in ``slot``: the rest of a long prompt."""
+    return f"{namespace}.req.{rank[0]}.{rank[1]}.{slot}.{part}"
+
+
 def position_key(namespace: str) -> str:
     return f"{namespace}.position"
 
@@ -149,12 +171,13 @@ def decode_tracker(data: bytes) -> TrackerValue:
 
 
 class Key(NamedTuple):
-    """A parsed bucket key: ``kind`` is "load", "req", "position", "lease", "tracker", or ""
-    (not ours)."""
+    """A parsed bucket key: ``kind`` is "load", "req" (a slot's head), "part" (a slot's part
+    ``part``), "position", "lease", "tracker", or "" (not ours)."""
 
     kind: str
     rank: Rank | None = None
     slot: int = -1
+    part: int = 0
 
 
 NOT_OURS = Key("")
@@ -174,6 +197,10 @@ def parse_key(namespace: str, key: str) -> Key:
             slot = int(parts[4])
             if slot >= 0:
                 return Key(kind, (int(parts[2]), int(parts[3])), slot)
+        if len(parts) == 6 and kind == "req":
+            slot, part = int(parts[4]), int(parts[5])
+            if slot >= 0 and 0 < part <= MAX_PART:
+                return Key("part", (int(parts[2]), int(parts[3])), slot, part)
     except ValueError:
         pass
     return NOT_OURS
@@ -219,12 +246,45 @@ def unpack_hashes(data: bytes) -> list[int]:
     return hashes.tolist()
 
 
+# Hashes a key holds at most (32 KiB packed): a prompt of up to 4,096 blocks (64K tokens of
+# 16) is one key. Fixed: the bucket's bytes are a pure function of the log, on any server.
+KEY_HASHES: Final = 4096
+# The longest request id (UTF-8 bytes) whose head also holds hashes: a head is then at most
+# about 36 KiB; a longer id's head holds none, and is no larger than its event.
+ID_ROOM: Final = 4096
+MAX_PART: Final = 2**32 - 1  # no event holds enough hashes to come near
+
+
 def encode_request(applied_seq: int, request_id: str, hashes: list[int]) -> bytes:
-    """A booked slot's value."""
+    """A booked slot's value, all in one key: what the projector writes for a prompt of at
+    most ``KEY_HASHES`` hashes (see :func:`request_values`)."""
     return _msgpack.encode(RequestValue(applied_seq, request_id, pack_hashes(hashes)))
 
 
-EMPTY_SLOT = _msgpack.encode(RequestValue())  # a free slot's value
+def request_values(applied_seq: int, request_id: str, hashes: list[int]) -> list[bytes]:
+    """A booked slot's values: its head's, then each part's (none for a prompt that fits one
+    key). Deterministic: the same booking gives the same bytes on any server."""
+    # At most 4 UTF-8 bytes a character: most ids are known short without being encoded.
+    short = len(request_id) <= ID_ROOM // 4 or len(request_id.encode()) <= ID_ROOM
+    first = KEY_HASHES if short else 0
+    if len(hashes) <= first:
+        return [encode_request(applied_seq, request_id, hashes)]
+    parts = -(-(len(hashes) - first) // KEY_HASHES)
+    values = [
+        _msgpack.encode(RequestValue(applied_seq, request_id, pack_hashes(hashes[:first]), parts))
+    ]
+    for start in range(first, len(hashes), KEY_HASHES):
+        chunk = pack_hashes(hashes[start : start + KEY_HASHES])
+        values.append(_msgpack.encode(RequestValue(applied_seq, hashes=chunk)))
+    return values
+
+
+EMPTY_SLOT = _msgpack.encode(RequestValue())  # a free slot's value, and an emptied part's
+# The largest value a key of a slot may take, but for a head whose id is over ID_ROOM (which is
+# no larger than its event): a server whose max_payload is smaller cannot hold the bucket.
+LARGEST_VALUE: Final = len(
+    _msgpack.encode(RequestValue(2**64 - 1, "i" * ID_ROOM, bytes(8 * KEY_HASHES), MAX_PART))
+)
 
 
 def decode_request(data: bytes) -> RequestValue:

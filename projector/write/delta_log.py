@@ -59,6 +59,7 @@ from projector.wire.headers import (
     SOURCE_PART,
     SOURCE_SEQ,
 )
+from projector.wire.sizes import DELTA_HEADROOM, largest_event
 from seqstate import Delta, decode_deltas, encode_deltas
 from seqstate.deltas import split_delta
 from seqstate.errors import SeqstateError
@@ -71,8 +72,6 @@ MAX_BATCH = 256  # deltas per message
 # flight busy; more only holds memory while the deltas lag (a writer catching up kept 100,000,
 # ~100 MB, with no gain in rate).
 MAX_PENDING = 16_384
-HEADROOM = 4096  # under the server's payload limit, for headers and the protocol line
-EVENT_MARGIN = 1024  # what a delta adds to its event's bytes: its rank, load and envelope
 ACK_TIMEOUT_S = 2.0  # per attempt: a request in flight when the server died never returns
 RETRY_FOR_S = 60.0
 MAX_BACKOFF_S = 1.0
@@ -113,7 +112,8 @@ class DeltaLog:
     ) -> None:
         self._js = js
         self._settings = settings
-        self._limit = max_payload - HEADROOM
+        self._max_payload = max_payload
+        self._limit = max_payload - DELTA_HEADROOM
         self._retry_for_s = retry_for_s
         self._pending: deque[Delta] = deque()
         self._wake = asyncio.Event()
@@ -201,7 +201,7 @@ class DeltaLog:
     @property
     def max_event(self) -> int:
         """The largest event whose delta surely fits one message."""
-        return self._limit - EVENT_MARGIN
+        return largest_event(self._max_payload)
 
     @property
     def backlogged(self) -> bool:

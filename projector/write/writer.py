@@ -60,7 +60,8 @@ from projector.nats.stream import (
 from projector.nats.tasks import cancel
 from projector.wire import msg_ids
 from projector.wire.headers import MSG_ID, STREAM_SOURCE
-from projector.write.delta_log import ACK_TIMEOUT_S, EVENT_MARGIN, HEADROOM, DeltaLog
+from projector.wire.sizes import EVENT_ROOM
+from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.write.snapshotter import SnapshotStats, Snapshotter
 from seqstate import (
     Delta,
@@ -203,7 +204,7 @@ class Writer(LagWatched):
             raise EventLimitUnfit(
                 f"max_event_bytes={limit}: over the {fits:,} bytes of event whose delta this "
                 f"server can store (its max_payload of {self.nc.max_payload:,} less "
-                f"{HEADROOM + EVENT_MARGIN:,}); set --max-event-bytes "
+                f"{EVENT_ROOM:,}); set --max-event-bytes "
                 f"(SEQSTATE_MAX_EVENT_BYTES) to at most {fits}, the same for every fold of "
                 "the log"
             )

@@ -400,8 +400,8 @@ async def test_publish_refuses_an_event_too_large_to_store_and_sends_nothing(
     assert (rc, out) == (1, "")
     assert plain_lines(err) == [
         "seqstate: error: stdin:2: AddRequest for request 'huge': 1,080,083 bytes encoded, over "
-        "the 1,040,384 bytes one event may take (the server's max_payload of 1,048,576 less room "
-        "for its delta's headers); it was not sent"
+        "the 1,043,456 bytes one event may take (the server's max_payload of 1,048,576 less 5,120 "
+        "for its delta); it was not sent"
     ]
     with pytest.raises(NotFoundError):  # not even the stream was made: nothing was sent
         await nc.jetstream().stream_info(config.events_stream)

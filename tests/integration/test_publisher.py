@@ -21,13 +21,13 @@ from nats.aio.msg import Msg
 
 from projector.nats.server import NatsServer
 from projector.route.publisher import (
-    EVENT_HEADROOM,
     MSG_ID_HEADER,
     EventTooLarge,
     PublishError,
     RouterPublisher,
 )
 from projector.wire.config import Config
+from projector.wire.sizes import event_limit
 from seqstate import (
     AddRequest,
     EventDecodeError,
@@ -348,7 +348,7 @@ async def test_request_ids_of_any_alphabet_are_published_up_to_the_size_limit(
     exact; one character longer is refused before it is sent, with one line that shows 60
     characters of the id and its length, and takes no router_seq."""
     pub = RouterPublisher(nc, router_id="ids", config=config)
-    limit = nc.max_payload - EVENT_HEADROOM
+    limit = event_limit(nc.max_payload, config.max_event_bytes)
     overhead = len(pub.check(AddRequest(request_id="x" * 70_000, worker_id=1))[1]) - 70_000
     longest = "x" * (limit - overhead)
     assert len(pub.check(AddRequest(request_id=longest, worker_id=1))[1]) == limit
@@ -360,7 +360,7 @@ async def test_request_ids_of_any_alphabet_are_published_up_to_the_size_limit(
     assert str(info.value) == (
         f"AddRequest for request {'x' * 60!r}… ({len(longest) + 1:,} characters): {limit + 1:,} "
         f"bytes encoded, over the {limit:,} bytes one event may take (the server's max_payload "
-        f"of {nc.max_payload:,} less room for its delta's headers); it was not sent"
+        f"of {nc.max_payload:,} less 5,120 for its delta); it was not sent"
     )
     assert pub.router_seq == len(ids)
     assert await _stream_messages(nc, config) == len(ids)

@@ -116,7 +116,7 @@ class Paths:
         """The bucket's occupied slot keys, decoded."""
         out: dict[tuple[int, int], dict[int, tuple[str, list[int]]]] = {}
         for key, value in self.bucket.items():
-            kind, rank, slot = parse_key(NS, key)
+            kind, rank, slot, _ = parse_key(NS, key)
             if kind == "req" and rank is not None:
                 request = decode_request(value)
                 if not request.empty:

@@ -33,9 +33,9 @@ def test_an_event_too_large_to_store_is_refused_in_one_line_before_it_takes_a_ms
     with pytest.raises(EventTooLarge) as caught:
         asyncio.run(pub.add("huge", 1, block_hashes=hashes))
     assert str(caught.value) == (
-        "AddRequest for request 'huge': 1,080,076 bytes encoded, over the 1,040,384 bytes one "
-        "event may take (the server's max_payload of 1,048,576 less room for its delta's "
-        "headers); it was not sent"
+        "AddRequest for request 'huge': 1,080,076 bytes encoded, over the 1,043,456 bytes one "
+        "event may take (the server's max_payload of 1,048,576 less 5,120 for its delta); it "
+        "was not sent"
     )
     assert pub.router_seq == 0
 
@@ -47,8 +47,8 @@ def test_an_event_over_the_folds_size_rule_is_refused_before_it_takes_a_msg_id()
     with pytest.raises(EventTooLarge) as caught:
         asyncio.run(pub.add("big", 1, block_hashes=list(range(2**62, 2**62 + 200))))
     assert str(caught.value) == (
-        "AddRequest for request 'big': 1,873 bytes encoded, over the 1,000 bytes of "
-        "max_event_bytes, the largest event the writer applies; it was not sent"
+        "AddRequest for request 'big': 1,873 bytes encoded, over the 1,000 bytes one event may "
+        "take (max_event_bytes, the largest event the writer applies); it was not sent"
     )
     assert pub.router_seq == 0
 

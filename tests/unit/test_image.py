@@ -8,16 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from projector.ops.replay import differences
 from projector.read.bucket import BucketView
-from projector.read.image import BucketImage
+from projector.read.image import BucketImage, Parts
 from projector.wire.values import (
     EMPTY_SLOT,
+    ID_ROOM,
+    KEY_HASHES,
     Position,
     decode_load,
     decode_position,
     decode_request,
+    encode_request,
     load_key,
     parse_key,
+    part_key,
     slot_key,
 )
 from seqstate import (
@@ -121,12 +126,7 @@ def test_a_restored_image_goes_on_writing_what_an_uninterrupted_one_writes() -> 
     written = image.everything()
     view = BucketView(position=decode_position(image.position(7)[1]))
     for key, value in written.items():
-        kind, rank, slot = parse_key(NS, key)
-        assert rank is not None
-        if kind == "load":
-            view.loads[rank] = decode_load(value)
-        else:
-            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+        view.put(NS, key, value)
     resumed = BucketImage(NS)
     resumed.restore(view)
     assert resumed.applied_seq == 7
@@ -188,12 +188,7 @@ def _restored(image: BucketImage, bucket: dict[str, bytes] | None = None) -> Buc
     values ``bucket``, or those of ``image`` alone)."""
     view = BucketView(position=decode_position(image.position(1)[1]))
     for key, value in (image.everything() if bucket is None else bucket).items():
-        kind, rank, slot = parse_key(NS, key)
-        assert rank is not None
-        if kind == "load":
-            view.loads[rank] = decode_load(value)
-        else:
-            view.slots.setdefault(rank, {})[slot] = decode_request(value)
+        view.put(NS, key, value)
     resumed = BucketImage(NS)
     resumed.restore(view)
     return resumed
@@ -323,7 +318,7 @@ def test_a_damaged_slot_value_still_counts_as_a_slot_key() -> None:
     image, _ = fold([AddRequest("a", 1), AddRequest("b", 1)])
     view = BucketView(position=decode_position(image.position(1)[1]))
     for key, value in image.everything().items():
-        kind, rank, slot = parse_key(NS, key)
+        kind, rank, slot, _ = parse_key(NS, key)
         assert rank is not None
         if kind == "load":
             view.loads[rank] = decode_load(value)
@@ -334,3 +329,205 @@ def test_a_damaged_slot_value_still_counts_as_a_slot_key() -> None:
     resumed = BucketImage(NS)
     resumed.restore(view)
     assert resumed.slot_keys[(1, 0)] == {0, 1}
+
+
+# ---- a long prompt: a slot cut into part keys --------------------------------------------------
+
+R = (1, 0)
+
+
+def long(n: int, base: int = 2**40) -> list[int]:
+    """A prompt of ``n`` distinct block hashes (9 bytes each in an event)."""
+    return list(range(base, base + n))
+
+
+def head_and_parts(writes: dict[str, bytes | None], slot: int = 0) -> list[bytes | None]:
+    """The values a take wrote to ``slot``'s head and parts 1, 2, ... in that order."""
+    values = [writes.get(slot_key(NS, R, slot))]
+    part = 1
+    while part_key(NS, R, slot, part) in writes:
+        values.append(writes[part_key(NS, R, slot, part)])
+        part += 1
+    return values
+
+
+def test_a_long_prompt_takes_a_head_and_parts_of_at_most_4096_hashes_in_prompt_order() -> None:
+    prompt = long(2 * KEY_HASHES + 5)
+    image, _ = fold([AddRequest("a", 1, block_hashes=prompt)])
+    taken = image.take()
+    writes = dict(taken)
+    head, *parts = (decode_request(v or b"") for v in head_and_parts(writes))
+    assert (head.request_id, head.applied_seq, head.parts, len(parts)) == ("a", 1, 2, 2)
+    assert [len(head.hashes) // 8] + [len(p.hashes) // 8 for p in parts] == [4096, 4096, 5]
+    assert [p.applied_seq for p in parts] == [1, 1] and {p.request_id for p in parts} == {""}
+    assert head.hash_list() + parts[0].hash_list() + parts[1].hash_list() == prompt
+    assert max(len(v or b"") for v in writes.values()) < 33_000
+    # The parts come before their head in a take: a reader that sees the head has them.
+    order = [key for key, _ in taken]
+    assert order.index(slot_key(NS, R, 0)) > order.index(part_key(NS, R, 0, 2))
+    # A prompt of 4,096 blocks is one key, its bytes those of a single-key slot.
+    image, _ = fold([AddRequest("b", 1, block_hashes=long(KEY_HASHES))])
+    assert dict(image.take())[slot_key(NS, R, 0)] == encode_request(1, "b", long(KEY_HASHES))
+
+
+def test_a_request_id_over_4_kib_leaves_every_hash_to_the_parts() -> None:
+    rid = "i" * (ID_ROOM + 1)
+    image, _ = fold([AddRequest(rid, 1, block_hashes=long(10))])
+    head, part = (decode_request(v or b"") for v in head_and_parts(dict(image.take())))
+    assert (head.request_id, head.hashes, head.parts) == (rid, b"", 1)
+    assert part.hash_list() == long(10)
+
+
+def test_a_release_empties_its_parts_and_a_smaller_reuse_writes_only_what_changed() -> None:
+    image, state = fold([AddRequest("big", 1, block_hashes=long(3 * KEY_HASHES))])
+    image.take()
+    assert image.parts[(R, 0)] == Parts(keys=2, live=2)
+    fold([Free("big", 1)], image, state, start=2)
+    assert head_and_parts(dict(image.take())) == [EMPTY_SLOT, EMPTY_SLOT, EMPTY_SLOT]
+    assert image.parts[(R, 0)] == Parts(keys=2, live=0)
+    # A smaller request takes the slot: its head and its one part; part 2 is empty already.
+    fold([AddRequest("mid", 1, block_hashes=long(KEY_HASHES + 1, 7))], image, state, start=3)
+    writes = dict(image.take())
+    assert sorted(writes) == sorted([load_key(NS, R), slot_key(NS, R, 0), part_key(NS, R, 0, 1)])
+    assert decode_request(writes[part_key(NS, R, 0, 1)] or b"").hash_list() == [7 + KEY_HASHES]
+    # A short one after it: part 1 is emptied; a one-key request touches no part.
+    fold([Free("mid", 1), AddRequest("s", 1, block_hashes=[1])], image, state, start=4)
+    assert head_and_parts(dict(image.take()))[1:] == [EMPTY_SLOT]
+    fold([Free("s", 1), AddRequest("t", 1, block_hashes=[2])], image, state, start=6)
+    assert [k for k, _ in image.take()] == [load_key(NS, R), slot_key(NS, R, 0)]
+
+
+def test_a_reuse_by_a_smaller_request_in_the_same_take_empties_the_parts_left_over() -> None:
+    image, state = fold([AddRequest("big", 1, block_hashes=long(3 * KEY_HASHES))])
+    image.take()
+    fold(
+        [Free("big", 1), AddRequest("small", 1, block_hashes=long(KEY_HASHES + 1))],
+        image,
+        state,
+        start=2,
+    )
+    head, one, two = head_and_parts(dict(image.take()))
+    assert decode_request(head or b"").parts == 1
+    assert decode_request(one or b"").hash_list() == [2**40 + KEY_HASHES]
+    assert two == EMPTY_SLOT
+
+
+def test_a_reuse_by_a_larger_request_writes_every_part() -> None:
+    image, state = fold([AddRequest("a", 1, block_hashes=long(KEY_HASHES + 1))])
+    image.take()
+    fold(
+        [Free("a", 1), AddRequest("b", 1, block_hashes=long(3 * KEY_HASHES, 5))],
+        image,
+        state,
+        start=2,
+    )
+    values = [decode_request(v or b"") for v in head_and_parts(dict(image.take()))]
+    assert [v.applied_seq for v in values] == [3, 3, 3]
+    assert [h for v in values for h in v.hash_list()] == long(3 * KEY_HASHES, 5)
+    assert image.parts[(R, 0)] == Parts(keys=2, live=2)
+
+
+def test_a_removed_rank_deletes_every_part_key_of_every_slot() -> None:
+    image, state = fold(
+        [
+            AddRequest("a", 1, block_hashes=long(2 * KEY_HASHES + 1)),
+            AddRequest("b", 1, block_hashes=[1]),
+            AddRequest("c", 1, block_hashes=long(KEY_HASHES + 1, 9)),
+            Free("a", 1),
+        ]
+    )
+    image.take()
+    fold([WorkerRemoved(1)], image, state, start=5)
+    assert sorted(image.take()) == sorted(
+        [
+            (load_key(NS, R), None),
+            (slot_key(NS, R, 0), None),
+            (part_key(NS, R, 0, 1), None),
+            (part_key(NS, R, 0, 2), None),
+            (slot_key(NS, R, 1), None),
+            (slot_key(NS, R, 2), None),
+            (part_key(NS, R, 2, 1), None),
+        ]
+    )
+    assert image.parts == {} and R not in image.slot_keys
+
+
+def test_a_resumed_projector_knows_the_parts_the_bucket_holds() -> None:
+    """Restored from the bucket, the image knows each slot's part keys and which hold hashes:
+    a release empties them, a removal deletes them, a damaged one too."""
+    image, state = fold(
+        [
+            AddRequest("a", 1, block_hashes=long(2 * KEY_HASHES + 1)),
+            AddRequest("b", 1, block_hashes=long(KEY_HASHES + 1, 5)),
+        ]
+    )
+    bucket = image.everything()
+    resumed = _restored(image, bucket)
+    assert resumed.parts == {(R, 0): Parts(2, 2), (R, 1): Parts(1, 1)}
+    fold([Free("a", 1)], resumed, state, start=3)
+    assert head_and_parts(dict(resumed.take())) == [EMPTY_SLOT, EMPTY_SLOT, EMPTY_SLOT]
+    view = BucketView(position=decode_position(image.position(1)[1]))
+    for key, value in bucket.items():
+        view.put(NS, key, value)
+    damaged = part_key(NS, R, 1, 1)
+    del view.parts[(R, 1)]
+    view.unreadable[damaged] = (R, "damaged")
+    resumed = BucketImage(NS)
+    resumed.restore(view)
+    assert resumed.parts[(R, 1)] == Parts(1, 1)
+    fold([WorkerRemoved(1)], resumed, state, start=3)
+    assert (damaged, None) in resumed.take()
+
+
+SIZES = st.sampled_from([1, KEY_HASHES - 1, KEY_HASHES, KEY_HASHES + 1, 3 * KEY_HASHES + 2])
+IDS = st.sampled_from(["q0", "q1"])
+ADD = st.builds(
+    AddRequest,
+    st.one_of(IDS, st.just("i" * (ID_ROOM + 1))),
+    st.just(1),
+    block_hashes=st.builds(long, SIZES, st.sampled_from([0, 2**40, 2**63])),
+)
+LONG = st.lists(
+    st.one_of(
+        ADD,
+        ADD,
+        st.builds(Free, IDS, st.just(1)),
+        st.builds(Free, IDS, st.just(1)),
+        st.builds(WorkerAdded, st.just(1)),
+        st.builds(WorkerRemoved, st.just(1)),
+    ),
+    min_size=4,
+    max_size=30,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=LONG, takes=st.sets(st.integers(0, 30)), restart=st.integers(0, 30))
+def test_long_prompts_leave_the_bucket_of_the_state_whatever_the_flushes(
+    events: list[Event], takes: set[int], restart: int
+) -> None:
+    """Prompts of every size around the key's 4,096 hashes, freed, reused by smaller and
+    larger ones, removed with their rank, flushed at any point, the projector restarted from
+    the bucket anywhere: the bucket holds each live request whole in its head and parts (as
+    verify reads it), no part holds hashes no head claims, no value is over 33 KB, and it
+    equals the bucket of an uninterrupted image."""
+    state = SequenceState(expiry_s=None)
+    whole, image = BucketImage(NS), BucketImage(NS)
+    bucket: dict[str, bytes] = {}
+    for seq, event in enumerate(events, 1):
+        if seq in takes:
+            _written(bucket, image.take())
+        if seq == restart:
+            _written(bucket, image.take())
+            image = _restored(image, bucket)
+        delta = state.apply(event, seq * S)
+        delta.seq = seq
+        image.apply(delta)
+        whole.apply(delta)
+    _written(bucket, image.take())
+    assert bucket == whole.everything()
+    assert max(map(len, bucket.values()), default=0) < 33_000
+    view = BucketView()
+    for key, value in bucket.items():
+        view.put(NS, key, value)
+    assert differences(state, view, NS) == []

@@ -29,13 +29,17 @@ class _Fed:
         self.seq = 0
 
     def events(self, *events: object) -> None:
+        for key, value in self.writes(*events):
+            self.view.receive(key, value, deleted=value is None)
+
+    def writes(self, *events: object) -> list[tuple[str, bytes | None]]:
+        """What the projector writes for ``events``, in order, not yet fed to the view."""
         for event in events:
             self.seq += 1
             delta = self.state.apply(event, self.seq * S)  # type: ignore[arg-type]
             delta.seq = self.seq
             self.image.apply(delta)
-        for key, value in self.image.take():
-            self.view.receive(key, value, deleted=value is None)
+        return self.image.take()
 
     def rows(self) -> list[tuple[int, int, int]]:
         return [(r.worker_id, r.dp_rank, r.active_blocks) for r in self.view.loads(self.seq * S)]
@@ -86,3 +90,55 @@ def test_a_load_value_that_does_not_decode_hides_its_rank_until_a_readable_one(
     assert fed.rows() == [(2, 0, 1)]
     fed.view.receive(key, None, deleted=True)  # the rank removed: nothing left to hide
     assert fed.view.unreadable == {} and fed.rows() == [(2, 0, 1)]
+
+
+def test_a_long_prompt_in_parts_counts_as_one_request_through_torn_reads() -> None:
+    """A 1M-token prompt (62,500 blocks: a head and 15 parts) shared in part by a smaller
+    request of its rank: the view's hashes, overlaps and potential loads are the core's once
+    a flush is in, and while one is half read (a head's parts ahead of it, or behind) the
+    view never holds a hash no key holds nor loses one a key still holds. Freed, its slot
+    reused by a shorter prompt, its rank removed: alike."""
+    fed = _Fed()
+    prompt = list(range(2**63, 2**63 + 62_500))
+    rank = (1, 0)
+
+    def exact() -> None:
+        registry, now = fed.state.registry, fed.seq * S
+        fed.state.sync_registry()
+        assert fed.view.registry.hashes_of(rank) == registry.hashes_of(rank)
+        for query in (prompt, prompt[:7], mid):
+            assert fed.view.overlap_depths(query) == registry.overlap_depths(query)
+            assert fed.view.potential_loads(query, 16, now) == registry.potential_loads(
+                query, 16, now
+            )
+
+    mid = list(range(5, 5 + 5_000))
+    writes = fed.writes(
+        AddRequest(request_id="long", worker_id=1, block_hashes=prompt),
+        AddRequest(request_id="short", worker_id=1, block_hashes=prompt[:10_000]),
+        AddRequest(request_id="other", worker_id=2, block_hashes=prompt[:5]),
+    )
+    assert len(writes) == 2 + 16 + 3 + 1  # loads; long's head and 15 parts; short's; other's
+    assert max(len(value or b"") for _, value in writes) < 33_000
+    for key, value in writes:
+        fed.view.receive(key, value)
+    exact()
+    assert fed.view.overlap_depths(prompt) == {rank: 62_500, (2, 0): 5}
+    assert fed.view.rank_of("long") == rank
+    for events in (
+        [Free(request_id="long", worker_id=1)],
+        [AddRequest(request_id="mid", worker_id=1, block_hashes=mid)],  # the freed slot 0
+        [Free(request_id="mid", worker_id=1), AddRequest("back", 1, block_hashes=prompt)],
+    ):
+        before = fed.view.registry.hashes_of(rank)
+        writes = fed.writes(*events)
+        fed.state.sync_registry()
+        after = fed.state.registry.hashes_of(rank)
+        for key, value in writes:  # read one by one: the torn states in between
+            fed.view.receive(key, value, deleted=value is None)
+            assert before & after <= fed.view.registry.hashes_of(rank) <= before | after
+        exact()
+    assert fed.view.rank_of("back") == rank and fed.view.rank_of("mid") is None
+    fed.events(WorkerRemoved(worker_id=1))
+    assert fed.view.registry.hashes_of(rank) == set() and fed.view.rank_of("back") is None
+    assert [key for key, value in fed.image.take()] == []
