@@ -312,6 +312,7 @@ class _Connection(asyncio.Protocol):
                 piece, data = data[:limit], data[limit:]
             else:  # the common case: one request, or the rest of a body
                 piece, data = data, b""
+            in_body = self.phase == BODY  # a body's bytes are not a head's, even the last
             try:
                 parser.feed_data(piece)
             except httptools.HttpParserUpgrade:
@@ -321,7 +322,7 @@ class _Connection(asyncio.Protocol):
                 if not self.refused:
                     self._refuse(400, "malformed HTTP request")
                 return
-            if self.phase != BODY:
+            if not in_body and self.phase != BODY:
                 self.head_bytes += len(piece)
                 if self.head_bytes > MAX_HEAD:  # the URL is not (on_url): its headers are
                     self._refuse(431, HEADERS_TOO_LARGE)

@@ -182,6 +182,12 @@ async def test_each_part_of_a_request_is_bounded_where_it_arrives(
         assert 1_000_000 < len(body) < 2 * MiB
         at_limit = request("POST", "/add", raw=body + b" " * (2 * MiB - len(body)))
         assert (await exchange(port, [at_limit]))[0] == (201, {"status": "ok"})
+        # Calls pipelined behind a body far longer than a head may be are each read as a
+        # request of their own: a body's bytes never count against the head's bound.
+        long_body = json.dumps(add("pipelined", hashes[:50_000])[2]).encode()
+        free = ("POST", "/free", {"model_name": MODEL, "request_id": "pipelined"})
+        piped = [request("POST", "/add", raw=long_body), free, ("GET", "/health", None)]
+        assert [a.status for a in await exchange(port, piped)] == [201, 200, 200]
         head = (
             b"POST /add HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % (2 * MiB + 1)
