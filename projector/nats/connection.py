@@ -107,17 +107,28 @@ def describe_violation(
     return f"NATS refused {what} (permissions violation{who}){while_}"
 
 
-def describe_refusal(text: str, *, user: str | None = None, names: Iterable[str] = ()) -> str:
+def describe_refusal(
+    text: str, *, user: str | None = None, names: Iterable[str] = (), inbox: str = ""
+) -> str:
     """One line for a permissions violation that ended a command: what the user lacks the
-    permission to do (read a stream, write a bucket...), then the subject refused."""
+    permission to do (read a stream, write a bucket, take its replies...), then the subject
+    refused. ``inbox``: the client's inbox prefix, named as such when it is what is refused."""
     found = _VIOLATION.search(text.lower())
     if found is None:
         return describe_violation(text, user=user, names=names)
     op, subject = found.groups()
-    sent = _as_sent(subject, names)
     who = f"user {user!r}" if user else "this user"
+    if inbox and op != "publish" and subject.startswith(inbox.lower() + "."):
+        sent = inbox + subject[len(inbox) :]
+        needed = (
+            f"take its replies under the inbox prefix {inbox} (--nats-inbox-prefix: give one "
+            "this user may subscribe to)"
+        )
+    else:
+        sent = _as_sent(subject, names)
+        needed = _needed_for(op, sent)
     return (
-        f"{who} lacks the permission to {_needed_for(op, sent)}: NATS refused a {op} to "
+        f"{who} lacks the permission to {needed}: NATS refused a {op} to "
         f'"{sent}" (permissions violation)'
     )
 
@@ -625,7 +636,12 @@ async def connect(
             current.uncancel()  # the cancellation was ours: the refusal is what ends it
         names = _resource_names(config) if config is not None else ()
         raise PermissionRefused(
-            describe_refusal(callbacks.violation, user=settings.nats_user, names=names)
+            describe_refusal(
+                callbacks.violation,
+                user=settings.nats_user,
+                names=names,
+                inbox=str(auth["inbox_prefix"]),
+            )
         ) from None
     finally:
         callbacks.command = None  # a violation while draining is no longer the command's

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 from rich.console import RenderableType
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from projector.nats.connection import refused_or
 from projector.nats.lag import Lag, writer_lag
 from projector.nats.resources import ensure
 from projector.ops.workload import (
@@ -328,19 +330,22 @@ class Backlog:
 
     async def measure(self) -> None:
         """Until cancelled (or refused): measure from outside, when no writer is at hand."""
-        from projector.ops.status import writer_position
-
         if self._writer is not None:
             return
         js = self._nc.jetstream()
         while True:
-            try:
-                folded = await writer_position(self._nc, self._config)
-                self._measured = await writer_lag(js, self._config, folded, capture=True)
+            try:  # a refusal is this role's answer (the demo role reads no stream), not news
+                self._measured = await refused_or(self._nc, self._lag(js))
             except Exception as exc:  # its role may not read the streams: no backlog shown
                 log.debug("demo: the backlog is not measured: %r", exc)
                 return
             await asyncio.sleep(self._every_s)
+
+    async def _lag(self, js: JetStreamContext) -> Lag:
+        from projector.ops.status import writer_position
+
+        folded = await writer_position(self._nc, self._config)
+        return await writer_lag(js, self._config, folded, capture=True)
 
 
 async def run_demo(

@@ -7,6 +7,7 @@ description='None'`` (some after 10 s of polling), and RouterPublisher retried f
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -110,8 +111,10 @@ async def test_a_router_publisher_says_jetstream_is_off_without_retrying(nc: nat
     pub = RouterPublisher(nc, router_id="off", config=Config())
     with pytest.raises(PublishError) as raised:
         await pub.add("req-off", 1, block_hashes=[1])
-    message = str(raised.value)
-    assert message.startswith(f"AddRequest for request 'req-off': msg-id off:1 not stored: {SAID}")
+    message, msg_id = str(raised.value), raised.value.msg_id
+    assert re.fullmatch(r"off:1:[0-9a-f]{16}", msg_id), msg_id
+    said = f"AddRequest for request 'req-off': msg-id {msg_id} not stored: {SAID}"
+    assert message.startswith(said), message
     assert HOW in message and "attempt" not in message
 
 

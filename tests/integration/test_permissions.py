@@ -585,7 +585,6 @@ UNREADABLE: list[tuple[str, tuple[str, ...], tuple[str, str]]] = [
         ("status",),
         ("read stream SEQSTATE_DELTAS", "$JS.API.STREAM.MSG.GET.SEQSTATE_DELTAS"),
     ),
-    ("dynamo", ("loads", "--json"), BUCKET_READ),
 ]
 
 
@@ -599,6 +598,18 @@ async def test_a_role_that_may_not_read_is_told_it_lacks_the_permission_in_one_l
         rc, out, err = await as_cli(roles_server, role, *argv)
         assert (rc, out) == (1, ""), (role, argv, out, err)
         assert plain_lines(err) == _lacks(role, what, subject), (role, argv, err)
+    # Dynamo's own user may not even take replies under the inbox a seqstate client of that
+    # name uses (each role reads only its own): the line names the prefix and the way out.
+    rc, out, err = await as_cli(roles_server, "dynamo", "loads", "--json")
+    assert (rc, out) == (1, ""), err
+    [line] = plain_lines(err)
+    assert re.fullmatch(
+        r"seqstate: error: user 'dynamo' lacks the permission to take its replies under the "
+        r"inbox prefix _SEQSTATE_INBOX\.dynamo \(--nats-inbox-prefix: give one this user may "
+        r'subscribe to\): NATS refused a subscription to "_SEQSTATE_INBOX\.dynamo\.[a-z0-9]+\.\*" '
+        r"\(permissions violation\)",
+        line,
+    ), line
 
 
 # --- what each role may not do ----------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -70,12 +71,15 @@ async def test_a_full_events_stream_makes_publish_raise_at_once_and_keeps_every_
     assert time.monotonic() - started < 2.0, "it waited for an ack timeout"
     message = str(raised.value)
     assert "\n" not in message and raised.value.sequences is None
+    msg_id = raised.value.msg_id
+    assert re.fullmatch(r"full:6:[0-9a-f]{16}", msg_id), msg_id
     assert message == (
-        "Free for request 'sixth': msg-id full:6 not stored after 4 attempt(s) to "
+        f"Free for request 'sixth': msg-id {msg_id} not stored after 4 attempt(s) to "
         f"{config.event_subject(1)}: the stream is full: maximum messages exceeded (JetStream "
         "error 10077), 4 times"
     )
-    with pytest.raises(PublishError, match=r"'f5'.*full:7.*the stream is full") as raised:
+    full = r"'f5'.*full:7:[0-9a-f]{16}.*the stream is full"
+    with pytest.raises(PublishError, match=full) as raised:
         await pub.publish_many(frees(3, start=5))
     assert raised.value.sequences == [None, None, None]
     assert (pub.pending, pub.in_flight, pub.waiting) == (0, 0, 0)
