@@ -74,7 +74,7 @@ from projector.nats.tasks import cancel
 from projector.read.bucket import tracker_updates
 from projector.read.reader import RegistryView
 from projector.route.outcomes import Outcomes
-from projector.route.publisher import EventTooLarge, RouterPublisher
+from projector.route.publisher import EventTooLarge, PublishError, RouterPublisher
 from projector.run.standby import StandbyPipeline
 from projector.wire.config import Config
 from projector.wire.values import tracker_key
@@ -147,7 +147,12 @@ def _parse(path: str, body: bytes) -> Any:
     problem = error_for_accepted(path, body)
     if problem is not None:
         raise _BodyRejected(*problem)
+    if getattr(parsed, "request_id", None) == "":
+        raise _BodyRejected(422, EMPTY_ID)  # serde takes it; the log keeps no nameless request
     return parsed
+
+
+EMPTY_ID = "request_id: must not be empty (the ledger keeps no request without an id)"
 
 
 def _is_json(content_type: str) -> bool:
@@ -722,6 +727,8 @@ class SlotService:
             seq = await tracker.publisher.publish(event)
         except EventTooLarge as exc:
             return _now(*_too_large(exc))
+        except PublishError as exc:  # not stored (a full disk, JetStream off): say why
+            return _now(503, {"error": f"not stored: {exc}"})
         if isinstance(parsed, AddBody):
             tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
         return self._finish(tracker, path, parsed, seq, event)

@@ -170,6 +170,34 @@ async def test_an_event_the_server_refuses_is_answered_503_at_once(
         assert await post(service, "/add", **add) == (201, {"status": "ok"})
 
 
+async def test_a_refused_event_is_503_through_a_process_that_does_not_hold_the_lease(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """The other door of a call: a process that does not hold the tracker's lease publishes
+    with RouterPublisher, whose PublishError (a full stream, a full disk) is a 503 saying why,
+    never a 500 "internal error"."""
+    config = fresh_config("or2")
+    async with serving(nats_server.url, config) as holder:
+        register = {"worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+        assert (await post(holder, "/register", model_name=M, **register))[0] == 201
+        await _holding(holder)
+        async with serving(nats_server.url, config) as other:
+            js = nc.jetstream()
+            info = await js.stream_info(config.events_stream)
+            full = info.config
+            full.max_msgs = info.state.messages  # discard new: the next event is refused
+            await js.update_stream(full)
+            add = {"model_name": M, "request_id": "y", "worker_id": 1, "sequence_hashes": [1]}
+            status, body = await post(other, "/add", **add, dp_rank=0)
+            assert status == 503, body
+            assert body["error"].startswith("not stored: AddRequest for request 'y'"), body
+            assert "the stream is full" in body["error"], body
+            assert other.trackers[namespace_for(M, "default", config.namespace)].own is None
+            full.max_msgs = -1
+            await js.update_stream(full)
+            assert await post(other, "/add", **add, dp_rank=0) == (201, {"status": "ok"})
+
+
 async def test_a_server_restart_mid_run_leaves_the_answers_and_loads_a_replay_of_the_log(
     tmp_path: Path,
 ) -> None:

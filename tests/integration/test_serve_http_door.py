@@ -34,6 +34,7 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import cli, fresh_config
 
+from projector.http.slot_service import EMPTY_ID
 from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
 
@@ -355,6 +356,34 @@ async def test_a_name_too_long_for_nats_is_400_and_serve_http_stays_connected(
         ]
         status, _, why = await http_get(metrics, "/readyz")
         assert (status, why) == (200, "ready\n")
+
+
+async def test_an_empty_request_id_is_422_on_every_route_and_nothing_is_stored(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """serde takes "" as a request id; the log keeps no request without one. It was a 500
+    "internal error" and a traceback, through the lease holder and elsewhere alike."""
+    config = fresh_config("de")
+    empty = {"model_name": MODEL, "request_id": ""}
+    refused = (422, {"error": EMPTY_ID})
+    async with serve_http(nats_server.url, config) as port:
+        calls = [
+            register(),
+            add("", [1, 2]),
+            ("POST", "/prefill_complete", empty),
+            ("POST", "/free", empty),
+            add("named", [1, 2]),
+        ]
+        assert await exchange(port, calls) == [
+            (201, {"status": "ok"}),
+            refused,
+            refused,
+            refused,
+            (201, {"status": "ok"}),
+        ]
+        assert await exchange(port, calls[1:4]) == [refused] * 3  # the holder's own door too
+        loads = await exchange(port, [("GET", "/loads", None)])
+        assert rows(loads[0]) == [(MODEL, 1, 0, 0, 2)]
 
 
 def test_a_deployment_name_that_leaves_no_room_for_a_tracker_is_refused_in_one_line() -> None:
