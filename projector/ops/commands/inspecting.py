@@ -10,6 +10,7 @@ import msgspec
 from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
+from projector.ops.namespaces import require_namespace
 from projector.ops.progress_bar import progress_bar
 from projector.wire.config import Config
 
@@ -25,12 +26,14 @@ async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
         if worker_id < 0:
             raise CliError(f"inspect worker {args.id}: not a worker id (an integer >= 0)")
         async with connect(require_url(config), service=False, config=config) as nc:
+            await require_namespace(nc, config)
             report = await inspect_worker(nc, config, worker_id)
         print(msgspec.json.encode(report.as_dict()).decode() if args.json else report.text())
         return 0
     if args.window < 1:
         raise CliError(f"--window {args.window}: must be at least 1")
     async with connect(require_url(config), service=False, config=config) as nc:
+        await require_namespace(nc, config, log=True)
         with progress_bar(not args.no_progress, "searching the log") as progress:
             done = await inspect_request(
                 nc, config, args.id, since_seq=args.since_seq, window=args.window, progress=progress
