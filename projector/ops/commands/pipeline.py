@@ -271,8 +271,8 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         default=os.environ.get("SEQSTATE_PORT", DEFAULT_PORT),  # argparse converts a string
-        help=f"the embedded server's client port; a free one if it is taken, any free one "
-        f"if 0 (default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
+        help=f"the embedded server's client port, refused if taken; 0: any free one "
+        f"(default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
     )
     run.add_argument("--demo", action="store_true", help="also run the demo router + live view")
     add_demo_flags(run)
