@@ -493,6 +493,16 @@ async def connect(
         callbacks.slow.flush()
 
 
+async def close_at_once(nc: Client) -> None:
+    """Close a client of :func:`connect` without draining it (its exit then has nothing left to
+    do): for a process whose reads were called off, since a subscription one leaves behind (a
+    snapshot's chunks half read) holds a drain for nats-py's 30 s."""
+    callbacks = _WATCHED.get(nc)
+    if callbacks is not None:
+        callbacks.closing = True  # not a disconnection to report
+    await nc.close()
+
+
 @contextlib.asynccontextmanager
 async def nats_for(
     config: Config, store_dir: Path | None, port: int = -1

@@ -20,7 +20,7 @@ from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
-from pipeline_kit import fresh_config, name_flags
+from pipeline_kit import cli_env, fresh_config, name_flags, seqstate, spawned_run
 
 from projector.nats.lease import Holder
 from projector.nats.server import LOCK_FILE, NatsServer
@@ -34,24 +34,6 @@ from seqstate import decode_deltas
 from seqstate.dynamo import captured_subject
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(extra)
-    return env
-
-
-def seqstate(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "projector", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(**env),
-        cwd=REPO,
-    )
 
 
 async def aseqstate(*args: str, stdin: bytes = b"", **env: str) -> tuple[int, str, str]:
@@ -494,22 +476,7 @@ def test_run_demo_replays_a_mooncake_trace(tmp_path: Path) -> None:
 
 def started_run(store: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
     """``seqstate run`` in the background, once it says its pipeline runs; its log so far."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "projector", "run", "--store-dir", str(store), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cli_env(),
-        cwd=REPO,
-    )
-    assert proc.stderr is not None
-    lines: list[str] = []
-    for line in proc.stderr:  # the pipe ends if the run dies: the loop cannot hang on it
-        lines.append(line)
-        if "writer and projector running" in line:
-            return proc, lines
-    proc.wait()
-    raise AssertionError(f"seqstate run never started: {''.join(lines)}")
+    return spawned_run(store, *args)
 
 
 def stopped(proc: subprocess.Popen[str]) -> str:

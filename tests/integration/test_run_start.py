@@ -8,34 +8,31 @@ of tracebacks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import os
+import datetime as dt
+import json
+import re
+import shutil
+import signal
 import socket
-import subprocess
-import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from log_text import plain_lines
+import nats
+import pytest
+from log_text import plain, plain_lines
+from pipeline_kit import seqstate, spawned_run
 
-REPO = Path(__file__).resolve().parents[2]
+from projector.nats.resources import ensure
+from projector.nats.server import NatsServer
+from projector.route.publisher import RouterPublisher
+from projector.wire.config import Config
+from seqstate import AddRequest, Event, Free
+
 DEFAULT_PORT = 4222
-
-
-def env() -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("NATS_URL", "SEQSTATE_"))}
-    return {**clean, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{clean.get('PATH', '')}"}
-
-
-def seqstate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "projector", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env(),
-        cwd=REPO,
-    )
 
 
 @contextlib.contextmanager
@@ -90,3 +87,104 @@ def test_run_refuses_a_port_it_was_given_when_taken(tmp_path: Path) -> None:
     (line,) = plain_lines(refused.stderr)
     assert line.startswith(f"seqstate: error: port {port} on 127.0.0.1 is taken: "), line
     assert "Traceback" not in refused.stderr
+
+
+# --- a signal while run catches up ----------------------------------------------------------
+
+BACKLOG = 100_000  # events no writer has folded: seconds of start-up, past the 50,000 it warns at
+
+
+@pytest.fixture(scope="module")
+def backlog(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store whose log holds ``BACKLOG`` events of the default namespace and nothing else:
+    what a run finds after its routers went on publishing without it. Made once, copied."""
+    store = tmp_path_factory.mktemp("backlog") / "store"
+
+    async def publish() -> None:
+        async with NatsServer(store) as server:
+            nc = await nats.connect(server.url)
+            try:
+                await ensure(nc, Config())
+                router = RouterPublisher(nc, router_id="backlog")
+                batch: list[Event] = []
+                for i in range(BACKLOG):
+                    if i % 4 == 3:
+                        batch.append(Free(request_id=f"r{i - 2}", worker_id=(i - 2) % 16))
+                    else:
+                        hashes = list(range(i % 64, i % 64 + 32))
+                        add = AddRequest(f"r{i}", i % 16, block_hashes=hashes, prefill_tokens=500)
+                        batch.append(add)
+                    if len(batch) == 10_000:
+                        await router.publish_many(batch)
+                        batch = []
+            finally:
+                await nc.close()
+
+    asyncio.run(publish())
+    return store
+
+
+def interrupted(store: Path, sig: signal.Signals, *waits: str) -> tuple[int, float, list[str]]:
+    """``seqstate run`` on ``store``, sent ``sig`` once it has logged a line with each of
+    ``waits`` in turn (it is folding the backlog: its first lag report, say); its exit code,
+    the seconds from the signal to its exit, and the lines it logged from the signal on (those
+    after the last awaited, by their time stamps: piped, it logs JSON records)."""
+    proc, before = spawned_run(store, "--port", "0", until=waits)
+    assert proc.stderr is not None
+    signalled = time.time()
+    started = time.monotonic()
+    proc.send_signal(sig)
+    watchdog = threading.Timer(60, proc.kill)  # a run that never stops fails, not hangs
+    watchdog.start()
+    try:
+        rest = proc.stderr.read()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    took = time.monotonic() - started
+    everything = "".join(before) + rest
+    assert "Traceback" not in everything, everything
+    assert "writer and projector running" not in everything  # the signal came while starting
+    since = dt.datetime.fromtimestamp(int(signalled * 1000) / 1000, dt.UTC)
+    after = [
+        plain(line)
+        for line in rest.splitlines()
+        if dt.datetime.fromisoformat(json.loads(line)["ts"].replace("Z", "+00:00")) >= since
+    ]
+    return proc.returncode, took, after
+
+
+STOPPED = re.compile(
+    r"WARNING seqstate: stopped while starting, before the writer caught up \(event ([\d,]+) "
+    rf"of {BACKLOG:,}\); nothing is lost, the next run catches up"
+)
+
+
+def test_a_signal_while_run_catches_up_stops_it_within_2s_in_one_line(
+    backlog: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C while the writer folds the backlog (once it has saved a first snapshot), then
+    SIGTERM while the next run, started from that snapshot, folds the rest: each ends its run
+    within 2 s of the signal, exit 0 (a signal stops a run cleanly), saying where the writer
+    was in one line. Then a run catches up, and ``replay --verify`` finds the bucket equal to
+    a fold of the log."""
+    store = tmp_path / "store"
+    shutil.copytree(backlog, store)
+    first = interrupted(store, signal.SIGINT, "writer falling behind", "saved and verified")
+    second = interrupted(
+        store, signal.SIGTERM, "restored the write model from snapshot", "writer falling behind"
+    )
+    for rc, took, after in (first, second):
+        assert rc == 0, after
+        assert took < 2.0, (took, after)
+        said = STOPPED.fullmatch(after[0]) if len(after) == 1 else None
+        assert said is not None, after
+        assert 10_000 <= int(said.group(1).replace(",", "")) < BACKLOG
+    done = seqstate("run", "--store-dir", str(store), "--port", "0", "--duration", "0.1")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+
+    with NatsServer(store) as server:
+        verified = seqstate("replay", "--verify", timeout=120, NATS_URL=server.url)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert verified.stdout.splitlines()[-1] == "identical: 0 keys differ"
