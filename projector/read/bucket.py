@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
@@ -107,15 +108,18 @@ async def read_bucket(
 
 
 async def next_update(watcher: KeyValue.KeyWatcher, timeout: float | None) -> Any:
-    """The watch's next update (None: nats-py's end-of-current-values marker); TimeoutError
-    after ``timeout`` seconds (None: never).
+    """The watch's next update (None: nats-py's end-of-current-values marker); nats-py's
+    TimeoutError after ``timeout`` seconds (None: never), as ``updates()`` raises it.
 
     Not ``watcher.updates()``: its ``wait_for`` (Python 3.11's) drops a cancellation that lands
     while an update is ready, and a watch over many keys always has one ready, so a projector
     stopped while it read its bucket back read on to the end of it.
     """
-    async with asyncio.timeout(timeout):
-        return await anext(watcher)
+    try:
+        async with asyncio.timeout(timeout):
+            return await anext(watcher)
+    except TimeoutError:
+        raise nats.errors.TimeoutError from None
 
 
 def _take(view: BucketView, namespace: str, key: str, value: bytes) -> None:
