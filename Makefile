@@ -60,6 +60,8 @@ test-dynamo: $(NATIVE)
 	bash tests/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
 	DYNAMO_VENV="$(DYNAMO_VENV)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m dynamo tests/dynamo
 
+# The demo, its server on nats://127.0.0.1:4222; refused if that port is taken (Dynamo's NATS
+# listens there too): SEQSTATE_PORT=0 make run takes any free one, and the log names it.
 run: $(NATIVE)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo
 

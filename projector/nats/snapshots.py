@@ -35,6 +35,7 @@ from nats.js.errors import (
 from nats.js.object_store import ObjectStore
 
 from projector.nats.failures import explain
+from projector.nats.tasks import off_loop
 from projector.wire.config import Config
 from seqstate import SCHEMA_VERSION, SeqstateError, SequenceState, SnapshotError
 from seqstate.snapshot import SNAPSHOT_VERSION
@@ -212,7 +213,8 @@ class SnapshotStore:
         if info.meta.digest and digest_of(data) != info.meta.digest:
             raise SnapshotError(f"snapshot {info.name}: its bytes differ from its digest")
         try:
-            state = SequenceState.restore(data)
+            # Seconds for a large model: off the loop, so that a signal is heard meanwhile.
+            state = await off_loop(lambda: SequenceState.restore(data), "seqstate-restore")
         except SnapshotError as exc:
             raise SnapshotError(f"snapshot {info.name}: {exc}") from None
         if info.meta.size != len(data):

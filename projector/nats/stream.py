@@ -283,6 +283,12 @@ class OrderedConsumer:
         ]
 
     @property
+    def target(self) -> int:
+        """The subjects' last sequence when :meth:`start` looked it up: ``caught_up`` is set
+        once the processor has passed it (0 before the start)."""
+        return self._target
+
+    @property
     def held(self) -> int:
         """Messages received and not yet handled (at most ``window``)."""
         return self._held

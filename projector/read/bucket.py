@@ -11,11 +11,14 @@ waits for the value the server marked as the last pending one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
@@ -152,13 +155,28 @@ async def read_bucket(
     watcher = await kv.watch(keys)
     try:
         while True:
-            entry = await watcher.updates(timeout=timeout)
+            entry = await next_update(watcher, timeout)
             if entry is not None and entry.operation not in (KV_DEL, KV_PURGE) and entry.value:
                 view.put(config.namespace, entry.key, entry.value)
             if await current.done_after(entry):
                 return view
     finally:
         await watcher.stop()
+
+
+async def next_update(watcher: KeyValue.KeyWatcher, timeout: float | None) -> Any:
+    """The watch's next update (None: nats-py's end-of-current-values marker); nats-py's
+    TimeoutError after ``timeout`` seconds (None: never), as ``updates()`` raises it.
+
+    Not ``watcher.updates()``: its ``wait_for`` (Python 3.11's) drops a cancellation that lands
+    while an update is ready, and a watch over many keys always has one ready, so a projector
+    stopped while it read its bucket back read on to the end of it.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            return await anext(watcher)
+    except TimeoutError:
+        raise nats.errors.TimeoutError from None
 
 
 async def tracker_updates(
@@ -174,7 +192,7 @@ async def tracker_updates(
     told = False
     try:
         while True:
-            entry = await watcher.updates(timeout=timeout)
+            entry = await next_update(watcher, timeout)
             if entry is not None and entry.value and entry.operation not in (KV_DEL, KV_PURGE):
                 # A damaged value is skipped: verify names it, rebuild repairs it.
                 try:

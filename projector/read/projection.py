@@ -67,7 +67,7 @@ from projector.nats.stream import (
     Refused,
     log_time_ns,
 )
-from projector.nats.tasks import cancel
+from projector.nats.tasks import cancel, until_set
 from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write
 from projector.wire.chain import chain_problem
@@ -272,12 +272,17 @@ class Projector(LagWatched):
         self._stopping.set()
 
     async def _project(self) -> None:
-        await self.resume()
+        await until_set(self._stopping, self.resume())
+        if self._stopping.is_set():  # stopped (or failed) while reading the bucket back
+            if self._failure is not None:
+                raise self._failure
+            return
         await self._consumer.start(after=self.delta_seq)
         flusher = asyncio.create_task(self._flush_loop())
         watcher = asyncio.create_task(self.lag_watch.run(), name="seqstate-projector-lag")
         try:
             await self._stopping.wait()
+            await cancel(watcher)  # a stop is no news of a lag
             await self._consumer.stop()
             if self._failure is None:  # a failed projector (its lease lost) writes no more
                 await self.flush()
@@ -514,7 +519,12 @@ class Projector(LagWatched):
         ]
         # publish_async has no deadline of its own: an ack lost to a disconnect would hang here.
         if futures:
-            await asyncio.wait_for(asyncio.gather(*futures), ACK_TIMEOUT_S)
+            acks = asyncio.gather(*futures)
+            try:
+                await asyncio.wait_for(acks, ACK_TIMEOUT_S)
+            finally:  # a flush cut short (a stop) leaves it holding a CancelledError: taken
+                if acks.done() and not acks.cancelled():
+                    acks.exception()
         self._check_lease()  # the acks can take long: still ours before the position moves?
         await asyncio.wait_for(await self._put(*position), ACK_TIMEOUT_S)
         deleted = sum(value is None for _, value in writes)

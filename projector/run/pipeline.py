@@ -49,6 +49,10 @@ PERMANENT: tuple[type[BaseException], ...] = (
     BucketUnfit,
 )
 STABLE_S = 60.0  # a pipeline that ran this long before failing starts the backoff afresh
+# How long a start-up that is called off gives the consumers to stop by themselves before they
+# are cancelled: a signal while ``run`` catches up must end the process within 2 s, the
+# embedded server's stop and the client's close included.
+ABORT_S = 0.8
 
 
 async def supervise(
@@ -95,6 +99,17 @@ async def supervise(
             delay = min(delay * 2, max_backoff_s)
 
 
+async def _called_off(future: asyncio.Future[Any]) -> None:
+    future.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await future  # else asyncio logs its cancellation as a traceback
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class Pipeline:
     def __init__(
         self,
@@ -118,13 +133,16 @@ class Pipeline:
         ]
         ready = asyncio.gather(self.writer.caught_up.wait(), self.projector.caught_up.wait())
         waits: list[asyncio.Future[Any]] = [ready, *self._tasks]
-        done, _ = await asyncio.wait(
-            waits, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        try:
+            done, _ = await asyncio.wait(
+                waits, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        except asyncio.CancelledError:  # called off (a signal): stop at once
+            await _called_off(ready)
+            await self.abort()
+            raise
         if ready not in done:
-            ready.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ready  # else asyncio logs its cancellation as a traceback
+            await _called_off(ready)
             await self.stop()
             for task in self._tasks:  # one that failed at start says why (a setting, ...)
                 if task.done() and not task.cancelled() and task.exception() is not None:
@@ -162,6 +180,23 @@ class Pipeline:
                     await task
             except Exception:  # already ended with an error; wait() reports it
                 pass
+
+    async def abort(self, within_s: float = ABORT_S) -> None:
+        """Stop both at once, as a start-up called off must: the writer stores what it has
+        folded but takes no final snapshot, and whatever has not ended after ``within_s``
+        (a snapshot being read, the bucket being read back) is cancelled. As safe as a kill:
+        each consumer resumes from what it stored, the writer from its newest snapshot."""
+        self.writer.stop(final_snapshot=False)
+        self.projector.stop()
+        running = [task for task in self._tasks if not task.done()]
+        if running:
+            _, late = await asyncio.wait(running, timeout=within_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=within_s / 2)
+        for task in self._tasks:  # retrieved: a consumer called off has nothing to report
+            task.add_done_callback(_retrieved)
 
     async def wait_applied(self, seq: int) -> None:
         """Until the bucket's position reflects event sequence ``seq``."""

@@ -103,6 +103,7 @@ class Snapshotter:
         self._taken_at = 0.0  # loop time of the last snapshot taken
         self._encode_s = 0.0  # how long encoding it took
         self._taken_bytes = 0  # its size (or the one restored from)
+        self.quiet = False  # saves say nothing (at debug): the writer is stopping
 
     @property
     def skipped(self) -> list[tuple[str, str]]:
@@ -204,6 +205,11 @@ class Snapshotter:
                 )
                 await cancel(self._task)
 
+    async def settle(self, timeout: float) -> None:
+        """Let a save under way finish, for ``timeout`` seconds at most; take none."""
+        if self._task is not None:
+            await asyncio.wait([self._task], timeout=timeout)
+
     async def close(self) -> None:
         await cancel(self._task)
 
@@ -226,7 +232,12 @@ class Snapshotter:
         self.stats.last_snapshot_bytes = len(data)
         self.stats.last_snapshot_stored_s = time.time()
         await self.store.prune(self.settings.keep)
-        log.info("snapshot %s saved and verified (%d bytes)", info.name, len(data))
+        log.log(
+            logging.DEBUG if self.quiet else logging.INFO,
+            "snapshot %s saved and verified (%d bytes)",
+            info.name,
+            len(data),
+        )
         await self._trim()
 
     async def _trim(self) -> None:

@@ -57,7 +57,7 @@ from projector.nats.stream import (
     Refused,
     log_time_ns,
 )
-from projector.nats.tasks import cancel
+from projector.nats.tasks import cancel, until_set
 from projector.wire import msg_ids
 from projector.wire.headers import MSG_ID, STREAM_SOURCE
 from projector.wire.sizes import EVENT_ROOM
@@ -78,6 +78,7 @@ from seqstate.errors import SeqstateError
 from seqstate.fold import Verdict, event_of
 
 log = logging.getLogger("seqstate.writer")
+SETTLE_S = 0.5  # what a prompt stop gives a snapshot save under way to finish
 
 # (stream sequence, the fold's verdict); (0, None): never folded by this writer
 FoldListener = Callable[[int, Verdict | None], None]
@@ -168,6 +169,7 @@ class Writer(LagWatched):
         self._tick_tag = ""  # read at the first Tick
         self._last_event_at = 0.0
         self._stopping = asyncio.Event()
+        self._final_snapshot = True
         self._failure: BaseException | None = None
         self.applied = Progress()  # the sequence of the last event folded
         self._events = OrderedConsumer(
@@ -241,20 +243,36 @@ class Writer(LagWatched):
         self.stats.last_delta_seq = self._published_up_to
         await self.snapshotter.open(on_failure=self._fail)
         if self._restore_first:
-            await self._restore()
+            await until_set(self._stopping, self._restore())
+        if self._stopping.is_set():  # stopped while starting: nothing folded, nothing owed
+            self._release_awaited()
+            if self._failure is not None:
+                raise self._failure
+            return
         await self.snapshotter.check_coverage(self.applied.value)
         # The stream may carry other namespaces: caught up means up to this namespace's newest
         # event, and a restored state starts the consumer after its last one.
         await self._events.start(after=self.applied.value)
+        if not (self.caught_up.is_set() or self._stopping.is_set()):
+            log.info(
+                "writer catching up: folding the log from event %d to event %d",
+                self.applied.value + 1,
+                self.catching_up_to,
+                extra={"namespace": self.settings.namespace, "stream_seq": self.applied.value},
+            )
         self.deltas.start(self._fail)
         ticker = asyncio.create_task(self._tick_when_idle())
         watcher = asyncio.create_task(self.lag_watch.run(), name="seqstate-writer-lag")
         try:
             await self._stopping.wait()
+            await cancel(watcher)  # a stop is no news of a lag
             await self._events.stop()
             if self._failure is None:
                 await self.flush()
-                await self.snapshotter.final(self.state, self.stats.last_seq)
+                if self._final_snapshot:
+                    await self.snapshotter.final(self.state, self.stats.last_seq)
+                else:  # a save under way is let finish (briefly), not cut into orphan chunks
+                    await self.snapshotter.settle(SETTLE_S)
         finally:
             self._release_awaited()
             await cancel(watcher)
@@ -452,6 +470,17 @@ class Writer(LagWatched):
         """Return once the event at stream sequence ``seq`` has been folded."""
         await self.applied.wait(seq, timeout)
 
-    def stop(self) -> None:
+    @property
+    def catching_up_to(self) -> int:
+        """The namespace's newest event when the writer started reading the log: ``caught_up``
+        is set once it has folded that far (0 before it started reading)."""
+        return self._events.target
+
+    def stop(self, *, final_snapshot: bool = True) -> None:
+        """Fold no further event; store what is folded, then (``final_snapshot``) a snapshot
+        of it, which a stop that must be prompt skips: a restart folds a longer tail."""
+        self._final_snapshot = self._final_snapshot and final_snapshot
+        if not final_snapshot:
+            self.snapshotter.quiet = True  # the stop's own line is the news
         self._stopping.set()
         self._events.halt()

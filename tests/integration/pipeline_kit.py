@@ -59,6 +59,53 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
 
 
+def cli_env(**extra: str) -> dict[str, str]:
+    """This process's environment without a NATS_URL or a SEQSTATE_* setting, the venv's
+    ``bin`` (nats-server) first on the PATH, and ``extra``: what a user's shell gives."""
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def seqstate(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    """``seqstate ARGS`` as a user types it, with ``env`` beside :func:`cli_env`."""
+    return subprocess.run(
+        [sys.executable, "-m", "projector", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(**env),
+        cwd=REPO,
+    )
+
+
+def spawned_run(
+    store: Path, *args: str, until: tuple[str, ...] = ("writer and projector running",)
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """``seqstate run`` on ``store`` in the background, once it has logged a line with each of
+    ``until`` in turn; its log so far."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "projector", "run", "--store-dir", str(store), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        cwd=REPO,
+    )
+    assert proc.stderr is not None
+    lines: list[str] = []
+    awaited = list(until)
+    for line in proc.stderr:  # the pipe ends if the run dies: the loop cannot hang on it
+        lines.append(line)
+        if awaited[0] in line:
+            awaited.pop(0)
+            if not awaited:
+                return proc, lines
+    proc.wait()
+    raise AssertionError(f"seqstate run never logged {awaited[0]!r}: {''.join(lines)}")
+
+
 def cli(config: Config, url: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``seqstate ARGS`` against ``config`` on the server at ``url``, as an operator runs it:
     its defaults (progress bars included), no setting from this process's environment."""

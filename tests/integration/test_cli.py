@@ -20,7 +20,7 @@ from eventually import eventually
 from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
-from pipeline_kit import fresh_config, name_flags
+from pipeline_kit import cli_env, fresh_config, name_flags, seqstate, spawned_run
 
 from projector.nats.lease import Holder
 from projector.nats.server import LOCK_FILE, NatsServer
@@ -34,24 +34,6 @@ from seqstate import decode_deltas
 from seqstate.dynamo import captured_subject
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "NATS_URL" and not k.startswith("SEQSTATE_")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update(extra)
-    return env
-
-
-def seqstate(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "projector", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=cli_env(**env),
-        cwd=REPO,
-    )
 
 
 async def aseqstate(*args: str, stdin: bytes = b"", **env: str) -> tuple[int, str, str]:
@@ -91,6 +73,8 @@ def test_run_demo_for_ten_seconds_fills_the_bucket(tmp_path: Path) -> None:
         "4",
         "--store-dir",
         str(store),
+        "--port",
+        "0",
         "--log-level",
         "warning",
         timeout=120,
@@ -478,6 +462,8 @@ def test_run_demo_replays_a_mooncake_trace(tmp_path: Path) -> None:
         "2",
         "--store-dir",
         str(tmp_path / "store"),
+        "--port",
+        "0",
         "--duration",
         "30",
         "--log-level",
@@ -491,22 +477,7 @@ def test_run_demo_replays_a_mooncake_trace(tmp_path: Path) -> None:
 
 def started_run(store: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
     """``seqstate run`` in the background, once it says its pipeline runs; its log so far."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "projector", "run", "--store-dir", str(store), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=cli_env(),
-        cwd=REPO,
-    )
-    assert proc.stderr is not None
-    lines: list[str] = []
-    for line in proc.stderr:  # the pipe ends if the run dies: the loop cannot hang on it
-        lines.append(line)
-        if "writer and projector running" in line:
-            return proc, lines
-    proc.wait()
-    raise AssertionError(f"seqstate run never started: {''.join(lines)}")
+    return spawned_run(store, *args)
 
 
 def stopped(proc: subprocess.Popen[str]) -> str:
@@ -518,7 +489,7 @@ def stopped(proc: subprocess.Popen[str]) -> str:
 
 def test_a_second_run_on_the_same_store_refuses_in_one_line(tmp_path: Path) -> None:
     store = tmp_path / "store"
-    first, _ = started_run(store)
+    first, _ = started_run(store, "--port", "0")
     try:
         second = seqstate("run", "--store-dir", str(store), "--duration", "5")
         line = one_line_error(second)
@@ -526,7 +497,7 @@ def test_a_second_run_on_the_same_store_refuses_in_one_line(tmp_path: Path) -> N
     finally:
         stopped(first)
     # Released with the first run: the store starts again, and its snapshot is still there.
-    again = seqstate("run", "--store-dir", str(store), "--duration", "0.5")
+    again = seqstate("run", "--store-dir", str(store), "--port", "0", "--duration", "0.5")
     assert again.returncode == 0, again.stderr
 
 
@@ -560,7 +531,7 @@ async def test_a_killed_run_takes_its_server_with_it_and_the_next_run_starts(
     # Before the fix the server outlived a SIGKILLed run, holding the store: every later run
     # refused it ("in use by another nats-server") until someone found and killed the server.
     store = tmp_path / "store"
-    first, _ = started_run(store)
+    first, _ = started_run(store, "--port", "0")
     pid = server_pid(store)
     first.kill()
     first.wait()
@@ -570,7 +541,9 @@ async def test_a_killed_run_takes_its_server_with_it_and_the_next_run_starts(
     finally:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
-    again = await asyncio.to_thread(seqstate, "run", "--store-dir", str(store), "--duration", "0.5")
+    again = await asyncio.to_thread(
+        seqstate, "run", "--store-dir", str(store), "--port", "0", "--duration", "0.5"
+    )
     assert again.returncode == 0, again.stderr
 
 
@@ -601,7 +574,16 @@ async def test_a_run_stops_a_server_left_over_from_a_killed_run(tmp_path: Path) 
     try:
         assert running(pid) and store_locked(store)  # the orphan holds the store
         again = await asyncio.to_thread(
-            seqstate, "run", "--store-dir", str(store), "--duration", "0.5", "--log-level", "info"
+            seqstate,
+            "run",
+            "--store-dir",
+            str(store),
+            "--port",
+            "0",
+            "--duration",
+            "0.5",
+            "--log-level",
+            "info",
         )
         assert again.returncode == 0, again.stderr
         said = plain_lines(again.stderr)
@@ -642,7 +624,7 @@ def test_a_second_run_on_a_served_namespace_refuses_in_one_line(tmp_path: Path) 
         stopped(first)
 
 
-def test_run_listens_on_the_same_port_each_time_and_says_when_it_cannot(tmp_path: Path) -> None:
+def test_run_listens_on_the_same_port_each_time(tmp_path: Path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -655,13 +637,6 @@ def test_run_listens_on_the_same_port_each_time_and_says_when_it_cannot(tmp_path
         said = [line for line in lines if "embedded nats-server at" in line]
         assert len(said) == 1 and f"at {url} (export NATS_URL={url})" in said[0]
         assert str(store) in said[0]  # one record, one line: nothing wrapped off a terminal
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", port))
-        squatter.listen()
-        proc, lines = started_run(store, "--port", str(port))
-        stopped(proc)
-    taken = [line for line in lines if f"port {port} is taken" in line]
-    assert len(taken) == 1 and "the embedded nats-server listens on nats://127.0.0.1:" in taken[0]
 
 
 def test_run_restarts_a_failed_pipeline_in_process_and_says_so(tmp_path: Path) -> None:

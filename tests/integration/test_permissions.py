@@ -406,6 +406,32 @@ async def test_every_documented_command_runs_as_its_role(
             assert "ranks 0-1 in the registry" in out, out
 
 
+async def test_an_unknown_namespace_is_told_with_a_readers_own_rights_never_for_a_refusal(
+    roles_server: str, pipeline: tuple[Writer, Projector]
+) -> None:
+    """The scheduler may read only the bucket: that is where ``loads`` looks a namespace up,
+    and a mistyped one is named with those the bucket knows. The replay role looks in the
+    events stream too. A role that may not read the bucket at all (a router) is told that it
+    lacks the permission, never that the namespace is unknown."""
+    prefix = "seqstate: error: unknown namespace 'dynn': nothing of it in "
+    rc, out, err = await as_cli(roles_server, "scheduler", "loads", "--namespace", "dynn")
+    (line,) = plain_lines(err)
+    assert (rc, out) == (1, "") and line.startswith(prefix + "bucket seqstate-registry; "), err
+    assert "default" in line.split("known namespaces: ", 1)[1].split(", "), line
+    rc, out, err = await as_cli(roles_server, "replay", "status", "--namespace", "dynn")
+    (line,) = plain_lines(err)
+    assert (rc, out) == (1, "") and line.startswith(
+        prefix + "stream SEQSTATE_EVENTS or bucket seqstate-registry; known namespaces: "
+    ), err
+    rc, out, err = await as_cli(roles_server, "router", "loads")
+    assert (rc, out) == (1, ""), err
+    assert plain_lines(err) == [
+        'seqstate: error: NATS refused a publish to "$JS.API.STREAM.INFO.KV_seqstate-registry" '
+        "(permissions violation for user 'router') while looking namespace 'default' up in "
+        "bucket seqstate-registry"
+    ]
+
+
 # The README's "admin" row: the commands that do several roles' work. Not in DOCUMENTED: a
 # run and a rebuild each take the namespace's lease, which the pipeline fixture's projector
 # holds, and a snapshot save beside a running writer could save under the same name.

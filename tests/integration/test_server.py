@@ -10,7 +10,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from projector.nats.server import NatsServer, NatsServerError, find_binary
+from projector.nats.server import NatsServer, NatsServerError, PortTaken, find_binary
 
 
 async def test_fixture_server_serves_jetstream(nc: Client) -> None:
@@ -60,9 +60,14 @@ def test_an_unusable_store_directory_is_reported(tmp_path: Path) -> None:
 
 
 def test_a_server_that_exits_early_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(NatsServerError, match="exited with"):
+        NatsServer(tmp_path, extra_args=("--no-such-flag",), ready_timeout=5).start()
+
+
+def test_a_port_taken_is_named(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(NatsServerError, match="exited with"):
+        with pytest.raises(PortTaken, match=f"^port {port} on 127.0.0.1 is taken$"):
             NatsServer(tmp_path, port=port, ready_timeout=5).start()

@@ -7,6 +7,7 @@ import argparse
 from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
+from projector.ops.namespaces import require_namespace
 from projector.wire.config import Config
 
 
@@ -16,6 +17,7 @@ async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
+        await require_namespace(nc, config, log=True)
         try:
             done = await resync(nc, config)
         except ResyncError as exc:

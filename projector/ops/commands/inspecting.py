@@ -10,6 +10,7 @@ import msgspec
 from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
+from projector.ops.namespaces import require_namespace
 from projector.ops.progress_bar import progress_bar
 from projector.wire.config import Config
 
@@ -27,6 +28,7 @@ async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
         async with connect(
             require_url(config), service=False, config=config, fail_on_refusal=True
         ) as nc:
+            await require_namespace(nc, config)
             report = await inspect_worker(nc, config, worker_id)
         print(msgspec.json.encode(report.as_dict()).decode() if args.json else report.text())
         return 0
@@ -35,6 +37,7 @@ async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
+        await require_namespace(nc, config, log=True)
         with progress_bar(not args.no_progress, "searching the log") as progress:
             done = await inspect_request(
                 nc, config, args.id, since_seq=args.since_seq, window=args.window, progress=progress

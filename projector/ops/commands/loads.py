@@ -16,6 +16,7 @@ from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import Command
 from projector.ops.commands.signals import catch_signals, until_signal
+from projector.ops.namespaces import known
 from projector.wire.config import Config
 
 
@@ -25,6 +26,7 @@ async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
 
     async with (
         connect(require_url(config), service=False, config=config, fail_on_refusal=True) as nc,
+        known(nc, config),
         RegistryView(nc, config=config) as view,
     ):
         rows = view.loads()
@@ -45,6 +47,7 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
     catch_signals()
     async with (
         connect(require_url(config), service=True, config=config, fail_on_refusal=True) as nc,
+        known(nc, config),
         RegistryView(nc, config=config) as view,
     ):
         if args.json or not sys.stdout.isatty():

@@ -15,15 +15,18 @@ import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.client import Client
 
-from projector.nats.connection import connect, nats_for, require_url
+from projector.nats.connection import close_at_once, connect, nats_for, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
 from projector.wire.config import Config
+
+if TYPE_CHECKING:
+    from projector.run.pipeline import Pipeline
 
 log = logging.getLogger("seqstate")
 
@@ -51,9 +54,13 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
 
         await refuse_a_second_run(nc, config)
         started = asyncio.Event()
-        supervisor = asyncio.ensure_future(
-            supervise(nc, config, started=started, on_pipeline=on_pipeline)
-        )
+        newest: list[Pipeline] = []
+
+        def told(pipeline: Pipeline | None) -> None:
+            newest[:] = newest if pipeline is None else [pipeline]
+            on_pipeline(pipeline)
+
+        supervisor = asyncio.ensure_future(supervise(nc, config, started=started, on_pipeline=told))
         ready, stopped = asyncio.ensure_future(started.wait()), asyncio.ensure_future(stop.wait())
         try:
             await asyncio.wait([supervisor, ready, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -62,7 +69,15 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             stopped.cancel()
         if supervisor.done():
             supervisor.result()  # its error: it could not start
-        elif started.is_set():  # (not a signal while it was starting)
+        elif not started.is_set():  # a signal while it was starting: stop at once
+            supervisor.cancel()
+            await asyncio.wait([supervisor])
+            if not supervisor.cancelled():
+                supervisor.result()  # it failed meanwhile: that is the news
+            log.warning("stopped while starting%s", _how_far(newest))
+            await close_at_once(nc)  # a drain would wait for the reads called off
+            return 0
+        else:
             log.info(
                 "writer and projector running for namespace %r at %s%s",
                 config.namespace,
@@ -86,6 +101,17 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             supervisor.cancel()
             await asyncio.wait([supervisor])
     return 0
+
+
+def _how_far(pipelines: list[Pipeline]) -> str:
+    """Where the writer was in the log when its start was called off (for one line)."""
+    if not pipelines or not (target := pipelines[0].writer.catching_up_to):
+        return "; nothing is lost"
+    folded = pipelines[0].writer.applied.value
+    return (
+        f", before the writer caught up (event {folded:,} of {target:,}); nothing is lost, "
+        "the next run catches up"
+    )
 
 
 async def refuse_a_second_run(nc: Client, config: Config) -> None:
@@ -277,8 +303,8 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         default=os.environ.get("SEQSTATE_PORT", DEFAULT_PORT),  # argparse converts a string
-        help=f"the embedded server's client port; a free one if it is taken, any free one "
-        f"if 0 (default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
+        help=f"the embedded server's client port, refused if taken; 0: any free one "
+        f"(default: {DEFAULT_PORT}) [env SEQSTATE_PORT]",
     )
     run.add_argument("--demo", action="store_true", help="also run the demo router + live view")
     add_demo_flags(run)

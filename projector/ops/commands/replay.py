@@ -15,6 +15,7 @@ import msgspec
 from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
+from projector.ops.namespaces import require_namespace
 from projector.ops.progress_bar import progress_bar
 from projector.ops.replay import iso
 from projector.wire.config import Config
@@ -37,6 +38,7 @@ async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
+        await require_namespace(nc, config, log=True)
         with progress_bar(not args.no_progress, "replay") as progress:
             if args.verify:
                 if args.from_seq is not None or args.to_seq is not None or args.at:
@@ -83,6 +85,7 @@ async def cmd_rebuild(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
+        await require_namespace(nc, config, log=True)  # before provisioning adds it
         await ensure(nc, config)
         with progress_bar(not args.no_progress, "rebuild") as progress:
             done = await rebuild(nc, config, progress=progress)
@@ -102,6 +105,7 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
+        await require_namespace(nc, config, log=True)
         store = await SnapshotStore(nc, config).open()
         if args.action == "list":
             infos = await store.list()

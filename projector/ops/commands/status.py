@@ -9,6 +9,7 @@ import msgspec
 from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import Command
+from projector.ops.namespaces import require_namespace
 from projector.wire.config import Config
 
 
@@ -18,6 +19,7 @@ async def cmd_status(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
+        await require_namespace(nc, config, log=True)
         report = await collect(nc, config)
     print(msgspec.json.encode(report).decode() if args.json else format_status(report))
     return 0

@@ -13,6 +13,7 @@ from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
+from projector.ops.namespaces import require_namespace
 from projector.wire.config import Config
 
 
@@ -26,6 +27,7 @@ async def cmd_top(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=not args.once, config=config, fail_on_refusal=True
     ) as nc:
+        await require_namespace(nc, config)
         view = CountingView(nc, config=config)
         async with view:
             view.reset_counts()  # what the start delivered is the state, not traffic

@@ -10,6 +10,7 @@ import msgspec
 from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
+from projector.ops.namespaces import require_namespace
 from projector.wire.config import Config
 
 
@@ -27,6 +28,7 @@ async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
     ) as nc:
         control = WorkerControl(nc, config=config, wait_s=args.wait)
         if args.action == "list":
+            await require_namespace(nc, config)
             workers = await control.workers()
             if args.json:
                 for worker in workers:
