@@ -558,13 +558,16 @@ async def refused_or(
     user: str | None = None,
     doing: str = "",
     names: Iterable[str] = (),
+    lacks: bool = False,
 ) -> T:
     """``work``'s result, or :class:`PermissionRefused` as soon as the server reports a
     permissions violation on ``nc`` while it runs (``work`` is then cancelled).
 
     Without this, a refused request is only a timeout. ``user``, ``doing`` and ``names`` (the
-    stream and bucket names it may name) make the message; a client that :func:`connect` did
-    not make is not watched, and ``work`` simply runs.
+    stream and bucket names it may name) make the message; ``lacks``: in a command's words,
+    what the user lacks the permission to do (:func:`describe_refusal`), as a command's client
+    says it. A client that :func:`connect` did not make is not watched, and ``work`` simply
+    runs.
     """
     callbacks = _WATCHED.get(nc)
     task = asyncio.ensure_future(work)
@@ -577,6 +580,8 @@ async def refused_or(
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             return task.result()
+        if lacks:
+            raise PermissionRefused(describe_refusal(violation.result(), user=user, names=names))
         raise PermissionRefused(
             describe_violation(violation.result(), user=user, doing=doing, names=names)
         )

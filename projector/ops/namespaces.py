@@ -42,14 +42,12 @@ class UnknownNamespace(SeqstateError, LookupError):
 async def require_namespace(nc: Client, config: Config, *, log: bool = False) -> None:
     """Raise :class:`UnknownNamespace` unless ``config.namespace`` is known here: by the
     bucket, and with ``log`` (a command that reads the events stream) by that stream too."""
-    where = f"stream {config.events_stream} or " if log else ""
     await refused_or(
         nc,
         _require(nc, config, log),
         user=config.nats_user,
-        doing=f"looking namespace {config.namespace!r} up in {where}"
-        f"bucket {config.registry_bucket}",
         names=[config.events_stream, bucket_stream(config)],
+        lacks=True,  # in the words of the command's own refusals
     )
 
 

@@ -152,8 +152,10 @@ async def test_one_msg_id_twice_is_applied_once(nc: Client) -> None:
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-d", config=config)
         seq = await pub.add("once", 3, block_hashes=[1, 2], prefill_tokens=10)
         stored = await js.get_msg(config.events_stream, seq)
+        msg_id = (stored.headers or {})["Nats-Msg-Id"]  # r-d:1:<the publisher's tag>
+        assert msg_id.startswith("r-d:1:"), msg_id
         again = await js.publish(
-            stored.subject or "", stored.data or b"", headers={"Nats-Msg-Id": "r-d:1"}
+            stored.subject or "", stored.data or b"", headers={"Nats-Msg-Id": msg_id}
         )
         assert again.duplicate and again.seq == seq
         last = await pub.add("next", 3, block_hashes=[1, 2, 3])
