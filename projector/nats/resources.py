@@ -41,6 +41,7 @@ from nats.js.kv import KeyValue
 
 from projector.nats.connection import refused_or
 from projector.nats.failures import STORAGE_EXCEEDED, JetStreamOff, describe, jetstream_off
+from projector.nats.retry import placing
 from projector.wire import msg_ids
 from projector.wire.capture import (
     CAPTURE_MAX_AGE_S,
@@ -106,6 +107,8 @@ async def wait_for_jetstream(nc: Client, timeout: float = 10.0) -> None:
 def check_server(nc: Client) -> None:
     version = nc.connected_server_version
     found = (version.major, version.minor, version.patch)
+    if found == (0, 0, 0):  # reconnecting: no server to ask now (its requests wait for one)
+        return
     if found < MIN_SERVER:
         wanted = ".".join(map(str, MIN_SERVER))
         raise ProvisioningError(
@@ -375,8 +378,9 @@ async def _unreserved(
     whose whole JetStream storage is smaller), once more with the limit ``instead`` (none,
     or the stream's own), saying so: the server's storage is the bound then."""
     asked = config.max_bytes or -1
+    what = f"placing stream {config.name}"
     try:
-        return await call(config)
+        return await placing(lambda: call(config), what)
     except APIError as exc:
         if exc.err_code != STORAGE_EXCEEDED or asked <= 0 or asked == (instead or -1):
             raise
@@ -390,14 +394,14 @@ async def _unreserved(
         refused,
     )
     config.max_bytes = instead if instead and instead > 0 else -1
-    return await call(config)
+    return await placing(lambda: call(config), what)
 
 
 async def _ensure_bucket(js: JetStreamContext, wanted: api.KeyValueConfig) -> KeyValue:
     try:
         kv = await js.key_value(wanted.bucket)
     except BucketNotFoundError:
-        return await js.create_key_value(wanted)
+        return await placing(lambda: js.create_key_value(wanted), f"placing bucket {wanted.bucket}")
     status = await kv.status()
     if status.history != wanted.history:
         raise ProvisioningError(

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats.errors
+from nats.js.errors import APIError
 
 from projector.nats.failures import describe
 
@@ -38,5 +39,30 @@ async def retrying(
             if loop.time() >= deadline:
                 raise
             log.warning("%s failed, retrying in %.2fs: %s", what, backoff, describe(exc))
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+
+NO_PEERS = 10005  # "no suitable peers for placement": a cluster with a node not (yet) back
+PLACEMENT_WAIT_S = 30.0
+
+
+async def placing(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """``await call()``, a request that places a stream on a cluster's peers: again while the
+    cluster answers that no peer can take it (a node restarting, or not yet current after
+    rejoining: seconds), for ``PLACEMENT_WAIT_S``; every other answer at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PLACEMENT_WAIT_S
+    backoff = 0.1
+    said = False
+    while True:
+        try:
+            return await call()
+        except APIError as exc:
+            if exc.err_code != NO_PEERS or loop.time() >= deadline:
+                raise
+            if not said:
+                said = True
+                log.warning("%s: %s; waiting for the cluster's peers", what, describe(exc))
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, MAX_BACKOFF_S)

@@ -35,6 +35,7 @@ from nats.js.errors import (
 from nats.js.object_store import ObjectStore
 
 from projector.nats.failures import explain
+from projector.nats.retry import placing
 from projector.nats.tasks import off_loop
 from projector.wire.config import Config
 from seqstate import SCHEMA_VERSION, SeqstateError, SequenceState, SnapshotError
@@ -102,13 +103,14 @@ class SnapshotStore:
         except BucketNotFoundError:
             if not create:
                 return self
-            self._store = await js.create_object_store(
-                bucket,
-                config=api.ObjectStoreConfig(
-                    description="seqstate write-model snapshots",
-                    storage=api.StorageType.FILE,
-                    replicas=self.config.replicas,
-                ),
+            config = api.ObjectStoreConfig(
+                description="seqstate write-model snapshots",
+                storage=api.StorageType.FILE,
+                replicas=self.config.replicas,
+            )
+            self._store = await placing(
+                lambda: js.create_object_store(bucket, config=config),
+                f"placing object store {bucket}",
             )
         return self
 

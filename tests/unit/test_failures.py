@@ -11,7 +11,7 @@ import pytest
 
 from projector.nats.connection import describe_refusal
 from projector.nats.failures import describe, storage_full
-from projector.nats.retry import retrying
+from projector.nats.retry import placing, retrying
 
 
 def from_server(code: int, err_code: int, description: str) -> nats.js.errors.APIError:
@@ -106,6 +106,43 @@ async def test_a_retried_request_names_the_full_disk_in_its_log_line(
     )
 
 
+NO_PEERS = from_server(500, 10005, "no suitable peers for placement, peer offline")
+
+
+async def test_a_placement_waits_for_the_clusters_peers_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Right after a node of a cluster restarts, the cluster may refuse to place a replicated
+    stream for a few seconds: a process starting then waits (one line), not fails at once."""
+    answers: list[BaseException | str] = [NO_PEERS, NO_PEERS, NO_PEERS, "placed"]
+
+    async def create() -> str:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    with caplog.at_level(logging.WARNING, "seqstate"):
+        assert await placing(create, "placing stream EV") == "placed"
+    assert [r.getMessage() for r in caplog.records] == [
+        "placing stream EV: no suitable peers for placement, peer offline (JetStream error "
+        "10005); waiting for the cluster's peers"
+    ]
+
+
+async def test_a_placement_refused_for_another_reason_is_not_retried() -> None:
+    calls = 0
+
+    async def create() -> None:
+        nonlocal calls
+        calls += 1
+        raise FULL
+
+    with pytest.raises(nats.js.errors.APIError):
+        await placing(create, "placing stream EV")
+    assert calls == 1
+
+
 @pytest.mark.parametrize(
     ("violation", "said"),
     [
@@ -161,3 +198,17 @@ def test_a_refused_command_says_what_the_user_lacks_the_permission_to_do(
 ) -> None:
     names = ["SEQSTATE_EVENTS", "KV_seqstate-registry", "OBJ_seqstate-snapshots"]
     assert describe_refusal(violation, user="router", names=names) == said
+
+
+def test_a_client_between_servers_is_not_told_its_server_is_too_old() -> None:
+    """A process provisioning while its client reconnects (a cluster node it was on just
+    died) has no server version to read: it used to fail with "nats-server 0.0.0 is too old";
+    its requests wait for the next server instead."""
+    from nats.aio.client import Client
+
+    from projector.nats.resources import check_server
+
+    reconnecting = Client()  # no server yet: the version nats-py reports is 0.0.0
+    version = reconnecting.connected_server_version
+    assert (version.major, version.minor, version.patch) == (0, 0, 0)
+    check_server(reconnecting)
