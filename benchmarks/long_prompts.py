@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import nats
-
 from pipeline import git_revision  # benchmarks/ is the script's own path
+
 from projector.nats.server import NatsServer
 from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
