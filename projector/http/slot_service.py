@@ -399,7 +399,7 @@ class SlotService:
         self._shut = True
         if self._following is not None:
             await cancel(self._following)
-        for tracker in self.trackers.values():
+        for tracker in list(self.trackers.values()):
             if tracker.own is not None:
                 await tracker.own.close("serve-http is stopping")
                 tracker.own = None
@@ -580,33 +580,37 @@ class SlotService:
                 return  # a call came meanwhile: its end looks again
             del self.trackers[namespace]
             self._answered.pop(namespace, None)
+            self._read_cache.clear()  # keyed by its folds' ids, which a new one may reuse
             self._stopping += 1
         try:
             await self._close(tracker, "the tracker has ended")
         finally:
             self._stopping -= 1
         log.info(
-            "stopped serving tracker model=%s routing_group=%s: its last worker is gone",
+            "stopped serving tracker model=%s routing_group=%s: it has no worker",
             tracker.model_name,
             tracker.routing_group,
             extra={"namespace": namespace},
         )
-        await self._take_left_out()
+        if self._left_out:
+            self._spawn(self._take_left_out())
 
     async def _take_left_out(self) -> None:
         """Serve the trackers left out for want of room, the oldest first, while there is."""
-        while self._left_out and self._room():
-            namespace = next(iter(self._left_out))
-            del self._left_out[namespace]
+        for namespace in list(self._left_out):
+            if not self._room():
+                return
             try:
-                tracker = await self._existing(namespace)
-            except _Rejected:
-                return  # no room after all: left out again
+                if not await self._has_tracker(namespace):
+                    self._left_out.pop(namespace, None)  # ended meanwhile
+                    continue
+                tracker = await self._open(namespace)
             except Exception as exc:
                 log.warning("cannot serve tracker %s yet: %s", namespace, exc)
                 continue
-            if tracker is not None:
-                self._stop_if_idle(tracker)
+            if tracker is None:
+                return  # no room after all
+            self._stop_if_idle(tracker)
 
     async def _close(self, tracker: _Tracker, why: str) -> None:
         """Stop what serves ``tracker``: its answers from the fold, its pipeline (and its
