@@ -30,6 +30,8 @@ import socket
 from collections.abc import Callable
 from typing import cast
 
+from projector.nats.logs import Quiet
+
 log = logging.getLogger("seqstate.http")
 
 BACKLOG = 511  # connections the kernel holds for us not accepted yet (nginx's, redis's)
@@ -46,41 +48,30 @@ Release = Callable[[], None]  # a connection's: called once it is closed
 
 class Tally:
     """One kind of refusal, said in the log at its first, then at most once every
-    ``LOG_EVERY_S``: a line with how many there were since the last one. ``total`` counts
-    every one."""
+    ``LOG_EVERY_S``: a line with how many there were since the last one (:class:`Quiet`).
+    ``total`` counts every one."""
 
     def __init__(self, first: str, more: str) -> None:
         self.first, self.more = first, more  # ``more`` takes the count and the seconds
         self.total = 0
         self._held = 0
-        self._since = 0.0
-        self._quiet_until = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._quiet = Quiet(LOG_EVERY_S, self._say_held)
 
     def add(self, *args: object) -> None:
         """One more; ``args`` fill ``first`` if it is said now."""
         self.total += 1
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if now >= self._quiet_until and not self._held:
+        if self._quiet.now():
             log.warning(self.first, *args)
-            self._since, self._quiet_until = now, now + LOG_EVERY_S
-            return
-        self._held += 1
-        if self._timer is None:
-            self._timer = loop.call_at(self._quiet_until, self.say)
+        else:
+            self._held += 1
 
     def say(self) -> None:
-        """The line for those held since the last one (none: nothing); at close, at once."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._held:
-            return
-        now = asyncio.get_running_loop().time()
-        log.warning(self.more, self._held, now - self._since)
-        self._held = 0
-        self._since, self._quiet_until = now, now + LOG_EVERY_S
+        """Say those held now (at a stop)."""
+        self._quiet.flush()
+
+    def _say_held(self, span_s: float) -> None:
+        held, self._held = self._held, 0
+        log.warning(self.more, held, span_s)
 
 
 class _Refusal(asyncio.Protocol):

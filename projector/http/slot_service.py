@@ -470,7 +470,7 @@ class SlotService:
         tracker = await self._open(namespace)
         if tracker is None:
             self._leave_out(namespace)
-            raise self._not_served(namespace)
+            raise self._no_room(namespace, new=False)
         return tracker
 
     async def _registering(self, namespace: str) -> _Tracker:
@@ -482,14 +482,8 @@ class SlotService:
             return tracker
         if namespace in self._left_out or await self._has_tracker(namespace):
             self._leave_out(namespace)
-            raise self._not_served(namespace)
-        model, group = tracker_of(namespace, self.config.namespace)
-        raise _Rejected(
-            400,
-            f"no room for a new slot tracker for model={model} routing_group={group}: this "
-            f"server serves its bound of {self.config.max_trackers} trackers "
-            "(--max-trackers); unregistering a tracker's last worker frees its room",
-        )
+            raise self._no_room(namespace, new=False)
+        raise self._no_room(namespace, new=True)
 
     async def _has_tracker(self, namespace: str) -> bool:
         kv = await self.nc.jetstream().key_value(self.config.registry_bucket)
@@ -499,14 +493,17 @@ class SlotService:
             return False
         return True
 
-    def _not_served(self, namespace: str) -> _Rejected:
+    def _no_room(self, namespace: str, *, new: bool) -> _Rejected:
+        """A call to a tracker this process has no room for: 400 for a new one (nothing is
+        stored), 503 for one that exists (a process with a higher bound serves it)."""
         model, group = tracker_of(namespace, self.config.namespace)
-        return _Rejected(
-            503,
-            f"the slot tracker for model={model} routing_group={group} is not served by this "
-            f"process: it serves its bound of {self.config.max_trackers} trackers "
-            "(--max-trackers); call a serve-http with a higher bound",
-        )
+        where = f"model={model} routing_group={group}"
+        bound = f"its bound of {self.config.max_trackers} trackers (--max-trackers)"
+        if new:
+            why = f"no room for a new slot tracker for {where}: this server serves {bound}; "
+            return _Rejected(400, why + "unregistering a tracker's last worker frees its room")
+        why = f"the slot tracker for {where} is not served by this process: it serves {bound}; "
+        return _Rejected(503, why + "call a serve-http with a higher bound")
 
     def _leave_out(self, namespace: str) -> None:
         """A tracker in the bucket this process has no room for: said once, at the end of
