@@ -48,18 +48,15 @@ Release = Callable[[], None]  # a connection's: called once it is closed
 
 class Tally:
     """One kind of refusal, said in the log at its first, then at most once every
-    ``LOG_EVERY_S``: a line with how many there were since the last one (:class:`Quiet`).
-    ``total`` counts every one."""
+    ``LOG_EVERY_S``: a line with how many there were since the last one (:class:`Quiet`)."""
 
     def __init__(self, first: str, more: str) -> None:
         self.first, self.more = first, more  # ``more`` takes the count and the seconds
-        self.total = 0
         self._held = 0
         self._quiet = Quiet(LOG_EVERY_S, self._say_held)
 
     def add(self, *args: object) -> None:
         """One more; ``args`` fill ``first`` if it is said now."""
-        self.total += 1
         if self._quiet.now():
             log.warning(self.first, *args)
         else:
