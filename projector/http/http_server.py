@@ -30,6 +30,9 @@ headroom. What a library would have done is kept small and explicit here:
   (408); a connection idle for ``IDLE_TIMEOUT_S`` is closed, one that reads none of its
   answers for ``SEND_TIMEOUT_S`` aborted; ``Connection: close`` and HTTP/1.0 close after the
   response;
+- at most ``max_connections`` connections at once (:mod:`projector.http.listener`): one more
+  is answered 503 and closed unread, and running out of file descriptors neither stops the
+  listening nor goes unsaid;
 - with a bearer token (``serve(..., token=...)``), a call without ``Authorization: Bearer
   <token>`` is 401 before anything else is looked at (its route, its body, which is not even
   kept): the slot tracker's API books and frees capacity, so whoever can reach the port must
@@ -45,6 +48,7 @@ import hashlib
 import hmac
 import logging
 from collections import deque
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Protocol
 from urllib.parse import parse_qsl
@@ -52,6 +56,8 @@ from urllib.parse import parse_qsl
 import httptools
 import msgspec
 
+from projector.http.listener import LINGER_S, Listener, listen
+from projector.wire.config import DEFAULT_HTTP_MAX_CONNECTIONS
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.http")
@@ -70,7 +76,6 @@ HEAD_TIMEOUT_S = 5.0  # a request's head (the first: from the connection's openi
 BODY_TIMEOUT_S = 30.0  # a request's body, from its head's first byte
 IDLE_TIMEOUT_S = 120.0  # nothing in flight; over reqwest's 90 s pool idle timeout
 SEND_TIMEOUT_S = 60.0  # answers not read at all for this long: the connection is aborted
-LINGER_S = 2.0  # after a refusal, what the client still sends is dropped, then it closes
 HEADERS_TOO_LARGE = f"the request's headers are over {MAX_HEADERS} bytes"
 TOO_LARGE = "Failed to buffer the request body: length limit exceeded"  # axum's words
 Answer = tuple[int, object]  # status, JSON payload (None: an empty body)
@@ -216,8 +221,11 @@ HEAD, BODY, BETWEEN = range(3)  # where a connection is in its current request
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, handler: Handler, token_digest: bytes | None = None) -> None:
+    def __init__(
+        self, handler: Handler, token_digest: bytes | None, release: Callable[[], None]
+    ) -> None:
         self.handler = handler
+        self.release = release  # its place among the connections served, given back at close
         self.token_digest = token_digest  # None: every call is let in
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -283,6 +291,7 @@ class _Connection(asyncio.Protocol):
         self._maybe_resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.release()
         self.calls.clear()
         self.waiting.clear()
         self.held = None
@@ -571,18 +580,26 @@ class _Connection(asyncio.Protocol):
 
 
 async def serve(
-    handler: Handler, host: str, port: int, *, token: bytes | None = None
-) -> asyncio.Server:
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    token: bytes | None = None,
+    max_connections: int = DEFAULT_HTTP_MAX_CONNECTIONS,
+) -> Listener:
     """Listen on ``host:port``; every connection's calls go to ``handler``, or, with a
-    ``token``, those that carry it as ``Authorization: Bearer <token>`` (others are 401)."""
-    loop = asyncio.get_running_loop()
+    ``token``, those that carry it as ``Authorization: Bearer <token>`` (others are 401).
+    At most ``max_connections`` are served at once: one more is answered 503 and closed."""
     digest = None if token is None else _digest(token)
-    return await loop.create_server(
-        lambda: _Connection(handler, digest), host, port, reuse_address=True
+    return await listen(
+        host,
+        port,
+        lambda release: _Connection(handler, digest, release),
+        lambda why: response(503, {"error": why}, close=True),
+        max_connections,
     )
 
 
-async def close(server: asyncio.Server) -> None:
-    server.close()
+async def close(server: Listener) -> None:
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(server.wait_closed(), 5)
+        await asyncio.wait_for(server.close(), 5)

@@ -22,6 +22,14 @@ One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracke
 A call for a namespace this process does not serve yet looks for the tracker in the bucket
 (another process may have created it); with none there, a lifecycle call is ``404 no slot
 tracker`` at once, since no writer runs for a namespace that never had a worker.
+
+Trackers are bounded (``--max-trackers``), since each is a pipeline, a view and an outcomes feed
+in every serving process: a registration of one tracker more is refused (400, nothing stored);
+a tracker registered through a process with a higher bound is left out here (logged once) and
+a call naming it is 503, never answered as if it did not exist. A tracker whose last worker is
+unregistered has ended (its ``<ns>.tracker`` key deleted): once no call is in flight on it, its
+pipeline, view and feed are stopped and its room is free for another (the unregistration that
+ended it is answered after that), so that registering and unregistering never accumulate.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,7 +88,7 @@ from projector.wire.config import Config
 from projector.wire.values import tracker_key
 from projector.write.writer import Writer
 from seqstate import Delta, LoadRow, PotentialLoadRow, SequenceState
-from seqstate.deltas import APPLIED
+from seqstate.deltas import APPLIED, TRACKER_ENDED
 from seqstate.errors import SeqstateError
 from seqstate.fold import Verdict
 
@@ -121,8 +129,9 @@ def _too_large(exc: EventTooLarge) -> tuple[int, object]:
     return 413, {"error": str(exc)}
 
 
-class _BodyRejected(SeqstateError):
-    """A body refused before anything is stored; ``answer`` is serde_json's, word for word."""
+class _Rejected(SeqstateError):
+    """A call refused before anything is stored: a body (``answer`` is serde_json's, word for
+    word), or a tracker this process has no room for."""
 
     def __init__(self, status: int, error: str) -> None:
         super().__init__(error)
@@ -130,7 +139,7 @@ class _BodyRejected(SeqstateError):
 
 
 def _parse(path: str, body: bytes) -> Any:
-    """The body of a call to ``path`` as Dynamo's serde_json reads it, or :class:`_BodyRejected`:
+    """The body of a call to ``path`` as Dynamo's serde_json reads it, or :class:`_Rejected`:
     msgspec decodes it, and the few bodies the two read differently are settled by serde's
     rules (serde_errors)."""
     decoder = _DECODERS[path]
@@ -139,16 +148,16 @@ def _parse(path: str, body: bytes) -> Any:
     except (msgspec.DecodeError, RecursionError):  # a ValidationError is a DecodeError
         problem = extractor_error(path, body)
         if problem is not None:
-            raise _BodyRejected(*problem) from None
+            raise _Rejected(*problem) from None
         try:  # one of the few bodies serde reads and msgspec does not
             return msgspec.convert(accepted_fields(path, body), decoder.type)
         except (ValueError, RecursionError, msgspec.ValidationError) as exc:
-            raise _BodyRejected(400, f"{PARSE_PREFIX}{exc}") from None
+            raise _Rejected(400, f"{PARSE_PREFIX}{exc}") from None
     problem = error_for_accepted(path, body)
     if problem is not None:
-        raise _BodyRejected(*problem)
+        raise _Rejected(*problem)
     if getattr(parsed, "request_id", None) == "":
-        raise _BodyRejected(422, EMPTY_ID)  # serde takes it; the log keeps no nameless request
+        raise _Rejected(422, EMPTY_ID)  # serde takes it; the log keeps no nameless request
     return parsed
 
 
@@ -200,6 +209,9 @@ class _Tracker:
     # While this process holds the lease: its calls, answered by its writer's fold.
     own: OwnFold | None = None
     opening_own: bool = False
+    calls: int = 0  # calls in flight on it: it is never stopped under them
+    ended: bool = False  # the bucket showed no tracker when last looked: stop it once idle
+    stopped: bool = False
 
     def holder(
         self, request_id: str, *, ending: bool, state: SequenceState | None = None
@@ -307,7 +319,12 @@ class SlotService:
         self.trackers: dict[str, _Tracker] = {}
         self._js = nc.jetstream()
         self._answered: dict[str, int] = {}  # per namespace: the last event answered
-        self._opening: dict[str, asyncio.Lock] = {}
+        self._opening = asyncio.Lock()  # trackers are opened and stopped one at a time
+        self._stopping = 0  # trackers being stopped: they still take their room
+        # Trackers in the bucket this process has no room for, in the order they came.
+        self._left_out: dict[str, tuple[str, str]] = {}
+        self._followed = False  # the trackers in the bucket at the start are all delivered
+        self._shut = False  # stopping: no tracker is opened any more
         self._fast = fast_publish.usable(nc)  # False: every call takes the slow path
         # (path, query) -> (the positions of the folds read, the body): see _read_here
         self._read_cache: dict[tuple[object, ...], tuple[tuple[tuple[int, int], ...], Encoded]] = {}
@@ -348,57 +365,92 @@ class SlotService:
 
     async def _watch_trackers(self, served: asyncio.Future[None]) -> None:
         async with contextlib.aclosing(tracker_updates(self.nc, self.config)) as updates:
-            async for tracker in updates:
-                if tracker is None:
+            async for update in updates:
+                if update is None:
                     if not served.done():
+                        self._say_left_out()
                         served.set_result(None)
-                elif tracker[0] not in self.trackers:
+                    continue
+                namespace, block_size = update
+                try:
+                    tracker_of(namespace, self.config.namespace)
+                except NotATrackerNamespace:
+                    continue  # another deployment's, or no tracker's at all
+                tracker = self.trackers.get(namespace)
+                if block_size == TRACKER_ENDED:
+                    self._left_out.pop(namespace, None)
+                    if tracker is not None:
+                        tracker.ended = True
+                        self._stop_if_idle(tracker)
+                elif tracker is not None:
+                    tracker.ended = False
+                else:
                     try:
-                        await self._open(tracker[0])
-                    except NotATrackerNamespace:
-                        pass
+                        opened = await self._open(namespace)
                     except Exception as exc:  # served once a call names it
-                        log.warning("cannot serve tracker %s yet: %s", tracker[0], exc)
+                        log.warning("cannot serve tracker %s yet: %s", namespace, exc)
+                        continue
+                    if opened is None:
+                        self._leave_out(namespace)
+                    else:
+                        self._stop_if_idle(opened)
 
     async def stop(self) -> None:
+        self._shut = True
         if self._following is not None:
             await cancel(self._following)
-        for tracker in self.trackers.values():
+        for tracker in list(self.trackers.values()):
             if tracker.own is not None:
                 await tracker.own.close("serve-http is stopping")
                 tracker.own = None
         for task in list(self._closing):
             with contextlib.suppress(Exception):
                 await task
-        for tracker in self.trackers.values():
-            tracker.task.cancel()
-            with contextlib.suppress(BaseException):
-                await tracker.task
-            await tracker.outcomes.stop()
-            await tracker.view.stop()
+        for tracker in list(self.trackers.values()):
+            await self._close(tracker, "serve-http is stopping")
         self.trackers = {}
 
     # ---- the trackers -----------------------------------------------------------------------
 
-    async def _open(self, namespace: str) -> _Tracker:
-        """Serve one namespace: offer to run its pipeline, follow its outcomes and bucket."""
-        lock = self._opening.setdefault(namespace, asyncio.Lock())
-        async with lock:
-            if namespace in self.trackers:
-                return self.trackers[namespace]
+    def _room(self) -> bool:
+        """Whether this process may serve one tracker more (none once it is stopping)."""
+        if self._shut:
+            return False
+        return len(self.trackers) + self._stopping < self.config.max_trackers
+
+    async def _open(self, namespace: str) -> _Tracker | None:
+        """Serve one namespace: offer to run its pipeline, follow its outcomes and bucket.
+        None if this process serves its bound of trackers already."""
+        tracker = self.trackers.get(namespace)
+        if tracker is not None:
+            return tracker
+        if not self._room():
+            return None
+        async with self._opening:
+            tracker = self.trackers.get(namespace)
+            if tracker is not None:
+                return tracker
+            if not self._room():
+                return None
             model, group = tracker_of(namespace, self.config.namespace)
             config = self.config.with_namespace(namespace)
             outcomes = await Outcomes(self.nc, config).start()  # before any publish of ours
+            try:
+                view = await RegistryView(self.nc, config=config).start()
+            except BaseException:
+                await outcomes.stop()
+                raise
             standby = StandbyPipeline(self.nc, config)
             task = asyncio.create_task(standby.run(), name=f"seqstate-standby-{namespace}")
-            view = await RegistryView(self.nc, config=config).start()
             # A msg-id prefix of its own (the events stream is shared by every namespace, and
             # by every serving process): no two publishers ever deduplicate each other.
             publisher = RouterPublisher(
                 self.nc, router_id=f"slots-{uuid.uuid4().hex}", config=config
             )
             tracker = _Tracker(model, group, config, standby, task, outcomes, view, publisher)
+            tracker.ended = view.block_size is None  # a registration's first: not yet
             self.trackers[namespace] = tracker
+            self._left_out.pop(namespace, None)
             log.info(
                 "serving tracker model=%s routing_group=%s",
                 model,
@@ -408,15 +460,169 @@ class SlotService:
             return tracker
 
     async def _existing(self, namespace: str) -> _Tracker | None:
-        """The namespace's tracker if one exists anywhere (the bucket says), else None."""
-        if namespace in self.trackers:
-            return self.trackers[namespace]
+        """The namespace's tracker if one exists anywhere (the bucket says), else None; a
+        :class:`_Rejected` (503) if this process has no room for it."""
+        tracker = self.trackers.get(namespace)
+        if tracker is not None:
+            return tracker
+        if namespace not in self._left_out and not await self._has_tracker(namespace):
+            return None
+        tracker = await self._open(namespace)
+        if tracker is None:
+            self._leave_out(namespace)
+            raise self._no_room(namespace, new=False)
+        return tracker
+
+    async def _registering(self, namespace: str) -> _Tracker:
+        """The tracker a registration goes to, opened if need be; a :class:`_Rejected` if this
+        process has no room for it: 400 for a new one (nothing is stored), 503 for one that
+        another process, with a higher bound, serves."""
+        tracker = await self._open(namespace)
+        if tracker is not None:
+            return tracker
+        if namespace in self._left_out or await self._has_tracker(namespace):
+            self._leave_out(namespace)
+            raise self._no_room(namespace, new=False)
+        raise self._no_room(namespace, new=True)
+
+    async def _has_tracker(self, namespace: str) -> bool:
         kv = await self.nc.jetstream().key_value(self.config.registry_bucket)
         try:
             await kv.get(tracker_key(namespace))
-        except KeyNotFoundError:
-            return None
-        return await self._open(namespace)
+        except KeyNotFoundError:  # a deleted key too
+            return False
+        return True
+
+    def _no_room(self, namespace: str, *, new: bool) -> _Rejected:
+        """A call to a tracker this process has no room for: 400 for a new one (nothing is
+        stored), 503 for one that exists (a process with a higher bound serves it)."""
+        model, group = tracker_of(namespace, self.config.namespace)
+        where = f"model={model} routing_group={group}"
+        bound = f"its bound of {self.config.max_trackers} trackers (--max-trackers)"
+        if new:
+            why = f"no room for a new slot tracker for {where}: this server serves {bound}; "
+            return _Rejected(400, why + "unregistering a tracker's last worker frees its room")
+        why = f"the slot tracker for {where} is not served by this process: it serves {bound}; "
+        return _Rejected(503, why + "call a serve-http with a higher bound")
+
+    def _leave_out(self, namespace: str) -> None:
+        """A tracker in the bucket this process has no room for: said once, at the end of
+        the first pass over the bucket's trackers, or as it comes after that."""
+        if namespace in self._left_out:
+            return
+        model, group = self._left_out[namespace] = tracker_of(namespace, self.config.namespace)
+        if self._followed:
+            log.warning(
+                "not serving tracker model=%s routing_group=%s: this process serves its bound "
+                "of %d trackers (--max-trackers); calls naming it are answered 503",
+                model,
+                group,
+                self.config.max_trackers,
+                extra={"namespace": namespace},
+            )
+
+    def _say_left_out(self) -> None:
+        self._followed = True
+        if not self._left_out:
+            return
+        log.warning(
+            "not serving %d trackers registered through processes with a higher bound (%s): "
+            "this process serves its bound of %d (--max-trackers); calls naming them are "
+            "answered 503",
+            len(self._left_out),
+            _listed(self._left_out.values()),
+            self.config.max_trackers,
+        )
+
+    def _left_out_of(self, model: str | None, group: str | None) -> list[tuple[str, str]]:
+        """The trackers left out here that a read of ``model`` and ``group`` names."""
+        return [
+            (m, g)
+            for m, g in self._left_out.values()
+            if (model is None or m == model) and (group is None or g == group)
+        ]
+
+    def _hold(self, tracker: _Tracker) -> None:
+        tracker.calls += 1
+
+    def _let_go(self, tracker: _Tracker) -> bool:
+        """One call on ``tracker`` is done: True if the tracker may be stopped now."""
+        tracker.calls -= 1
+        return tracker.calls == 0 and tracker.ended
+
+    def _done_with(self, tracker: _Tracker) -> None:
+        if self._let_go(tracker):
+            self._spawn(self._stop_ended(tracker))
+
+    def _stop_if_idle(self, tracker: _Tracker) -> None:
+        if tracker.calls == 0 and tracker.ended:
+            self._spawn(self._stop_ended(tracker))
+
+    async def _stop_ended(self, tracker: _Tracker) -> None:
+        """Stop serving a tracker that has ended (no call is in flight on it, and the
+        bucket, asked now, shows no tracker), then take in one left out for want of room."""
+        namespace = tracker.config.namespace
+        async with self._opening:
+            if self.trackers.get(namespace) is not tracker or tracker.calls or not tracker.ended:
+                return
+            try:
+                ended = not await self._has_tracker(namespace)
+            except Exception as exc:  # looked at again when the watch next tells of it
+                log.warning("cannot tell whether tracker %s has ended: %s", namespace, exc)
+                return
+            if not ended:
+                tracker.ended = False
+                return
+            if tracker.calls:
+                return  # a call came meanwhile: its end looks again
+            del self.trackers[namespace]
+            self._answered.pop(namespace, None)
+            self._read_cache.clear()  # keyed by its folds' ids, which a new one may reuse
+            self._stopping += 1
+        try:
+            await self._close(tracker, "the tracker has ended")
+        finally:
+            self._stopping -= 1
+        log.info(
+            "stopped serving tracker model=%s routing_group=%s: it has no worker",
+            tracker.model_name,
+            tracker.routing_group,
+            extra={"namespace": namespace},
+        )
+        if self._left_out:
+            self._spawn(self._take_left_out())
+
+    async def _take_left_out(self) -> None:
+        """Serve the trackers left out for want of room, the oldest first, while there is."""
+        for namespace in list(self._left_out):
+            if not self._room():
+                return
+            try:
+                if not await self._has_tracker(namespace):
+                    self._left_out.pop(namespace, None)  # ended meanwhile
+                    continue
+                tracker = await self._open(namespace)
+            except Exception as exc:
+                log.warning("cannot serve tracker %s yet: %s", namespace, exc)
+                continue
+            if tracker is None:
+                return  # no room after all
+            self._stop_if_idle(tracker)
+
+    async def _close(self, tracker: _Tracker, why: str) -> None:
+        """Stop what serves ``tracker``: its answers from the fold, its pipeline (and its
+        lease), its outcomes feed and its view."""
+        if tracker.stopped:
+            return
+        tracker.stopped = True
+        if tracker.own is not None:
+            own, tracker.own = tracker.own, None
+            await own.close(why)
+        tracker.task.cancel()
+        with contextlib.suppress(BaseException):
+            await tracker.task
+        await tracker.outcomes.stop()
+        await tracker.view.stop()
 
     # ---- calls ------------------------------------------------------------------------------
 
@@ -475,7 +681,7 @@ class SlotService:
         ):
             try:
                 parsed = _parse(path, call.body)
-            except _BodyRejected as rejected:
+            except _Rejected as rejected:
                 call.answer(*rejected.answer)
                 return
             if isinstance(parsed, PotentialLoadsBody):
@@ -505,6 +711,8 @@ class SlotService:
             status, payload = await pending
         except TrackerNameTooLong as exc:
             status, payload = 400, {"error": str(exc)}
+        except _Rejected as rejected:  # no room for the tracker it names
+            status, payload = rejected.answer
         except Exception:  # a bug must not take the connection's other calls with it
             log.exception("call %s %s failed", call.method, call.path)  # never its body
             status, payload = 500, {"error": "internal error"}
@@ -539,7 +747,7 @@ class SlotService:
             return
         finally:
             tracker.opening_own = False
-        if tracker.own is None and not own.closed:
+        if tracker.own is None and not own.closed and not tracker.stopped:
             tracker.own = own
         else:
             await own.close("not needed")
@@ -586,6 +794,7 @@ class SlotService:
             if outcome is not None and seq > self._answered.get(namespace, 0):
                 self._answered[namespace] = seq
             call.answer(*answer(path, parsed, outcome, owner=owner, block_size=block_size))
+            self._done_with(tracker)
 
         def failed(seq: int, why: str) -> None:
             if seq:  # stored, folded by another writer: its delta says how
@@ -594,8 +803,14 @@ class SlotService:
             if isinstance(parsed, AddBody):
                 tracker.settle(parsed.request_id, (parsed.worker_id, parsed.dp_rank), None, None)
             call.answer(503, {"error": f"no answer for the call's event: {why}"})
+            self._done_with(tracker)
 
-        commit.submit(tracker.publisher.subject_for(event), payload, folded, failed)
+        self._hold(tracker)
+        try:
+            commit.submit(tracker.publisher.subject_for(event), payload, folded, failed)
+        except BaseException:
+            self._done_with(tracker)
+            raise
         call.begun()
 
     async def _late(
@@ -606,13 +821,15 @@ class SlotService:
         except Exception as exc:
             log.warning("%s: no outcome for stored event %d: %s", path, seq, exc)
             status, payload = 503, {"error": f"stored as event {seq}, outcome unknown: {exc}"}
+        finally:
+            self._done_with(tracker)
         call.answer(status, payload)
 
     def _states(self, query: dict[str, str]) -> list[tuple[_Tracker, Writer]] | None:
         """The trackers a read names, each with its writer, if this process folds every one
         of them and each fold holds every call this process answered; else None."""
         model, group = query.get("model_name"), query.get("routing_group")
-        if self._unknown(model, group):
+        if self._unknown(model, group) or (self._left_out and self._left_out_of(model, group)):
             return None
         found = []
         for t in self.trackers.values():
@@ -698,7 +915,7 @@ class SlotService:
             return _now(415, {"error": "Expected request with `Content-Type: application/json`"})
         try:
             parsed = _parse(path, body)
-        except _BodyRejected as rejected:
+        except _Rejected as rejected:
             return _now(*rejected.answer)
         return await self._begin_write(path, parsed)
 
@@ -711,27 +928,53 @@ class SlotService:
             problem = self._register_problem(parsed)
             if problem is not None:
                 return _now(400, {"error": problem})
-            tracker: _Tracker | None = await self._open(namespace)
+            tracker: _Tracker | None = await self._registering(namespace)
         else:
             tracker = await self._existing(namespace)
         if tracker is None:
             if isinstance(parsed, UnregisterBody):
                 return _now(*answer(path, parsed, "unknown_worker"))
             return _now(404, {"error": f"no slot tracker for {parsed.where()}"})
-        if isinstance(parsed, RequestBody):
-            worker, rank = tracker.holder(parsed.request_id, ending=path == "/free")
-            event = request_event(path, parsed, worker, rank)
-        else:
-            event = event_for(parsed)
+        self._hold(tracker)
         try:
+            if isinstance(parsed, RequestBody):
+                worker, rank = tracker.holder(parsed.request_id, ending=path == "/free")
+                event = request_event(path, parsed, worker, rank)
+            else:
+                event = event_for(parsed)
             seq = await tracker.publisher.publish(event)
-        except EventTooLarge as exc:
-            return _now(*_too_large(exc))
-        except PublishError as exc:  # not stored (a full disk, JetStream off): say why
-            return _now(503, {"error": f"not stored: {exc}"})
+        except (EventTooLarge, PublishError) as exc:
+            await self._finished(tracker, parsed)
+            if isinstance(exc, EventTooLarge):
+                return _now(*_too_large(exc))
+            return _now(503, {"error": f"not stored: {exc}"})  # a full disk, JetStream off
+        except BaseException:
+            self._done_with(tracker)
+            raise
         if isinstance(parsed, AddBody):
             tracker.book(parsed.request_id, (parsed.worker_id, parsed.dp_rank))
-        return self._finish(tracker, path, parsed, seq, event)
+        return self._finishing(tracker, path, parsed, seq, event)
+
+    async def _finishing(
+        self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object
+    ) -> tuple[int, object]:
+        try:
+            answered = await self._finish(tracker, path, parsed, seq, event)
+        except BaseException:
+            self._done_with(tracker)
+            raise
+        await self._finished(tracker, parsed)
+        return answered
+
+    async def _finished(self, tracker: _Tracker, parsed: _Body) -> None:
+        """A call on ``tracker`` is done. A registration's or unregistration's leaves the
+        tracker as its view shows it (the answer waited for that): one that ended it, or a
+        registration that did not create it, stops it before the call is answered, so that
+        its room is free for the next."""
+        if isinstance(parsed, (RegisterBody, UnregisterBody)):
+            tracker.ended = tracker.view.block_size is None
+        if self._let_go(tracker):
+            await self._stop_ended(tracker)
 
     async def _read(self, path: str, query: dict[str, str]) -> object:
         """The body of a GET: a read has nothing to store, so it is answered when begun."""
@@ -816,10 +1059,21 @@ class SlotService:
         return None if namespace in self.trackers else namespace
 
     async def _matching(self, query: dict[str, str]) -> list[_Tracker]:
+        """The trackers a read names, caught up; a :class:`_Rejected` (503) if this process
+        leaves out one of them for want of room (an answer without it would be wrong)."""
         model, group = query.get("model_name"), query.get("routing_group")
         named = self._unknown(model, group)
         if named is not None:
             await self._existing(named)
+        left_out = self._left_out_of(model, group)
+        if left_out:
+            raise _Rejected(
+                503,
+                f"this process serves its bound of {self.config.max_trackers} slot trackers "
+                f"(--max-trackers) and leaves out {len(left_out)} that this read names "
+                f"({_listed(left_out)}); name one it serves, or call a serve-http with a "
+                "higher bound",
+            )
         found = sorted(
             (
                 t
@@ -830,7 +1084,13 @@ class SlotService:
             key=lambda t: (t.model_name, t.routing_group),
         )
         for tracker in found:
-            await self._caught_up(tracker)
+            self._hold(tracker)
+        try:
+            for tracker in found:
+                await self._caught_up(tracker)
+        finally:
+            for tracker in found:
+                self._done_with(tracker)
         return found
 
     async def _loads(self, query: dict[str, str]) -> list[LoadOut]:
@@ -846,9 +1106,20 @@ class SlotService:
         tracker = await self._existing(namespace)
         if tracker is None:
             return _potential_answer(body, None, 0)
-        await self._caught_up(tracker)
-        view = tracker.view
-        return _potential_answer(body, view if view.loads() else None, view.log_now_ns())
+        self._hold(tracker)
+        try:
+            await self._caught_up(tracker)
+            view = tracker.view
+            return _potential_answer(body, view if view.loads() else None, view.log_now_ns())
+        finally:
+            self._done_with(tracker)
+
+
+def _listed(trackers: Iterable[tuple[str, str]], shown: int = 3) -> str:
+    """A few trackers by name, and how many more (a log line or an error stays short)."""
+    trackers = list(trackers)
+    named = ", ".join(f"model={m} routing_group={g}" for m, g in trackers[:shown])
+    return named if len(trackers) <= shown else f"{named} and {len(trackers) - shown} more"
 
 
 class _PotentialSource(Protocol):

@@ -16,7 +16,6 @@ interval later, the next is logged at once again. ``counts`` (the metrics) stays
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
+from projector.nats.logs import Quiet
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
 from projector.wire.headers import (
     MSG_ID,
@@ -81,14 +81,10 @@ class DeadLetters:
         self._subject = subject
         self._keep = max(0, min(PREFIX_BYTES, max_payload - HEADROOM))
         self.counts: dict[str, int] = dict.fromkeys(kinds, 0)
-        self.log_every_s = log_every_s
-        # The log's side: until ``_quiet_until`` (loop time) a dead letter is held (counted
-        # by kind, the last one kept in words) for the line that ``_timer`` says at that time.
-        self._quiet_until = 0.0
-        self._since = 0.0  # when the interval of the held ones began
+        # The log's side: a dead letter held is counted by kind, the last one kept in words.
+        self._quiet = Quiet(log_every_s, self._say_held)
         self._held: dict[str, int] = {}
         self._last = ""
-        self._timer: asyncio.TimerHandle | None = None
 
     async def put(
         self,
@@ -133,34 +129,25 @@ class DeadLetters:
     def _tell(self, kind: str, said: str, fields: Mapping[str, Any]) -> None:
         """Log this dead letter now, if the log has been quiet for an interval; else hold
         it for the interval's line."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if now >= self._quiet_until and not self._held:
+        if self._quiet.now():
             log.warning("dead letter: %s", said, extra={**fields, "namespace": self._namespace})
-            self._since, self._quiet_until = now, now + self.log_every_s
             return
         self._held[kind] = self._held.get(kind, 0) + 1
         self._last = said
-        if self._timer is None:
-            self._timer = loop.call_at(self._quiet_until, self.say_held)
 
     def say_held(self) -> None:
         """The line for the dead letters held since the last one (none: nothing said); a
         consumer that stops says it at once."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._held:
-            return
-        now = asyncio.get_running_loop().time()
+        self._quiet.flush()
+
+    def _say_held(self, span_s: float) -> None:
         held, self._held = self._held, {}
         kinds = ", ".join(f"{kind} {n:,}" for kind, n in sorted(held.items()))
         log.warning(
             "dead letters: %s more in the last %.1fs (%s); the last: %s",
             f"{sum(held.values()):,}",
-            now - self._since,
+            span_s,
             kinds,
             self._last,
             extra={"namespace": self._namespace},
         )
-        self._since, self._quiet_until = now, now + self.log_every_s

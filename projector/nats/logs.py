@@ -25,6 +25,7 @@ event's or a delta's body, or its block hashes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -220,3 +221,43 @@ def error_line(message: str, fmt: str) -> str:
     if resolve(fmt) == "json":
         return json_line("error", "seqstate", message)
     return f"seqstate: error: {message}"
+
+
+class Quiet:
+    """When to log an event that may come by the thousand (a dead letter, a refused
+    connection): the first at once, those within ``every_s`` of the last line held, and one
+    line for them at the interval's end (:meth:`flush` says it earlier, at a stop); a quiet
+    interval later, the next is said at once again. The caller says the lines and counts what
+    is held: ``say_held(seconds)`` is called with the time the held ones span."""
+
+    def __init__(self, every_s: float, say_held: Callable[[float], None]) -> None:
+        self.every_s = every_s
+        self._say_held = say_held
+        self.holding = False
+        self._since = 0.0  # when the interval of the held ones began
+        self._quiet_until = 0.0  # loop time
+        self._timer: asyncio.TimerHandle | None = None
+
+    def now(self) -> bool:
+        """One more: True if the caller says it now; False if it is held (and counted)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now >= self._quiet_until and not self.holding:
+            self._since, self._quiet_until = now, now + self.every_s
+            return True
+        self.holding = True
+        if self._timer is None:
+            self._timer = loop.call_at(self._quiet_until, self.flush)
+        return False
+
+    def flush(self) -> None:
+        """Say the held ones now, if any."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.holding:
+            return
+        now = asyncio.get_running_loop().time()
+        self.holding = False
+        self._say_held(now - self._since)
+        self._since, self._quiet_until = now, now + self.every_s

@@ -177,6 +177,27 @@ class RefusingProcessor(Processor, Protocol):
         """Message ``seq`` was refused and its dead letter is stored: count it, move past it."""
 
 
+async def drop_subscription(js: JetStreamContext, sub: Any) -> None:
+    """Unsubscribe ``sub`` (a push subscription of ``js``: a KV watch's, say) and delete its
+    consumer, as :class:`OrderedConsumer` does at its stop. Left to the server, a consumer
+    outlives its subscription by its inactive threshold (five minutes for a KV watch), and a
+    process that opens and closes watches as it goes (serve-http, as slot trackers come and
+    go) would leave them behind by the hundred. Clean-up only: a failure is passed over."""
+    await attempt(sub.unsubscribe())
+    stream, name = getattr(sub, "_stream", None), getattr(sub, "_consumer", None)
+    if stream and name and js._nc.is_connected:  # else it goes by itself, without interest
+        await attempt(js.delete_consumer(stream, name))
+
+
+async def stop_watch(js: JetStreamContext, watcher: Any) -> None:
+    """Stop a KV watch (``KeyValue.watch``'s) and delete its consumer, as
+    :func:`drop_subscription` does."""
+    await attempt(watcher.stop())
+    sub = getattr(watcher, "_sub", None)
+    if sub is not None:
+        await drop_subscription(js, sub)
+
+
 class OrderedConsumer:
     """Runs a processor over ``subjects`` of ``stream``, in stream order, from a position, with
     at most ``window`` messages received and not yet handled.

@@ -79,6 +79,8 @@ METRICS = (
 HTTP = (
     "http_host",
     "http_port",
+    "http_max_connections",
+    "max_trackers",
     "http_token",
     "http_token_file",
     "event_loop",

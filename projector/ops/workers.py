@@ -19,6 +19,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError
 
+from projector.nats.stream import stop_watch
 from projector.read.bucket import read_bucket
 from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
@@ -171,4 +172,4 @@ class WorkerControl:
                     return True
             return False
         finally:
-            await watcher.stop()
+            await stop_watch(self.nc.jetstream(), watcher)

@@ -23,6 +23,7 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
+from projector.nats.stream import stop_watch
 from projector.wire.config import Config
 from projector.wire.values import (
     LoadValue,
@@ -36,6 +37,7 @@ from projector.wire.values import (
     decode_tracker,
     parse_key,
 )
+from seqstate.deltas import TRACKER_ENDED
 
 # Keys of a namespace that are no part of the read model, and are kept: who holds the lease,
 # where the log was trimmed (projector.nats.retention).
@@ -148,7 +150,8 @@ async def read_bucket(
 ) -> BucketView:
     """The namespace's current values; ``keys`` narrows the read to a key filter below the
     namespace (``load.>``: every rank's load, none of the requests)."""
-    kv = await nc.jetstream().key_value(config.registry_bucket)
+    js = nc.jetstream()
+    kv = await js.key_value(config.registry_bucket)
     view = BucketView()
     keys = f"{config.namespace}.{keys}"
     current = CurrentValues(nc, config.registry_bucket, keys)
@@ -161,7 +164,7 @@ async def read_bucket(
             if await current.done_after(entry):
                 return view
     finally:
-        await watcher.stop()
+        await stop_watch(js, watcher)
 
 
 async def next_update(watcher: KeyValue.KeyWatcher, timeout: float | None) -> Any:
@@ -184,16 +187,21 @@ async def tracker_updates(
 ) -> AsyncGenerator[tuple[str, int] | None, None]:
     """Each namespace of the bucket folded by the slot-tracker rules that has a tracker
     (``<ns>.tracker``), as ``(namespace, block size)``: those there now, then ``None`` once
-    they are all delivered, then each one written later. ``timeout``: between two updates
-    (``TimeoutError`` beyond). Close it (``contextlib.aclosing``) to stop its watch."""
-    kv = await nc.jetstream().key_value(config.registry_bucket)
+    they are all delivered, then each one written later. A tracker that ended (its key
+    deleted: its last worker was removed) comes as ``(namespace, TRACKER_ENDED)``, those that
+    ended before the watch began too. ``timeout``: between two updates (``TimeoutError``
+    beyond). Close it (``contextlib.aclosing``) to stop its watch."""
+    js = nc.jetstream()
+    kv = await js.key_value(config.registry_bucket)
     current = CurrentValues(nc, config.registry_bucket, "*.tracker")
     watcher = await kv.watch("*.tracker")
     told = False
     try:
         while True:
             entry = await next_update(watcher, timeout)
-            if entry is not None and entry.value and entry.operation not in (KV_DEL, KV_PURGE):
+            if entry is None:
+                pass
+            elif entry.value and entry.operation not in (KV_DEL, KV_PURGE):
                 # A damaged value is skipped: verify names it, rebuild repairs it.
                 try:
                     block_size = decode_tracker(entry.value).block_size
@@ -201,12 +209,13 @@ async def tracker_updates(
                     pass
                 else:
                     yield entry.key.split(".", 1)[0], block_size
+            else:
+                yield entry.key.split(".", 1)[0], TRACKER_ENDED
             if not told and await current.done_after(entry):
                 told = True
                 yield None
     finally:
-        with contextlib.suppress(Exception):
-            await watcher.stop()
+        await stop_watch(js, watcher)
 
 
 async def read_trackers(nc: Client, config: Config, *, timeout: float = 30.0) -> dict[str, int]:
@@ -217,5 +226,8 @@ async def read_trackers(nc: Client, config: Config, *, timeout: float = 30.0) ->
         async for tracker in updates:
             if tracker is None:
                 break
-            found[tracker[0]] = tracker[1]
+            if tracker[1] == TRACKER_ENDED:
+                found.pop(tracker[0], None)
+            else:
+                found[tracker[0]] = tracker[1]
     return found

@@ -38,6 +38,7 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from projector.nats.failures import JETSTREAM_OFF, jetstream_off
 from projector.nats.progress import Progress
+from projector.nats.stream import drop_subscription
 from projector.wire.config import Config
 from projector.wire.values import (
     Rank,
@@ -336,9 +337,8 @@ class RegistryView:
 
     async def _unsubscribe(self) -> None:
         sub, self._sub = self._sub, None
-        if sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+        if sub is not None and self._js is not None:
+            await drop_subscription(self._js, sub)
 
     # ---- folding values ---------------------------------------------------------------------
 

@@ -37,6 +37,14 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 # line (``HPUB <subject> <reply> <sizes>``) into its max_control_line, 4,096 bytes by default,
 # and ends the connection on a longer one. Half is the namespace's, half the rest of the line's.
 MAX_NAMESPACE_BYTES = 2048
+# serve-http's doors. Connections: nginx's default worker_connections; with the refusals that
+# linger and the process's own descriptors (NATS, the metrics port) it fits the common
+# `ulimit -n` of 1,024. Trackers: each is a pipeline (a writer, a projector, a view and an
+# outcomes feed) in every serve-http process, measured at ~0.25 MB and ~0.1% of a core idle
+# apiece; 128 keeps that near 30 MB and an eighth of a core, far above a deployment's models
+# times routing groups.
+DEFAULT_HTTP_MAX_CONNECTIONS = 512
+DEFAULT_MAX_TRACKERS = 128
 _SCHEMES = ("nats", "tls", "ws", "wss")
 _HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a name, IPv4, or IPv6 (urlsplit drops the brackets)
 # A literal NATS subject: names without wildcards, whitespace or controls, joined by dots.
@@ -264,6 +272,19 @@ class Config:
         "HOST",
     )
     http_port: int = _setting(8091, "the port serve-http listens on (Dynamo's)", "PORT")
+    http_max_connections: int = _setting(
+        DEFAULT_HTTP_MAX_CONNECTIONS,
+        "client connections serve-http holds open at once; one more is answered 503 and "
+        "closed, unread",
+        "N",
+    )
+    max_trackers: int = _setting(
+        DEFAULT_MAX_TRACKERS,
+        "slot trackers (model_name, routing_group) serve-http serves; each runs a pipeline "
+        "in every serve-http process: a /register of one more is 400, and a process with a "
+        "lower bound leaves the rest to the others",
+        "N",
+    )
     http_token: str | None = _setting(
         None,
         "serve-http answers only calls that carry 'Authorization: Bearer TOKEN' (401 "
@@ -677,6 +698,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
         "http_port",
         lambda v: "" if 0 <= v <= 65_535 else "not a port: use 0-65535 (0: any free port)",
     ),
+    ("http_max_connections", lambda v: "" if 1 <= v <= 1_000_000 else "must be 1 to 1000000"),
+    ("max_trackers", lambda v: "" if 1 <= v <= 1_000_000 else "must be 1 to 1000000"),
     ("http_token", lambda v: "" if v is None else bearer_problem(v)),
     (
         "event_loop",

@@ -7,11 +7,13 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from eventually import eventually
@@ -59,11 +61,21 @@ async def serve_http(
     host: str | None = "127.0.0.1",
     env: dict[str, str] | None = None,
     token: str | None = None,
+    output: Path | None = None,
+    descriptors: int | None = None,
 ) -> AsyncIterator[int]:
     """``seqstate serve-http`` with its defaults but the port; yields the port once /health
     answers. ``host`` None: no ``--host`` (the default address); ``env``: variables beside
-    ``NATS_URL``; ``token``: the one /health is asked with."""
+    ``NATS_URL``; ``token``: the one /health is asked with; ``output``: a file its output
+    goes to (complete once it has stopped); ``descriptors``: its file descriptors at most
+    (``ulimit -n``, hard and soft)."""
     port = free_port()
+    sink = output.open("wb") if output is not None else subprocess.PIPE
+
+    def limited() -> None:
+        if descriptors is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
+
     environ = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
     environ["NATS_URL"] = url
     environ.update(env or {})
@@ -81,8 +93,9 @@ async def serve_http(
         ],
         env=environ,
         cwd=REPO,
-        stdout=subprocess.PIPE,
+        stdout=sink,
         stderr=subprocess.STDOUT,
+        preexec_fn=limited if descriptors is not None else None,
     )
     try:
 
@@ -93,6 +106,8 @@ async def serve_http(
         def running() -> None:
             if proc.poll() is not None:  # its output is complete once it has exited
                 out = (proc.stdout.read() if proc.stdout else b"").decode()
+                if output is not None:
+                    out = output.read_text()
                 raise AssertionError(f"serve-http exited with {proc.returncode}\n{out}")
 
         await eventually(
@@ -116,6 +131,8 @@ async def serve_http(
                 proc.kill()
         if proc.stdout is not None:
             proc.stdout.close()
+        if output is not None and not isinstance(sink, int):
+            sink.close()
 
 
 def request(
@@ -139,6 +156,34 @@ def request(
     if authorization is not None:
         head += f"authorization: {authorization}\r\n"
     return (head + "\r\n").encode() + data
+
+
+def register(
+    model: str = "Qwen/Qwen3-8B", worker: int = 1, dp_size: int = 1
+) -> tuple[str, str, Any]:
+    """A ``/register`` call of ``worker`` (block size 16, ranks from 0) for ``model``."""
+    body = {
+        "model_name": model,
+        "worker_id": worker,
+        "block_size": 16,
+        "dp_start": 0,
+        "dp_size": dp_size,
+    }
+    return ("POST", "/register", body)
+
+
+async def refused(port: int, data: bytes) -> Reply:
+    """Send ``data``, read the answer, and check that the server closed the connection after
+    it (EOF, whatever the client had left to send)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        reply = await read_reply(reader)
+        assert await asyncio.wait_for(reader.read(), WAIT_S) == b"", "not closed after it"
+        assert reply.headers.get("connection") == "close"
+        return reply
+    finally:
+        writer.close()
 
 
 def kill(port: int) -> None:

@@ -26,6 +26,8 @@ from http_kit import (
     free_port,
     http_get,
     read_reply,
+    refused,
+    register,
     request,
     rows,
     serve_http,
@@ -43,17 +45,6 @@ RSS_LIMIT_MB = 150
 MODEL = "Qwen/Qwen3-8B"
 
 
-def register(model: str = MODEL, worker: int = 1, dp_size: int = 1) -> tuple[str, str, Any]:
-    body = {
-        "model_name": model,
-        "worker_id": worker,
-        "block_size": 16,
-        "dp_start": 0,
-        "dp_size": dp_size,
-    }
-    return ("POST", "/register", body)
-
-
 def add(request_id: str, hashes: list[int], model: str = MODEL) -> tuple[str, str, Any]:
     body = {
         "model_name": model,
@@ -63,20 +54,6 @@ def add(request_id: str, hashes: list[int], model: str = MODEL) -> tuple[str, st
         "sequence_hashes": hashes,
     }
     return ("POST", "/add", body)
-
-
-async def refused(port: int, data: bytes) -> Reply:
-    """Send ``data``, read the answer, and check that the server closed the connection after
-    it (EOF, whatever the client had left to send)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(data)
-        reply = await read_reply(reader)
-        assert await asyncio.wait_for(reader.read(), WAIT_S) == b"", "not closed after it"
-        assert reply.headers.get("connection") == "close"
-        return reply
-    finally:
-        writer.close()
 
 
 def with_url(target: str) -> bytes:

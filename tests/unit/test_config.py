@@ -250,3 +250,31 @@ def test_the_inbox_prefix_is_the_users_own_and_never_nats_default() -> None:
     for bad in ("_X.>", "a..b", "a b"):
         with pytest.raises(ConfigError, match="SEQSTATE_NATS_INBOX_PREFIX"):
             Config.from_env({"SEQSTATE_NATS_INBOX_PREFIX": bad})
+
+
+def test_serve_http_bounds_its_connections_and_trackers_with_settings_of_its_own() -> None:
+    """serve-http held any number of connections and served any number of trackers. Each
+    bound is a setting (variable and flag) of serve-http alone, with a default that fits a
+    default `ulimit -n` of 1,024, and at least 1."""
+    from projector.ops.cli import build_parser
+    from projector.ops.commands import COMMANDS
+
+    config = Config()
+    assert (config.http_max_connections, config.max_trackers) == (512, 128)
+    env = {"SEQSTATE_HTTP_MAX_CONNECTIONS": "2000", "SEQSTATE_MAX_TRACKERS": "4"}
+    config = Config.from_env(env)
+    assert (config.http_max_connections, config.max_trackers) == (2000, 4)
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({"SEQSTATE_MAX_TRACKERS": "0"})
+    assert str(caught.value) == "SEQSTATE_MAX_TRACKERS='0': must be 1 to 1000000"
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env({}, flags={"http_max_connections": ("--http-max-connections", "-1")})
+    assert str(caught.value) == "--http-max-connections '-1': must be 1 to 1000000"
+    having = {
+        c.name for c in COMMANDS if {"http_max_connections", "max_trackers"} & set(c.settings)
+    }
+    assert having == {"serve-http"}
+    args = build_parser().parse_args(
+        ["serve-http", "--http-max-connections", "8", "--max-trackers", "3"]
+    )
+    assert (args.cfg_http_max_connections, args.cfg_max_trackers) == ("8", "3")

@@ -45,14 +45,20 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
         metrics.starting = "starting: opening the trackers"
         await service.start()
         try:
-            server = await serve(service, host, config.http_port, token=token)
+            server = await serve(
+                service,
+                host,
+                config.http_port,
+                token=token,
+                max_connections=config.http_max_connections,
+            )
         except OSError as exc:
             await service.stop()
             raise CliError(
                 f"cannot listen on {host}:{config.http_port}: {exc.strerror or exc}"
             ) from None
         metrics.starting = ""
-        port = int(server.sockets[0].getsockname()[1])  # --http-port 0: the one chosen
+        port = server.port  # --http-port 0: the one chosen
         log.info(
             "serving the slot-tracker API on http://%s:%d (%d trackers, %s event loop)%s",
             host,
