@@ -21,7 +21,10 @@ headroom. What a library would have done is kept small and explicit here:
 - at most ``MAX_IN_FLIGHT`` calls per connection, and about ``WRITE_HIGH`` bytes of answers
   its client has not read: beyond either the connection stops being read (TCP backpressure),
   and beyond the second its calls stop being begun, until they drain; never buffered without
-  bound, and other connections are served on;
+  bound, and other connections are served on. The bodies of calls read but not begun yet
+  (pipelined behind others) are bounded too: ``MAX_QUEUED`` bytes per connection, and
+  ``MAX_QUEUED_TOTAL`` over every connection (a connection that queues nothing always reads
+  on); past either, reading waits until calls begin and their bodies are let go;
 - every part of a request is bounded as it arrives, before it is kept: a URL over ``MAX_URL``
   is 414, headers over ``MAX_HEADERS`` 431, a body over ``MAX_BODY`` 413 (axum's default
   limit, 2 MiB; with its ``Content-Length`` it is refused before it is read); a request that
@@ -70,6 +73,8 @@ MAX_HEAD = MAX_URL + MAX_HEADERS + 8 * 1024  # what a head may take on the wire:
 # A body: axum's default limit. A 1M-token prompt's /add (62,500 i64 hashes) is ~1.3 MB.
 MAX_BODY = 2 * 1024 * 1024
 MAX_IN_FLIGHT = 64
+MAX_QUEUED = 4 * 1024 * 1024  # bodies of a connection's calls read but not yet begun
+MAX_QUEUED_TOTAL = 64 * 1024 * 1024  # the same over every connection of the process
 PIECE = 4096  # a head is parsed this many bytes at a time, and counted in between
 WRITE_HIGH = 64 * 1024  # answers not read by the client beyond this: its requests wait
 HEAD_TIMEOUT_S = 5.0  # a request's head (the first: from the connection's opening)
@@ -213,6 +218,27 @@ class Call:
         conn.advance()
 
 
+class _QueuedBodies:
+    """The bytes of bodies read but not yet begun, over every connection of the process, and
+    the connections that wait for them to go down before they read on."""
+
+    __slots__ = ("total", "waiting")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.waiting: set[_Connection] = set()
+
+    def release(self, size: int) -> None:
+        self.total -= size
+        if self.waiting and self.total <= MAX_QUEUED_TOTAL:
+            woken, self.waiting = self.waiting, set()
+            for conn in woken:
+                conn._maybe_resume()
+
+
+_QUEUED = _QueuedBodies()
+
+
 class _Refused(SeqstateError):
     """Raised in a parser callback to stop the parse: the connection's refusal says why."""
 
@@ -232,6 +258,7 @@ class _Connection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.calls: deque[Call] = deque()  # every call not yet written, in order
         self.waiting: deque[Call] = deque()  # the calls not submitted yet: always a suffix
+        self.queued = 0  # the bytes of their bodies (also counted in _QUEUED.total)
         self.not_begun = 0  # submitted calls not begun yet
         self.not_answered = 0  # submitted calls not answered yet
         self._advancing = False
@@ -293,7 +320,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.release()
         self.calls.clear()
-        self.waiting.clear()
+        self._drop_waiting()
         self.held = None
         self.transport = None
         if self.watchdog is not None:
@@ -364,9 +391,13 @@ class _Connection(asyncio.Protocol):
             self.loop.call_soon(self._resume)
 
     def _may_read(self) -> bool:
+        if self.queued and _QUEUED.total > MAX_QUEUED_TOTAL:
+            _QUEUED.waiting.add(self)  # others' bodies first: woken when they go down
+            return False
         return (
             not self.writing_paused
             and len(self.calls) < MAX_IN_FLIGHT // 2
+            and self.queued < MAX_QUEUED // 2
             and not self.refused
             and self.transport is not None
         )
@@ -498,6 +529,8 @@ class _Connection(asyncio.Protocol):
         call = Call(self, method, path, query, self.content_type, body, close)
         self.calls.append(call)
         self.waiting.append(call)
+        self.queued += len(body)
+        _QUEUED.total += len(body)
         self._limit()
         self.advance()
 
@@ -525,6 +558,9 @@ class _Connection(asyncio.Protocol):
                     and self.transport is not None
                 ):
                     call = waiting.popleft()
+                    if call.body:  # the handler has it from here: no longer queued
+                        self.queued -= len(call.body)
+                        _QUEUED.release(len(call.body))
                     call.state = SUBMITTED
                     self.not_begun += 1
                     self.not_answered += 1
@@ -536,6 +572,8 @@ class _Connection(asyncio.Protocol):
                     progress = True
         finally:
             self._advancing = False
+        if self.paused:  # a call begun lets its body go: perhaps reading may go on
+            self._maybe_resume()
 
     def _write_answered(self) -> None:
         calls, transport = self.calls, self.transport
@@ -556,7 +594,7 @@ class _Connection(asyncio.Protocol):
         the answer rather than a reset. A client that reads none of it within
         ``SEND_TIMEOUT_S`` is cut off: a close waits for the written bytes to be taken."""
         self.transport = None
-        self.waiting.clear()
+        self._drop_waiting()
         self.timers.append(self.loop.call_later(SEND_TIMEOUT_S, transport.abort))
         if not self.refused or not transport.can_write_eof():
             transport.close()
@@ -566,8 +604,19 @@ class _Connection(asyncio.Protocol):
         self.timers.append(self.loop.call_later(LINGER_S, transport.close))
 
     def _limit(self) -> None:
-        if len(self.calls) >= MAX_IN_FLIGHT:
+        if len(self.calls) >= MAX_IN_FLIGHT or self.queued >= MAX_QUEUED:
             self._pause()
+        elif self.queued and _QUEUED.total > MAX_QUEUED_TOTAL:
+            self._pause()
+            _QUEUED.waiting.add(self)  # woken when the bodies of all go down
+
+    def _drop_waiting(self) -> None:
+        """The calls not begun will never be: their bodies are let go."""
+        self.waiting.clear()
+        queued, self.queued = self.queued, 0
+        _QUEUED.waiting.discard(self)
+        if queued:
+            _QUEUED.release(queued)
 
     def _queue_now(self, data: bytes, close: bool) -> None:
         """A reply that needs no handler (401, 413, 400): it has no effect to order."""

@@ -181,6 +181,11 @@ class NatsServer:
     def running(self) -> bool:
         return self._proc is not None
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs."""
+        return None if self._proc is None else self._proc.pid
+
     def check_alive(self) -> None:
         """Raise, with the tail of its log, if the server process has exited on its own."""
         proc = self._proc

@@ -13,8 +13,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import random
+import signal
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from eventually import eventually
@@ -277,6 +280,58 @@ async def test_a_client_that_pipelines_20000_calls_and_reads_none_is_paused_unde
             finally:
                 writer.close()
             assert peak() < RSS_LIMIT_MB, peak()
+
+
+async def test_bodies_queued_behind_a_waiting_call_are_bounded_under_150_mb(
+    tmp_path: Path,
+) -> None:
+    """Calls pipelined behind a read that waits (the read waits for the add before it, whose
+    event cannot be stored: nats-server is frozen) are read ahead, but their bodies are kept
+    only up to a bound per connection and over all of them. Four clients each pipelining 60
+    bodies of 2 MiB once took serve-http past 500 MB; every call is answered in order once
+    the server is back."""
+    with NatsServer(tmp_path / "nats") as server:
+        config = fresh_config("dq")
+        async with serve_http(server.url, config) as port:
+            assert [a.status for a in await exchange(port, [register(), add("w", [1])])] == [
+                201,
+                201,
+            ]
+            body = json.dumps({"model_name": MODEL, "request_id": "nobody"}).encode()
+            big = request("POST", "/free", raw=body + b" " * (2 * MiB - len(body)))
+            clients = []
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                async with rss_watch(port) as peak:
+                    for i in range(4):
+                        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                        head = request("POST", "/add", add(f"held-{i}", [i + 2])[2])
+                        writer.write(head + request("GET", "/loads") + big * 60)
+                        clients.append((reader, writer, writer.get_extra_info("sockname")[1]))
+
+                    def unread() -> list[int]:
+                        return [receive_queue(port, client) for _, _, client in clients]
+
+                    await eventually(
+                        unread, lambda queues: all(queues), what="serve-http pausing each client"
+                    )
+                    await served_meanwhile_health(port)
+                    assert peak() < RSS_LIMIT_MB, peak()
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            for reader, writer, _ in clients:
+                try:
+                    statuses = [(await read_reply(reader)).status for _ in range(62)]
+                finally:
+                    writer.close()
+                assert statuses[0] in (201, 503) and statuses[1] == 200, statuses[:2]
+                assert set(statuses[2:]) <= {200, 503}, statuses
+
+
+async def served_meanwhile_health(port: int) -> None:
+    """Another client is answered while the others wait."""
+    assert (await exchange(port, [("GET", "/health", None)]))[0].status in (200, 503)
 
 
 def receive_queue(server_port: int, client_port: int) -> int:
