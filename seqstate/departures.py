@@ -26,7 +26,8 @@ class Departures:
 
     def __init__(self, grace_ns: int) -> None:
         self.grace_ns = grace_ns
-        self.slots: dict[Rank, ActiveSequences] = {}  # every parked rank, of every worker
+        # Every parked rank, of every worker, in deadline order (as a snapshot restores it).
+        self.slots: dict[Rank, ActiveSequences] = {}
         # worker_id -> (deadline, its parked ranks in creation order); deadline order.
         self.workers: dict[int, tuple[int, list[Rank]]] = {}
         self.due_ns = NEVER  # when the oldest departure lapses: callers skip lapse() before
@@ -48,6 +49,8 @@ class Departures:
         while parked (it came back lazily, then went) keeps all its parked ranks, and its
         deadline moves to the later removal."""
         _, ranks = self.workers.pop(worker_id, (0, []))
+        for rank in ranks:  # to the end, beside its new ranks: deadline order, as a restore has
+            self.slots[rank] = self.slots.pop(rank)
         for rank, slot in slots.items():
             self.slots[rank] = slot
             ranks.append(rank)

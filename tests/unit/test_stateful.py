@@ -544,6 +544,8 @@ class Model:
                 return Expected("applied", removed_ranks=doomed, block_size=0)
             return Expected("applied", removed_ranks=doomed)
         _, parked = self.departed.pop(w, (0, []))
+        for rank in parked:  # parked again: its ranks go after every other worker's
+            self.parked[rank] = self.parked.pop(rank)
         for rank in doomed:
             del self.ranks[rank]
             if self.on(rank):

@@ -168,3 +168,22 @@ def test_a_snapshot_taken_within_the_grace_restores_the_parked_worker() -> None:
 def test_the_grace_must_be_positive() -> None:
     with pytest.raises(ValueError, match="worker_grace_s"):
         SequenceState(worker_grace_s=0)
+
+
+def test_a_worker_parked_twice_is_restored_from_a_snapshot_in_the_same_order() -> None:
+    """Worker 1 parked, worker 2 parked, worker 1 back lazily and parked again: its ranks
+    are due after worker 2's. The live state and one restored from its snapshot list the
+    parked ranks alike (the restore rebuilds them in deadline order; the live state once kept
+    worker 1's first rank ahead of worker 2's)."""
+    s = state(lazy_workers=True)
+    s.apply(AddRequest("a", 1, 0, block_hashes=[1]), 1 * S)
+    s.apply(WorkerRemoved(1), 2 * S)
+    s.apply(AddRequest("b", 2, 0, block_hashes=[2]), 3 * S)
+    s.apply(WorkerRemoved(2), 4 * S)
+    s.apply(AddRequest("c", 1, 1, block_hashes=[3]), 5 * S)
+    s.apply(WorkerRemoved(1), 6 * S)
+    assert list(s.departures.workers) == [2, 1]
+    assert list(s.departures.slots) == [(2, 0), (1, 0), (1, 1)]
+    restored = SequenceState.restore(s.snapshot())
+    assert list(restored.departures.slots) == list(s.departures.slots)
+    assert restored.snapshot() == s.snapshot()
