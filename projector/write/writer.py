@@ -45,10 +45,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from projector.nats.dead_letters import LOG_EVERY_S
 from projector.nats.failures import describe, explain, refusal
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
-from projector.nats.logs import event_fields
+from projector.nats.logs import Quiet, event_fields
 from projector.nats.progress import Progress
 from projector.nats.stream import (
     DEFAULT_WINDOW,
@@ -166,6 +167,9 @@ class Writer(LagWatched):
         self._lag_of = measure_lag
         self._rules_differing = rules_differing
         self._published_up_to = 0
+        # Holes logged: the first at once, then one line per interval (``_log_hole``).
+        self._holes_quiet = Quiet(LOG_EVERY_S, self._say_held_holes)
+        self._holes_held: list[Any] = [0, 0, ""]  # holes, messages missing, the last one said
         self._tick_tag = ""  # read at the first Tick
         self._last_event_at = 0.0
         self._stopping = asyncio.Event()
@@ -274,6 +278,7 @@ class Writer(LagWatched):
                 else:  # a save under way is let finish (briefly), not cut into orphan chunks
                     await self.snapshotter.settle(SETTLE_S)
         finally:
+            self._holes_quiet.flush()
             self._release_awaited()
             await cancel(watcher)
             await cancel(ticker)
@@ -374,7 +379,15 @@ class Writer(LagWatched):
         return None
 
     def _log_hole(self, seq: int, hole: Hole) -> None:
-        """A Dynamo publisher's messages the log never got (NATS Core keeps no copy)."""
+        """A Dynamo publisher's messages the log never got (NATS Core keeps no copy). They
+        may come by the thousand (forged sequences, a flood of publishers): the first is said
+        at once, the rest once per interval, counted (the metrics keep every one)."""
+        if not self._holes_quiet.now():
+            held = self._holes_held
+            held[0] += 1
+            held[1] += hole.missing
+            held[2] = f"publisher {hole.publisher_id}, {hole.missing:,} before event {seq}"
+            return
         log.warning(
             "Dynamo publisher %d lost %d message%s (its sequence %d on) before event %d: "
             "what they added, marked or freed stays wrong until a Free or expiry",
@@ -384,6 +397,19 @@ class Writer(LagWatched):
             hole.first_missing,
             seq,
             extra={"namespace": self.settings.namespace, "stream_seq": seq},
+        )
+
+    def _say_held_holes(self, span_s: float) -> None:
+        holes, missing, last = self._holes_held
+        self._holes_held = [0, 0, ""]
+        log.warning(
+            "Dynamo publishers lost messages %s more times in the last %.1fs (%s messages in "
+            "all); the last: %s",
+            f"{holes:,}",
+            span_s,
+            f"{missing:,}",
+            last,
+            extra={"namespace": self.settings.namespace},
         )
 
     def _fold_failed(self, exc: BaseException) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 import nats.errors
+import pytest
 from dynamo_capture import CAPTURE
 from eventually import eventually
 from nats.aio.client import Client
@@ -172,13 +175,21 @@ async def test_forged_sequences_saturate_and_never_stop_run_or_a_snapshot(
     assert (restored.publishers.holes, restored.publishers.late) == (U64_MAX, 1)
 
 
+HELD = (
+    r"Dynamo publishers lost messages ([\d,]+) more times in the last [\d.]+s \(([\d,]+) "
+    r"messages in all\); the last: publisher \d+, [\d,]+ before event \d+"
+)
+
+
 async def test_hole_counts_survive_4096_publishers_in_status_metrics_and_snapshots(
-    nc: Client, nats_server: NatsServer
+    nc: Client, nats_server: NatsServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Three publishers lose 500, 400 and 300 messages; one sends 0-2, a late 0 and then 3;
     then 4,200 new ids each lose 1 to 7, which forgets the first ones from the table of
     4,096. The totals and the lossiest publishers are exact in the writer's status, the
-    metrics, ``seqstate status`` (from the writer, then from a snapshot) and the snapshot."""
+    metrics, ``seqstate status`` (from the writer, then from a snapshot) and the snapshot.
+    The writer's log says the first hole, then a line per interval counting the others (it
+    said a line per hole: 4,203 here)."""
     config = fresh_config("many", dynamo_endpoint="many.backend.generate", idle_tick_s=3600.0)
     await ensure(nc, config)
     url = nats_server.url
@@ -190,6 +201,7 @@ async def test_hole_counts_survive_4096_publishers_in_status_metrics_and_snapsho
     messages += [forged(pid, seq) for pid in flood for seq in (0, 2 + pid % 7)]
     lost = 1200 + sum(1 + pid % 7 for pid in flood)
     top = [(1, 500), (2, 400), (3, 300), *[(pid, 7) for pid in flood if pid % 7 == 6][:17]]
+    caplog.set_level(logging.WARNING, logger="seqstate.writer")
     async with Pipeline(nc, config) as pipeline:
         await publish(nc, config, messages)
         last = await logged(nc, config, len(messages))
@@ -220,6 +232,12 @@ async def test_hole_counts_survive_4096_publishers_in_status_metrics_and_snapsho
         ), said.stdout
         saved = await run_cli(config, url, "snapshot", "save", "--no-progress")
         assert saved.returncode == 0, saved.stderr
+    said_holes = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert said_holes[0].startswith("Dynamo publisher 1 lost 500 messages (its sequence 1 on)")
+    held = [re.fullmatch(HELD, line) for line in said_holes[1:]]
+    assert all(held) and len(held) <= 3, said_holes  # a line per 10 s, and one at the stop
+    counted = [(int(m[1].replace(",", "")), int(m[2].replace(",", ""))) for m in held if m]
+    assert (1 + sum(n for n, _ in counted), 500 + sum(k for _, k in counted)) == (4203, lost)
     said = await run_cli(config, url, "status")  # the writer stopped: from the snapshot
     assert said.returncode == 0, said.stderr
     lines = said.stdout.splitlines()
