@@ -45,6 +45,7 @@ NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 # what creating the streams and buckets needs
 PROVISION = ("duplicate_window_s", "replicas", "capture_max_bytes", "dead_letter_max_bytes")
 DYNAMO = ("dynamo_endpoint",)  # the consumers that provision a Dynamo capture
+FOLLOW = ("dynamo_discovery", "dynamo_resync")  # `run`: following the Dynamo fleet
 FOLD = (
     "expiry_s",
     "forget_lazy_ranks_s",

@@ -81,8 +81,13 @@ def endpoint_of(namespace: str, subject: str) -> str | None:
     return subject[len(prefix) :] if subject.startswith(prefix) else None
 
 
-async def in_flight(nc: Client, config: Config) -> Found:
-    """The Dynamo requests in flight, the bucket's entries skipped, and the replay."""
+async def in_flight(
+    nc: Client, config: Config, *, base: tuple[SequenceState, int] | None = None
+) -> Found:
+    """The Dynamo requests in flight, the bucket's entries skipped, and the replay.
+
+    ``base``: a fold to start from instead of a replay (a copy of the running writer's, and
+    the last event it folded); it is folded on, so it must be a copy."""
     if not config.dynamo_endpoints:
         raise ResyncError(
             "no Dynamo endpoint to resync: give --dynamo-endpoint NS.COMPONENT.ENDPOINT "
@@ -90,8 +95,11 @@ async def in_flight(nc: Client, config: Config) -> Found:
         )
     wanted = set(config.dynamo_endpoints)
     bucket = await read_bucket(nc, config)
-    replayed = await replay(nc, config)
-    state = replayed.state
+    if base is None:
+        replayed = await replay(nc, config)
+        state, last_seq = replayed.state, replayed.last_seq
+    else:
+        state, last_seq = base
     js = nc.jetstream()
     found: list[InFlight] = []
     skipped = 0
@@ -104,7 +112,7 @@ async def in_flight(nc: Client, config: Config) -> Found:
                 skipped += 1
                 continue
             found.append(InFlight(request[0], request[1], live.marked))
-    return Found(found, skipped, state, replayed.last_seq)
+    return Found(found, skipped, state, last_seq)
 
 
 def _live(state: SequenceState, rank: tuple[int, int], request_id: str) -> bool:
@@ -158,10 +166,16 @@ async def stored_at(
         await sub.unsubscribe()
 
 
-async def resync(nc: Client, config: Config, *, fence_wait_s: float = FENCE_WAIT_S) -> Resynced:
+async def resync(
+    nc: Client,
+    config: Config,
+    *,
+    fence_wait_s: float = FENCE_WAIT_S,
+    base: tuple[SequenceState, int] | None = None,
+) -> Resynced:
     """Republish every Dynamo request in flight of ``config``'s endpoints, then fence and free
-    again those that ended meanwhile (module docstring)."""
-    found = await in_flight(nc, config)
+    again those that ended meanwhile (module docstring). ``base``: as for :func:`in_flight`."""
+    found = await in_flight(nc, config, base=base)
     requests = found.requests
     republisher = Republisher(nc, config.namespace)
     await republisher.publish(requests)

@@ -308,6 +308,21 @@ class Config:
         "(routers started with --router-replica-sync on the NATS event plane)",
         "ENDPOINTS",
     )
+    dynamo_discovery: str | None = _setting(
+        None,
+        "where the Dynamo fleet registers its workers and routers, followed by `run` so that "
+        "a dead worker leaves the ledger and a new router replica is resynced: "
+        "'etcd:http://HOST:2379[,URL...]', 'file:DIR' or 'none'; unset: Dynamo's own "
+        "environment (DYN_DISCOVERY_BACKEND, ETCD_ENDPOINTS, DYN_FILE_KV), etcd at its "
+        "default endpoint as Dynamo does",
+        "SPEC",
+    )
+    dynamo_resync: str = _setting(
+        "auto",
+        "'auto': `run` resyncs each Dynamo router replica that starts (seen in discovery, "
+        "or, without it, by its first message); 'off': only `seqstate dynamo resync` does",
+        "auto|off",
+    )
     ready_lag_s: float | None = _setting(
         10.0,
         "/readyz answers 200 only while the oldest event not handled yet (for the projector: "
@@ -599,10 +614,15 @@ def _check_endpoints(value: str | None) -> str:
     return ""
 
 
+def _auto_or_off(value: str) -> str:
+    return "" if value in ("auto", "off") else f"{value!r}: 'auto' or 'off'"
+
+
 _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("nats_url", _check_url),
     ("namespace", _namespace),
     ("dynamo_endpoint", _check_endpoints),
+    ("dynamo_resync", _auto_or_off),
     ("events_stream", _name),
     ("deltas_stream", _name),
     ("registry_bucket", _name),

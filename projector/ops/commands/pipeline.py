@@ -89,6 +89,8 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
                 extra={"namespace": config.namespace},
             )
         tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
+        if config.dynamo_endpoints:
+            tasks.append(_follow_fleet(nc, config, lambda: current[0] if current else None))
         if args.demo:
             from projector.ops.demo import run_demo
 
@@ -101,6 +103,16 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             supervisor.cancel()
             await asyncio.wait([supervisor])
     return 0
+
+
+async def _follow_fleet(
+    nc: Client, config: Config, pipeline: Callable[[], Pipeline | None]
+) -> None:
+    """The Dynamo fleet followed beside the pipeline (:mod:`projector.ops.following`)."""
+    from projector.ops.following import feed_for, follower
+
+    async with feed_for(config) as feed:
+        await follower(nc, config, pipeline, feed).run()
 
 
 def _how_far(pipelines: list[Pipeline]) -> str:
@@ -315,7 +327,7 @@ RUN = Command(
     "run",
     "writer + projector in one process; an embedded nats-server unless NATS_URL is set",
     cmd_run,
-    _CONSUMER + flags.WRITER + flags.PROJECTOR + flags.LAG + flags.METRICS,
+    _CONSUMER + flags.FOLLOW + flags.WRITER + flags.PROJECTOR + flags.LAG + flags.METRICS,
     add_run_flags,
 )
 WRITER = Command(

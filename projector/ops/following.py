@@ -1,0 +1,71 @@
+"""``seqstate run`` beside a Dynamo fleet: the follower (:mod:`projector.dynamo.follow`) bound
+to the running pipeline.
+
+The follower reads the running writer's fold (never changes it) and resyncs from a copy of it,
+so an automatic resync replays nothing: the copy is the ledger at the writer's last event, and
+the resync folds on from there to its fence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from nats.aio.client import Client
+
+from projector.dynamo.follow import FleetFeed, Follower
+from projector.ops.resync import Resynced, resync
+from projector.route.publisher import RouterPublisher
+from projector.wire.config import Config
+from seqstate import SequenceState
+
+if TYPE_CHECKING:
+    from projector.run.pipeline import Pipeline
+
+
+class NoPipeline(LookupError):
+    """No pipeline runs (it is restarting): the follower waits for the next."""
+
+
+def follower(
+    nc: Client,
+    config: Config,
+    pipeline: Callable[[], Pipeline | None],
+    feed: FleetFeed | None,
+) -> Follower:
+    def ledger() -> SequenceState:
+        running = pipeline()
+        if running is None:
+            raise NoPipeline("no pipeline runs")
+        return running.writer.state
+
+    async def resync_now() -> Resynced:
+        running = pipeline()
+        if running is None:
+            raise NoPipeline("no pipeline runs")
+        writer = running.writer
+        # One synchronous step: the copy and its position are of the same event.
+        base = (SequenceState.restore(writer.state.snapshot()), writer.stats.last_seq)
+        return await resync(nc, config, base=base)
+
+    # A msg-id prefix of its own: its control events never deduplicate another's.
+    control = RouterPublisher(
+        nc, router_id=f"dynamo-discovery-{uuid.uuid4().hex[:12]}", config=config
+    )
+    return Follower(
+        nc,
+        config,
+        feed=feed,
+        ledger=ledger,
+        resync=resync_now,
+        publish=control.publish,
+        auto_resync=config.dynamo_resync == "auto",
+    )
+
+
+@contextlib.asynccontextmanager
+async def feed_for(config: Config) -> AsyncIterator[FleetFeed | None]:
+    """The discovery feed ``config`` names (None: no discovery)."""
+    yield None
