@@ -231,7 +231,9 @@ def core_event(message: DynamoMessage) -> AddRequest | MarkPrefillCompleted | Fr
 # A NATS subject token: not empty, no dot, no wildcard, no whitespace or control character.
 _TOKEN: Final = r"[^.*>\s\x00-\x1f\x7f]+"
 _ENDPOINT: Final = re.compile(rf"({_TOKEN})\.({_TOKEN})\.({_TOKEN})")
-_RAW: Final = re.compile(rf"namespace\.{_TOKEN}\.component\.{_TOKEN}\.endpoint\.{_TOKEN}\.{TOPIC}")
+_RAW: Final = re.compile(
+    rf"namespace\.({_TOKEN})\.component\.({_TOKEN})\.endpoint\.({_TOKEN})\.{TOPIC}"
+)
 _CAPTURED: Final = re.compile(rf"seqstate\.events\.{_TOKEN}\.dynamo\.{_TOKEN}\.{_TOKEN}\.{_TOKEN}")
 CAPTURED: Final = "dynamo"  # the token after a namespace's events prefix in a captured subject
 
@@ -256,6 +258,13 @@ def dynamo_subject(endpoint: str) -> str:
     """The subject Dynamo publishes ``endpoint``'s (``NS.COMPONENT.ENDPOINT``) lifecycle on."""
     ns, component, name = _endpoint(endpoint)
     return f"namespace.{ns}.component.{component}.endpoint.{name}.{TOPIC}"
+
+
+def endpoint_of(subject: str) -> str | None:
+    """The endpoint ``NS.COMPONENT.ENDPOINT`` whose lifecycle Dynamo publishes on
+    ``subject`` (the inverse of :func:`dynamo_subject`); None for any other subject."""
+    match = _RAW.fullmatch(subject)
+    return None if match is None else ".".join(match.groups())
 
 
 def captured_subject(namespace: str, endpoint: str) -> str:

@@ -23,6 +23,7 @@ from seqstate.dynamo import (
     decode_dynamo,
     dynamo_subject,
     encode_dynamo,
+    endpoint_of,
     is_dynamo_subject,
     resync_publisher_id,
 )
@@ -529,6 +530,20 @@ def test_a_malformed_endpoint_is_one_clear_error(endpoint: str) -> None:
 )
 def test_a_dynamo_subject_is_told_by_its_shape(subject: str, dynamo: bool) -> None:
     assert is_dynamo_subject(subject) is dynamo
+
+
+def test_a_dynamo_subject_names_its_endpoint_and_no_other_subject_does() -> None:
+    """What ``seqstate dynamo uncapture`` reads back from a capture stream's subjects."""
+    for endpoint in (ENDPOINT, "ns-1.comp_2.gen"):
+        assert endpoint_of(dynamo_subject(endpoint)) == endpoint
+    for subject in (
+        "seqstate.events.ns.dynamo.x.y.z",
+        "namespace.x.component.y.endpoint.z.kv_metrics",
+        "namespace.*.component.y.endpoint.z.active_sequences_events",
+        "SEQSTATE_EVENTS_DYNAMO_ns",  # a capture stream that captures nothing listens there
+        "",
+    ):
+        assert endpoint_of(subject) is None, subject
 
 
 def test_the_resync_publisher_is_a_fixed_u64_of_the_namespace() -> None:
