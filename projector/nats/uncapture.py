@@ -93,12 +93,14 @@ async def _stop(js: JetStreamContext, config: Config, capture: api.StreamConfig)
         await _update(js, capture, subjects=[])
     backlog = await _drained(js, config)
     if backlog is not None:
+        one = backlog.waiting == 1
         raise UncaptureError(
-            f"{backlog.waiting:,} Dynamo messages captured for namespace {config.namespace!r} "
-            f"are not in stream {config.events_stream} yet"
+            f"{backlog.waiting:,} Dynamo message{'' if one else 's'} captured for namespace "
+            f"{config.namespace!r} {'is' if one else 'are'} not in stream "
+            f"{config.events_stream} yet"
             + (f" ({backlog.error})" if backlog.error else " (is it full?)")
-            + f"; {name} captures nothing more, and is kept until they are: run this again "
-            "once the events stream takes them"
+            + f"; {name} captures nothing more, and is kept until the events stream has "
+            f"{'it' if one else 'them'}: run this again then"
         )
     try:
         events = await js.stream_info(config.events_stream)

@@ -185,3 +185,44 @@ async def test_the_last_endpoint_uncaptured_under_a_running_pipeline_and_provisi
     assert (await js.stream_info(dynamo_capture(config))).state.messages == 1
     out = await run_cli(config, url, "replay", "--verify", "--no-progress")
     assert out.returncode == 0 and "identical: 0 keys differ" in out.stdout, out.stdout
+
+
+async def test_what_the_capture_still_holds_reaches_the_log_before_it_is_deleted(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """The events stream full (an operator's limit of 1 message): a second captured message
+    waits in the capture stream. ``uncapture`` stops capturing, waits for the events stream to
+    take it (``DRAIN_S``), and, since it cannot, refuses in one line, keeping the capture
+    stream and its source. Once the events stream has room, the message reaches the log and
+    ``uncapture`` again deletes the capture: nothing captured before it was lost."""
+    config = fresh_config("full", dynamo_endpoint="full.backend.generate")
+    await ensure(nc, config)
+    js = nc.jetstream()
+    events = (await js.stream_info(config.events_stream)).config
+    events.max_msgs = 1
+    await js.update_stream(events)
+    subject = dynamo_subject("full.backend.generate")
+    for data in (ADD, CAPTURE[1].data):
+        await nc.publish(subject, data)
+    await nc.flush()
+    await logged(nc, config, 1)
+    url = nats_server.url
+    assert error_line(await run_cli(config, url, "dynamo", "uncapture")) == (
+        f"seqstate: error: 1 Dynamo message captured for namespace '{config.namespace}' is "
+        f"not in stream {config.events_stream} yet (is it full?); {dynamo_capture(config)} "
+        "captures nothing more, and is kept until the events stream has it: run this again then"
+    )
+    assert await subjects(nc, config) == [dynamo_capture(config)]  # no Dynamo subject
+    assert await sources(nc, config) == [dynamo_capture(config)]
+    await stored_nowhere(nc, subject)
+    events = (await js.stream_info(config.events_stream)).config
+    events.max_msgs = -1
+    await js.update_stream(events)
+    done = await run_cli(config, url, "dynamo", "uncapture")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == (  # its endpoint was taken out by the first run
+        f"stream {dynamo_capture(config)} deleted: namespace '{config.namespace}' captures no "
+        "Dynamo endpoint"
+    )
+    assert (await js.stream_info(config.events_stream)).state.messages == 2
+    assert await sources(nc, config) == []
