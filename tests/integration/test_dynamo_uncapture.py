@@ -72,7 +72,8 @@ async def test_a_typod_endpoint_is_uncaptured_and_the_log_keeps_its_events(
         "the log keeps its 1 event, and replay still folds it",
         "still captured: unc.backend.generate",
         "a seqstate process still given it (--dynamo-endpoint, SEQSTATE_DYNAMO_ENDPOINT) "
-        "captures it again at its next start: take it out there first",
+        "captures it again when it next provisions (run: at every start): take it out there "
+        "first",
     ]
     assert await subjects(nc, config) == [dynamo_subject("unc.backend.generate")]
     assert await sources(nc, config) == [dynamo_capture(config)]

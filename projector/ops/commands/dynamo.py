@@ -64,7 +64,8 @@ async def cmd_uncapture(config: Config) -> int:
         print(f"still captured: {', '.join(done.kept)}")
     print(
         "a seqstate process still given it (--dynamo-endpoint, SEQSTATE_DYNAMO_ENDPOINT) "
-        "captures it again at its next start: take it out there first"
+        "captures it again when it next provisions (run: at every start): take it out there "
+        "first"
     )
     return 0
 
@@ -88,7 +89,8 @@ def _examples() -> str:
         "uncapture takes the endpoints given (all of the namespace's when none is)\n"
         "out of its capture: JetStream stops storing what Dynamo publishes there; the\n"
         "last one gone, the capture stream is deleted. The log keeps their events.\n"
-        "A process still given the endpoint captures it again when it next starts."
+        "A process still given the endpoint captures it again when it next provisions\n"
+        "(seqstate run: at every start): take it out of its flags first."
     )
 
 
