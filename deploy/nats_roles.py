@@ -131,14 +131,16 @@ def permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     # Beyond them, serve-http's Outcomes follows the writer's dead letters (an ordered
     # consumer: the read set a replay has on that stream), to answer a refused call at once.
     dead = read_stream(dead_letter_stream(config))
-    # And `seqstate dynamo resync` republishes requests in flight on Dynamo's subjects.
-    union = (*(s for role in ADMIN_OF for s in roles[role][1]), *dead, RAW_PATTERN)
+    # And `seqstate dynamo resync` republishes requests in flight on Dynamo's subjects;
+    # `seqstate dynamo uncapture` deletes the capture stream once it captures nothing.
+    uncapture = f"$JS.API.STREAM.DELETE.{capture_stream(config.events_stream, config.namespace)}"
+    union = (*(s for role in ADMIN_OF for s in roles[role][1]), *dead, RAW_PATTERN, uncapture)
     roles["admin"] = (
         "the commands that do several roles' work (an operator's maintenance and all-in-one "
         "processes): run (the writer and the projector in one process, the demo router "
-        "beside them), rebuild, snapshot save, serve-http; the writer's, the projector's and "
-        "the demo's grants and the read set on the dead letters, in every namespace "
-        "(serve-http's trackers are namespaces of their own)",
+        "beside them), rebuild, snapshot save, serve-http, dynamo resync and uncapture; the "
+        "writer's, the projector's and the demo's grants and the read set on the dead "
+        "letters, in every namespace (serve-http's trackers are namespaces of their own)",
         list(dict.fromkeys(every_namespace(s, config.namespace) for s in union)),
     )
     return roles
@@ -256,9 +258,10 @@ HEADER = """\
 # (its Ticks).
 #
 # The admin signs in the commands that do several roles' work (run, rebuild, snapshot save,
-# serve-http, dynamo resync): the writer's, the projector's and the demo's grants, in every
-# namespace, since serve-http folds each model's tracker in a namespace of its own
-# (st-<model>-<group>), and Dynamo's replica-sync subjects (a resync republishes on them).
+# serve-http, dynamo resync and uncapture): the writer's, the projector's and the demo's
+# grants, in every namespace, since serve-http folds each model's tracker in a namespace of its
+# own (st-<model>-<group>), Dynamo's replica-sync subjects (a resync republishes on them), and
+# deleting the namespace's Dynamo capture stream (uncapture, once it captures nothing).
 #
 # Dynamo's own processes sign in as "dynamo" (NATS_SERVER=nats://dynamo:PASSWORD@host:4222):
 # they publish and subscribe on Dynamo's subjects (namespace.>), and nothing of seqstate's.

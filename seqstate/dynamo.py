@@ -17,8 +17,12 @@ and writes those bytes exactly as Dynamo 1.6.1 does (``shared/design/dynamo-wire
 Unknown fields are ignored where Dynamo's serde ignores them (every struct: serde's derive
 skips an unknown field unless told ``deny_unknown_fields``, which Dynamo never says), so a
 newer Dynamo that adds a field still feeds the ledger. Where serde refuses, so does this
-decoder: an unknown ``data`` variant, and an unknown field of a Rust ``Duration`` (serde's
-own implementation names only ``secs`` and ``nanos``).
+decoder: an unknown ``data`` variant, an unknown field of a Rust ``Duration`` (serde's own
+implementation names only ``secs`` and ``nanos``), and a ``worker`` without its ``dp_rank``
+(no serde default there: a Dynamo 1.6.1 replica logs "missing field `dp_rank`" and books
+nothing). Two more are refused, each with its reason: a ``topic`` other than
+``active_sequences_events`` (a replica ignores such a message, whatever its subject), and an
+empty ``request_id`` (a replica books it, but every empty id would be the same request).
 
 Ignoring a field means skipping its value, and skipping recurses in msgspec, against Python's
 recursion limit with the caller's frames: the same bytes could decode on a writer's shallow
@@ -58,8 +62,6 @@ Operation = Literal["AddRequest", "MarkPrefillCompleted", "Free"]
 
 U64 = Annotated[int, Meta(ge=0)]  # msgpack carries nothing above u64: ge=0 is the u64 range
 U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
-# The core refuses an empty request id in its own events: one that no Free could name apart.
-RequestId = Annotated[str, Meta(min_length=1)]
 
 _NS_PER_MS: Final = 1_000_000
 _NS_PER_S: Final = 1_000_000_000
@@ -104,12 +106,16 @@ class _AddVariant(_Wire):
 
 
 class _Worker(_Wire):
+    """``WorkerWithDpRank``: both fields required, as serde reads it (no ``#[serde(default)]``
+    on ``dp_rank``, unlike Dynamo's KV events): a Dynamo 1.6.1 replica refuses a worker without
+    one ("missing field `dp_rank`") and books nothing, so the ledger books nothing either."""
+
     worker_id: U64
-    dp_rank: U32 = 0
+    dp_rank: U32
 
 
 class _Event(_Wire):
-    request_id: RequestId
+    request_id: str  # not empty: checked after decoding (:data:`_EMPTY_ID`)
     worker: _Worker
     data: Literal["MarkPrefillCompleted", "Free"] | _AddVariant
     router_id: U64
@@ -225,18 +231,24 @@ def core_event(message: DynamoMessage) -> AddRequest | MarkPrefillCompleted | Fr
 # A NATS subject token: not empty, no dot, no wildcard, no whitespace or control character.
 _TOKEN: Final = r"[^.*>\s\x00-\x1f\x7f]+"
 _ENDPOINT: Final = re.compile(rf"({_TOKEN})\.({_TOKEN})\.({_TOKEN})")
-_RAW: Final = re.compile(rf"namespace\.{_TOKEN}\.component\.{_TOKEN}\.endpoint\.{_TOKEN}\.{TOPIC}")
+_RAW: Final = re.compile(
+    rf"namespace\.({_TOKEN})\.component\.({_TOKEN})\.endpoint\.({_TOKEN})\.{TOPIC}"
+)
 _CAPTURED: Final = re.compile(rf"seqstate\.events\.{_TOKEN}\.dynamo\.{_TOKEN}\.{_TOKEN}\.{_TOKEN}")
 CAPTURED: Final = "dynamo"  # the token after a namespace's events prefix in a captured subject
+
+
+def _shown(text: str) -> str:
+    """``text`` cut to what a reason or an error line shows of it."""
+    return text if len(text) <= 100 else text[:100] + "…"
 
 
 def _endpoint(endpoint: str) -> tuple[str, str, str]:
     match = _ENDPOINT.fullmatch(endpoint)
     if match is None:
-        shown = endpoint if len(endpoint) <= 100 else endpoint[:100] + "…"
         raise DynamoEndpointError(
-            f"Dynamo endpoint {shown!r} is not NAMESPACE.COMPONENT.ENDPOINT (three non-empty "
-            "names without dots, wildcards or spaces, e.g. dynamo.backend.generate)"
+            f"Dynamo endpoint {_shown(endpoint)!r} is not NAMESPACE.COMPONENT.ENDPOINT (three "
+            "non-empty names without dots, wildcards or spaces, e.g. dynamo.backend.generate)"
         )
     ns, component, name = match.groups()
     return ns, component, name
@@ -246,6 +258,13 @@ def dynamo_subject(endpoint: str) -> str:
     """The subject Dynamo publishes ``endpoint``'s (``NS.COMPONENT.ENDPOINT``) lifecycle on."""
     ns, component, name = _endpoint(endpoint)
     return f"namespace.{ns}.component.{component}.endpoint.{name}.{TOPIC}"
+
+
+def endpoint_of(subject: str) -> str | None:
+    """The endpoint ``NS.COMPONENT.ENDPOINT`` whose lifecycle Dynamo publishes on
+    ``subject`` (the inverse of :func:`dynamo_subject`); None for any other subject."""
+    match = _RAW.fullmatch(subject)
+    return None if match is None else ".".join(match.groups())
 
 
 def captured_subject(namespace: str, endpoint: str) -> str:
@@ -281,7 +300,11 @@ def decode_dynamo(data: bytes | bytearray | memoryview) -> DynamoMessage:
     :class:`~seqstate.events.EventDecodeError` with a reason, the same whatever the caller's
     stack."""
     envelope: _Envelope = _decode(data, _envelope_decoder, _Envelope, _prune_envelope, "envelope")
+    if envelope.topic != TOPIC:
+        raise EventDecodeError(_other_topic(envelope.topic))
     event: _Event = _decode(envelope.payload, _event_decoder, _Event, _prune_event, "event")
+    if not event.request_id:
+        raise EventDecodeError(_EMPTY_ID)
     message = DynamoMessage(
         publisher_id=envelope.publisher_id,
         sequence=envelope.sequence,
@@ -318,6 +341,22 @@ def decode_dynamo(data: bytes | bytearray | memoryview) -> DynamoMessage:
 
 
 _TOO_DEEP: Final = f"malformed Dynamo message: nested deeper than {MAX_NESTING} levels"
+# Dynamo's replicas key their requests by id, and would book an empty one (measured on 1.6.1):
+# every empty id would then be one request, its Free anyone's. The core refuses it, as in its
+# own events.
+_EMPTY_ID: Final = (
+    "invalid Dynamo event: an empty request_id (a Mark or a Free finds its request by id: "
+    "every empty one would name the same request) - at `$.request_id`"
+)
+
+
+def _other_topic(topic: str) -> str:
+    """A message of another of Dynamo's topics on a lifecycle subject: Dynamo's replicas
+    ignore it (measured on 1.6.1, an empty topic too), so the ledger folds nothing of it."""
+    return (
+        f"invalid Dynamo envelope: topic {_shown(topic)!r} is not {TOPIC!r} (Dynamo's "
+        "replicas ignore a message of another topic) - at `$.topic`"
+    )
 
 
 def _decode(

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Final, NamedTuple
 
+import msgspec
+
 PATH: Final = Path(__file__).parent / "data" / "replica-sync-1.6.1.jsonl"
 
 
@@ -41,3 +43,35 @@ WORKER_DP2: Final = 2757362059656683  # worker 18391909055928191313, ranks 0 and
 WORKER_DP1: Final = 6703009540806474  # worker 8764477833420859781
 BIG_WORKER: Final = 18391909055928191313  # above 2^63
 SMALL_WORKER: Final = 8764477833420859781
+
+
+def variant(data: bytes, *, topic: str | None = None, **event: object) -> bytes:
+    """The message ``data`` with its envelope's ``topic`` and its event's fields replaced:
+    the mistakes the tests feed the ledger, on real bytes."""
+    envelope = msgspec.msgpack.decode(data)
+    payload = msgspec.msgpack.decode(envelope["payload"])
+    payload.update(event)
+    envelope["payload"] = msgspec.msgpack.encode(payload)
+    if topic is not None:
+        envelope["topic"] = topic
+    return msgspec.msgpack.encode(envelope)
+
+
+# A worker map without its dp_rank, an empty request id, another topic: each refused, the
+# reason the fold gives.
+EDGES: Final = {
+    "a worker without its dp_rank": (
+        variant(CAPTURE[0].data, worker={"worker_id": BIG_WORKER}),
+        "invalid Dynamo event: Object missing required field `dp_rank` - at `$.worker`",
+    ),
+    "an empty request id": (
+        variant(CAPTURE[0].data, request_id=""),
+        "invalid Dynamo event: an empty request_id (a Mark or a Free finds its request by id: "
+        "every empty one would name the same request) - at `$.request_id`",
+    ),
+    "another topic": (
+        variant(CAPTURE[0].data, topic="kv-events"),
+        "invalid Dynamo envelope: topic 'kv-events' is not 'active_sequences_events' (Dynamo's "
+        "replicas ignore a message of another topic) - at `$.topic`",
+    ),
+}

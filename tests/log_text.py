@@ -10,6 +10,7 @@ line (argparse's usage errors, a child's own line) is kept as written.
 from __future__ import annotations
 
 import json
+import subprocess
 
 
 def plain(line: str) -> str:
@@ -25,3 +26,12 @@ def plain(line: str) -> str:
 def plain_lines(text: str) -> list[str]:
     """The non-blank lines of ``text``, each as :func:`plain` reads it."""
     return [plain(line) for line in text.splitlines() if line.strip()]
+
+
+def error_line(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused command says (exit 1, nothing on stdout), as a person reads it."""
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = plain_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    return lines[0]

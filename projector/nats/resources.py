@@ -1,11 +1,12 @@
 """Provisioning: the streams and the KV bucket the pipeline needs, created or updated idempotently.
 
 Running it twice changes nothing; running it for a second namespace adds that namespace's
-subjects to the shared streams. It never deletes a stream. A difference it cannot reconcile
-(the storage type of an existing stream, say) is reported as :class:`ProvisioningError`
-naming the setting, never papered over by recreating the stream and losing its log. Replicas
-are only ever raised: a process started with the default ``--replicas 1`` against a cluster's
-R3 streams must not quietly strip them of their copies.
+subjects to the shared streams. It never deletes a stream, nor takes a Dynamo endpoint out of a
+capture (``seqstate dynamo uncapture`` does: :mod:`projector.nats.uncapture`). A difference it
+cannot reconcile (the storage type of an existing stream, say) is reported as
+:class:`ProvisioningError` naming the setting, never papered over by recreating the stream and
+losing its log. Replicas are only ever raised: a process started with the default ``--replicas
+1`` against a cluster's R3 streams must not quietly strip them of their copies.
 
 The events stream is the ledger's truth, so it never drops an event to make room: it is kept
 at the discard policy ``new`` (and, under a per-subject limit, ``discard_new_per_subject``).

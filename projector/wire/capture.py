@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from seqstate.dynamo import TOPIC, captured_subject, dynamo_subject
+from seqstate.dynamo import TOPIC, captured_subject, dynamo_subject, endpoint_of
 
 # Dynamo's subject of any endpoint, with the three tokens the rewrite keeps.
 RAW_PATTERN: Final = f"namespace.*.component.*.endpoint.*.{TOPIC}"
@@ -44,5 +44,6 @@ __all__ = [
     "capture_stream",
     "captured_subject",
     "dynamo_subject",
+    "endpoint_of",
     "rewrite",
 ]

@@ -14,20 +14,29 @@ import json
 import logging
 
 import pytest
-from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
+from dynamo_capture import CAPTURE, EDGES, ENDPOINT, SUBJECT
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from pipeline_kit import fresh_config, logged, run_cli
+from pipeline_kit import fresh_config, logged, read_stream, run_cli
 from prometheus_client import generate_latest
 
-from projector.nats.resources import ensure
+from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.ops.metrics import Metrics
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
+from projector.wire.headers import REASON
 from seqstate import Fold, SequenceState
-from seqstate.dynamo import ADD, MARK, captured_subject, decode_dynamo, resync_publisher_id
+from seqstate.dynamo import (
+    ADD,
+    MARK,
+    captured_subject,
+    decode_dynamo,
+    dynamo_subject,
+    resync_publisher_id,
+)
+from seqstate.fold import UNDECODABLE
 
 HALF = 60  # messages of the capture published before the checks in flight
 
@@ -51,9 +60,9 @@ def ranks(state: SequenceState) -> dict[tuple[int, int], tuple[int, int]]:
     }
 
 
-async def publish(nc: Client, messages: list[bytes]) -> None:
+async def publish(nc: Client, messages: list[bytes], subject: str = SUBJECT) -> None:
     for data in messages:
-        await nc.publish(SUBJECT, data)  # NATS Core: no ack, as Dynamo publishes
+        await nc.publish(subject, data)  # NATS Core: no ack, as Dynamo publishes
     await nc.flush()
 
 
@@ -163,6 +172,30 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
     assert out.returncode == 0, out.stderr
     assert f"publisher {lost.publisher_id}: 1 message lost" in out.stdout, out.stdout
     out = await run_cli(config, url, "replay", "--verify", "--no-progress")
+    assert out.returncode == 0 and "identical: 0 keys differ" in out.stdout, out.stdout
+
+
+async def test_an_operators_edge_is_dead_lettered_with_its_reason_and_the_writer_goes_on(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """A worker map without its ``dp_rank``, an empty request id and a message of another
+    topic, on the endpoint's subject among real traffic: the writer dead-letters each with the
+    fold's reason (``undecodable``), counts them, folds the AddRequest after them, and replay
+    finds the bucket identical."""
+    endpoint = "edge.backend.generate"  # the module's other namespace captures ENDPOINT
+    config = fresh_config("edge", dynamo_endpoint=endpoint, idle_tick_s=3600.0)
+    await ensure(nc, config)
+    edges = [data for data, _ in EDGES.values()]
+    async with Pipeline(nc, config) as pipeline:
+        await publish(nc, [*edges, CAPTURE[0].data], dynamo_subject(endpoint))
+        await pipeline.wait_applied(await logged(nc, config, len(edges) + 1))
+        writer = pipeline.writer
+        assert {kind: n for kind, n in writer.dead_letters.counts.items() if n} == {UNDECODABLE: 3}
+        assert list(writer.state.requests.owner) == [decode_dynamo(CAPTURE[0].data).request_id]
+    letters = await read_stream(nc, dead_letter_stream(config), config.dead_letter_subject)
+    assert [h[REASON] for _, h, _ in letters] == [reason for _, reason in EDGES.values()]
+    assert [data for *_, data in letters] == edges  # each as it was stored
+    out = await run_cli(config, nats_server.url, "replay", "--verify", "--no-progress")
     assert out.returncode == 0 and "identical: 0 keys differ" in out.stdout, out.stdout
 
 

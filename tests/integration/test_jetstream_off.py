@@ -77,6 +77,7 @@ COMMANDS = [
     ("worker", "remove", "1"),
     ("publish",),
     ("dynamo", "resync", "--dynamo-endpoint", "dyn.backend.generate"),
+    ("dynamo", "uncapture"),
     ("demo", "--duration", "1", "--no-live"),
     ("writer",),
     ("projector",),

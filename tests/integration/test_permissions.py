@@ -976,3 +976,31 @@ def _dynamo(sequence: int, request_id: str, op: str) -> bytes:
             token_sequence=[1, 2] if op == "Add" else None,
         )
     )
+
+
+async def test_the_admin_uncaptures_a_typod_endpoint_then_every_endpoint(
+    roles_server: str,
+) -> None:
+    """``seqstate dynamo uncapture`` as the admin, with no permissions violation: a typo'd
+    endpoint taken out of the capture stream (an update, which the writer's grants allow),
+    then the last one (the stream deleted: the one grant the admin has beyond its roles').
+    The writer's next start provisions the capture again."""
+    typo, endpoint = "dynamo.backend.generat", "dynamo.backend.generate"
+    both = f"{endpoint},{typo}"
+    async with as_role(roles_server, "writer", dynamo_endpoint=both) as nc:
+        await ensure(nc, role_config(roles_server, "writer", dynamo_endpoint=both))
+    said = []
+    for argv in (("dynamo", "uncapture", "--dynamo-endpoint", typo), ("dynamo", "uncapture")):
+        rc, out, err = await as_cli(roles_server, "admin", *argv)
+        _clean("admin", argv, rc, out, err)
+        said.append(out)
+    config = role_config(roles_server, "writer", dynamo_endpoint=endpoint)
+    assert said[0].startswith(f"uncaptured Dynamo endpoint {typo} of namespace 'default'")
+    assert (
+        f"stream {dynamo_capture(config)} deleted: namespace 'default' captures no Dynamo "
+        "endpoint\n"
+    ) in said[1]
+    async with as_role(roles_server, "writer", dynamo_endpoint=endpoint) as nc:
+        await ensure(nc, config)
+        info = await nc.jetstream().stream_info(dynamo_capture(config))
+        assert info.config.subjects == [dynamo_subject(endpoint)]

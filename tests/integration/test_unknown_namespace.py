@@ -9,13 +9,12 @@ yet (its pipeline running: an empty answer, exit 0).
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import AsyncIterator
 
 import nats
 import pytest
 import pytest_asyncio
-from log_text import plain_lines
+from log_text import error_line
 from pipeline_kit import fresh_config, run_cli
 
 from projector.nats.resources import ensure
@@ -48,6 +47,7 @@ LOG_READERS: dict[tuple[str, ...], str | None] = {
     ("snapshot", "show"): None,  # it has no snapshot
     ("rebuild",): None,  # its projector holds the lease
     ("dynamo", "resync", "--dynamo-endpoint", "dyn.backend.generate"): "resynced 0 requests",
+    ("dynamo", "uncapture"): None,  # it captures no Dynamo endpoint
 }
 
 
@@ -75,14 +75,6 @@ async def served(nats_server: NatsServer) -> AsyncIterator[Served]:
             yield Served(nats_server.url, busy, empty)
     finally:
         await nc.close()
-
-
-def error_line(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 1, (result.stdout, result.stderr)
-    assert result.stdout == ""
-    lines = plain_lines(result.stderr)
-    assert len(lines) == 1, result.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize("argv", [*BUCKET_READERS, *LOG_READERS], ids=" ".join)

@@ -41,6 +41,7 @@ from seqstate.snapshot import decode_state
 from tests.dynamo_capture import (
     BIG_WORKER,
     CAPTURE,
+    EDGES,
     ENDPOINT,
     FRONTEND_A,
     FRONTEND_B,
@@ -466,6 +467,40 @@ def test_bytes_that_are_neither_are_undecodable_with_dynamos_reason() -> None:
     )
     deep = b"\x91" * 5000 + b"\xc0"
     assert refused(fold(2, 2, ON, deep)).kind == UNDECODABLE
+
+
+@pytest.mark.parametrize("name", EDGES)
+def test_an_operators_edge_is_refused_with_its_reason_and_the_fold_goes_on(name: str) -> None:
+    """Refused as undecodable (the dead letter's kind) with the decoder's reason, on the
+    namespace's capture subject and on Dynamo's own; nothing booked, its publisher not counted
+    (the message is no lifecycle event of it), and the capture after it folds as without it."""
+    data, reason = EDGES[name]
+    fold = new_fold()
+    for seq, subject in enumerate((ON, SUBJECT), 1):
+        assert refused(fold(seq, CAPTURE[0].t_ns, subject, data)) == Refusal(UNDECODABLE, reason)
+    assert len(fold.state.requests) == 0 and len(fold.state.publishers) == 0
+    assert "" not in fold.state.requests.owner
+    clean = new_fold()
+    for seq, c in enumerate(CAPTURE, 3):
+        assert fold(seq, c.t_ns, ON, c.data) == clean(seq, c.t_ns, ON, c.data)
+    assert fold.state.snapshot() == clean.state.snapshot()
+
+
+def test_a_dynamo_message_on_a_malformed_capture_subject_is_wrong_subject() -> None:
+    """A capture subject whose endpoint part is not three tokens is no capture subject: a
+    Dynamo message there is refused, naming where the namespace's Dynamo messages belong."""
+    fold = new_fold()
+    for seq, subject in enumerate(
+        ("seqstate.events.dyn.dynamo.dynamo.backend", "seqstate.events.dyn.dynamo.a.b.c.d"), 1
+    ):
+        verdict = refused(fold(seq, seq, subject, CAPTURE[0].data))
+        assert verdict.kind == WRONG_SUBJECT
+        assert verdict.reason == (
+            f"refused: a Dynamo AddRequest of publisher {FRONTEND_A} on subject {subject!r}; "
+            "the namespace's Dynamo messages belong on "
+            "'seqstate.events.dyn.dynamo.<NS>.<COMPONENT>.<ENDPOINT>'"
+        )
+    assert len(fold.state.requests) == 0 and len(fold.state.publishers) == 0
 
 
 def test_the_size_rule_comes_first() -> None:

@@ -23,6 +23,7 @@ from seqstate.dynamo import (
     decode_dynamo,
     dynamo_subject,
     encode_dynamo,
+    endpoint_of,
     is_dynamo_subject,
     resync_publisher_id,
 )
@@ -288,6 +289,42 @@ def test_an_unknown_operation_and_an_unknown_duration_field_are_refused_as_serde
     )
 
 
+def test_a_worker_without_its_dp_rank_is_refused_as_dynamos_replicas_refuse_it() -> None:
+    """``WorkerWithDpRank`` has no serde default: a Dynamo 1.6.1 replica given a worker map
+    without ``dp_rank`` logs "missing field `dp_rank`" and books nothing (measured on a live
+    fleet). Reading it as rank 0 would book a request no replica holds. Unknown fields beside
+    both are still ignored (an older test), and both present decode as ever."""
+    for worker in ({"worker_id": 7}, {"worker_id": 7, "zone": "b"}):
+        assert refused(with_event(worker=worker)) == (
+            "invalid Dynamo event: Object missing required field `dp_rank` - at `$.worker`"
+        )
+    assert decode_dynamo(with_event(worker={"worker_id": 7, "dp_rank": 0})).dp_rank == 0
+
+
+@pytest.mark.parametrize("topic", ["kv-events", "", "active_sequences_events_v2"])
+def test_a_message_of_another_topic_is_refused_as_dynamos_replicas_ignore_it(topic: str) -> None:
+    """The envelope's ``topic`` is the one thing in a message that says which of Dynamo's
+    event streams it belongs to (the envelope names no namespace, the subject says the rest).
+    A Dynamo 1.6.1 replica ignores a lifecycle-subject message of another topic, an empty one
+    too (measured on a live fleet): it is no lifecycle event, so the ledger folds nothing of
+    it either."""
+    envelope = raw(FIRST)
+    envelope["topic"] = topic
+    assert refused(wire(envelope)) == (
+        f"invalid Dynamo envelope: topic {topic!r} is not 'active_sequences_events' (Dynamo's "
+        "replicas ignore a message of another topic) - at `$.topic`"
+    )
+
+
+def test_a_long_topic_is_cut_in_its_reason() -> None:
+    envelope = raw(FIRST)
+    envelope["topic"] = "t" * 5000
+    assert refused(wire(envelope)) == (
+        f"invalid Dynamo envelope: topic '{'t' * 100}…' is not 'active_sequences_events' "
+        "(Dynamo's replicas ignore a message of another topic) - at `$.topic`"
+    )
+
+
 # ---- defects ------------------------------------------------------------------------------------
 
 
@@ -336,7 +373,8 @@ def with_event(**fields: Any) -> bytes:
         ),
         (
             with_event(request_id=""),
-            "invalid Dynamo event: Expected `str` of length >= 1 - at `$.request_id`",
+            "invalid Dynamo event: an empty request_id (a Mark or a Free finds its request by "
+            "id: every empty one would name the same request) - at `$.request_id`",
         ),
         (
             add_variant(expected_output_tokens=2**32),
@@ -492,6 +530,20 @@ def test_a_malformed_endpoint_is_one_clear_error(endpoint: str) -> None:
 )
 def test_a_dynamo_subject_is_told_by_its_shape(subject: str, dynamo: bool) -> None:
     assert is_dynamo_subject(subject) is dynamo
+
+
+def test_a_dynamo_subject_names_its_endpoint_and_no_other_subject_does() -> None:
+    """What ``seqstate dynamo uncapture`` reads back from a capture stream's subjects."""
+    for endpoint in (ENDPOINT, "ns-1.comp_2.gen"):
+        assert endpoint_of(dynamo_subject(endpoint)) == endpoint
+    for subject in (
+        "seqstate.events.ns.dynamo.x.y.z",
+        "namespace.x.component.y.endpoint.z.kv_metrics",
+        "namespace.*.component.y.endpoint.z.active_sequences_events",
+        "SEQSTATE_EVENTS_DYNAMO_ns",  # a capture stream that captures nothing listens there
+        "",
+    ):
+        assert endpoint_of(subject) is None, subject
 
 
 def test_the_resync_publisher_is_a_fixed_u64_of_the_namespace() -> None:

@@ -76,11 +76,14 @@ def test_the_admin_may_do_what_its_commands_roles_may_in_every_namespace_and_no_
     # `dynamo resync` republishes on Dynamo's replica-sync subjects: a part of the dynamo
     # role's namespace.> (Dynamo's processes'), the one grant no seqstate role has as such.
     resync = "namespace.*.component.*.endpoint.*.active_sequences_events"
+    # `dynamo uncapture` deletes the namespace's capture stream: no other role deletes one.
+    uncapture = "$JS.API.STREAM.DELETE.SEQSTATE_EVENTS_DYNAMO_default"
     assert allowed["dynamo"] == ["namespace.>"]
-    granted = {s for publish in allowed.values() for s in publish} | {resync}
+    granted = {s for publish in allowed.values() for s in publish} | {resync, uncapture}
     assert [s for s in admin if narrowed(s) not in granted] == []
     dead = generator["read_stream"]("SEQSTATE_EVENTS_DEAD")
     union = {*allowed["writer"], *allowed["projector"], *allowed["demo"], *dead, resync}
+    union.add(uncapture)
     assert {narrowed(s) for s in admin} == union
     assert "seqstate.events.*.control" in admin and "$SRV.>" not in admin
     assert generator["denied"](config, "admin") == [

@@ -1,0 +1,154 @@
+"""Taking Dynamo endpoints out of a namespace's capture: the one undoing provisioning offers.
+
+Provisioning only ever adds: a typo'd ``--dynamo-endpoint dynamo.backend.generat`` leaves its
+subject in the namespace's capture stream for good. Removing an endpoint takes its subject out
+of the capture stream's subjects, so JetStream stops storing what Dynamo publishes there; the
+events stream's source of the capture, and its one subject transform, serve every endpoint and
+stay. Removing the last one stops the capture altogether: the capture stream first listens on
+no Dynamo subject (a stream with no subjects listens on its own name, where Dynamo publishes
+nothing), then the events stream takes what it still held (normally at once), and only then
+loses its source and the capture stream is deleted, so nothing captured before the removal is
+lost. A later ``--dynamo-endpoint`` provisions both afresh, and the events stream sources the
+new capture stream from its first message.
+
+Nothing in the events stream is touched: the namespace's log keeps every event the endpoint
+had, and every fold (replay, verify, rebuild) still folds them, since the fold tells a Dynamo
+message by its subject alone. What is uncaptured comes back at the next start of any process
+still given the endpoint (``run``, ``writer``, ``projector`` provision at every start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, NotFoundError
+
+from projector.nats.backlog import Captured
+from projector.nats.lag import capture_of, captured_subjects
+from projector.nats.resources import dynamo_capture
+from projector.wire.capture import captured_subject, endpoint_of
+from projector.wire.config import Config
+from seqstate.errors import SeqstateError
+
+DRAIN_S = 10.0  # for the events stream to take what the capture stream still holds
+_POLL_S = 0.1
+
+
+class UncaptureError(SeqstateError, RuntimeError):
+    """The namespace or an endpoint is not captured, or the server refused a change."""
+
+
+@dataclass(frozen=True)
+class Uncaptured:
+    """What was removed: ``removed`` maps each endpoint to the number of its events the log
+    keeps; ``kept`` are the endpoints still captured; ``deleted``: the capture stream is gone
+    (no endpoint left), and the events stream no longer sources it."""
+
+    stream: str
+    removed: dict[str, int]
+    kept: tuple[str, ...]
+    deleted: bool
+
+
+async def uncapture(nc: Client, config: Config, endpoints: tuple[str, ...] = ()) -> Uncaptured:
+    """Take ``endpoints`` (every one the namespace captures, if none) out of the capture.
+    Refuses, changing nothing, when the namespace has no capture stream or one of
+    ``endpoints`` is not among its subjects."""
+    js = nc.jetstream()
+    name = dynamo_capture(config)
+    try:
+        info = await js.stream_info(name)
+    except NotFoundError:
+        raise UncaptureError(
+            f"namespace {config.namespace!r} captures no Dynamo endpoint (no stream {name})"
+        ) from None
+    subjects = list(info.config.subjects or [])
+    captured = [e for e in map(endpoint_of, subjects) if e is not None]
+    unknown = [e for e in endpoints if e not in captured]
+    if unknown:
+        raise UncaptureError(
+            f"namespace {config.namespace!r} does not capture Dynamo "
+            f"endpoint{'' if len(unknown) == 1 else 's'} {', '.join(unknown)}; it captures "
+            + (", ".join(captured) if captured else "none (run this without --dynamo-endpoint)")
+        )
+    gone = set(endpoints or captured)
+    kept = tuple(e for e in captured if e not in gone)
+    if kept:
+        left = [s for s in subjects if endpoint_of(s) not in gone]
+        await _update(js, info.config, subjects=left)
+    else:
+        await _stop(js, config, info.config)
+    removed = await _in_log(js, config, [e for e in captured if e in gone])
+    return Uncaptured(name, removed, kept, deleted=not kept)
+
+
+async def _stop(js: JetStreamContext, config: Config, capture: api.StreamConfig) -> None:
+    """No Dynamo subject left: stop listening, let the events stream take the rest, then
+    drop its source and the capture stream."""
+    name = capture.name or ""
+    if any(endpoint_of(s) is not None for s in capture.subjects or []):
+        await _update(js, capture, subjects=[])
+    backlog = await _drained(js, config)
+    if backlog is not None:
+        one = backlog.waiting == 1
+        raise UncaptureError(
+            f"{backlog.waiting:,} Dynamo message{'' if one else 's'} captured for namespace "
+            f"{config.namespace!r} {'is' if one else 'are'} not in stream "
+            f"{config.events_stream} yet"
+            + (f" ({backlog.error})" if backlog.error else " (is it full?)")
+            + f"; {name} captures nothing more, and is kept until the events stream has "
+            f"{'it' if one else 'them'}: run this again then"
+        )
+    try:
+        events = await js.stream_info(config.events_stream)
+    except NotFoundError:
+        pass
+    else:
+        sources = [s for s in events.config.sources or [] if s.name != name]
+        if len(sources) != len(events.config.sources or []):
+            await _update(js, events.config, sources=sources)
+    try:
+        await js.delete_stream(name)
+    except NotFoundError:
+        pass  # deleted meanwhile (another uncapture): the same end
+    except APIError as exc:
+        raise UncaptureError(f"cannot delete stream {name}: {exc.description}") from None
+
+
+async def _drained(js: JetStreamContext, config: Config) -> Captured | None:
+    """None once the events stream holds everything the capture stream does, within
+    ``DRAIN_S``; else what still waits."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DRAIN_S
+    while True:
+        backlog = await capture_of(js, config)
+        if backlog is None or not backlog.waiting:
+            return None
+        if loop.time() >= deadline:
+            return backlog
+        await asyncio.sleep(_POLL_S)
+
+
+async def _update(js: JetStreamContext, have: api.StreamConfig, **changes: object) -> None:
+    updated = api.StreamConfig.from_response(have.as_dict())
+    for key, value in changes.items():
+        setattr(updated, key, value)
+    try:
+        await js.update_stream(updated)
+    except APIError as exc:
+        raise UncaptureError(f"cannot update stream {have.name}: {exc.description}") from None
+
+
+async def _in_log(js: JetStreamContext, config: Config, endpoints: list[str]) -> dict[str, int]:
+    """Each endpoint's events in the namespace's log (one request: the server counts them)."""
+    try:
+        info = await js.stream_info(
+            config.events_stream, subjects_filter=captured_subjects(config.namespace)
+        )
+    except NotFoundError:
+        return dict.fromkeys(endpoints, 0)
+    counts = info.state.subjects or {}
+    return {e: counts.get(captured_subject(config.namespace, e), 0) for e in endpoints}
