@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -116,9 +116,11 @@ class Follower:
         self._ours = resync_publisher_id(config.namespace)
         self._fleet: Fleet | None = None
         self._seen: OrderedDict[int, None] = OrderedDict()  # router publishers seen on the wire
-        self._heard: dict[str, int] = dict.fromkeys(config.dynamo_endpoints, 0)
+        self.heard: dict[str, int] = dict.fromkeys(config.dynamo_endpoints, 0)
         self._wanted = asyncio.Event()
         self._due = 0.0
+        self.listening = False  # subscribed to the endpoints' subjects
+        self.triggers: deque[str] = deque(maxlen=100)  # why each resync was wanted, newest last
         self.resyncs = 0  # how many ran (status, tests)
         self.published = 0  # control events published
 
@@ -150,6 +152,7 @@ class Follower:
 
     def want_resync(self, delay_s: float, why: str) -> None:
         """A resync at most ``delay_s`` from now (triggers that come together make one)."""
+        self.triggers.append(why)
         if not self.auto_resync:
             log.info("a Dynamo resync would be due (%s); automatic resync is off", why)
             return
@@ -280,10 +283,12 @@ class Follower:
         for endpoint in self.config.dynamo_endpoints:
 
             async def take(msg: Msg, endpoint: str = endpoint) -> None:
-                self._heard[endpoint] += 1
+                self.heard[endpoint] += 1
                 self._first_seen(msg.data)
 
             subs.append(await self.nc.subscribe(dynamo_subject(endpoint), cb=take))
+        await self.nc.flush()
+        self.listening = True
         return subs
 
     def _seen_now(self, publisher_id: int) -> bool:
@@ -320,7 +325,7 @@ class Follower:
         endpoint that discovery knows is not a mistake."""
         while True:
             await asyncio.sleep(self.quiet_warn_s)
-            for endpoint, count in self._heard.items():
+            for endpoint, count in self.heard.items():
                 if count:
                     continue
                 if self.feed is not None:
