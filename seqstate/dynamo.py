@@ -17,10 +17,11 @@ and writes those bytes exactly as Dynamo 1.6.1 does (``shared/design/dynamo-wire
 Unknown fields are ignored where Dynamo's serde ignores them (every struct: serde's derive
 skips an unknown field unless told ``deny_unknown_fields``, which Dynamo never says), so a
 newer Dynamo that adds a field still feeds the ledger. Where serde refuses, so does this
-decoder: an unknown ``data`` variant, an unknown field of a Rust ``Duration`` (serde's own
-implementation names only ``secs`` and ``nanos``), and a ``worker`` without its ``dp_rank``
-(no serde default there: a Dynamo 1.6.1 replica logs "missing field `dp_rank`" and books
-nothing). Two more are refused, each with its reason: a ``topic`` other than
+decoder: an unknown ``data`` variant, and an unknown field of a Rust ``Duration`` (serde's own
+implementation names only ``secs`` and ``nanos``). A ``worker`` without its ``dp_rank`` is
+rank 0, the one rank a worker without data parallelism has (Dynamo 1.6.1's replicas refuse
+it instead, "missing field `dp_rank`": the README's table of differences). Two are refused,
+each with its reason: a ``topic`` other than
 ``active_sequences_events`` (a replica ignores such a message, whatever its subject), and an
 empty ``request_id`` (a replica books it, but every empty id would be the same request).
 
@@ -106,12 +107,12 @@ class _AddVariant(_Wire):
 
 
 class _Worker(_Wire):
-    """``WorkerWithDpRank``: both fields required, as serde reads it (no ``#[serde(default)]``
-    on ``dp_rank``, unlike Dynamo's KV events): a Dynamo 1.6.1 replica refuses a worker without
-    one ("missing field `dp_rank`") and books nothing, so the ledger books nothing either."""
+    """``WorkerWithDpRank``. A missing ``dp_rank`` is rank 0: the worker has one rank, as a
+    publisher that leaves it out means (Dynamo's KV events default it so; a 1.6.1 replica
+    refuses it in this message, which no 1.6.1 process sends without one)."""
 
     worker_id: U64
-    dp_rank: U32
+    dp_rank: U32 = 0
 
 
 class _Event(_Wire):

@@ -57,13 +57,10 @@ def variant(data: bytes, *, topic: str | None = None, **event: object) -> bytes:
     return msgspec.msgpack.encode(envelope)
 
 
-# A worker map without its dp_rank, an empty request id, another topic: each refused, the
-# reason the fold gives.
+# A worker map without its dp_rank: rank 0, booked.
+NO_RANK: Final = variant(CAPTURE[0].data, worker={"worker_id": BIG_WORKER})
+# An empty request id, another topic: each refused, the reason the fold gives.
 EDGES: Final = {
-    "a worker without its dp_rank": (
-        variant(CAPTURE[0].data, worker={"worker_id": BIG_WORKER}),
-        "invalid Dynamo event: Object missing required field `dp_rank` - at `$.worker`",
-    ),
     "an empty request id": (
         variant(CAPTURE[0].data, request_id=""),
         "invalid Dynamo event: an empty request_id (a Mark or a Free finds its request by id: "

@@ -1,13 +1,13 @@
-"""What a live Dynamo 1.6.1 fleet does with the messages seqstate refuses, beside seqstate.
+"""What a live Dynamo 1.6.1 fleet does with the operator's edges, beside seqstate.
 
-The decoder refuses three messages an operator's tooling (or a forger) can put on an endpoint's
-subject, and says each is what Dynamo's replicas do too or would be wrong to do. Here they are
-published among the fleet's real traffic, then a valid AddRequest after them: both frontends
-book the valid one; neither books the worker without its ``dp_rank`` (each logs "missing field
-`dp_rank`") nor the message of another topic (ignored without a word); both book the empty
-request id, which seqstate refuses (every empty id would be one request: the one row where the
-ledger differs from a replica on purpose). Frees of the two booked requests leave every gauge
-at zero, as the module found them.
+Four messages an operator's tooling (or a forger) can put on an endpoint's subject, published
+among the fleet's real traffic: a worker map without its ``dp_rank``, a message of another
+topic, an empty request id, then a valid AddRequest. Both frontends book the valid one and the
+empty id; neither books the worker without its ``dp_rank`` (each logs "missing field
+`dp_rank`") nor the other topic (ignored without a word). seqstate books the valid one and the
+rankless worker on its rank 0, and refuses the other topic and the empty id (every empty id
+would be one request). The two differences are the README's rows. Frees of what was booked
+leave every gauge at zero, as the module found them.
 """
 
 from __future__ import annotations
@@ -67,9 +67,7 @@ async def views(live: LiveFleet) -> list[dict[tuple[int, int], int]]:
     return [nonzero((await scrape(f.http_port)).decode) for f in live.frontends]
 
 
-async def test_dynamo_refuses_a_worker_without_dp_rank_and_ignores_another_topic(
-    live: LiveFleet, seqstate: Seqstate
-) -> None:
+async def test_the_edges_on_dynamo_and_on_seqstate(live: LiveFleet, seqstate: Seqstate) -> None:
     first, second, third = sorted(live.fleet.ranks())
     no_rank = variant(add(0, "edge-no-rank", second, 7, 100), worker={"worker_id": second[0]})
     other_topic = variant(add(1, "edge-topic", first, 13, 200), topic="kv-events")
@@ -89,13 +87,20 @@ async def test_dynamo_refuses_a_worker_without_dp_rank_and_ignores_another_topic
         assert "replica-sync subscriber error; continuing error=missing field `dp_rank`" in (
             front.tail(400)
         ), front.tail()
+    ours: dict[tuple[int, int], tuple[int, int]] = {first: (5, 1)}
+    blocks, requests = ours.get((second[0], 0), (0, 0))
+    ours[(second[0], 0)] = (blocks + 7, requests + 1)  # the rankless worker's rank 0
     await eventually(
         seqstate.loads,
-        lambda rows: {r: (v["blocks"], v["requests"]) for r, v in rows.items()} == {first: (5, 1)},
-        what="seqstate: the valid Add alone",
+        lambda rows: {r: (v["blocks"], v["requests"]) for r, v in rows.items()} == ours,
+        what=f"seqstate: the valid Add and the rankless one on rank 0: {ours}",
         watch=seqstate.tail,
     )
-    for data in (free(4, "edge-valid", first), free(5, "", third)):
+    for data in (
+        free(4, "edge-valid", first),
+        free(5, "", third),
+        free(6, "edge-no-rank", (second[0], 0)),
+    ):
         await nc.publish(EVENTS_SUBJECT, data)
     await nc.flush()
     await eventually(

@@ -45,6 +45,7 @@ from tests.dynamo_capture import (
     ENDPOINT,
     FRONTEND_A,
     FRONTEND_B,
+    NO_RANK,
     SMALL_WORKER,
     SUBJECT,
     WORKER_DP1,
@@ -484,6 +485,15 @@ def test_an_operators_edge_is_refused_with_its_reason_and_the_fold_goes_on(name:
     for seq, c in enumerate(CAPTURE, 3):
         assert fold(seq, c.t_ns, ON, c.data) == clean(seq, c.t_ns, ON, c.data)
     assert fold.state.snapshot() == clean.state.snapshot()
+
+
+def test_a_worker_without_its_dp_rank_books_on_rank_0() -> None:
+    """A worker map without ``dp_rank``: the worker's one rank, 0, as any other Add."""
+    fold = new_fold()
+    verdict = fold(1, CAPTURE[0].t_ns, ON, NO_RANK)
+    assert not isinstance(verdict, Refusal)
+    request_id = decode_dynamo(NO_RANK).request_id
+    assert fold.state.requests.owner == {request_id: (BIG_WORKER, 0)}
 
 
 def test_a_dynamo_message_on_a_malformed_capture_subject_is_wrong_subject() -> None:

@@ -289,16 +289,14 @@ def test_an_unknown_operation_and_an_unknown_duration_field_are_refused_as_serde
     )
 
 
-def test_a_worker_without_its_dp_rank_is_refused_as_dynamos_replicas_refuse_it() -> None:
-    """``WorkerWithDpRank`` has no serde default: a Dynamo 1.6.1 replica given a worker map
-    without ``dp_rank`` logs "missing field `dp_rank`" and books nothing (measured on a live
-    fleet). Reading it as rank 0 would book a request no replica holds. Unknown fields beside
-    both are still ignored (an older test), and both present decode as ever."""
+def test_a_worker_without_its_dp_rank_is_rank_0() -> None:
+    """A worker map without ``dp_rank`` names the worker's one rank, 0 (unknown fields beside
+    it still ignored); both present decode as ever. (Dynamo 1.6.1's replicas refuse it:
+    tests/dynamo/test_edges.py pins that difference.)"""
     for worker in ({"worker_id": 7}, {"worker_id": 7, "zone": "b"}):
-        assert refused(with_event(worker=worker)) == (
-            "invalid Dynamo event: Object missing required field `dp_rank` - at `$.worker`"
-        )
-    assert decode_dynamo(with_event(worker={"worker_id": 7, "dp_rank": 0})).dp_rank == 0
+        message = decode_dynamo(with_event(worker=worker))
+        assert (message.worker_id, message.dp_rank) == (7, 0)
+    assert decode_dynamo(with_event(worker={"worker_id": 7, "dp_rank": 1})).dp_rank == 1
 
 
 @pytest.mark.parametrize("topic", ["kv-events", "", "active_sequences_events_v2"])
