@@ -509,6 +509,7 @@ class DiscoveryFollower:
     async def changes(self) -> AsyncIterator[ChangeBatch]:
         queue: asyncio.Queue[RawBatch] = asyncio.Queue(self._queue_batches)
         task = asyncio.create_task(self.source.run(queue.put), name="dynamo-discovery")
+        getter: asyncio.Future[RawBatch] | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(queue.get())
@@ -521,6 +522,8 @@ class DiscoveryFollower:
                 if batch.changes or batch.initial or batch.relisted:
                     yield batch
         finally:
+            if getter is not None:
+                getter.cancel()
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

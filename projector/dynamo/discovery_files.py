@@ -21,9 +21,11 @@ Why polling (``os.scandir`` every :data:`POLL_S`) rather than inotify (``watchfi
 staleness rule needs every file's mtime looked at anyway (a touch is the only sign of life,
 and inotify would report every touch of every file); Dynamo's directory is meant to be on
 shared storage for a multi-node fleet, where inotify sees no other node's writes; and it is
-no new dependency. A poll stats every file (a few per worker) and reads only the files whose
-inode or size changed: a fleet of 1,000 workers (~8,000 files) costs a few tens of ms a poll,
-in a worker thread, off the event loop.
+no new dependency. A poll stats every file (11 per worker of 2 ranks) and reads only the files
+whose inode or size changed: measured, 86 ms a poll for 1,000 such workers (11,000 files, ~8 µs
+a file; 9 ms for 100 workers), in a worker thread, off the event loop. The pause between polls
+is at least three times the last poll's length, so a huge directory costs at most a quarter of
+a core, and is looked at less often.
 """
 
 from __future__ import annotations
@@ -93,7 +95,9 @@ class FileSource:
     async def run(self, emit: Emit) -> None:
         first = True
         while True:
+            started = time.monotonic()
             scan = await asyncio.to_thread(self._scan)
+            took = time.monotonic() - started
             self._note(scan)
             if first:
                 await emit(
@@ -102,7 +106,7 @@ class FileSource:
                 first = False
             elif scan.puts or scan.deletes or scan.skipped:
                 await emit(RawBatch(puts=scan.puts, deletes=scan.deletes, skipped=scan.skipped))
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(max(self.poll_s, 3 * took))
 
     def _note(self, scan: _Scan) -> None:
         self._connected = not scan.missing

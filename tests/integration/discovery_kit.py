@@ -210,12 +210,15 @@ def keys_of(records: Iterable[Record]) -> set[str]:
 
 class CuttableProxy:
     """A TCP proxy to ``upstream_port`` that a test can cut (every connection closed, new ones
-    refused) and mend: an outage of exactly the length the test chooses."""
+    refused) or freeze (connections kept, not a byte forwarded: a server that hangs), and
+    mend: an outage of exactly the length and kind the test chooses."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.port = 0
         self.cut = False
+        self.flowing = asyncio.Event()
+        self.flowing.set()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -241,8 +244,12 @@ class CuttableProxy:
             writer.transport.abort()
         self._writers.clear()
 
+    def freeze(self) -> None:
+        self.flowing.clear()
+
     def mend(self) -> None:
         self.cut = False
+        self.flowing.set()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.cut:
@@ -259,10 +266,10 @@ class CuttableProxy:
         )
         self._writers -= {writer, up_writer}
 
-    @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while chunk := await reader.read(65536):
+                await self.flowing.wait()
                 writer.write(chunk)
                 await writer.drain()
         finally:

@@ -436,3 +436,26 @@ async def test_an_endpoint_that_does_not_answer_is_passed_over(
         assert followed.view.workers(GENERATE) == {HIGH: {0}}
     finally:
         await proxy.stop()
+
+
+async def test_an_etcd_that_hangs_is_noticed_and_left(
+    etcd_server: EtcdServer, followers: list[Followed]
+) -> None:
+    await etcd_server.put(*next(iter(instance(HIGH).items())))
+    proxy = await CuttableProxy(etcd_server.client_port).start()
+    try:
+        # a watch that hears nothing is normal; the status probe beside it is what notices
+        source = EtcdSource([proxy.url], probe_s=1.0)
+        followed = Followed(DiscoveryFollower(source))
+        followers.append(followed)
+        await followed.initial()
+        await followed.until(lambda f: f.follower.connected, "connected")
+
+        proxy.freeze()
+        await followed.until(lambda f: not f.follower.connected, "the hang noticed")
+        await etcd_server.put(*next(iter(instance(LOW).items())))
+        proxy.mend()
+        await followed.until(lambda f: LOW in f.view.workers(GENERATE), "the change after it")
+        assert not any(b.relisted for b in followed.batches)
+    finally:
+        await proxy.stop()
