@@ -46,7 +46,10 @@ lint: $(STAMP)
 # conformance tests) against the pure sources, the reference the compiled build must equal.
 # Only the core differs between the builds, and the core tests cover it in seconds; running the
 # integration and fault tests a second time cost minutes and tested the same projector/ again.
+# etcd (for Dynamo's etcd discovery) is unpacked from Debian's package into a cache outside the
+# checkout by tests/tools/install_etcd.sh: at once when already there.
 test: $(NATIVE) lint
+	bash tests/tools/install_etcd.sh >/dev/null
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m core
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:  # imported in the fixtures, after the core's import hook is in place
+    from etcd_server import EtcdServer
     from nats.aio.client import Client
 
     from projector.nats.server import NatsServer
@@ -120,3 +121,24 @@ async def nc(nats_server: NatsServer) -> AsyncIterator[Client]:
         yield client
     finally:
         await client.drain()
+
+
+# ---- a real etcd for Dynamo's etcd discovery ------------------------------------------------
+# Debian's etcd-server, unpacked by tests/tools/install_etcd.sh (`make test` runs it), one
+# member per test on free ports with its data in the test's temp dir: a test that restarts or
+# compacts it disturbs no other. Started in its own process group, stopped with it.
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    from etcd_server import EtcdServer, etcd_binary
+
+    try:
+        binary = etcd_binary()
+    except FileNotFoundError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    server = EtcdServer(tmp_path / "etcd", binary).start()
+    try:
+        yield server
+    finally:
+        server.stop()
