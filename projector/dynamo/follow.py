@@ -44,6 +44,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from projector.dynamo.discovery import DiscoveryFollower
 from projector.wire.config import Config
 from seqstate import SequenceState
 from seqstate.dynamo import decode_dynamo, dynamo_subject, resync_publisher_id
@@ -81,6 +82,28 @@ class FleetFeed(Protocol):
     def fleets(self) -> AsyncIterator[Fleet]:
         """The fleet now, then after each change (the first one: what was there at start)."""
         ...
+
+
+class DiscoveryFeed:
+    """A :class:`~projector.dynamo.discovery.DiscoveryFollower` seen as fleets of the
+    namespace's endpoints. A worker's ranks are written as one range (its lowest to its
+    highest), which is what ``WorkerAdded`` holds."""
+
+    def __init__(self, follower: DiscoveryFollower, endpoints: tuple[str, ...]) -> None:
+        self.follower = follower
+        self.endpoints = endpoints
+        self.where = follower.describe()
+
+    async def fleets(self) -> AsyncIterator[Fleet]:
+        view = self.follower.view
+        async for _ in self.follower.changes():
+            workers: dict[int, Range | None] = {}
+            channels: set[int] = set()
+            for endpoint in self.endpoints:
+                for worker_id, ranks in view.workers(endpoint).items():
+                    workers[worker_id] = (min(ranks), max(ranks) - min(ranks) + 1)
+                channels.update(c.publisher_id for c in view.channels(endpoint))
+            yield Fleet(workers, frozenset(channels), frozenset(map(str, view.endpoints())))
 
 
 class Resyncer(Protocol):

@@ -8,14 +8,14 @@ the resync folds on from there to its fence.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from nats.aio.client import Client
 
-from projector.dynamo.follow import FleetFeed, Follower
+from projector.dynamo.discovery_config import open_discovery, parse_discovery
+from projector.dynamo.follow import DiscoveryFeed, FleetFeed, Follower
 from projector.ops.resync import Resynced, resync
 from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
@@ -65,7 +65,9 @@ def follower(
     )
 
 
-@contextlib.asynccontextmanager
-async def feed_for(config: Config) -> AsyncIterator[FleetFeed | None]:
-    """The discovery feed ``config`` names (None: no discovery)."""
-    yield None
+def feed_for(config: Config) -> FleetFeed | None:
+    """The discovery feed ``config`` names (None: no discovery); a
+    :class:`~projector.dynamo.discovery_config.DiscoveryConfigError` for a spec or an
+    environment that cannot be followed (one line)."""
+    follower = open_discovery(parse_discovery(config.dynamo_discovery))
+    return None if follower is None else DiscoveryFeed(follower, config.dynamo_endpoints)

@@ -40,6 +40,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
     from projector.run.pipeline import supervise
 
     check_demo_flags(args)
+    feed = _discovery(config)  # a spec that cannot be followed is refused before anything runs
     port = embedded_port(args.port)
     stop = catch_signals()
     current: list[Any] = []  # the pipeline running now: the live view shows its backlog
@@ -90,7 +91,7 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
             )
         tasks: list[Awaitable[Any]] = [asyncio.shield(supervisor)]
         if config.dynamo_endpoints:
-            tasks.append(_follow_fleet(nc, config, lambda: current[0] if current else None))
+            tasks.append(_follow_fleet(nc, config, lambda: current[0] if current else None, feed))
         if args.demo:
             from projector.ops.demo import run_demo
 
@@ -106,13 +107,26 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
 
 
 async def _follow_fleet(
-    nc: Client, config: Config, pipeline: Callable[[], Pipeline | None]
+    nc: Client, config: Config, pipeline: Callable[[], Pipeline | None], feed: Any
 ) -> None:
     """The Dynamo fleet followed beside the pipeline (:mod:`projector.ops.following`)."""
-    from projector.ops.following import feed_for, follower
+    from projector.ops.following import follower
 
-    async with feed_for(config) as feed:
-        await follower(nc, config, pipeline, feed).run()
+    if feed is not None:
+        log.info("following Dynamo's discovery: %s", feed.where)
+    await follower(nc, config, pipeline, feed).run()
+
+
+def _discovery(config: Config) -> Any:
+    if not config.dynamo_endpoints:
+        return None
+    from projector.dynamo.discovery_config import DiscoveryConfigError
+    from projector.ops.following import feed_for
+
+    try:
+        return feed_for(config)
+    except DiscoveryConfigError as exc:
+        raise CliError(f"--dynamo-discovery: {exc}") from None
 
 
 def _how_far(pipelines: list[Pipeline]) -> str:
