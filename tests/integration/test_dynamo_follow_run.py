@@ -292,21 +292,10 @@ async def test_an_endpoint_unknown_to_discovery_is_said(
 
 @pytest.mark.parametrize("spec", ["etcd:ftp://x", "zookeeper"])
 def test_a_discovery_spec_that_cannot_be_followed_is_one_line(spec: str, tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "projector", "run", "--port", "0"]
+    argv += ["--store-dir", str(tmp_path), "--dynamo-endpoint", ENDPOINT]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "projector",
-            "run",
-            "--port",
-            "0",
-            "--store-dir",
-            str(tmp_path),
-            "--dynamo-endpoint",
-            ENDPOINT,
-            "--dynamo-discovery",
-            spec,
-        ],
+        [*argv, "--dynamo-discovery", spec],
         env=clean_env(),
         cwd=REPO,
         capture_output=True,

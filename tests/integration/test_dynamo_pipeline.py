@@ -178,7 +178,8 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
 async def test_an_operators_edge_is_dead_lettered_with_its_reason_and_the_writer_goes_on(
     nc: Client, nats_server: NatsServer
 ) -> None:
-    """An empty request id and a message of another topic, on the endpoint's subject among real traffic: the writer dead-letters each with the
+    """An empty request id and a message of another topic, on the endpoint's subject among
+    real traffic: the writer dead-letters each with the
     fold's reason (``undecodable``), counts them, folds the AddRequest after them, and replay
     finds the bucket identical."""
     endpoint = "edge.backend.generate"  # the module's other namespace captures ENDPOINT
