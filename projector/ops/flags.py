@@ -47,6 +47,8 @@ PROVISION = ("duplicate_window_s", "replicas", "capture_max_bytes", "dead_letter
 DYNAMO = ("dynamo_endpoint",)  # the consumers that provision a Dynamo capture
 FOLD = (
     "expiry_s",
+    "expiry_scan_s",
+    "dynamo_endpoint",  # a Dynamo-fed namespace expires by Dynamo's lease
     "forget_lazy_ranks_s",
     "orphan_after_s",
     "rules",
