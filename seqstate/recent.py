@@ -54,6 +54,11 @@ class RecentIds:
         packed = self.entries.get(request_id)
         return None if packed is None else packed & VALUE_MASK
 
+    def written_ns(self, request_id: str) -> int | None:
+        """When ``request_id`` was last written, or None."""
+        packed = self.entries.get(request_id)
+        return None if packed is None else packed >> VALUE_BITS
+
     def put(self, request_id: str, value: int, now_ns: int) -> None:
         entries = self.entries
         if request_id in entries:

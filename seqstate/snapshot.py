@@ -100,7 +100,7 @@ class _State(Struct, array_like=True):
     # and, second of publisher_totals, instead of a total of late messages it did not keep).
     lossiest: list[tuple[int, int]] | None = None
     # The request lease (SequenceState.lease_scan_s; None: the age limit) and each live
-    # request's last refresh, (id, log time), in refresh order.
+    # request's lease, (id, log time it was taken or last moved), in lease order.
     lease_scan_s: float | None = None
     leases: list[tuple[str, int]] = []
     # Workers removed for good, oldest first (None: a snapshot from before them, none).
@@ -257,7 +257,7 @@ def _rebuild(body: _State) -> SequenceState:
 
 
 def _restore_leases(state: SequenceState, body: _State) -> None:
-    """The leases in refresh order, and the workers removed for good."""
+    """The leases in their order, and the workers removed for good."""
     if state.lease_scan_ns:
         state.leases.load([(rid, 0, at) for rid, at in body.leases])
         if body.leases:
@@ -268,7 +268,7 @@ def _restore_leases(state: SequenceState, body: _State) -> None:
     if set(state.leases.entries) != live or len(body.leases) != len(live):
         raise ValueError("the leases disagree with the live requests")
     if any(a > b for a, b in pairwise(times)):
-        raise ValueError("the leases are not in refresh order")
+        raise ValueError("the leases are not in time order")
     if body.removed_workers is not None:
         for key, _, _ in body.removed_workers.entries:
             if not key.isdigit() or str(int(key)) != key:

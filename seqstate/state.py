@@ -139,8 +139,8 @@ class SequenceState:
         self.expiry_ns: int | None = None if expiry_s is None else round(expiry_s * NS_PER_S)
         retention_ns = self.expiry_ns or round(DEFAULT_EXPIRY_S * NS_PER_S)
         # Dynamo's request lease (second-chance CLOCK), scanned every lease_scan_ns of log
-        # time; 0: off, the ranks' age limit applies. Every live request holds a lease, in
-        # refresh order (an Add, or a Mark that ends its pending prefill, refreshes it).
+        # time; 0: off, the ranks' age limit applies. Every live request holds a lease, in the
+        # order of their periods (an Add, or a Mark that ends its pending prefill, refreshes it).
         self.lease_scan_s = None if lease_scan_s is None else float(lease_scan_s)
         self.lease_scan_ns = 0 if lease_scan_s is None else max(1, round(lease_scan_s * NS_PER_S))
         self.leases = RecentIds(NEVER, NEVER)
@@ -441,10 +441,15 @@ class SequenceState:
     # ---- the request lease ------------------------------------------------------------------
 
     def _lease(self, request_id: str, now: int) -> None:
-        """A request's lease is taken or refreshed: it goes to the back of the scan order."""
+        """A request's lease is taken or refreshed: it goes to the back of the scan order,
+        unless it was already refreshed in this scan period (its expiry would not move)."""
+        scan = self.lease_scan_ns
+        since = self.leases.written_ns(request_id)
+        if since is not None and since // scan == now // scan:
+            return
         self.leases.put(request_id, 0, now)
         if self.lease_due_ns == NEVER:
-            self.lease_due_ns = (now // self.lease_scan_ns + 2) * self.lease_scan_ns
+            self.lease_due_ns = (now // scan + 2) * scan
 
     def _lease_scan(self, now: int) -> tuple[list[RankChange], list[str]]:
         """Dynamo's request-lease reaper, a second-chance CLOCK, on log time.
@@ -453,10 +458,11 @@ class SequenceState:
         unmarked one expires, so a request goes 1 to 2 scans after its last refresh. Here the
         scans are at the log-time multiples of S, run at the first event that reaches one
         (missed ones collapse): a lease last refreshed in scan period ``e = t // S`` expires at
-        the first scan at or after ``(e + 2) * S``. Leases are kept in refresh order, so a scan
-        costs what it expires. A request of a live router (while lapsed routers are orphaned)
-        is spared, as by the age limit: its lease is refreshed instead. Returns the changes of
-        the ranks in sight and the expired ids, in lease order."""
+        the first scan at or after ``(e + 2) * S``. Leases are kept in the order they were taken
+        or moved by a refresh in a later period, so a scan costs what it expires. A request of a
+        live router (while lapsed routers are orphaned) is spared, as by the age limit: its lease
+        is refreshed instead. Returns the changes of the ranks in sight and the expired ids, in
+        lease order."""
         scan = self.lease_scan_ns
         lapsed = self.leases.take_before((now // scan - 1) * scan)
         vouched = self._vouching()

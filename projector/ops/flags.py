@@ -45,10 +45,10 @@ NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 # what creating the streams and buckets needs
 PROVISION = ("duplicate_window_s", "replicas", "capture_max_bytes", "dead_letter_max_bytes")
 DYNAMO = ("dynamo_endpoint",)  # the consumers that provision a Dynamo capture
+LEASE = ("expiry_scan_s", "dynamo_endpoint")  # a Dynamo-fed namespace expires by its lease
 FOLD = (
     "expiry_s",
-    "expiry_scan_s",
-    "dynamo_endpoint",  # a Dynamo-fed namespace expires by Dynamo's lease
+    *LEASE,
     "forget_lazy_ranks_s",
     "orphan_after_s",
     "rules",

@@ -103,11 +103,20 @@ async def test_a_worker_removed_for_good_never_comes_back_through_late_messages(
         out = await run_cli(config, url, "loads", "--json")
         assert {w for w, _ in ranks_in(out.stdout)} == {BIG_WORKER, SMALL_WORKER}
 
+        owner = pipeline.writer.state.requests.owner
+        cut = sorted(rid for rid, rank in owner.items() if rank[0] == BIG_WORKER)
+        assert cut, "the worker has requests in flight"
         endpoint = ("--dynamo-endpoint", "dw.backend.generate")
         out = await run_cli(config, url, "worker", "remove", str(BIG_WORKER), *endpoint)
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith(f"worker {BIG_WORKER}: removed from the registry, for good")
         removal = pipeline.writer.stats.last_seq
+        out = await run_cli(config, url, "inspect", "request", cut[0], "--json", "--no-progress")
+        report = json.loads(out.stdout)
+        assert report["state"] == "ended", report
+        assert report["detail"] == (
+            f"dropped with its rank at event {removal} (worker removed for good)"
+        ), report
 
         # Late messages: the frontends' Adds routed before they noticed, the Marks and Frees
         # of its cut requests (the rest of the capture names the worker many times).

@@ -163,15 +163,22 @@ def test_missed_boundaries_collapse_into_the_first_event_past_them() -> None:
     s.check_invariants()
 
 
-def test_expiries_of_one_scan_are_in_refresh_order_one_change_per_rank() -> None:
+def test_expiries_of_one_scan_are_in_lease_order_one_change_per_rank() -> None:
+    """Leases are in the order they were taken or last moved; a refresh in the period of the
+    lease's last one leaves it in place (its expiry does not move), a later one moves it."""
     s = leased()
     add(s, "a", 10)
     add(s, "b", 20, worker=2)
     add(s, "c", 30)
-    s.apply(MarkPrefillCompleted("a", 1), 40 * S)  # a goes behind c
+    s.apply(MarkPrefillCompleted("b", 2), 40 * S)  # period 0, as its Add: stays first but a
+    s.apply(MarkPrefillCompleted("a", 1), 310 * S)  # period 1: behind c
+    add(s, "d", 320)
     delta = s.apply(Tick(), 600 * S)
-    assert delta.expired == ["b", "c", "a"]
-    assert [(tuple(c.rank), c.released) for c in delta.changes] == [((2, 0), [0]), ((1, 0), [1, 0])]
+    assert delta.expired == ["b", "c"]
+    assert [(tuple(c.rank), c.released) for c in delta.changes] == [((2, 0), [0]), ((1, 0), [1])]
+    delta = s.apply(Tick(), 900 * S)
+    assert delta.expired == ["a", "d"]
+    assert [(tuple(c.rank), c.released) for c in delta.changes] == [((1, 0), [0, 2])]
 
 
 def test_a_rank_removed_by_the_event_that_reaches_the_boundary_stays_removed() -> None:
