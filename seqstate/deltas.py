@@ -43,6 +43,7 @@ Outcome = Literal[
     "worker_exists",
     "block_size_mismatch",
     "echo",
+    "removed_worker",
 ]
 OUTCOMES: Final = (
     "applied",
@@ -57,6 +58,9 @@ OUTCOMES: Final = (
     # A Dynamo message seqstate republished itself (a resync, under its own publisher id):
     # the fold takes it and changes nothing, since the requests it names are the ledger's.
     "echo",
+    # An AddRequest for a worker removed for good (WorkerRemoved with ``final``): refused,
+    # so a late message cannot bring a dead worker's ranks back.
+    "removed_worker",
 )
 
 APPLIED: Final = "applied"
@@ -69,6 +73,7 @@ TRACKER_ENDED: Final = 0  # Delta.block_size of the removal that ends a tracker
 WORKER_EXISTS: Final = "worker_exists"
 BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 ECHO: Final = "echo"
+REMOVED_WORKER: Final = "removed_worker"
 
 
 class Booking(Struct, array_like=True, gc=False):

@@ -120,9 +120,16 @@ class WorkerAdded(_Event, tag=True):
 
 
 class WorkerRemoved(_Event, tag=True):
-    """Every rank of the worker goes, with its requests."""
+    """Every rank of the worker goes, with its requests.
+
+    ``final``: the worker is gone for good (its process died: Dynamo draws a new instance id at
+    every start). Its requests end at once, grace or not, and the id is remembered: a late
+    AddRequest for it is refused (outcome ``removed_worker``) instead of bringing its ranks
+    back, until a ``WorkerAdded`` of the id. Sent only when true, so a plain removal's bytes
+    are those of every build before it."""
 
     worker_id: WorkerId
+    final: bool = False
 
 
 class Tick(_Event, tag=True):

@@ -54,6 +54,11 @@ class RecentIds:
         packed = self.entries.get(request_id)
         return None if packed is None else packed & VALUE_MASK
 
+    def written_ns(self, request_id: str) -> int | None:
+        """When ``request_id`` was last written, or None."""
+        packed = self.entries.get(request_id)
+        return None if packed is None else packed >> VALUE_BITS
+
     def put(self, request_id: str, value: int, now_ns: int) -> None:
         entries = self.entries
         if request_id in entries:
@@ -78,14 +83,30 @@ class RecentIds:
 
     def prune(self, now_ns: int) -> None:
         """Forget entries written more than ``retention_ns`` before ``now_ns``."""
+        self._drop_before(now_ns - self.retention_ns, None)
+
+    def take_before(self, cutoff_ns: int) -> list[str]:
+        """Remove and return the ids last written before ``cutoff_ns``, oldest first: a lease
+        scan's expiries, at a cost that follows them (and the stale entries it passes)."""
+        taken: list[str] = []
+        self._drop_before(cutoff_ns, taken)
+        return taken
+
+    def oldest_ns(self) -> int | None:
+        """When the oldest entry was written, or earlier (a stale entry's time); None if empty."""
         queue = self._queue
-        cutoff = now_ns - self.retention_ns
+        return queue[0][0] if queue else None
+
+    def _drop_before(self, cutoff: int, taken: list[str] | None) -> None:
+        queue = self._queue
         entries = self.entries
         while queue and queue[0][0] < cutoff:
             at, request_id = queue.popleft()
             packed = entries.get(request_id)
             if packed is not None and packed >> VALUE_BITS == at:
                 del entries[request_id]
+                if taken is not None:
+                    taken.append(request_id)
         if len(queue) > 2 * len(entries) + STALE_SLACK:
             self._compact()
         else:

@@ -10,6 +10,7 @@ recomputing them could round differently.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Final
 
 import msgspec
@@ -98,6 +99,12 @@ class _State(Struct, array_like=True):
     # it, whose publishers counted restarts, which this build counts as late (in their rows
     # and, second of publisher_totals, instead of a total of late messages it did not keep).
     lossiest: list[tuple[int, int]] | None = None
+    # The request lease (SequenceState.lease_scan_s; None: the age limit) and each live
+    # request's lease, (id, log time it was taken or last moved), in lease order.
+    lease_scan_s: float | None = None
+    leases: list[tuple[str, int]] = []
+    # Workers removed for good, oldest first (None: a snapshot from before them, none).
+    removed_workers: _Memory | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -167,8 +174,18 @@ def encode_state(state: SequenceState) -> bytes:
         publishers.capacity,
         (publishers.holes, publishers.late, publishers.forgotten),
         publishers.lossy(),
+        state.lease_scan_s,
+        [(rid, at) for rid, _, at in state.leases.items()],
+        _removed(state),
     )
     return MAGIC + _encoder.encode(body)
+
+
+def _removed(state: SequenceState) -> _Memory | None:
+    removed = state.removed_workers
+    if not removed.entries and not removed.evicted:
+        return None  # as a snapshot from before them has it
+    return _Memory(list(removed.items()), removed.evicted)
 
 
 def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
@@ -209,6 +226,7 @@ def _rebuild(body: _State) -> SequenceState:
         worker_grace_s=body.worker_grace_s,
         slot_tracker=body.slot_tracker,
         max_publishers=body.max_publishers,
+        lease_scan_s=body.lease_scan_s,
     )
     state.now_ns = body.now_ns
     state.block_size = body.block_size
@@ -230,11 +248,35 @@ def _rebuild(body: _State) -> SequenceState:
     state.ended.evicted = body.ended.evicted
     state.counters.update(body.counters)
     state.idle_since = {(w, r): since for w, r, since in body.idle_since}
+    _restore_leases(state, body)
     state.routers = dict(body.routers)
     _restore_publishers(state, body)
     for delta in state.projection():
         state.registry.apply(delta)
     return state
+
+
+def _restore_leases(state: SequenceState, body: _State) -> None:
+    """The leases in their order, and the workers removed for good."""
+    if state.lease_scan_ns:
+        state.leases.load([(rid, 0, at) for rid, at in body.leases])
+        if body.leases:
+            scan = state.lease_scan_ns
+            state.lease_due_ns = (body.leases[0][1] // scan + 2) * scan
+    live = set(state.requests.owner) if state.lease_scan_ns else set()
+    times = [at for _, at in body.leases]
+    if set(state.leases.entries) != live or len(body.leases) != len(live):
+        raise ValueError("the leases disagree with the live requests")
+    if any(a > b for a, b in pairwise(times)):
+        raise ValueError("the leases are not in time order")
+    if body.removed_workers is not None:
+        for key, _, _ in body.removed_workers.entries:
+            if not key.isdigit() or str(int(key)) != key:
+                raise ValueError(f"a removed worker {key!r} that is no worker id")
+            if int(key) in state.workers.by_worker or int(key) in state.departures:
+                raise ValueError(f"worker {key} both removed for good and present")
+        state.removed_workers.load(body.removed_workers.entries)
+        state.removed_workers.evicted = body.removed_workers.evicted
 
 
 def _restore_publishers(state: SequenceState, body: _State) -> None:
@@ -255,7 +297,7 @@ def _decode_slot(state: SequenceState, s: _Slot) -> ActiveSequences:
     owner = state.requests.owner
     lora = state.requests.lora
     rank = (s.worker_id, s.dp_rank)
-    slot = ActiveSequences(s.last_expiry_check_ns, state.expiry_ns)
+    slot = ActiveSequences(s.last_expiry_check_ns, state.age_expiry_ns)
     blocks = slot.blocks
     for i, r in enumerate(s.requests):
         if r.request_id in owner:

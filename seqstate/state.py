@@ -29,7 +29,7 @@ from seqstate.events import (
     WorkerRemoved,
 )
 from seqstate.publishers import MAX_PUBLISHERS, Publishers
-from seqstate.recent import RecentIds
+from seqstate.recent import NEVER, RecentIds
 from seqstate.registry import PromptRegistry
 from seqstate.request_index import RequestIndex
 from seqstate.sequences import EXPIRY_CHECK_INTERVAL_NS as EXPIRY_CHECK_NS
@@ -40,6 +40,7 @@ DEFAULT_EXPIRY_S: Final = 300.0
 MAX_EXPIRY_S: Final = 10 * 365 * 24 * 3600.0  # beyond this, disable expiry (expiry_s=None)
 MAX_TOMBSTONES: Final = 100_000
 MAX_ENDED: Final = 250_000
+MAX_REMOVED_WORKERS: Final = 100_000  # workers removed for good, remembered (oldest forgotten)
 
 # Tombstone kinds; a Free tombstone outranks a Mark tombstone.
 MARK_TOMBSTONE: Final = 1
@@ -64,6 +65,8 @@ class SequenceState:
 
     ``expiry_s=None`` disables expiry. ``lazy_workers=False`` rejects requests for ranks no
     ``WorkerAdded`` registered (outcome ``unknown_worker``) instead of creating them.
+    ``lease_scan_s`` replaces the age limit with the request lease of Dynamo's embedded
+    router, on log time (see :meth:`_lease_scan`); None, the default, keeps the age limit.
     ``worker_grace_s`` keeps a removed worker's requests that long: a re-add within it
     restores them (see :mod:`seqstate.departures`); None, the default, drops them at once.
 
@@ -88,6 +91,7 @@ class SequenceState:
         worker_grace_s: float | None = None,
         slot_tracker: bool = False,
         max_publishers: int = MAX_PUBLISHERS,
+        lease_scan_s: float | None = None,
     ) -> None:
         if expiry_s is not None:
             if not expiry_s > 0:
@@ -102,6 +106,8 @@ class SequenceState:
             raise ValueError(f"orphan_after_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
         if worker_grace_s is not None and not 0 < worker_grace_s <= MAX_EXPIRY_S:
             raise ValueError(f"worker_grace_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
+        if lease_scan_s is not None and not 0 < lease_scan_s <= MAX_EXPIRY_S:
+            raise ValueError(f"lease_scan_s must be in (0, {MAX_EXPIRY_S:.0f}] s")
         if worker_grace_s is not None and slot_tracker:
             raise ValueError(
                 "worker_grace_s has no place under the slot-tracker rules, where "
@@ -132,6 +138,18 @@ class SequenceState:
         self.idle_since: dict[Rank, int] = {}  # lazy ranks found empty at a Tick: since when
         self.expiry_ns: int | None = None if expiry_s is None else round(expiry_s * NS_PER_S)
         retention_ns = self.expiry_ns or round(DEFAULT_EXPIRY_S * NS_PER_S)
+        # Dynamo's request lease (second-chance CLOCK), scanned every lease_scan_ns of log
+        # time; 0: off, the ranks' age limit applies. Every live request holds a lease, in the
+        # order of their periods (an Add, or a Mark that ends its pending prefill, refreshes it).
+        self.lease_scan_s = None if lease_scan_s is None else float(lease_scan_s)
+        self.lease_scan_ns = 0 if lease_scan_s is None else max(1, round(lease_scan_s * NS_PER_S))
+        self.leases = RecentIds(NEVER, NEVER)
+        self.lease_due_ns = NEVER  # the first scan that can expire a lease: apply checks it
+        # The age limit each rank applies: none under the lease, which replaces it.
+        self.age_expiry_ns: int | None = None if self.lease_scan_ns else self.expiry_ns
+        # Workers removed for good (WorkerRemoved ``final``), by decimal id, oldest first: a
+        # late AddRequest for one is refused until a WorkerAdded of it.
+        self.removed_workers = RecentIds(NEVER, MAX_REMOVED_WORKERS)
         self.now_ns = 0
         self.workers = WorkerTable(self._make_slot)
         self.requests = RequestIndex()
@@ -160,9 +178,11 @@ class SequenceState:
         self._slots = self.workers.slots
         self._tombstone_entries = self.tombstones.entries
         self._ended_entries = self.ended.entries
+        self._lease_entries = self.leases.entries
+        self._removed_entries = self.removed_workers.entries
 
     def _make_slot(self, rank: Rank) -> ActiveSequences:
-        return ActiveSequences(self.now_ns, self.expiry_ns)
+        return ActiveSequences(self.now_ns, self.age_expiry_ns)
 
     # ---- the fold -------------------------------------------------------------------------
 
@@ -178,7 +198,13 @@ class SequenceState:
         handler = self._handlers.get(type(event))
         if handler is None:
             raise EventDecodeError(f"not a seqstate event: {type(event).__name__}")
-        delta = handler(event, now)
+        if now >= self.lease_due_ns:  # a scan is due before the event, as the boundary was
+            lapsed = self._lease_scan(now)
+            delta = handler(event, now)
+            if lapsed[1]:
+                self._with_lapsed(delta, lapsed)
+        else:
+            delta = handler(event, now)
         self.counters[delta.outcome] += 1
         if delta.expired:
             self.counters["expired"] += len(delta.expired)
@@ -232,8 +258,11 @@ class SequenceState:
         if owner is not None:
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now, owner=owner)
         slot = self._slots.get(rank)
-        if slot is None and not self.lazy_workers:
-            return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
+        if slot is None:
+            if not self.lazy_workers:
+                return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
+            if self._removed_entries and str(rank[0]) in self._removed_entries:
+                return Delta(outcome=outcomes.REMOVED_WORKER, at_ns=now)
         tombstone = self.tombstones.pop(request_id) if self._tombstone_entries else None
         if tombstone == FREE_TOMBSTONE:
             # Its Free already came: booking it now would leak its load until expiry.
@@ -272,6 +301,8 @@ class SequenceState:
             now,
         )
         self._owner[request_id] = rank
+        if self.lease_scan_ns:
+            self._lease(request_id, now)
         if event.lora_name is not None:
             self.requests.lora[request_id] = event.lora_name
         router_id = event.router_id
@@ -294,10 +325,13 @@ class SequenceState:
             expired,
         )
 
-    def _unknown(self, request_id: str, kind: int, now: int) -> Delta:
-        """Mark or Free for an id that is not live: a no-op if it ended recently, else a
-        tombstone so that its late AddRequest is handled right."""
-        if request_id not in self.ended:
+    def _unknown(self, request_id: str, worker_id: int, kind: int, now: int) -> Delta:
+        """Mark or Free for an id that is not live: a no-op if it ended recently or names a
+        worker removed for good (whose late AddRequest is refused anyway), else a tombstone so
+        that its late AddRequest is handled right."""
+        if request_id not in self.ended and not (
+            self._removed_entries and str(worker_id) in self._removed_entries
+        ):
             if self.tombstones.get(request_id) != FREE_TOMBSTONE:
                 self.tombstones.put(request_id, kind, now)
             self.counters["tombstoned"] += 1
@@ -308,17 +342,24 @@ class SequenceState:
             return Delta(outcome=outcomes.NO_TRACKER, at_ns=now)
         if event.router_id in self.routers:
             self._heard(event.router_id, now)
-        owner = self._owner.get(event.request_id)
+        request_id = event.request_id
+        owner = self._owner.get(request_id)
         if owner is None:
-            return self._unknown(event.request_id, MARK_TOMBSTONE, now)
-        if owner[0] != event.worker_id or owner[1] != event.dp_rank:
+            return self._unknown(request_id, event.worker_id, MARK_TOMBSTONE, now)
+        named = owner[0] == event.worker_id and owner[1] == event.dp_rank
+        if not named:
             self.counters["worker_mismatch"] += 1
         slot = self._slots.get(owner)
         hidden = slot is None
         if slot is None:
             slot = self.departures.slots[owner]
-        if not slot.mark_prefill_completed(event.request_id, now):
+        # Dynamo's replicas refresh a request's lease when a Mark that names its worker ends
+        # its pending prefill; a repeated Mark, or one of a request with no prefill load, not.
+        refresh = named and self.lease_scan_ns != 0 and request_id in slot.prefill.prefills
+        if not slot.mark_prefill_completed(request_id, now):
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        if refresh:
+            self._lease(request_id, now)
         if hidden or not self._changes:
             return Delta(outcomes.APPLIED, now)
         return Delta(
@@ -335,13 +376,15 @@ class SequenceState:
         request_id = event.request_id
         owner = self._owner.pop(request_id, None)
         if owner is None:
-            return self._unknown(request_id, FREE_TOMBSTONE, now)
+            return self._unknown(request_id, event.worker_id, FREE_TOMBSTONE, now)
         if owner[0] != event.worker_id or owner[1] != event.dp_rank:
             self.counters["worker_mismatch"] += 1
         if self.requests.lora:
             self.requests.lora.pop(request_id, None)
         if self.requests.router_of:
             self.requests.drop_router(request_id)
+        if self.lease_scan_ns:
+            self._lease_entries.pop(request_id, None)
         slot = self._slots.get(owner)
         hidden = slot is None
         if slot is None:
@@ -394,6 +437,70 @@ class SequenceState:
             removed_ranks=gone,
             orphaned=orphaned,
         )
+
+    # ---- the request lease ------------------------------------------------------------------
+
+    def _lease(self, request_id: str, now: int) -> None:
+        """A request's lease is taken or refreshed: it goes to the back of the scan order,
+        unless it was already refreshed in this scan period (its expiry would not move)."""
+        scan = self.lease_scan_ns
+        since = self.leases.written_ns(request_id)
+        if since is not None and since // scan == now // scan:
+            return
+        self.leases.put(request_id, 0, now)
+        if self.lease_due_ns == NEVER:
+            self.lease_due_ns = (now // scan + 2) * scan
+
+    def _lease_scan(self, now: int) -> tuple[list[RankChange], list[str]]:
+        """Dynamo's request-lease reaper, a second-chance CLOCK, on log time.
+
+        Dynamo scans every S seconds: a lease refreshed since the last scan loses its mark, an
+        unmarked one expires, so a request goes 1 to 2 scans after its last refresh. Here the
+        scans are at the log-time multiples of S, run at the first event that reaches one
+        (missed ones collapse): a lease last refreshed in scan period ``e = t // S`` expires at
+        the first scan at or after ``(e + 2) * S``. Leases are kept in the order they were taken
+        or moved by a refresh in a later period, so a scan costs what it expires. A request of a
+        live router (while lapsed routers are orphaned) is spared, as by the age limit: its lease
+        is refreshed instead. Returns the changes of the ranks in sight and the expired ids, in
+        lease order."""
+        scan = self.lease_scan_ns
+        lapsed = self.leases.take_before((now // scan - 1) * scan)
+        vouched = self._vouching()
+        if vouched:
+            router_of = self.requests.router_of
+            spared = [rid for rid in lapsed if router_of.get(rid, "") in vouched]
+            if spared:
+                for request_id in spared:
+                    self.leases.put(request_id, 0, now)
+                kept = set(spared)
+                lapsed = [rid for rid in lapsed if rid not in kept]
+        oldest = self.leases.oldest_ns()
+        self.lease_due_ns = NEVER if oldest is None else (oldest // scan + 2) * scan
+        if not lapsed:
+            return [], lapsed
+        owner, visible, parked = self._owner, self._slots, self.departures.slots
+        released: dict[Rank, list[int]] = {}
+        for request_id in lapsed:
+            rank = owner[request_id]
+            slot = visible.get(rank)
+            if slot is None:  # parked with its departed worker: out of sight
+                parked[rank].free(request_id, now)
+                continue
+            freed = released.get(rank)
+            if freed is None:
+                released[rank] = freed = []
+            freed.append(slot.free(request_id, now))
+        self._forget(lapsed, now)
+        return [RankChange(r, visible[r].load(), freed) for r, freed in released.items()], lapsed
+
+    def _with_lapsed(self, delta: Delta, lapsed: tuple[list[RankChange], list[str]]) -> None:
+        """Put a lease scan's expiries first in the event's delta, as they came first. A rank
+        the event then removed is left out: its removal says all (the read model applies
+        removals before changes, and would otherwise bring the rank back)."""
+        changes, expired = lapsed
+        slots = self._slots
+        delta.changes = [c for c in changes if c.rank in slots] + delta.changes
+        delta.expired = expired + delta.expired
 
     # ---- routers ----------------------------------------------------------------------------
 
@@ -457,10 +564,12 @@ class SequenceState:
         )
         lora, router_of = self.requests.lora, self.requests.router_of
         by_rank: list[tuple[Rank, list[int]]] = []  # the order is by rank: one entry each
+        leases = self._lease_entries
         for request_id in order:
             rank = owner.pop(request_id)
             lora.pop(request_id, None)
             router_of.pop(request_id, None)
+            leases.pop(request_id, None)
             released = slot_of(rank).free(request_id, now)
             self.ended.put(request_id, 0, now)
             if by_rank and by_rank[-1][0] == rank:
@@ -499,9 +608,11 @@ class SequenceState:
         """Requests that ended without a Free (expired or dropped with their worker)."""
         remove = self.requests.remove
         put = self.ended.put
+        leases = self._lease_entries
         for request_id in request_ids:
             remove(request_id)
             put(request_id, 0, now)
+            leases.pop(request_id, None)
 
     def _worker_added(self, event: WorkerAdded, now: int) -> Delta:
         worker_id = event.worker_id
@@ -518,6 +629,8 @@ class SequenceState:
                 self.block_size = wanted
         elif self.workers.ranges.get(worker_id) == worker:
             return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        if self._removed_entries:
+            self._removed_entries.pop(str(worker_id), None)  # back: a new start, empty
         back = self.departures.reclaim(worker_id) if worker_id in self.departures else {}
         if back:
             # Back within its grace: the ranks of its new range come back with their
@@ -551,6 +664,8 @@ class SequenceState:
 
     def _worker_removed(self, event: WorkerRemoved, now: int) -> Delta:
         worker_id = event.worker_id
+        if event.final and not self.slot_tracker:
+            return self._worker_gone(worker_id, now)
         if worker_id not in self.workers.ranges and worker_id not in self.workers.by_worker:
             return Delta(outcome=outcomes.UNKNOWN_WORKER, at_ns=now)
         if self.worker_grace_s is None:
@@ -574,6 +689,24 @@ class SequenceState:
         }
         change = self.workers.remove_worker(worker_id)
         self.departures.park(worker_id, busy, now)
+        return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
+
+    def _worker_gone(self, worker_id: int, now: int) -> Delta:
+        """A removal for good: the worker's ranks go with their requests, grace or not (it will
+        not come back: a restarted Dynamo worker has a new id), parked ones too, and its id is
+        remembered so that no late AddRequest brings a rank of it back. Known or not: a worker
+        may die before any request named it. A repeat changes nothing (``duplicate``)."""
+        key = str(worker_id)
+        parked = self.departures.reclaim(worker_id) if worker_id in self.departures else {}
+        known = worker_id in self.workers.ranges or worker_id in self.workers.by_worker
+        if not known and not parked and key in self._removed_entries:
+            return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        for slot in parked.values():
+            self._forget(list(slot.requests), now)
+        change = self._dropping_requests(
+            worker_id, lambda: self.workers.remove_worker(worker_id), now
+        )
+        self.removed_workers.put(key, 0, now)
         return Delta(outcome=outcomes.APPLIED, at_ns=now, removed_ranks=change.removed)
 
     def _lapse_departures(self, now: int) -> None:
@@ -628,6 +761,18 @@ class SequenceState:
         assert sorted(self.registry.ranks()) == sorted(self.workers.slots)
         by_worker = {(w, r) for w, ranks in self.workers.by_worker.items() for r in ranks}
         assert by_worker == set(self.workers.slots), "the per-worker index disagrees"
+        if self.lease_scan_ns:
+            assert set(self.leases.entries) == set(owners), "a live request without a lease"
+            oldest = self.leases.oldest_ns()
+            if oldest is not None:
+                due = (oldest // self.lease_scan_ns + 2) * self.lease_scan_ns
+                assert self.lease_due_ns <= due, "a lease scan due later than its oldest lease"
+        else:
+            assert not self.leases.entries
+        for key in self.removed_workers.entries:
+            worker_id = int(key)
+            assert worker_id not in self.workers.by_worker, f"removed worker {key} has a rank"
+            assert worker_id not in self.workers.ranges and worker_id not in self.departures
 
     # ---- persistence --------------------------------------------------------------------
 

@@ -314,7 +314,10 @@ class SlotService:
 
     def __init__(self, nc: Client, config: Config, *, outcome_wait_s: float = OUTCOME_WAIT_S):
         self.nc = nc
-        self.config = dataclasses.replace(config, rules="slot-tracker", worker_grace_s=0.0)
+        # The slot tracker's rules, always: no grace, no Dynamo capture (nor its lease).
+        self.config = dataclasses.replace(
+            config, rules="slot-tracker", worker_grace_s=0.0, dynamo_endpoint=None
+        )
         self.outcome_wait_s = outcome_wait_s
         self.trackers: dict[str, _Tracker] = {}
         self._js = nc.jetstream()

@@ -46,8 +46,10 @@ NAMES = ("events_stream", "deltas_stream", "registry_bucket", "snapshot_bucket")
 PROVISION = ("duplicate_window_s", "replicas", "capture_max_bytes", "dead_letter_max_bytes")
 DYNAMO = ("dynamo_endpoint",)  # the consumers that provision a Dynamo capture
 FOLLOW = ("dynamo_discovery", "dynamo_resync")  # `run`: following the Dynamo fleet
+LEASE = ("expiry_scan_s", "dynamo_endpoint")  # a Dynamo-fed namespace expires by its lease
 FOLD = (
     "expiry_s",
+    *LEASE,
     "forget_lazy_ranks_s",
     "orphan_after_s",
     "rules",

@@ -512,7 +512,9 @@ async def _ending_detail(
             if isinstance(cause, RouterGoodbye)
             else f"orphaned at event {ended.seq}: its router went silent"
         )
-    what = "worker removed" if isinstance(cause, WorkerRemoved) else "rank removed"
+    what = "rank removed"
+    if isinstance(cause, WorkerRemoved):
+        what = "worker removed for good" if cause.final else "worker removed"
     return f"dropped with its rank at event {ended.seq} ({what})"
 
 

@@ -104,15 +104,22 @@ class WorkerControl:
             )
         return change
 
-    async def remove(self, worker_id: int) -> WorkerChange:
+    async def remove(self, worker_id: int, *, final: bool | None = None) -> WorkerChange:
         """Remove a worker and every rank of it. Its requests end, unless it is added back
-        within the grace period; its keys leave the bucket either way."""
+        within the grace period; its keys leave the bucket either way.
+
+        ``final`` removes it for good: no grace, and a late request for it is refused until it
+        is added again. None (the default): for good in a namespace fed by Dynamo (a Dynamo
+        worker never comes back under its id), else not, so that a worker known only by its
+        requests comes back with the next one, as it always has."""
         if not await self._ranks(worker_id):
             raise WorkerNotRegistered(
                 f"worker {worker_id} has no rank in the registry (namespace "
                 f"{self.config.namespace!r}): nothing to remove"
             )
-        seq = await self._publisher.publish(WorkerRemoved(worker_id=worker_id))
+        if final is None:
+            final = bool(self.config.dynamo_endpoints)
+        seq = await self._publisher.publish(WorkerRemoved(worker_id=worker_id, final=final))
         return await self._settle(worker_id, seq)
 
     async def workers(self) -> list[WorkerSummary]:

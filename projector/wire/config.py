@@ -113,7 +113,18 @@ class Config:
         "BYTES",
     )
     expiry_s: float | None = _setting(
-        300.0, "seconds after which an unfreed request expires; 'off' disables", "SECONDS"
+        300.0,
+        "seconds after which an unfreed request expires (a namespace with "
+        "--dynamo-endpoint expires by --expiry-scan-s instead); 'off' disables",
+        "SECONDS",
+    )
+    expiry_scan_s: float | None = _setting(
+        300.0,
+        "a namespace with --dynamo-endpoint expires as Dynamo's routers do: a lease per "
+        "request, refreshed by its Add and its prefill's end, scanned every so many seconds "
+        "of log time (gone 1 to 2 scans after its last refresh; Dynamo's "
+        "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS); 'off': --expiry-s applies",
+        "SECONDS",
     )
     idle_tick_s: float = _setting(
         5.0, "seconds of stream silence before the writer logs a Tick", "SECONDS"
@@ -426,6 +437,7 @@ class Config:
         writer, a replay) starts from one, so they agree byte for byte."""
         return SequenceState(
             expiry_s=self.expiry_s,
+            lease_scan_s=self.expiry_scan_s if self.dynamo_endpoints else None,
             forget_lazy_after_s=self.forget_lazy_ranks_s,
             orphan_after_s=self.orphan_after_s,
             worker_grace_s=self.worker_grace_s or None,
@@ -443,6 +455,7 @@ class Config:
             return {
                 "rules": "slot-tracker" if s.slot_tracker else "router",
                 "expiry_s": s.expiry_s,
+                "expiry_scan_s": s.lease_scan_s,
                 "forget_lazy_ranks_s": s.forget_lazy_after_s,
                 "orphan_after_s": s.orphan_after_s,
                 "worker_grace_s": s.worker_grace_s,
@@ -634,6 +647,14 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("capture_max_bytes", _stream_bytes),
     ("dead_letter_max_bytes", _stream_bytes),
     ("expiry_s", lambda v: "" if v is None or v > 0 else "must be positive, or 'off'"),
+    (
+        "expiry_scan_s",
+        lambda v: (
+            ""
+            if v is None or 0 < v <= 86_400 * 365
+            else "must be positive (at most a year), or 'off'"
+        ),
+    ),
     ("idle_tick_s", _positive),
     ("flush_interval_s", _positive),
     ("replicas", lambda v: "" if v in (1, 3, 5) else "use 1, 3 or 5"),

@@ -145,6 +145,29 @@ def test_the_rules_setting_chooses_the_folds_rules_and_refuses_a_grace_with_them
         Config.from_env({"SEQSTATE_RULES": "slot-tracker", "SEQSTATE_WORKER_GRACE_S": "5"})
 
 
+def test_a_dynamo_namespace_folds_by_the_lease_and_a_changed_scan_is_named() -> None:
+    """--dynamo-endpoint: the fold expires by Dynamo's lease, every --expiry-scan-s (300 s by
+    default; 'off': the age limit); elsewhere by the age limit. A snapshot folded by other
+    rules keeps them, and the difference is named for the writer to say."""
+    assert Config().new_state().lease_scan_s is None
+    dynamo = {"SEQSTATE_DYNAMO_ENDPOINT": "dynamo.backend.generate"}
+    assert Config.from_env(dynamo).new_state().lease_scan_s == 300.0
+    state = Config.from_env(dynamo | {"SEQSTATE_EXPIRY_SCAN_S": "30"}).new_state()
+    assert (state.lease_scan_s, state.age_expiry_ns) == (30.0, None)
+    assert (
+        Config.from_env(dynamo | {"SEQSTATE_EXPIRY_SCAN_S": "off"}).new_state().lease_scan_s is None
+    )
+    assert Config.from_env(dynamo).rules_differing(Config().new_state()) == [
+        "expiry_scan_s: snapshot off, configured 300"
+    ]
+    for raw in ("0", "-5", "inf", "nan"):
+        with pytest.raises(ConfigError) as caught:
+            Config.from_env({}, flags={"expiry_scan_s": ("--expiry-scan-s", raw)})
+        assert str(caught.value) == (
+            f"--expiry-scan-s {raw!r}: must be positive (at most a year), or 'off'"
+        )
+
+
 def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
     assert (Config().metrics_port, Config().metrics_host, Config().ready_lag_events) == (
         None,

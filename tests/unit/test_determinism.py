@@ -52,6 +52,7 @@ CONFIGS: tuple[dict[str, object], ...] = (
     {"expiry_s": None, "lazy_workers": True},
     {"expiry_s": 60.0, "lazy_workers": False},
     {"expiry_s": 45.5, "lazy_workers": True, "max_tombstones": 2, "max_ended": 3},
+    {"expiry_s": 60.0, "lazy_workers": True, "lease_scan_s": 30.0},  # Dynamo's lease
 )
 CONFIG_INDEX = st.integers(0, len(CONFIGS) - 1)
 
@@ -103,7 +104,7 @@ EVENTS = st.one_of(
         st.integers(0, 2),
         st.integers(1, 3),
     ),
-    st.builds(WorkerRemoved, worker_id=WORKER_IDS),
+    st.builds(WorkerRemoved, worker_id=WORKER_IDS, final=st.booleans()),
     st.just(Tick()),
 )
 TimedEvents = list[tuple[object, int]]

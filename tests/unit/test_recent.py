@@ -59,3 +59,19 @@ def test_a_snapshot_round_trip_keeps_order_values_and_times() -> None:
     again.put("d", 0, 3 * S)
     ids.put("d", 0, 3 * S)
     assert list(again.items()) == list(ids.items())
+
+
+def test_take_before_returns_the_ids_written_before_a_time_oldest_first() -> None:
+    """A lease scan's expiries: ids moved by a later write, or taken out, are not returned
+    for their old place."""
+    ids = RecentIds(retention_ns=2**64, capacity=2**64)
+    for n, rid in enumerate("abcde"):
+        ids.put(rid, 0, n * S)
+    ids.put("b", 0, 10 * S)  # moved behind e
+    ids.pop("c")
+    assert ids.oldest_ns() == 0 and ids.written_ns("b") == 10 * S
+    assert ids.take_before(4 * S) == ["a", "d"]
+    assert ids.take_before(4 * S) == []
+    assert ids.oldest_ns() == 4 * S and ids.written_ns("a") is None
+    assert ids.take_before(11 * S) == ["e", "b"]
+    assert len(ids) == 0 and ids.oldest_ns() is None

@@ -69,7 +69,7 @@ def _no_encode_spacing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_a_small_snapshot_is_followed_by_the_next_after_n_events() -> None:
     snapshotter, store = await _snapshotter(every_events=5)
-    small = _state_with_ended(3)
+    small = _state_with_ended(1)
     assert len(small.snapshot()) < 5 * BYTES_PER_EVENT
     await snapshotter.now(small, 10)
     assert store.saved == [10]

@@ -78,6 +78,7 @@ OUTCOMES = (
     "worker_exists",
     "block_size_mismatch",
     "echo",  # a Dynamo message of seqstate's own resync: never in these events
+    "removed_worker",  # an add for a worker removed for good: no final removal here
 )
 BLOCK_SIZES = st.sampled_from((None, 16, 16, 32))
 

@@ -168,8 +168,9 @@ SERVE_HTTP = Command(
     (
         *flags.READ,
         *flags.PROVISION,
-        # The rules are the slot tracker's, always; a grace has no place there.
-        *(s for s in flags.WRITER if s not in ("rules", "worker_grace_s")),
+        # The rules are the slot tracker's, always; a grace, a Dynamo capture and its lease
+        # have no place there.
+        *(s for s in flags.WRITER if s not in ("rules", "worker_grace_s", *flags.LEASE)),
         *flags.PROJECTOR,
         *flags.METRICS,
         *flags.HTTP,

@@ -45,6 +45,8 @@ async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
         else:
             change = await control.remove(worker_id)
             done = "removed from the registry"
+            if config.dynamo_endpoints:  # removed for good (WorkerControl.remove)
+                done += f", for good: its late requests are refused until `worker add {worker_id}`"
     if change.applied:
         print(f"worker {change.worker_id}: {done} (event {change.seq})")
     elif args.wait <= 0:  # asked not to wait: stored is all it can say
@@ -126,7 +128,7 @@ WORKER = Command(
     "worker",
     "the control plane: add, remove or list workers",
     cmd_worker,
-    (*flags.READ, *flags.PROVISION, "max_ranks_per_worker"),
+    (*flags.READ, *flags.PROVISION, *flags.DYNAMO, "max_ranks_per_worker"),
     add_worker_flags,
     epilog=_examples,
 )
