@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import subprocess
@@ -43,7 +44,21 @@ from seqstate.dynamo import (
     resync_publisher_id,
 )
 
-ENDPOINT = "dynamo.backend.generate"  # what discovery_kit writes
+ENDPOINT = "dynamo.backend.generate"
+_ENDPOINTS = itertools.count()
+
+
+def fresh_endpoint() -> str:
+    """An endpoint of its own: one endpoint is captured by one namespace of the server."""
+    return f"dyn{next(_ENDPOINTS)}.backend.generate"
+
+
+def on(endpoint: str) -> dict[str, str]:
+    """discovery_kit's keyword arguments that put a record on ``endpoint``."""
+    ns, component, name = endpoint.split(".")
+    return {"ns": ns, "component": component, "name": name}
+
+
 _ADD = next(m for m in map(decode_dynamo, (c.data for c in CAPTURE)) if m.op == ADD)
 W1, W2, W3 = 0xA1 << 56, 0xB2 << 56, 0xC3 << 56  # worker ids above 2^63, as Dynamo's often are
 FRONT_A, FRONT_B = 5_000_001, 5_000_002  # the frontends' publisher ids (their channels)
@@ -67,20 +82,20 @@ def dynamo(op: str, request_id: str, rank: tuple[int, int], sequence: int, **mor
     return encode_dynamo(message)
 
 
-async def send(nc: Client, *messages: bytes) -> None:
+async def send(nc: Client, endpoint: str, *messages: bytes) -> None:
     for data in messages:
-        await nc.publish(dynamo_subject(ENDPOINT), data)
+        await nc.publish(dynamo_subject(endpoint), data)
     await nc.flush()
 
 
 @contextlib.asynccontextmanager
 async def running(
-    nc: Client, config: Config, url: str, log: Path, env: dict[str, str], *flags: str
+    nc: Client, config: Config, url: str, log: Path, env: dict[str, str]
 ) -> AsyncIterator[Callable[[], str]]:
     """``seqstate run`` as an operator starts it beside the fleet, until its writer answers;
     SIGINT on leaving, exit 0 expected. Yields a reader of its log."""
     argv = [sys.executable, "-m", "projector", "run", "--nats-url", url]
-    argv += ["--dynamo-endpoint", ENDPOINT, *flags, *name_flags(config)]
+    argv += ["--dynamo-endpoint", config.dynamo_endpoints[0], *name_flags(config)]
     with log.open("ab") as out:
         proc = await asyncio.create_subprocess_exec(
             *argv, env=clean_env() | env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
@@ -166,9 +181,13 @@ async def test_run_follows_workers_in_discovery_and_a_removed_one_stays_removed(
     request brings it back (outcome ``removed_worker``). A third worker that appears shows
     idle. ``replay --verify`` agrees: every change is in the log."""
     store = Store(request, kind, tmp_path)
-    first, second = worker(W1, base=1000), worker(W2, dp=2, base=2000)
-    await store.put(first | second | channel(FRONT_A))
-    config = fresh_config("follow", dynamo_endpoint=ENDPOINT)
+    endpoint = fresh_endpoint()
+    first, second = (
+        worker(W1, base=1000, **on(endpoint)),
+        worker(W2, dp=2, base=2000, **on(endpoint)),
+    )
+    await store.put(first | second | channel(FRONT_A, **on(endpoint)))
+    config = fresh_config("follow", dynamo_endpoint=endpoint)
     url = nats_server.url
     async with running(nc, config, url, tmp_path / "run.log", store.env):
         await eventually(
@@ -176,7 +195,7 @@ async def test_run_follows_workers_in_discovery_and_a_removed_one_stays_removed(
             lambda got: got == {(W1, 0): 0, (W2, 0): 0, (W2, 1): 0},
             what="both workers' three ranks, idle, from discovery alone",
         )
-        await send(nc, dynamo(ADD, "r1", (W1, 0), 0), dynamo(ADD, "r2", (W2, 1), 1))
+        await send(nc, endpoint, dynamo(ADD, "r1", (W1, 0), 0), dynamo(ADD, "r2", (W2, 1), 1))
         await eventually(
             lambda: loads(config, url),
             lambda got: got == {(W1, 0): 1, (W2, 0): 0, (W2, 1): 1},
@@ -188,14 +207,14 @@ async def test_run_follows_workers_in_discovery_and_a_removed_one_stays_removed(
             lambda got: got == {(W2, 0): 0, (W2, 1): 1},
             what="the dead worker gone from loads, with its request",
         )
-        await send(nc, dynamo(ADD, "r3", (W1, 0), 2), dynamo(FREE, "r1", (W1, 0), 3))
+        await send(nc, endpoint, dynamo(ADD, "r3", (W1, 0), 2), dynamo(FREE, "r1", (W1, 0), 3))
         await eventually(
             lambda: outcomes(nc, config),
             lambda got: got.get("removed_worker") == 1,
             what="the late Add refused as removed_worker",
         )
         assert await loads(config, url) == {(W2, 0): 0, (W2, 1): 1}
-        await store.put(worker(W3, base=3000))
+        await store.put(worker(W3, base=3000, **on(endpoint)))
         await eventually(
             lambda: loads(config, url),
             lambda got: got == {(W2, 0): 0, (W2, 1): 1, (W3, 0): 0},
@@ -205,7 +224,9 @@ async def test_run_follows_workers_in_discovery_and_a_removed_one_stays_removed(
     assert verify.returncode == 0 and "identical: 0 keys differ" in verify.stdout, verify.stdout
 
 
-async def republished(nc: Client, count: int, namespace: str) -> tuple[list[Msg], float]:
+async def republished(
+    nc: Client, endpoint: str, count: int, namespace: str
+) -> tuple[list[Msg], float]:
     """A late replica's view: the next ``count`` messages seqstate republishes on Dynamo's
     subject, and when the first came (monotonic)."""
     got: list[Msg] = []
@@ -221,7 +242,7 @@ async def republished(nc: Client, count: int, namespace: str) -> tuple[list[Msg]
         if len(got) == count:
             done.set_result(None)
 
-    sub = await nc.subscribe(dynamo_subject(ENDPOINT), cb=take)
+    sub = await nc.subscribe(dynamo_subject(endpoint), cb=take)
     try:
         await asyncio.wait_for(done, 30)
     finally:
@@ -236,19 +257,20 @@ async def test_a_new_router_replica_is_resynced_within_two_seconds(
     in discovery): within 2 s seqstate has sent it every request's AddRequest as routed, with
     no command run, and its own fold ignores what it sent."""
     root = tmp_path / "kv"
-    write_files(root, worker(W1, base=1000) | channel(FRONT_A))
-    config = fresh_config("resync", dynamo_endpoint=ENDPOINT)
+    endpoint = fresh_endpoint()
+    write_files(root, worker(W1, base=1000, **on(endpoint)) | channel(FRONT_A, **on(endpoint)))
+    config = fresh_config("resync", dynamo_endpoint=endpoint)
     url = nats_server.url
     async with running(nc, config, url, tmp_path / "run.log", file_env(root)) as log:
         await eventually(lambda: loads(config, url), bool, what="the worker in loads")
-        await send(nc, *(dynamo(ADD, f"q{i}", (W1, 0), i) for i in range(3)))
+        await send(nc, endpoint, *(dynamo(ADD, f"q{i}", (W1, 0), i) for i in range(3)))
         await eventually(
             lambda: loads(config, url), lambda got: got == {(W1, 0): 3}, what="3 in flight"
         )
-        late = asyncio.ensure_future(republished(nc, 3, config.namespace))
+        late = asyncio.ensure_future(republished(nc, endpoint, 3, config.namespace))
         await asyncio.sleep(0.1)  # the late replica's subscription reaches the server
         registered = time.monotonic()
-        write_files(root, channel(FRONT_B))
+        write_files(root, channel(FRONT_B, **on(endpoint)))
         messages, first = await late
         assert sorted(decode_dynamo(m.data).request_id for m in messages) == ["q0", "q1", "q2"]
         assert first - registered < 2.0, (first - registered, log())
@@ -261,11 +283,13 @@ async def test_an_endpoint_unknown_to_discovery_is_said(
 ) -> None:
     """A typo in ``--dynamo-endpoint`` is said at start, with what discovery knows."""
     root = tmp_path / "kv"
-    write_files(root, worker(W1, base=1000))
-    config = fresh_config("typo", dynamo_endpoint="dynamo.backend.generat")
+    endpoint = fresh_endpoint()
+    typo = endpoint[:-1]
+    write_files(root, worker(W1, base=1000, **on(endpoint)))
+    config = fresh_config("typo", dynamo_endpoint=typo)
     url = nats_server.url
     argv = [sys.executable, "-m", "projector", "run", "--nats-url", url]
-    argv += ["--dynamo-endpoint", "dynamo.backend.generat", *name_flags(config)]
+    argv += ["--dynamo-endpoint", typo, *name_flags(config)]
     proc = subprocess.Popen(
         argv,
         env=clean_env() | file_env(root),
@@ -281,10 +305,8 @@ async def test_an_endpoint_unknown_to_discovery_is_said(
             if "unknown to discovery" in line:
                 said = line
                 break
-        assert (
-            "Dynamo endpoint 'dynamo.backend.generat' is unknown to discovery (file discovery "
-        ) in said, said
-        assert "discovery knows: dynamo.backend.generate" in said, said
+        assert f"Dynamo endpoint {typo!r} is unknown to discovery (file discovery " in said, said
+        assert f"discovery knows: {endpoint}" in said, said
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
