@@ -42,6 +42,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from seqstate.dynamo import TOPIC, dynamo_subject
+from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.dynamo.discovery")
 
@@ -274,7 +275,7 @@ _EXPECTED: Final[dict[str, type]] = {
 }
 
 
-class Skipped(Exception):
+class Skipped(SeqstateError, ValueError):
     """A key not read as a record; the message is the reason (one per kind of problem, so it
     is logged once and counted)."""
 

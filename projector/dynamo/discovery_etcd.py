@@ -48,6 +48,7 @@ import msgspec
 from msgspec import Struct, field
 
 from projector.dynamo.discovery import MAX_VALUE_BYTES, PREFIX, DeleteWhy, Emit, RawBatch
+from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.dynamo.discovery")
 # httpx says every request at INFO: with a probe every few seconds that would be most of the
@@ -106,15 +107,15 @@ class _WatchLine(Struct):
     error: _GatewayError | None = None
 
 
-class EtcdError(Exception):
+class EtcdError(SeqstateError, RuntimeError):
     """etcd answered, but not with what was asked for; retried like a lost connection."""
 
 
-class _Relist(Exception):
+class _Relist(SeqstateError):
     """The watch cannot resume where it was: list the prefix again."""
 
 
-class _TooLarge(Exception):
+class _TooLarge(SeqstateError):
     pass
 
 

@@ -16,16 +16,17 @@ from nats.aio.client import Client
 
 from projector.dynamo.discovery_config import open_discovery, parse_discovery
 from projector.dynamo.follow import DiscoveryFeed, FleetFeed, Follower
-from projector.ops.resync import Resynced, resync
+from projector.ops.resync import resync
 from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
 from seqstate import SequenceState
+from seqstate.errors import SeqstateError
 
 if TYPE_CHECKING:
     from projector.run.pipeline import Pipeline
 
 
-class NoPipeline(LookupError):
+class NoPipeline(SeqstateError, LookupError):
     """No pipeline runs (it is restarting): the follower waits for the next."""
 
 
@@ -41,14 +42,19 @@ def follower(
             raise NoPipeline("no pipeline runs")
         return running.writer.state
 
-    async def resync_now() -> Resynced:
+    async def resync_now() -> str:
         running = pipeline()
         if running is None:
             raise NoPipeline("no pipeline runs")
         writer = running.writer
         # One synchronous step: the copy and its position are of the same event.
         base = (SequenceState.restore(writer.state.snapshot()), writer.stats.last_seq)
-        return await resync(nc, config, base=base)
+        done = await resync(nc, config, base=base)
+        return (
+            f"{done.requests} requests in flight republished ({done.marked} with their prefill "
+            f"done), as publisher {done.publisher_id}; the log at event {done.last_seq}"
+            + (f"; {done.freed} ended meanwhile, their Free sent again" if done.freed else "")
+        )
 
     # A msg-id prefix of its own: its control events never deduplicate another's.
     control = RouterPublisher(
@@ -69,5 +75,5 @@ def feed_for(config: Config) -> FleetFeed | None:
     """The discovery feed ``config`` names (None: no discovery); a
     :class:`~projector.dynamo.discovery_config.DiscoveryConfigError` for a spec or an
     environment that cannot be followed (one line)."""
-    follower = open_discovery(parse_discovery(config.dynamo_discovery))
+    follower = open_discovery(parse_discovery(config.dynamo_discovery or None))
     return None if follower is None else DiscoveryFeed(follower, config.dynamo_endpoints)

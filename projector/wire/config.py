@@ -319,8 +319,8 @@ class Config:
         "(routers started with --router-replica-sync on the NATS event plane)",
         "ENDPOINTS",
     )
-    dynamo_discovery: str | None = _setting(
-        None,
+    dynamo_discovery: str = _setting(
+        "",
         "where the Dynamo fleet registers its workers and routers, followed by `run` so that "
         "a dead worker leaves the ledger and a new router replica is resynced: "
         "'etcd:http://HOST:2379[,URL...]', 'file:DIR' or 'none'; unset: Dynamo's own "

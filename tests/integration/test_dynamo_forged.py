@@ -77,6 +77,8 @@ def run_argv(config: Config, url: str) -> list[str]:
         url,
         "--dynamo-endpoint",
         config.dynamo_endpoints[0],
+        "--dynamo-discovery",
+        "none",  # no fleet's discovery here: its absence is not this test's
         "--idle-tick-s",
         "3600",
         "--snapshot-every-events",
