@@ -197,9 +197,10 @@ class Fleet:
         """The fleet's etcd (``discovery="etcd"`` only): ready once ``gateway.healthy()``."""
         assert self.discovery == "etcd" and self.etcd is None
         binary = etcd_binary()
-        if binary is None:
+        if binary is None or not binary.exists():
             raise AssertionError(
-                "no etcd binary: run tests/dynamo/install_etcd.sh, or set ETCD_BIN"
+                f"no etcd binary ({binary or 'none found'}): run tests/dynamo/install_etcd.sh,"
+                " or set ETCD_BIN"
             )
         client, peer = free_ports(2)
         args = etcd_args(binary, self.root / "etcd-data", client, peer)
