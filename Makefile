@@ -56,12 +56,15 @@ test: $(NATIVE) lint
 # The live suite against a real Dynamo 1.6.1 fleet (tests/dynamo, README.md there). Dynamo is a
 # test tool, never a dependency of seqstate: its venv is built once by the installer kept in
 # tests/dynamo, outside the checkout (DYNAMO_VENV overrides where), and reused while it imports.
+# Fleets on etcd discovery take Debian's etcd-server, unpacked once into ETCD_DIR.
 # `make test` deselects these tests; only `-m dynamo` runs them.
 DYNAMO_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/seqstate/dynamo-1.6.1
+ETCD_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/seqstate/etcd-3.4
 
 test-dynamo: $(NATIVE)
 	bash tests/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
-	DYNAMO_VENV="$(DYNAMO_VENV)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m dynamo tests/dynamo
+	bash tests/dynamo/install_etcd.sh "$(ETCD_DIR)"
+	ETCD_BIN="$(ETCD_DIR)/usr/bin/etcd" DYNAMO_VENV="$(DYNAMO_VENV)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m dynamo tests/dynamo
 
 # The demo, its server on nats://127.0.0.1:4222; refused if that port is taken (Dynamo's NATS
 # listens there too): SEQSTATE_PORT=0 make run takes any free one, and the log names it.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -370,3 +371,75 @@ def unique_blocks(adds: Iterable[Seen]) -> dict[Rank, int]:
     for add in adds:
         hashes.setdefault(add.rank, set()).update(add.add.token_sequence or ())
     return {rank: len(found) for rank, found in hashes.items()}
+
+
+# ---- forging: a peer's messages, in Dynamo's wire format ---------------------------------------
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def forge(
+    request_id: str,
+    rank: Rank,
+    data: str | AddRequest,
+    *,
+    publisher_id: int,
+    sequence: int,
+    router_id: int,
+    published_at: int = 0,
+) -> bytes:
+    """One ``active_sequences_events`` message as a peer replica would publish it (``data``:
+    an AddRequest, or ``"MarkPrefillCompleted"`` / ``"Free"``), encoded from the structs above:
+    a captured message re-encoded this way is byte-identical (test_facts.py checks it)."""
+    event = ActiveSequenceEvent(
+        request_id=request_id,
+        worker=WorkerRef(*rank),
+        data=data if isinstance(data, str) else {"AddRequest": data},
+        router_id=router_id,
+        lora_name=None,
+    )
+    envelope = Envelope(
+        publisher_id=publisher_id,
+        sequence=sequence,
+        published_at=published_at,
+        topic="active_sequences_events",
+        payload=_ENCODER.encode(event),
+    )
+    return _ENCODER.encode(envelope)
+
+
+@dataclass
+class Forger:
+    """A peer replica of our own on the subject: numbers its messages from 0 under one
+    publisher id, names one router id (neither is any process of the fleet), and flushes
+    after each, so the server has it before :meth:`send` returns."""
+
+    nc: Client
+    publisher_id: int
+    router_id: int
+    sequence: int = 0
+
+    async def send(self, request_id: str, rank: Rank, data: str | AddRequest) -> None:
+        raw = forge(
+            request_id,
+            rank,
+            data,
+            publisher_id=self.publisher_id,
+            sequence=self.sequence,
+            router_id=self.router_id,
+            published_at=time.time_ns() // 1_000_000,
+        )
+        self.sequence += 1
+        await self.nc.publish(EVENTS_SUBJECT, raw)
+        await self.nc.flush()
+
+
+def add_of(hashes: list[int], prefill_tokens: int | None = None) -> AddRequest:
+    """An AddRequest of ``hashes`` (one per full block), as a frontend sends it."""
+    hint = None if prefill_tokens is None else PrefillLoadHint(prefill_tokens, None)
+    return AddRequest(
+        token_sequence=hashes,
+        track_prefill_tokens=True,
+        expected_output_tokens=None,
+        prefill_load_hint=hint,
+    )

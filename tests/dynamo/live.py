@@ -37,15 +37,31 @@ class LiveFleet:
     def frontends(self) -> list[Frontend]:
         return self.fleet.frontends
 
+    async def start_discovery(self) -> None:
+        """On etcd discovery, the fleet's etcd, until its gateway answers healthy; files need
+        nothing started."""
+        if self.fleet.discovery != "etcd":
+            return
+        self.fleet.start_etcd()
+        await eventually(
+            self.fleet.gateway.healthy,
+            what="etcd healthy",
+            timeout=START_S,
+            check=self.fleet.check,
+            watch=self.fleet.tails,
+        )
+
     async def start_workers(self) -> None:
-        """A mocker with one rank and one with ``--data-parallel-size 2``; the first restarted
-        until some worker id is above 2^63 (see fleet.py)."""
+        """A mocker with one rank and one with ``--data-parallel-size 2``; on file discovery,
+        the first restarted until some worker id is above 2^63 (see fleet.py). On etcd a
+        worker's instance id is its etcd lease id, which etcd draws below 2^63: no restart
+        would give one."""
         single = self.fleet.start_mocker("mocker-a")
         double = self.fleet.start_mocker("mocker-b-dp2", dp=2)
         for attempt in range(1, HIGH_ID_TRIES + 1):
-            await self._registered([single, double])
+            await self.registered([single, double])
             ids = self.fleet.worker_ids()
-            if max(ids.values()) >= TOP_BIT:
+            if self.fleet.discovery != "file" or max(ids.values()) >= TOP_BIT:
                 return
             if attempt == HIGH_ID_TRIES:
                 raise AssertionError(f"no worker id above 2^63 in {attempt} starts: {ids}")
@@ -61,7 +77,7 @@ class LiveFleet:
             watch=self.fleet.tails,
         )
 
-    async def _registered(self, mockers: list[Proc]) -> None:
+    async def registered(self, mockers: list[Proc]) -> None:
         def seen() -> bool:
             ids = self.fleet.worker_ids()
             return all(m.rpc_port in ids for m in mockers) and len(self.fleet.ranks()) == 3
@@ -74,9 +90,11 @@ class LiveFleet:
             watch=self.fleet.tails,
         )
 
-    async def start_frontend(self, name: str, *extra: str) -> Frontend:
+    async def start_frontend(
+        self, name: str, *extra: str, env: dict[str, str] | None = None
+    ) -> Frontend:
         """Start a frontend and wait until it is ready (see the module's docstring)."""
-        front = self.fleet.start_frontend(name, *extra)
+        front = self.fleet.start_frontend(name, *extra, env=env)
         await eventually(
             lambda: models(front.http_port),
             lambda ids: "tiny" in ids,

@@ -13,7 +13,6 @@ import uuid
 import pytest
 from dynamo_kit import close_all, nonzero, open_streams, scrape, unique_blocks
 from eventually import eventually
-from fleet import Proc
 from live import LiveFleet
 from seqstate_kit import Seqstate, agree, per_rank
 
@@ -54,7 +53,7 @@ async def test_a_sigkilled_worker_s_requests_are_freed_and_its_ranks_dropped(
         on_dead = {rid for rid, add in adds.items() if add.rank[0] == dead}
         survivors = {rid: add for rid, add in adds.items() if rid not in on_dead}
         assert on_dead and survivors, {rid: add.rank for rid, add in adds.items()}
-        kill(live, doomed)
+        live.fleet.kill_proc(doomed)
         await eventually(
             lambda: live.capture.freed(rids),
             lambda freed: freed == on_dead,
@@ -121,7 +120,7 @@ async def test_a_sigkilled_frontend_s_requests_stay_on_its_peer(
         orphans = {rid: add for rid, add in adds.items() if add.event.router_id == f1.router_id}
         own = [s for s in streams if s.request_id not in orphans]
         assert len(orphans) == 2 and len(own) == 2
-        kill(live, f1)
+        live.fleet.kill_proc(f1)
         await close_all(own)
         await eventually(
             lambda: live.capture.freed(rids),
@@ -144,9 +143,3 @@ async def test_a_sigkilled_frontend_s_requests_stay_on_its_peer(
             )
     finally:
         await close_all(streams)
-
-
-def kill(live: LiveFleet, proc: Proc) -> None:
-    """SIGKILL a fleet process (its group), as a crash would, and forget it."""
-    proc.kill()
-    live.fleet.stop_proc(proc)
