@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,12 +78,17 @@ from seqstate import (
 from seqstate.deltas import APPLIED, Hole
 from seqstate.errors import SeqstateError
 from seqstate.fold import Verdict, event_of
+from seqstate.recent import NEVER
 
 log = logging.getLogger("seqstate.writer")
 SETTLE_S = 0.5  # what a prompt stop gives a snapshot save under way to finish
 
 # (stream sequence, the fold's verdict); (0, None): never folded by this writer
 FoldListener = Callable[[int, Verdict | None], None]
+
+
+# At most one Tick a second for a due lease scan (while the idle rule would wait longer).
+LEASE_TICK_S = 1.0
 
 
 @dataclass
@@ -459,7 +465,9 @@ class Writer(LagWatched):
                 self.snapshotter.take_if_due(self.state, self.stats.last_seq)
             now = loop.time()
             if not self.caught_up.is_set() or (
-                now - self._last_event_at < idle and now - ticked < every
+                now - self._last_event_at < idle
+                and now - ticked < every
+                and not (self._lease_scan_due() and now - ticked >= LEASE_TICK_S)
             ):
                 continue
             # The msg-id makes concurrent writers (or a retry) log one Tick per position; its
@@ -480,6 +488,14 @@ class Writer(LagWatched):
                 continue
             self.stats.ticks_published += 1
             self._last_event_at = ticked = loop.time()
+
+    def _lease_scan_due(self) -> bool:
+        """A lease scan's boundary has passed on this clock and no logged event reached it
+        yet: a Tick now expires what Dynamo's replicas expire at that scan, rather than up to
+        ``idle_tick_s`` later. (The log's time decides; if this clock runs ahead, the Tick
+        lands before the boundary and the next round ticks again.)"""
+        due = self.state.lease_due_ns
+        return due != NEVER and self.state.now_ns < due <= time.time_ns()
 
     async def _read_tick_tag(self) -> str:
         """The Ticks' tag, from the events stream's msg-id key (a random one if it has none,

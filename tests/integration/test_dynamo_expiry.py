@@ -176,3 +176,33 @@ async def test_outside_a_dynamo_namespace_a_removed_worker_comes_back_with_its_n
         out = await run_cli(config, url, "loads", "--json")
         assert ranks_in(out.stdout) == {(5, 0): 1}
         assert pipeline.writer.state.counters["removed_worker"] == 0
+
+
+async def test_a_due_lease_scan_is_ticked_at_its_boundary_not_at_the_idle_tick(
+    nc: Client,
+) -> None:
+    """With the idle Tick an hour away, the writer still logs a Tick once a lease scan is due
+    by its clock: the request expires within a second or so of Dynamo's replicas, not an idle
+    interval later. The Tick's log time is at or past the boundary that expired it."""
+    config = fresh_config(
+        "dt", dynamo_endpoint="dt.backend.generate", expiry_scan_s=SCAN_S, idle_tick_s=3600.0
+    )
+    await ensure(nc, config)
+    first_add = next(m.data for m in CAPTURE if decode_dynamo(m.data).op == ADD)
+    async with Pipeline(nc, config) as pipeline:
+        await publish(nc, config, [first_add])
+        await eventually(
+            lambda: pipeline.writer.state.counters["expired"],
+            lambda n: n == 1,
+            what="a Tick at the due lease scan expires the request",
+            timeout=30,
+        )
+        assert pipeline.writer.stats.ticks_published >= 1
+    log = await read_events(nc, config)
+    added_ns = log[0][1]
+    ticks = [
+        at
+        for _, at, subject, data in log
+        if subject == config.control_subject and isinstance(decode_event(data), Tick)
+    ]
+    assert ticks and ticks[-1] >= (added_ns // SCAN_NS + 2) * SCAN_NS
