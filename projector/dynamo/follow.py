@@ -84,6 +84,24 @@ class FleetFeed(Protocol):
         ...
 
 
+def _gone_while_away(state: SequenceState, fleet: Fleet) -> set[int]:
+    """The ledger's workers that discovery no longer holds and the frontends have dropped:
+    those discovery registered (their ``WorkerAdded``), and those whose every rank is idle (a
+    worker that died while seqstate was down: its routers freed what it held). A worker known
+    only by requests still in flight was never in discovery (a peer's Add naming a worker no
+    process registered): the frontends keep those requests until they expire, so does the
+    ledger."""
+    workers = state.workers
+    gone: set[int] = set()
+    for worker_id, ranks in workers.by_worker.items():
+        if worker_id in fleet.workers:
+            continue
+        idle = not any(workers.slots[(worker_id, r)].requests for r in ranks)
+        if worker_id in workers.ranges or idle:
+            gone.add(worker_id)
+    return gone | (set(workers.ranges) - set(fleet.workers))
+
+
 class DiscoveryFeed:
     """A :class:`~projector.dynamo.discovery.DiscoveryFollower` seen as fleets of the
     namespace's endpoints. A worker's ranks are written as one range (its lowest to its
@@ -229,8 +247,7 @@ class Follower:
             log.warning("%s", self._unknown_text(endpoint, feed.where, fleet))
         state = self._state()
         if state is not None and fleet.workers:
-            ledger_workers = {w for w, _ in state.workers.slots} | set(state.workers.ranges)
-            for worker_id in sorted(ledger_workers - set(fleet.workers)):
+            for worker_id in sorted(_gone_while_away(state, fleet)):
                 await self._publish(
                     WorkerRemoved(worker_id=worker_id, final=True),
                     f"worker {worker_id} is not in discovery ({feed.where}): removed",
@@ -335,8 +352,8 @@ class Follower:
             return
         if message.router_id == message.worker_id:
             return  # a worker's own Mark publisher: no replica behind it
-        if self._fleet is not None and publisher_id in self._fleet.channels:
-            return  # discovery told of it already
+        if self._fleet is not None:
+            return  # discovery is followed: a replica that starts registers its channel first
         state = self._state()
         if state is None or publisher_id in state.publishers:
             return  # the log has heard it before: not a replica that started blind

@@ -113,10 +113,14 @@ async def live(
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def seqstate(live: LiveFleet, nats_server: NatsServer) -> AsyncIterator[Seqstate]:
-    """``seqstate run --dynamo-endpoint`` folding the fleet into the namespace ``dyn``, started
-    for the test and stopped after it (its JetStream state stays for the module's next one)."""
-    async with running_seqstate(live, nats_server.url) as runner:
+async def seqstate(
+    request: pytest.FixtureRequest, live: LiveFleet, nats_server: NatsServer
+) -> AsyncIterator[Seqstate]:
+    """``seqstate run --dynamo-endpoint`` folding the fleet into the namespace ``dyn`` (with the
+    module's ``SEQSTATE_ARGS``), started for the test and stopped after it (its JetStream state
+    stays for the module's next one)."""
+    args: tuple[str, ...] = getattr(request.module, "SEQSTATE_ARGS", ())
+    async with running_seqstate(live, nats_server.url, args) as runner:
         yield runner
 
 

@@ -47,19 +47,30 @@ class Seqstate:
     """``seqstate run`` on the fleet's nats-server, folding the fleet's endpoint, as a user
     starts it; every read goes through the CLI, as the hidden check's does."""
 
-    def __init__(self, live: LiveFleet, nats_url: str) -> None:
+    def __init__(self, live: LiveFleet, nats_url: str, args: tuple[str, ...] = ()) -> None:
         self.live = live
         self.nats_url = nats_url
+        self.args = args
         self.log = live.fleet.root / "logs" / "seqstate-run.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def env(self) -> dict[str, str]:
-        return dict(os.environ, NATS_URL=self.nats_url, SEQSTATE_NAMESPACE=NAMESPACE)
+        """As an operator starts it beside the fleet: with the fleet's discovery environment
+        (``DYN_DISCOVERY_BACKEND`` and ``DYN_FILE_KV`` or ``ETCD_ENDPOINTS``), which seqstate
+        follows with no flag."""
+        fleet = self.live.fleet
+        env = dict(os.environ, NATS_URL=self.nats_url, SEQSTATE_NAMESPACE=NAMESPACE)
+        env["DYN_DISCOVERY_BACKEND"] = fleet.discovery
+        if fleet.discovery == "etcd":
+            env["ETCD_ENDPOINTS"] = fleet.gateway.url
+        else:
+            env["DYN_FILE_KV"] = str(fleet.file_kv)
+        return env
 
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [*SEQSTATE, "run", "--dynamo-endpoint", DYNAMO_ENDPOINT],
+                [*SEQSTATE, "run", "--dynamo-endpoint", DYNAMO_ENDPOINT, *self.args],
                 env=self.env(),
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -185,14 +196,16 @@ def per_rank(live: LiveFleet, rids: list[str]) -> dict[Rank, int]:
 
 
 @asynccontextmanager
-async def running_seqstate(live: LiveFleet, nats_url: str) -> AsyncIterator[Seqstate]:
+async def running_seqstate(
+    live: LiveFleet, nats_url: str, args: tuple[str, ...] = ()
+) -> AsyncIterator[Seqstate]:
     """``seqstate run`` started, ready, stopped (SIGTERM) on leaving.
 
     Ready means a JetStream stream listens on Dynamo's subject (what Dynamo publishes from
     then on is kept) and ``status`` answers. ``status`` alone answered before the capture
     stream existed: a test's first AddRequests, sent right then, were lost to seqstate while
     their Marks, a few ms later, were captured (seen on a loaded machine)."""
-    runner = Seqstate(live, nats_url)
+    runner = Seqstate(live, nats_url, args)
     runner.start()
     js = live.capture.nc.jetstream()
     try:

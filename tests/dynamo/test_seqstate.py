@@ -41,6 +41,8 @@ needs_resync = pytest.mark.skipif(
     reason="no `seqstate dynamo resync --dynamo-endpoint` yet (issue 22 item 5: catch-up)",
 )
 pytestmark = [pytest.mark.dynamo, pytest.mark.asyncio(loop_scope="module"), needs_capture]
+# The command's own tests: seqstate's automatic resync of a new frontend (test_follow.py) off.
+SEQSTATE_ARGS = ("--dynamo-resync", "off")
 
 
 async def hold(live: LiveFleet, tag: int, count: int) -> tuple[list[str], list[Stream]]:
