@@ -144,6 +144,27 @@ class Seqstate:
         return rows
 
 
+def inspected(seq: Seqstate, request_id: str) -> str:
+    """``seqstate inspect request``: what seqstate made of the request's events (for a
+    failed wait's report)."""
+    done = subprocess.run(
+        [*SEQSTATE, "inspect", "--no-progress", "request", request_id],
+        env=seq.env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    return "\n".join(
+        [
+            f"--- inspect request {request_id} (rc {done.returncode}) ---",
+            done.stdout[-3000:],
+            done.stderr[-1000:],
+        ]
+    )
+
+
 async def agree(
     live: LiveFleet,
     seq: Seqstate,
@@ -158,20 +179,7 @@ async def agree(
     fronts = live.frontends if frontends is None else frontends
 
     def watch() -> str:
-        parts = [seq.tail()]
-        for rid in (rids or [])[:3]:
-            done = subprocess.run(
-                [*SEQSTATE, "inspect", "--no-progress", "request", rid],
-                env=seq.env(),
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-                check=False,
-                timeout=60,
-            )
-            parts.append(f"--- inspect request {rid} (rc {done.returncode}) ---")
-            parts += [done.stdout[-3000:], done.stderr[-1000:]]
-        return "\n".join(parts)
+        return "\n".join([seq.tail(), *(inspected(seq, rid) for rid in (rids or [])[:3])])
 
     async def both() -> tuple[dict[Rank, dict[str, int]], list[dict[Rank, int]]]:
         views = [nonzero((await scrape(f.http_port)).decode) for f in fronts]

@@ -12,37 +12,19 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import pytest
-from dynamo_kit import block, close_all, nonzero, open_streams, scrape
+from dynamo_kit import close_all, nonzero, scrape
 from eventually import eventually
 from fleet import Frontend
 from live import LiveFleet
-from seqstate_kit import HELD, Seqstate, agree, per_rank
+from seqstate_kit import Seqstate, agree, per_rank
+from test_seqstate import hold
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.asyncio(loop_scope="module")]
 DISCOVERIES = ("file", "etcd")
 
 Rank = tuple[int, int]
-
-
-async def hold(live: LiveFleet, tag: int, count: int) -> tuple[list[str], list]:
-    """``count`` streams held open through both frontends, each AddRequest captured."""
-    f1, f2 = live.frontends[:2]
-    rids = [str(uuid.uuid4()) for _ in range(count)]
-    specs = [
-        (rid, (f1 if i % 2 == 0 else f2).http_port, block(tag + i) + block(tag + 50 + i), HELD)
-        for i, rid in enumerate(rids)
-    ]
-    streams = await open_streams(specs)
-    await eventually(
-        lambda: live.capture.adds(rids),
-        lambda adds: len(adds) == count,
-        what=f"{count} AddRequests",
-        watch=live.fleet.tails,
-    )
-    return rids, streams
 
 
 async def registered_late(live: LiveFleet, name: str, before: set[int]) -> tuple[Frontend, float]:

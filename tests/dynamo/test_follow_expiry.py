@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 import time
 import uuid
 
@@ -20,7 +19,7 @@ import pytest
 from dynamo_kit import Forger, add_of, nonzero, scrape
 from eventually import eventually
 from live import LiveFleet
-from seqstate_kit import REPO, SEQSTATE, Seqstate
+from seqstate_kit import Seqstate, inspected
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.asyncio(loop_scope="module")]
 DISCOVERIES = ("file", "etcd")
@@ -30,20 +29,6 @@ SEQSTATE_ARGS = ("--expiry-scan-s", str(int(SCAN_S)))
 # How late a drop may be seen: a poll of /metrics, and a `loads` run plus the writer's Tick
 # (at most one a second once a scan is due) on a busy machine.
 SEEN_S = 2.5
-
-
-def inspect_text(seqstate: Seqstate, request_id: str) -> str:
-    """seqstate's log and status, and what it made of the request's events."""
-    done = subprocess.run(
-        [*SEQSTATE, "inspect", "--no-progress", "request", request_id],
-        env=seqstate.env(),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    return "\n".join([seqstate.tail(), "--- inspect ---", done.stdout[-3000:], done.stderr[-1000:]])
 
 
 async def held_by_seqstate(seqstate: Seqstate, rank: tuple[int, int]) -> int:
@@ -70,7 +55,7 @@ async def test_an_idle_request_expires_on_seqstate_when_it_does_on_the_frontends
         lambda: held_by_seqstate(seqstate, rank),
         lambda n: n == 1,
         what=f"seqstate holds it on {rank}",
-        watch=lambda: inspect_text(seqstate, request_id),
+        watch=lambda: seqstate.tail() + "\n" + inspected(seqstate, request_id),
     )
     gone: dict[str, float] = {}
     fronts = list(live.frontends)

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
-import nats.errors
 import pytest
 from discovery_kit import channel, file_name, worker, write_files
 from dynamo_capture import CAPTURE
@@ -31,7 +30,7 @@ from eventually import eventually
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pipeline_kit import REPO, clean_env, fresh_config, name_flags, run_cli
-from test_dynamo_forged import writer_status
+from test_dynamo_forged import started_run, writer_status
 
 from projector.nats.server import NatsServer
 from projector.wire.config import Config
@@ -92,34 +91,12 @@ async def send(nc: Client, endpoint: str, *messages: bytes) -> None:
 async def running(
     nc: Client, config: Config, url: str, log: Path, env: dict[str, str]
 ) -> AsyncIterator[Callable[[], str]]:
-    """``seqstate run`` as an operator starts it beside the fleet, until its writer answers;
-    SIGINT on leaving, exit 0 expected. Yields a reader of its log."""
+    """``seqstate run`` as an operator starts it beside the fleet, with the fleet's
+    environment; yields a reader of its log."""
     argv = [sys.executable, "-m", "projector", "run", "--nats-url", url]
     argv += ["--dynamo-endpoint", config.dynamo_endpoints[0], *name_flags(config)]
-    with log.open("ab") as out:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=clean_env() | env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
-        )
-
-    def alive() -> None:
-        if proc.returncode is not None:
-            raise AssertionError(f"seqstate run exited {proc.returncode}:\n{log.read_text()}")
-
-    try:
-        await eventually(
-            lambda: writer_status(nc, config),
-            what="the writer of seqstate run answers its status",
-            retry_on=(nats.errors.NoRespondersError, nats.errors.TimeoutError),
-            check=alive,
-            interval=0.1,
-        )
+    async with started_run(nc, config, url, log, argv, env):
         yield log.read_text
-        alive()
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGINT)
-        rc = await asyncio.wait_for(proc.wait(), 30)
-    assert rc == 0, log.read_text()
 
 
 async def loads(config: Config, url: str) -> dict[tuple[int, int], int]:

@@ -88,12 +88,24 @@ def run_argv(config: Config, url: str) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def started_run(nc: Client, config: Config, url: str, log: Path) -> AsyncIterator[None]:
-    """``seqstate run --nats-url`` as a user starts it, until its writer answers its status."""
-    env = clean_env()
+async def started_run(
+    nc: Client,
+    config: Config,
+    url: str,
+    log: Path,
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[None]:
+    """``seqstate run --nats-url`` as a user starts it (``argv``, by default this module's;
+    ``env`` added to a clean environment), until its writer answers its status; SIGINT on
+    leaving, exit 0 expected."""
     with log.open("ab") as out:
         proc = await asyncio.create_subprocess_exec(
-            *run_argv(config, url), env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+            *(argv or run_argv(config, url)),
+            env=clean_env() | (env or {}),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
 
     def running() -> None:

@@ -292,7 +292,7 @@ def test_an_unknown_operation_and_an_unknown_duration_field_are_refused_as_serde
 def test_a_worker_without_its_dp_rank_is_rank_0() -> None:
     """A worker map without ``dp_rank`` names the worker's one rank, 0 (unknown fields beside
     it still ignored); both present decode as ever. (Dynamo 1.6.1's replicas refuse it:
-    tests/dynamo/test_edges.py pins that difference.)"""
+    tests/dynamo/test_decoder_edges.py pins that difference.)"""
     for worker in ({"worker_id": 7}, {"worker_id": 7, "zone": "b"}):
         message = decode_dynamo(with_event(worker=worker))
         assert (message.worker_id, message.dp_rank) == (7, 0)
