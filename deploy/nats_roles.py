@@ -75,8 +75,16 @@ def subscriptions(config: Config, role: str) -> list[str]:
         return [inbox(role), "$SRV.>", f"seqstate.svc.{config.namespace}.{role}.>"]
     if role == "admin":
         own = (s for kind in CONSUMERS for s in subscriptions(config, kind)[1:])
+        # `run` beside a Dynamo fleet listens to the routers' replica-sync messages itself: a
+        # router publisher the log never heard is a frontend started blind, to resync.
         return list(
-            dict.fromkeys([inbox(role), *(every_namespace(s, config.namespace) for s in own)])
+            dict.fromkeys(
+                [
+                    inbox(role),
+                    *(every_namespace(s, config.namespace) for s in own),
+                    RAW_PATTERN,
+                ]
+            )
         )
     if role == "dynamo":
         return ["_INBOX.>", DYNAMO_SUBJECTS]

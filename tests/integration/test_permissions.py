@@ -27,6 +27,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import msgspec
 import nats.errors
 import pytest
 from dynamo_capture import CAPTURE
@@ -48,7 +49,7 @@ from projector.wire.config import Config
 from projector.wire.values import load_key
 from projector.write.writer import Writer
 from seqstate import AddRequest, WorkerAdded, WorkerRemoved, decode_event, encode_event
-from seqstate.dynamo import decode_dynamo, dynamo_subject
+from seqstate.dynamo import decode_dynamo, dynamo_subject, encode_dynamo
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
@@ -823,6 +824,32 @@ async def test_dynamo_publishes_as_dynamo_and_the_admin_resyncs(
     rc, out, err = await as_cli(roles_server, "admin", *argv)
     _clean("admin", argv, rc, out, err)
     assert "resynced 6 requests in flight" in out, out
+
+
+async def test_the_admins_run_listens_to_dynamos_routers(tmp_path: Path) -> None:
+    """``run --dynamo-endpoint`` as the admin, with no discovery to follow: Dynamo's routers
+    (signed in as ``dynamo``) publish, and the run hears a router publisher the log never
+    heard (the last resort that resyncs a frontend started blind), refused nothing."""
+    endpoint = "adm.backend.generate"
+    with started_roles_server(tmp_path / "js") as url:
+        argv = ("run", "--nats-url", url, "--dynamo-endpoint", endpoint)
+        argv += ("--dynamo-discovery", "none", "--duration", "6")
+        run = asyncio.ensure_future(as_cli(url, "admin", *argv))
+        async with as_role(url, "dynamo") as dnc:
+            for publisher in range(1, 60):  # a new router each time, until the run is over
+                if run.done():
+                    break
+                data = encode_dynamo(
+                    msgspec.structs.replace(
+                        decode_dynamo(CAPTURE[0].data), publisher_id=publisher, sequence=0
+                    )
+                )
+                await dnc.publish(dynamo_subject(endpoint), data)
+                await dnc.flush()
+                await asyncio.sleep(0.2)
+        rc, out, err = await run
+    _clean("admin", argv, rc, out, err)
+    assert "a router publisher never seen before" in err, err
 
 
 async def test_a_dynamo_client_on_the_default_inbox_sees_no_seqstate_reply(

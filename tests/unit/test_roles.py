@@ -95,6 +95,7 @@ def test_the_admin_may_do_what_its_commands_roles_may_in_every_namespace_and_no_
         "$SRV.>",
         "seqstate.svc.*.writer.>",
         "seqstate.svc.*.projector.>",
+        "namespace.*.component.*.endpoint.*.active_sequences_events",
     ]
 
 
