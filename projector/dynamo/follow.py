@@ -273,8 +273,6 @@ class Follower:
                 await self._register(state, worker_id, dp)
         new = fleet.channels - before.channels - {self._ours}
         if new:
-            for publisher_id in new:
-                self._seen_now(publisher_id)
             self.want_resync(
                 self.resync_delay_s,
                 f"router replica channel {', '.join(map(str, sorted(new)))} appeared",
@@ -343,6 +341,8 @@ class Follower:
         return False
 
     def _first_seen(self, data: bytes) -> None:
+        if self._fleet is not None:
+            return  # discovery is followed: a replica that starts registers its channel first
         try:
             message = decode_dynamo(data)
         except EventDecodeError:
@@ -352,8 +352,6 @@ class Follower:
             return
         if message.router_id == message.worker_id:
             return  # a worker's own Mark publisher: no replica behind it
-        if self._fleet is not None:
-            return  # discovery is followed: a replica that starts registers its channel first
         state = self._state()
         if state is None or publisher_id in state.publishers:
             return  # the log has heard it before: not a replica that started blind
