@@ -58,7 +58,7 @@ from seqstate import (
 )
 
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE: Final = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE: Final = REPO_ROOT / "data" / "mooncake_conversation_trace.jsonl"
 
 NS_PER_MS: Final = 1_000_000
 NS_PER_S: Final = 1_000_000_000

@@ -2,7 +2,7 @@
 
 Why this exists: issue 12 asks for ``seqstate serve-http``, a drop-in for Dynamo's standalone
 slot tracker (``python -m dynamo.slot_tracker``, contract in
-``../shared/design/slot-tracker-api.md``), on "a well-kept asyncio HTTP server library, chosen
+``docs/slot-tracker-api.md``), on "a well-kept asyncio HTTP server library, chosen
 for throughput (measure two before you pick)", and a target of at least 50% of Dynamo's calls/s
 at 16 connections. This script measures, in one run and with one load generator:
 

@@ -1,7 +1,7 @@
 """``seqstate serve-http`` side by side with Dynamo's own slot tracker (issue 23).
 
 Why this exists: ``seqstate serve-http`` is a drop-in for Dynamo's standalone slot-tracker HTTP
-API (``python -m dynamo.slot_tracker``, contract in ``../shared/design/slot-tracker-api.md``),
+API (``python -m dynamo.slot_tracker``, contract in ``docs/slot-tracker-api.md``),
 and issue 23 sets throughput and latency targets for it relative to Dynamo's tracker on the same
 machine. This script measures both, with one load generator, in one run:
 

@@ -6,7 +6,7 @@ error's text, ``<path>: <serde_json message> at line L column C``. A syntax or E
 400 (``Failed to parse the request body as JSON: ...``) and a data error a 422 (``Failed to
 deserialize the JSON body into the target type: ...``). msgspec refuses the same bodies with
 other words, and the texts are part of the drop-in's contract
-(../shared/design/slot-tracker-api.md), so this module replays serde's walk over a refused
+(docs/slot-tracker-api.md), so this module replays serde's walk over a refused
 body: a small scanner that reads the body in document order, as serde_json does, with the same
 position bookkeeping (byte columns; which errors point at the byte read last and which at the
 byte peeked at), the same path rules and the same value formatting (Rust's ``{:?}`` of a

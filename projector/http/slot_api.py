@@ -1,5 +1,5 @@
 """Dynamo's slot-tracker API as data: request bodies, the events they become, and the answer
-each outcome gets (../shared/design/slot-tracker-api.md).
+each outcome gets (docs/slot-tracker-api.md).
 
 Pure on purpose: the HTTP server decodes a body into one of these Structs, publishes the event
 :func:`event_for` makes, waits for the writer's outcome of it, and sends what :func:`answer`

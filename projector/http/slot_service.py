@@ -1,7 +1,7 @@
 """The slot-tracker drop-in's logic, apart from the HTTP transport that feeds it.
 
 One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracker answers it
-(../shared/design/slot-tracker-api.md), on top of the pipeline:
+(docs/slot-tracker-api.md), on top of the pipeline:
 
 - each ``(model_name, routing_group)`` is a namespace (:mod:`projector.http.tracker_names`) folded
   by the slot-tracker rules, whose writer and projector run in whichever serving process holds

@@ -17,23 +17,14 @@ from pipeline_kit import REPO
 
 from projector.ops.demo import ReplayProgress
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_conversation_trace.jsonl"
 LINES = 60  # 15 s of the trace: 3 s of arrivals at 5x
 
 
 def trace_slice(tmp_path: Path) -> Path:
     path = tmp_path / "slice.jsonl"
-    if TRACE.is_file():
-        with TRACE.open() as f:
-            path.write_text("".join(next(f) for _ in range(LINES)))
-    else:  # the same shape without the shared trace: a line every 250 ms of trace time
-        path.write_text(
-            "".join(
-                f'{{"timestamp": {i * 250}, "input_length": 600, "output_length": 20, '
-                f'"hash_ids": [{i}]}}\n'
-                for i in range(LINES)
-            )
-        )
+    with TRACE.open() as f:
+        path.write_text("".join(next(f) for _ in range(LINES)))
     return path
 
 

@@ -1,4 +1,4 @@
-"""The slot-tracker HTTP contract (../shared/design/slot-tracker-api.md), call by call, against
+"""The slot-tracker HTTP contract (docs/slot-tracker-api.md), call by call, against
 ``seqstate serve-http`` started as the README shows it: every status code and error text,
 Dynamo's own scenarios with their exact numbers, the transport's details (pipelining, HEAD,
 ``Allow``), and where seqstate departs from Dynamo on purpose.

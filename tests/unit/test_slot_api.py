@@ -1,6 +1,6 @@
 """The slot-tracker contract as data: bodies decode as Dynamo's extractor decodes them, each
 call becomes its event, and each outcome gets Dynamo's status and error text
-(../shared/design/slot-tracker-api.md)."""
+(docs/slot-tracker-api.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The slot-tracker rules of the core (``SequenceState(slot_tracker=True)``): the scenarios of
-Dynamo's standalone slot tracker (../shared/design/slot-tracker-api.md, sections 3.1 to 3.5)
+Dynamo's standalone slot tracker (docs/slot-tracker-api.md, sections 3.1 to 3.5)
 with their exact numbers, as outcomes the HTTP drop-in turns into status codes.
 
 Where seqstate departs from Dynamo on purpose, the test says so: an early Free or Mark is

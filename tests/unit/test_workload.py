@@ -26,9 +26,7 @@ from projector.ops.workload import (
     synthetic,
 )
 
-REAL_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
+REAL_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_conversation_trace.jsonl"
 
 
 def conversation_turn(request: DemoRequest) -> tuple[str, int]:
@@ -294,7 +292,6 @@ def test_mooncake_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         next(requests)
 
 
-@pytest.mark.skipif(not REAL_TRACE.is_file(), reason=f"{REAL_TRACE} not present")
 def test_the_real_mooncake_trace() -> None:
     requests = list(mooncake(REAL_TRACE))
     assert len(requests) == 12031
