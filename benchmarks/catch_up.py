@@ -1,6 +1,6 @@
 """A writer paused under load, then let go: how fast it catches up, and how much memory it takes.
 
-Why this exists (issue 21): four routers published flat out, the writer was SIGSTOPped for
+Why this exists: four routers published flat out, the writer was SIGSTOPped for
 20 s and SIGCONTed. nats-py's ordered push consumer queued about half a million events in the
 writer (RSS 36 MB → 612 MB, never returned), dropped the rest with one "slow consumer" log
 line per message (1.1 million lines), reset itself again and again, and took 133 s to catch up;

@@ -1,6 +1,6 @@
 """How fast a backlog can be read, and what each way of reading it holds: the runner's choice.
 
-Why this exists (issue 21): a consumer far behind must catch up at its fold's rate with memory
+Why this exists: a consumer far behind must catch up at its fold's rate with memory
 bounded by configuration. The candidates, each reading the same backlog of ``--events`` small
 events (a Free, ~150 bytes stored) into a processor that only counts, on a fresh nats-server:
 

@@ -1,6 +1,6 @@
 """The HTTP layer's ceiling: candidate asyncio servers against Dynamo's own slot tracker.
 
-Why this exists: issue 12 asks for ``seqstate serve-http``, a drop-in for Dynamo's standalone
+Why this exists: ``seqstate serve-http`` is a drop-in for Dynamo's standalone
 slot tracker (``python -m dynamo.slot_tracker``, contract in
 ``docs/slot-tracker-api.md``), on "a well-kept asyncio HTTP server library, chosen
 for throughput (measure two before you pick)", and a target of at least 50% of Dynamo's calls/s

@@ -1,6 +1,6 @@
-"""Replay a million events from SEQSTATE_EVENTS and restart a writer from a snapshot: issue #4.
+"""Replay a million events from SEQSTATE_EVENTS and restart a writer from a snapshot.
 
-Why this exists: issue #4 sets two targets for the log as the source of truth, on this machine:
+Why this exists: there are two targets for the log as the source of truth, on this machine:
 
 (r1) replay throughput: fold 1,000,000 events from the stream into a fresh ``SequenceState``
      with ``projector.ops.replay.fold_stream`` (what ``seqstate replay`` uses: its fast path, a

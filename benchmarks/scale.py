@@ -1,6 +1,6 @@
 """Fleet scale: does the cost of an event follow what it changed, not the size of the rank's set?
 
-Why this exists (issue 10, item 5): the bucket layout keeps one key per live request
+Why this exists: the bucket layout keeps one key per live request
 (``<ns>.req.<w>.<r>.<slot>``, its prompt hashes packed as u64) and one small load key per rank,
 so that booking or freeing a request costs that request, whatever else the rank holds. This
 script checks that claim end to end on a real nats-server, and measures what a fleet of large

@@ -1,8 +1,8 @@
-"""``seqstate serve-http`` side by side with Dynamo's own slot tracker (issue 23).
+"""``seqstate serve-http`` side by side with Dynamo's own slot tracker.
 
 Why this exists: ``seqstate serve-http`` is a drop-in for Dynamo's standalone slot-tracker HTTP
 API (``python -m dynamo.slot_tracker``, contract in ``docs/slot-tracker-api.md``),
-and issue 23 sets throughput and latency targets for it relative to Dynamo's tracker on the same
+and there are throughput and latency targets for it relative to Dynamo's tracker on the same
 machine. This script measures both, with one load generator, in one run:
 
 - it starts everything itself, on free ports, in a temporary directory: a ``nats-server -js``
@@ -37,7 +37,7 @@ importable), requests formatted from byte templates, responses split by ``Conten
 The report gives per workload the median calls/s of each server over the rounds, the median of
 the per-round ratios seqstate/dynamo, the CPU µs per call of each serving process (utime + stime
 of the process and its children, from /proc, over the measurement; for seqstate also its
-nats-server's), the latency of a call at 1 connection, and issue 23's targets, met or not.
+nats-server's), the latency of a call at 1 connection, and the targets, met or not.
 The machine has few cores: the generator, the servers and NATS share them, so run nothing else.
 
 Run from the repository root:
@@ -112,7 +112,7 @@ class Workload:
     depth: int  # requests in flight per connection
 
 
-# issue 23's targets: seqstate's calls/s as a share of Dynamo's (same round), per workload
+# The targets: seqstate's calls/s as a share of Dynamo's (same round), per workload
 TARGETS: Final = {"pairs-c16": 0.25, "pairs-c64": 0.30, "loads-c16": 0.75, "loads-pipe": 0.75}
 P50_TARGET: Final = 3.0  # p50 latency of a call at 1 connection: at most this times Dynamo's
 

@@ -1,6 +1,6 @@
 """A writer folding a backlog: events/s from a filled events stream, and the writer's memory.
 
-Why this exists (issue 21): the catch-up of a paused writer is bounded by how fast the writer
+Why this exists: the catch-up of a paused writer is bounded by how fast the writer
 folds a backlog when it has the machine to itself. This script fills a fresh nats-server's
 events stream with ``--events`` events (AddRequests with 8 hashes on 16 workers, each freed
 100 events later, as ``benchmarks/catch_up.py``'s routers publish them), then starts the

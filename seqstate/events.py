@@ -205,7 +205,7 @@ def _overflow(event: Event) -> str:
 
 def decode_event(data: bytes | bytearray | memoryview) -> Event:
     """Decode and validate one event; any defect raises :class:`EventDecodeError`, whatever
-    the bytes (issue 21's 1 KB message nested 1000 deep included), and the same defect
+    the bytes (a 1 KB message nested 1000 deep included), and the same defect
     whatever the caller's stack: bytes nested past :data:`~seqstate.nesting.MAX_NESTING`
     are refused for that, read without recursion (:mod:`seqstate.nesting`)."""
     try:

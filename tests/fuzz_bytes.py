@@ -1,4 +1,4 @@
-"""Byte-level fuzz of what a role may publish (issue 21): one generator for every fuzz test.
+"""Byte-level fuzz of what a role may publish: one generator for every fuzz test.
 
 A fuzzer that only draws well-typed events finds nothing a decoder did not already expect.
 This one starts from valid events of every kind, at the edges of their ranges, and breaks

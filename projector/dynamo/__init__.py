@@ -1,4 +1,4 @@
-"""Dynamo's own routers as the ledger's publishers (issue 22).
+"""Dynamo's own routers as the ledger's publishers.
 
 A stock Dynamo KV router with replica sync already publishes every routing decision on NATS
 Core. Provisioning captures those messages into a namespace's log

@@ -14,7 +14,7 @@ headroom. What a library would have done is kept small and explicit here:
   one connection or stored, so the log holds them in order), and a read once every call
   before it is answered; what is left of each call (the writer's fold of its event) is
   awaited by all of them at once. Connections run concurrently;
-- no task, future or callback per call (issue 23: on this path they were a large part of a
+- no task, future or callback per call (on this path they were a large part of a
   call's cost): a :class:`Call` is a small object the handler tells ``begun()`` and
   ``answer()``, and the connection moves on from there. It runs on uvloop's transports as on
   asyncio's;

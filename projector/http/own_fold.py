@@ -2,7 +2,7 @@
 
 Why: a durable call used to wait for two JetStream round trips back to back (its event's
 publish and ack, then the writer's delta read back from the deltas stream by an outcome
-follower) and cost about 6.5 NATS messages of client parsing (issue 23). The process that
+follower) and cost about 6.5 NATS messages of client parsing. The process that
 holds a namespace's lease runs that namespace's writer, so it need not read the writer's
 verdict back from the deltas: it hears it.
 

@@ -5,7 +5,7 @@ and a task of the subscription takes it off and awaits the callback: a put, a ge
 switch per message, before the consumer's own work. serve-http's lease holder receives two
 messages per call (its event's ack, and the event back through the writer's consumer), and
 every consumer of the pipeline one per stored message; their handlers only note the message
-and wake their own runner, which is all that needs the loop (issue 23; measured in
+and wake their own runner, which is all that needs the loop (measured in
 ``benchmarks/slot_vs_dynamo.py``, recorded in BENCHMARKS.md).
 
 :func:`attach` puts a sink in place of the subscription's queue (``_pending_queue``, which

@@ -2,7 +2,7 @@
 
 Why: ``await nc.publish(...)`` needs a task to await it; the slot tracker's hot path answers a
 call from a protocol callback, where making a task per call is most of what a call costs
-(issue 23). And nats-py encodes a header dict per message (a regular expression per key).
+(BENCHMARKS.md). And nats-py encodes a header dict per message (a regular expression per key).
 This appends the ``HPUB`` command nats-py would write to the same pending buffer nats-py's
 flusher writes, and kicks the flusher as nats-py does. So it keeps everything the client
 gives: the connection's TLS and credentials, its reconnect buffer (a publish while

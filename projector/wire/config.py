@@ -131,7 +131,7 @@ class Config:
     )
     flush_interval_s: float = _setting(
         # 20 ms, not 5: at a call's pace a request booked and freed within one flush costs
-        # the bucket nothing, which halved serve-http's KV traffic (BENCHMARKS.md, issue 23)
+        # the bucket nothing, which halved serve-http's KV traffic (BENCHMARKS.md)
         0.02,
         "at most one write per bucket key per this many seconds",
         "SECONDS",

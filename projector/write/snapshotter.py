@@ -1,4 +1,4 @@
-"""The writer's snapshots (issue #4): so that a restart folds the tail, not the history.
+"""The writer's snapshots: so that a restart folds the tail, not the history.
 
 A snapshot is taken between two events, so that it is exactly the fold up to one sequence
 and a restart from it rebuilds the very state an uninterrupted writer has; it is encoded at

@@ -1,5 +1,5 @@
 """seqstate as a user runs it beside a Dynamo fleet: ``seqstate run --dynamo-endpoint`` as a
-process, every read through the CLI (``loads --json``), as issue 22's hidden check reads it.
+process, every read through the CLI (``loads --json``), as an operator reads it.
 Shared by test_seqstate.py and test_kills.py; the ``seqstate`` fixture is in conftest.py.
 """
 

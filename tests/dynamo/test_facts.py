@@ -1,5 +1,5 @@
 """What a real Dynamo 1.6.1 fleet does, pinned with exact numbers: the facts seqstate's fold of
-Dynamo's events must reproduce (issue 22). No seqstate process runs here; the frontends' own
+Dynamo's events must reproduce. No seqstate process runs here; the frontends' own
 gauges are compared with a model computed from the captured messages, decoded independently
 (dynamo_kit.py). README.md beside this file has the findings in prose.
 

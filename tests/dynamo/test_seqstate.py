@@ -1,4 +1,4 @@
-"""Issue 22, item 6: seqstate folding a real Dynamo fleet's replica-sync events, checked through
+"""seqstate folding a real Dynamo fleet's replica-sync events, checked through
 its CLI only, against the frontends' own gauges (the facts test_facts.py pins).
 
 Each is skipped, with the missing piece named, while the installed ``seqstate`` lacks what it
@@ -34,11 +34,11 @@ from projector.nats.server import NatsServer
 # these never pays for the two `--help` processes.
 needs_capture = pytest.mark.skipif(
     "lacks('--dynamo-endpoint', 'run')",
-    reason="seqstate run has no --dynamo-endpoint yet (issue 22 items 1-3: capture and fold)",
+    reason="seqstate run has no --dynamo-endpoint yet (capture and fold)",
 )
 needs_resync = pytest.mark.skipif(
     "lacks('--dynamo-endpoint', 'dynamo', 'resync')",
-    reason="no `seqstate dynamo resync --dynamo-endpoint` yet (issue 22 item 5: catch-up)",
+    reason="no `seqstate dynamo resync --dynamo-endpoint` yet (catch-up)",
 )
 pytestmark = [pytest.mark.dynamo, pytest.mark.asyncio(loop_scope="module"), needs_capture]
 # The command's own tests: seqstate's automatic resync of a new frontend (test_follow.py) off.

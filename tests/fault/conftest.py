@@ -1,4 +1,4 @@
-"""Fault tests (issue #4): a real nats-server per module, the writer and projector as real
+"""Fault tests: a real nats-server per module, the writer and projector as real
 processes killed with SIGKILL at random points, restarted, and compared with an uninterrupted run.
 
 The server fixtures (``nats_server``, ``nc``) come from ``tests/conftest.py``.

@@ -1,4 +1,4 @@
-"""Issue 11, item 7: backpressure. A publisher far faster than the writer (the writer frozen with
+"""Backpressure. A publisher far faster than the writer (the writer frozen with
 SIGSTOP, so that nothing here depends on the machine's speed) stays bounded and drops nothing,
 the lag shows in ``seqstate status``, and the writer says that it fell behind and that it
 caught up; afterwards the bucket is exactly one uninterrupted fold of the log.

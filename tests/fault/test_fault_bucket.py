@@ -1,4 +1,4 @@
-"""Issue #9: the registry bucket deleted under a running pipeline (an operator's mistake). The
+"""The registry bucket deleted under a running pipeline (an operator's mistake). The
 projector used to retry its writes to the missing stream forever; now it stops at once, the
 pipeline restarts in process, and the new projector recreates the bucket from the deltas:
 every value ends byte for byte as one uninterrupted fold of the log gives it.

@@ -1,4 +1,4 @@
-"""Issue 11, item 4: a 3-node JetStream cluster (``projector.nats.server.NatsCluster``) with R3
+"""A 3-node JetStream cluster (``projector.nats.server.NatsCluster``) with R3
 streams, bucket and object store. The stream leader of the events stream is SIGKILLed while
 routers publish and the writer and projector (real processes, given every node's URL
 comma-separated) fold; publishing, folding and reading go on after the election, the node
@@ -327,7 +327,7 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
 async def test_publish_many_with_the_default_retries_rides_a_leader_election(
     cluster: NatsCluster,
 ) -> None:
-    """Issue 21, item 7: the publisher's default retries backed off about 0.35 s in all, and
+    """The publisher's default retries backed off about 0.35 s in all, and
     an R3 leader election takes 4-9 s: 13 of about 940 calls failed during leader kills.
 
     Broke: SIGKILLed the events stream's leader while a RouterPublisher built with its
@@ -503,7 +503,7 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
 async def test_a_dynamo_capture_on_the_cluster_is_r3_and_every_message_folds(
     cluster: NatsCluster,
 ) -> None:
-    """Issue 22: with ``--replicas 3``, the namespace's Dynamo capture stream is R3 like the
+    """With ``--replicas 3``, the namespace's Dynamo capture stream is R3 like the
     events stream it feeds, and the shared capture's 155 real messages, published on NATS Core
     to any node, are each stored once in the namespace's log and fold to a drained ledger (no
     request in flight, four publishers, no hole)."""

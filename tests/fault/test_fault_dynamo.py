@@ -1,4 +1,4 @@
-"""Issue 22: Dynamo keeps routing while seqstate's processes are SIGKILLed.
+"""Dynamo keeps routing while seqstate's processes are SIGKILLed.
 
 Dynamo publishes on NATS Core and never waits for seqstate: the shared capture's 155 real
 messages are published in three parts, and between them ``seqstate writer`` and ``seqstate

@@ -1,4 +1,4 @@
-"""Issue #9: a consumer that cannot go on exits at once and non-zero, saying why in one line,
+"""A consumer that cannot go on exits at once and non-zero, saying why in one line,
 so that its supervisor restarts it (before, a failed writer stayed up for minutes, consumer-less,
 and then exited 0 on SIGTERM, hiding the failure).
 

@@ -1,4 +1,4 @@
-"""Floods on real writer and projector processes (issue 11, item 6): more Frees of ids never
+"""Floods on real writer and projector processes: more Frees of ids never
 added, and more ended ids, than the writer's id memories hold; more workers than the rank
 bounds admit. The writer must go on, hold no more than its bounds, refuse (dead-letter, with
 the reason) what is beyond them, and end with the snapshot and bucket of one uninterrupted fold

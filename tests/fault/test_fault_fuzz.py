@@ -1,4 +1,4 @@
-"""Issue 21: fuzzed bytes on every subject a role may publish to, sent to real processes.
+"""Fuzzed bytes on every subject a role may publish to, sent to real processes.
 
 A ``seqstate writer``, a ``seqstate projector`` and a ``seqstate watch --json`` (a view) run
 as the operator starts them. A fixed-seed corpus (``tests/fuzz_bytes.py``: valid events at the

@@ -1,4 +1,4 @@
-"""Issue #9: hostile input reaches real writer and projector processes: a message just under
+"""Hostile input reaches real writer and projector processes: a message just under
 the server's payload limit (it used to wedge the writer: its dead letter did not fit), 25
 small events asking for 102,400 ranks (250 MB in the writer, 204k keys), and a forged delta
 for event 10**12 (it froze the read model). All are dead-lettered, the events around them

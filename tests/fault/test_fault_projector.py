@@ -1,4 +1,4 @@
-"""Issue #4: the projector is SIGKILLed at random points while deltas flow, restarted each time,
+"""The projector is SIGKILLed at random points while deltas flow, restarted each time,
 and its bucket ends byte for byte as that of one uninterrupted projector over the same deltas."""
 
 from __future__ import annotations

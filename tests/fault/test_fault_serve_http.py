@@ -1,4 +1,4 @@
-"""Issue 12: a ``serve-http`` process that runs a tracker's writer and projector is SIGKILLed in
+"""A ``serve-http`` process that runs a tracker's writer and projector is SIGKILLed in
 the middle of a pipelined run while a second one serves on; the second takes the tracker over,
 the first comes back, and in the end both answer ``/loads`` as one uninterrupted fold of the
 log says, and the bucket holds exactly what that fold's deltas write.

@@ -1,4 +1,4 @@
-"""Issue #9 and issue 11 item 5: nats-server itself is SIGKILLed at seeded points of a publishing
+"""nats-server itself is SIGKILLed at seeded points of a publishing
 run, with deltas in flight, and restarted on the same store.
 
 Expected of everyone who lives through it:
@@ -11,9 +11,9 @@ Expected of everyone who lives through it:
 - a RegistryView started before the first kill, on a client that reconnects, follows the bucket
   through every kill and ends equal to that fold, without being restarted.
 
-Before issue #9 a crash lost the deltas in flight while later ones were stored after the
-reconnect; the restarted writer resumed after the newest and the bucket stayed wrong for good
-(``blocks.9.0: 8 hashes too many``).
+Before the gap-free delta chain, a crash lost the deltas in flight while later ones were
+stored after the reconnect; the restarted writer resumed after the newest and the bucket
+stayed wrong for good (``blocks.9.0: 8 hashes too many``).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ async def test_a_server_killed_at_random_points_leaves_the_ledger_exact(
                 ), f"view potential loads differ at +{offset_ms}ms"
         assert view.bad_values == 0
 
-        # The crashes hit a writer with work in hand (what lost deltas before issue #9).
+        # The crashes hit a writer with work in hand (what lost deltas before the gap-free chain).
         assert len(behind) == KILLS and any(b > 0 for b in behind), behind
     finally:
         if view is not None:

@@ -1,4 +1,4 @@
-"""Issue #4: the writer is SIGKILLed at random points of a publishing run, restarted each time,
+"""The writer is SIGKILLed at random points of a publishing run, restarted each time,
 and ends with the very snapshot (and the very deltas) of one uninterrupted fold of the log."""
 
 from __future__ import annotations

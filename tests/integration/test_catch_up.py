@@ -1,4 +1,4 @@
-"""Issue 21, bounded catch-up: a runner far behind holds at most its window, on a real server.
+"""Bounded catch-up: a runner far behind holds at most its window, on a real server.
 
 A writer paused under load once queued half a million events (612 MB) in the client and
 dropped the rest: the runner's consumer now has the server send at most ``window`` messages

@@ -413,7 +413,7 @@ async def test_status_never_shows_a_negative_lag(nc: Client, nats_server: NatsSe
     async with Pipeline(nc, config) as pipeline:
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="lag", config=config)
         await pipeline.wait_applied(await pub.add("a", 1))
-    # A position no fold of this log could have written (before issue #9, `lag: -999...`).
+    # A position no fold of this log could have written (once shown as `lag: -999...`).
     kv = await nc.jetstream().key_value(config.registry_bucket)
     await kv.put(position_key(config.namespace), encode_position(Position(10**12, 0, 1)))
     rc, out, err = await aseqstate("status", "--json", *flags, NATS_URL=nats_server.url)

@@ -1,4 +1,4 @@
-"""Issue 13, item 3: a running writer and projector are NATS services (nats.micro), found with
+"""A running writer and projector are NATS services (nats.micro), found with
 the discovery requests ``nats micro list|info|stats`` send, their stats saying where they are;
 and gone once they stop."""
 

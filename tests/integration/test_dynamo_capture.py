@@ -1,4 +1,4 @@
-"""A Dynamo deployment's Core publishes, stored by JetStream into the namespace's log (issue 22).
+"""A Dynamo deployment's Core publishes, stored by JetStream into the namespace's log.
 
 ``--dynamo-endpoint NS.COMPONENT.ENDPOINT`` makes provisioning create the namespace's capture
 stream on Dynamo's subject and source it into the events stream, each subject rewritten to

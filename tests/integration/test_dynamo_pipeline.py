@@ -1,4 +1,4 @@
-"""Dynamo's own replica-sync traffic through the whole ledger on a real server (issue 22).
+"""Dynamo's own replica-sync traffic through the whole ledger on a real server.
 
 The shared capture's 155 real messages (two KV-router frontends with replica sync, two
 mockers, one with dp 2) are published again on NATS Core, on Dynamo's own subject, as Dynamo

@@ -1,4 +1,4 @@
-"""The namespace's lease: one writer of the bucket at a time (issue 8, defect 7).
+"""The namespace's lease: one writer of the bucket at a time.
 
 A rebuild refuses while a projector runs and proceeds once it is gone; a second projector waits
 for the first; a holder whose lease was taken stops; readers never see the lease key.

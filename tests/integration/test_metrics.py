@@ -1,4 +1,4 @@
-"""Issue 13, items 1 and 2: Prometheus metrics and health probes on ``--metrics-port``.
+"""Prometheus metrics and health probes on ``--metrics-port``.
 
 The writer and the projector run as the ``seqstate`` commands an operator types; a scripted
 lifecycle goes through them; ``/metrics`` is scraped over HTTP and parsed with
@@ -367,7 +367,7 @@ async def test_readyz_is_503_while_the_writer_replays_a_backlog_then_200(
 async def test_the_projectors_readyz_is_503_while_the_writer_is_paused_then_200(
     nc: Client, nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """Issue 21: a writer SIGSTOPped under load left the projector's /readyz saying ready on a
+    """A writer SIGSTOPped under load left the projector's /readyz saying ready on a
     bucket 30 s stale (no delta came, so the projector had nothing to wait for).
 
     Broke: a writer and a projector as commands; the writer SIGSTOPped; 2 events published
@@ -648,7 +648,7 @@ async def test_a_bad_or_taken_metrics_port_is_one_line(nats_server: NatsServer) 
 async def test_the_metrics_port_listens_on_loopback_unless_asked(
     nc: Client, nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """Issue 21: the metrics port listened on 0.0.0.0 by default. Now on 127.0.0.1, and on
+    """The metrics port listened on 0.0.0.0 by default. Now on 127.0.0.1, and on
     every address when ``--metrics-host 0.0.0.0`` (compose asks for it) says so."""
     config = fresh_config("mh")
     await ensure(nc, config)

@@ -1,4 +1,4 @@
-"""Issue 23: serve-http's lease holder answers each lifecycle call from its own writer's fold.
+"""serve-http's lease holder answers each lifecycle call from its own writer's fold.
 
 What must hold: every answer is what a replay of the stored log decides for that call's event
 (same position, same log time), the events went the lease holder's way (one message each,

@@ -213,7 +213,7 @@ async def test_the_view_follows_live_changes_and_reports_staleness(nc: Client) -
 async def test_a_rank_whose_load_value_does_not_decode_is_not_served_as_idle(
     nc: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Issue 21: a view that started on a bucket where a busy rank's load value does not
+    """A view that started on a bucket where a busy rank's load value does not
     decode showed that rank idle (its slot keys made it, the load was skipped), so a scheduler
     would have sent it traffic. Now such a rank is not served (no row in loads or potential
     loads, no overlap), the view names it in ``unreadable`` and counts and logs the value; a

@@ -1,4 +1,4 @@
-"""Issue 21's poison pills, published raw on a real server: no message stops the ledger.
+"""Poison pills, published raw on a real server: no message stops the ledger.
 
 Each one once stopped the writer for good, or made the writer and replay disagree: a 1 KB
 message nested 1000 deep (RecursionError), two valid AddRequests whose prefill summed past

@@ -191,7 +191,7 @@ async def test_lost_ack_is_retried_with_the_same_msg_id_and_stored_once(
 
 
 async def test_the_default_retries_outlast_a_stream_missing_for_seconds(nc: Client) -> None:
-    """Issue 21: the defaults backed off about 0.35 s in all, while an R3 leader election
+    """The defaults backed off about 0.35 s in all, while an R3 leader election
     leaves a stream without a leader ("no responders") for 4-9 s. Broke: published with the
     defaults to a stream that only appears 3 s later (what an election looks like to a
     publisher). Expected: stored, once; and with ``retries`` capped, the same raises."""

@@ -187,7 +187,7 @@ async def test_verify_names_tampered_request_slots_and_rebuild_repairs_them(nc: 
 async def test_verify_names_a_key_that_does_not_parse_and_rebuild_deletes_it(
     nc: Client, nats_server: object
 ) -> None:
-    """Issue 21: a key of the namespace that names nothing the projector writes
+    """A key of the namespace that names nothing the projector writes
     (``<ns>.load.x.y``) was skipped by the bucket read: verify called the bucket identical and
     rebuild left it there. Now verify names each such key, rebuild deletes it, and the keys
     that are no read model but are kept (the lease) stay unnamed."""
@@ -222,7 +222,7 @@ async def test_verify_names_a_key_that_does_not_parse_and_rebuild_deletes_it(
 async def test_verify_of_a_bucket_that_does_not_exist_is_one_clear_line(
     nc: Client, nats_server: object
 ) -> None:
-    """Issue 21: ``replay --verify`` on a missing bucket printed the client's raw error. Now
+    """``replay --verify`` on a missing bucket printed the client's raw error. Now
     one line that names the bucket, and a non-zero exit; the same whether the log exists (the
     bucket deleted) or nothing was ever made."""
     url = nats_server.url  # type: ignore[attr-defined]

@@ -247,7 +247,7 @@ async def test_an_event_that_cannot_fit_is_refused_at_publish_and_dead_lettered_
 async def test_a_writer_whose_event_limit_this_server_cannot_store_refuses_to_start(
     small: Client,
 ) -> None:
-    """The fold's size rule is a setting, the same for the writer and every replay (issue 21):
+    """The fold's size rule is a setting, the same for the writer and every replay:
     never read from the connection. On a server whose max_payload could not store the delta
     of an event that large, the writer stops at once with one line naming the setting, rather
     than fold by a rule a replay would not know."""

@@ -213,7 +213,7 @@ async def _answers_on(address: str, port: int, token: str | None = None) -> bool
 async def test_serve_http_listens_on_loopback_unless_asked(
     nc: Client, nats_server: NatsServer
 ) -> None:
-    """Issue 21: serve-http listened on 0.0.0.0, so anyone who reached the host could book and
+    """serve-http listened on 0.0.0.0, so anyone who reached the host could book and
     free capacity. Now 127.0.0.1 by default; every address only on request, by flag or by
     variable."""
     config = fresh_config("sb")
@@ -230,7 +230,7 @@ async def test_serve_http_listens_on_loopback_unless_asked(
 async def test_with_a_token_a_call_without_it_is_401_and_changes_nothing(
     nc: Client, nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """Issue 21: serve-http took no token. With one (variable, flag or file), every call that
+    """serve-http took no token. With one (variable, flag or file), every call that
     does not carry ``Authorization: Bearer <token>`` is 401 with a challenge, stores nothing,
     and does not disturb the calls pipelined around it; with the token, the contract is
     Dynamo's, unchanged."""
@@ -290,7 +290,7 @@ async def test_with_a_token_a_call_without_it_is_401_and_changes_nothing(
 async def test_prefill_complete_and_free_are_logged_under_the_worker_that_holds_the_request(
     nc: Client, nats_server: NatsServer
 ) -> None:
-    """Issue 21: /prefill_complete and /free name no worker, and serve-http published them
+    """/prefill_complete and /free name no worker, and serve-http published them
     under worker 0: the fold found the request by id but counted ``worker_mismatch``, and
     ``inspect``, which reads an active request's events on its rank's subject, never saw the
     Mark. Now each is published under the worker and rank that hold the request: one this
@@ -381,7 +381,7 @@ async def test_prefill_complete_and_free_are_logged_under_the_worker_that_holds_
 async def test_a_worker_id_above_2_63_goes_through_serve_http_whole(
     nc: Client, nats_server: NatsServer
 ) -> None:
-    """Dynamo's worker ids use all 64 bits (issue 22): 2^64-1 is registered, booked on,
+    """Dynamo's worker ids use all 64 bits: 2^64-1 is registered, booked on,
     loaded and freed through the HTTP API, and comes back exact in /loads and /workers,
     never through a float or a signed integer."""
     config = fresh_config("big")
@@ -425,7 +425,7 @@ async def test_a_worker_id_above_2_63_goes_through_serve_http_whole(
 async def test_serve_http_runs_on_uvloop_unless_asked_for_asyncio(
     nats_server: NatsServer, flags: tuple[str, ...], loop: str
 ) -> None:
-    """Issue 23: uvloop (the ``fast`` extra, which ``make`` installs) by default; stock asyncio
+    """uvloop (the ``fast`` extra, which ``make`` installs) by default; stock asyncio
     on request, or where uvloop is not installed. Either serves the same pipelined session."""
     config = fresh_config("el")
     port = free_port()

@@ -1,7 +1,7 @@
 """A full events stream: a publish is refused out loud, quickly, and no stored event is dropped.
 
 The events stream has no limits of its own, but an operator may give it some, and the server's
-JetStream storage can run out. Before issue 11 (item 7) the stream kept the default discard
+JetStream storage can run out. Once, the stream kept the default discard
 policy ``old``, so a limit silently dropped the oldest events, unfolded ones included; and a
 refused ``publish`` (nats-py's ``publish_async`` leaves its future pending on an error ack,
 nats-io/nats.py#985) waited out every attempt's ack timeout and then said "ack timed out".

@@ -201,7 +201,7 @@ async def test_events_past_the_rank_bounds_are_dead_lettered_and_replays_agree(
 ) -> None:
     config = fresh_config(snapshot_bucket=f"wsnap{id(nc)}", max_ranks=3000)
     await ensure(nc, config)
-    # 25 small events asked for 102,400 ranks before the bounds (issue #9).
+    # 25 small events asked for 102,400 ranks before the bounds.
     events: list[object] = [WorkerAdded(worker_id=w, dp_size=4096) for w in range(25)]
     events += [WorkerAdded(worker_id=w, dp_size=1000) for w in range(4)]  # the 4th: > 3000
     events.append(AddRequest(request_id="g", worker_id=1, dp_rank=999))

@@ -2,7 +2,7 @@
 
 Every other test imports the core from the source tree, so none of them notices a package
 that cannot be built, an sdist that lacks a source, or a wheel that ships without its
-compiled modules (issue 8: ``pip install .`` failed because mypyc type-checked the core
+compiled modules (``pip install .`` once failed because mypyc type-checked the core
 without msgspec). These tests do what a user does: build with the PEP 517 front ends in
 isolated build environments, install into a clean virtualenv (runtime dependencies from the
 index or pip's cache), and run the installed ``seqstate`` and a fold from outside the

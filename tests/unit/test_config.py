@@ -171,7 +171,7 @@ def test_a_dynamo_namespace_folds_by_the_lease_and_a_changed_scan_is_named() -> 
 def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
     assert (Config().metrics_port, Config().metrics_host, Config().ready_lag_events) == (
         None,
-        "127.0.0.1",  # loopback unless asked (issue 21): 0.0.0.0 on request
+        "127.0.0.1",  # loopback unless asked: 0.0.0.0 on request
         1000,
     )
     assert Config.from_env({"SEQSTATE_METRICS_HOST": "0.0.0.0"}).metrics_host == "0.0.0.0"
@@ -207,7 +207,7 @@ def test_the_metrics_flags_belong_to_the_four_long_running_commands() -> None:
 
 
 def test_serve_http_listens_on_loopback_unless_asked_and_its_token_is_a_secret() -> None:
-    """Issue 21: serve-http bound 0.0.0.0 and took no token. Its address, port and token are
+    """serve-http bound 0.0.0.0 and took no token. Its address, port and token are
     settings like the others (variable and flag); the token is never shown."""
     config = Config()
     assert (config.http_host, config.http_port, config.http_token, config.http_token_file) == (

@@ -1,4 +1,4 @@
-"""Dynamo's own replica-sync messages through the one fold (issue 22): the real capture folded
+"""Dynamo's own replica-sync messages through the one fold: the real capture folded
 in order, as a Dynamo replica applies a peer's event but stricter, and loss made visible.
 
 Messages come on the namespace's capture subject (``seqstate.events.<ns>.dynamo.<NS>.<C>.<E>``,

@@ -1,4 +1,4 @@
-"""Dynamo's replica-sync bytes (issue 22): decoded exactly, encoded back to the same bytes, and
+"""Dynamo's replica-sync bytes: decoded exactly, encoded back to the same bytes, and
 every defect refused with a reason, over the real capture (tests/dynamo_capture.py)."""
 
 from __future__ import annotations

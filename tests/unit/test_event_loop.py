@@ -1,4 +1,4 @@
-"""serve-http's event loop (issue 23): uvloop when installed, asyncio otherwise or on request,
+"""serve-http's event loop: uvloop when installed, asyncio otherwise or on request,
 and one clear error where uvloop is asked for and missing, as ``main`` runs it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one fold of the log (seqstate.fold, issue 21): each rule and each kind of refusal, the
+"""The one fold of the log (seqstate.fold): each rule and each kind of refusal, the
 issue's poison pills, and that the fold never raises and never depends on the caller's stack.
 
 Each message is ``(seq, log_time_ns, subject, payload)``; a verdict is the Delta (applied) or a
@@ -106,7 +106,7 @@ def test_the_default_limit_is_the_writers_old_default() -> None:
 
 
 def test_the_issues_large_add_is_refused_by_the_default_rule() -> None:
-    """Issue 21, item 3: a 1,044,081-byte AddRequest (116,000 hashes) was dead-lettered by the
+    """A 1,044,081-byte AddRequest (116,000 hashes) was dead-lettered by the
     writer but booked by replay and rebuild; now every fold refuses it, by a setting."""
     event = AddRequest(
         request_id="big", worker_id=1, block_hashes=list(range(2**40, 2**40 + 116_000))
@@ -273,7 +273,7 @@ def test_a_routers_lifecycle_is_taken_on_the_routers_subject_and_on_control_as_b
 @pytest.mark.parametrize(
     ("subject", "event", "reason"),
     [
-        (  # the issue's item 4: an AddRequest for worker 5 on subject .1.0
+        (  # an AddRequest for worker 5 on subject .1.0
             "seqstate.events.default.1.0",
             AddRequest(request_id="a", worker_id=5),
             "refused: AddRequest of worker 5 rank 0 on subject 'seqstate.events.default.1.0'; "
@@ -363,7 +363,7 @@ def test_rank_bounds_refuse_with_their_reason() -> None:
 
 
 def test_two_adds_of_2_63_prefill_tokens_on_one_rank_the_second_refused() -> None:
-    """Issue 21, item 2: their sum passed u64, ``encode_deltas`` raised OverflowError and the
+    """Their sum passed u64, ``encode_deltas`` raised OverflowError and the
     writer died for good. The second is refused with the sum it would make; every delta and
     the snapshot still encode."""
     fold = new_fold()

@@ -1,4 +1,4 @@
-"""Every path folds the log through the one fold, and so they agree (issue 21).
+"""Every path folds the log through the one fold, and so they agree.
 
 The writer folds message by message (restarting from its snapshots), a replay folds batches
 from its fast reader or messages from nats-py (``projector.ops.replay._Folder``), rebuild and

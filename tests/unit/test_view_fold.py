@@ -67,7 +67,7 @@ def test_rank_of_follows_bookings_frees_slot_reuse_and_removed_ranks() -> None:
 def test_a_load_value_that_does_not_decode_hides_its_rank_until_a_readable_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Issue 21: unknown is not idle. A rank whose load value does not decode has no row in
+    """Unknown is not idle. A rank whose load value does not decode has no row in
     loads or potential loads and no overlap, whether the view met the value cold (the rank's
     slot keys first) or warm (over a good value); a readable value or a delete clears it."""
     fed = _Fed()
