@@ -69,7 +69,7 @@ test-dynamo: $(NATIVE)
 # The demo, its server on nats://127.0.0.1:4222; refused if that port is taken (Dynamo's NATS
 # listens there too): SEQSTATE_PORT=0 make run takes any free one, and the log names it.
 run: $(NATIVE)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo --trace data/mooncake_conversation_trace.jsonl
 
 bench: $(NATIVE) $(BENCH_STAMP)
 	$(BIN)/python benchmarks/fold.py
