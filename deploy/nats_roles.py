@@ -106,9 +106,8 @@ def every_namespace(subject: str, namespace: str) -> str:
 
 
 def worker_subjects(config: Config) -> str:
-    """Every worker subject of the namespace, ``seqstate.events.<ns>.<worker>.<rank>``: two
-    tokens after the namespace, so neither ``<ns>.control`` nor ``<ns>.routers`` (one token)."""
-    return f"seqstate.events.{config.namespace}.*.*"
+    """Every worker subject of the namespace (:attr:`Config.worker_subjects`)."""
+    return config.worker_subjects
 
 
 def denied(config: Config, role: str) -> list[str]:

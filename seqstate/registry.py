@@ -243,6 +243,14 @@ class PromptRegistry:
         holdings = self._ranks.get(rank)
         return {} if holdings is None else dict(holdings.held)
 
+    def references(self, rank: Rank, block_hash: int) -> int:
+        """How many booked requests of ``rank`` hold ``block_hash`` (0: not active there). A
+        scheduler's own bookings not yet in its replica are counted against this."""
+        holdings = self._ranks.get(rank)
+        if holdings is None or not self._index.get(block_hash, 0) >> holdings.bit & 1:
+            return 0
+        return 1 + holdings.extra.get(block_hash, 0)
+
     def membership_size(self) -> int:
         """Number of distinct prompt hashes present on any rank."""
         return len(self._index)

@@ -400,6 +400,12 @@ class Config:
         return worker_subject(self.namespace, worker_id, dp_rank)
 
     @property
+    def worker_subjects(self) -> str:
+        """Every worker subject of the namespace, ``seqstate.events.<ns>.<worker>.<rank>``:
+        two tokens after the namespace, so neither ``<ns>.control`` nor ``<ns>.routers``."""
+        return f"seqstate.events.{self.namespace}.*.*"
+
+    @property
     def control_subject(self) -> str:
         """The operator's and the writer's events: topology (WorkerAdded, WorkerRemoved) and
         the writer's Tick. The ``control`` role (and the writer, for its Ticks) publishes here;
