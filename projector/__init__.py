@@ -1,6 +1,6 @@
 """seqstate's NATS side: what routers, schedulers and operators import.
 
-``from projector import RouterPublisher, RegistryView, Config`` is the public face; the wings
+``from projector import Scheduler, RouterPublisher, RegistryView, Config`` is the public face; the wings
 below (``projector.route``, ``projector.read``, ``projector.wire``...) are the layout, and a
 name imported from a wing may move. Every error is a :class:`SeqstateError`.
 
@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from projector.read.view_metrics import view_collector
     from projector.route.publisher import EventTooLarge, PublishError, RouterPublisher
     from projector.route.refusals import publisher_collector
+    from projector.schedule.scheduler import (
+        DuplicateRequest,
+        NoCandidates,
+        Scheduler,
+        UnknownRequest,
+    )
     from projector.wire.config import Config, ConfigError
     from seqstate.errors import SeqstateError
 
@@ -52,18 +58,26 @@ _EXPORTS: dict[str, str] = {
     "WorkerNotRegistered": "projector.ops.workers",
     "WorkerRefused": "projector.ops.workers",
     "SeqstateError": "seqstate.errors",
+    "Scheduler": "projector.schedule.scheduler",
+    "NoCandidates": "projector.schedule.scheduler",
+    "UnknownRequest": "projector.schedule.scheduler",
+    "DuplicateRequest": "projector.schedule.scheduler",
 }
 
 __all__ = [
     "Config",
     "ConfigError",
     "ConnectError",
+    "DuplicateRequest",
     "EventTooLarge",
+    "NoCandidates",
     "PublishError",
     "RegistryUnavailable",
     "RegistryView",
     "RouterPublisher",
+    "Scheduler",
     "SeqstateError",
+    "UnknownRequest",
     "WorkerChange",
     "WorkerControl",
     "WorkerControlError",
