@@ -58,6 +58,12 @@ def read_stream(stream: str) -> list[str]:
     ]
 
 
+def follow_stream(stream: str) -> list[str]:
+    """Consume a stream, and nothing else of it: no info (the events stream's metadata holds
+    the key the writer's Ticks are tagged from), no single message."""
+    return [s for s in read_stream(stream) if ".STREAM." not in s and ".DIRECT." not in s]
+
+
 def inbox(role: str) -> str:
     """A seqstate role's inboxes: below ``_SEQSTATE_INBOX.<role>``, the prefix its client takes
     when it signs in as the user named after the role (projector.nats.security.inbox_prefix),
@@ -170,7 +176,8 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
     # on the routers subject; never the control subject (topology is the operator's). The
     # events stream's info lets `seqstate publish` see that the stream is there (it then
     # provisions nothing); RouterPublisher needs no JetStream API at all.
-    router = [worker_subjects(config), config.router_subject, f"$JS.API.STREAM.INFO.{events}"]
+    publishes = [worker_subjects(config), config.router_subject]  # what RouterPublisher sends
+    router = [*publishes, f"$JS.API.STREAM.INFO.{events}"]
     return {
         "router": (
             "publishes its requests' lifecycle events on their worker's subject, its heartbeat "
@@ -179,8 +186,10 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
             router,
         ),
         "scheduler": (
-            "reads the registry bucket (RegistryView: KV get and watch); writes nothing",
-            [*read_stream(registry)],
+            "reads the registry bucket (RegistryView: KV get and watch); a Scheduler also "
+            "publishes as a router does and follows the namespace's worker events (a "
+            "consumer of the events stream, never its info)",
+            [*read_stream(registry), *publishes, *follow_stream(events)],
         ),
         "control": (
             "the worker control plane (seqstate worker add|remove|list): topology "

@@ -45,6 +45,7 @@ from projector.read.projection import Projector
 from projector.read.reader import RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_projector, build_writer
+from projector.schedule.scheduler import Scheduler
 from projector.wire.config import Config
 from projector.wire.values import load_key
 from projector.write.writer import Writer
@@ -183,6 +184,36 @@ async def test_each_role_does_its_job_with_its_own_credential(
         await pub.close()  # its goodbye, on the routers subject
         assert pub.heartbeat_failures == 0
     assert violations(caplog) == []
+
+
+async def test_a_scheduler_books_and_follows_its_peers_with_the_scheduler_credential(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler role: the bucket, a router's publishes, and the namespace's worker events
+    through a consumer (what a Scheduler follows its peers with); never the events stream's
+    info, whose metadata holds the key of the writer's Ticks."""
+    caplog.set_level(logging.WARNING)
+    async with (
+        as_role(roles_server, "scheduler") as a_nc,
+        as_role(roles_server, "scheduler") as b_nc,
+    ):
+        async with (
+            Scheduler(a_nc, config=Config(), router_id="perm-a", block_size=16) as a,
+            Scheduler(b_nc, config=Config(), router_id="perm-b", block_size=16) as b,
+        ):
+            assert a.following and b.following
+            await a.add("perm-s1", worker_id=9, block_hashes=[1, 2, 3], prefill_tokens=48)
+            await eventually(
+                lambda: [r.active_requests for r in b.costs([1, 2, 3], 48, [(9, 0)])],
+                lambda n: n == [1],
+                what="b counts a's booking",
+            )
+            last = await a.free("perm-s1")
+            await b.view.wait_for(last, timeout=20)
+        with pytest.raises(nats.errors.Error):
+            await a_nc.jetstream().stream_info(Config().events_stream)
+    # the refused info read above, and nothing else
+    assert all("STREAM.INFO" in v for v in violations(caplog))
 
 
 def test_replay_verify_runs_with_the_replay_credential(
