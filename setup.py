@@ -14,8 +14,8 @@ pure core. ``SEQSTATE_PURE`` decides:
 mypyc runs when ``build_ext`` is prepared, not when setup.py is imported: the metadata and
 sdist steps of a PEP 517 build then need neither mypy nor msgspec, and an sdist carries the
 Python sources, never the generated C (which is specific to the mypy that wrote it).
-Modules that define msgspec Structs (events, deltas, loads, topology, snapshot, dynamo) stay
-interpreted: mypyc does not keep a Struct's class options.
+Modules that define msgspec Structs (events, deltas, loads, topology, snapshot, dynamo, cost)
+stay interpreted: mypyc does not keep a Struct's class options.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
         WorkerNotRegistered,
         WorkerRefused,
     )
-    from projector.read.reader import RegistryUnavailable, RegistryView
+    from projector.read.reader import BlockSizeUnknown, RegistryUnavailable, RegistryView
     from projector.read.view_metrics import view_collector
     from projector.route.publisher import EventTooLarge, PublishError, RouterPublisher
     from projector.route.refusals import publisher_collector
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         UnknownRequest,
     )
     from projector.wire.config import Config, ConfigError
+    from seqstate.cost import CostRow, CostWeights
     from seqstate.errors import SeqstateError
 
 # name -> the module that defines it
@@ -46,6 +47,9 @@ _EXPORTS: dict[str, str] = {
     "EventTooLarge": "projector.route.publisher",
     "RegistryView": "projector.read.reader",
     "RegistryUnavailable": "projector.read.reader",
+    "BlockSizeUnknown": "projector.read.reader",
+    "CostWeights": "seqstate.cost",
+    "CostRow": "seqstate.cost",
     "view_collector": "projector.read.view_metrics",
     "publisher_collector": "projector.route.refusals",
     "Config": "projector.wire.config",
@@ -65,9 +69,12 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "BlockSizeUnknown",
     "Config",
     "ConfigError",
     "ConnectError",
+    "CostRow",
+    "CostWeights",
     "DuplicateRequest",
     "EventTooLarge",
     "NoCandidates",

@@ -5,6 +5,7 @@ with each event (``apply(event, at_ns)``) and with each read (``loads(now_ns)``)
 pipeline around it lives in the ``projector`` package.
 """
 
+from seqstate.cost import DEFAULT_WEIGHTS, CostRow, CostWeights, dynamo_cost, select
 from seqstate.deltas import (
     Delta,
     RankChange,
@@ -31,15 +32,18 @@ from seqstate.events import (
     encode_event,
 )
 from seqstate.fold import Fold, FoldRules, Refusal
-from seqstate.loads import LoadRow, PotentialLoadRow, PrefillSnapshot, RankLoad
+from seqstate.loads import LoadRow, OverlapRow, PotentialLoadRow, PrefillSnapshot, RankLoad
 from seqstate.registry import PromptRegistry
 from seqstate.snapshot import SnapshotError
 from seqstate.state import SequenceState
 
 __all__ = [
+    "DEFAULT_WEIGHTS",
     "SCHEMA_VERSION",
     "AddOutputBlock",
     "AddRequest",
+    "CostRow",
+    "CostWeights",
     "Delta",
     "Event",
     "EventDecodeError",
@@ -48,6 +52,7 @@ __all__ = [
     "Free",
     "LoadRow",
     "MarkPrefillCompleted",
+    "OverlapRow",
     "PotentialLoadRow",
     "PrefillSnapshot",
     "PromptRegistry",
@@ -65,7 +70,9 @@ __all__ = [
     "decode_delta",
     "decode_deltas",
     "decode_event",
+    "dynamo_cost",
     "encode_delta",
     "encode_deltas",
     "encode_event",
+    "select",
 ]

@@ -69,3 +69,9 @@ class PotentialLoadRow(Struct, frozen=True, gc=False):
     potential_prefill_tokens: int
     potential_decode_blocks: int
     active_requests: int
+
+
+class OverlapRow(Struct, frozen=True, gc=False):
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int  # the query's longest prefix active on the rank, in blocks

@@ -21,12 +21,13 @@ per-hash mask exact.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from seqstate.cost import DEFAULT_WEIGHTS, CostRow, CostWeights, dynamo_cost
 from seqstate.decay import active_tokens, modeled_remaining_ms
 from seqstate.deltas import Delta
-from seqstate.loads import EMPTY_LOAD, LoadRow, PotentialLoadRow, RankLoad
+from seqstate.loads import EMPTY_LOAD, LoadRow, OverlapRow, PotentialLoadRow, RankLoad
 
 Rank = tuple[int, int]
 
@@ -181,9 +182,19 @@ class PromptRegistry:
         return rows
 
     def overlap_depths(self, block_hashes: Iterable[int]) -> dict[Rank, int]:
-        """Longest present prefix of the query per rank; ranks with depth 0 are omitted."""
+        """Longest present prefix of the query per rank; ranks with depth 0 are omitted
+        (Dynamo's map; :meth:`overlaps` gives a row per rank, zeros included)."""
         depth_by_bit = self._depths(list(block_hashes))
         return {rank: depth_by_bit[h.bit] for rank, h in self._ranks.items() if depth_by_bit[h.bit]}
+
+    def overlaps(self, block_hashes: Sequence[int]) -> list[OverlapRow]:
+        """The query's longest prefix active on each rank, in blocks: one row per known rank,
+        zeros included, sorted by (worker_id, dp_rank)."""
+        depths = self._depths(block_hashes) if len(block_hashes) else None
+        return [
+            OverlapRow(worker_id, dp_rank, depths[bit] if depths else 0)
+            for worker_id, dp_rank, _, bit in self._rows()
+        ]
 
     def _depths(self, query: Sequence[int]) -> list[int]:
         n = len(query)
@@ -225,6 +236,63 @@ class PromptRegistry:
                     dp_rank,
                     tokens + isl_tokens,
                     load.active_blocks + n - (depths[bit] if depths else 0),
+                    load.active_requests,
+                )
+            )
+        return rows
+
+    def costs(
+        self,
+        block_hashes: Sequence[int],
+        isl_tokens: int,
+        now_ns: int,
+        block_size: int,
+        weights: CostWeights = DEFAULT_WEIGHTS,
+        candidates: Iterable[Sequence[int]] | None = None,
+        overlaps: Mapping[Rank, int] | None = None,
+    ) -> list[CostRow]:
+        """Dynamo's cost of booking this request on each rank (:mod:`seqstate.cost`).
+
+        One row per known rank (of ``candidates`` only, when given: an unknown one has no
+        row), sorted by (worker_id, dp_rank). The blocks credited as cached on a rank are
+        ``overlaps[rank]`` when the caller knows the ranks' caches (its own KV indexer; a rank
+        absent from it: 0), else the prompt's prefix active on the rank, which is in its cache.
+        """
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size}: must be positive")
+        n = len(block_hashes)
+        depths = self._depths(block_hashes) if n else None
+        if candidates is None:
+            order = self._rows()
+        else:
+            known = self._ranks
+            wanted = {(c[0], c[1]) for c in candidates}  # a decoded rank may be a list
+            order = sorted((w, r, (w, r), known[w, r].bit) for w, r in wanted if (w, r) in known)
+        loads = self._loads
+        rows = []
+        for worker_id, dp_rank, rank, bit in order:
+            load = loads[rank]
+            tokens = active_tokens(load.prefill, now_ns)
+            depth = depths[bit] if depths else 0
+            decode = load.active_blocks + n - depth
+            cached = depth
+            if overlaps is not None:
+                cached = overlaps.get(rank, 0)
+                if cached < 0:
+                    raise ValueError(f"overlaps[{rank}]={cached}: must be non-negative")
+            cost, prefill = dynamo_cost(
+                weights, block_size, isl_tokens, tokens, cached, decode, load.active_requests
+            )
+            rows.append(
+                CostRow(
+                    worker_id,
+                    dp_rank,
+                    cost,
+                    cached,
+                    depth,
+                    prefill,
+                    tokens + isl_tokens,
+                    decode,
                     load.active_requests,
                 )
             )

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -48,7 +48,17 @@ from projector.wire.values import (
     decode_tracker,
     parse_key,
 )
-from seqstate import Delta, LoadRow, PotentialLoadRow, PromptRegistry, RankChange
+from seqstate import (
+    CostRow,
+    CostWeights,
+    Delta,
+    LoadRow,
+    OverlapRow,
+    PotentialLoadRow,
+    PromptRegistry,
+    RankChange,
+)
+from seqstate.cost import DEFAULT_WEIGHTS
 from seqstate.deltas import Booking
 from seqstate.errors import SeqstateError
 from seqstate.loads import EMPTY_LOAD
@@ -62,6 +72,10 @@ log = logging.getLogger("seqstate.reader")
 
 class RegistryUnavailable(SeqstateError, RuntimeError):
     """The bucket does not exist (no projector has run in this account) or cannot be watched."""
+
+
+class BlockSizeUnknown(SeqstateError, ValueError):
+    """A cost was asked in blocks of a namespace whose workers registered no block size."""
 
 
 def _part_slot(slot: int, part: int) -> int:
@@ -461,10 +475,53 @@ class RegistryView:
         return rows
 
     def overlap_depths(self, block_hashes: Sequence[int]) -> dict[Rank, int]:
+        """The query's longest prefix active per rank; ranks at 0 omitted (see :meth:`overlaps`)."""
         depths = self.registry.overlap_depths(block_hashes)
         if self.unreadable:
             depths = {rank: d for rank, d in depths.items() if rank not in self.unreadable}
         return depths
+
+    def overlaps(self, block_hashes: Sequence[int]) -> list[OverlapRow]:
+        """The query's longest prefix active on each rank, a row per rank, zeros included."""
+        rows = self.registry.overlaps(block_hashes)
+        if self.unreadable:
+            rows = [r for r in rows if (r.worker_id, r.dp_rank) not in self.unreadable]
+        return rows
+
+    def costs(
+        self,
+        block_hashes: Sequence[int],
+        isl_tokens: int,
+        candidates: Iterable[Sequence[int]] | None = None,
+        *,
+        block_size: int | None = None,
+        weights: CostWeights | None = None,
+        overlaps: Mapping[Rank, int] | None = None,
+        now_ns: int | None = None,
+    ) -> list[CostRow]:
+        """Dynamo's KV-router cost of this request on each rank (``PromptRegistry.costs``), in
+        blocks of ``block_size``: by default the one the namespace's workers registered with.
+        ``isl_tokens`` is the whole prompt; none for a rank whose load value does not decode."""
+        if block_size is None:
+            block_size = self.block_size
+            if block_size is None:
+                raise BlockSizeUnknown(
+                    f"namespace {self.namespace!r} has no registered block size: "
+                    "pass block_size= or register workers with one"
+                )
+        now = self.log_now_ns() if now_ns is None else now_ns
+        rows = self.registry.costs(
+            block_hashes,
+            isl_tokens,
+            now,
+            block_size,
+            DEFAULT_WEIGHTS if weights is None else weights,
+            candidates,
+            overlaps,
+        )
+        if self.unreadable:
+            rows = [r for r in rows if (r.worker_id, r.dp_rank) not in self.unreadable]
+        return rows
 
     def rank_of(self, request_id: str) -> Rank | None:
         """The rank the bucket shows ``request_id`` booked on (None: not active, or not yet
