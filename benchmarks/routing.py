@@ -373,7 +373,7 @@ async def run_scheme(
         await wait_bucket(nc, config)
         control = WorkerControl(nc, config=config)
         for worker_id, _ in ranks:
-            await control.add(worker_id, block_size=BLOCK_TOKENS)
+            await control.add(worker_id)
         extra: list[Client] = []
         try:
             if scheme == "round-robin":
@@ -389,7 +389,11 @@ async def run_scheme(
                     extra.append(conn)
                 scheds.append(
                     await Scheduler(
-                        conn, router_id=f"sched-{i}", config=config, seed=args.seed + i
+                        conn,
+                        router_id=f"sched-{i}",
+                        config=config,
+                        block_size=BLOCK_TOKENS,
+                        seed=args.seed + i,
                     ).start()
                 )
             policy = Toolkit(scheds, view_only=scheme == "view-only", seed=args.seed + round_no)

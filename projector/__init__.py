@@ -1,8 +1,8 @@
 """seqstate's NATS side: what routers, schedulers and operators import.
 
-``from projector import Scheduler, RouterPublisher, RegistryView, Config`` is the public face; the wings
-below (``projector.route``, ``projector.read``, ``projector.wire``...) are the layout, and a
-name imported from a wing may move. Every error is a :class:`SeqstateError`.
+``from projector import Scheduler, RouterPublisher, RegistryView, Config`` is the public
+face; the wings below (``projector.route``, ``projector.read``, ``projector.wire``...) are the
+layout, and a name imported from a wing may move. Every error is a :class:`SeqstateError`.
 
 Names are imported when first used, so that ``import projector`` (which every module of the
 package runs first, the CLI and the replay reader's child process included) costs nothing.

@@ -40,9 +40,9 @@ from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.schedule.overlay import Overlay, Pending
 from projector.wire.config import Config
-from seqstate import AddRequest, Free, MarkPrefillCompleted, decode_event
+from seqstate import AddRequest, EventDecodeError, Free, MarkPrefillCompleted, decode_event
 from seqstate.cost import CostRow, CostWeights, dynamo_cost, select
-from seqstate.errors import EventDecodeError, SeqstateError
+from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.scheduler")
 
