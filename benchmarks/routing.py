@@ -56,13 +56,13 @@ from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client
-from seqstate.cost import CostWeights, select
 
 from projector import RegistryView, RouterPublisher, Scheduler, WorkerControl
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.wire.config import Config
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, WorkerAdded
+from seqstate.cost import CostWeights, select
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO / "data" / "mooncake_conversation_trace.jsonl"
