@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 import nats.errors
@@ -76,6 +76,16 @@ class RegistryUnavailable(SeqstateError, RuntimeError):
 
 class BlockSizeUnknown(SeqstateError, ValueError):
     """A cost was asked in blocks of a namespace whose workers registered no block size."""
+
+
+class _RankRow(Protocol):
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def dp_rank(self) -> int: ...
+
+
+_Row = TypeVar("_Row", bound=_RankRow)
 
 
 def _part_slot(slot: int, part: int) -> int:
@@ -483,10 +493,7 @@ class RegistryView:
 
     def overlaps(self, block_hashes: Sequence[int]) -> list[OverlapRow]:
         """The query's longest prefix active on each rank, a row per rank, zeros included."""
-        rows = self.registry.overlaps(block_hashes)
-        if self.unreadable:
-            rows = [r for r in rows if (r.worker_id, r.dp_rank) not in self.unreadable]
-        return rows
+        return self._served(self.registry.overlaps(block_hashes))
 
     def costs(
         self,
@@ -519,9 +526,13 @@ class RegistryView:
             candidates,
             overlaps,
         )
-        if self.unreadable:
-            rows = [r for r in rows if (r.worker_id, r.dp_rank) not in self.unreadable]
-        return rows
+        return self._served(rows)
+
+    def _served(self, rows: list[_Row]) -> list[_Row]:
+        """``rows`` without the ranks whose load value does not decode: unknown is not idle."""
+        if not self.unreadable:
+            return rows
+        return [r for r in rows if (r.worker_id, r.dp_rank) not in self.unreadable]
 
     def rank_of(self, request_id: str) -> Rank | None:
         """The rank the bucket shows ``request_id`` booked on (None: not active, or not yet

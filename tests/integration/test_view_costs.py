@@ -17,7 +17,8 @@ from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
-from seqstate import SequenceState, WorkerAdded
+from projector.wire.values import load_key
+from seqstate import OverlapRow, SequenceState, WorkerAdded
 
 MS = 1_000_000
 PREFIX = [101, 102, 103, 104]
@@ -102,3 +103,24 @@ async def test_the_block_size_the_workers_registered_is_the_default(nc: Client) 
                 assert view.costs(query, 300, now_ns=last_ns) == state.registry.costs(
                     query, 300, last_ns, 16
                 )
+
+
+async def test_a_rank_whose_load_value_does_not_decode_has_no_cost_or_overlap_row(
+    nc: Client,
+) -> None:
+    """Unknown is not idle: a rank the view cannot read would be the cheapest of all."""
+    config = fresh_config("c")
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="r-c", config=config)
+        await pub.add("a", 4, 0, [1, 2, 3], prefill_tokens=100)
+        last = await pub.add("b", 5, 0, [9], prefill_tokens=10)
+        await pipeline.wait_applied(last)
+    kv = await nc.jetstream().key_value(config.registry_bucket)
+    await kv.put(load_key(config.namespace, (4, 0)), b'{"active_blocks": "many"}')
+    async with RegistryView(nc, config=config) as view:
+        assert list(view.unreadable) == [(4, 0)]
+        assert view.overlaps([1, 2, 3]) == [OverlapRow(5, 0, 0)]
+        # (5, 0): 10 unmodeled tokens + 48 = 3.625 blocks, nothing cached; decode 1 + 3.
+        assert view.costs([1, 2, 3], 48, block_size=16) == [
+            CostRow(5, 0, 3.625 + 4, 0, 0, 3.625, 58, 4, 1)
+        ]
