@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -114,12 +114,16 @@ class Scheduler:
         self._booked: dict[str, _Booked] = {}
         self._peer_booked: OrderedDict[str, _Booked] = OrderedDict()
         self._feed: JetStreamContext.PushSubscription | None = None
+        self._unlisten: Callable[[], None] | None = None
         self._js: JetStreamContext | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> Scheduler:
         """The view's current values, the router's first heartbeat, then the peers' events."""
+        # Events the view shows leave the overlay as the view moves, not in ``choose``: a
+        # burst after a quiet spell would otherwise pay for hundreds of them in one decision.
+        self._unlisten = self.view.on_change(lambda view: self._overlay.prune(view.applied_seq))
         await self.view.start()
         try:
             await self.publisher.start()
@@ -127,6 +131,7 @@ class Scheduler:
                 await self._follow()
         except BaseException:
             await self.view.stop()
+            self._unlisten()
             raise
         return self
 
@@ -141,6 +146,9 @@ class Scheduler:
             await self.publisher.close(goodbye=goodbye)
         finally:
             await self.view.stop()
+            if self._unlisten is not None:
+                self._unlisten()
+                self._unlisten = None
 
     async def __aenter__(self) -> Scheduler:
         return await self.start()
