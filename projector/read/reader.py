@@ -143,8 +143,9 @@ class RegistryView:
         self._slot_ids: dict[Rank, dict[int, str]] = {}
         self._request_ranks: dict[str, Rank] = {}
         self.resumes = 0  # watches re-created after a stall (a server restart, mostly)
-        # Under the slot-tracker rules: the block size the namespace's workers registered with
-        # (None: no worker registered one, or no worker is left).
+        # The namespace's block size, tokens per KV block, as its workers registered it (the
+        # latest registration naming one; under the slot-tracker rules the first, and None
+        # again once no worker is left). None: no registration named one.
         self.block_size: int | None = None
         self.stall_after_s = stall_after_s
         self._initial_timeout = initial_timeout
