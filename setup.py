@@ -16,11 +16,20 @@ sdist steps of a PEP 517 build then need neither mypy nor msgspec, and an sdist 
 Python sources, never the generated C (which is specific to the mypy that wrote it).
 Modules that define msgspec Structs (events, deltas, loads, topology, snapshot, dynamo, cost)
 stay interpreted: mypyc does not keep a Struct's class options.
+
+mypyc compiles a docstring into nothing but the text signature, so ``help()`` of a compiled
+class or method (``PromptRegistry.potential_loads``) showed a bare signature.
+:func:`_restore_docstrings` writes each docstring of the sources after that signature in the
+generated C, where CPython reads ``__doc__`` from: the compiled build documents itself as the
+pure one does, at no cost per call. (A method descriptor's ``__doc__`` cannot be set at import,
+and ``help()`` never reads a ``.pyi`` stub.)
 """
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import sys
 import textwrap
 from functools import cache
@@ -76,12 +85,77 @@ def _mypycify() -> tuple[Extension, ...]:
     try:
         from mypyc.build import mypycify
 
-        return tuple(mypycify(NATIVE, opt_level="3", group_name=GROUP))
+        extensions = tuple(mypycify(NATIVE, opt_level="3", group_name=GROUP))
+        _restore_docstrings(extensions)
+        return extensions
     except (Exception, SystemExit) as error:  # mypyc reports type errors with sys.exit
         if REQUIRE_COMPILED:
             raise
         _fall_back("mypyc", error)
         return ()
+
+
+def _docstrings() -> dict[str, tuple[str, str]]:
+    """The docstrings of the compiled modules' functions, classes and methods, keyed by the
+    name mypyc gives each in C (``registry___PromptRegistry___loads``), with what it is."""
+    docs: dict[str, tuple[str, str]] = {}
+    for path in NATIVE:
+        module = Path(path).stem
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                doc = ast.get_docstring(node)
+                kind = "class" if isinstance(node, ast.ClassDef) else "function"
+                if doc:
+                    docs[f"{module}___{node.name}"] = (kind, doc)
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    doc = ast.get_docstring(item) if isinstance(item, ast.FunctionDef) else None
+                    if doc:
+                        docs[f"{module}___{node.name}___{item.name}"] = ("function", doc)
+    return docs
+
+
+def _c_text(text: str) -> str:
+    """``text`` inside a C string literal: UTF-8, anything but plain ASCII as octal escapes
+    (``?`` too: no trigraph)."""
+    out = []
+    for byte in text.encode("utf-8"):
+        char = chr(byte)
+        if char == "\n":
+            out.append("\\n")
+        elif 0x20 <= byte < 0x7F and char not in '"\\?':
+            out.append(char)
+        else:
+            out.append(f"\\{byte:03o}")
+    return "".join(out)
+
+
+_SIGNATURE = r'PyDoc_STR\("(?:[^"\\]|\\.)*?\\n--\\n\\n'  # mypyc's doc: the text signature
+
+
+def _restore_docstrings(extensions: tuple[Extension, ...]) -> None:
+    """Write the sources' docstrings into mypyc's generated C, after each text signature.
+
+    A method's doc is in its ``PyMethodDef`` (after ``(PyCFunction)CPyPy_<name>,``), a
+    class's in its type template's ``tp_doc``. A name not found keeps the bare signature."""
+    docs = _docstrings()
+    for extension in extensions:
+        for source in extension.sources:
+            path = Path(source)
+            if path.suffix != ".c" or not path.is_file():
+                continue
+            text = original = path.read_text(encoding="utf-8")
+            for name, (kind, doc) in docs.items():
+                where = re.escape(name)
+                if kind == "class":
+                    head = rf"CPyType_{where}_template_ = \{{[^}}]*?\.tp_doc = {_SIGNATURE}"
+                else:
+                    head = rf"\(PyCFunction\)CPyPy_{where},\s*[A-Z_ |]+,\s*{_SIGNATURE}"
+                escaped = _c_text(doc)  # a function: re.sub would read escapes in a string
+                text = re.sub(f'({head})(?="\\))', lambda m, e=escaped: m.group(1) + e, text)
+            if text != original:
+                path.write_text(text, encoding="utf-8")
 
 
 class BuildNative(build_ext):

@@ -17,6 +17,22 @@ from typing import TYPE_CHECKING, Any
 
 from projector import _moved
 
+
+def _check_the_core() -> None:
+    """A clone named ``seqstate`` beside the script shadows the core (:mod:`projector._shadowed`):
+    one ``stat`` here, the module only when the first entry of ``sys.path`` holds one."""
+    import os
+    import sys
+
+    first = (sys.path[0] if sys.path else "") or os.curdir
+    if os.path.isfile(os.path.join(first, "seqstate", "seqstate", "__init__.py")):
+        from projector._shadowed import refuse_a_shadowed_core
+
+        refuse_a_shadowed_core()
+
+
+_check_the_core()
+
 if TYPE_CHECKING:
     from projector.nats.connection import ConnectError, connect
     from projector.ops.workers import (

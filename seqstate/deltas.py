@@ -136,8 +136,8 @@ class Delta(Struct, omit_defaults=True):
     orphaned: list[str] = []
     # A duplicate AddRequest: the rank that holds the id already (a caller's error names it).
     owner: tuple[int, int] | None = None
-    # Under the slot-tracker rules, a WorkerAdded's delta: the tracker's block size after it;
-    # the WorkerRemoved that removes the last worker: TRACKER_ENDED.
+    # A WorkerAdded's delta: the namespace's block size after it (None: none named yet);
+    # under the slot-tracker rules the WorkerRemoved that removes the last worker: TRACKER_ENDED.
     block_size: int | None = None
     # A Dynamo message that came after a hole in its publisher's sequence: which publisher,
     # and how many messages are missing (the writer logs and counts it).

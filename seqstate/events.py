@@ -103,8 +103,10 @@ class AddOutputBlock(_Event, tag=True):
 class WorkerAdded(_Event, tag=True):
     """A worker's authoritative data-parallel range: ranks ``dp_start .. dp_start+dp_size``.
 
-    ``block_size`` (tokens per KV block) matters only under the slot-tracker rules, where the
-    first registration fixes it for every worker of the namespace."""
+    ``block_size`` (tokens per KV block) is the namespace's, as schedulers read it. Under the
+    slot-tracker rules the first registration fixes it for every worker of the namespace (until
+    the last one is removed); under the router rules the latest registration naming one sets
+    it."""
 
     worker_id: WorkerId
     dp_start: DpRank = 0

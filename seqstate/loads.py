@@ -55,6 +55,9 @@ EMPTY_LOAD = RankLoad()
 
 
 class LoadRow(Struct, frozen=True, gc=False):
+    """One rank's load at a read's ``now``: blocks held, prefill tokens still pending (decayed),
+    live requests, and the modeled prefill milliseconds left (None: a prefill is unmodeled)."""
+
     worker_id: int
     dp_rank: int
     active_blocks: int
@@ -64,6 +67,9 @@ class LoadRow(Struct, frozen=True, gc=False):
 
 
 class PotentialLoadRow(Struct, frozen=True, gc=False):
+    """One rank's load if a request were booked there: prefill tokens with its prompt, decode
+    blocks with the blocks it does not share with the rank, and the live requests now."""
+
     worker_id: int
     dp_rank: int
     potential_prefill_tokens: int

@@ -60,6 +60,8 @@ class PromptRegistry:
     # ---- writes -------------------------------------------------------------------------
 
     def apply(self, delta: Delta) -> None:
+        """Fold one delta: its removed and added ranks, then each rank's new load, released
+        slots and bookings. The one way the registry changes."""
         if delta.removed_ranks or delta.added_ranks:
             for rank in delta.removed_ranks:
                 self._remove_rank((rank[0], rank[1]))

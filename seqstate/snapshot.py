@@ -87,7 +87,7 @@ class _State(Struct, array_like=True):
     worker_grace_s: float | None = None
     departed: list[_Departed] = []  # workers removed within their grace, deadline order
     slot_tracker: bool = False
-    block_size: int | None = None  # the tracker's, under the slot-tracker rules
+    block_size: int | None = None  # the namespace's (the tracker's, under the slot-tracker rules)
     # Dynamo publishers (seqstate.publishers): each (id, last_sequence, heard_ns, holes,
     # restarts, late), least recently heard first; the bound; the totals (holes, late,
     # forgotten), which outlive a forgotten publisher. Restarts are no longer counted (0): an

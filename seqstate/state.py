@@ -76,7 +76,8 @@ class SequenceState:
     registered worker is ``worker_exists`` and changes nothing; the first registration fixes
     the block size (another is ``block_size_mismatch``) until the last worker is removed,
     which ends the tracker; and while no worker is registered a request event is
-    ``no_tracker`` and changes (or remembers) nothing.
+    ``no_tracker`` and changes (or remembers) nothing. Under the router rules the latest
+    registration that names a block size sets the namespace's, and no removal clears it.
     """
 
     def __init__(
@@ -128,7 +129,9 @@ class SequenceState:
         self.expiry_s = expiry_s
         self.slot_tracker = slot_tracker
         self.lazy_workers = lazy_workers and not slot_tracker
-        self.block_size: int | None = None  # the tracker's, under the slot-tracker rules
+        # Tokens per KV block: the tracker's under the slot-tracker rules, else the latest
+        # registration's that named one (None: none did).
+        self.block_size: int | None = None
         # A lazy rank (no WorkerAdded covers it) that a Tick finds empty this long is dropped,
         # so ranks named once by a stray event do not stay forever. None: never (the default).
         self.forget_lazy_after_s = forget_lazy_after_s
@@ -627,8 +630,15 @@ class SequenceState:
                 )
             if self.block_size is None:
                 self.block_size = wanted
-        elif self.workers.ranges.get(worker_id) == worker:
-            return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+        else:
+            # The router rules refuse no registration: the latest that names a block size sets
+            # the namespace's (a scheduler's cost counts blocks), the same range and size
+            # again changes nothing.
+            wanted = event.block_size
+            if self.workers.ranges.get(worker_id) == worker and wanted in (None, self.block_size):
+                return Delta(outcome=outcomes.DUPLICATE, at_ns=now)
+            if wanted is not None:
+                self.block_size = wanted
         if self._removed_entries:
             self._removed_entries.pop(str(worker_id), None)  # back: a new start, empty
         back = self.departures.reclaim(worker_id) if worker_id in self.departures else {}

@@ -81,11 +81,16 @@ class WorkerControl:
             nc, router_id=f"control-{uuid.uuid4().hex[:12]}", config=self.config
         )
 
-    async def add(self, worker_id: int, dp_start: int = 0, dp_size: int = 1) -> WorkerChange:
+    async def add(
+        self, worker_id: int, dp_start: int = 0, dp_size: int = 1, *, block_size: int | None = None
+    ) -> WorkerChange:
         """Register (or re-range) a worker. A worker removed within the grace period
-        (``worker_grace_s``) comes back with its requests."""
+        (``worker_grace_s``) comes back with its requests. ``block_size`` (tokens per KV
+        block) becomes the namespace's, which schedulers read as ``RegistryView.block_size``."""
         try:
-            event = WorkerAdded(worker_id=worker_id, dp_start=dp_start, dp_size=dp_size)
+            event = WorkerAdded(
+                worker_id=worker_id, dp_start=dp_start, dp_size=dp_size, block_size=block_size
+            )
             self._publisher.check(event)  # the bounds of every field, as the writer checks
         except (EventDecodeError, ValueError) as exc:
             raise WorkerRefused(f"worker {worker_id}: {exc}") from None

@@ -79,7 +79,7 @@ class BucketImage:
         self._empty: set[str] = set()
         self._dirty_loads: set[Rank] = set()
         self._deleted_loads: set[Rank] = set()
-        # Under the slot-tracker rules: the block size registrations fixed (None: none yet).
+        # The namespace's block size, as registrations named it (None: none yet).
         self.block_size: int | None = None
         self._tracker_dirty = False
 

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -136,6 +136,20 @@ class RegistryView:
     ``..._active_requests``, ``..._remaining_prefill_ms``, labels ``namespace, worker, dp_rank``)
     from the scheduler's own registry, read at scrape time at the log time of the newest value
     received; nothing is registered unless asked (a scheduler's registry is its own).
+
+    Attributes a scheduler reads:
+
+    - ``applied_seq``: the newest event sequence the view reflects (``as_of_ns``: its log time).
+    - ``block_size``: the namespace's tokens per KV block, as its workers registered it (None:
+      no registration named one).
+    - ``unreadable``: ``{(worker_id, dp_rank): why}``, ranks whose load value in the bucket
+      does not decode. They are not served (no row in ``loads``, ``potential_loads`` or
+      ``overlap_depths``: unknown is not idle) until a readable value replaces theirs.
+    - ``bad_values``: how many values received did not decode (each logged).
+
+    Told when it moves: ``view.on_change(callback)`` calls ``callback(view)`` each time the
+    view's position advances, and ``async for seq in view.changes()`` yields the new position
+    (see both for why a position and not each key).
     """
 
     def __init__(
@@ -167,8 +181,9 @@ class RegistryView:
         self._slot_ids: dict[Rank, dict[int, str]] = {}
         self._request_ranks: dict[str, Rank] = {}
         self.resumes = 0  # watches re-created after a stall (a server restart, mostly)
-        # Under the slot-tracker rules: the block size the namespace's workers registered with
-        # (None: no worker registered one, or no worker is left).
+        # The namespace's block size, tokens per KV block, as its workers registered it (the
+        # latest registration naming one; under the slot-tracker rules the first, and None
+        # again once no worker is left). None: no registration named one.
         self.block_size: int | None = None
         self.stall_after_s = stall_after_s
         self._initial_timeout = initial_timeout
@@ -187,12 +202,17 @@ class RegistryView:
         self._ready: asyncio.Future[None] | None = None
         self._ready_at: int | None = None  # the revision by which the current values are in
         self._task: asyncio.Task[None] | None = None
+        self._listeners: dict[int, Callable[[RegistryView], object]] = {}
+        self._listener_ids = 0
+        self._moved: set[asyncio.Event] = set()  # one per changes() iterator
+        self._stopped = False
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> RegistryView:
         """Watch the bucket; returns once the current values have been received."""
         self._js = self.nc.jetstream()
+        self._stopped = False
         try:
             await self._js.key_value(self.config.registry_bucket)
         except BucketNotFoundError:
@@ -223,6 +243,7 @@ class RegistryView:
         return self
 
     async def stop(self) -> None:
+        """End the watch (``async with`` does it on exit); the replica keeps what it holds."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -230,6 +251,9 @@ class RegistryView:
             self._task = None
         self._generation += 1
         await self._unsubscribe()
+        self._stopped = True
+        for moved in self._moved:
+            moved.set()  # each changes() iterator ends
 
     async def __aenter__(self) -> RegistryView:
         return await self.start()
@@ -291,8 +315,11 @@ class RegistryView:
                 if op is None:
                     return  # a marker of a kind not known yet: no value
             deleted = op in (KV_DEL, KV_PURGE)
+        before = self.applied_seq
         self.receive(msg.subject[len(self._prefix) :], msg.data, deleted=deleted)
         self._position.advance(self.applied_seq)
+        if self.applied_seq != before and (self._listeners or self._moved):
+            self._notify()
         ready, ready_at = self._ready, self._ready_at
         if (
             ready is not None
@@ -443,6 +470,60 @@ class RegistryView:
         if self._clock_offset_ns is None or offset > self._clock_offset_ns:
             self._clock_offset_ns = offset
 
+    # ---- telling when the view moves --------------------------------------------------------
+
+    def on_change(self, callback: Callable[[RegistryView], object]) -> Callable[[], None]:
+        """Call ``callback(view)`` each time the view's position (``applied_seq``) advances;
+        returns the handle that unsubscribes it (as :meth:`remove_listener` does).
+
+        A position, not each key: the projector writes a flush's keys first and its position
+        last, so at a position the view shows one event sequence whole, and a long prompt's
+        keys or a removed worker's many keys make one call, not one each. The callback runs on
+        the event loop, in the watch's delivery: keep it short (hand long work to a task, or
+        use :meth:`changes`). An exception it raises is logged and changes nothing else."""
+        self._listener_ids += 1
+        key = self._listener_ids
+        self._listeners[key] = callback
+
+        def unsubscribe() -> None:
+            self._listeners.pop(key, None)
+
+        return unsubscribe
+
+    def remove_listener(self, callback: Callable[[RegistryView], object]) -> None:
+        """Unsubscribe ``callback`` (every time it was passed to :meth:`on_change`)."""
+        for key in [k for k, f in self._listeners.items() if f == callback]:
+            del self._listeners[key]
+
+    async def changes(self) -> AsyncIterator[int]:
+        """``async for seq in view.changes():`` the view's position each time it advances,
+        until the view stops.
+
+        Coalesced: a consumer slower than the moves gets the latest position when it asks
+        again, never a queue of the ones it missed, so what it holds stays bounded however far
+        behind it falls."""
+        moved = asyncio.Event()
+        self._moved.add(moved)
+        try:
+            seen = self.applied_seq
+            while not self._stopped:
+                await moved.wait()
+                moved.clear()
+                if self.applied_seq > seen:
+                    seen = self.applied_seq
+                    yield seen
+        finally:
+            self._moved.discard(moved)
+
+    def _notify(self) -> None:
+        for moved in self._moved:
+            moved.set()
+        for callback in tuple(self._listeners.values()):
+            try:
+                callback(self)
+            except Exception:  # a scheduler's bug must not stop the view it reads
+                log.exception("a change listener of the registry view failed")
+
     # ---- reads ------------------------------------------------------------------------------
 
     def export_metrics(self, registry: CollectorRegistry | None = None) -> Collector:
@@ -485,7 +566,8 @@ class RegistryView:
         return rows
 
     def overlap_depths(self, block_hashes: Sequence[int]) -> dict[Rank, int]:
-        """The query's longest prefix active per rank; ranks at 0 omitted (see :meth:`overlaps`)."""
+        """Per rank, how many leading blocks of the prompt it holds (ranks with none, and
+        ranks in :attr:`unreadable`, omitted; :meth:`overlaps` gives every rank a row)."""
         depths = self.registry.overlap_depths(block_hashes)
         if self.unreadable:
             depths = {rank: d for rank, d in depths.items() if rank not in self.unreadable}

@@ -12,8 +12,9 @@ from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config, run_cli
 
 from projector.nats.server import NatsServer
-from projector.ops.replay import verify
+from projector.ops.replay import rebuild, verify
 from projector.ops.workers import WorkerChange, WorkerControl, WorkerNotRegistered, WorkerRefused
+from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
@@ -160,3 +161,31 @@ async def test_the_cli_adds_lists_and_removes_workers(nc: Client, nats_server: N
             lines = plain_lines(out.stderr)
             assert out.returncode == 1 and len(lines) == 1, out.stderr
             assert lines[0].startswith(message), lines
+
+
+async def test_the_cli_records_the_namespaces_block_size_for_schedulers(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """Under the router rules (the default) a registration naming a block size records it as
+    the namespace's, the latest one winning: a scheduler reads it to count tokens in blocks."""
+    config = fresh_config("wbs")
+    url = nats_server.url
+    async with Pipeline(nc, config), RegistryView(nc, config=config) as view:
+        assert view.block_size is None
+        out = await run_cli(config, url, "worker", "add", "5", "--block-size", "16")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("worker 5: ranks 0 in the registry (event 1)")
+        await view.wait_for(1, timeout=10)
+        assert view.block_size == 16
+        await WorkerControl(nc, config=config).add(6, block_size=32)
+        await view.wait_for(2, timeout=10)
+        assert view.block_size == 32
+        await WorkerControl(nc, config=config).remove(6)
+        await view.wait_for(3, timeout=10)
+        assert view.block_size == 32  # a removal leaves it
+    out = await run_cli(config, url, "replay", "--verify")
+    assert out.returncode == 0 and "identical: 0 keys differ" in out.stdout, out.stdout
+    await rebuild(nc, config)
+    assert await verify(nc, config) == []
+    async with RegistryView(nc, config=config) as view:
+        assert view.block_size == 32

@@ -121,7 +121,7 @@ class Expected:
     )
     orphaned: list[str] = field(default_factory=list)
     owner: Rank | None = None  # a duplicate add's: the rank holding the id
-    block_size: int | None = None  # a WorkerAdded's under the slot-tracker rules
+    block_size: int | None = None  # a WorkerAdded's: the namespace's after it
 
 
 class Model:
@@ -502,8 +502,11 @@ class Model:
                 return Expected("block_size_mismatch", block_size=self.block_size)
             if self.block_size is None:
                 self.block_size = ev.block_size
-        elif self.ranges.get(w) == new:
-            return Expected("duplicate")
+        else:  # the router rules: the latest registration naming a block size sets it
+            if self.ranges.get(w) == new and ev.block_size in (None, self.block_size):
+                return Expected("duplicate")
+            if ev.block_size is not None:
+                self.block_size = ev.block_size
         old = self.ranges.get(w)
         self.ranges[w] = new
         new_ranks = range(new[0], new[0] + new[1])
@@ -518,8 +521,7 @@ class Model:
                 exp.changes.append((rank, [], bookings))
             else:
                 self._drop_rank(rank, now)
-        if self.tracker:
-            exp.block_size = self.block_size
+        exp.block_size = self.block_size
         if old is not None:
             for d in range(old[0], old[0] + old[1]):
                 if d not in new_ranks and (w, d) in self.ranks:

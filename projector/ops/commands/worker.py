@@ -40,7 +40,9 @@ async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
 
         await ensure(nc, config)
         if args.action == "add":
-            change = await control.add(worker_id, args.dp_start, args.dp_size)
+            change = await control.add(
+                worker_id, args.dp_start, args.dp_size, block_size=args.block_size
+            )
             done = f"ranks {ranks_text(change.dp_ranks)} in the registry"
         else:
             change = await control.remove(worker_id)
@@ -106,6 +108,13 @@ def add_worker_flags(worker: argparse.ArgumentParser) -> None:
         help="for add: how many data-parallel ranks (default: 1)",
     )
     worker.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="for add: tokens per KV block, recorded as the namespace's (default: none named)",
+    )
+    worker.add_argument(
         "--wait",
         type=float,
         default=10.0,
@@ -118,7 +127,7 @@ def add_worker_flags(worker: argparse.ArgumentParser) -> None:
 
 def _examples() -> str:
     return (
-        "examples:\n  seqstate worker add 7 --dp-size 2\n"
+        "examples:\n  seqstate worker add 7 --dp-size 2 --block-size 16\n"
         "  seqstate worker remove 7\n  seqstate worker list"
     )
 
