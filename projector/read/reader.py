@@ -37,6 +37,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from projector.nats.backlog import datetime_ns, stamp_ns
 from projector.nats.failures import JETSTREAM_OFF, jetstream_off
 from projector.nats.lease import decode_holder
 from projector.nats.progress import Progress
@@ -184,6 +185,7 @@ class RegistryView:
         self._lease_ttl_s = STALL_AFTER_S
         self._heartbeat: Heartbeat | None = None  # the last lag measurement heard
         self._heartbeat_at = 0.0  # monotonic time it was heard
+        self._server_clock: tuple[int, float] | None = None  # server ns at our monotonic time
         self._position = Progress()  # applied_seq, for wait_for
         self._stream = f"KV_{config.registry_bucket}"
         self._prefix = f"$KV.{config.registry_bucket}."
@@ -216,6 +218,7 @@ class RegistryView:
         ready = self._ready = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(self._initial_timeout):
+                await self._read_server_clock()
                 self._sub = sub = await self._watch()
                 info = await sub.consumer_info()
                 # nats-py's own "no more current values" marker is decided from consumer info
@@ -231,6 +234,22 @@ class RegistryView:
             raise
         self._task = asyncio.create_task(self._guard(), name="seqstate-view-guard")
         return self
+
+    async def _read_server_clock(self) -> None:
+        """The server's time now, against ours: the current values arrive at once whenever
+        they were written, and their stored times say when that was, so a view that starts
+        beside a projector stopped long ago does not take its last values for news."""
+        assert self._js is not None, "start() makes it"
+        subject = f"{self._js._prefix}.STREAM.INFO.{self._stream}"
+        asked = time.monotonic()
+        try:
+            reply = await self.nc.request(subject, b"", timeout=min(self._initial_timeout, 5.0))
+            stamp = msgspec.json.decode(reply.data).get("ts")
+        except (nats.errors.Error, TimeoutError, msgspec.DecodeError, AttributeError):
+            return  # its values count from when they arrive
+        server_ns = stamp_ns(stamp) if isinstance(stamp, str) else None  # a server before 2.10
+        if server_ns is not None:
+            self._server_clock = (server_ns, asked)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -301,9 +320,14 @@ class RegistryView:
                 if op is None:
                     return  # a marker of a kind not known yet: no value
             deleted = op in (KV_DEL, KV_PURGE)
-        self.receive(msg.subject[len(self._prefix) :], msg.data, deleted=deleted)
-        self._position.advance(self.applied_seq)
         ready, ready_at = self._ready, self._ready_at
+        now = time.monotonic()
+        heard = now
+        if self._server_clock is not None and ready is not None and not ready.done():
+            server_ns, asked = self._server_clock  # a current value: when was it written?
+            heard = min(now, asked + (datetime_ns(meta.timestamp) - server_ns) / 1e9)
+        self._fold(msg.subject[len(self._prefix) :], msg.data, deleted, heard)
+        self._position.advance(self.applied_seq)
         if (
             ready is not None
             and not ready.done()
@@ -378,13 +402,17 @@ class RegistryView:
 
     def receive(self, key: str, value: bytes | None, *, deleted: bool = False) -> None:
         """Fold one bucket entry into the replica; a damaged value is counted and skipped."""
+        self._fold(key, value, deleted, time.monotonic())
+
+    def _fold(self, key: str, value: bytes | None, deleted: bool, heard: float) -> None:
+        """:meth:`receive` of an entry written at ``heard`` (monotonic time)."""
         kind, rank, slot, part = parse_key(self.config.namespace, key)
         if kind == "lease":  # who writes, not what: renewed every second even when nothing moves
             if not deleted and value:
-                self._renewed(value)
+                self._renewed(value, heard)
             return
         self.values_received += 1
-        self._heard_at = time.monotonic()
+        self._hear(heard)
         try:
             if kind == "position" and not deleted and value:
                 position = decode_position(value)
@@ -435,10 +463,12 @@ class RegistryView:
             else:
                 log.warning("skipping unreadable value of %s: %s", key, exc)
 
-    def _renewed(self, value: bytes) -> None:
+    def _hear(self, heard: float) -> None:
+        self._heard_at = heard if self._heard_at is None else max(self._heard_at, heard)
+
+    def _renewed(self, value: bytes, heard: float) -> None:
         """A lease renewal: its writer lives, and a projector's says how far it is behind."""
-        now = time.monotonic()
-        self._heard_at = now
+        self._hear(heard)
         self.renewals += 1
         holder = decode_holder(value)
         if holder is None:
@@ -446,7 +476,7 @@ class RegistryView:
         if 0 < holder.ttl_s < math.inf:
             self._lease_ttl_s = holder.ttl_s
         if holder.heartbeat is not None:
-            self._heartbeat, self._heartbeat_at = holder.heartbeat, now
+            self._heartbeat, self._heartbeat_at = holder.heartbeat, heard
 
     def _index_slot(self, rank: Rank, slot: int, request_id: str | None) -> None:
         ids = self._slot_ids.setdefault(rank, {})

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from eventually import eventually
 from nats.aio.client import Client
-from pipeline_kit import fresh_config, name_flags
+from pipeline_kit import fresh_config, name_flags, run_cli
 from test_metrics import command, publish
 
 from projector.nats.lease import DEFAULT_TTL_S
@@ -135,9 +136,16 @@ async def test_a_stopped_run_is_silent_then_catches_up(
             )
             assert s.age_s > DEFAULT_TTL_S and not s.within(10**9, 1e9)
             assert s.applied_seq == first < last  # nothing of the stopped run landed
+            # A view that starts now gets the same values at once: their stored times tell
+            # it they are old.
+            said = (await run_cli(config, nats_server.url, "loads")).stdout.splitlines()
+            assert re.fullmatch(rf"as of event {first}; projector silent \d+s", said[-1]), said
         s = await caught_up(view, last, log)
         assert s.applied_seq == last and not s.silent and s.within(0, 0.0)
         assert [r.active_requests for r in view.loads()] == [5]
+        said = (await run_cli(config, nats_server.url, "loads")).stdout.splitlines()
+        match = re.fullmatch(r"as of event (\d+); current \(log at \1\)", said[-1])
+        assert match and int(match[1]) >= last, said
 
 
 async def test_a_stopped_writer_leaves_the_view_counting_what_it_lacks(
