@@ -186,6 +186,7 @@ class RegistryView:
         self._heartbeat: Heartbeat | None = None  # the last lag measurement heard
         self._heartbeat_at = 0.0  # monotonic time it was heard
         self._server_clock: tuple[int, float] | None = None  # server ns at our monotonic time
+        self._written_at: float | None = None  # when the entry being received was written
         self._position = Progress()  # applied_seq, for wait_for
         self._stream = f"KV_{config.registry_bucket}"
         self._prefix = f"$KV.{config.registry_bucket}."
@@ -321,12 +322,11 @@ class RegistryView:
                     return  # a marker of a kind not known yet: no value
             deleted = op in (KV_DEL, KV_PURGE)
         ready, ready_at = self._ready, self._ready_at
-        now = time.monotonic()
-        heard = now
         if self._server_clock is not None and ready is not None and not ready.done():
             server_ns, asked = self._server_clock  # a current value: when was it written?
-            heard = min(now, asked + (datetime_ns(meta.timestamp) - server_ns) / 1e9)
-        self._fold(msg.subject[len(self._prefix) :], msg.data, deleted, heard)
+            written = asked + (datetime_ns(meta.timestamp) - server_ns) / 1e9
+            self._written_at = min(time.monotonic(), written)
+        self.receive(msg.subject[len(self._prefix) :], msg.data, deleted=deleted)
         self._position.advance(self.applied_seq)
         if (
             ready is not None
@@ -402,10 +402,8 @@ class RegistryView:
 
     def receive(self, key: str, value: bytes | None, *, deleted: bool = False) -> None:
         """Fold one bucket entry into the replica; a damaged value is counted and skipped."""
-        self._fold(key, value, deleted, time.monotonic())
-
-    def _fold(self, key: str, value: bytes | None, deleted: bool, heard: float) -> None:
-        """:meth:`receive` of an entry written at ``heard`` (monotonic time)."""
+        written, self._written_at = self._written_at, None
+        heard = time.monotonic() if written is None else written
         kind, rank, slot, part = parse_key(self.config.namespace, key)
         if kind == "lease":  # who writes, not what: renewed every second even when nothing moves
             if not deleted and value:

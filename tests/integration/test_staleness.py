@@ -141,7 +141,7 @@ async def test_a_stopped_run_is_silent_then_catches_up(
             said = (await run_cli(config, nats_server.url, "loads")).stdout.splitlines()
             assert re.fullmatch(rf"as of event {first}; projector silent \d+s", said[-1]), said
         s = await caught_up(view, last, log)
-        assert s.applied_seq == last and not s.silent and s.within(0, 0.0)
+        assert not s.silent and s.within(0, 0.0)  # at the adds, or a Tick the writer logged since
         assert [r.active_requests for r in view.loads()] == [5]
         said = (await run_cli(config, nats_server.url, "loads")).stdout.splitlines()
         match = re.fullmatch(r"as of event (\d+); current \(log at \1\)", said[-1])
