@@ -22,7 +22,10 @@ projector) as a separate process:
   the view's documented reads got before the toolkit);
 - ``toolkit``: ``Scheduler.choose`` / ``add`` / ``mark_prefill_completed`` / ``free``;
 - ``toolkit-2``: two Schedulers (own connections, own router ids), requests alternating;
-- ``oracle``: the same cost over a write model updated at the instant of each event.
+- ``oracle``: the same cost over a write model updated at the instant of each event;
+- ``toolkit-indexed``: ``toolkit``, with each rank's cached prefix (what a KV indexer, Dynamo's
+  own, would report of the simulated caches) passed as ``overlaps``: the ledger knows the
+  blocks of the requests in flight, not what a worker kept after they ended.
 
 Reported per scheme (medians over ``--runs`` rounds, schemes interleaved in each round):
 balance (max/mean active blocks over the workers, sampled every ``--sample-ms`` of the
@@ -152,6 +155,8 @@ async def simulate(
 ) -> Outcome:
     loop = asyncio.get_running_loop()
     workers = {rank: Worker(args.cache_blocks) for rank in ranks}
+    if isinstance(policy, Toolkit):
+        policy.caches = workers
     decisions: list[float] = []
     cpu: list[float] = []
     ratios: list[float] = []
@@ -236,10 +241,18 @@ class RoundRobin:
 
 
 class Toolkit:
-    """One or more Schedulers, requests dealt in turn; ``view_only`` chooses on the view."""
+    """One or more Schedulers, requests dealt in turn; ``view_only`` chooses on the view;
+    ``indexed`` credits each rank's cached prefix as a KV indexer reports it (``overlaps=``)."""
 
-    def __init__(self, scheds: list[Scheduler], view_only: bool = False, seed: int = 0) -> None:
-        self.scheds, self.view_only = scheds, view_only
+    def __init__(
+        self,
+        scheds: list[Scheduler],
+        view_only: bool = False,
+        seed: int = 0,
+        indexed: bool = False,
+    ) -> None:
+        self.scheds, self.view_only, self.indexed = scheds, view_only, indexed
+        self.caches: dict[Rank, Worker] = {}  # the simulated workers (set by ``simulate``)
         self.owner: dict[str, Scheduler] = {}
         self.n = 0
         self.rng = random.Random(seed)
@@ -253,6 +266,9 @@ class Toolkit:
             rows = sched.view.costs(req.hashes, req.isl, block_size=BLOCK_TOKENS)
             row = rows[select([r.cost for r in rows], 0.0, self.rng.random())]
             return row.worker_id, row.dp_rank
+        if self.indexed:
+            cached = {rank: w.cached_prefix(req.hashes) for rank, w in self.caches.items()}
+            return sched.choose(req.hashes, req.isl, overlaps=cached)
         return sched.choose(req.hashes, req.isl)
 
     async def add(self, req: Req, rank: Rank, prefill_tokens: int) -> None:
@@ -389,6 +405,7 @@ async def run_scheme(
                     last = pub.last_sequence
                 return await finish(scheme, outcome, nc, config, last, [])
             replicas = 2 if scheme == "toolkit-2" else 1
+            indexed = scheme == "toolkit-indexed"
             scheds = []
             for i in range(replicas):
                 conn = nc if i == 0 else await connect(url)
@@ -403,7 +420,9 @@ async def run_scheme(
                         seed=args.seed + i,
                     ).start()
                 )
-            policy = Toolkit(scheds, view_only=scheme == "view-only", seed=args.seed + round_no)
+            policy = Toolkit(
+                scheds, view_only=scheme == "view-only", seed=args.seed + round_no, indexed=indexed
+            )
             try:
                 outcome = await simulate(reqs, policy, args, ranks)
                 last = max(s.publisher.last_sequence or 0 for s in scheds)
@@ -458,7 +477,7 @@ def report(scheme: str, outcome: Outcome, left: list[str], last: int | None) -> 
     }
 
 
-SCHEMES = ("round-robin", "view-only", "toolkit", "toolkit-2", "oracle")
+SCHEMES = ("round-robin", "view-only", "toolkit", "toolkit-2", "oracle", "toolkit-indexed")
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

@@ -121,7 +121,7 @@ def _limit(value: int | None, unit: str) -> str:
     return size(value) if unit == "bytes" else f"{value:,}"
 
 
-def _stamp_ns(text: str) -> int | None:
+def stamp_ns(text: str) -> int | None:
     """``2026-01-05T09:12:03.418942547Z`` (RFC 3339, nanoseconds) to ns since the epoch."""
     try:
         whole, _, fraction = text.rstrip("Z").partition(".")
@@ -131,11 +131,14 @@ def _stamp_ns(text: str) -> int | None:
         return None
 
 
+def datetime_ns(when: dt.datetime) -> int:
+    """An aware time (as nats-py gives a stored message's) in ns since the epoch."""
+    return (when - _EPOCH) // dt.timedelta(microseconds=1) * 1000
+
+
 def time_ns(msg: api.RawStreamMsg) -> int | None:
     """A stored message's log time in ns (None: the server gave none)."""
-    if msg.time is None:
-        return None
-    return (msg.time - _EPOCH) // dt.timedelta(microseconds=1) * 1000
+    return None if msg.time is None else datetime_ns(msg.time)
 
 
 async def waiting_after(js: JetStreamContext, stream: str, subjects: str, seq: int) -> Waiting:
@@ -152,7 +155,7 @@ async def waiting_after(js: JetStreamContext, stream: str, subjects: str, seq: i
     pending = headers.get(NUM_PENDING, "")
     if status or not pending.isdigit():  # an older server: one message, no count
         return await _span_after(js, stream, subjects, seq)
-    return Waiting(1 + int(pending), _stamp_ns(headers.get(TIME_STAMP, "")))
+    return Waiting(1 + int(pending), stamp_ns(headers.get(TIME_STAMP, "")))
 
 
 async def _span_after(js: JetStreamContext, stream: str, subjects: str, seq: int) -> Waiting:

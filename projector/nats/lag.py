@@ -14,7 +14,8 @@ A consumer's lag is what its input holds that it has not handled yet:
   dead letter), and Dynamo messages captured and not in the events stream yet, and how long
   ago the oldest was logged. A paused writer stores no delta, so the projector alone is never
   behind then, while its bucket grows stale: :attr:`Lag.behind_events` and
-  :attr:`Lag.behind_s` count both, and ``/readyz`` judges by them.
+  :attr:`Lag.behind_s` count both, and ``/readyz`` judges by them. The projector's lease
+  renewals carry its last measurement to the bucket's readers (:meth:`Lag.heartbeat`).
 
 Events are counted by the server, the namespace's own (:func:`~projector.nats.backlog.
 waiting_after`), never as a sequence difference, which counted every namespace's events on a
@@ -61,6 +62,7 @@ from projector.nats.stream import last_seq_of
 from projector.wire.chain import covered_source
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
+from projector.wire.values import Heartbeat
 from seqstate.dynamo import CAPTURED
 
 REPEAT_S = 60.0  # while behind, the warning is repeated this often
@@ -90,6 +92,9 @@ class Lag:
     # Captured messages waited at this measurement and the one before, and the events stream
     # took none of them in between: it refuses them (full), it is not slow (set by the watch).
     stalled: bool = False
+    # The namespace's newest logged event, read after the counts (so the events counted are at
+    # or below it): a reader whose position reaches it lacks none of them.
+    head: int = 0
 
     def _age(self, *stamps: int | None) -> float:
         known = [ns for ns in stamps if ns is not None]
@@ -124,10 +129,23 @@ class Lag:
         return self.waiting + self.upstream
 
     @property
+    def behind_oldest_ns(self) -> int | None:
+        """Log time of the oldest event the output does not reflect yet (None: none)."""
+        capture = self.capture.oldest_ns if self.capture else None
+        known = [ns for ns in (self.oldest_ns, self.upstream_oldest_ns, capture) if ns is not None]
+        return min(known, default=None)
+
+    @property
     def behind_s(self) -> float:
         """How long the oldest event the output does not reflect yet had waited (0.0: none)."""
-        capture = self.capture.oldest_ns if self.capture else None
-        return self._age(self.oldest_ns, self.upstream_oldest_ns, capture)
+        return self._age(self.behind_oldest_ns)
+
+    def heartbeat(self, ago_s: float) -> Heartbeat:
+        """This measurement as the projector's lease renewals carry it to readers of the
+        bucket, taken ``ago_s`` seconds before the renewal."""
+        return Heartbeat(
+            self.head, self.behind_events, self.captured, self.behind_oldest_ns, round(ago_s, 3)
+        )
 
 
 def describe(who: str, lag: Lag) -> str:
@@ -277,6 +295,7 @@ async def writer_lag(
         streams=tuple(streams),
         storage=await storage_use(js),
         exact=waiting.exact,
+        head=max(newest, folded),
     )
 
 
@@ -296,6 +315,7 @@ async def projector_lag(js: JetStreamContext, config: Config, applied: int, delt
     # The bucket lacks the namespace's events after its position: those the writer has
     # handled are the projector's to bring in, the rest are upstream.
     missing = await waiting_after(js, config.events_stream, config.events_subjects, applied)
+    head = await last_seq_of(js, config.events_stream, config.events_subjects)
     return Lag(
         max(0, missing.count - unhandled.count) if newest > applied else 0,
         messages.count,
@@ -307,6 +327,7 @@ async def projector_lag(js: JetStreamContext, config: Config, applied: int, delt
         unhandled.oldest_ns,
         capture=await capture_of(js, config) if config.dynamo_endpoints else None,
         exact=missing.exact and messages.exact,
+        head=max(head, applied),
     )
 
 

@@ -20,6 +20,11 @@ one that shows another holder means the lease is lost, and the holder must end.
 A holder on this machine whose process is gone is taken over at once instead of after a TTL:
 when its pid is in our pid namespace on this boot, a missing process is proof of death (a
 restarted process, the common case, then need not wait).
+
+A projector's renewals are its heartbeat: each carries its last lag measurement
+(:class:`~projector.wire.values.Heartbeat`, from ``Lease.beat``), so a reader of the bucket alone
+(a scheduler) learns at every renewal that the projector lives and how far the bucket is behind
+the log. Takers ignore it.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from nats.js.kv import KeyValue
 
 from projector.nats.failures import describe as describe_failure
 from projector.wire.config import Config
-from projector.wire.values import lease_key
+from projector.wire.values import Heartbeat, lease_key
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.lease")
@@ -81,6 +86,7 @@ class Holder(msgspec.Struct, frozen=True):
     started: str  # wall-clock time, for people only: no decision uses it
     ttl_s: float  # the holder's TTL, which takers wait out (not their own)
     pid_space: str = ""  # where ``pid`` names this process (boot and pid namespace); "": unknown
+    heartbeat: Heartbeat | None = None  # a projector's last lag measurement (None: none yet)
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host}"
@@ -104,6 +110,14 @@ class LeaseExpired(SeqstateError, RuntimeError):
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Holder)
+
+
+def decode_holder(data: bytes) -> Holder | None:
+    """The lease's value (None: unreadable)."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
 
 
 def _pid_space() -> str:
@@ -164,6 +178,8 @@ class Lease:
             kind, uuid.uuid4().hex, socket.gethostname(), os.getpid(), started, ttl_s, PID_SPACE
         )
         self._value = _encoder.encode(self.holder)
+        # What each renewal carries besides the holder (set by a projector: its lag).
+        self.beat: Callable[[], Heartbeat | None] | None = None
         self._js = nc.jetstream()
         self._bucket = config.registry_bucket
         self._kv: KeyValue | None = None
@@ -255,11 +271,7 @@ class Lease:
             entry = await kv.get(self.key)
         except KeyNotFoundError:  # never written, deleted, or purged
             return None
-        revision = entry.revision or 0
-        try:
-            return revision, _decoder.decode(entry.value or b"")
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            return revision, None
+        return entry.revision or 0, decode_holder(entry.value or b"")
 
     async def _kv_handle(self) -> KeyValue:
         if self._kv is None:
@@ -293,7 +305,7 @@ class Lease:
                 sent = loop.time()
                 try:
                     revision = await asyncio.wait_for(
-                        kv.update(self.key, self._value, last=self.revision), self.renew_s
+                        kv.update(self.key, self._renewal(), last=self.revision), self.renew_s
                     )
                 except KeyWrongLastSequenceError:
                     seen = await self._read(kv)
@@ -307,6 +319,12 @@ class Lease:
                 self.revision = revision
                 self._valid_until = sent + self.ttl_s
                 return
+
+    def _renewal(self) -> bytes:
+        heartbeat = self.beat() if self.beat is not None else None
+        if heartbeat is None:
+            return self._value
+        return _encoder.encode(msgspec.structs.replace(self.holder, heartbeat=heartbeat))
 
     async def _keep(self) -> None:
         failing = False

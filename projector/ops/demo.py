@@ -32,6 +32,7 @@ from rich.text import Text
 from projector.nats.connection import refused_or
 from projector.nats.lag import Lag, writer_lag
 from projector.nats.resources import ensure
+from projector.ops.live import staleness_said
 from projector.ops.workload import (
     MOONCAKE_BLOCK_TOKENS,
     SYNTHETIC_BLOCK_TOKENS,
@@ -74,6 +75,7 @@ class DemoStats:
             "prefix hit": f"{hit:.0%}",
             "applied seq": s.applied_seq,
             "view age": f"{s.age_s * 1000:.0f} ms",
+            "view": staleness_said(s),
         }
 
 

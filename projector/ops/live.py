@@ -8,6 +8,7 @@ shown live (:func:`render`) or written where there is no terminal (:func:`plain_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
@@ -19,6 +20,7 @@ from seqstate import LoadRow
 
 if TYPE_CHECKING:
     from projector.nats.lag import Lag
+    from projector.read.reader import Staleness
 
 BAR_WIDTH: Final = 24
 # Eighth blocks, so a bar moves visibly before a whole cell fills.
@@ -97,6 +99,18 @@ def backlog_fields(lag: Lag | None, refused: int) -> dict[str, object]:
                 out[use.name] = f"{use.share:.0%} full"
     out["refused"] = refused
     return out
+
+
+def staleness_said(s: Staleness) -> str:
+    """How far the view may be behind the log, in a few words: current, behind by so many
+    events for so long, or the projector silent (then behind by whatever was logged since)."""
+    if s.silent:
+        return "no projector heard" if math.isinf(s.age_s) else f"projector silent {s.age_s:.0f}s"
+    if math.isinf(s.measured_s):
+        return "log head not heard yet"
+    if not s.behind_events:
+        return f"current (log at {s.head})"
+    return f"{s.behind_events:,} events, {s.behind_s:.1f}s behind (log at {s.head})"
 
 
 def plain_table(rows: Sequence[LoadRow]) -> str:

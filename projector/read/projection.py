@@ -33,7 +33,9 @@ while (the server away) only holds the writes back, like a failing flush.
 
 Its lag (deltas stored but not yet in the bucket) is looked up every ``lag_check_s``
 (:mod:`projector.nats.lag`): ``projector.lag`` is the last measurement, and the log says when it
-falls behind and when it has caught up, as the writer's does.
+falls behind and when it has caught up, as the writer's does. Each renewal of its lease carries
+the last measurement into the bucket, where a scheduler, which may read nothing else, sees
+that the projector lives and how far the bucket is behind the log.
 """
 
 from __future__ import annotations
@@ -72,7 +74,14 @@ from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write
 from projector.wire.chain import chain_problem
 from projector.wire.headers import PREV_SOURCE_SEQ
-from projector.wire.values import LARGEST_VALUE, load_key, part_key, slot_key, tracker_key
+from projector.wire.values import (
+    LARGEST_VALUE,
+    Heartbeat,
+    load_key,
+    part_key,
+    slot_key,
+    tracker_key,
+)
 from seqstate import Delta, SequenceState, decode_deltas
 from seqstate.errors import SeqstateError
 
@@ -172,6 +181,7 @@ class Projector(LagWatched):
         self.flushed = Progress()  # the source sequence the bucket's position reflects
         self.flushed_delta_seq = 0  # the DELTAS message the bucket's position reflects
         self._events_last = 0  # the events stream's last sequence, as last looked up
+        self._measured_at: float | None = None  # monotonic time of the last lag measurement
         self._failure: BaseException | None = None
         # The DELTAS stream is read by the shared runner; this projector is its processor.
         self._consumer = OrderedConsumer(
@@ -280,6 +290,8 @@ class Projector(LagWatched):
         await self._consumer.start(after=self.delta_seq)
         flusher = asyncio.create_task(self._flush_loop())
         watcher = asyncio.create_task(self.lag_watch.run(), name="seqstate-projector-lag")
+        if self.lease is not None:
+            self.lease.beat = self._heartbeat
         try:
             await self._stopping.wait()
             await cancel(watcher)  # a stop is no news of a lag
@@ -287,6 +299,8 @@ class Projector(LagWatched):
             if self._failure is None:  # a failed projector (its lease lost) writes no more
                 await self.flush()
         finally:
+            if self.lease is not None:
+                self.lease.beat = None
             await cancel(watcher)
             await cancel(flusher)
             await self._consumer.stop()
@@ -544,7 +558,15 @@ class Projector(LagWatched):
         return future
 
     async def _measure_lag(self) -> Lag:
-        return await self._lag_of(self.flushed.value, self.flushed_delta_seq)
+        lag = await self._lag_of(self.flushed.value, self.flushed_delta_seq)
+        self._measured_at = time.monotonic()
+        return lag
+
+    def _heartbeat(self) -> Heartbeat | None:
+        """The last lag measurement, for the lease's next renewal (None: none taken yet)."""
+        if self._measured_at is None:
+            return None
+        return self.lag.heartbeat(time.monotonic() - self._measured_at)
 
     async def wait_flushed(self, seq: int) -> None:
         """Return once the bucket's position reflects source sequence ``seq`` or later."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,11 +37,14 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from projector.nats.backlog import datetime_ns, stamp_ns
 from projector.nats.failures import JETSTREAM_OFF, jetstream_off
+from projector.nats.lease import decode_holder
 from projector.nats.progress import Progress
 from projector.nats.stream import drop_subscription
 from projector.wire.config import Config
 from projector.wire.values import (
+    Heartbeat,
     Rank,
     decode_load,
     decode_position,
@@ -101,14 +105,41 @@ def _delivered(info: api.ConsumerInfo) -> tuple[int, int]:
     return info.delivered.consumer_seq, info.delivered.stream_seq
 
 
+STALL_AFTER_S = 3.0  # a projector renews its lease every second: this much silence is news
+
+
 @dataclass(frozen=True)
 class Staleness:
+    """How far the view may be behind the log, from what the bucket alone says.
+
+    The view is behind by ``behind_events`` events, the oldest waiting ``behind_s``, as of the
+    projector's lag measurement of ``measured_s`` ago: while the projector renews its lease
+    (every second), ``age_s`` stays near a second and those counts are current. Once ``age_s``
+    passes ``silent_after_s`` (the projector's lease TTL, as a successor would wait it out),
+    the projector is stopped, cut off or gone: events logged since are not counted, and the
+    view may be behind by anything logged in the last ``age_s`` seconds (:attr:`silent`).
+    """
+
     applied_seq: int  # the newest event sequence the view reflects
     as_of_ns: int  # the log time of that event
-    age_s: float  # seconds since the view last heard from the projector (inf: never)
+    age_s: float  # seconds since the view last heard from the projector, renewals too (inf: never)
+    head: int = 0  # the namespace's newest logged event at that measurement (0: none heard)
+    behind_events: int = 0  # events of it the view does not reflect (0 once it reaches head)
+    behind_s: float = 0.0  # how long the oldest of them has waited, on the view's log clock
+    measured_s: float = math.inf  # how old that measurement is (inf: none heard)
+    silent_after_s: float = STALL_AFTER_S  # the projector's lease TTL
+
+    @property
+    def silent(self) -> bool:
+        """The projector has not been heard from for longer than its lease TTL."""
+        return self.age_s > self.silent_after_s
+
+    def within(self, events: int, seconds: float) -> bool:
+        """Current enough: the projector is heard from, and the view is behind by at most
+        ``events`` events whose oldest has waited at most ``seconds``."""
+        return not self.silent and self.behind_events <= events and self.behind_s <= seconds
 
 
-STALL_AFTER_S = 3.0  # a projector renews its lease every second: this much silence is news
 # The watch's idle heartbeat. nats-py re-creates an ordered consumer only after two missed
 # heartbeats, and again two heartbeats later if that failed (a server still restarting): with
 # its 5 s default a view went 10-20 s stale at every server restart. The view's own check
@@ -188,7 +219,13 @@ class RegistryView:
         self.stall_after_s = stall_after_s
         self._initial_timeout = initial_timeout
         self._clock_offset_ns: int | None = None  # log time minus local monotonic time
-        self._heard_at: float | None = None
+        self._heard_at: float | None = None  # monotonic time of the last value or renewal
+        self.renewals = 0  # lease renewals received: the projector's heartbeats
+        self._lease_ttl_s = STALL_AFTER_S
+        self._heartbeat: Heartbeat | None = None  # the last lag measurement heard
+        self._heartbeat_at = 0.0  # monotonic time it was heard
+        self._server_clock: tuple[int, float] | None = None  # server ns at our monotonic time
+        self._written_at: float | None = None  # when the entry being received was written
         self._position = Progress()  # applied_seq, for wait_for
         self._stream = f"KV_{config.registry_bucket}"
         self._prefix = f"$KV.{config.registry_bucket}."
@@ -226,6 +263,7 @@ class RegistryView:
         ready = self._ready = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(self._initial_timeout):
+                await self._read_server_clock()
                 self._sub = sub = await self._watch()
                 info = await sub.consumer_info()
                 # nats-py's own "no more current values" marker is decided from consumer info
@@ -241,6 +279,22 @@ class RegistryView:
             raise
         self._task = asyncio.create_task(self._guard(), name="seqstate-view-guard")
         return self
+
+    async def _read_server_clock(self) -> None:
+        """The server's time now, against ours: the current values arrive at once whenever
+        they were written, and their stored times say when that was, so a view that starts
+        beside a projector stopped long ago does not take its last values for news."""
+        assert self._js is not None, "start() makes it"
+        subject = f"{self._js._prefix}.STREAM.INFO.{self._stream}"
+        asked = time.monotonic()
+        try:
+            reply = await self.nc.request(subject, b"", timeout=min(self._initial_timeout, 5.0))
+            stamp = msgspec.json.decode(reply.data).get("ts")
+        except (nats.errors.Error, TimeoutError, msgspec.DecodeError, AttributeError):
+            return  # its values count from when they arrive
+        server_ns = stamp_ns(stamp) if isinstance(stamp, str) else None  # a server before 2.10
+        if server_ns is not None:
+            self._server_clock = (server_ns, asked)
 
     async def stop(self) -> None:
         """End the watch (``async with`` does it on exit); the replica keeps what it holds."""
@@ -315,12 +369,16 @@ class RegistryView:
                 if op is None:
                     return  # a marker of a kind not known yet: no value
             deleted = op in (KV_DEL, KV_PURGE)
+        ready, ready_at = self._ready, self._ready_at
+        if self._server_clock is not None and ready is not None and not ready.done():
+            server_ns, asked = self._server_clock  # a current value: when was it written?
+            written = asked + (datetime_ns(meta.timestamp) - server_ns) / 1e9
+            self._written_at = min(time.monotonic(), written)
         before = self.applied_seq
         self.receive(msg.subject[len(self._prefix) :], msg.data, deleted=deleted)
         self._position.advance(self.applied_seq)
         if self.applied_seq != before and (self._listeners or self._moved):
             self._notify()
-        ready, ready_at = self._ready, self._ready_at
         if (
             ready is not None
             and not ready.done()
@@ -395,11 +453,15 @@ class RegistryView:
 
     def receive(self, key: str, value: bytes | None, *, deleted: bool = False) -> None:
         """Fold one bucket entry into the replica; a damaged value is counted and skipped."""
+        written, self._written_at = self._written_at, None
+        heard = time.monotonic() if written is None else written
         kind, rank, slot, part = parse_key(self.config.namespace, key)
         if kind == "lease":  # who writes, not what: renewed every second even when nothing moves
+            if not deleted and value:
+                self._renewed(value, heard)
             return
         self.values_received += 1
-        self._heard_at = time.monotonic()
+        self._hear(heard)
         try:
             if kind == "position" and not deleted and value:
                 position = decode_position(value)
@@ -449,6 +511,21 @@ class RegistryView:
                 )
             else:
                 log.warning("skipping unreadable value of %s: %s", key, exc)
+
+    def _hear(self, heard: float) -> None:
+        self._heard_at = heard if self._heard_at is None else max(self._heard_at, heard)
+
+    def _renewed(self, value: bytes, heard: float) -> None:
+        """A lease renewal: its writer lives, and a projector's says how far it is behind."""
+        self._hear(heard)
+        self.renewals += 1
+        holder = decode_holder(value)
+        if holder is None:
+            return
+        if 0 < holder.ttl_s < math.inf:
+            self._lease_ttl_s = holder.ttl_s
+        if holder.heartbeat is not None:
+            self._heartbeat, self._heartbeat_at = holder.heartbeat, heard
 
     def _index_slot(self, rank: Rank, slot: int, request_id: str | None) -> None:
         ids = self._slot_ids.setdefault(rank, {})
@@ -622,8 +699,29 @@ class RegistryView:
         return self._request_ranks.get(request_id)
 
     def staleness(self) -> Staleness:
-        age = float("inf") if self._heard_at is None else time.monotonic() - self._heard_at
-        return Staleness(self.applied_seq, self.as_of_ns, age)
+        """How far behind the log the view may be (see :class:`Staleness`)."""
+        now = time.monotonic()
+        age = math.inf if self._heard_at is None else now - self._heard_at
+        beat, applied = self._heartbeat, self.applied_seq
+        if beat is None:
+            return Staleness(applied, self.as_of_ns, age, silent_after_s=self._lease_ttl_s)
+        # The bucket lacked ``behind`` events after its position, all at or below ``head``; a
+        # view further on lacks at most one per sequence it has yet to reach.
+        logged = beat.behind - beat.captured
+        events = beat.captured + (0 if applied >= beat.head else min(logged, beat.head - applied))
+        waited = 0.0
+        if events and beat.oldest_ns is not None:
+            waited = max(0.0, (self.log_now_ns() - beat.oldest_ns) / 1e9)
+        return Staleness(
+            applied,
+            self.as_of_ns,
+            age,
+            beat.head,
+            events,
+            waited,
+            beat.ago_s + now - self._heartbeat_at,
+            self._lease_ttl_s,
+        )
 
     async def wait_for(self, seq: int, timeout: float | None = None) -> None:
         """Read-your-writes: return once the view reflects event sequence ``seq``."""

@@ -128,7 +128,7 @@ class Overlay:
         count = self._registry.references
         depth = view_depth
         lost = delta.lost
-        if lost:
+        if lost and not lost.isdisjoint(query):
             for i in range(view_depth):
                 h = query[i]
                 if h in lost and count(rank, h) + refs[h] <= 0:

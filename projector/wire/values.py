@@ -40,7 +40,10 @@ RegistryView (reader) cannot drift apart:
   reader that sees position ``n`` already holds every value that reflects ``n``: that is what
   ``RegistryView.wait_for(n)`` waits on. ``delta_seq`` lets a restarted projector resume.
 - ``<ns>.lease``: JSON, who may write the namespace's keys (see :mod:`projector.nats.lease`). Not
-  part of the read model: readers skip it, and its bytes differ from run to run.
+  part of the read model: readers skip it, and its bytes differ from run to run. A projector's
+  renewals (every second) also carry its last lag measurement (``"heartbeat"``, a
+  :class:`Heartbeat`): the one value a reader with access to the bucket alone can tell an idle
+  current view from a stalled one by.
 """
 
 from __future__ import annotations
@@ -110,6 +113,17 @@ class Position(msgspec.Struct, frozen=True):
     applied_seq: int
     as_of: int
     delta_seq: int
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    """The projector's last lag measurement (:class:`projector.nats.lag.Lag`), as its lease
+    renewals carry it: what the bucket lacked of the log then."""
+
+    head: int  # the namespace's newest logged event when measured
+    behind: int  # events logged (or captured) that the bucket did not reflect then
+    captured: int  # of those, Dynamo messages captured, not in the events stream yet (no seq)
+    oldest_ns: int | None  # log time of the oldest of them (None: none)
+    ago_s: float  # how long before this renewal the measurement was taken
 
 
 _json = msgspec.json.Encoder()

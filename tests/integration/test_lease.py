@@ -313,3 +313,36 @@ async def test_readers_ignore_the_lease_key(nc: Client) -> None:
         await eventually(lambda: lease.revision, lambda r: r > first + 3, what="a few renewals")
         assert await verify(nc, config) == []
         assert not (await read_bucket(nc, config)).unreadable
+
+
+async def test_renewals_carry_the_projectors_lag_and_no_reader_takes_it_for_data(
+    nc: Client,
+) -> None:
+    """A projector's renewals say how far the bucket is behind the log (its heartbeat, for a
+    scheduler that may read the bucket alone). Verify and read_bucket see no value, no stray
+    in it; a dead projector's such lease is taken over by a rebuild, whose bucket verifies."""
+    config, last = await filled(nc)
+    ns = config.namespace
+    kv = await registry(nc, config)
+    async with projecting(nc, config, lease_ttl_s=0.6, lease_renew_s=0.05) as projector:
+        holder = await eventually(
+            lambda: lease_value(nc, config),
+            lambda h: h is not None and h.heartbeat is not None,
+            what="a renewal carrying the projector's lag",
+        )
+        assert projector.lease is not None and holder.id == projector.lease.holder.id
+        beat = holder.heartbeat
+        assert beat is not None and beat.ago_s >= 0
+        # The log's head is the bucket's position: nothing lacking, nothing waiting.
+        assert (beat.head, beat.behind, beat.captured, beat.oldest_ns) == (last, 0, 0, None)
+        assert await verify(nc, config) == []
+        bucket = await read_bucket(nc, config)
+        assert not bucket.unreadable and bucket.strays == []
+    # SIGKILLed on this machine: its last renewal stays, heartbeat and all.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = msgspec.structs.replace(holder, pid=gone.pid, pid_space=PID_SPACE, ttl_s=3600.0)
+    await kv.put(lease_key(ns), msgspec.json.encode(dead))
+    done = await asyncio.wait_for(rebuild(nc, config), WAIT_S)
+    assert done.last_seq == last and await verify(nc, config) == []
+    assert await lease_value(nc, config) is None  # the rebuild released it

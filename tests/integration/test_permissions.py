@@ -311,6 +311,35 @@ async def test_a_scheduler_cannot_publish_events(
     assert _refused(caplog, subject), caplog.text
 
 
+async def test_a_scheduler_hears_the_projectors_heartbeat_from_the_bucket_alone(
+    roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler may read the bucket and nothing else (the events stream's info holds a
+    key): the projector's lease renewals bring its view the log's head and what it lacks of
+    it, under the scheduler's own credential."""
+    caplog.set_level(logging.WARNING)
+    async with (
+        as_role(roles_server, "control") as cnc,
+        as_role(roles_server, "router") as rnc,
+        as_role(roles_server, "scheduler") as snc,
+    ):
+        assert (await WorkerControl(cnc, config=Config()).add(41)).applied
+        pub = RouterPublisher(rnc, router_id="perm-hb", config=Config())
+        last = await pub.add("hb1", 41, block_hashes=[7, 8], prefill_tokens=32)
+        async with RegistryView(snc, config=Config()) as view:
+            s = await eventually(
+                view.staleness,
+                lambda s: s.head >= last and s.behind_events == 0 and s.applied_seq >= last,
+                what="a heartbeat of the log at the add or later, the view lacking none of it",
+            )
+            assert view.renewals > 0 and not s.silent and s.within(0, 0.0)
+        assert not violations(caplog), violations(caplog)
+        with pytest.raises(nats.errors.TimeoutError):  # and still no read of the log
+            await snc.jetstream(timeout=NO_ACK_S).stream_info("SEQSTATE_EVENTS")
+        await snc.flush()
+    assert _refused(caplog, "$JS.API.STREAM.INFO.SEQSTATE_EVENTS"), caplog.text
+
+
 async def test_the_control_role_manages_workers_and_a_scheduler_cannot(
     roles_server: str, pipeline: tuple[Writer, Projector], caplog: pytest.LogCaptureFixture
 ) -> None:

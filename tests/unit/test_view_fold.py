@@ -4,13 +4,24 @@ values without one; the watch only delivers them)."""
 from __future__ import annotations
 
 import logging
+import math
+import time
 
+import msgspec
 import pytest
 
+from projector.nats.lease import Holder
 from projector.read.image import BucketImage
 from projector.read.reader import RegistryView
 from projector.wire.config import Config
-from projector.wire.values import load_key
+from projector.wire.values import (
+    Heartbeat,
+    Position,
+    encode_position,
+    lease_key,
+    load_key,
+    position_key,
+)
 from seqstate import AddRequest, Free, SequenceState, WorkerRemoved
 
 pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
@@ -142,3 +153,52 @@ def test_a_long_prompt_in_parts_counts_as_one_request_through_torn_reads() -> No
     fed.events(WorkerRemoved(worker_id=1))
     assert fed.view.registry.hashes_of(rank) == set() and fed.view.rank_of("back") is None
     assert [key for key, value in fed.image.take()] == []
+
+
+def _renewal(beat: Heartbeat | None, ttl_s: float = 3.0) -> bytes:
+    """A projector's lease value as its renewals write it."""
+    holder = Holder("projector", "p1", "host", 1, "2000-01-01T00:00:00+00:00", ttl_s, "", beat)
+    return msgspec.json.encode(holder)
+
+
+def test_staleness_counts_renewals_and_reads_the_projectors_lag_from_them() -> None:
+    """Idle or stalled, from the bucket alone: every renewal is a sign of life, and the last
+    one's lag measurement says what the view lacks of the log: what the bucket lacked then, at
+    most one per sequence the view has yet to reach to the head, none once it reaches it
+    (Dynamo messages captured and not logged yet count until a measurement says otherwise)."""
+    view = RegistryView(None, config=Config(namespace=NS))  # type: ignore[arg-type]
+    lease, position = lease_key(NS), position_key(NS)
+    fresh = view.staleness()
+    assert (fresh.age_s, fresh.head, fresh.behind_events, fresh.measured_s) == (
+        math.inf,
+        0,
+        0,
+        math.inf,
+    )
+    assert fresh.silent and not fresh.within(10**9, math.inf)
+    as_of = 1_000 * S
+    started = time.monotonic()
+    view.receive(position, encode_position(Position(4, as_of, 4)))
+    view.receive(lease, _renewal(Heartbeat(10, 6, 1, as_of - 2 * S, 0.25), ttl_s=6.0))
+    s = view.staleness()
+    took = time.monotonic() - started
+    assert (view.renewals, view.values_received) == (1, 1)  # a renewal is no read model value
+    assert (s.applied_seq, s.head, s.behind_events, s.silent_after_s) == (4, 10, 6, 6.0)
+    assert 2.0 <= s.behind_s <= 2.0 + took  # on the view's log clock, anchored at as_of
+    assert 0.25 <= s.measured_s <= 0.25 + took and 0 <= s.age_s <= took
+    assert s.within(6, 2.0 + took) and not s.within(5, math.inf) and not s.within(6, 1.9)
+    view.receive(position, encode_position(Position(8, as_of, 8)))
+    assert view.staleness().behind_events == 1 + 2  # the captured one, and 9 and 10 at most
+    view.receive(position, encode_position(Position(10, as_of, 10)))
+    assert view.staleness().behind_events == 1
+    view.receive(lease, _renewal(Heartbeat(10, 0, 0, None, 0.0)))
+    s = view.staleness()
+    assert (s.behind_events, s.behind_s, s.silent_after_s) == (0, 0.0, 3.0)
+    assert s.within(0, 0.0)
+    # A renewal without a measurement (a rebuild's, or one before the first) keeps the last;
+    # an unreadable one still proves a writer lives; a released lease proves nothing.
+    view.receive(lease, _renewal(None))
+    view.receive(lease, b"not a lease")
+    assert view.renewals == 4 and view.staleness().head == 10 and view.bad_values == 0
+    view.receive(lease, None, deleted=True)
+    assert view.renewals == 4

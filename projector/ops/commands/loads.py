@@ -21,7 +21,7 @@ from projector.wire.config import Config
 
 
 async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
-    from projector.ops.live import plain_table
+    from projector.ops.live import plain_table, staleness_said
     from projector.read.reader import RegistryView
 
     async with (
@@ -36,7 +36,7 @@ async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
             print(msgspec.json.encode(row).decode())
     else:
         print(plain_table(rows))
-        print(f"as of event {staleness.applied_seq}")
+        print(f"as of event {staleness.applied_seq}; {staleness_said(staleness)}")
     return 0
 
 
@@ -56,7 +56,7 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
         from rich.console import Console
         from rich.live import Live
 
-        from projector.ops.live import render
+        from projector.ops.live import render, staleness_said
 
         console = Console()
 
@@ -64,7 +64,11 @@ async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
             with Live(console=console, auto_refresh=False) as live:
                 while True:
                     s = view.staleness()
-                    stats = {"applied seq": s.applied_seq, "age": f"{s.age_s:.1f}s"}
+                    stats = {
+                        "applied seq": s.applied_seq,
+                        "age": f"{s.age_s:.1f}s",
+                        "view": staleness_said(s),
+                    }
                     live.update(
                         render(view.loads(), title=f"seqstate · {config.namespace}", stats=stats),
                         refresh=True,
