@@ -20,6 +20,7 @@ from projector.wire.config import Config
 ROLES = (
     "router",
     "scheduler",
+    "chooser",
     "control",
     "writer",
     "projector",
@@ -59,8 +60,8 @@ def read_stream(stream: str) -> list[str]:
 
 
 def follow_stream(stream: str) -> list[str]:
-    """Consume a stream, and nothing else of it: no info (the events stream's metadata holds
-    the key the writer's Ticks are tagged from), no single message."""
+    """Consume a stream (a consumer of one's own, its flow control and acks), and nothing else
+    of it: no single message."""
     return [s for s in read_stream(stream) if ".STREAM." not in s and ".DIRECT." not in s]
 
 
@@ -125,7 +126,7 @@ def denied(config: Config, role: str) -> list[str]:
     operator's subject.
     """
     control, routers = config.control_subject, config.router_subject
-    if role == "router":
+    if role in ("router", "chooser"):
         return [control, f"{control}.>", f"{routers}.>"]
     if role == "demo":
         return [f"{control}.>", f"{routers}.>"]
@@ -185,11 +186,15 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
             "on its inbox",
             router,
         ),
+        "chooser": (
+            "a router that chooses (projector.Scheduler): a router's publishes, the bucket's "
+            "reads, and the namespace's worker events followed through a consumer of the "
+            "events stream (its peers' bookings); never the stream's info",
+            [*publishes, *read_stream(registry), *follow_stream(events)],
+        ),
         "scheduler": (
-            "reads the registry bucket (RegistryView: KV get and watch); a Scheduler also "
-            "publishes as a router does and follows the namespace's worker events (a "
-            "consumer of the events stream, never its info)",
-            [*read_stream(registry), *publishes, *follow_stream(events)],
+            "reads the registry bucket (RegistryView: KV get and watch); writes nothing",
+            [*read_stream(registry)],
         ),
         "control": (
             "the worker control plane (seqstate worker add|remove|list): topology "

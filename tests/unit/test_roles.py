@@ -44,12 +44,17 @@ def test_the_control_subject_is_the_operators_and_the_writers_never_a_routers() 
         "$JS.API.STREAM.INFO.SEQSTATE_EVENTS",
     ]
     assert control in generator["denied"](config, "router")
+    assert control in generator["denied"](config, "chooser")  # a Scheduler is a router
     assert [r for r, publish in allowed.items() if control in publish] == [
         "control",
         "writer",
         "demo",
     ]
-    assert [r for r, publish in allowed.items() if routers in publish] == ["router", "demo"]
+    assert [r for r, publish in allowed.items() if routers in publish] == [
+        "router",
+        "chooser",
+        "demo",
+    ]
     for role in set(allowed) - {"admin"}:  # beyond its namespace's subjects: the admin alone
         assert all(not s.startswith("seqstate.events.*") for s in allowed[role]), role
 
