@@ -42,7 +42,12 @@ if TYPE_CHECKING:
         WorkerNotRegistered,
         WorkerRefused,
     )
-    from projector.read.reader import BlockSizeUnknown, RegistryUnavailable, RegistryView
+    from projector.read.reader import (
+        BlockSizeUnknown,
+        RegistryUnavailable,
+        RegistryView,
+        Staleness,
+    )
     from projector.read.view_metrics import view_collector
     from projector.route.publisher import EventTooLarge, PublishError, RouterPublisher
     from projector.route.refusals import publisher_collector
@@ -79,6 +84,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerRefused": "projector.ops.workers",
     "SeqstateError": "seqstate.errors",
     "Scheduler": "projector.schedule.scheduler",
+    "Staleness": "projector.read.reader",
     "NoCandidates": "projector.schedule.scheduler",
     "UnknownRequest": "projector.schedule.scheduler",
     "DuplicateRequest": "projector.schedule.scheduler",
@@ -100,6 +106,7 @@ __all__ = [
     "RouterPublisher",
     "Scheduler",
     "SeqstateError",
+    "Staleness",
     "UnknownRequest",
     "WorkerChange",
     "WorkerControl",

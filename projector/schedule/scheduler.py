@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from projector.nats.stream import drop_subscription, log_time_ns
-from projector.read.reader import RegistryView
+from projector.read.reader import RegistryView, Staleness
 from projector.route.publisher import RouterPublisher
 from projector.schedule.overlay import Overlay, Pending
 from projector.wire.config import Config
@@ -393,6 +393,11 @@ class Scheduler:
         """Where ``request_id`` is booked: by this scheduler, else as the view shows it."""
         booked = self._booked.get(request_id)
         return booked.rank if booked is not None else self.view.rank_of(request_id)
+
+    def staleness(self) -> Staleness:
+        """The view's (:meth:`RegistryView.staleness`): how far the view is behind the log.
+        The scheduler's own events and its peers' count whatever that is (:attr:`pending`)."""
+        return self.view.staleness()
 
     @property
     def pending(self) -> int:
