@@ -47,6 +47,7 @@ from seqstate.errors import SeqstateError
 log = logging.getLogger("seqstate.scheduler")
 
 Rank = tuple[int, int]
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block: Dynamo's default
 PEERS_REMEMBERED = 65_536  # peers' requests whose prompt is kept for their Mark and Free
 
 
@@ -102,7 +103,8 @@ class Scheduler:
         self.publisher = RouterPublisher(
             nc, router_id=router_id, config=config, **publisher_options
         )
-        self.block_size = block_size  # None: the namespace's (``view.block_size``)
+        self.block_size = block_size  # None: the namespace's (``view.block_size``), else 16
+        self._guessed = False  # the fallback to 16 was said
         self.weights = weights or CostWeights()
         self.temperature = temperature
         self.peers = peers
@@ -208,7 +210,7 @@ class Scheduler:
         overlay.prune(view.applied_seq)
         query = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
         wanted = None if candidates is None else list(dict.fromkeys(candidates))
-        block_size = self.block_size
+        block_size = self._block_size()
         rows = view.costs(
             query,
             isl_tokens,
@@ -219,11 +221,9 @@ class Scheduler:
             now_ns=now_ns,
         )
         if wanted is not None and len(rows) < len(wanted):
-            rows = self._with_idle(rows, wanted, query, isl_tokens, overlaps)
+            rows = self._with_idle(rows, wanted, query, isl_tokens, overlaps, block_size)
         if not len(overlay):
             return rows
-        block_size = block_size or view.block_size
-        assert block_size is not None, "view.costs raises without one"
         out = []
         for row in rows:
             rank = (row.worker_id, row.dp_rank)
@@ -262,12 +262,11 @@ class Scheduler:
         query: list[int],
         isl_tokens: int,
         overlaps: Mapping[Rank, int] | None,
+        block_size: int,
     ) -> list[CostRow]:
         """Rows for the candidates the view does not know yet (a worker with nothing booked,
         or not in the bucket yet): idle, as Dynamo counts a worker it has not seen busy. A rank
         whose value does not decode stays out (``view.unreadable``)."""
-        block_size = self.block_size or self.view.block_size
-        assert block_size is not None, "view.costs raises without one"
         have = {(r.worker_id, r.dp_rank) for r in rows}
         unreadable = self.view.unreadable
         for rank in wanted:
@@ -284,6 +283,23 @@ class Scheduler:
             )
         rows.sort(key=lambda r: (r.worker_id, r.dp_rank))
         return rows
+
+    def _block_size(self) -> int:
+        """The one given, else the namespace's (a registration's), else Dynamo's default."""
+        size = self.block_size or self.view.block_size
+        if size is None:
+            if not self._guessed:
+                self._guessed = True
+                log.warning(
+                    "scheduler %s: namespace %r has no registered block size; costs use "
+                    "Dynamo's default, %d tokens (pass block_size=, or register workers with "
+                    "one: seqstate worker add --block-size)",
+                    self.router_id,
+                    self.namespace,
+                    DEFAULT_BLOCK_SIZE,
+                )
+            return DEFAULT_BLOCK_SIZE
+        return size
 
     # ---- booking ----------------------------------------------------------------------------
 

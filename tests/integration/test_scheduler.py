@@ -5,6 +5,7 @@ other's bookings before their views do, and nothing is left at the end."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from eventually import eventually
@@ -12,7 +13,6 @@ from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
 from projector import (
-    BlockSizeUnknown,
     EventTooLarge,
     RegistryView,
     Scheduler,
@@ -156,7 +156,9 @@ async def test_replicas_see_each_others_bookings_before_their_views_do(nc: Clien
             await a.free("req-a")
 
 
-async def test_what_cannot_be_booked_is_refused_with_a_reason(nc: Client) -> None:
+async def test_what_cannot_be_booked_is_refused_with_a_reason(
+    nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
     config = fresh_config("sr")
     await ensure(nc, config)
     async with Pipeline(nc, config):
@@ -167,9 +169,14 @@ async def test_what_cannot_be_booked_is_refused_with_a_reason(nc: Client) -> Non
                 sched.choose(prompt(1), 128)
         await registered(nc, config)
         async with Scheduler(nc, config=config, router_id="a", peers=False) as sched:
-            await sched.view.wait_for(0)
-            with pytest.raises(BlockSizeUnknown):
+            # No block size registered nor given: Dynamo's default, said once.
+            with caplog.at_level(logging.WARNING, logger="seqstate.scheduler"):
                 sched.choose(prompt(1), 128)
+                sched.choose(prompt(1), 128)
+            said = [r.getMessage() for r in caplog.records if "block size" in r.getMessage()]
+            assert len(said) == 1 and "16 tokens" in said[0]
+            (row,) = sched.costs(prompt(1), 128, [(1, 0)])
+            assert row.prefill_blocks == 128 / 16
         async with Scheduler(
             nc, config=config, router_id="a", block_size=BLOCK, peers=False
         ) as sched:
