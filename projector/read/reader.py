@@ -50,7 +50,9 @@ from projector.wire.values import (
     decode_position,
     decode_request,
     decode_tracker,
+    lease_key,
     parse_key,
+    position_key,
 )
 from seqstate import (
     CostRow,
@@ -106,6 +108,7 @@ def _delivered(info: api.ConsumerInfo) -> tuple[int, int]:
 
 
 STALL_AFTER_S = 3.0  # a projector renews its lease every second: this much silence is news
+HOLD_S = 0.5  # a flush's values not followed by a position are shown after this long
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,11 @@ class RegistryView:
         self._ready: asyncio.Future[None] | None = None
         self._ready_at: int | None = None  # the revision by which the current values are in
         self._task: asyncio.Task[None] | None = None
+        # Values of the flush in progress, shown with its position (see _deliver); the keys
+        # shown at once: the position itself, and the lease (who writes, not what).
+        self._held: list[tuple[str, bytes, bool]] = []
+        self._hold_timer: asyncio.TimerHandle | None = None
+        self._unheld = frozenset((position_key(config.namespace), lease_key(config.namespace)))
         self._listeners: dict[int, Callable[[RegistryView], object]] = {}
         self._listener_ids = 0
         self._moved: set[asyncio.Event] = set()  # one per changes() iterator
@@ -305,6 +313,8 @@ class RegistryView:
             self._task = None
         self._generation += 1
         await self._unsubscribe()
+        if self._held:
+            self._release()  # what arrived is shown, as before the watch ended
         self._stopped = True
         for moved in self._moved:
             moved.set()  # each changes() iterator ends
@@ -374,8 +384,22 @@ class RegistryView:
             server_ns, asked = self._server_clock  # a current value: when was it written?
             written = asked + (datetime_ns(meta.timestamp) - server_ns) / 1e9
             self._written_at = min(time.monotonic(), written)
+        key = msg.subject[len(self._prefix) :]
+        if ready is not None and ready.done() and key not in self._unheld:
+            # A flush's values wait for its position, written after them: what the view shows
+            # is then always the state at its applied_seq, never half a flush ahead of it (a
+            # scheduler counting its own events until the view passes them would count a free
+            # twice). Values no position follows (a writer that died mid-flush, a key written
+            # by hand) are shown after HOLD_S anyway.
+            if not self._held:
+                loop = asyncio.get_running_loop()
+                self._hold_timer = loop.call_later(HOLD_S, self._release)
+            self._held.append((key, msg.data, deleted))
+            return
         before = self.applied_seq
-        self.receive(msg.subject[len(self._prefix) :], msg.data, deleted=deleted)
+        if self._held:
+            self._release()
+        self.receive(key, msg.data, deleted=deleted)
         self._position.advance(self.applied_seq)
         if self.applied_seq != before and (self._listeners or self._moved):
             self._notify()
@@ -385,6 +409,15 @@ class RegistryView:
             and (meta.num_pending == 0 or (ready_at is not None and revision >= ready_at))
         ):
             ready.set_result(None)
+
+    def _release(self) -> None:
+        """Show the values held for a position (see :meth:`_deliver`)."""
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        held, self._held = self._held, []
+        for key, data, deleted in held:
+            self.receive(key, data, deleted=deleted)
 
     async def _guard(self) -> None:
         """After each silence of ``stall_after_s``: is the watch still there? If not, a new one.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 import pytest
 from eventually import eventually
@@ -218,3 +219,50 @@ async def test_the_readme_example_runs_as_written(nc: Client) -> None:
             await sched.view.wait_for(last)
         async with RegistryView(nc, config=config) as view:
             assert {(r.active_blocks, r.active_requests) for r in view.loads()} == {(0, 0)}
+
+
+async def test_every_booking_counts_where_it_was_made_under_load(nc: Client) -> None:
+    """Two schedulers book and free at once on three ranks, prompts sharing prefixes: after
+    each add, the scheduler that made it counts the whole prompt as active on its rank, while
+    its view catches up with its own and the other's events in between."""
+    config = fresh_config("sl")
+    await ensure(nc, config)
+    rng = random.Random(5)
+    unseen: list[str] = []
+    async with Pipeline(nc, config):
+        control = WorkerControl(nc, config=config)
+        for worker_id in (1, 2, 3):
+            await control.add(worker_id, block_size=BLOCK)
+        async with (
+            Scheduler(nc, config=config, router_id="a", seed=1) as a,
+            Scheduler(nc, config=config, router_id="b", seed=2) as b,
+        ):
+
+            async def lifecycle(i: int) -> None:
+                sched = a if i % 2 else b
+                hashes = [1, 2] + [rng.randrange(3) * 100 + k for k in range(3)]
+                rank = sched.choose(hashes, 80)
+                await sched.add(f"r{i}", worker_id=rank[0], block_hashes=hashes, prefill_tokens=80)
+                (row,) = sched.costs(hashes, 80, [rank])
+                if row.active_overlap_blocks != len(hashes):
+                    unseen.append(f"r{i}: {row.active_overlap_blocks} of {len(hashes)}")
+                await asyncio.sleep(rng.random() * 0.02)
+                if rng.random() < 0.5:
+                    await sched.mark_prefill_completed(f"r{i}")
+                await asyncio.sleep(rng.random() * 0.02)
+                await sched.free(f"r{i}")
+
+            tasks = []
+            for i in range(1500):
+                tasks.append(asyncio.ensure_future(lifecycle(i)))
+                if i % 4 == 0:
+                    await asyncio.sleep(0.001)
+            await asyncio.gather(*tasks)
+            last = max(a.publisher.last_sequence or 0, b.publisher.last_sequence or 0)
+            for sched in (a, b):
+                await sched.view.wait_for(last, timeout=30)
+                assert (sched.pending, sched.booked) == (0, 0)
+                assert {(r.active_blocks, r.active_requests) for r in sched.view.loads()} == {
+                    (0, 0)
+                }
+    assert unseen == []
