@@ -9,7 +9,8 @@ once, or :class:`~projector.PublishError`), and between them an overlay
 - :meth:`Scheduler.choose` is synchronous and local: Dynamo's cost
   (:func:`seqstate.cost.dynamo_cost`) over the view plus the overlay, then Dynamo's selection
   (:func:`seqstate.cost.select`: the cheapest, ties broken at random; or a softmax with a
-  temperature). A burst decided in one go spreads as Dynamo's router spreads it.
+  temperature, :attr:`Scheduler.choice_temperature`). A burst decided in one go spreads as
+  Dynamo's router spreads it.
 - :meth:`Scheduler.add` counts the booking before it is even sent, so the next ``choose`` sees
   it; :meth:`mark_prefill_completed` and :meth:`free` name the request alone, as a router does.
 - Peers: by default the scheduler also follows the namespace's worker events as the log stores
@@ -22,7 +23,9 @@ once, or :class:`~projector.PublishError`), and between them an overlay
 from __future__ import annotations
 
 import logging
+import math
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,7 +51,12 @@ log = logging.getLogger("seqstate.scheduler")
 
 Rank = tuple[int, int]
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block: Dynamo's default
-PEERS_REMEMBERED = 65_536  # peers' requests whose prompt is kept for their Mark and Free
+PEERS_REMEMBERED = 65_536
+# Beside peers (another router's worker events followed within PEER_WINDOW_S), choices are
+# drawn at this temperature unless one is given: measured on the Mooncake trace, it took two
+# replicas from 1.057 to 1.026 of the instant-view oracle's balance, one alone unchanged.
+REPLICA_TEMPERATURE = 0.03
+PEER_WINDOW_S = 10.0  # peers' requests whose prompt is kept for their Mark and Free
 
 
 class NoCandidates(SeqstateError, LookupError):
@@ -85,7 +93,7 @@ class Scheduler:
         config: Config | None = None,
         block_size: int | None = None,
         weights: CostWeights | None = None,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         peers: bool = True,
         seed: int | None = None,
         initial_timeout: float = 30.0,
@@ -93,7 +101,7 @@ class Scheduler:
     ) -> None:
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size={block_size}: must be positive")
-        if not temperature >= 0.0 or temperature == float("inf"):
+        if temperature is not None and (not temperature >= 0.0 or temperature == float("inf")):
             raise ValueError(f"temperature={temperature}: must be finite and not negative")
         config = (config or Config()).with_namespace(namespace)
         self.config = config
@@ -106,7 +114,8 @@ class Scheduler:
         self.block_size = block_size  # None: the namespace's (``view.block_size``), else 16
         self._guessed = False  # the fallback to 16 was said
         self.weights = weights or CostWeights()
-        self.temperature = temperature
+        self.temperature = temperature  # None: 0 alone, REPLICA_TEMPERATURE beside peers
+        self._peer_heard_at = -math.inf  # monotonic time of the last peer event followed
         self.peers = peers
         self.following = False  # the peers' events are followed (see ``peers``)
         self.peer_events = 0  # peers' events counted in the overlay
@@ -191,8 +200,23 @@ class Scheduler:
         if len(rows) == 1:
             row = rows[0]
         else:
-            row = rows[select([r.cost for r in rows], self.temperature, self._rng.random())]
+            row = rows[select([r.cost for r in rows], self.choice_temperature, self._rng.random())]
         return row.worker_id, row.dp_rank
+
+    @property
+    def choice_temperature(self) -> float:
+        """The temperature ``choose`` uses: the one given; else Dynamo's 0 (the cheapest rank)
+        for a scheduler alone, and :data:`REPLICA_TEMPERATURE` while it hears peers.
+
+        Replicas deciding at the same instant cannot see each other's choices: on one view,
+        each would send its share of a burst to the same cheapest ranks. A small temperature
+        makes ranks within a few percent of the cheapest about as likely, so replicas spread
+        where a single scheduler would not need to (BENCHMARKS.md, "Routing")."""
+        if self.temperature is not None:
+            return self.temperature
+        if time.monotonic() - self._peer_heard_at < PEER_WINDOW_S:
+            return REPLICA_TEMPERATURE
+        return 0.0
 
     def costs(
         self,
@@ -489,3 +513,4 @@ class Scheduler:
                 return
         overlay.settle(entry, seq)
         self.peer_events += 1
+        self._peer_heard_at = time.monotonic()

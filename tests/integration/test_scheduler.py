@@ -21,7 +21,12 @@ from projector import (
 )
 from projector.nats.resources import ensure
 from projector.run.pipeline import Pipeline
-from projector.schedule.scheduler import DuplicateRequest, NoCandidates, UnknownRequest
+from projector.schedule.scheduler import (
+    REPLICA_TEMPERATURE,
+    DuplicateRequest,
+    NoCandidates,
+    UnknownRequest,
+)
 from projector.wire.config import Config
 
 BLOCK = 16
@@ -154,6 +159,9 @@ async def test_replicas_see_each_others_bookings_before_their_views_do(nc: Clien
             assert counted_by_b() == 1 and b.pending == 0
             assert set(seen) <= {0, 1}  # never counted twice on the way
             assert b.peer_events >= 1
+            # b hears a peer, so its choices spread (replicas deciding at the same instant do
+            # not pile onto one rank); a heard nobody and takes the cheapest, as Dynamo does.
+            assert (a.choice_temperature, b.choice_temperature) == (0.0, REPLICA_TEMPERATURE)
             await a.free("req-a")
 
 
