@@ -135,7 +135,8 @@ class Worker:
 
 
 class Policy(Protocol):
-    def choose(self, req: Req) -> Rank: ...
+    def prepare(self, req: Req) -> Any: ...
+    def choose(self, req: Req, extra: Any) -> Rank: ...
     async def add(self, req: Req, rank: Rank, prefill_tokens: int) -> None: ...
     async def mark(self, req: Req) -> None: ...
     async def free(self, req: Req) -> None: ...
@@ -172,8 +173,9 @@ async def simulate(
 
     async def lifecycle(req: Req) -> None:
         nonlocal prefilled
+        extra = policy.prepare(req)  # what the scheduler is handed (a KV indexer's answer)
         c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-        rank = policy.choose(req)
+        rank = policy.choose(req, extra)
         decisions.append((time.perf_counter_ns() - t0) / 1000)
         cpu.append((time.thread_time_ns() - c0) / 1000)
         worker = workers[rank]
@@ -223,9 +225,13 @@ async def simulate(
 
 class RoundRobin:
     def __init__(self, publisher: RouterPublisher, ranks: list[Rank]) -> None:
-        self.publisher, self.ranks, self.i, self.where = publisher, ranks, 0, {}
+        self.publisher, self.ranks, self.i = publisher, ranks, 0
+        self.where: dict[str, Rank] = {}
 
-    def choose(self, req: Req) -> Rank:
+    def prepare(self, req: Req) -> Any:
+        return None
+
+    def choose(self, req: Req, extra: Any) -> Rank:
         self.i += 1
         return self.ranks[self.i % len(self.ranks)]
 
@@ -258,7 +264,12 @@ class Toolkit:
         self.rng = random.Random(seed)
         self.unseen: list[str] = []
 
-    def choose(self, req: Req) -> Rank:
+    def prepare(self, req: Req) -> Any:
+        if not self.indexed:
+            return None
+        return {rank: w.cached_prefix(req.hashes) for rank, w in self.caches.items()}
+
+    def choose(self, req: Req, extra: Any) -> Rank:
         sched = self.scheds[self.n % len(self.scheds)]
         self.n += 1
         self.owner[req.request_id] = sched
@@ -266,10 +277,7 @@ class Toolkit:
             rows = sched.view.costs(req.hashes, req.isl, block_size=BLOCK_TOKENS)
             row = rows[select([r.cost for r in rows], 0.0, self.rng.random())]
             return row.worker_id, row.dp_rank
-        if self.indexed:
-            cached = {rank: w.cached_prefix(req.hashes) for rank, w in self.caches.items()}
-            return sched.choose(req.hashes, req.isl, overlaps=cached)
-        return sched.choose(req.hashes, req.isl)
+        return sched.choose(req.hashes, req.isl, overlaps=extra)
 
     async def add(self, req: Req, rank: Rank, prefill_tokens: int) -> None:
         sched = self.owner[req.request_id]
@@ -306,7 +314,10 @@ class Oracle:
         for worker_id, _ in ranks:  # registered from the start, as the others' are
             self.state.apply(WorkerAdded(worker_id=worker_id), 0)
 
-    def choose(self, req: Req) -> Rank:
+    def prepare(self, req: Req) -> Any:
+        return None
+
+    def choose(self, req: Req, extra: Any) -> Rank:
         rows = self.state.registry.costs(
             req.hashes, req.isl, time.time_ns(), BLOCK_TOKENS, self.weights
         )

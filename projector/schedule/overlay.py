@@ -133,11 +133,11 @@ class Overlay:
                 h = query[i]
                 if h in lost and count(rank, h) + refs[h] <= 0:
                     return i
+        # Past the view's depth the view holds none of the query (hashes are chained: one held
+        # means its whole prefix is), so the pending events alone say how far it goes on.
         n = len(query)
-        while depth < n:
-            h = query[depth]
-            if count(rank, h) + refs.get(h, 0) <= 0:
-                break
+        get = refs.get
+        while depth < n and get(query[depth], 0) > 0:
             depth += 1
         return depth
 

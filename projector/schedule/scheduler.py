@@ -9,8 +9,8 @@ once, or :class:`~projector.PublishError`), and between them an overlay
 - :meth:`Scheduler.choose` is synchronous and local: Dynamo's cost
   (:func:`seqstate.cost.dynamo_cost`) over the view plus the overlay, then Dynamo's selection
   (:func:`seqstate.cost.select`: the cheapest, ties broken at random; or a softmax with a
-  temperature, :attr:`Scheduler.choice_temperature`). A burst decided in one go spreads as
-  Dynamo's router spreads it.
+  temperature). A burst decided in one go spreads as Dynamo's router spreads it; replicas
+  that hear each other prefer shares of the ranks (:meth:`Scheduler.share`).
 - :meth:`Scheduler.add` counts the booking before it is even sent, so the next ``choose`` sees
   it; :meth:`mark_prefill_completed` and :meth:`free` name the request alone, as a router does.
 - Peers: by default the scheduler also follows the namespace's worker events as the log stores
@@ -23,7 +23,6 @@ once, or :class:`~projector.PublishError`), and between them an overlay
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections import OrderedDict
@@ -52,11 +51,8 @@ log = logging.getLogger("seqstate.scheduler")
 Rank = tuple[int, int]
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block: Dynamo's default
 PEERS_REMEMBERED = 65_536
-# Beside peers (another router's worker events followed within PEER_WINDOW_S), choices are
-# drawn at this temperature unless one is given: measured on the Mooncake trace, it took two
-# replicas from 1.057 to 1.026 of the instant-view oracle's balance, one alone unchanged.
-REPLICA_TEMPERATURE = 0.03
-PEER_WINDOW_S = 10.0  # peers' requests whose prompt is kept for their Mark and Free
+# Peers are the routers whose worker events a scheduler followed in the last PEER_WINDOW_S.
+PEER_WINDOW_S = 10.0
 
 
 class NoCandidates(SeqstateError, LookupError):
@@ -93,7 +89,8 @@ class Scheduler:
         config: Config | None = None,
         block_size: int | None = None,
         weights: CostWeights | None = None,
-        temperature: float | None = None,
+        temperature: float = 0.0,
+        spread: bool = True,
         peers: bool = True,
         seed: int | None = None,
         initial_timeout: float = 30.0,
@@ -101,7 +98,7 @@ class Scheduler:
     ) -> None:
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size={block_size}: must be positive")
-        if temperature is not None and (not temperature >= 0.0 or temperature == float("inf")):
+        if not temperature >= 0.0 or temperature == float("inf"):
             raise ValueError(f"temperature={temperature}: must be finite and not negative")
         config = (config or Config()).with_namespace(namespace)
         self.config = config
@@ -114,8 +111,9 @@ class Scheduler:
         self.block_size = block_size  # None: the namespace's (``view.block_size``), else 16
         self._guessed = False  # the fallback to 16 was said
         self.weights = weights or CostWeights()
-        self.temperature = temperature  # None: 0 alone, REPLICA_TEMPERATURE beside peers
-        self._peer_heard_at = -math.inf  # monotonic time of the last peer event followed
+        self.temperature = temperature
+        self.spread = spread  # replicas prefer shares of the ranks (see ``share``)
+        self._peers_heard: dict[str, float] = {}  # router id -> monotonic time last heard
         self.peers = peers
         self.following = False  # the peers' events are followed (see ``peers``)
         self.peer_events = 0  # peers' events counted in the overlay
@@ -200,23 +198,36 @@ class Scheduler:
         if len(rows) == 1:
             row = rows[0]
         else:
-            row = rows[select([r.cost for r in rows], self.choice_temperature, self._rng.random())]
+            costs = [r.cost for r in rows]
+            share = self.share() if self.spread else None
+            if share is not None:
+                count, mine = share
+                # Another replica's share: dearer by what this request adds to an idle rank, so
+                # it is taken only when this one's own ranks are busier by more than a booking.
+                n = len(block_hashes)
+                extra = dynamo_cost(self.weights, self._block_size(), isl_tokens, 0, 0, n, 0)[0]
+                costs = [c if j % count == mine else c + extra for j, c in enumerate(costs)]
+            row = rows[select(costs, self.temperature, self._rng.random())]
         return row.worker_id, row.dp_rank
 
-    @property
-    def choice_temperature(self) -> float:
-        """The temperature ``choose`` uses: the one given; else Dynamo's 0 (the cheapest rank)
-        for a scheduler alone, and :data:`REPLICA_TEMPERATURE` while it hears peers.
+    def share(self) -> tuple[int, int] | None:
+        """``(replicas, this one's place)``: this scheduler and the peers it heard within
+        ``PEER_WINDOW_S``, their router ids sorted; None alone.
 
         Replicas deciding at the same instant cannot see each other's choices: on one view,
-        each would send its share of a burst to the same cheapest ranks. A small temperature
-        makes ranks within a few percent of the cheapest about as likely, so replicas spread
-        where a single scheduler would not need to (BENCHMARKS.md, "Routing")."""
-        if self.temperature is not None:
-            return self.temperature
-        if time.monotonic() - self._peer_heard_at < PEER_WINDOW_S:
-            return REPLICA_TEMPERATURE
-        return 0.0
+        each would send its part of a burst to the same cheapest ranks. So each prefers a
+        share of the ranks (every ``replicas``-th in the rows' order, from its place), and
+        takes another's only when its own are busier by more than what the request adds to
+        an idle rank: the shares interleave as one scheduler's choices would, and a replica
+        whose share fills up still spills over (BENCHMARKS.md, "Routing")."""
+        now = time.monotonic()
+        peers = self._peers_heard
+        for router in [r for r, at in peers.items() if now - at >= PEER_WINDOW_S]:
+            del peers[router]
+        if not peers:
+            return None
+        names = sorted({*peers, self.router_id})
+        return len(names), names.index(self.router_id)
 
     def costs(
         self,
@@ -513,4 +524,4 @@ class Scheduler:
                 return
         overlay.settle(entry, seq)
         self.peer_events += 1
-        self._peer_heard_at = time.monotonic()
+        self._peers_heard[router] = time.monotonic()

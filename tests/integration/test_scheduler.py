@@ -22,7 +22,6 @@ from projector import (
 from projector.nats.resources import ensure
 from projector.run.pipeline import Pipeline
 from projector.schedule.scheduler import (
-    REPLICA_TEMPERATURE,
     DuplicateRequest,
     NoCandidates,
     UnknownRequest,
@@ -159,9 +158,9 @@ async def test_replicas_see_each_others_bookings_before_their_views_do(nc: Clien
             assert counted_by_b() == 1 and b.pending == 0
             assert set(seen) <= {0, 1}  # never counted twice on the way
             assert b.peer_events >= 1
-            # b hears a peer, so its choices spread (replicas deciding at the same instant do
-            # not pile onto one rank); a heard nobody and takes the cheapest, as Dynamo does.
-            assert (a.choice_temperature, b.choice_temperature) == (0.0, REPLICA_TEMPERATURE)
+            # b hears a peer, so it prefers its share of the ranks (replicas deciding at the
+            # same instant do not pile onto the same ones); a heard nobody: every rank alike.
+            assert (a.share(), b.share()) == (None, (2, 1))
             await a.free("req-a")
 
 
@@ -248,7 +247,8 @@ async def test_every_booking_counts_where_it_was_made_under_load(nc: Client) -> 
 
             async def lifecycle(i: int) -> None:
                 sched = a if i % 2 else b
-                hashes = [1, 2] + [rng.randrange(3) * 100 + k for k in range(3)]
+                branch = rng.randrange(1, 4) * 100  # chained: a block's hash names its prefix
+                hashes = [1, 2, branch, branch + 1, branch + 2]
                 rank = sched.choose(hashes, 80)
                 await sched.add(f"r{i}", worker_id=rank[0], block_hashes=hashes, prefill_tokens=80)
                 (row,) = sched.costs(hashes, 80, [rank])
