@@ -15,6 +15,9 @@ free takes back the request, its tokens if still prefilling, and the blocks no o
 the rank holds. Reference counts per hash keep overlap depths exact for later decisions: a
 prompt just booked counts as cached on its rank, one just freed no longer does.
 
+Hashes are chained (a block's hash names its whole prefix), as the registry assumes: past the
+view's own overlap depth, the pending events alone say how far a prompt goes on.
+
 Pure and synchronous: no clock, no I/O. The view's registry is read through ``references``.
 """
 
