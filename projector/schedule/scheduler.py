@@ -114,6 +114,8 @@ class Scheduler:
         self.temperature = temperature
         self.spread = spread  # replicas prefer shares of the ranks (see ``share``)
         self._peers_heard: dict[str, float] = {}  # router id -> monotonic time last heard
+        self._share: tuple[int, int] | None = None
+        self._share_until = 0.0
         self.peers = peers
         self.following = False  # the peers' events are followed (see ``peers``)
         self.peer_events = 0  # peers' events counted in the overlay
@@ -221,13 +223,15 @@ class Scheduler:
         an idle rank: the shares interleave as one scheduler's choices would, and a replica
         whose share fills up still spills over (BENCHMARKS.md, "Routing")."""
         now = time.monotonic()
+        if now < self._share_until:
+            return self._share  # looked up at most once a second, and when a peer appears
         peers = self._peers_heard
         for router in [r for r, at in peers.items() if now - at >= PEER_WINDOW_S]:
             del peers[router]
-        if not peers:
-            return None
         names = sorted({*peers, self.router_id})
-        return len(names), names.index(self.router_id)
+        self._share = (len(names), names.index(self.router_id)) if peers else None
+        self._share_until = now + 1.0
+        return self._share
 
     def costs(
         self,
@@ -524,4 +528,6 @@ class Scheduler:
                 return
         overlay.settle(entry, seq)
         self.peer_events += 1
+        if router not in self._peers_heard:
+            self._share_until = 0.0  # a new peer: the shares change now
         self._peers_heard[router] = time.monotonic()
