@@ -77,6 +77,11 @@ class Overlay:
     def get(self, rank: Rank) -> RankDelta | None:
         return self._ranks.get(rank)
 
+    @property
+    def ranks(self) -> dict[Rank, RankDelta]:
+        """The ranks with pending events (read-only: the overlay owns it)."""
+        return self._ranks
+
     def references(self, rank: Rank, block_hash: int) -> int:
         """References to ``block_hash`` on ``rank``: the view's, plus the pending events'."""
         count = self._registry.references(rank, block_hash)

@@ -40,7 +40,7 @@ from nats.js import JetStreamContext, api
 from projector.nats.stream import drop_subscription, log_time_ns
 from projector.read.reader import RegistryView, Staleness
 from projector.route.publisher import RouterPublisher
-from projector.schedule.overlay import Overlay, Pending
+from projector.schedule.overlay import Overlay, Pending, RankDelta
 from projector.wire.config import Config
 from seqstate import AddRequest, EventDecodeError, Free, MarkPrefillCompleted, decode_event
 from seqstate.cost import CostRow, CostWeights, dynamo_cost, select
@@ -191,7 +191,8 @@ class Scheduler:
         as idle). ``overlaps``: cached blocks per rank from your own KV indexer, else the
         prompt's prefix active on each rank is the credit. Raises :class:`NoCandidates`.
         """
-        rows = self.costs(block_hashes, isl_tokens, candidates, overlaps=overlaps, now_ns=now_ns)
+        query = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+        rows, block_size = self._view_rows(query, isl_tokens, candidates, overlaps, now_ns)
         if not rows:
             raise NoCandidates(
                 f"namespace {self.namespace!r}: no rank to choose from (no worker in the "
@@ -200,14 +201,26 @@ class Scheduler:
         if len(rows) == 1:
             row = rows[0]
         else:
-            costs = [r.cost for r in rows]
+            pending = self._overlay.ranks
+            if pending:  # only the cost: a decision builds no rows
+                costs = []
+                for r in rows:
+                    delta = pending.get((r.worker_id, r.dp_rank))
+                    if delta is None:
+                        costs.append(r.cost)
+                    else:
+                        costs.append(
+                            self._adjust(r, delta, query, isl_tokens, overlaps, block_size)[0]
+                        )
+            else:
+                costs = [r.cost for r in rows]
             share = self.share() if self.spread else None
             if share is not None:
                 count, mine = share
                 # Another replica's share: dearer by what this request adds to an idle rank, so
                 # it is taken only when this one's own ranks are busier by more than a booking.
-                n = len(block_hashes)
-                extra = dynamo_cost(self.weights, self._block_size(), isl_tokens, 0, 0, n, 0)[0]
+                n = len(query)
+                extra = dynamo_cost(self.weights, block_size, isl_tokens, 0, 0, n, 0)[0]
                 costs = [c if j % count == mine else c + extra for j, c in enumerate(costs)]
             row = rows[select(costs, self.temperature, self._rng.random())]
         return row.worker_id, row.dp_rank
@@ -244,10 +257,33 @@ class Scheduler:
     ) -> list[CostRow]:
         """Each candidate rank's cost row (see :class:`seqstate.cost.CostRow`), this
         scheduler's own events and its peers' counted; what :meth:`choose` chooses from."""
-        view = self.view
-        overlay = self._overlay
-        overlay.prune(view.applied_seq)
         query = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
+        rows, block_size = self._view_rows(query, isl_tokens, candidates, overlaps, now_ns)
+        pending = self._overlay.ranks
+        if not pending:
+            return rows
+        out = []
+        for row in rows:
+            delta = pending.get((row.worker_id, row.dp_rank))
+            if delta is None:
+                out.append(row)
+            else:
+                adjusted = self._adjust(row, delta, query, isl_tokens, overlaps, block_size)
+                out.append(CostRow(row.worker_id, row.dp_rank, *adjusted))
+        return out
+
+    def _view_rows(
+        self,
+        query: list[int],
+        isl_tokens: int,
+        candidates: Iterable[Rank] | None,
+        overlaps: Mapping[Rank, int] | None,
+        now_ns: int | None,
+    ) -> tuple[list[CostRow], int]:
+        """The view's rows (and idle ones for candidates it does not know), and the block
+        size they were costed with."""
+        view = self.view
+        self._overlay.prune(view.applied_seq)
         wanted = None if candidates is None else list(dict.fromkeys(candidates))
         block_size = self._block_size()
         rows = view.costs(
@@ -261,38 +297,33 @@ class Scheduler:
         )
         if wanted is not None and len(rows) < len(wanted):
             rows = self._with_idle(rows, wanted, query, isl_tokens, overlaps, block_size)
-        if not len(overlay):
-            return rows
-        out = []
-        for row in rows:
-            rank = (row.worker_id, row.dp_rank)
-            delta = overlay.get(rank)
-            if delta is None:
-                out.append(row)
-                continue
-            seen = row.active_overlap_blocks
-            depth = overlay.depth(rank, query, seen)
-            decode = max(0, row.potential_decode_blocks + delta.blocks + seen - depth)
-            prefill = max(0, row.potential_prefill_tokens - isl_tokens + delta.prefill)
-            requests = max(0, row.active_requests + delta.requests)
-            credited = depth if overlaps is None else row.overlap_blocks
-            cost, prefill_blocks = dynamo_cost(
-                self.weights, block_size, isl_tokens, prefill, credited, decode, requests
-            )
-            out.append(
-                CostRow(
-                    row.worker_id,
-                    row.dp_rank,
-                    cost,
-                    credited,
-                    depth,
-                    prefill_blocks,
-                    prefill + isl_tokens,
-                    decode,
-                    requests,
-                )
-            )
-        return out
+        return rows, block_size
+
+    def _adjust(
+        self,
+        row: CostRow,
+        delta: RankDelta,
+        query: list[int],
+        isl_tokens: int,
+        overlaps: Mapping[Rank, int] | None,
+        block_size: int,
+    ) -> tuple[float, int, int, float, int, int, int]:
+        """``row`` with the rank's pending events counted: the fields of a CostRow after its
+        rank (cost, overlap, active overlap, prefill blocks, prefill tokens, decode blocks,
+        requests)."""
+        seen = row.active_overlap_blocks
+        depth = self._overlay.depth((row.worker_id, row.dp_rank), query, seen)
+        decode = row.potential_decode_blocks + delta.blocks + seen - depth
+        prefill = row.potential_prefill_tokens - isl_tokens + delta.prefill
+        requests = row.active_requests + delta.requests
+        decode = decode if decode > 0 else 0
+        prefill = prefill if prefill > 0 else 0
+        requests = requests if requests > 0 else 0
+        credited = depth if overlaps is None else row.overlap_blocks
+        cost, prefill_blocks = dynamo_cost(
+            self.weights, block_size, isl_tokens, prefill, credited, decode, requests
+        )
+        return cost, credited, depth, prefill_blocks, prefill + isl_tokens, decode, requests
 
     def _with_idle(
         self,
