@@ -45,6 +45,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from projector.dynamo.discovery import DiscoveryFollower
+from projector.nats.tasks import cancel_all
 from projector.wire.config import Config
 from seqstate import SequenceState
 from seqstate.dynamo import decode_dynamo, dynamo_subject, resync_publisher_id
@@ -182,11 +183,7 @@ class Follower:
             for task in done:
                 task.result()
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_all(tasks, None)  # a resync's request may drop one cancellation
             for sub in subs:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()

@@ -78,7 +78,7 @@ from projector.nats import fast_publish
 from projector.nats.logs import event_fields
 from projector.nats.resources import ensure
 from projector.nats.stream import last_seq_of
-from projector.nats.tasks import cancel
+from projector.nats.tasks import cancel, cancel_all
 from projector.read.bucket import tracker_updates
 from projector.read.reader import RegistryView
 from projector.route.outcomes import Outcomes
@@ -621,9 +621,7 @@ class SlotService:
         if tracker.own is not None:
             own, tracker.own = tracker.own, None
             await own.close(why)
-        tracker.task.cancel()
-        with contextlib.suppress(BaseException):
-            await tracker.task
+        await cancel_all([tracker.task], None)
         await tracker.outcomes.stop()
         await tracker.view.stop()
 

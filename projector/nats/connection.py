@@ -178,8 +178,9 @@ class TlsNotOffered(SeqstateError, nats.errors.Error):
         return "the server offers no TLS"
 
 
-class _TlsClient(Client):
-    """nats-py's client, speaking TLS whenever TLS was asked for, whatever the server says.
+class _Client(Client):
+    """nats-py's client, mended where it fails a long-running service: TLS whenever TLS was
+    asked for, a server's ``-ERR`` reconnected from, a late PONG taken in.
 
     nats-py upgrades to TLS only when the server's INFO says ``tls_required``: against a
     server that does not (a plain one, or an impostor), a ``tls://`` URL and a CA went on in
@@ -221,6 +222,24 @@ class _TlsClient(Client):
         error = nats.errors.Error(err_msg.strip(" '"))  # logged as "nats: <the server's words>"
         await self._error_cb(error)
         await self._process_op_err(error)
+
+    async def _process_pong(self) -> None:
+        """The PONG of a flush that timed out or was cancelled: its ping's place is taken all
+        the same, its future left as it is.
+
+        nats-py keeps one future per PING sent and sets the oldest's result at each PONG; a
+        flush that gave up cancelled its future but left it in the queue, and its late PONG
+        raised InvalidStateError in the read loop, which then stopped reading for good: every
+        later request and ack timed out on a connection nats-py still called connected (a
+        flush cut short by a stop while a resync published did it; a flush timed out on a
+        busy machine would too)."""
+        pongs = self._pongs
+        if pongs and pongs[0].done():
+            pongs.pop(0)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+            return
+        await super()._process_pong()
 
 
 # The -ERR texts (lower-cased) that refuse the credentials, as nats.go lists them: no
@@ -480,7 +499,7 @@ async def _dial(
     options: dict[str, Any] = {**auth, "tls": tls} if tls is not None else dict(auth)
     require_tls = tls_asked_for(url, tls)
     while True:
-        client = _TlsClient(require_tls=require_tls)
+        client = _Client(require_tls=require_tls)
         dialing = asyncio.ensure_future(
             _connected(
                 client,
@@ -513,7 +532,7 @@ async def _dial(
 
 
 async def _connected(client: Client, servers: list[str], **options: Any) -> Client:
-    """``nats.connect`` with a client of our own making (:class:`_TlsClient`)."""
+    """``nats.connect`` with a client of our own making (:class:`_Client`)."""
     await client.connect(servers, **options)
     return client
 

@@ -30,7 +30,6 @@ the log. Takers ignore it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import math
@@ -54,6 +53,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from projector.nats.failures import describe as describe_failure
+from projector.nats.tasks import cancel_all
 from projector.wire.config import Config
 from projector.wire.values import Heartbeat, lease_key
 from seqstate.errors import SeqstateError
@@ -365,9 +365,7 @@ class Lease:
         """Delete the key (compare-and-set), so the next holder starts at once, not after a TTL."""
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await cancel_all([keeper], None)  # a renewal's request may drop one cancellation
         if not self.revision or self._lost is not None:
             self.revision = 0
             return

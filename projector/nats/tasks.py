@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 log = logging.getLogger("seqstate")
@@ -25,14 +25,57 @@ T = TypeVar("T")
 CLEANUP_S = 2.0
 
 
+RECANCEL_S = 0.5
+
+
 async def cancel(task: asyncio.Task[Any] | None, timeout: float = CLEANUP_S) -> None:
-    """Cancel ``task`` and wait for it at most ``timeout`` seconds."""
-    if task is None or task.done():
-        return
-    task.cancel()
-    done, _ = await asyncio.wait([task], timeout=timeout)
-    if not done:
-        log.warning("%s did not end within %gs of being cancelled", task.get_name(), timeout)
+    """Cancel ``task`` and wait for it at most ``timeout`` seconds (:func:`cancel_all`)."""
+    if task is not None:
+        await cancel_all([task], timeout)
+
+
+async def cancel_all(
+    tasks: Iterable[asyncio.Future[Any]],
+    timeout: float | None = CLEANUP_S,
+    *,
+    again_after_s: float = RECANCEL_S,
+) -> set[asyncio.Future[Any]]:
+    """Cancel each of ``tasks`` and wait for them, at most ``timeout`` seconds (None: until
+    they end); each still running ``again_after_s`` later is cancelled again, and so on.
+
+    Once is not enough: Python 3.11's ``wait_for``, which nats-py awaits in every request
+    and flush, drops a cancellation that lands as the reply arrives, and the task then goes
+    on as if it had never been cancelled (a loop to its next wait, for ever). A task whose
+    clean-up takes longer than ``again_after_s`` has it cut short, so a caller whose tasks
+    clean up at length (the demo freeing what it has in flight) allows them more. Returns
+    the tasks that had not ended, each logged; their failures are retrieved, not raised.
+    """
+    loop = asyncio.get_running_loop()
+    tasks = list(tasks)
+    pending = {task for task in tasks if not task.done()}
+    deadline = None if timeout is None else loop.time() + timeout
+    while pending:
+        for task in pending:
+            task.cancel()
+        wait = again_after_s if deadline is None else min(again_after_s, deadline - loop.time())
+        if wait <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=wait)
+    for task in tasks:
+        if task.done():
+            _retrieve(task)
+        elif task in pending:
+            log.warning("%s did not end within %gs of being cancelled", _name(task), timeout or 0)
+    return pending
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _name(task: asyncio.Future[Any]) -> str:
+    return task.get_name() if isinstance(task, asyncio.Task) else repr(task)
 
 
 async def until_set(stop: asyncio.Event, work: Awaitable[T]) -> T | None:

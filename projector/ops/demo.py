@@ -32,6 +32,7 @@ from rich.text import Text
 from projector.nats.connection import refused_or
 from projector.nats.lag import Lag, writer_lag
 from projector.nats.resources import ensure
+from projector.nats.tasks import cancel_all
 from projector.ops.live import staleness_said
 from projector.ops.workload import (
     MOONCAKE_BLOCK_TOKENS,
@@ -242,10 +243,7 @@ class DemoRouter:
 
     async def drain(self) -> None:
         """Cancel the lifecycles and free what is still in flight (a clean router shutdown)."""
-        for task in list(self._tasks):
-            task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await cancel_all(list(self._tasks), None)
         await asyncio.gather(*(self._free(rid) for rid in list(self._live)))
         with contextlib.suppress(Exception):  # the frees above left it nothing to free
             await self.publisher.close()
@@ -398,9 +396,7 @@ async def run_demo(
         driver.result()
     finally:
         measuring.cancel()
-        driver.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await driver
+        await cancel_all([driver], None)
         await router.drain()
         st = router.stats
         hit = st.cached_blocks / st.prompt_blocks if st.prompt_blocks else 0.0

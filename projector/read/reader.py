@@ -20,7 +20,6 @@ comparisons, replays).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -42,6 +41,7 @@ from projector.nats.failures import JETSTREAM_OFF, jetstream_off
 from projector.nats.lease import decode_holder
 from projector.nats.progress import Progress
 from projector.nats.stream import drop_subscription
+from projector.nats.tasks import cancel_all
 from projector.wire.config import Config
 from projector.wire.values import (
     Heartbeat,
@@ -307,9 +307,7 @@ class RegistryView:
     async def stop(self) -> None:
         """End the watch (``async with`` does it on exit); the replica keeps what it holds."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_all([self._task], None)  # a request may drop one cancellation
             self._task = None
         self._generation += 1
         await self._unsubscribe()

@@ -64,7 +64,6 @@ own (no task, future or timer per event). Its order guarantee is in its docstrin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import string
 from collections.abc import Iterable, Sequence
@@ -79,6 +78,7 @@ from nats.aio.msg import Msg
 from projector.nats.connection import PermissionRefused, refused_or, was_refused
 from projector.nats.failures import JETSTREAM_OFF, describe, refusal, unstored
 from projector.nats.pub_ack import ACK_DECODER
+from projector.nats.tasks import cancel_all
 from projector.wire import msg_ids
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
@@ -329,12 +329,7 @@ class RouterPublisher:
             # Python 3.11's wait_for can swallow a cancellation that races a publish's ack,
             # and the loop would beat on: the flag ends it, and the cancel is repeated.
             self._closing = True
-            task.cancel()
-            while not task.done():
-                await asyncio.wait([task], timeout=0.05)
-                task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_all([task], None, again_after_s=0.05)
             self._closing = False
         if goodbye:
             await self.publish(RouterGoodbye(router_id=self.router_id))

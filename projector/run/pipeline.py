@@ -26,6 +26,7 @@ from nats.aio.client import Client
 from projector.nats.failures import describe
 from projector.nats.lease import Lease
 from projector.nats.resources import ProvisioningError
+from projector.nats.tasks import cancel_all
 from projector.read.projection import BucketUnfit, DeltaGap
 from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config, ConfigError
@@ -175,9 +176,7 @@ class Pipeline:
             try:
                 await asyncio.wait_for(asyncio.shield(task), timeout)
             except TimeoutError:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await cancel_all([task], None)
             except Exception:  # already ended with an error; wait() reports it
                 pass
 
@@ -191,10 +190,7 @@ class Pipeline:
         running = [task for task in self._tasks if not task.done()]
         if running:
             _, late = await asyncio.wait(running, timeout=within_s)
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late, timeout=within_s / 2)
+            await cancel_all(late, within_s / 2, again_after_s=within_s / 8)
         for task in self._tasks:  # retrieved: a consumer called off has nothing to report
             task.add_done_callback(_retrieved)
 

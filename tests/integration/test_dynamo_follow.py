@@ -231,3 +231,41 @@ async def test_without_discovery_a_new_router_publisher_triggers_a_resync(nc: Cl
         ]
     finally:
         await stopped(task)
+
+
+async def test_a_stop_during_a_resync_that_drops_its_cancellation_still_ends(
+    nc: Client,
+) -> None:
+    """A resync is NATS requests, awaited through Python 3.11's ``wait_for``, which drops a
+    cancellation that lands as the reply arrives: the resync then returns as if never
+    cancelled and its loop waits for the next one. A follower stopped at that moment waited
+    for it for ever, and ``seqstate run`` with it, deaf to SIGINT. Here the resync drops
+    every cancellation it gets; one cancellation of the follower must still end it."""
+    entered = asyncio.Event()
+    dropped = 0
+
+    async def resync() -> str:
+        nonlocal dropped
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            dropped += 1  # as wait_for does when the reply lands with the cancellation
+        return "a resync that went on"
+
+    follower = Follower(
+        nc,
+        CONFIG,
+        feed=None,
+        ledger=lambda: ledger_with(11),
+        resync=resync,
+        publish=Recorder().publish,
+    )
+    task = asyncio.create_task(follower.run())
+    await eventually(lambda: follower.listening, what="follower.listening")
+    follower.want_resync(0.0, "a test")
+    await asyncio.wait_for(entered.wait(), 10)
+    task.cancel()  # what SIGINT does to it
+    done, _ = await asyncio.wait([task], timeout=10)
+    assert done == {task} and task.cancelled()
+    assert dropped == 1

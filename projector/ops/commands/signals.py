@@ -7,6 +7,10 @@ import signal
 from collections.abc import Awaitable
 from typing import Any
 
+from projector.nats.tasks import cancel_all
+
+CLEAN_UP_S = 5.0  # what a stopping task has for its clean-up before it is cancelled again
+
 _stopping: dict[asyncio.AbstractEventLoop, asyncio.Event] = {}
 
 
@@ -41,7 +45,6 @@ async def until_signal(*tasks: Awaitable[Any], duration: float | None = None) ->
                 fut.result()
     finally:
         stopper.cancel()
-        for fut in waits:
-            fut.cancel()
-        # Let each one finish its own clean-up (the demo frees what it has in flight).
-        await asyncio.gather(*waits, return_exceptions=True)
+        # Each one finishes its own clean-up (the demo frees what it has in flight); one that
+        # dropped its cancellation in a NATS request is cancelled again a while later.
+        await cancel_all(waits, None, again_after_s=CLEAN_UP_S)
