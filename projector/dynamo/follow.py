@@ -183,7 +183,8 @@ class Follower:
             for task in done:
                 task.result()
         finally:
-            await cancel_all(tasks, None)  # a resync's request may drop one cancellation
+            # A resync's request may drop one cancellation; the loops clean nothing up.
+            await cancel_all(tasks, None, again_after_s=0.25)
             for sub in subs:
                 with contextlib.suppress(nats.errors.Error):
                     await sub.unsubscribe()

@@ -25,7 +25,10 @@ T = TypeVar("T")
 CLEANUP_S = 2.0
 
 
-RECANCEL_S = 0.5
+# A cancelled task still running this long after is taken to have dropped the cancellation
+# (below), not to be cleaning up: few clean-ups take a second, a cut one leaves a consumer or
+# a subscription for the server to expire.
+RECANCEL_S = 2.0
 
 
 async def cancel(task: asyncio.Task[Any] | None, timeout: float = CLEANUP_S) -> None:

@@ -190,7 +190,7 @@ class Pipeline:
         running = [task for task in self._tasks if not task.done()]
         if running:
             _, late = await asyncio.wait(running, timeout=within_s)
-            await cancel_all(late, within_s / 2, again_after_s=within_s / 8)
+            await cancel_all(late, within_s / 2)
         for task in self._tasks:  # retrieved: a consumer called off has nothing to report
             task.add_done_callback(_retrieved)
 

@@ -125,7 +125,14 @@ async def started_run(
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGINT)
-        rc = await asyncio.wait_for(proc.wait(), 30)
+        try:
+            rc = await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()  # not left behind to hold the port and the lease
+            await proc.wait()
+            raise AssertionError(
+                f"seqstate run did not exit within 30 s of SIGINT:\n{log.read_text()}"
+            ) from None
     assert rc == 0, log.read_text()
 
 
