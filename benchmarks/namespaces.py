@@ -34,7 +34,7 @@ The runs are interleaved (run 1 of every point, then run 2, ...) so a phase of t
 does not fall on one point; each figure is the median of ``--runs``.
 
 Run from the repository root: ``.venv/bin/python benchmarks/namespaces.py [--json]``; ``--quick``
-for a look in about two minutes (one run, N = 1, 2, 4, fewer events).
+for a look in about a minute (one run, N = 1, 2, 4, 24,000 events).
 """
 
 from __future__ import annotations
