@@ -338,7 +338,8 @@ class DeltaLog:
 
     def _headers(self, batch: list[_Message], batch_id: str) -> list[dict[str, str]]:
         """Each message's headers: the chain (where it ends, where the one before it ended),
-        its id, and on the first the compare-and-set; in a batch, its place in the batch."""
+        its id, and on the first the compare-and-set; in a batch of several, its place in the
+        batch (a live event's message goes out alone, as a plain publish)."""
         out = []
         prev = self.stored.value
         for index, message in enumerate(batch):
@@ -352,7 +353,7 @@ class DeltaLog:
                 msg_id = f"{msg_id}.{last_delta.part}"
                 headers[SOURCE_PART] = str(last_delta.part)
             headers[MSG_ID] = msg_id
-            if self._atomic:
+            if len(batch) > 1:  # a message alone is stored whole or not by itself
                 headers[BATCH_ID] = batch_id
                 headers[BATCH_SEQUENCE] = str(index + 1)
                 if index == len(batch) - 1:

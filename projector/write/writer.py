@@ -178,6 +178,9 @@ class Writer(LagWatched):
         self._holes_held: list[Any] = [0, 0, ""]  # holes, messages missing, the last one said
         self._tick_tag = ""  # read at the first Tick
         self._last_event_at = 0.0
+        # The loop's clock, looked up once: asking for the running loop per event cost a
+        # system call per event (it checks the process id).
+        self._clock: Callable[[], float] = time.monotonic
         self._stopping = asyncio.Event()
         self._final_snapshot = True
         self._failure: BaseException | None = None
@@ -247,6 +250,7 @@ class Writer(LagWatched):
         }
 
     async def _run(self) -> None:
+        self._clock = asyncio.get_running_loop().time
         self._check_event_limit()
         await self._host.provision()
         self._published_up_to = await self.deltas.open()
@@ -364,7 +368,7 @@ class Writer(LagWatched):
     def _fold_one(self, msg: Msg) -> Refused | None:
         seq, at_ns = log_time_ns(msg)
         self.stats.last_seq = seq
-        self._last_event_at = asyncio.get_running_loop().time()
+        self._last_event_at = self._clock()
         verdict = self._fold(seq, at_ns, msg.subject, msg.data)
         if self._awaited:
             self._tell(seq, msg, verdict)
