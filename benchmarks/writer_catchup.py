@@ -19,7 +19,9 @@ Then, timed:
     first, then from ``build_writer`` + ``writer.run()`` until the writer's stored deltas
     cover the last event (``writer.flush``) and the projector has flushed them to the bucket
     (``projector.wait_flushed``). Both run in this process on one event loop, as
-    ``seqstate run`` runs them.
+    ``seqstate run`` runs them; ``--projector-process``: the projector is ``seqstate
+    projector`` in a process of its own (as a deployment of separate processes runs it), and
+    the run ends when the bucket's position says the last event.
 
 After the runs, ``verify`` (what ``seqstate verify`` runs) replays the log to the bucket's
 position and compares: it must say identical.
@@ -33,8 +35,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
@@ -43,6 +48,7 @@ from typing import Any
 
 from fold import DEFAULT_TRACE
 from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
 from pipeline import collect, git_revision
 from replay import base_events, encoded, fill
 
@@ -53,6 +59,7 @@ from projector.nats.stream import OrderedConsumer, Refused
 from projector.ops.replay import verify
 from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config
+from projector.wire.values import decode_position, lease_key, position_key
 from seqstate import AddRequest, Event
 
 WORKERS = 16
@@ -115,8 +122,12 @@ async def bare(js: Any, config: Config, last: int) -> tuple[float, float]:
     return last / seconds, cpu / seconds
 
 
-async def writer_catchup(nc: Any, config: Config, last: int) -> tuple[float, float]:
+async def writer_catchup(
+    nc: Any, config: Config, last: int, url: str, own_process: bool
+) -> tuple[float, float]:
     """(b) events/s of the writer, the projector beside it, until the bucket has the last."""
+    if own_process:
+        return await writer_beside_a_projector_process(nc, config, last, url)
     projector = build_projector(nc, config)
     projecting = asyncio.create_task(projector.run())
     await asyncio.wait_for(projector.caught_up.wait(), TIMEOUT_S)
@@ -136,6 +147,48 @@ async def writer_catchup(nc: Any, config: Config, last: int) -> tuple[float, flo
     return last / seconds, cpu / seconds
 
 
+async def writer_beside_a_projector_process(
+    nc: Any, config: Config, last: int, url: str
+) -> tuple[float, float]:
+    """(b) with ``seqstate projector`` in a process of its own, as a deployment runs it:
+    until the bucket's position says the last event."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    env["NATS_URL"] = url
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "projector", "projector"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        kv = await nc.jetstream().key_value(config.registry_bucket)
+
+        async def key(name: str) -> bytes | None:
+            try:
+                return (await kv.get(name)).value
+            except KeyNotFoundError:
+                return None
+
+        while await key(lease_key(config.namespace)) is None:  # the projector is up
+            await asyncio.sleep(0.05)
+        collect()
+        started, cpu = time.perf_counter(), time.process_time()
+        writer = build_writer(nc, config)
+        writing = asyncio.create_task(writer.run())
+        await writer.wait_applied(last, timeout=TIMEOUT_S)
+        await writer.flush()
+        while decode_position(await key(position_key(config.namespace)) or b"").applied_seq < last:
+            await asyncio.sleep(0.01)
+        seconds = time.perf_counter() - started
+        cpu = time.process_time() - cpu
+        writer.stop()
+        await writing
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return last / seconds, cpu / seconds
+
+
 async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
     """One run on a fresh server. The messages are built for the run and dropped once
     stored: held while the writer runs, their objects would add to every full garbage
@@ -152,7 +205,9 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
             last = filled["last_seq"]
             js = nc.jetstream()
             bare_rate, bare_cpu = await bare(js, config, last)
-            writer_rate, writer_cpu = await writer_catchup(nc, config, last)
+            writer_rate, writer_cpu = await writer_catchup(
+                nc, config, last, server.url, args.projector_process
+            )
             diffs = await verify(nc, config) if args.verify else []
     return {
         "events": last,
@@ -173,6 +228,11 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=150_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    parser.add_argument(
+        "--projector-process",
+        action="store_true",
+        help="run the projector as `seqstate projector` in a process of its own",
+    )
     parser.add_argument(
         "--no-verify", dest="verify", action="store_false", help="skip the verify of each run"
     )
