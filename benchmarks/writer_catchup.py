@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,19 +132,31 @@ async def writer_catchup(
     projector = build_projector(nc, config)
     projecting = asyncio.create_task(projector.run())
     await asyncio.wait_for(projector.caught_up.wait(), TIMEOUT_S)
+    try:
+        return await timed_writer(
+            nc, config, last, lambda: asyncio.wait_for(projector.wait_flushed(last), TIMEOUT_S)
+        )
+    finally:
+        projector.stop()
+        await projecting  # a failure is raised here
+
+
+async def timed_writer(
+    nc: Any, config: Config, last: int, projected: Callable[[], Awaitable[object]]
+) -> tuple[float, float]:
+    """Events/s and CPU share of a writer started now, until its deltas cover event ``last``
+    and ``projected()`` returns (the bucket has them)."""
     collect()
     started, cpu = time.perf_counter(), time.process_time()
     writer = build_writer(nc, config)
     writing = asyncio.create_task(writer.run())
     await writer.wait_applied(last, timeout=TIMEOUT_S)
     await writer.flush()
-    await asyncio.wait_for(projector.wait_flushed(last), TIMEOUT_S)
+    await projected()
     seconds = time.perf_counter() - started
     cpu = time.process_time() - cpu
     writer.stop()
-    projector.stop()
-    for task in (writing, projecting):
-        await task  # a failure of either is raised here
+    await writing  # a failure is raised here
     return last / seconds, cpu / seconds
 
 
@@ -169,24 +182,18 @@ async def writer_beside_a_projector_process(
             except KeyNotFoundError:
                 return None
 
+        async def projected() -> None:
+            while (
+                decode_position(await key(position_key(config.namespace)) or b"").applied_seq < last
+            ):
+                await asyncio.sleep(0.01)
+
         while await key(lease_key(config.namespace)) is None:  # the projector is up
             await asyncio.sleep(0.05)
-        collect()
-        started, cpu = time.perf_counter(), time.process_time()
-        writer = build_writer(nc, config)
-        writing = asyncio.create_task(writer.run())
-        await writer.wait_applied(last, timeout=TIMEOUT_S)
-        await writer.flush()
-        while decode_position(await key(position_key(config.namespace)) or b"").applied_seq < last:
-            await asyncio.sleep(0.01)
-        seconds = time.perf_counter() - started
-        cpu = time.process_time() - cpu
-        writer.stop()
-        await writing
+        return await timed_writer(nc, config, last, projected)
     finally:
         proc.terminate()
         proc.wait(30)
-    return last / seconds, cpu / seconds
 
 
 async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
@@ -205,6 +212,7 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
             last = filled["last_seq"]
             js = nc.jetstream()
             bare_rate, bare_cpu = await bare(js, config, last)
+            print("timing the writer", file=sys.stderr, flush=True)  # a profiler's cue
             writer_rate, writer_cpu = await writer_catchup(
                 nc, config, last, server.url, args.projector_process
             )
