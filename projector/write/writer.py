@@ -9,10 +9,11 @@ delta first, folds up to it silently, and publishes from the next. Its
 :class:`~projector.write.snapshotter.Snapshotter` lets a restart start from a snapshot instead,
 so that it costs the tail, not the history.
 
-Deltas go to SEQSTATE_DELTAS through a :class:`~projector.write.delta_log.DeltaLog`: one message
-in flight, each stored right after the previous one (a compare-and-set on the subject's last
-sequence), so the chain has no hole even when the server crashes, and what is folded while a
-message travels gathers into the next one.
+Deltas go to SEQSTATE_DELTAS through a :class:`~projector.write.delta_log.DeltaLog`: one append
+in flight (an atomic batch of messages where the server has them), each stored whole right
+after the previous one (a compare-and-set on the subject's last sequence), so the chain has no
+hole even when the server crashes, and what is folded while an append travels gathers into the
+next one.
 
 Each message is folded by a :class:`seqstate.fold.Fold`, the one fold every reader of the log
 (replay, rebuild, verify) uses, so they cannot disagree on it: one too large, that does not
