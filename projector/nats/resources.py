@@ -58,6 +58,9 @@ from seqstate.errors import SeqstateError
 # but an old server silently ignores unknown stream options, so refuse anything older than the
 # oldest release we test with.
 MIN_SERVER = (2, 10, 0)
+# The deltas stream takes atomic batches where the server has them (the writer then stores
+# many messages per round trip, else one); asked of older servers, the option would be ignored.
+ATOMIC_BATCHES = (2, 12, 0)
 
 log = logging.getLogger("seqstate.resources")
 
@@ -115,6 +118,11 @@ def check_server(nc: Client) -> None:
         raise ProvisioningError(
             f"nats-server {'.'.join(map(str, found))} is too old: need {wanted}+"
         )
+
+
+def _server_at_least(nc: Client, version: tuple[int, int, int]) -> bool:
+    found = nc.connected_server_version
+    return (found.major, found.minor, found.patch) >= version
 
 
 def resource_names(config: Config) -> list[str]:
@@ -182,6 +190,7 @@ async def _ensure(nc: Client, config: Config) -> Resources:
             duplicate_window=config.duplicate_window_s,
             num_replicas=config.replicas,
             allow_direct=True,  # the projector's lag counts its namespace's delta messages
+            allow_atomic=True if _server_at_least(nc, ATOMIC_BATCHES) else None,
         ),
     )
     dead = await _ensure_stream(
@@ -335,6 +344,8 @@ async def _ensure_stream(
         "description": wanted.description,
         "max_age": wanted.max_age if wanted.max_age is not None else have.max_age,
         "allow_direct": bool(have.allow_direct or wanted.allow_direct),
+        # turned on, never off: a writer of an older version has no use for it, nor harm
+        "allow_atomic": bool(have.allow_atomic or wanted.allow_atomic),
         "sources": _sources(have.sources, wanted.sources),
     }
     if keep_every_message:
@@ -349,6 +360,7 @@ async def _ensure_stream(
         "description": have.description,
         "max_age": have.max_age,
         "allow_direct": bool(have.allow_direct),
+        "allow_atomic": bool(have.allow_atomic),
         "sources": list(have.sources or []),
     }
     if keep_every_message:

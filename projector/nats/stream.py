@@ -447,7 +447,7 @@ class OrderedConsumer:
                 continue
             self._delivered = delivered
             if seq > self.position.value:
-                await self._deliver(msg)
+                await self._deliver(msg, seq)
                 if self._halted or generation != self._generation:
                     continue
             self._unacked += 1
@@ -516,7 +516,7 @@ class OrderedConsumer:
             if self._js._nc.is_connected:  # else it goes by itself, once without interest
                 await attempt(self._js.delete_consumer(self.stream, name))
 
-    async def _deliver(self, msg: Msg) -> None:
+    async def _deliver(self, msg: Msg, seq: int) -> None:
         if self._halted:
             return
         try:
@@ -535,7 +535,6 @@ class OrderedConsumer:
             self.failure = exc
             self._on_failure(exc)
             return
-        seq = log_time_ns(msg)[0]
         if not self.caught_up.is_set() and seq >= self._target:
             self.caught_up.set()
         self.position.advance(seq)

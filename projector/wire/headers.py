@@ -11,6 +11,11 @@ MSG_ID = "Nats-Msg-Id"
 STREAM_SOURCE = "Nats-Stream-Source"
 # A compare-and-set on the subject's last message, so two writers cannot interleave.
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+# An atomic batch (nats-server 2.12+, a stream with ``allow_atomic``): messages with the same
+# id, numbered from 1, stored all together when the one marked commit arrives, or none.
+BATCH_ID = "Nats-Batch-Id"
+BATCH_SEQUENCE = "Nats-Batch-Sequence"
+BATCH_COMMIT = "Nats-Batch-Commit"
 
 # ---- on a DELTAS message ---------------------------------------------------------------------
 # The event (events-stream sequence) a message stands for: the last a delta message covers,

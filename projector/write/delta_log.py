@@ -3,16 +3,24 @@
 Pipelined publishes lose the middle of a sequence when the server dies: the messages in flight
 at the crash are gone while later ones, sent after the client reconnected, are stored, and a
 writer restarted after the newest stored delta never sees the hole (the bucket stayed wrong
-for good). So the chain is built one message at a time: a message is sent only once the
-previous one is stored, and carries
+for good). So an append is stored whole or not at all, and only right after the previous one:
+where the stream takes atomic batches (nats-server 2.12+; :func:`projector.nats.resources.
+ensure` turns ``allow_atomic`` on), an append is one batch of up to ``MAX_BATCH_MESSAGES``
+messages sent back to back, which the server stores together at the batch's commit or not at
+all; on an older server it is one message. One append is in flight at a time, and its first
+message carries
 
 - ``Nats-Expected-Last-Subject-Sequence``: the stream sequence of the previous message on this
   namespace's subject, so the server stores it only right after that one. A second writer of
-  the namespace (or a message from nowhere) breaks the compare-and-set instead of interleaving;
+  the namespace (or a message from nowhere) breaks the compare-and-set instead of interleaving.
+
+Every message carries
+
 - ``Seqstate-Prev-Source-Seq``: the source sequence the previous message ended at, so the
   projector can check that each message continues the last (see projection.py);
 - ``Nats-Msg-Id``: its last source sequence (and part), so a retry after a lost ack is
-  stored once.
+  stored once (the server refuses a batch holding an id it has: the retry then finds the
+  batch stored, as it finds a message whose ack was lost).
 
 No message exceeds the server's payload limit: a batch is cut by bytes, and a delta too large
 for a message on its own (an expiry releasing very many requests) is cut into parts
@@ -21,13 +29,15 @@ the middle of an event's parts; it then says so (``Seqstate-Source-Part``), its
 ``Seqstate-Prev-Source-Seq`` successors keep naming the last *whole* event, and a writer
 restarted there skips the parts already stored.
 
-One message in flight costs nothing in throughput: while it travels, what the writer folds
-gathers into the next message (up to ``MAX_BATCH`` deltas and under the payload limit), so a
-live event still goes out alone and at once, and a backlog goes out in large batches.
+One append in flight costs little in throughput: while it travels, what the writer folds
+gathers into the next (up to ``MAX_BATCH`` deltas a message and under the payload limit, up to
+``MAX_BATCH_MESSAGES`` messages a batch), so a live event still goes out alone and at once,
+and a backlog goes out in large batches, thousands of deltas per round trip.
 
 A publish that fails (the server restarting, a leader election) is retried with the same
 headers for ``retry_for_s``; if the server did store it before the failure, the
-compare-and-set reports the subject's last sequence and the message found there is ours. A
+compare-and-set reports the subject's last sequence and the message found there is ours (the
+last of the batch, or of a prefix of it: only the rest is sent again). A
 writer that cannot store a delta for that long fails (``WriterStalled``) and its process
 exits non-zero: a restart resumes from the last stored delta, which by construction has no
 hole before it.
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -53,6 +64,9 @@ from projector.nats.progress import Progress
 from projector.nats.tasks import cancel
 from projector.wire.chain import chain_problem, source_part, source_seq
 from projector.wire.headers import (
+    BATCH_COMMIT,
+    BATCH_ID,
+    BATCH_SEQUENCE,
     EXPECTED_LAST_SUBJECT_SEQ,
     MSG_ID,
     PREV_SOURCE_SEQ,
@@ -67,11 +81,16 @@ from seqstate.errors import SeqstateError
 log = logging.getLogger("seqstate.writer")
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
+DUPLICATE_IN_BATCH = 10201  # an atomic batch holds a message id the server has stored already
 MAX_BATCH = 256  # deltas per message
-# Deltas folded but not stored; the fold waits beyond this. 64 full messages keep the one in
-# flight busy; more only holds memory while the deltas lag (a writer catching up kept 100,000,
-# ~100 MB, with no gain in rate).
-MAX_PENDING = 16_384
+# Messages and bytes per atomic batch (the server takes up to 1,000 messages): one round trip
+# stores up to 8,192 deltas while the fold gathers the next batch.
+MAX_BATCH_MESSAGES = 32
+MAX_BATCH_BYTES = 8 << 20
+# Deltas folded but not stored (the batch in flight included); the fold waits beyond this.
+# Two full batches: one in flight, the next gathering; more only holds memory while the deltas
+# lag (a writer catching up kept 100,000, ~100 MB, with no gain in rate).
+MAX_PENDING = 2 * MAX_BATCH_MESSAGES * MAX_BATCH
 ACK_TIMEOUT_S = 2.0  # per attempt: a request in flight when the server died never returns
 RETRY_FOR_S = 60.0
 MAX_BACKOFF_S = 1.0
@@ -87,6 +106,14 @@ class AnotherWriter(WriterStalled):
 
 class DeltaUnstorable(WriterStalled):
     """One delta alone exceeds the server's payload limit."""
+
+
+@dataclass(frozen=True)
+class _Message:
+    """One DELTAS message of a batch: its deltas, in order, and their encoding."""
+
+    deltas: list[Delta]
+    payload: bytes
 
 
 @dataclass(frozen=True)
@@ -115,7 +142,14 @@ class DeltaLog:
         self._max_payload = max_payload
         self._limit = max_payload - DELTA_HEADROOM
         self._retry_for_s = retry_for_s
-        self._pending: deque[Delta] = deque()
+        self._pending: deque[Delta] = deque()  # folded, not sent yet
+        self._flight = 0  # deltas of the batch being stored
+        self._flight_first = 0  # the first one's source sequence
+        # Whether the stream takes atomic batches (nats-server 2.12+, ``allow_atomic``): read
+        # at :meth:`open`; without, one message is in flight at a time.
+        self._atomic = False
+        self._batch_prefix = f"{os.getpid():x}.{id(self):x}.{time.time_ns():x}"
+        self._batches = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.stored = Progress()  # the last event whose delta (all its parts) is stored
@@ -137,6 +171,8 @@ class DeltaLog:
         dead-letters it), never trusted or fatal.
         """
         stream, subject = self._settings.deltas_stream, self._settings.deltas_subject
+        info = await self._js.stream_info(stream)
+        self._atomic = bool(info.config.allow_atomic)
         try:
             raw = await self._js.get_last_msg(stream, subject)
         except NotFoundError:
@@ -204,18 +240,24 @@ class DeltaLog:
         return largest_event(self._max_payload)
 
     @property
+    def atomic(self) -> bool:
+        """Whether appends go out in atomic batches (else one message at a time)."""
+        return self._atomic
+
+    @property
     def backlogged(self) -> bool:
-        return len(self._pending) > MAX_PENDING
+        return len(self._pending) + self._flight > MAX_PENDING
 
     async def room(self) -> None:
         """Wait while too much is folded but not stored (the server away), or fail."""
         while self.backlogged and self.failure is None:
-            oldest = self._pending[0].seq or 0
+            oldest = self._flight_first if self._flight else (self._pending[0].seq or 0)
             try:
                 await self.stored.wait(oldest, timeout=self._retry_for_s + 2 * ACK_TIMEOUT_S)
             except TimeoutError:
+                waiting = len(self._pending) + self._flight
                 raise WriterStalled(
-                    f"no delta stored for {self._retry_for_s:g}s while {len(self._pending)} wait"
+                    f"no delta stored for {self._retry_for_s:g}s while {waiting} wait"
                 ) from None
         self._raise_failure()
 
@@ -248,31 +290,44 @@ class DeltaLog:
         if self.failure is not None:
             raise WriterStalled(f"deltas are not being stored: {self.failure}")
 
-    # ---- the one message in flight ----------------------------------------------------------
+    # ---- the batch in flight ----------------------------------------------------------------
 
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                count, payload = self._next_message()
-                last = self._pending[count - 1]
+                batch = self._next_batch()
                 started = time.perf_counter()
-                await self._store(payload, last)
+                await self._store(batch)
                 if self.on_store is not None:
                     self.on_store(time.perf_counter() - started)
-                for _ in range(count):
-                    self._pending.popleft()
-                self.messages += 1
-                self.deltas += count
 
-    def _next_message(self) -> tuple[int, bytes]:
-        """As many pending deltas as fit in one message: ``(count, payload)``."""
+    def _next_batch(self) -> list[_Message]:
+        """The messages of the next append: as many as one atomic batch takes, or one (a
+        stream without atomic batches). Taken off the pending deltas: ``_flight`` holds them
+        until they are stored."""
+        batch: list[_Message] = []
+        size = 0
+        limit = MAX_BATCH_MESSAGES if self._atomic else 1
+        while self._pending and len(batch) < limit and size < MAX_BATCH_BYTES:
+            message = self._next_message()
+            batch.append(message)
+            size += len(message.payload)
+        self._flight = sum(len(m.deltas) for m in batch)
+        self._flight_first = batch[0].deltas[0].seq or 0
+        return batch
+
+    def _next_message(self) -> _Message:
+        """As many pending deltas as fit in one message, taken off the pending ones."""
         count = min(len(self._pending), MAX_BATCH)
         while True:
-            payload = encode_deltas(list(islice(self._pending, count)))
+            deltas = list(islice(self._pending, count))
+            payload = encode_deltas(deltas)
             if len(payload) <= self._limit:
-                return count, payload
+                for _ in range(count):
+                    self._pending.popleft()
+                return _Message(deltas, payload)
             if count == 1:
                 # One delta alone too large: cut it into parts in its place, and go on.
                 parts = self._split(self._pending.popleft())
@@ -281,41 +336,63 @@ class DeltaLog:
                 continue
             count //= 2
 
-    async def _store(self, payload: bytes, last_delta: Delta) -> None:
-        subject = self._settings.deltas_subject
-        last = last_delta.seq or 0
-        msg_id = f"{self._settings.namespace}:{last}"
-        headers = {
-            SOURCE_SEQ: str(last),
-            PREV_SOURCE_SEQ: str(self.stored.value),
-            EXPECTED_LAST_SUBJECT_SEQ: str(self.last_stream_seq),
-        }
-        if last_delta.more:  # the message ends inside the event's parts
-            msg_id = f"{msg_id}.{last_delta.part}"
-            headers[SOURCE_PART] = str(last_delta.part)
-        headers[MSG_ID] = msg_id
+    def _headers(self, batch: list[_Message], batch_id: str) -> list[dict[str, str]]:
+        """Each message's headers: the chain (where it ends, where the one before it ended),
+        its id, and on the first the compare-and-set; in a batch of several, its place in the
+        batch (a live event's message goes out alone, as a plain publish)."""
+        out = []
+        prev = self.stored.value
+        for index, message in enumerate(batch):
+            last_delta = message.deltas[-1]
+            last = last_delta.seq or 0
+            msg_id = f"{self._settings.namespace}:{last}"
+            headers = {SOURCE_SEQ: str(last), PREV_SOURCE_SEQ: str(prev)}
+            if index == 0:
+                headers[EXPECTED_LAST_SUBJECT_SEQ] = str(self.last_stream_seq)
+            if last_delta.more:  # the message ends inside the event's parts
+                msg_id = f"{msg_id}.{last_delta.part}"
+                headers[SOURCE_PART] = str(last_delta.part)
+            headers[MSG_ID] = msg_id
+            if len(batch) > 1:  # a message alone is stored whole or not by itself
+                headers[BATCH_ID] = batch_id
+                headers[BATCH_SEQUENCE] = str(index + 1)
+                if index == len(batch) - 1:
+                    headers[BATCH_COMMIT] = "1"
+            out.append(headers)
+            prev = last - 1 if last_delta.more else last
+        return out
+
+    async def _store(self, batch: list[_Message]) -> None:
+        """Store ``batch`` right after the subject's last message, all of it or none, retried
+        until stored (a prefix found stored is not sent again) or for ``retry_for_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._retry_for_s
         backoff = 0.05
-        while True:
+        while batch:
+            headers = self._headers(batch, self._new_batch_id())
             try:
-                ack = await self._js.publish(
-                    subject, payload, headers=headers, timeout=ACK_TIMEOUT_S
-                )
-                stored_at = ack.seq
-                break
+                stored_at = await self._publish(batch, headers)
             except APIError as exc:
-                if exc.err_code != WRONG_LAST_SEQUENCE:
+                if exc.err_code not in (WRONG_LAST_SEQUENCE, DUPLICATE_IN_BATCH):
                     error: Exception = exc
                 else:
-                    found = await self._after_wrong_last(msg_id)
+                    found = await self._after_wrong_last(headers)
                     if found is not None:
-                        stored_at = found
-                        break
-                    headers[EXPECTED_LAST_SUBJECT_SEQ] = str(self.last_stream_seq)
+                        done, stored_at = found
+                        self._stored(batch[:done], stored_at)
+                        batch = batch[done:]
+                        continue
+                    if exc.err_code == DUPLICATE_IN_BATCH:
+                        raise WriterStalled(
+                            "a delta message with the id of one of this batch's is stored, "
+                            "but not last on the subject: a restart resumes after the last"
+                        ) from None
                     continue
             except (TimeoutError, nats.errors.Error) as exc:
                 error = exc
+            else:
+                self._stored(batch, stored_at)
+                return
             why = await explain(self._js._nc, error, self._settings.deltas_stream)
             if loop.time() >= deadline:
                 raise WriterStalled(
@@ -324,14 +401,43 @@ class DeltaLog:
             log.warning("delta publish failed, retrying in %.2fs: %s", backoff, why)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _publish(self, batch: list[_Message], headers: list[dict[str, str]]) -> int:
+        """Send the messages (all but the last without waiting: the server answers the
+        batch's commit for all of them); the stream sequence of the last."""
+        subject = self._settings.deltas_subject
+        publish = self._js._nc.publish
+        for message, message_headers in zip(batch[:-1], headers[:-1], strict=True):
+            await publish(subject, message.payload, headers=message_headers)
+        ack = await self._js.publish(
+            subject, batch[-1].payload, headers=headers[-1], timeout=ACK_TIMEOUT_S
+        )
+        return ack.seq
+
+    def _stored(self, messages: list[_Message], stored_at: int) -> None:
+        """``messages`` are stored, the last at stream sequence ``stored_at``."""
+        if not messages:
+            return
         self.last_stream_seq = stored_at
+        last_delta = messages[-1].deltas[-1]
+        last = last_delta.seq or 0
+        count = sum(len(m.deltas) for m in messages)
+        self._flight -= count
+        self.messages += len(messages)
+        self.deltas += count
         self.stored.advance(last - 1 if last_delta.more else last)
 
-    async def _after_wrong_last(self, msg_id: str) -> int | None:
-        """The subject moved on without us: our own retried message, or someone else's.
+    def _new_batch_id(self) -> str:
+        self._batches += 1
+        return f"{self._batch_prefix}.{self._batches}"
 
-        Returns the stream sequence where our message is stored, or None to retry after a
-        message no writer wrote (now expected). Raises if another writer's delta is there.
+    async def _after_wrong_last(self, sent: list[dict[str, str]]) -> tuple[int, int] | None:
+        """The subject moved on without us: our own message (of a batch whose ack was lost, or
+        the prefix of one), or someone else's.
+
+        Returns ``(messages of the batch found stored, stream sequence of the last of them)``,
+        or None to retry after a message no writer wrote (now expected). Raises if another
+        writer's delta is there.
         """
         raw = await self._js.get_last_msg(
             self._settings.deltas_stream, self._settings.deltas_subject
@@ -339,8 +445,12 @@ class DeltaLog:
         seq = raw.seq or 0
         headers = raw.headers or {}
         source = source_seq(headers, raw.data)
-        if headers.get(MSG_ID) == msg_id and headers.get(PREV_SOURCE_SEQ) == str(self.stored.value):
-            return seq  # stored before its ack was lost
+        for index, ours in enumerate(sent):
+            if (
+                headers.get(MSG_ID) == ours[MSG_ID]
+                and headers.get(PREV_SOURCE_SEQ) == ours[PREV_SOURCE_SEQ]
+            ):
+                return index + 1, seq  # stored before its ack was lost
         if await self._plausible(headers, raw.data):
             raise AnotherWriter(
                 f"another writer stored deltas for namespace {self._settings.namespace!r} (up to "

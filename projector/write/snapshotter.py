@@ -100,7 +100,7 @@ class Snapshotter:
         self._deltas = deltas
         self._on_failure: Callable[[BaseException], None] = _unheard
         self._task: asyncio.Task[None] | None = None
-        self._taken_at = 0.0  # loop time of the last snapshot taken
+        self._taken_at = 0.0  # monotonic time of the last snapshot taken (per event: no loop)
         self._encode_s = 0.0  # how long encoding it took
         self._taken_bytes = 0  # its size (or the one restored from)
         self.quiet = False  # saves say nothing (at debug): the writer is stopping
@@ -114,7 +114,7 @@ class Snapshotter:
         """Start; ``on_failure`` hears of a delta log that stalled under a save, which stops
         the writer as any stalled delta does."""
         self._on_failure = on_failure
-        self._taken_at = asyncio.get_running_loop().time()
+        self._taken_at = time.monotonic()
         if self.store is not None:
             await self.store.open()
 
@@ -153,7 +153,7 @@ class Snapshotter:
             return False
         if self._task is not None and not self._task.done():
             return False
-        since = asyncio.get_running_loop().time() - self._taken_at
+        since = time.monotonic() - self._taken_at
         if since < self._encode_s / ENCODE_SHARE:
             return False
         every = self.settings.every_events
@@ -176,7 +176,7 @@ class Snapshotter:
         self._encode_s = time.perf_counter() - started
         self._taken_bytes = len(data)  # what the next one is spaced by
         self.stats.last_snapshot_seq = seq
-        self._taken_at = asyncio.get_running_loop().time()
+        self._taken_at = time.monotonic()
         self._task = asyncio.create_task(self._save(data, seq, at_ns))
 
     async def now(self, state: SequenceState, seq: int) -> None:

@@ -9,10 +9,11 @@ delta first, folds up to it silently, and publishes from the next. Its
 :class:`~projector.write.snapshotter.Snapshotter` lets a restart start from a snapshot instead,
 so that it costs the tail, not the history.
 
-Deltas go to SEQSTATE_DELTAS through a :class:`~projector.write.delta_log.DeltaLog`: one message
-in flight, each stored right after the previous one (a compare-and-set on the subject's last
-sequence), so the chain has no hole even when the server crashes, and what is folded while a
-message travels gathers into the next one.
+Deltas go to SEQSTATE_DELTAS through a :class:`~projector.write.delta_log.DeltaLog`: one append
+in flight (an atomic batch of messages where the server has them), each stored whole right
+after the previous one (a compare-and-set on the subject's last sequence), so the chain has no
+hole even when the server crashes, and what is folded while an append travels gathers into the
+next one.
 
 Each message is folded by a :class:`seqstate.fold.Fold`, the one fold every reader of the log
 (replay, rebuild, verify) uses, so they cannot disagree on it: one too large, that does not
@@ -178,6 +179,9 @@ class Writer(LagWatched):
         self._holes_held: list[Any] = [0, 0, ""]  # holes, messages missing, the last one said
         self._tick_tag = ""  # read at the first Tick
         self._last_event_at = 0.0
+        # The loop's clock, looked up once: asking for the running loop per event cost a
+        # system call per event (it checks the process id).
+        self._clock: Callable[[], float] = time.monotonic
         self._stopping = asyncio.Event()
         self._final_snapshot = True
         self._failure: BaseException | None = None
@@ -247,6 +251,7 @@ class Writer(LagWatched):
         }
 
     async def _run(self) -> None:
+        self._clock = asyncio.get_running_loop().time
         self._check_event_limit()
         await self._host.provision()
         self._published_up_to = await self.deltas.open()
@@ -364,7 +369,7 @@ class Writer(LagWatched):
     def _fold_one(self, msg: Msg) -> Refused | None:
         seq, at_ns = log_time_ns(msg)
         self.stats.last_seq = seq
-        self._last_event_at = asyncio.get_running_loop().time()
+        self._last_event_at = self._clock()
         verdict = self._fold(seq, at_ns, msg.subject, msg.data)
         if self._awaited:
             self._tell(seq, msg, verdict)

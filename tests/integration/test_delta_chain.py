@@ -21,7 +21,13 @@ from projector.nats.resources import dead_letter_stream, ensure
 from projector.read.projection import DeltaGap
 from projector.run.assemble import build_delta_log, build_projector
 from projector.wire.config import Config
-from projector.wire.headers import PREV_SOURCE_SEQ, REASON
+from projector.wire.headers import (
+    BATCH_COMMIT,
+    BATCH_ID,
+    BATCH_SEQUENCE,
+    PREV_SOURCE_SEQ,
+    REASON,
+)
 from seqstate import AddRequest, Delta, RankChange, encode_deltas, encode_event
 from seqstate.deltas import Booking
 from seqstate.loads import RankLoad
@@ -111,3 +117,43 @@ async def test_a_restarting_writer_resumes_at_the_real_chain_not_at_a_broken_cop
     await js.publish(config.deltas_subject, copy)  # no chain header
     await js.publish(config.deltas_subject, copy, headers={PREV_SOURCE_SEQ: "5"})
     assert await build_delta_log(nc, config).open() == 3
+
+
+async def test_appends_are_atomic_batches_where_the_stream_takes_them_else_single_messages(
+    nc: Client,
+) -> None:
+    """A backlog's deltas go out many messages per round trip, as one atomic batch, where the
+    deltas stream takes atomic batches (``ensure`` turns them on); on a stream without them
+    (a server older than 2.12) one message at a time, as before. Expected: without, 300
+    deltas are two messages without batch headers; ``ensure`` turns batches on again; then 300
+    more are two messages of one batch; the chain runs on unbroken across both."""
+    config = fresh_config("batch")
+    await ensure(nc, config)
+    js = nc.jetstream()
+    for i in range(600):
+        await js.publish(config.event_subject(1), encode_event(AddRequest(f"e{i}", 1)))
+    info = await js.stream_info(config.deltas_stream)
+    assert info.config.allow_atomic is True
+    info.config.allow_atomic = False
+    await js.update_stream(info.config)
+
+    async def append(first: int, atomic: bool) -> None:
+        log = build_delta_log(nc, config)
+        assert await log.open() == first - 1
+        assert log.atomic is atomic
+        failures: list[BaseException] = []
+        log.start(failures.append)
+        for seq in range(first, first + 300):
+            log.append(booked(seq, seq))
+        await log.flush()
+        await log.close()
+        assert failures == [] and (log.messages, log.deltas) == (2, 300)
+
+    await append(1, atomic=False)
+    await ensure(nc, config)
+    await append(301, atomic=True)
+    stored = await read_stream(nc, config.deltas_stream, config.deltas_subject)
+    assert [h[PREV_SOURCE_SEQ] for _, h, _ in stored] == ["0", "256", "300", "556"]
+    assert [h.get(BATCH_SEQUENCE) for _, h, _ in stored] == [None, None, "1", "2"]
+    assert stored[2][1][BATCH_ID] == stored[3][1][BATCH_ID]
+    assert BATCH_COMMIT in stored[3][1] and BATCH_COMMIT not in stored[2][1]

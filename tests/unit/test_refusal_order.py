@@ -88,9 +88,9 @@ async def test_the_dead_letter_is_stored_then_the_processor_told_then_the_positi
     sink = Sink((UNDECODABLE,), events)
     refuser = Refuser(events)
     runner = refuser.runner = consumer(refuser, sink, failures)
-    await runner._deliver(delivery(1, b"yes"))
-    await runner._deliver(delivery(2, b"no"))
-    await runner._deliver(delivery(3, b"yes"))
+    await runner._deliver(delivery(1, b"yes"), 1)
+    await runner._deliver(delivery(2, b"no"), 2)
+    await runner._deliver(delivery(3, b"yes"), 3)
     assert not failures and runner.position.value == 3
     assert events == ["put 2", f"told 2 {UNDECODABLE} at 1"]  # stored, told, then moved
     assert sink.put_args == [
@@ -103,9 +103,9 @@ async def test_a_dead_letter_not_stored_stops_the_runner_before_the_message() ->
     events: list[str] = []
     failures: list[BaseException] = []
     runner = consumer(Refuser(events), Sink((UNDECODABLE,), events, broken=True), failures)
-    await runner._deliver(delivery(1, b"yes"))
-    await runner._deliver(delivery(2, b"no"))
-    await runner._deliver(delivery(3, b"yes"))  # halted: not handed over
+    await runner._deliver(delivery(1, b"yes"), 1)
+    await runner._deliver(delivery(2, b"no"), 2)
+    await runner._deliver(delivery(3, b"yes"), 3)  # halted: not handed over
     assert [type(exc) for exc in failures] == [TimeoutError]
     assert runner.position.value == 1 and events == []
 
