@@ -87,7 +87,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -940,7 +940,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not base:
         print(f"replay.py: trace has no requests: {args.trace}", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {
+    finish(new_report(args, base), args, bench(args, base), print_report)
+    return 0
+
+
+def new_report(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, Any]:
+    """The machine and the workload, before the results."""
+    return {
         "machine": machine(),
         "workload": {
             "trace": str(args.trace),
@@ -953,8 +959,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "import_s": import_time(),
         },
     }
+
+
+def finish(
+    report: dict[str, Any],
+    args: argparse.Namespace,
+    bench: Coroutine[Any, Any, dict[str, Any]],
+    show: Callable[[dict[str, Any]], None],
+) -> None:
+    """Run ``bench`` into ``report["result"]``, then save (``--save``) and print it."""
     started = time.perf_counter()
-    report["result"] = asyncio.run(bench(args, base))
+    report["result"] = asyncio.run(bench)
     report["wall_s"] = time.perf_counter() - started
     # Others may commit or rebuild while this runs: say so if the build changed under us.
     report["machine"]["git_at_end"] = git_revision()
@@ -963,8 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_report(report)
-    return 0
+        show(report)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ import argparse
 import asyncio
 import cProfile
 import io
-import json
 import os
 import pstats
 import statistics
@@ -62,10 +61,9 @@ from typing import Any, Final
 import msgspec
 from fold import DEFAULT_TRACE, positive
 from nats.aio.client import Client
-from pipeline import collect, connect, git_revision, machine, stamp
-from replay import PhaseClock, base_events, encoded, fill, import_time, ready_once
+from pipeline import collect, connect, stamp
+from replay import PhaseClock, base_events, encoded, fill, finish, new_report, ready_once
 
-import seqstate.state
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
@@ -298,28 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, msgspec.DecodeError) as exc:
         print(f"restart.py: cannot read trace {args.trace}: {exc}", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {
-        "machine": machine(),
-        "workload": {
-            "trace": str(args.trace),
-            "events": args.events,
-            "tail": args.tail,
-            "workers": args.workers,
-            "runs": args.runs,
-            "compiled_core": (seqstate.state.__file__ or "").endswith(".so"),
-            "import_s": import_time(),
-        },
-    }
-    started = time.perf_counter()
-    report["result"] = asyncio.run(bench(args, base))
-    report["wall_s"] = time.perf_counter() - started
-    report["machine"]["git_at_end"] = git_revision()
-    if args.save is not None:
-        args.save.write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    report = new_report(args, base)
+    finish(report, args, bench(args, base), print_report)
     return 0 if report["result"]["verify"]["exit"] == 0 else 1
 
 
