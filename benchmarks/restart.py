@@ -31,7 +31,9 @@ publishing its deltas, up to ``caught_up``). Then, before the pipeline runs, one
 pipeline lets the projector take in the writer runs' deltas.
 
 (p) ``seqstate run``'s pipeline: ``Pipeline(nc, config)`` -> ``start()`` returns (both caught
-up); when each of the two was ready is reported too.
+up); when each of the two was ready is reported too, and when ``/readyz`` would first answer
+200 (``Metrics.readiness`` over the two, looked at every 2 ms): caught up, and a lag
+measurement within ``ready_lag_events``.
 
 At the end ``seqstate replay --verify`` must say the bucket equals a replay of the whole log.
 
@@ -67,6 +69,7 @@ from replay import PhaseClock, base_events, encoded, fill, finish, new_report, r
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
+from projector.ops.metrics import PROJECTOR, WRITER, Metrics
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from seqstate import Event
@@ -74,6 +77,7 @@ from seqstate import Event
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 TARGET_READY_S: Final = 0.5
 WAIT_TIMEOUT_S: Final = 900.0
+READYZ_POLL_S: Final = 0.002
 
 
 async def catch_up(url: str, config: Config) -> dict[str, Any]:
@@ -95,6 +99,12 @@ async def newest_snapshot(nc: Client, config: Config) -> dict[str, Any]:
     return {"name": newest.name, "applied_seq": newest.applied_seq, "bytes": newest.size}
 
 
+async def ready_by(metrics: Metrics) -> None:
+    """Until ``/readyz`` would answer 200 (``Metrics.readiness``), looked at every 2 ms."""
+    while not metrics.readiness()[0]:
+        await asyncio.sleep(READYZ_POLL_S)
+
+
 async def pipeline_ready_once(url: str, config: Config, last: int, snap_seq: int) -> dict[str, Any]:
     """``seqstate run``'s start: both consumers caught up, as ``Pipeline.start`` waits."""
     nc = await connect(url, "bench-run")
@@ -109,9 +119,16 @@ async def pipeline_ready_once(url: str, config: Config, last: int, snap_seq: int
         clock.wrap(writer.snapshots, "fetch", "fetch")
         writer_ready = asyncio.create_task(stamp(writer.caught_up.wait()))
         projector_ready = asyncio.create_task(stamp(pipeline.projector.caught_up.wait()))
+        metrics = Metrics(
+            nc, ready_lag_events=config.ready_lag_events, ready_lag_s=config.ready_lag_s
+        )
+        metrics.follow(WRITER, lambda: [writer])
+        metrics.follow(PROJECTOR, lambda: [pipeline.projector])
+        readyz = asyncio.create_task(stamp(ready_by(metrics)))
         await pipeline.start()
         t_ready = time.perf_counter()
         cpu = time.process_time() - c0
+        await asyncio.wait_for(readyz, WAIT_TIMEOUT_S)
         stats = writer.stats
         folded_at_ready = stats.applied
         await pipeline.stop(timeout=WAIT_TIMEOUT_S)
@@ -131,6 +148,7 @@ async def pipeline_ready_once(url: str, config: Config, last: int, snap_seq: int
         "tail_events": folded_at_ready,
         "writer_ready_s": writer_ready.result() - t0,
         "projector_ready_s": projector_ready.result() - t0,
+        "readyz_s": readyz.result() - t0,
         "phases_s": {
             "snapshot_load": r_end - r_start,
             "snapshot_fetch": f_end - f_start,
@@ -164,9 +182,11 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     phases: dict[str, float] = {}
     for name in runs[0]["phases_s"]:
         phases[name] = statistics.median(r["phases_s"][name] for r in runs)
+    readyz = [r["readyz_s"] for r in runs if "readyz_s" in r]
     return {
         "runs": runs,
         "median_s": statistics.median(seconds),
+        "median_readyz_s": statistics.median(readyz) if readyz else None,
         "median_phases_s": phases,
         "target_s": TARGET_READY_S,
         "meets_target": statistics.median(seconds) <= TARGET_READY_S,
@@ -253,6 +273,9 @@ def print_report(report: dict[str, Any]) -> None:
             f"{label}: median {part['median_s'] * 1000:.0f} ms ({runs}); target "
             f"{TARGET_READY_S * 1000:.0f} ms: {'met' if part['meets_target'] else 'MISSED'}"
         )
+        if part["median_readyz_s"] is not None:
+            readyz_ms = part["median_readyz_s"] * 1000
+            print(f"    /readyz 200 (Metrics.readiness): median {readyz_ms:.0f} ms")
         for name, value in part["median_phases_s"].items():
             print(f"    {name:<28} {value * 1000:8.1f} ms")
         if key == "writer":
@@ -261,7 +284,8 @@ def print_report(report: dict[str, Any]) -> None:
             for x in part["runs"]:
                 print(
                     f"    writer ready {x['writer_ready_s'] * 1000:.0f} ms, projector ready "
-                    f"{x['projector_ready_s'] * 1000:.0f} ms"
+                    f"{x['projector_ready_s'] * 1000:.0f} ms, /readyz 200 at "
+                    f"{x['readyz_s'] * 1000:.0f} ms"
                 )
     if "profile" in r:
         print("\n".join(r["profile"]["top_own_time"]))

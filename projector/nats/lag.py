@@ -70,7 +70,7 @@ CAUGHT_UP = 0.1  # caught up again: under this share of each threshold
 # While a consumer is further behind than /readyz allows (a start folding a backlog), its lag
 # is looked up this often instead of every lag_check_s: it is seen ready once it is, not up to
 # lag_check_s (2 s) later. A few small reads per look, only until it has caught up.
-CATCHING_UP_CHECK_S = 0.1
+CATCHING_UP_CHECK_S = 0.05
 
 
 @dataclass(frozen=True)
