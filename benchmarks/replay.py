@@ -87,7 +87,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -174,6 +174,7 @@ async def fill(
         last = max(last, ack.seq)
 
     publish_async = js.publish_async
+    before = (await js.stream_info(config.events_stream)).state  # a tail adds to a history
     collect()
     t0 = time.perf_counter()
     for subject, payload in messages:
@@ -184,7 +185,13 @@ async def fill(
     await asyncio.sleep(0)  # let the last done-callbacks run
     total = len(messages)
     state = (await js.stream_info(config.events_stream)).state
-    if failed or duplicates or acked != total or state.messages != total or last != total:
+    if (
+        failed
+        or duplicates
+        or acked != total
+        or state.messages != before.messages + total
+        or last != before.last_seq + total
+    ):
         raise RuntimeError(
             f"setup: sent {total}, acked {acked}, failed {failed} ({first_error}), duplicates "
             f"{duplicates}; the stream holds {state.messages} messages, last seq {state.last_seq}"
@@ -368,7 +375,7 @@ async def ready_once(
         assert writer.snapshots is not None
         clock.wrap(writer.snapshots, "newest_valid", "restore")
         clock.wrap(writer.snapshots, "fetch", "fetch")
-        clock.wrap(writer._js, "subscribe", "subscribe")
+        clock.wrap(writer._events, "start", "subscribe")
         task = asyncio.create_task(writer.run())
         ready = asyncio.create_task(writer.caught_up.wait())
         await asyncio.wait(
@@ -413,8 +420,8 @@ async def ready_once(
             "snapshot_load": r_end - r_start,  # list, fetch, decode (SequenceState.restore)
             "snapshot_fetch": f_end - f_start,
             "snapshot_decode_and_list": (r_end - r_start) - (f_end - f_start),
-            "coverage_and_target": s_start - r_end,  # stream_info, last message of the stream
-            "subscribe": s_end - s_start,  # creating the ordered consumer
+            "coverage_and_target": s_start - r_end,  # the trimmed-log check
+            "subscribe": s_end - s_start,  # the last event of the stream, the consumer
             "tail_fold": t_ready - s_end,  # 5,000 events folded, their deltas published
         },
         "tail_events_per_s": folded_at_ready / (t_ready - s_end),
@@ -933,7 +940,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not base:
         print(f"replay.py: trace has no requests: {args.trace}", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {
+    finish(new_report(args, base), args, bench(args, base), print_report)
+    return 0
+
+
+def new_report(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, Any]:
+    """The machine and the workload, before the results."""
+    return {
         "machine": machine(),
         "workload": {
             "trace": str(args.trace),
@@ -946,8 +959,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "import_s": import_time(),
         },
     }
+
+
+def finish(
+    report: dict[str, Any],
+    args: argparse.Namespace,
+    bench: Coroutine[Any, Any, dict[str, Any]],
+    show: Callable[[dict[str, Any]], None],
+) -> None:
+    """Run ``bench`` into ``report["result"]``, then save (``--save``) and print it."""
     started = time.perf_counter()
-    report["result"] = asyncio.run(bench(args, base))
+    report["result"] = asyncio.run(bench)
     report["wall_s"] = time.perf_counter() - started
     # Others may commit or rebuild while this runs: say so if the build changed under us.
     report["machine"]["git_at_end"] = git_revision()
@@ -956,8 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print_report(report)
-    return 0
+        show(report)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from itertools import accumulate, pairwise
 from typing import Final
 
 NEVER: Final = 2**64  # later than any log time
@@ -28,18 +29,21 @@ class RecentIds:
     """``request_id -> (value, written_at_ns)``, forgetting entries older than ``retention_ns``
     and the oldest ones beyond ``capacity``. ``value`` is a code below 256."""
 
-    __slots__ = ("_queue", "capacity", "due_ns", "entries", "evicted", "retention_ns")
+    __slots__ = ("_queue", "_times", "capacity", "due_ns", "entries", "evicted", "retention_ns")
 
     def __init__(self, retention_ns: int, capacity: int) -> None:
         self.retention_ns = retention_ns
         self.capacity = capacity
         # request_id -> written_at_ns << VALUE_BITS | value, in write order.
         self.entries: dict[str, int] = {}
-        # (written_at_ns, request_id) in write order; stale when the id was deleted since, or
-        # rewritten at another time. A rewrite at the same log time leaves two entries that
-        # both match the id: the first one met retires it, no sooner by age (the same time)
-        # and at most a few places sooner by count (among ids written at that same time).
-        self._queue: deque[tuple[int, str]] = deque()
+        # Ids in write order, and beside them (``_times``) when each was written; an entry is
+        # stale when the id was deleted since, or rewritten at another time. A rewrite at the
+        # same log time leaves two entries that both match the id: the first one met retires
+        # it, no sooner by age (the same time) and at most a few places sooner by count (among
+        # ids written at that same time). Two deques, not one of pairs: a restore builds them
+        # from two lists without a tuple per id.
+        self._queue: deque[str] = deque()
+        self._times: deque[int] = deque()
         # When the oldest entry falls out of retention: callers skip prune() before then.
         self.due_ns: int = NEVER
         self.evicted = 0  # dropped for capacity before their time (an operator signal)
@@ -65,7 +69,8 @@ class RecentIds:
             del entries[request_id]  # re-insert so dict order stays write order
         entries[request_id] = now_ns << VALUE_BITS | value
         queue = self._queue
-        queue.append((now_ns, request_id))
+        queue.append(request_id)
+        self._times.append(now_ns)
         if len(entries) > self.capacity:
             self._pop_front(evicting=True)
             self._set_due()
@@ -94,14 +99,16 @@ class RecentIds:
 
     def oldest_ns(self) -> int | None:
         """When the oldest entry was written, or earlier (a stale entry's time); None if empty."""
-        queue = self._queue
-        return queue[0][0] if queue else None
+        times = self._times
+        return times[0] if times else None
 
     def _drop_before(self, cutoff: int, taken: list[str] | None) -> None:
         queue = self._queue
+        times = self._times
         entries = self.entries
-        while queue and queue[0][0] < cutoff:
-            at, request_id = queue.popleft()
+        while times and times[0] < cutoff:
+            at = times.popleft()
+            request_id = queue.popleft()
             packed = entries.get(request_id)
             if packed is not None and packed >> VALUE_BITS == at:
                 del entries[request_id]
@@ -115,18 +122,22 @@ class RecentIds:
     def _compact(self) -> None:
         """Drop the stale queue entries. It runs only when they outnumber the live ones, so
         it costs fewer steps than the entries it drops, each appended once: amortised O(1)."""
-        self._queue = deque((packed >> VALUE_BITS, rid) for rid, packed in self.entries.items())
+        entries = self.entries
+        self._queue = deque(entries)
+        self._times = deque([packed >> VALUE_BITS for packed in entries.values()])
         self._set_due()
 
     def _set_due(self) -> None:
-        queue = self._queue
-        self.due_ns = queue[0][0] + self.retention_ns if queue else NEVER
+        times = self._times
+        self.due_ns = times[0] + self.retention_ns if times else NEVER
 
     def _pop_front(self, evicting: bool) -> None:
         queue = self._queue
+        times = self._times
         entries = self.entries
         while queue:
-            at, request_id = queue.popleft()
+            at = times.popleft()
+            request_id = queue.popleft()
             packed = entries.get(request_id)
             if packed is not None and packed >> VALUE_BITS == at:
                 del entries[request_id]
@@ -144,5 +155,30 @@ class RecentIds:
         # In place: the owner keeps a reference to this dict.
         self.entries.clear()
         self.entries.update((rid, at << VALUE_BITS | value) for rid, value, at in items)
-        self._queue = deque((at, rid) for rid, _, at in items)
+        self._queue = deque([rid for rid, _, _ in items])
+        self._times = deque([at for _, _, at in items])
+        self._set_due()
+
+    def columns(self) -> tuple[list[str], bytes, list[int]]:
+        """The content as three columns, oldest first: the ids, their values (one byte each),
+        and the gaps between their write times (the first one's time first), which are small
+        numbers where the times are not: what a snapshot stores, compactly."""
+        entries = self.entries
+        times = [packed >> VALUE_BITS for packed in entries.values()]
+        gaps = times[:1] + [b - a for a, b in pairwise(times)]
+        return list(entries), bytes([packed & VALUE_MASK for packed in entries.values()]), gaps
+
+    def load_columns(self, ids: list[str], values: bytes, gaps: list[int]) -> None:
+        """Replace the content with :meth:`columns`' output, without an object per id beyond
+        the id and its packed entry (a restore of 250,000 ended ids)."""
+        if not len(ids) == len(values) == len(gaps):
+            raise ValueError("the columns of a memory differ in length")
+        times = list(accumulate(gaps))
+        self.entries.clear()
+        packed = [at << VALUE_BITS | v for at, v in zip(times, values, strict=True)]
+        self.entries.update(zip(ids, packed, strict=True))
+        if len(self.entries) != len(ids):
+            raise ValueError("an id twice in a memory")
+        self._queue = deque(ids)
+        self._times = deque(times)
         self._set_due()

@@ -18,11 +18,15 @@ from msgspec import Struct
 
 from seqstate.errors import SeqstateError
 from seqstate.publishers import MAX_PUBLISHERS
+from seqstate.recent import RecentIds
 from seqstate.sequences import ActiveSequences, RequestState
 from seqstate.state import SequenceState
 from seqstate.topology import WorkerDpRange, WorkerTopologyError
 
-SNAPSHOT_VERSION: Final = 1
+# Version 2 stores the remembered ids (tombstones, ended, removed workers) as columns (see
+# _Memory); a version 1 snapshot, with one (id, value, time) triple per id, still restores.
+SNAPSHOT_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)
 MAGIC: Final = b"SQST"
 
 
@@ -63,8 +67,16 @@ class _Departed(Struct, array_like=True):
 
 
 class _Memory(Struct, array_like=True):
+    """Remembered ids. Version 1: ``entries``, one (id, value, written_ns) each. Version 2:
+    ``entries`` empty and three columns (RecentIds.columns): decoding a list of strings, a byte
+    string and a list of small ints builds no tuple per id, which for the 250,000 ended ids a
+    busy writer keeps is most of a restart."""
+
     entries: list[tuple[str, int, int]]
     evicted: int
+    ids: list[str] = []
+    values: bytes = b""
+    gaps: list[int] = []
 
 
 class _State(Struct, array_like=True):
@@ -159,8 +171,8 @@ def encode_state(state: SequenceState) -> bytes:
         state.now_ns,
         [(w.worker_id, w.dp_start, w.dp_size) for w in state.workers.ranges.values()],
         slots,
-        _Memory(list(state.tombstones.items()), state.tombstones.evicted),
-        _Memory(list(state.ended.items()), state.ended.evicted),
+        _memory(state.tombstones),
+        _memory(state.ended),
         state.counters,
         state.forget_lazy_after_s,
         [(w, r, since) for (w, r), since in state.idle_since.items()],
@@ -185,10 +197,28 @@ def _removed(state: SequenceState) -> _Memory | None:
     removed = state.removed_workers
     if not removed.entries and not removed.evicted:
         return None  # as a snapshot from before them has it
-    return _Memory(list(removed.items()), removed.evicted)
+    return _memory(removed)
 
 
-def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
+def _memory(ids: RecentIds) -> _Memory:
+    return _Memory([], ids.evicted, *ids.columns())
+
+
+def _load_memory(ids: RecentIds, memory: _Memory, version: int) -> None:
+    if version == 1:
+        if memory.ids or memory.values or memory.gaps:
+            raise ValueError("a version 1 memory with columns")
+        ids.load(memory.entries)
+    elif memory.entries:
+        raise ValueError(f"a version {version} memory with entries")
+    else:
+        ids.load_columns(memory.ids, memory.values, memory.gaps)
+    ids.evicted = memory.evicted
+
+
+def decode_state(data: bytes | bytearray | memoryview, *, registry: bool = True) -> SequenceState:
+    """The state ``data`` holds; ``registry=False`` leaves its registry unbuilt and deferred
+    (:meth:`SequenceState.defer_registry`), for a writer that never reads it."""
     raw = bytes(data)
     if not raw.startswith(MAGIC):
         raise SnapshotError("not a seqstate snapshot (bad magic)")
@@ -198,12 +228,13 @@ def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
         raise SnapshotError(f"damaged snapshot: {exc}") from None
     except RecursionError:  # an unknown field's value nested past the recursion limit
         raise SnapshotError("damaged snapshot: nested too deeply") from None
-    if body.version != SNAPSHOT_VERSION:
+    if body.version not in READABLE_VERSIONS:
         raise SnapshotError(
-            f"snapshot version {body.version} is not readable (this build reads {SNAPSHOT_VERSION})"
+            f"snapshot version {body.version} is not readable (this build reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))})"
         )
     try:
-        return _rebuild(body)
+        return _rebuild(body, registry)
     except (
         KeyError,
         ValueError,
@@ -215,7 +246,7 @@ def decode_state(data: bytes | bytearray | memoryview) -> SequenceState:
         raise SnapshotError(f"inconsistent snapshot: {exc!r}") from None
 
 
-def _rebuild(body: _State) -> SequenceState:
+def _rebuild(body: _State, registry: bool) -> SequenceState:
     state = SequenceState(
         body.expiry_s,
         body.lazy_workers,
@@ -242,17 +273,18 @@ def _rebuild(body: _State) -> SequenceState:
         for dp_rank in worker.ranks():
             if (worker.worker_id, dp_rank) not in state.workers.slots:
                 raise ValueError(f"registered rank {(worker.worker_id, dp_rank)} has no slot")
-    state.tombstones.load(body.tombstones.entries)
-    state.tombstones.evicted = body.tombstones.evicted
-    state.ended.load(body.ended.entries)
-    state.ended.evicted = body.ended.evicted
+    _load_memory(state.tombstones, body.tombstones, body.version)
+    _load_memory(state.ended, body.ended, body.version)
     state.counters.update(body.counters)
     state.idle_since = {(w, r): since for w, r, since in body.idle_since}
     _restore_leases(state, body)
     state.routers = dict(body.routers)
     _restore_publishers(state, body)
-    for delta in state.projection():
-        state.registry.apply(delta)
+    if registry:
+        for delta in state.projection():
+            state.registry.apply(delta)
+    else:
+        state.defer_registry()
     return state
 
 
@@ -270,13 +302,13 @@ def _restore_leases(state: SequenceState, body: _State) -> None:
     if any(a > b for a, b in pairwise(times)):
         raise ValueError("the leases are not in time order")
     if body.removed_workers is not None:
-        for key, _, _ in body.removed_workers.entries:
+        removed = body.removed_workers
+        for key in removed.ids if body.version > 1 else [k for k, _, _ in removed.entries]:
             if not key.isdigit() or str(int(key)) != key:
                 raise ValueError(f"a removed worker {key!r} that is no worker id")
             if int(key) in state.workers.by_worker or int(key) in state.departures:
                 raise ValueError(f"worker {key} both removed for good and present")
-        state.removed_workers.load(body.removed_workers.entries)
-        state.removed_workers.evicted = body.removed_workers.evicted
+        _load_memory(state.removed_workers, body.removed_workers, body.version)
 
 
 def _restore_publishers(state: SequenceState, body: _State) -> None:

@@ -793,11 +793,15 @@ class SequenceState:
         return encode_state(self)
 
     @classmethod
-    def restore(cls, data: bytes | bytearray | memoryview) -> SequenceState:
-        """Rebuild a state, registry included, from :meth:`snapshot` bytes."""
+    def restore(
+        cls, data: bytes | bytearray | memoryview, *, registry: bool = True
+    ) -> SequenceState:
+        """Rebuild a state, registry included, from :meth:`snapshot` bytes. ``registry=False``:
+        without it, deferred as :meth:`defer_registry` leaves it (a writer, which never reads
+        it, skips building the hash index of every live request), until :meth:`sync_registry`."""
         from seqstate.snapshot import decode_state
 
-        return decode_state(data)
+        return decode_state(data, registry=registry)
 
     def projection(self) -> list[Delta]:
         """Deltas that build this state's read model from an empty registry.

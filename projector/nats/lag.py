@@ -67,6 +67,10 @@ from seqstate.dynamo import CAPTURED
 
 REPEAT_S = 60.0  # while behind, the warning is repeated this often
 CAUGHT_UP = 0.1  # caught up again: under this share of each threshold
+# While a consumer is further behind than /readyz allows (a start folding a backlog), its lag
+# is looked up this often instead of every lag_check_s: it is seen ready once it is, not up to
+# lag_check_s (2 s) later. A few small reads per look, only until it has caught up.
+CATCHING_UP_CHECK_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,8 @@ class WatchSettings(LagLimits, Protocol):
     def namespace(self) -> str: ...
     @property
     def lag_check_s(self) -> float: ...
+    @property
+    def ready_lag_events(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,9 @@ class LagSettings:
     behind_warn_events: int | None
     behind_warn_s: float | None
     lag_check_s: float
+    # How far behind /readyz allows (Config.ready_lag_events): while further behind, the lag is
+    # looked up every CATCHING_UP_CHECK_S. None: every lag_check_s, whatever it finds.
+    ready_lag_events: int | None = None
 
 
 def thresholds(config: LagLimits) -> str:
@@ -399,15 +408,24 @@ class LagWatch:
         return lag
 
     async def run(self) -> None:
-        """Check at once, then every ``lag_check_s``, until cancelled; a failed measurement
-        (the server away) is counted and tried again at the next check."""
+        """Check at once, then every ``lag_check_s`` (sooner while catching up), until
+        cancelled; a failed measurement (the server away) is counted and tried again at the
+        next check."""
         while True:
             try:
                 await self.check()
             except (TimeoutError, nats.errors.Error) as exc:
                 self.failures += 1
                 self._log.debug("%s lag not measured: %r", self.who, exc, extra=self._context)
-            await asyncio.sleep(self.config.lag_check_s)
+            await asyncio.sleep(self._next_check_s())
+
+    def _next_check_s(self) -> float:
+        """``lag_check_s``; sooner while the last measurement found the consumer further
+        behind than ``/readyz`` allows (see CATCHING_UP_CHECK_S)."""
+        every, ready = self.config.lag_check_s, self.config.ready_lag_events
+        if ready is not None and self.lag.measured_ns and self.lag.behind_events > ready:
+            return min(every, CATCHING_UP_CHECK_S)
+        return every
 
     def _judge(self, lag: Lag, now: float) -> None:
         if not self.behind:

@@ -102,6 +102,7 @@ def lag_settings(config: Config) -> LagSettings:
         behind_warn_events=config.behind_warn_events,
         behind_warn_s=config.behind_warn_s,
         lag_check_s=config.lag_check_s,
+        ready_lag_events=config.ready_lag_events,
     )
 
 

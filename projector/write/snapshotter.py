@@ -118,11 +118,14 @@ class Snapshotter:
         if self.store is not None:
             await self.store.open()
 
-    async def restore(self, at_most_seq: int) -> tuple[SequenceState, SnapshotInfo] | None:
-        """The newest valid snapshot at or before ``at_most_seq``, whose deltas are all stored."""
+    async def restore(
+        self, at_most_seq: int, *, registry: bool = True
+    ) -> tuple[SequenceState, SnapshotInfo] | None:
+        """The newest valid snapshot at or before ``at_most_seq``, whose deltas are all stored
+        (``registry=False``: its registry left deferred, unbuilt)."""
         if self.store is None:
             return None
-        found = await self.store.newest_valid(at_most_seq=at_most_seq)
+        found = await self.store.newest_valid(at_most_seq=at_most_seq, registry=registry)
         if found is None:
             return None
         _, info = found

@@ -301,7 +301,9 @@ class Writer(LagWatched):
 
     async def _restore(self) -> None:
         """Start from the newest valid snapshot whose deltas are all on the DELTAS stream."""
-        found = await self.snapshotter.restore(at_most_seq=self._published_up_to)
+        found = await self.snapshotter.restore(
+            at_most_seq=self._published_up_to, registry=self.settings.keep_registry
+        )
         if found is None:
             return
         state, info = found

@@ -122,12 +122,24 @@ async def damage(store: SnapshotStore, name: str, data: bytes, **meta_changes: o
     await store.store.put(name, data, meta=api.ObjectMeta(name=name, description=description))
 
 
+async def lose_a_chunk(nc: Client, store: SnapshotStore, name: str) -> None:
+    """Delete the object's second chunk from the object store's stream."""
+    bucket = store.config.snapshot_bucket
+    stream, chunks = f"OBJ_{bucket}", f"$O.{bucket}.C.{(await store.store.get_info(name)).nuid}"
+    js = nc.jetstream()
+    first = await js.get_msg(stream, seq=1, subject=chunks, next=True)
+    assert first.seq is not None
+    second = await js.get_msg(stream, seq=first.seq + 1, subject=chunks, next=True)
+    assert second.seq is not None and await js.delete_msg(stream, second.seq)
+
+
 @pytest.mark.parametrize(
     ("how", "reason"),
     [
         ("flipped", "snapshot"),
         ("truncated", "snapshot"),
         ("incompatible", "version 99"),
+        ("chunk lost", "2 of 3 chunks stored"),
     ],
 )
 async def test_a_damaged_snapshot_is_skipped_with_its_reason(
@@ -150,6 +162,9 @@ async def test_a_damaged_snapshot_is_skipped_with_its_reason(
         await damage(store, names[-1], good[:40] + bytes([good[40] ^ 0xFF]) + good[41:])
     elif how == "truncated":
         await damage(store, names[-1], good[: len(good) // 2])
+    elif how == "chunk lost":
+        await damage(store, names[-1], good + bytes(300_000))  # three chunks of 128 kB at most
+        await lose_a_chunk(nc, store, names[-1])
     else:
         await damage(store, names[-1], good, snapshot_version=99)
     third = await publish(pub, workload("e", 3))
