@@ -561,17 +561,17 @@ class _Connection(asyncio.Protocol):
     # ---- answering in order -----------------------------------------------------------------
 
     def advance(self) -> None:
-        """Write what is answered at the front, then submit what may begin now: a call once
-        every call before it has begun (so their effects are ordered), a read once every
-        call before it is answered. Re-entered by a handler that answers at once: the outer
-        loop goes on instead."""
+        """Submit what may begin now: a call once every call before it has begun (so their
+        effects are ordered), a read once every call before it is answered; then write what
+        is answered at the front, in one write (pipelined reads answered at once go out
+        together; the parser takes no request after one that closes the connection).
+        Re-entered by a handler that answers at once: the outer loop goes on instead."""
         if self._advancing:
             return
         self._advancing = True
         try:
             progress = True
             while progress:
-                self._write_answered()
                 progress = False
                 waiting = self.waiting
                 if (
@@ -594,6 +594,7 @@ class _Connection(asyncio.Protocol):
                         log.exception("call %s %s failed", call.method, call.path)  # no body
                         call.answer(500, {"error": "internal error"})
                     progress = True
+            self._write_answered()
         finally:
             self._advancing = False
         if self.paused:  # a call begun lets its body go: perhaps reading may go on

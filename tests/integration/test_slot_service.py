@@ -235,9 +235,12 @@ async def test_reads_through_a_process_without_the_lease_share_one_lookup(
         tracker = two.trackers[namespace_for("a", "default", config.namespace)]
         assert not tracker.standby.active.is_set()  # one holds the lease (it registered)
         lookups: list[str] = []
+        inbox = bytes(two.nc._resp_sub_prefix or b"").decode()  # two's requests' replies
+        assert inbox.startswith("_INBOX.")
 
         async def count(msg: Any) -> None:
-            lookups.append(msg.subject)
+            if msg.reply.startswith(inbox):  # not another process's (a writer's lag watch)
+                lookups.append(msg.subject)
 
         sub = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{config.events_stream}", cb=count)
         add = {**m, "request_id": "x", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [5, 6]}
