@@ -292,6 +292,7 @@ class _Connection(asyncio.Protocol):
         self.not_begun = 0  # submitted calls not begun yet
         self.not_answered = 0  # submitted calls not answered yet
         self._advancing = False
+        self._feeding = False  # parsing what was read: answers are written after it
         self.paused = False  # not reading: too many calls in flight, or output not drained
         self.reading = True  # the transport's own state (paused or not)
         self.writing_paused = False  # the transport's buffer is over its high-water mark
@@ -362,6 +363,16 @@ class _Connection(asyncio.Protocol):
     # ---- reading, bounded -------------------------------------------------------------------
 
     def _feed(self, data: bytes | memoryview) -> None:
+        """Parse ``data``; the answers it gets at once (pipelined reads) go out in one write
+        at the end, not one each."""
+        self._feeding = True
+        try:
+            self._parse(data)
+        finally:
+            self._feeding = False
+        self._write_answered()
+
+    def _parse(self, data: bytes | memoryview) -> None:
         """Parse ``data`` a piece at a time: a head's bytes are counted as they come, so none
         grows past ``MAX_HEAD`` in the parser (httptools keeps a header it has not finished);
         a body of a known length is fed to its end. Once reading is paused, what is left is
@@ -594,7 +605,8 @@ class _Connection(asyncio.Protocol):
                         log.exception("call %s %s failed", call.method, call.path)  # no body
                         call.answer(500, {"error": "internal error"})
                     progress = True
-            self._write_answered()
+            if not self._feeding:  # else once the data read is parsed
+                self._write_answered()
         finally:
             self._advancing = False
         if self.paused:  # a call begun lets its body go: perhaps reading may go on
