@@ -26,7 +26,8 @@ machine. This script measures both, with one load generator, in one run:
     id; an add and a free are two calls; at 1 connection (with each call's latency), 16 and 64
     connections (one request in flight on each), and pipelined (one connection, ``--depth``
     requests in flight, a free right behind its add);
-  - ``loads``: GET /loads at 16 connections and pipelined.
+  - ``loads``: GET /loads?model_name=bench (what a scheduler asks) at 16 connections and
+    pipelined.
 
   Every status is checked (add 201, free 200, loads 200); any other is an error, reported, and
   makes the exit status 1. A measurement stops issuing at its deadline, at a pair's boundary
