@@ -154,6 +154,7 @@ class OwnFold:
                     self.nc, entry.subject, entry.payload, self._prefix + msg_id, msg_id
                 )
             except (nats.errors.Error, OSError) as exc:
+                entry.acked = True  # no ack to wait for
                 self.writer.forget_fold(msg_id)
                 if self._waiting.pop(msg_id, None) is not None:
                     entry.failed(0, f"not sent: {describe(exc)}")
