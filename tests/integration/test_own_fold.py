@@ -294,3 +294,32 @@ async def test_concurrent_calls_go_out_by_group_commit_each_answered_by_its_own_
     for a, got, (_, outcome) in zip(adds, answers, stored, strict=True):
         assert got == answer("/add", msgspec.convert(a, AddBody), outcome)
     assert sorted({status for status, _ in answers}) == [201, 404]
+
+
+async def test_the_projector_beside_the_writer_asks_the_server_nothing_per_delta(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """The lease holder's projector checks that each delta names an event the events stream
+    holds. The writer beside it folded that event from the stream, so it asks the server
+    nothing: 40 calls one after another, each its own delta message, and no request for the
+    events stream's info (the ticks and lag checks, which read it too, are set far apart)."""
+    config = fresh_config("op", idle_tick_s=3600.0, tick_every_s=3600.0, lag_check_s=3600.0)
+    async with serving(nats_server.url, config) as service:
+        await _registered_and_holding(service)
+        tracker = service.trackers[namespace_for(M, "default", config.namespace)]
+        lookups: list[str] = []
+
+        async def count(msg: Any) -> None:
+            lookups.append(msg.subject)
+
+        sub = await nc.subscribe(f"$JS.API.STREAM.INFO.{config.events_stream}", cb=count)
+        await nc.flush()
+        for i in range(40):
+            add = {"model_name": M, "request_id": f"p{i}", "worker_id": 1, "dp_rank": 0}
+            assert (await post(service, "/add", **add, sequence_hashes=[i]))[0] == 201
+        pipeline = tracker.standby.pipeline
+        assert pipeline is not None
+        await tracker.view.wait_for(pipeline.writer.stats.last_seq, 10)  # every delta applied
+        await nc.flush()
+        await sub.unsubscribe()
+        assert lookups == []
