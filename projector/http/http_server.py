@@ -106,10 +106,11 @@ CHALLENGE = 'Bearer realm="seqstate"'
 class Encoded:
     """A JSON body encoded already (a read answered from a cache): written as it is."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "ok")
 
     def __init__(self, data: bytes) -> None:
         self.data = data
+        self.ok = b""  # its whole 200 response once made (a read answered again and again)
 
 
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
@@ -123,6 +124,14 @@ def response(
     allow: str | None = None,
     challenge: str | None = None,
 ) -> bytes:
+    if type(payload) is Encoded and status == 200 and not close:  # allow, challenge: never
+        if not payload.ok:
+            payload.ok = _STATUS_LINES[200] + b"content-length: %d\r\n%b\r\n%b" % (
+                len(payload.data),
+                b"content-type: application/json\r\n",
+                payload.data,
+            )
+        return payload.ok
     if payload is None:
         body = b""
     elif type(payload) is Encoded:
@@ -244,6 +253,27 @@ class _Refused(SeqstateError):
 
 
 HEAD, BODY, BETWEEN = range(3)  # where a connection is in its current request
+TARGETS_KEPT = 256  # request targets whose parse is remembered (a scheduler polls one URL)
+_targets: dict[bytes, tuple[str, dict[str, str]]] = {}
+
+
+def _target(url: bytes) -> tuple[str, dict[str, str]]:
+    """A request target's path and query. A poller asks the same URL over and over
+    (``/loads?model_name=...``): its parse is remembered, and each call gets a copy of the
+    query (a handler may keep it)."""
+    known = _targets.get(url)
+    if known is not None:
+        return known[0], known[1].copy()
+    if b"?" in url or b"#" in url or not url.startswith(b"/"):
+        parsed = httptools.parse_url(url)
+        path = parsed.path.decode("utf-8", "replace")
+        query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
+    else:  # the common case: a plain path, no parse needed
+        path, query = url.decode("utf-8", "replace"), {}
+    if len(_targets) >= TARGETS_KEPT:
+        _targets.clear()
+    _targets[url] = (path, query)
+    return path, query.copy()
 
 
 class _Connection(asyncio.Protocol):
@@ -262,6 +292,7 @@ class _Connection(asyncio.Protocol):
         self.not_begun = 0  # submitted calls not begun yet
         self.not_answered = 0  # submitted calls not answered yet
         self._advancing = False
+        self._feeding = False  # parsing what was read: answers are written after it
         self.paused = False  # not reading: too many calls in flight, or output not drained
         self.reading = True  # the transport's own state (paused or not)
         self.writing_paused = False  # the transport's buffer is over its high-water mark
@@ -332,6 +363,16 @@ class _Connection(asyncio.Protocol):
     # ---- reading, bounded -------------------------------------------------------------------
 
     def _feed(self, data: bytes | memoryview) -> None:
+        """Parse ``data``; the answers it gets at once (pipelined reads) go out in one write
+        at the end, not one each."""
+        self._feeding = True
+        try:
+            self._parse(data)
+        finally:
+            self._feeding = False
+        self._write_answered()
+
+    def _parse(self, data: bytes | memoryview) -> None:
         """Parse ``data`` a piece at a time: a head's bytes are counted as they come, so none
         grows past ``MAX_HEAD`` in the parser (httptools keeps a header it has not finished);
         a body of a known length is fed to its end. Once reading is paused, what is left is
@@ -517,13 +558,7 @@ class _Connection(asyncio.Protocol):
             data = response(401, UNAUTHORIZED, close=close, challenge=CHALLENGE)
             self._queue_now(data[: data.index(b"\r\n\r\n") + 4] if head_only else data, close)
             return
-        url = self.url
-        if b"?" in url or b"#" in url or not url.startswith(b"/"):
-            parsed = httptools.parse_url(url)
-            path = parsed.path.decode("utf-8", "replace")
-            query = dict(parse_qsl((parsed.query or b"").decode("utf-8", "replace")))
-        else:  # the common case: a plain path, no parse needed
-            path, query = url.decode("utf-8", "replace"), {}
+        path, query = _target(self.url)
         method = self.parser.get_method().decode("ascii", "replace")
         body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
         call = Call(self, method, path, query, self.content_type, body, close)
@@ -537,17 +572,17 @@ class _Connection(asyncio.Protocol):
     # ---- answering in order -----------------------------------------------------------------
 
     def advance(self) -> None:
-        """Write what is answered at the front, then submit what may begin now: a call once
-        every call before it has begun (so their effects are ordered), a read once every
-        call before it is answered. Re-entered by a handler that answers at once: the outer
-        loop goes on instead."""
+        """Submit what may begin now: a call once every call before it has begun (so their
+        effects are ordered), a read once every call before it is answered; then write what
+        is answered at the front, in one write (pipelined reads answered at once go out
+        together; the parser takes no request after one that closes the connection).
+        Re-entered by a handler that answers at once: the outer loop goes on instead."""
         if self._advancing:
             return
         self._advancing = True
         try:
             progress = True
             while progress:
-                self._write_answered()
                 progress = False
                 waiting = self.waiting
                 if (
@@ -570,22 +605,32 @@ class _Connection(asyncio.Protocol):
                         log.exception("call %s %s failed", call.method, call.path)  # no body
                         call.answer(500, {"error": "internal error"})
                     progress = True
+            if not self._feeding:  # else once the data read is parsed
+                self._write_answered()
         finally:
             self._advancing = False
         if self.paused:  # a call begun lets its body go: perhaps reading may go on
             self._maybe_resume()
 
     def _write_answered(self) -> None:
+        """Every answer at the front in one write: pipelined calls answered together cost one
+        send, not one each."""
         calls, transport = self.calls, self.transport
-        wrote = False
-        while calls and calls[0].state == ANSWERED and transport is not None:
+        if transport is None or not calls or calls[0].state != ANSWERED:
+            return
+        out = []
+        closing = False
+        while calls and calls[0].state == ANSWERED:
             call = calls.popleft()
-            transport.write(call.data)
-            wrote = True
+            out.append(call.data)
             if call.close:
-                self._close_after(transport)
-                return
-        if wrote and self.paused:
+                closing = True
+                break
+        transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if closing:
+            self._close_after(transport)
+            return
+        if self.paused:
             self._maybe_resume()
 
     def _close_after(self, transport: asyncio.Transport) -> None:

@@ -55,6 +55,7 @@ from projector.http.serde_errors import (
     error_for_accepted,
     extractor_error,
 )
+from projector.http.shared_lookup import SharedLookup
 from projector.http.slot_api import (
     OK,
     AddBody,
@@ -209,6 +210,8 @@ class _Tracker:
     # While this process holds the lease: its calls, answered by its writer's fold.
     own: OwnFold | None = None
     opening_own: bool = False
+    # Where it does not: what a read must reflect, found once for the reads that wait together.
+    newest: SharedLookup | None = None
     calls: int = 0  # calls in flight on it: it is never stopped under them
     ended: bool = False  # the bucket showed no tracker when last looked: stop it once idle
     stopped: bool = False
@@ -621,6 +624,8 @@ class SlotService:
         if tracker.own is not None:
             own, tracker.own = tracker.own, None
             await own.close(why)
+        if tracker.newest is not None:
+            await tracker.newest.close()
         await cancel_all([tracker.task], None)
         await tracker.outcomes.stop()
         await tracker.view.stop()
@@ -943,6 +948,8 @@ class SlotService:
                 event = request_event(path, parsed, worker, rank)
             else:
                 event = event_for(parsed)
+            if tracker.own is not None:  # the calls gathered for its group commit go first
+                tracker.own.flush()
             seq = await tracker.publisher.publish(event)
         except (EventTooLarge, PublishError) as exc:
             await self._finished(tracker, parsed)
@@ -1040,16 +1047,23 @@ class SlotService:
         Any call answered anywhere was folded by the lease holder first (its own fold answers
         it, or its outcome does). The holder's writer has folded it then; elsewhere the
         namespace's newest stored event is asked for, and its outcome waited for, which comes
-        only after every event before it was folded.
+        only after every event before it was folded: one lookup for every read that waits
+        together (:mod:`.shared_lookup`), none per read.
         """
         config = tracker.config
         target = self._answered.get(config.namespace, 0)
         pipeline = tracker.standby.pipeline
         if pipeline is not None and tracker.standby.active.is_set():
             return max(target, pipeline.writer.deltas.appended)
-        stored = await last_seq_of(self._js, config.events_stream, config.events_subjects)
-        await tracker.outcomes.folded(stored, self.outcome_wait_s)
+        if tracker.newest is None:
+            tracker.newest = SharedLookup(lambda: self._newest_folded(config, tracker.outcomes))
+        await tracker.newest.wait()
         return max(target, tracker.outcomes.named)
+
+    async def _newest_folded(self, config: Config, outcomes: Outcomes) -> None:
+        """Until the namespace's newest stored event, asked now, is folded (its outcome seen)."""
+        stored = await last_seq_of(self._js, config.events_stream, config.events_subjects)
+        await outcomes.folded(stored, self.outcome_wait_s)
 
     def _unknown(self, model: str | None, group: str | None) -> str | None:
         """The namespace a read names whole (model and group) if this process does not serve

@@ -161,9 +161,15 @@ class Projector(LagWatched):
         lag: WatchSettings,
         measure_lag: Callable[[int, int], Awaitable[Lag]],
         held_lease: Lease | None = None,
+        stored_up_to: Callable[[], int] | None = None,
     ) -> None:
         self.nc = nc
         self._held_lease = held_lease
+        # Where a writer runs beside it: the last event that writer folded, which the events
+        # stream holds (a writer folds only what it read there). A delta naming no later
+        # event needs no look at the stream: without it, nearly every delta message asked
+        # the server for the stream's info, a round trip per call at one connection.
+        self._stored_up_to = stored_up_to
         self._make_lease = lease
         self.settings = settings
         self.lease: Lease | None = None  # every write of the bucket checks it first
@@ -406,6 +412,8 @@ class Projector(LagWatched):
         prev = int(raw or 0)
         seqs = [d.seq for d in deltas]
         last = seqs[-1] if seqs else prev
+        if last is not None and last > self._events_last and self._stored_up_to is not None:
+            self._events_last = max(self._events_last, self._stored_up_to())
         if last is not None and last > self._events_last:
             stream = self.settings.events_stream
             info = await retrying(

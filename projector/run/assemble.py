@@ -202,10 +202,12 @@ def build_projector(
     lease_ttl_s: float = DEFAULT_TTL_S,
     lease_renew_s: float | None = None,
     held_lease: Lease | None = None,
+    stored_up_to: Callable[[], int] | None = None,
 ) -> Projector:
     """The namespace's projector. ``lease_ttl_s``: how long a SIGKILLed projector on another
     machine keeps a successor waiting; ``lease_renew_s`` (a third of it by default): how often
-    the lease is renewed; ``held_lease``: one the caller holds already (a standby's)."""
+    the lease is renewed; ``held_lease``: one the caller holds already (a standby's);
+    ``stored_up_to``: the last event a writer in this process folded (the stream holds it)."""
     js: JetStreamContext = nc.jetstream()
 
     def lease(on_lost: Callable[[LeaseLost], None]) -> Lease:
@@ -229,4 +231,5 @@ def build_projector(
         lag=lag_settings(config),
         measure_lag=measure_lag,
         held_lease=held_lease,
+        stored_up_to=stored_up_to,
     )

@@ -122,8 +122,10 @@ class Pipeline:
     ) -> None:
         self.nc = nc
         self.config = config
-        self.writer = build_writer(nc, config)
-        self.projector = build_projector(nc, config, held_lease=held_lease)
+        self.writer = writer = build_writer(nc, config)
+        self.projector = build_projector(
+            nc, config, held_lease=held_lease, stored_up_to=lambda: writer.stats.last_seq
+        )
         self._start_timeout = start_timeout
         self._tasks: list[asyncio.Task[None]] = []
 

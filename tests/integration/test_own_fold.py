@@ -27,6 +27,7 @@ from projector.nats.server import NatsServer
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID
 from seqstate import Fold, Refusal
+from seqstate.events import decode_event
 
 M = "m/own"
 WORKERS = 3
@@ -251,3 +252,74 @@ async def test_a_server_restart_mid_run_leaves_the_answers_and_loads_a_replay_of
                 await service.stop()
     finally:
         await asyncio.to_thread((again or server).stop)
+
+
+async def test_concurrent_calls_go_out_by_group_commit_each_answered_by_its_own_fold(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """Calls that come while the lease holder's last events wait for their acks gather and go
+    out together, in the order they came, each answered from its own event's fold: 64 adds
+    begun at once are two group commits (the first alone, at once; the other 63 together)."""
+    config = fresh_config("og")
+    async with serving(nats_server.url, config) as service:
+        await _registered_and_holding(service)
+        own = service.trackers[namespace_for(M, "default", config.namespace)].own
+        assert own is not None
+        before = own.commits, own.committed
+        adds = [
+            {
+                "model_name": M,
+                "request_id": f"g{i}",
+                "worker_id": i % (WORKERS + 1),  # one worker is never registered: 404s
+                "dp_rank": 0,
+                "sequence_hashes": [i, i + 1],
+                "new_isl_tokens": 16,
+            }
+            for i in range(64)
+        ]
+        answers = await asyncio.gather(
+            *(service.call("POST", "/add", {}, JSON, msgspec.json.encode(a)) for a in adds)
+        )
+        assert (own.commits - before[0], own.committed - before[1]) == (2, 64)
+    tracker = _tracker_config(config)
+    fold = Fold(tracker.new_state(), tracker.fold_rules)
+    stored = []
+    for seq, at_ns, subject, data in await read_events(nc, tracker):
+        verdict = fold(seq, at_ns, subject, data)
+        rid = getattr(decode_event(data), "request_id", "")
+        if rid.startswith("g"):
+            assert type(verdict) is not Refusal, verdict
+            stored.append((rid, verdict.outcome))
+    assert [rid for rid, _ in stored] == [a["request_id"] for a in adds]  # in the calls' order
+    for a, got, (_, outcome) in zip(adds, answers, stored, strict=True):
+        assert got == answer("/add", msgspec.convert(a, AddBody), outcome)
+    assert sorted({status for status, _ in answers}) == [201, 404]
+
+
+async def test_the_projector_beside_the_writer_asks_the_server_nothing_per_delta(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """The lease holder's projector checks that each delta names an event the events stream
+    holds. The writer beside it folded that event from the stream, so it asks the server
+    nothing: 40 calls one after another, each its own delta message, and no request for the
+    events stream's info (the ticks and lag checks, which read it too, are set far apart)."""
+    config = fresh_config("op", idle_tick_s=3600.0, tick_every_s=3600.0, lag_check_s=3600.0)
+    async with serving(nats_server.url, config) as service:
+        await _registered_and_holding(service)
+        tracker = service.trackers[namespace_for(M, "default", config.namespace)]
+        lookups: list[str] = []
+
+        async def count(msg: Any) -> None:
+            lookups.append(msg.subject)
+
+        sub = await nc.subscribe(f"$JS.API.STREAM.INFO.{config.events_stream}", cb=count)
+        await nc.flush()
+        for i in range(40):
+            add = {"model_name": M, "request_id": f"p{i}", "worker_id": 1, "dp_rank": 0}
+            assert (await post(service, "/add", **add, sequence_hashes=[i]))[0] == 201
+        pipeline = tracker.standby.pipeline
+        assert pipeline is not None
+        await tracker.view.wait_for(pipeline.writer.stats.last_seq, 10)  # every delta applied
+        await nc.flush()
+        await sub.unsubscribe()
+        assert lookups == []

@@ -4,6 +4,7 @@ and two serving processes on one stream answering alike."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
 from projector.http.slot_service import SlotService
+from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
 from projector.wire.config import Config
 
@@ -215,3 +217,38 @@ async def test_two_serving_processes_on_one_stream_answer_alike(
         assert both[0] == both[1]
         assert loads(both[0][1]) == [("a", 1, 0, 0, 2), ("b", 9, 0, 30, 1)]
         assert (await get(one, "/workers")) == (await get(two, "/workers"))
+
+
+async def test_reads_through_a_process_without_the_lease_share_one_lookup(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """A process that does not hold a tracker's lease asks the server for the newest stored
+    event before a read (read-your-writes across processes), but not once per read: reads
+    that come while one lookup is out share the next. 40 reads begun at once make two
+    lookups, and each still reflects the write another process answered just before."""
+    config = fresh_config("sl")
+    m = {"model_name": "a", "routing_group": "default"}
+    async with serving(nats_server.url, config) as one, serving(nats_server.url, config) as two:
+        register = {**m, "worker_id": 1, "block_size": 16, "dp_start": 0, "dp_size": 1}
+        assert (await post(one, "/register", **register))[0] == 201
+        assert (await get(two, "/loads", **m))[0] == 200  # two serves the tracker too
+        tracker = two.trackers[namespace_for("a", "default", config.namespace)]
+        assert not tracker.standby.active.is_set()  # one holds the lease (it registered)
+        lookups: list[str] = []
+        inbox = bytes(two.nc._resp_sub_prefix or b"").decode()  # two's requests' replies
+        assert inbox.startswith("_INBOX.")
+
+        async def count(msg: Any) -> None:
+            if msg.reply.startswith(inbox):  # not another process's (a writer's lag watch)
+                lookups.append(msg.subject)
+
+        sub = await nc.subscribe(f"$JS.API.STREAM.MSG.GET.{config.events_stream}", cb=count)
+        add = {**m, "request_id": "x", "worker_id": 1, "dp_rank": 0, "sequence_hashes": [5, 6]}
+        assert (await post(one, "/add", **add, new_isl_tokens=40))[0] == 201
+        answers = await asyncio.gather(*(get(two, "/loads", **m) for _ in range(40)))
+        await nc.flush()
+        await sub.unsubscribe()
+        assert {(status, str(loads(rows))) for status, rows in answers} == {
+            (200, str([("a", 1, 0, 40, 2)]))
+        }
+        assert len(lookups) == 2
