@@ -111,11 +111,13 @@ class OwnFold:
         self._waiting[msg_id] = entry
         self._deadlines.append((deadline, msg_id))
 
-        def on_fold(seq: int, verdict: Verdict | None) -> None:
+        def on_fold(seq: int, verdict: Verdict | list[Verdict] | None) -> None:
             if self._waiting.pop(msg_id, None) is None:
                 return
             if verdict is None:
                 entry.failed(entry.seq, "the lease holder's writer stopped before it folded it")
+            elif isinstance(verdict, list):  # it sent one event: a batch is not its message
+                entry.failed(seq, "a record batch was stored under this call's message id")
             else:
                 entry.folded(seq, verdict)
 
