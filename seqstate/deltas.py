@@ -146,6 +146,9 @@ class Delta(Struct, omit_defaults=True):
     # A Dynamo message that came after a hole in its publisher's sequence: which publisher,
     # and how many messages are missing (the writer logs and counts it).
     hole: Hole | None = None
+    # The event's index in its record batch (seqstate.batches), whose events share ``seq``:
+    # what a tool asks the outcome of an event of a batch by. 0 (so not written) alone.
+    index: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -235,7 +238,8 @@ class _Cutter:
         self.entry: RankChange | None = None  # the change being filled in the current part
 
     def _fresh(self) -> Delta:
-        return Delta(self.delta.outcome, self.delta.at_ns, seq=self.delta.seq)
+        delta = self.delta
+        return Delta(delta.outcome, delta.at_ns, seq=delta.seq, index=delta.index)
 
     def _fit(self, cost: int) -> None:
         """Make room for a piece of ``cost`` bytes, starting a new part if needed."""

@@ -59,6 +59,7 @@ rules and the message.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
@@ -152,6 +153,22 @@ def event_of(subject: str, payload: bytes | bytearray | memoryview) -> Event:
     if is_dynamo_subject(subject):
         return core_event(decode_dynamo(payload))
     return decode_event(payload)
+
+
+def events_of(
+    subject: str, payload: bytes | bytearray | memoryview
+) -> list[tuple[int | None, Event]]:
+    """The seqstate events a stored message is, for a tool: ``[(None, event)]`` of a message
+    of one event, ``(index, event)`` of each event of a record batch that decodes (the others
+    are passed over); raises :class:`~seqstate.events.EventDecodeError` for bytes that are
+    none."""
+    if payload[:1] == BATCH_HEAD and is_batch(payload) and not is_dynamo_subject(subject):
+        found: list[tuple[int | None, Event]] = []
+        for index, item in enumerate(decode_batch(payload)):
+            with contextlib.suppress(EventDecodeError):
+                found.append((index, decode_event(item)))
+        return found
+    return [(None, event_of(subject, payload))]
 
 
 @dataclass(frozen=True)
@@ -304,6 +321,9 @@ class Fold:
                 verdict = verdict._replace(  # type: ignore[union-attr]
                     reason=f"event {index} of the batch: {verdict.reason}"  # type: ignore[union-attr]
                 )
+            else:
+                delta: Delta = verdict  # type: ignore[assignment]
+                delta.index = index
             verdicts.append(verdict)
         return verdicts
 
