@@ -200,6 +200,7 @@ class Refusal(NamedTuple):
 
 
 Verdict = Delta | Refusal
+Route = tuple[int, ...] | None  # a subject's: see Fold._route
 
 
 class Fold:
@@ -255,14 +256,7 @@ class Fold:
             return self._dynamo(seq, log_time_ns, subject, payload)
         return self._event(seq, log_time_ns, subject, route, payload)
 
-    def _event(
-        self,
-        seq: int,
-        log_time_ns: int,
-        subject: str,
-        route: tuple[int, ...] | None,
-        payload: bytes,
-    ) -> Verdict:
+    def _event(self, seq: int, at_ns: int, subject: str, route: Route, payload: bytes) -> Verdict:
         """Rules 2 to 5 for one seqstate event (alone, or of a batch)."""
         try:
             event = decode_event(payload)
@@ -285,17 +279,12 @@ class Fold:
         why = self._refusal(self._state, event)
         if why:
             return Refusal(OUT_OF_BOUNDS, f"refused: {why}", event)
-        delta = self._apply(event, log_time_ns)
+        delta = self._apply(event, at_ns)
         delta.seq = seq
         return delta
 
     def _batch(
-        self,
-        seq: int,
-        log_time_ns: int,
-        subject: str,
-        route: tuple[int, ...] | None,
-        payload: bytes,
+        self, seq: int, at_ns: int, subject: str, route: Route, payload: bytes
     ) -> Verdict | list[Verdict]:
         """A record batch: refused whole if it is no batch of this version within its
         bounds; else each event by rules 1 to 5 on the batch's subject, in order, at the
@@ -312,11 +301,11 @@ class Fold:
         limit = self._limit
         for index, item in enumerate(items):
             if len(item) > limit:
-                verdict: Verdict = self._too_large(route, log_time_ns, item)
+                verdict: Verdict = self._too_large(route, at_ns, item)
             elif item[:1] == BATCH_HEAD:
                 verdict = Refusal(UNDECODABLE, "a record batch inside a record batch")
             else:
-                verdict = self._event(seq, log_time_ns, subject, route, item)
+                verdict = self._event(seq, at_ns, subject, route, item)
             if type(verdict) is Refusal:
                 verdict = verdict._replace(  # type: ignore[union-attr]
                     reason=f"event {index} of the batch: {verdict.reason}"  # type: ignore[union-attr]
