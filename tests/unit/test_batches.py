@@ -189,3 +189,36 @@ def test_an_event_of_a_batch_over_the_event_limit_is_refused_alone() -> None:
     assert type(first) is Refusal and first.kind == TOO_LARGE
     assert first.reason.startswith(f"event 0 of the batch: refused: an event of {len(big)} bytes")
     assert type(second) is Delta and second.outcome == "applied"
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=40),
+            st.sampled_from(
+                [
+                    encode_event(AddRequest("x", 1, block_hashes=[1])),
+                    encode_event(Free("x", 1)),
+                    encode_event(Tick()),
+                    b"\x92\x01" + b"\x91" * 100 + b"\xc0",
+                ]
+            ),
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+    st.sampled_from([W1, CONTROL, "seqstate.events.default.routers", "elsewhere"]),
+)
+def test_the_fold_decides_any_batch_event_by_event_and_never_raises(
+    items: list[bytes], subject: str
+) -> None:
+    fold = new_fold()
+    fold(1, 1000, CONTROL, encode_event(WorkerAdded(1)))
+    verdicts = fold(2, 2000, subject, encode_batch_of(items))
+    assert isinstance(verdicts, list) and len(verdicts) == len(items)
+    for index, verdict in enumerate(verdicts):
+        if type(verdict) is Refusal:
+            assert verdict.reason.startswith(f"event {index} of the batch: ")
+        else:
+            assert type(verdict) is Delta and verdict.seq == 2 and verdict.index == index
