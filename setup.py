@@ -39,6 +39,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 NATIVE = [
+    "seqstate/batches.py",
     "seqstate/blocks.py",
     "seqstate/decay.py",
     "seqstate/departures.py",

@@ -13,6 +13,10 @@ booked (see :class:`~seqstate.sequences.ActiveSequences`). Slots are part of the
 so they are a pure function of the log; the projector names its per-request bucket keys by
 them, and a Free or an expiry only has to name the slot.
 
+The events of a record batch (:mod:`seqstate.batches`) share their message's ``seq``: their
+deltas are numbered by :func:`as_parts` as the parts of one delta, so everything keyed by a
+stored message's sequence (the delta chain, the projector's position) holds as it is.
+
 A delta too large for one message (an expiry that releases very many requests) is cut by
 :func:`split_delta` into *parts*: consecutive deltas with the same ``seq``, numbered by
 ``part``, all but the last flagged ``more``. Applied in order they change exactly what the whole
@@ -142,6 +146,9 @@ class Delta(Struct, omit_defaults=True):
     # A Dynamo message that came after a hole in its publisher's sequence: which publisher,
     # and how many messages are missing (the writer logs and counts it).
     hole: Hole | None = None
+    # The event's index in its record batch (seqstate.batches), whose events share ``seq``:
+    # what a tool asks the outcome of an event of a batch by. 0 (so not written) alone.
+    index: int = 0
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -177,6 +184,18 @@ def decode_deltas(data: bytes | bytearray | memoryview) -> list[Delta]:
         return _batch_decoder.decode(data)
     except RecursionError:
         raise msgspec.DecodeError(_TOO_DEEP) from None
+
+
+def as_parts(deltas: list[Delta]) -> list[Delta]:
+    """The deltas of one stored message's events (a record batch's: one ``seq``), each cut
+    to fit already, numbered as the parts of one delta: ``part`` 0 on, all but the last
+    ``more``. Applied in order they change what the events changed, one after the other; a
+    reader takes the message's ``seq`` as reflected once its last part is applied."""
+    last = len(deltas) - 1
+    for i, delta in enumerate(deltas):
+        delta.part = i
+        delta.more = i < last
+    return deltas
 
 
 class DeltaTooLarge(SeqstateError, ValueError):
@@ -219,7 +238,8 @@ class _Cutter:
         self.entry: RankChange | None = None  # the change being filled in the current part
 
     def _fresh(self) -> Delta:
-        return Delta(self.delta.outcome, self.delta.at_ns, seq=self.delta.seq)
+        delta = self.delta
+        return Delta(delta.outcome, delta.at_ns, seq=delta.seq, index=delta.index)
 
     def _fit(self, cost: int) -> None:
         """Make room for a piece of ``cost`` bytes, starting a new part if needed."""

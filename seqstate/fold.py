@@ -42,16 +42,30 @@ Free find their request by id, whatever worker they name, as Dynamo's replicas d
 is the log's, never the publisher's ``published_at``. A seqstate event on a Dynamo subject, or
 a Dynamo message on a seqstate subject, is ``wrong_subject``.
 
+A **record batch** (:mod:`seqstate.batches`: a stored message of many seqstate events) is
+refused whole only when it is no batch of this version within its bounds (``too_large`` over
+its bound of events or bytes, ``undecodable`` otherwise); else each of its events goes
+through rules 1 to 5 in order, on the batch's subject, at the batch's sequence and log time,
+as if it were a message of its own: a poison event is refused alone (at its index in the
+batch's list of verdicts, its reason naming it), its neighbours apply. So a batch books
+nothing a client could not book by publishing its events one by one on that subject: a batch
+on a rank's subject holds that rank's request events, on control the control events. A
+batch is told by its first bytes (the fold sees the payload, never a header), which no event
+and no Dynamo message starts with, so a log without batches folds as before, byte for byte.
+
 :meth:`Fold.__call__` never raises for any message; it is a pure function of the state, the
 rules and the message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
+from seqstate.batches import HEAD as BATCH_HEAD
+from seqstate.batches import BatchTooLarge, decode_batch, is_batch
 from seqstate.bounds import RankBounds
 from seqstate.deltas import Delta, Hole
 from seqstate.dynamo import (
@@ -141,6 +155,22 @@ def event_of(subject: str, payload: bytes | bytearray | memoryview) -> Event:
     return decode_event(payload)
 
 
+def events_of(
+    subject: str, payload: bytes | bytearray | memoryview
+) -> list[tuple[int | None, Event]]:
+    """The seqstate events a stored message is, for a tool: ``[(None, event)]`` of a message
+    of one event, ``(index, event)`` of each event of a record batch that decodes (the others
+    are passed over); raises :class:`~seqstate.events.EventDecodeError` for bytes that are
+    none."""
+    if payload[:1] == BATCH_HEAD and is_batch(payload) and not is_dynamo_subject(subject):
+        found: list[tuple[int | None, Event]] = []
+        for index, item in enumerate(decode_batch(payload)):
+            with contextlib.suppress(EventDecodeError):
+                found.append((index, decode_event(item)))
+        return found
+    return [(None, event_of(subject, payload))]
+
+
 @dataclass(frozen=True)
 class FoldRules:
     """What a fold decides by, beside the state's own rules (which its snapshots carry).
@@ -160,7 +190,9 @@ class FoldRules:
 
 class Refusal(NamedTuple):
     """A message the fold did not apply: ``kind`` (one of :data:`KINDS`), the reason for a
-    person, and the event when it decoded (for a log line's fields)."""
+    person, and the event when it decoded (for a log line's fields). An event of a record
+    batch is refused at its place in the batch's list of verdicts (its index), and its
+    reason begins by naming it."""
 
     kind: str
     reason: str
@@ -168,6 +200,7 @@ class Refusal(NamedTuple):
 
 
 Verdict = Delta | Refusal
+Route = tuple[int, ...] | None  # a subject's: see Fold._route
 
 
 class Fold:
@@ -207,15 +240,24 @@ class Fold:
         self._state = state
         self._apply = state.apply
 
-    def __call__(self, seq: int, log_time_ns: int, subject: str, payload: bytes) -> Verdict:
-        """Apply one stored message, or say why not. Never raises."""
+    def __call__(
+        self, seq: int, log_time_ns: int, subject: str, payload: bytes
+    ) -> Verdict | list[Verdict]:
+        """Apply one stored message, or say why not: its verdict, or for a record batch
+        (:mod:`seqstate.batches`) one verdict per event, in order. Never raises."""
         route = self._routes.get(subject, _UNSEEN)
         if route is _UNSEEN:
             route = self._route(subject)
+        if payload[:1] == BATCH_HEAD and route is not _DYNAMO_ROUTE and is_batch(payload):
+            return self._batch(seq, log_time_ns, subject, route, payload)
         if len(payload) > self._limit:
             return self._too_large(route, log_time_ns, payload)
         if route is _DYNAMO_ROUTE:
             return self._dynamo(seq, log_time_ns, subject, payload)
+        return self._event(seq, log_time_ns, subject, route, payload)
+
+    def _event(self, seq: int, at_ns: int, subject: str, route: Route, payload: bytes) -> Verdict:
+        """Rules 2 to 5 for one seqstate event (alone, or of a batch)."""
         try:
             event = decode_event(payload)
         except EventDecodeError as exc:
@@ -237,9 +279,42 @@ class Fold:
         why = self._refusal(self._state, event)
         if why:
             return Refusal(OUT_OF_BOUNDS, f"refused: {why}", event)
-        delta = self._apply(event, log_time_ns)
+        delta = self._apply(event, at_ns)
         delta.seq = seq
         return delta
+
+    def _batch(
+        self, seq: int, at_ns: int, subject: str, route: Route, payload: bytes
+    ) -> Verdict | list[Verdict]:
+        """A record batch: refused whole if it is no batch of this version within its
+        bounds; else each event by rules 1 to 5 on the batch's subject, in order, at the
+        batch's sequence and log time. A refusal names its event's index."""
+        try:
+            items = decode_batch(payload)
+        except BatchTooLarge as exc:
+            return Refusal(TOO_LARGE, str(exc))
+        except EventDecodeError as exc:
+            return Refusal(UNDECODABLE, str(exc))
+        except Exception as exc:  # whatever a decoder could still raise: never fatal
+            return Refusal(UNDECODABLE, f"malformed record batch: {type(exc).__name__}: {exc}")
+        verdicts: list[Verdict] = []
+        limit = self._limit
+        for index, item in enumerate(items):
+            if len(item) > limit:
+                verdict: Verdict = self._too_large(route, at_ns, item)
+            elif item[:1] == BATCH_HEAD:
+                verdict = Refusal(UNDECODABLE, "a record batch inside a record batch")
+            else:
+                verdict = self._event(seq, at_ns, subject, route, item)
+            if type(verdict) is Refusal:
+                verdict = verdict._replace(  # type: ignore[union-attr]
+                    reason=f"event {index} of the batch: {verdict.reason}"  # type: ignore[union-attr]
+                )
+            else:
+                delta: Delta = verdict  # type: ignore[assignment]
+                delta.index = index
+            verdicts.append(verdict)
+        return verdicts
 
     def _too_large(
         self, route: tuple[int, ...] | None, log_time_ns: int, payload: bytes

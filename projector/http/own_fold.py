@@ -161,13 +161,17 @@ class OwnFold:
                 continue
             self._unacked += 1
 
-    def _on_fold(self, msg_id: str, entry: _Entry) -> Callable[[int, Verdict | None], None]:
-        def on_fold(seq: int, verdict: Verdict | None) -> None:
+    def _on_fold(
+        self, msg_id: str, entry: _Entry
+    ) -> Callable[[int, Verdict | list[Verdict] | None], None]:
+        def on_fold(seq: int, verdict: Verdict | list[Verdict] | None) -> None:
             if self._waiting.pop(msg_id, None) is None:
                 return
             self._settled(entry)
             if verdict is None:
                 entry.failed(entry.seq, "the lease holder's writer stopped before it folded it")
+            elif isinstance(verdict, list):  # it sent one event: a batch is not its message
+                entry.failed(seq, "a record batch was stored under this call's message id")
             else:
                 entry.folded(seq, verdict)
 

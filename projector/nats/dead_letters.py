@@ -6,7 +6,9 @@ the reason in headers would exceed it, the server would drop the connection, and
 would retry the same message forever. So a dead letter carries a bounded prefix of the
 payload and a reference to the original (stream and sequence, where it still is), and says
 how big the original was. Its msg-id is the original's position, so a consumer that crashed
-and re-read the message writes its dead letter once.
+and re-read the message writes its dead letter once. An event refused inside a record batch
+is a dead letter of its own (its neighbours applied): it carries that event's bytes and its
+index in the batch (``Seqstate-Source-Index``), and its msg-id names both.
 
 The log hears of dead letters at a bounded rate: the first is logged at once, in full; those
 that follow within ``LOG_EVERY_S`` are counted, and one line per interval says how many, of
@@ -29,6 +31,7 @@ from projector.wire.headers import (
     MSG_ID,
     REASON,
     SIZE,
+    SOURCE_INDEX,
     SOURCE_SEQ,
     SOURCE_STREAM,
     SUBJECT,
@@ -96,8 +99,10 @@ class DeadLetters:
         *,
         kind: str,
         fields: Mapping[str, Any] | None = None,
+        index: int | None = None,
     ) -> None:
-        """Dead-letter message ``seq`` of ``stream``; raises if the server will not store it.
+        """Dead-letter message ``seq`` of ``stream`` (``index``: its event at that index of a
+        record batch, ``payload`` that event's bytes); raises if the server will not store it.
 
         ``reason`` is free text for whoever reads the dead letter; ``kind`` (one of ``KINDS``)
         is the bounded word it is counted under. ``fields``: the log context known of the
@@ -105,15 +110,19 @@ class DeadLetters:
         payload."""
         if kind not in self.counts:
             raise ValueError(f"dead letter kind {kind!r}: not one of {tuple(self.counts)}")
-        said = f"{stream} {seq} on {subject} ({len(payload)} bytes): {one_line(reason, 300)}"
+        at = f"{seq}" if index is None else f"{seq} event {index}"
+        said = f"{stream} {at} on {subject} ({len(payload)} bytes): {one_line(reason, 300)}"
+        position = f"{seq}" if index is None else f"{seq}.{index}"
         headers = {
-            MSG_ID: f"dead:{self._namespace}:{stream}:{seq}",
+            MSG_ID: f"dead:{self._namespace}:{stream}:{position}",
             REASON: one_line(reason),
             SOURCE_STREAM: stream,
             SOURCE_SEQ: str(seq),
             SUBJECT: one_line(subject, 256),
             SIZE: str(len(payload)),
         }
+        if index is not None:
+            headers[SOURCE_INDEX] = str(index)
         kept = payload
         if len(payload) > self._keep:
             kept = payload[: self._keep]
@@ -121,7 +130,7 @@ class DeadLetters:
         subject = self._subject
         await retrying(
             lambda: self._js.publish(subject, kept, headers=headers, timeout=ATTEMPT_TIMEOUT_S),
-            f"dead letter of {stream} {seq}",
+            f"dead letter of {stream} {at}",
         )
         self.counts[kind] += 1
         self._tell(kind, said, {**(fields or {}), "stream_seq": seq})

@@ -134,12 +134,17 @@ class Refused:
 
     ``kind`` is the bounded word the dead letter is counted under (a metric's label),
     ``reason`` the free text the dead letter carries; ``fields`` is the log context known of
-    the message (its request id, worker...), for the log line only.
+    the message (its request id, worker...), for the log line only. A processor refuses
+    events of a record batch one by one (a list of them, each with its ``index``).
     """
 
     kind: str
     reason: str
     fields: Mapping[str, Any] | None = field(default=None, compare=False)
+    # An event of a record batch: its index in the batch, and its own bytes (the dead letter
+    # carries them, not the whole batch's).
+    index: int | None = None
+    payload: bytes | None = field(default=None, compare=False)
 
 
 class DeadLetterSink(Protocol):
@@ -158,6 +163,7 @@ class DeadLetterSink(Protocol):
         *,
         kind: str,
         fields: Mapping[str, Any] | None = None,
+        index: int | None = None,
     ) -> None: ...
 
     def say_held(self) -> None:
@@ -165,8 +171,9 @@ class DeadLetterSink(Protocol):
 
 
 class Processor(Protocol):
-    async def handle(self, msg: Msg) -> Refused | None:
-        """Take one message, or refuse it; an exception stops the consumer that runs it."""
+    async def handle(self, msg: Msg) -> Refused | list[Refused] | None:
+        """Take one message, or refuse it (or events of it: a list); an exception stops the
+        consumer that runs it."""
 
 
 @runtime_checkable
@@ -522,7 +529,11 @@ class OrderedConsumer:
         try:
             refused = await self._processor.handle(msg)
             if refused is not None:
-                await self._dead_letter(msg, refused)
+                if type(refused) is list:  # events of a record batch, each its own letter
+                    for each in refused:
+                        await self._dead_letter(msg, each)
+                else:
+                    await self._dead_letter(msg, refused)  # type: ignore[arg-type]
             # A backlog never makes a handler wait, so it would starve the loop's other tasks
             # (the delta log, a snapshot being saved, the ticker, the lease): give them a turn,
             # every YIELD_EVERY messages (a turn per message cost a loop pass per event).
@@ -546,14 +557,18 @@ class OrderedConsumer:
                 f"message {seq} of {self.stream} refused ({refused.kind}: {refused.reason}), "
                 "and this consumer has no dead letters to put it in"
             )
+        # ``index`` only for an event of a batch: a sink of a consumer that never reads one
+        # need not know the word.
+        at = {} if refused.index is None else {"index": refused.index}
         await self._dead_letters.put(
             self.stream,
             seq,
             msg.subject,
-            msg.data,
+            msg.data if refused.payload is None else refused.payload,
             refused.reason,
             kind=refused.kind,
             fields=refused.fields,
+            **at,
         )
         if isinstance(self._processor, RefusingProcessor):
             self._processor.dead_lettered(seq, refused)

@@ -51,7 +51,7 @@ from seqstate import (
 from seqstate.deltas import Delta
 from seqstate.dynamo import is_dynamo_subject
 from seqstate.errors import SeqstateError
-from seqstate.fold import event_of
+from seqstate.fold import event_of, events_of
 
 Update = Callable[[int, int], None]
 DEFAULT_WINDOW = 100_000  # newest events of the namespace read for a request not in the bucket
@@ -87,6 +87,12 @@ class Found:
     msg_id: str | None
     event: Any  # a decoded Event
     outcome: str | None = None  # from the writer's delta; see outcome_of
+    index: int | None = None  # its index in a record batch (None: a message of its own)
+
+    @property
+    def position(self) -> str:
+        """Where the log holds it: its sequence, and in a batch its index (``12#3``)."""
+        return str(self.seq) if self.index is None else f"{self.seq}#{self.index}"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +104,7 @@ class Found:
             "subject": self.subject,
             "msg_id": self.msg_id,
             "event": msgspec.to_builtins(self.event),
+            **({} if self.index is None else {"index": self.index}),
         }
 
 
@@ -109,9 +116,11 @@ async def scan_events(
     end: int,
     wanted: Callable[[str, bytes], bool],
     progress: Update | None = None,
+    named: Callable[[Any], bool] | None = None,
 ) -> list[Found]:
-    """The events on ``subject`` from sequence ``start`` to ``end`` whose bytes ``wanted``
-    accepts and that decode, in order (an ordered consumer: the server filters by subject)."""
+    """The events on ``subject`` from sequence ``start`` to ``end`` whose message's bytes
+    ``wanted`` accepts, that decode and that ``named`` accepts, in order (an ordered
+    consumer: the server filters by subject); each event of a record batch on its own."""
     out: list[Found] = []
     if end < start:
         return out
@@ -125,8 +134,10 @@ async def scan_events(
             return
         if wanted(msg.subject, msg.data):
             with contextlib.suppress(EventDecodeError):
-                event = event_of(msg.subject, msg.data)
-                out.append(Found(seq, at_ns, msg.subject, (msg.headers or {}).get(MSG_ID), event))
+                msg_id = (msg.headers or {}).get(MSG_ID)
+                for index, event in events_of(msg.subject, msg.data):
+                    if named is None or named(event):
+                        out.append(Found(seq, at_ns, msg.subject, msg_id, event, index=index))
         if progress is not None:
             progress(seq - start + 1, total)
         if seq >= end:
@@ -210,11 +221,13 @@ class DeltaIndex:
             return "before", first, []
         return "none", lo, []
 
-    async def outcome_of(self, event_seq: int) -> str:
+    async def outcome_of(self, event_seq: int, index: int | None = None) -> str:
+        """The outcome of the event at ``event_seq`` (of a record batch: its event at
+        ``index``), from the writer's delta."""
         where, _, deltas = await self.locate(event_seq)
         if where == "found":
             for d in deltas:
-                if d.seq == event_seq:
+                if d.seq == event_seq and d.index == (index or 0):
                     return d.outcome
             return "dead-lettered"
         return {
@@ -334,7 +347,7 @@ class RequestReport:
             lines.append(f"    {'seq':>10}  {'log time':<32}  {'event':<22}  outcome")
             for e in self.events:
                 lines.append(
-                    f"    {e.seq:>10}  {iso(e.log_time_ns):<32}  "
+                    f"    {e.position:>10}  {iso(e.log_time_ns):<32}  "
                     f"{type(e.event).__name__:<22}  {e.outcome or '-'}"
                 )
         return "\n".join(lines)
@@ -364,11 +377,13 @@ async def inspect_request(
     subject, start = _search_window(config, active, first, last, since_seq, window)
     if active is not None and (captured := await _dynamo_subject_at(js, config, active[2])):
         subject = captured  # a Dynamo request's events are on its endpoint's subject
-    wanted = _naming(request_id)
-    events = await scan_events(js, config, subject, start, last, wanted, progress) if last else []
+    wanted, named = _naming(request_id)
+    events = (
+        await scan_events(js, config, subject, start, last, wanted, progress, named) if last else []
+    )
     deltas = DeltaIndex(js, config)
     for e in events:
-        e.outcome = await deltas.outcome_of(e.seq)
+        e.outcome = await deltas.outcome_of(e.seq, e.index)
     report = RequestReport(
         request_id,
         "unknown",
@@ -433,20 +448,26 @@ def _search_window(
     return config.events_subjects, max(since_seq, first)
 
 
-def _naming(request_id: str) -> Callable[[str, bytes], bool]:
-    """Whether an event's bytes name the request: a substring test first, so that only the
-    few candidates are decoded (a Dynamo message as the event it folds as)."""
+def _naming(
+    request_id: str,
+) -> tuple[Callable[[str, bytes], bool], Callable[[Any], bool]]:
+    """Whether a message's bytes may name the request (a substring test first, so that only
+    the few candidates are decoded: a Dynamo message as the event it folds as, a record
+    batch as its events), and whether a decoded event does."""
     needle = request_id.encode()
+
+    def named(event: Any) -> bool:
+        return getattr(event, "request_id", None) == request_id
 
     def wanted(subject: str, data: bytes) -> bool:
         if needle not in data:
             return False
         try:
-            return getattr(event_of(subject, data), "request_id", None) == request_id
+            return any(named(event) for _, event in events_of(subject, data))
         except EventDecodeError:
             return False
 
-    return wanted
+    return wanted, named
 
 
 def _tell_active(

@@ -100,10 +100,13 @@ class _Folder:
             self.finished = True
             return False
         verdict = self.fold(seq, at_ns, subject, data)
-        if type(verdict) is Refusal:
-            self.dead += 1
-            if self.on_refused is not None:
-                self.on_refused(seq, verdict)
+        if type(verdict) is list:  # a record batch: its events one by one
+            self.count += len(verdict) - 1
+            for each in verdict:
+                if type(each) is Refusal:
+                    self._refused(seq, each)
+        elif type(verdict) is Refusal:
+            self._refused(seq, verdict)
         self.first = self.first or seq
         self.last = seq
         self.count += 1
@@ -113,6 +116,11 @@ class _Folder:
             self.finished = True
             return False
         return True
+
+    def _refused(self, seq: int, refusal: Refusal) -> None:
+        self.dead += 1
+        if self.on_refused is not None:
+            self.on_refused(seq, refusal)
 
     def fold_batch(self, batch: list[tuple[int, int, str, bytes]]) -> bool:
         """:meth:`__call__` over a batch, with the per-message work kept in one tight loop."""
@@ -128,7 +136,14 @@ class _Folder:
             if type(verdict) is refusal:
                 dead += 1
                 if on_refused is not None:
-                    on_refused(seq, verdict)
+                    on_refused(seq, verdict)  # type: ignore[arg-type]
+            elif type(verdict) is list:  # a record batch: its events one by one
+                folded += len(verdict) - 1
+                for each in verdict:
+                    if type(each) is refusal:
+                        dead += 1
+                        if on_refused is not None:
+                            on_refused(seq, each)
             last = seq
             folded += 1
             if seq >= end:
@@ -158,7 +173,8 @@ async def fold_stream(
     by the configuration's :attr:`~projector.wire.config.Config.fold_rules`, as the writer folds.
 
     Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded;
-    ``on_refused(seq, refusal)`` is told of each message refused. The registry is
+    ``on_refused(seq, refusal)`` is told of each message refused, and of each event refused
+    in a record batch (``events`` counts a batch's events). The registry is
     rebuilt once at the end instead of after every event. The fast path (a reader process,
     see :mod:`projector.nats.stream_reader`) is tried first; if it gives up, the fold continues
     through nats-py from where it stopped.

@@ -12,6 +12,11 @@ An event that has no delta was refused by the writer (dead-lettered): :meth:`Out
 says so with ``outcome=None`` as soon as its dead letter is stored (a second ordered consumer,
 of the namespace's dead letters, which only costs when there are some), or once a later
 event's delta arrives.
+
+Outcomes are per stored message, for callers that publish one event per message (serve-http
+does): a record batch's events share its sequence, and its answer is its first applied
+event's; a dead letter of one event of a batch answers nothing, since its neighbours may
+have applied.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from projector.nats.progress import Progress
 from projector.nats.resources import dead_letter_stream
 from projector.nats.stream import OrderedConsumer, last_seq_of
 from projector.wire.config import Config
-from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
+from projector.wire.headers import SOURCE_INDEX, SOURCE_SEQ, SOURCE_STREAM
 from seqstate import decode_deltas
 from seqstate.errors import SeqstateError
 
@@ -110,6 +115,8 @@ class Outcomes:
     def refused_by(self, dead_letter_headers: dict[str, str] | None) -> None:
         """A dead letter: if it is one of this namespace's events, that event was refused."""
         headers = dead_letter_headers or {}
+        if SOURCE_INDEX in headers:  # one event of a record batch: its neighbours may apply
+            return
         if headers.get(SOURCE_STREAM) == self.config.events_stream:
             with contextlib.suppress(KeyError, ValueError):
                 self.refused(int(headers[SOURCE_SEQ]))

@@ -83,7 +83,7 @@ from projector.wire import msg_ids
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from projector.wire.headers import STREAM_SOURCE
-from projector.wire.sizes import oversize
+from projector.wire.sizes import DELTA_HEADROOM, oversize
 from seqstate import (
     AddRequest,
     Event,
@@ -94,6 +94,9 @@ from seqstate import (
     decode_event,
     encode_event,
 )
+from seqstate.batches import MAX_BYTES as MAX_BATCH_BYTES
+from seqstate.batches import MAX_EVENTS as MAX_BATCH_EVENTS
+from seqstate.batches import batch_size, encode_batch_of
 from seqstate.errors import SeqstateError
 from seqstate.events import MAX_ROUTER_ID
 
@@ -184,12 +187,15 @@ class _Round:
 
 
 class _Call:
-    """What one call knows about its events, by index in the given order."""
+    """What one call knows about its messages, by index in the order sent: each message one
+    event, or a record batch of ``members`` (the indices of its events in the given order;
+    ``events[i]`` is its first, the one an error names)."""
 
     __slots__ = (
         "errors",
         "events",
         "fatal",
+        "members",
         "msg_ids",
         "payloads",
         "refusals",
@@ -204,7 +210,9 @@ class _Call:
         subjects: list[str],
         payloads: list[bytes],
         msg_ids: list[str],
+        members: list[list[int]] | None = None,
     ) -> None:
+        self.members = members  # None: one event per message, in the given order
         self.events = events
         self.subjects = subjects
         self.payloads = payloads
@@ -218,6 +226,21 @@ class _Call:
     def request_id(self, i: int) -> str | None:
         return getattr(self.events[i], "request_id", None)
 
+    def weight(self, i: int) -> int:
+        """The events message ``i`` carries: the slots it takes on the wire."""
+        return 1 if self.members is None else len(self.members[i])
+
+    def per_event(self, seqs: Sequence[int | None]) -> list[int | None]:
+        """The messages' sequences as each event's, in the given order."""
+        members = self.members
+        if members is None:
+            return list(seqs)
+        out: list[int | None] = [None] * sum(len(m) for m in members)
+        for seq, indices in zip(seqs, members, strict=True):
+            for n in indices:
+                out[n] = seq
+        return out
+
 
 class RouterPublisher:
     """Publishes one router's lifecycle events, pipelined, deduplicated, never dropped.
@@ -230,7 +253,9 @@ class RouterPublisher:
     how long after a call's first attempt an event that failed is retried (15 s: longer than
     a stream leader election); ``retries``: at most this many attempts after the first (None:
     as many as ``retry_for_s`` allows). An error ack is retried ``REFUSED_RETRIES`` times at
-    most. ``heartbeat_every_s``: see :meth:`start`.
+    most. ``heartbeat_every_s``: see :meth:`start`. ``batch_events``: the most events
+    :meth:`publish_many` puts in one record batch (1, the default: one event per message, as
+    logs written before batches hold; 64 pays one message per 64 events of a rank).
     """
 
     def __init__(
@@ -247,6 +272,7 @@ class RouterPublisher:
         heartbeat_every_s: float = 5.0,
         msg_id_key: str | None = None,
         router_seq: int = 0,
+        batch_events: int = 1,
     ) -> None:
         if not router_id:
             raise ValueError("router_id must not be empty")
@@ -263,6 +289,9 @@ class RouterPublisher:
         self._msg_id_suffix = ":" + msg_ids.tag(msg_id_key, quoted)
         if max_pending < 1:
             raise ValueError(f"max_pending={max_pending}: must be at least 1")
+        if not 1 <= batch_events <= MAX_BATCH_EVENTS:
+            raise ValueError(f"batch_events={batch_events}: must be 1 to {MAX_BATCH_EVENTS}")
+        self.batch_events = batch_events
         if retries is not None and retries < 0:
             raise ValueError(f"retries={retries}: must not be negative")
         if retry_for_s < 0:
@@ -466,54 +495,102 @@ class RouterPublisher:
             raise
 
     async def publish_many(self, events: Iterable[Event]) -> list[int]:
-        """Publish a batch of events; returns their stream sequences, in the given order.
+        """Publish many events, in record batches when ``batch_events`` > 1; returns each
+        event's stream sequence, in the given order (the events of one batch share its
+        message's).
 
-        The same guarantees as :meth:`publish`, per event, at a fraction of its cost per event:
+        With 1 (the default) every event is a message of its own, in the given order. With
+        ``batch_events`` > 1 the events are grouped by subject (a rank's request events, the
+        routers' lifecycle, control), keeping their order within each, and each group goes
+        out in record batches (:mod:`seqstate.batches`) of at most ``batch_events`` events
+        and the server's payload limit: one message, one msg-id and one ack per batch. A
+        batch holds only events of its own subject, which the fold checks event by event, so
+        a batch books nothing its publisher could not publish one by one. A group of one
+        event goes out as that event alone, as :meth:`publish` sends it. The guarantees of
+        :meth:`publish`, per message:
 
-        - Every event is checked (:meth:`check`) before any is sent: a bad or too large one
-          raises (:class:`seqstate.EventDecodeError`, :class:`EventTooLarge`) and nothing of
-          the batch is published or takes a router_seq.
-        - Every event gets its own ``Nats-Msg-Id: <router_id>:<router_seq>:<tag>``,
-          ``router_seq`` consecutive in the given order, so a retried one is stored once.
-        - An event whose ack times out, finds no stream or carries an error is sent again with
-          its msg-id (for ``retry_for_s``; an error ack ``REFUSED_RETRIES`` times; at most
-          ``retries`` times when set); one that still fails, or whose first attempt is
+        - Every event is checked (:meth:`check`: its fields, and the one size rule for each
+          event, :class:`EventTooLarge`) before any is sent: a bad or too large one raises
+          and nothing of the call is published or takes a router_seq.
+        - Each message gets ``Nats-Msg-Id: <router_id>:<router_seq>:<tag>``: every event
+          takes a ``router_seq``, consecutive in the given order, and a batch's msg-id has its
+          first event's, so a retried batch is stored once, whole.
+        - A message whose ack times out, finds no stream or carries an error is sent again
+          with its msg-id (for ``retry_for_s``; an error ack ``REFUSED_RETRIES`` times; at
+          most ``retries`` times when set); one that still fails, or whose first attempt is
           acknowledged as a duplicate (a msg-id collision), makes the call raise
-          :class:`PublishError` naming the first such event in the given order, once every
-          other event of the call is settled. The error's ``sequences`` tell which events of
-          the call were stored (those stay stored: their msg-ids are spent).
+          :class:`PublishError` naming the first event of the first such message, once every
+          other message of the call is settled. The error's ``sequences`` tell, per event,
+          which were stored (those stay stored: their msg-ids are spent).
+        - The writer decides each event of a batch alone: one it refuses is dead-lettered
+          with its index in the batch, and its neighbours apply.
 
-        Order: the events are sent in the given order, pipelined on the one connection, and
-        the server stores them in the order it receives them: when no event needs a retry
-        (the normal case), they are stored in the given order, so the sequences returned
-        increase. A retry cannot keep that: an event that needs one is sent again after every
-        event of the call already sent, some of which may be stored by then, and a stored
-        event never moves (its repeat is only deduplicated). So after a retry, the retried
-        events land after those, in their given order among themselves; no event is lost or
-        stored twice. The sequences returned always say where each event landed (they
-        increase if and only if the call was stored in order). Calls awaited one after another
-        are stored in call order, as with :meth:`publish`; a router that must have an event
-        stored after another awaits the call with the first before it publishes the second
-        (the writer tolerates a Free before its Add anyway: it leaves a tombstone).
+        Order: within a subject (a rank's events), the given order, whether the events share
+        a batch or not; across subjects, each subject's batches in turn, the subjects in the
+        order of their first events. The messages are pipelined on the one connection and
+        stored in the order received when none needs a retry. A retried message lands after
+        those of the call already sent; none is lost or stored twice, and the sequences
+        returned say where each event landed (they increase if and only if the call was
+        stored in order). Calls awaited one after another are stored in call order; a router
+        that must have an event stored after another awaits the call with the first before
+        it publishes the second (the writer tolerates a Free before its Add anyway: it
+        leaves a tombstone).
 
         At most ``max_pending`` events, of this and every other call, are unacknowledged at
-        once; a batch larger than that is sent as acks free room.
+        once (a batch takes a slot per event); a call larger than that is sent as acks free
+        room.
         """
         checked = [self.check(event) for event in events]
         if not checked:
             return []
-        subject_for = self.subject_for
+        subjects = [self.subject_for(event) for event, _ in checked]
         prefix, suffix = self._msg_id_prefix, self._msg_id_suffix
         first = self._router_seq + 1
         self._router_seq += len(checked)
+        if min(self.batch_events, self.max_pending) == 1:  # a message per event, in order
+            call = _Call(
+                [event for event, _ in checked],
+                subjects,
+                [payload for _, payload in checked],
+                [f"{prefix}{n}{suffix}" for n in range(first, first + len(checked))],
+            )
+            del checked
+            return await self._run(call)
+        members = self._batched(checked, subjects)
         call = _Call(
-            [event for event, _ in checked],
-            [subject_for(event) for event, _ in checked],
-            [payload for _, payload in checked],
-            [f"{prefix}{n}{suffix}" for n in range(first, first + len(checked))],
+            [checked[m[0]][0] for m in members],
+            [subjects[m[0]] for m in members],
+            [
+                checked[m[0]][1] if len(m) == 1 else encode_batch_of([checked[n][1] for n in m])
+                for m in members
+            ],
+            [f"{prefix}{first + m[0]}{suffix}" for m in members],
+            members,
         )
         del checked  # the call holds what it needs
         return await self._run(call)
+
+    def _batched(self, checked: list[tuple[Event, bytes]], subjects: list[str]) -> list[list[int]]:
+        """The call's events (indices) by message: grouped by subject in the given order,
+        cut at ``batch_events`` (and ``max_pending``) events and the payload limit."""
+        groups: dict[str, list[int]] = {}
+        for n, subject in enumerate(subjects):
+            groups.setdefault(subject, []).append(n)
+        cap = min(self.batch_events, self.max_pending, MAX_BATCH_EVENTS)
+        limit = min(self._nc.max_payload - DELTA_HEADROOM, MAX_BATCH_BYTES)
+        members: list[list[int]] = []
+        for indices in groups.values():
+            chunk: list[int] = []
+            size = 0
+            for n in indices:
+                grown = size + len(checked[n][1])
+                if chunk and (len(chunk) >= cap or batch_size(len(chunk) + 1, grown) > limit):
+                    members.append(chunk)
+                    chunk, grown = [], len(checked[n][1])
+                chunk.append(n)
+                size = grown
+            members.append(chunk)
+        return members
 
     async def _run(self, call: _Call) -> list[int]:
         """Send every event of ``call``, retrying those not stored; their sequences, in order."""
@@ -571,7 +648,7 @@ class RouterPublisher:
         if stored and (self._last_seq is None or max(stored) > self._last_seq):
             self._last_seq = max(stored)
         if len(stored) == len(seqs):
-            return stored
+            return stored if call.members is None else call.per_event(stored)  # type: ignore[return-value]
         raise await self._failure(call)
 
     async def _failure(self, call: _Call) -> PublishError:
@@ -607,7 +684,7 @@ class RouterPublisher:
                 msg_id=call.msg_ids[failed],
                 request_id=call.request_id(failed),
             )
-        error.sequences = list(seqs)
+        error.sequences = call.per_event(list(seqs))
         return error
 
     async def _squatted(self, seq: int) -> str | None:
@@ -650,14 +727,19 @@ class RouterPublisher:
         subjects, payloads, msg_ids = call.subjects, call.payloads, call.msg_ids
         timeout = self.timeout
         now = loop.time
-        unsent = len(todo)
+        weight = call.weight
+        unsent = sum(weight(i) for i in todo)
         self._waiting += unsent
+        held = 0  # slots taken for the message being sent (a batch takes one per event)
         try:
             for i in todo:
-                await acquire()
-                self._waiting -= 1
-                unsent -= 1
-                self._in_flight += 1
+                for _ in range(weight(i)):
+                    await acquire()
+                    held += 1
+                    self._waiting -= 1
+                    unsent -= 1
+                self._in_flight += held
+                held = 0
                 if self._in_flight > self._peak_in_flight:
                     self._peak_in_flight = self._in_flight
                 self._token = token = self._token + 1
@@ -682,12 +764,14 @@ class RouterPublisher:
                 await rnd.done
         finally:
             self._waiting -= unsent  # only if cancelled: these were never sent
+            for _ in range(held):  # only if cancelled amid a batch's slots
+                self._slots.release()
             rnd.sending = False
             if rnd.timer is not None:
                 rnd.timer.cancel()
-            for _, token, _ in sent[rnd.cursor :]:  # only if cancelled: give back their slots
+            for _, token, i in sent[rnd.cursor :]:  # only if cancelled: give back their slots
                 if awaiting.pop(token, None) is not None:
-                    self._release()
+                    self._release(weight(i))
 
     async def _on_ack(self, msg: Msg) -> None:
         """The reply subscription's callback: settle the event the ack's token names."""
@@ -738,13 +822,14 @@ class RouterPublisher:
     def _count_refusal(self, why: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1
 
-    def _release(self) -> None:
-        self._in_flight -= 1
-        self._slots.release()
+    def _release(self, weight: int = 1) -> None:
+        self._in_flight -= weight
+        for _ in range(weight):
+            self._slots.release()
 
     def _settle(self, rnd: _Round, i: int, seq: int | None, problem: str | None) -> None:
-        """Event ``i`` of ``rnd`` is acknowledged (``seq``) or failed (``problem``)."""
-        self._release()
+        """Message ``i`` of ``rnd`` is acknowledged (``seq``) or failed (``problem``)."""
+        self._release(rnd.call.weight(i))
         if seq is not None:
             rnd.call.seqs[i] = seq
         elif problem is not None:

@@ -22,6 +22,7 @@ once, or :class:`~projector.PublishError`), and between them an overlay
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -43,6 +44,7 @@ from projector.route.publisher import RouterPublisher
 from projector.schedule.overlay import Overlay, Pending, RankDelta
 from projector.wire.config import Config
 from seqstate import AddRequest, EventDecodeError, Free, MarkPrefillCompleted, decode_event
+from seqstate.batches import decode_batch, is_batch
 from seqstate.cost import CostRow, CostWeights, dynamo_cost, select
 from seqstate.errors import SeqstateError
 
@@ -526,8 +528,17 @@ class Scheduler:
         seq = log_time_ns(msg)[0]
         if seq <= self.view.applied_seq:
             return  # the view shows it already
+        data = msg.data
+        if not is_batch(data):
+            self._peer_event(seq, data)
+            return
+        with contextlib.suppress(EventDecodeError):  # refused whole by the writer too
+            for item in decode_batch(data):  # a record batch: each of its events
+                self._peer_event(seq, item)
+
+    def _peer_event(self, seq: int, data: bytes) -> None:
         try:
-            event = decode_event(msg.data)
+            event = decode_event(data)
         except (EventDecodeError, msgspec.DecodeError):
             return  # the writer dead-letters it; nothing to count
         router = getattr(event, "router_id", None)

@@ -33,6 +33,8 @@ SOURCE_STREAM = "Seqstate-Source-Stream"
 SUBJECT = "Seqstate-Subject"  # the subject the original was published on
 SIZE = "Seqstate-Size"  # the original payload's size in bytes
 TRUNCATED = "Seqstate-Truncated"  # present when the payload kept is a prefix
+# An event of a record batch: its index in the batch (the payload is that event's own bytes)
+SOURCE_INDEX = "Seqstate-Source-Index"
 
 # ---- set by the server on a sourced message: ``<stream> <seq> ...`` (where it came from) -----
 STREAM_SOURCE = "Nats-Stream-Source"

@@ -75,7 +75,7 @@ from projector.wire.headers import (
 )
 from projector.wire.sizes import DELTA_HEADROOM, largest_event
 from seqstate import Delta, decode_deltas, encode_deltas
-from seqstate.deltas import split_delta
+from seqstate.deltas import as_parts, split_delta
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
@@ -219,14 +219,27 @@ class DeltaLog:
     def append(self, delta: Delta) -> None:
         """Queue ``delta`` (its ``seq`` set, in source order) to be stored after the others."""
         if self.stored_part is not None and delta.seq == self.stored_part[0]:
-            # A restart inside this event's parts: store only those not stored yet.
+            # A restart inside this event's parts: store only those not stored yet (a record
+            # batch's parts come one by one: forgotten once past the last one stored).
             done = self.stored_part[1]
-            self.stored_part = None
-            self._pending.extend(p for p in self._split(delta) if p.part > done)
+            fresh = [p for p in self._split(delta) if p.part > done]
+            if fresh:
+                self.stored_part = None
+            self._pending.extend(fresh)
         else:
             self._pending.append(delta)
         self.appended = delta.seq or self.appended
         self._wake.set()
+
+    def append_parts(self, deltas: list[Delta]) -> None:
+        """Queue the deltas of one stored message's events (a record batch's, one ``seq``)
+        as the parts of one delta: cut to fit a message now, numbered on across them
+        (:func:`seqstate.deltas.as_parts`), so the chain and the projector see one event."""
+        if len(deltas) == 1:
+            self.append(deltas[0])
+            return
+        for part in as_parts([p for delta in deltas for p in self._split(delta)]):
+            self.append(part)
 
     def _split(self, delta: Delta) -> list[Delta]:
         try:

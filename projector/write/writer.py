@@ -39,7 +39,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import nats.errors
@@ -76,6 +76,7 @@ from seqstate import (
     Tick,
     encode_event,
 )
+from seqstate.batches import decode_batch
 from seqstate.deltas import APPLIED, Hole
 from seqstate.errors import SeqstateError
 from seqstate.fold import Verdict, event_of
@@ -84,8 +85,9 @@ from seqstate.recent import NEVER
 log = logging.getLogger("seqstate.writer")
 SETTLE_S = 0.5  # what a prompt stop gives a snapshot save under way to finish
 
-# (stream sequence, the fold's verdict); (0, None): never folded by this writer
-FoldListener = Callable[[int, Verdict | None], None]
+# (stream sequence, the fold's verdict: of a record batch, one per event); (0, None): never
+# folded by this writer
+FoldListener = Callable[[int, Verdict | list[Verdict] | None], None]
 
 
 # At most one Tick a second for a due lease scan (while the idle rule would wait longer).
@@ -330,7 +332,7 @@ class Writer(LagWatched):
         """Take and store a snapshot of the state as folded so far (operators, tests)."""
         await self.snapshotter.now(self.state, self.stats.last_seq)
 
-    async def handle(self, msg: Msg) -> Refused | None:
+    async def handle(self, msg: Msg) -> Refused | list[Refused] | None:
         """One event folded, or refused; then the delta log and the snapshots keep pace with
         the fold (for a refused event, once its dead letter is stored: :meth:`dead_lettered`)."""
         refused = self._fold_one(msg)
@@ -360,7 +362,7 @@ class Writer(LagWatched):
         for listener in awaited.values():
             listener(0, None)
 
-    def _tell(self, seq: int, msg: Msg, verdict: Verdict) -> None:
+    def _tell(self, seq: int, msg: Msg, verdict: Verdict | list[Verdict]) -> None:
         """The fold of a message someone awaits, told to them."""
         headers = msg.headers
         if headers and STREAM_SOURCE not in headers:  # a captured message's msg-id is forged
@@ -368,13 +370,15 @@ class Writer(LagWatched):
             if listener is not None:
                 listener(seq, verdict)
 
-    def _fold_one(self, msg: Msg) -> Refused | None:
+    def _fold_one(self, msg: Msg) -> Refused | list[Refused] | None:
         seq, at_ns = log_time_ns(msg)
         self.stats.last_seq = seq
         self._last_event_at = self._clock()
         verdict = self._fold(seq, at_ns, msg.subject, msg.data)
         if self._awaited:
             self._tell(seq, msg, verdict)
+        if type(verdict) is list:
+            return self._fold_batch(seq, msg, verdict)
         if type(verdict) is Refusal:
             event = verdict.event
             fields = None if event is None else event_fields(event)
@@ -390,6 +394,29 @@ class Writer(LagWatched):
             if delta.hole is not None:  # once: a restart folds it again, unlogged
                 self._log_hole(seq, delta.hole)
         return None
+
+    def _fold_batch(self, seq: int, msg: Msg, verdicts: list[Verdict]) -> list[Refused] | None:
+        """A record batch's verdicts: its applied events' deltas go out as the parts of one
+        delta at its sequence (the delta log's chain and the projector's position stay per
+        stored message); each refused event is dead-lettered alone, with its index."""
+        deltas: list[Delta] = []
+        refused: list[Refused] = []
+        for index, verdict in enumerate(verdicts):
+            if type(verdict) is Refusal:
+                event = verdict.event
+                fields = None if event is None else event_fields(event)
+                refused.append(Refused(verdict.kind, verdict.reason, fields, index=index))
+            else:
+                deltas.append(verdict)  # type: ignore[arg-type]
+        self.stats.applied += len(deltas)
+        if deltas and seq > self._published_up_to:
+            self.deltas.append_parts(deltas)
+            self.stats.deltas_published += len(deltas)
+            self.stats.last_delta_seq = seq
+        if not refused:
+            return None
+        items = decode_batch(msg.data)  # decoded once more only when an event was refused
+        return [replace(each, payload=items[each.index or 0]) for each in refused]
 
     def _log_hole(self, seq: int, hole: Hole) -> None:
         """A Dynamo publisher's messages the log never got (NATS Core keeps no copy). They

@@ -12,7 +12,15 @@ from pipeline_kit import fresh_config
 from projector.route.outcomes import EventOutcome, OutcomeForgotten, Outcomes
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from seqstate import AddRequest, Free, MarkPrefillCompleted, WorkerAdded, WorkerRemoved
+from seqstate import (
+    AddRequest,
+    Free,
+    MarkPrefillCompleted,
+    WorkerAdded,
+    WorkerRemoved,
+    encode_event,
+)
+from seqstate.batches import encode_batch_of
 
 
 async def test_each_event_gets_the_outcome_the_writer_folded(nc: Client) -> None:
@@ -108,3 +116,22 @@ async def test_a_follower_started_late_knows_what_was_folded_before_it(nc: Clien
             assert late.named == first  # no delta after the refused event
         finally:
             await late.stop()
+
+
+async def test_a_batch_with_a_refused_event_answers_its_first_applied_events_outcome(
+    nc: Client,
+) -> None:
+    """A record batch's events share its sequence: its answer is its first applied event's,
+    and the dead letter of another of its events (with its index) does not make it None."""
+    config = fresh_config("ob")
+    async with Pipeline(nc, config):
+        outcomes = await Outcomes(nc, config).start()
+        try:
+            payload = encode_batch_of(
+                [encode_event(AddRequest("x", 1)), encode_event(AddRequest("y", 2))]
+            )
+            seq = (await nc.jetstream().publish(config.event_subject(1), payload)).seq
+            got = await outcomes.of(seq, timeout=20)
+            assert (got.seq, got.outcome) == (seq, "applied")
+        finally:
+            await outcomes.stop()

@@ -20,6 +20,7 @@ from projector import (
     WorkerControl,
 )
 from projector.nats.resources import ensure
+from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.schedule.scheduler import (
     DuplicateRequest,
@@ -27,6 +28,7 @@ from projector.schedule.scheduler import (
     UnknownRequest,
 )
 from projector.wire.config import Config
+from seqstate import AddRequest
 
 BLOCK = 16
 RANKS = [(w, 0) for w in range(1, 9)]
@@ -274,3 +276,32 @@ async def test_every_booking_counts_where_it_was_made_under_load(nc: Client) -> 
                     (0, 0)
                 }
     assert unseen == []
+
+
+async def test_a_replica_counts_each_event_of_a_peers_record_batch(nc: Client) -> None:
+    """A peer's ``publish_many`` with ``batch_events``: one stored message of two bookings.
+    With no writer running the view never moves, so only the peer feed can count them: each
+    event of the batch is counted, once."""
+    config = fresh_config("sb")
+    await ensure(nc, config)
+    async with Pipeline(nc, config) as pipeline:
+        await registered(nc, config)
+        last = await WorkerControl(nc, config=config).add(9)
+        await pipeline.wait_applied(last.seq)
+    async with Scheduler(nc, config=config, router_id="b", block_size=BLOCK) as b:
+        assert b.following
+        hashes = prompt(3)
+        peer = RouterPublisher(nc, router_id="c", config=config, batch_events=64)
+        seqs = await peer.publish_many(
+            [
+                AddRequest("c1", 5, block_hashes=hashes, prefill_tokens=32, router_id="c"),
+                AddRequest("c2", 5, block_hashes=hashes, prefill_tokens=32, router_id="c"),
+            ]
+        )
+        assert seqs[0] == seqs[1] > b.view.applied_seq
+
+        def counted() -> int:
+            return row_of(b.costs(hashes, 128), (5, 0)).active_requests
+
+        await eventually(counted, lambda n: n == 2, what="b counts both bookings")
+        assert b.peer_events == 2 and b.view.applied_seq < seqs[0]
