@@ -62,6 +62,8 @@ async def test_a_server_killed_while_batches_are_in_flight_leaves_the_chain_whol
         services = [writer, projector]
         for service in services:
             await service.start(js, 0)
+        for service in services:  # the kills test riding them out, not a start cut short
+            await service.wait_ready(js)
         pid = writer.proc.pid if writer.proc else 0
 
         seen = 0
