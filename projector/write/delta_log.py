@@ -146,7 +146,7 @@ class DeltaLog:
         self._flight = 0  # deltas of the batch being stored
         self._flight_first = 0  # the first one's source sequence
         # Whether the stream takes atomic batches (nats-server 2.12+, ``allow_atomic``): read
-        # at :meth:`open`; without, one message is in flight at a time.
+        # by :meth:`take_batches`; without, one message is in flight at a time.
         self._atomic = False
         self._batch_prefix = f"{os.getpid():x}.{id(self):x}.{time.time_ns():x}"
         self._batches = 0
@@ -164,6 +164,12 @@ class DeltaLog:
         # histogram: the writer's unit of flushing).
         self.on_store: Callable[[float], None] | None = None
 
+    async def take_batches(self) -> None:
+        """Learn whether the stream takes atomic batches: a writer's, before it appends (a
+        reader of the chain's position, ``status``, needs not know, nor the right to ask)."""
+        info = await self._js.stream_info(self._settings.deltas_stream)
+        self._atomic = bool(info.config.allow_atomic)
+
     async def open(self) -> int:
         """Find where the chain stands (the subject's last message); its source sequence.
 
@@ -171,8 +177,6 @@ class DeltaLog:
         dead-letters it), never trusted or fatal.
         """
         stream, subject = self._settings.deltas_stream, self._settings.deltas_subject
-        info = await self._js.stream_info(stream)
-        self._atomic = bool(info.config.allow_atomic)
         try:
             raw = await self._js.get_last_msg(stream, subject)
         except NotFoundError:

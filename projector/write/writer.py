@@ -256,6 +256,7 @@ class Writer(LagWatched):
         self._clock = asyncio.get_running_loop().time
         self._check_event_limit()
         await self._host.provision()
+        await self.deltas.take_batches()
         self._published_up_to = await self.deltas.open()
         self.stats.last_delta_seq = self._published_up_to
         await self.snapshotter.open(on_failure=self._fail)

@@ -260,3 +260,21 @@ async def http_get(
     lines = head.decode().split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:])
     return int(lines[0].split()[1]), headers.get("content-type", ""), body.decode()
+
+
+class Readyz:
+    """``/readyz`` of a process's metrics port, each answer kept: ``await readyz()`` asks once;
+    ``readyz.said()`` (an ``eventually`` watch) shows the last answers and ``log``'s tail."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port = port
+        self.log = log
+        self.answers: list[tuple[int, str]] = []
+
+    async def __call__(self) -> tuple[int, str]:
+        status, _, body = await http_get(self.port, "/readyz")
+        self.answers.append((status, body))
+        return status, body
+
+    def said(self) -> str:
+        return f"readyz {self.answers[-3:]}\n{self.log.read_text()[-3000:]}"

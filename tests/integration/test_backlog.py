@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 from dynamo_capture import CAPTURE
 from eventually import eventually
+from http_kit import Readyz
 from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import REPO, fresh_config, name_flags, run_cli
-from test_metrics import cli_env, command, free_port, http_get, parse, pick, scrape
+from test_metrics import cli_env, command, free_port, parse, pick, scrape
 
 from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
 from projector.nats.server import NatsServer
@@ -94,15 +95,8 @@ async def test_a_full_events_stream_shows_the_dynamo_backlog_until_it_is_lifted(
     port = free_port()
     log = tmp_path / "run.log"
     ns, capture = config.namespace, dynamo_capture(config)
-    answers: list[tuple[int, str]] = []
-
-    async def readyz() -> tuple[int, str]:
-        status, _, body = await http_get(port, "/readyz")
-        answers.append((status, body))
-        return status, body
-
-    def said() -> str:
-        return f"readyz {answers[-3:]}\n{log.read_text()[-3000:]}"
+    readyz = Readyz(port, log)
+    said = readyz.said
 
     async with command(
         nats_server.url,

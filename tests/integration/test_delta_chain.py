@@ -139,6 +139,7 @@ async def test_appends_are_atomic_batches_where_the_stream_takes_them_else_singl
 
     async def append(first: int, atomic: bool) -> None:
         log = build_delta_log(nc, config)
+        await log.take_batches()
         assert await log.open() == first - 1
         assert log.atomic is atomic
         failures: list[BaseException] = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eventually import eventually
-from http_kit import http_get
+from http_kit import Readyz
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, name_flags
 from test_metrics import command, free_port
@@ -40,15 +40,8 @@ async def test_run_started_on_a_backlog_is_ready_once_it_has_folded_it(
     assert last == 2 * REQUESTS
     port = free_port()
     log = tmp_path / "run.log"
-    answers: list[tuple[int, str]] = []
-
-    async def readyz() -> tuple[int, str]:
-        status, _, body = await http_get(port, "/readyz")
-        answers.append((status, body))
-        return status, body
-
-    def said() -> str:
-        return f"readyz {answers[-3:]}\n{log.read_text()[-3000:]}"
+    readyz = Readyz(port, log)
+    said = readyz.said
 
     async with command(
         nats_server.url,

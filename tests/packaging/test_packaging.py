@@ -36,6 +36,7 @@ PACKAGES = ("seqstate", "projector")
 # The modules setup.py compiles, and mypyc's shared runtime library for them.
 COMPILED = {
     "_native__mypyc",
+    "batches",
     "blocks",
     "decay",
     "departures",
