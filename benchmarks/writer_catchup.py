@@ -23,6 +23,11 @@ Then, timed:
     projector`` in a process of its own (as a deployment of separate processes runs it), and
     the run ends when the bucket's position says the last event.
 
+``--batch N``: (b) reads a copy of the same events in a namespace of its own, stored as
+record batches of ``N`` events (each rank's events in order, as ``publish_many`` groups
+them), while (a) still reads the one-event stream: the ratio is the writer's events/s over
+batches against the bare consumer's over single events.
+
 After the runs, ``verify`` (what ``seqstate verify`` runs) replays the log to the bucket's
 position and compares: it must say identical.
 
@@ -62,6 +67,7 @@ from projector.run.assemble import build_projector, build_writer
 from projector.wire.config import Config
 from projector.wire.values import decode_position, lease_key, position_key
 from seqstate import AddRequest, Event
+from seqstate.batches import encode_batch_of
 
 WORKERS = 16
 MAX_PENDING = 4000  # unacknowledged publishes while filling
@@ -196,6 +202,25 @@ async def writer_beside_a_projector_process(
         proc.wait(30)
 
 
+def batched(messages: list[tuple[str, bytes]], size: int, control: str) -> list[tuple[str, bytes]]:
+    """``messages`` as record batches of ``size`` events: each subject's (rank's) events in
+    their order, a batch sent once it is full (the rest at the end); the control subject's
+    (the workers' registrations) as they come, before the requests that need them."""
+    out: list[tuple[str, bytes]] = []
+    pending: dict[str, list[bytes]] = {}
+    for subject, payload in messages:
+        if subject == control:
+            out.append((subject, payload))
+            continue
+        group = pending.setdefault(subject, [])
+        group.append(payload)
+        if len(group) == size:
+            out.append((subject, encode_batch_of(group)))
+            pending[subject] = []
+    out.extend((subject, encode_batch_of(group)) for subject, group in pending.items() if group)
+    return out
+
+
 async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
     """One run on a fresh server. The messages are built for the run and dropped once
     stored: held while the writer runs, their objects would add to every full garbage
@@ -206,19 +231,32 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
             await ensure(nc, config)
             base = realistic(base_events(args.trace, WORKERS), seed=1)
             messages = encoded(config, base, args.events, WORKERS)
-            del base
             filled = await fill(nc, config, messages, MAX_PENDING)
-            del messages
-            last = filled["last_seq"]
+            last = events = filled["last_seq"]
+            writing = config
+            if args.batch > 1:  # the same events, batched, in a namespace of their own
+                writing = Config(
+                    namespace="batched",
+                    events_stream="BATCHED_EVENTS",
+                    deltas_stream="BATCHED_DELTAS",
+                    registry_bucket="batched-registry",
+                )
+                await ensure(nc, writing)
+                again = encoded(writing, base, args.events, WORKERS)
+                batches = batched(again, args.batch, writing.control_subject)
+                last = (await fill(nc, writing, batches, MAX_PENDING))["last_seq"]
+                del again
+            del base, messages
             js = nc.jetstream()
-            bare_rate, bare_cpu = await bare(js, config, last)
+            bare_rate, bare_cpu = await bare(js, config, events)
             print("timing the writer", file=sys.stderr, flush=True)  # a profiler's cue
             writer_rate, writer_cpu = await writer_catchup(
-                nc, config, last, server.url, args.projector_process
+                nc, writing, last, server.url, args.projector_process
             )
-            diffs = await verify(nc, config) if args.verify else []
+            writer_rate *= events / last  # events, not messages, per second
+            diffs = await verify(nc, writing) if args.verify else []
     return {
-        "events": last,
+        "events": events,
         "fill_per_s": filled["events_per_s"],
         "bare_per_s": bare_rate,
         "writer_per_s": writer_rate,
@@ -240,6 +278,9 @@ def main() -> int:
         "--projector-process",
         action="store_true",
         help="run the projector as `seqstate projector` in a process of its own",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=1, help="the writer reads record batches of N events"
     )
     parser.add_argument(
         "--no-verify", dest="verify", action="store_false", help="skip the verify of each run"
