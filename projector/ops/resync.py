@@ -96,6 +96,10 @@ async def in_flight(
     wanted = set(config.dynamo_endpoints)
     bucket = await read_bucket(nc, config)
     if base is None:
+        if not await last_seq_of(nc.jetstream(), config.events_stream, config.events_subjects):
+            # A namespace whose log is empty has nothing in flight (replay refuses a range
+            # that cannot mean anything; here the answer is simply none).
+            return Found([], 0, config.new_state(), 0)
         replayed = await replay(nc, config)
         state, last_seq = replayed.state, replayed.last_seq
     else:

@@ -43,7 +43,9 @@ async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:
                 nc, config, args.id, since_seq=args.since_seq, window=args.window, progress=progress
             )
     print(msgspec.json.encode(done.as_dict()).decode() if args.json else done.text())
-    return 0
+    # A request no event names is an answer of "not found", as grep's: the report still says
+    # which sequences were searched, and the exit code lets a script tell it from a story.
+    return 1 if done.state == "unknown" else 0
 
 
 def add_inspect_flags(inspect: argparse.ArgumentParser) -> None:
