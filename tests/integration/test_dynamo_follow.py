@@ -182,7 +182,7 @@ async def test_changes_become_control_events_and_resyncs(nc: Client) -> None:
         ]
         assert follower.resyncs == 2
         assert list(follower.triggers) == [
-            "1 router replica(s) in discovery that never reached the log",
+            "1 router replica(s) in discovery that the log had not heard before this start",
             "router replica channel 6 appeared",
         ]
     finally:
