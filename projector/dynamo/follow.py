@@ -196,14 +196,16 @@ class Follower:
                     await sub.unsubscribe()
 
     def want_resync(self, delay_s: float, why: str) -> None:
-        """A resync at most ``delay_s`` from now (triggers that come together make one)."""
+        """A resync ``delay_s`` from now, or later: triggers that come together make one, sent
+        once the last of them is due (a channel that appears while a resync waits must get its
+        own delay, or the resync reaches the server before that frontend's subscription)."""
         self.triggers.append(why)
         if not self.auto_resync:
             log.info("a Dynamo resync would be due (%s); automatic resync is off", why)
             return
         loop = asyncio.get_running_loop()
         due = loop.time() + delay_s
-        if not self._wanted.is_set() or due < self._due:
+        if not self._wanted.is_set() or due > self._due:
             self._due = due
         log.info("Dynamo resync due in %.1fs: %s", max(0.0, self._due - loop.time()), why)
         self._wanted.set()
