@@ -227,7 +227,8 @@ async def test_one_command_beside_a_running_fleet_through_its_day(
         for name in ("seqstate", f2.name):  # the lease of their Add
             assert S - 0.2 <= dropped[name] - added <= 2 * S + SEEN_S, (dropped, added)
         # Its copy came with the resync: its lease is younger.
-        assert S - 0.2 <= dropped[f1b.name] - registered <= 2 * S + 2 + SEEN_S, dropped
+        # (the resync is sent 0.5 s after the channel appears; a busy machine takes longer)
+        assert S - 0.2 <= dropped[f1b.name] - registered <= 2 * S + 5 + SEEN_S, dropped
         await agree(live, seq, {}, "every idle request expired")
 
         # 3. seqstate down while a frontend restarts and routes.
