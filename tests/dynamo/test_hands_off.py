@@ -40,7 +40,7 @@ from dynamo_kit import (
     unique_blocks,
 )
 from eventually import eventually
-from fleet import DYNAMO_ENDPOINT, Frontend, Proc
+from fleet import DYNAMO_ENDPOINT, Frontend
 from live import LiveFleet
 from seqstate_kit import HELD, NAMESPACE, REPO, SEQSTATE, Seqstate, agree, per_rank
 
@@ -113,12 +113,7 @@ async def hold(
         )
         for i, rid in enumerate(rids)
     )
-    await eventually(
-        lambda: live.capture.adds(rids),
-        lambda adds: len(adds) == count,
-        what=f"{count} AddRequests",
-        watch=live.fleet.tails,
-    )
+    await live.added(rids)
     return rids, streams
 
 
@@ -267,14 +262,7 @@ async def test_one_command_beside_a_running_fleet_through_its_day(
             what="the dead worker gone from loads",
             watch=seq.tail,
         )
-        back: Proc = live.fleet.start_mocker("mocker-c")
-        fresh = await eventually(
-            lambda: live.fleet.worker_of(back),
-            lambda w: w is not None,
-            what="the new mocker in discovery",
-            timeout=60,
-            check=back.check,
-        )
+        _, fresh = await live.new_mocker("mocker-c")
         await eventually(
             lambda: seq.cli("loads", "--json"),
             lambda r: r[0] == 0 and f'"worker_id":{fresh},' in r[1],
