@@ -16,11 +16,12 @@ in flight. Beside a running pipeline, the follower closes both gaps:
 - **Router replicas.** A frontend with replica sync registers an ``active_sequences_events``
   channel in discovery as it starts, and subscribes to the subject right after. The follower
   resyncs (:mod:`projector.ops.resync`) a moment after a channel appears, and at start if a
-  channel's publisher never reached the log (a frontend started while seqstate was down). The
+  channel's publisher is one the log had not heard before this start (a frontend started
+  while seqstate was down: what it routed meanwhile reached the log, but no resync did). The
   subject is shared by every replica, so each of them receives the resync: a replica that
   knows a request takes its Add as a duplicate. With no discovery, the first message of a
-  router publisher the log has never seen triggers the same resync: the last resort, since
-  that frontend has already routed once blind.
+  router publisher the log had not heard before this start triggers the same resync: the
+  last resort, since that frontend has already routed once blind.
 - **Mistakes.** An endpoint discovery does not know (``dynamo.backend.generat``) is said at
   start, with the endpoints discovery does know, and again while nothing arrives from it.
 
@@ -35,7 +36,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -131,7 +132,10 @@ class Resyncer(Protocol):
 
 class Follower:
     """Follows ``feed`` (None: no discovery, the last resort only) for ``config``'s Dynamo
-    endpoints; ``ledger()`` is the running writer's state (read, never changed)."""
+    endpoints; ``ledger()`` is the running writer's state (read, never changed);
+    ``heard_before()`` the router publishers the log had heard when that writer began to read
+    it (by default, the ledger's): a frontend whose publisher is not among them started while
+    no seqstate ran, and whatever it routed since then reached the log without a resync."""
 
     def __init__(
         self,
@@ -145,6 +149,7 @@ class Follower:
         resync_delay_s: float = RESYNC_DELAY_S,
         quiet_warn_s: float = QUIET_WARN_S,
         auto_resync: bool = True,
+        heard_before: Callable[[], Container[int]] | None = None,
     ) -> None:
         self.nc = nc
         self.config = config
@@ -155,6 +160,7 @@ class Follower:
         self.quiet_warn_s = quiet_warn_s
         self.auto_resync = auto_resync
         self._send = publish
+        self._heard_before = heard_before
         self._ours = resync_publisher_id(config.namespace)
         self._fleet: Fleet | None = None
         self._seen: OrderedDict[int, None] = OrderedDict()  # router publishers seen on the wire
@@ -190,14 +196,16 @@ class Follower:
                     await sub.unsubscribe()
 
     def want_resync(self, delay_s: float, why: str) -> None:
-        """A resync at most ``delay_s`` from now (triggers that come together make one)."""
+        """A resync ``delay_s`` from now, or later: triggers that come together make one, sent
+        once the last of them is due (a channel that appears while a resync waits must get its
+        own delay, or the resync reaches the server before that frontend's subscription)."""
         self.triggers.append(why)
         if not self.auto_resync:
             log.info("a Dynamo resync would be due (%s); automatic resync is off", why)
             return
         loop = asyncio.get_running_loop()
         due = loop.time() + delay_s
-        if not self._wanted.is_set() or due < self._due:
+        if not self._wanted.is_set() or due > self._due:
             self._due = due
         log.info("Dynamo resync due in %.1fs: %s", max(0.0, self._due - loop.time()), why)
         self._wanted.set()
@@ -206,6 +214,16 @@ class Follower:
         """The ledger now, or None while no pipeline runs (it is restarting)."""
         try:
             return self.ledger()
+        except LookupError:
+            return None
+
+    def _heard(self) -> Container[int] | None:
+        """The publishers heard before the running writer read the log, or None while no
+        pipeline runs."""
+        try:
+            if self._heard_before is not None:
+                return self._heard_before()
+            return self.ledger().publishers.entries
         except LookupError:
             return None
 
@@ -239,7 +257,7 @@ class Follower:
 
     async def _started(self, feed: FleetFeed, fleet: Fleet) -> None:
         """The first view: warn of unknown endpoints, reconcile the ledger's workers, resync
-        if a router replica never reached the log."""
+        if a router replica started while seqstate was down."""
         unknown = [e for e in self.config.dynamo_endpoints if not self._known(fleet, e)]
         for endpoint in unknown:
             log.warning("%s", self._unknown_text(endpoint, feed.where, fleet))
@@ -252,11 +270,15 @@ class Follower:
                 )
         for worker_id, dp in sorted(fleet.workers.items()):
             await self._register(state, worker_id, dp)
-        known = state.publishers if state is not None else ()
+        # Not the ledger's publishers: a frontend that started while seqstate was down and
+        # routed before it came back is in the log, yet it was never resynced.
+        known = self._heard() or ()
         fresh = [p for p in fleet.channels if p not in known and p != self._ours]
         if fresh:
             self.want_resync(
-                0.0, f"{len(fresh)} router replica(s) in discovery that never reached the log"
+                0.0,
+                f"{len(fresh)} router replica(s) in discovery that the log had not heard "
+                "before this start",
             )
 
     async def _changed(self, before: Fleet, fleet: Fleet) -> None:
@@ -350,9 +372,9 @@ class Follower:
             return
         if message.router_id == message.worker_id:
             return  # a worker's own Mark publisher: no replica behind it
-        state = self._state()
-        if state is None or publisher_id in state.publishers:
-            return  # the log has heard it before: not a replica that started blind
+        heard = self._heard()
+        if heard is None or publisher_id in heard:
+            return  # the log had heard it before this start: not a replica started blind
         self.want_resync(0.0, f"a router publisher never seen before ({publisher_id}) routes")
 
     async def _quiet(self) -> None:

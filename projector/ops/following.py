@@ -37,16 +37,13 @@ def follower(
     feed: FleetFeed | None,
 ) -> Follower:
     def ledger() -> SequenceState:
-        running = pipeline()
-        if running is None:
-            raise NoPipeline("no pipeline runs")
-        return running.writer.state
+        return _running(pipeline).writer.state
+
+    def heard_before() -> frozenset[int]:
+        return _running(pipeline).writer.heard_before_start
 
     async def resync_now() -> str:
-        running = pipeline()
-        if running is None:
-            raise NoPipeline("no pipeline runs")
-        writer = running.writer
+        writer = _running(pipeline).writer
         # One synchronous step: the copy and its position are of the same event.
         base = (SequenceState.restore(writer.state.snapshot()), writer.stats.last_seq)
         done = await resync(nc, config, base=base)
@@ -68,7 +65,15 @@ def follower(
         resync=resync_now,
         publish=control.publish,
         auto_resync=config.dynamo_resync == "auto",
+        heard_before=heard_before,
     )
+
+
+def _running(pipeline: Callable[[], Pipeline | None]) -> Pipeline:
+    running = pipeline()
+    if running is None:
+        raise NoPipeline("no pipeline runs")
+    return running
 
 
 def feed_for(config: Config) -> FleetFeed | None:

@@ -76,6 +76,10 @@ _AUTH_METHODS = (
 )
 
 
+# Dynamo's routers' scan period: seqstate started with the fleet's environment follows it.
+DYNAMO_SCAN_ENV = "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"
+
+
 def _setting(default: Any, help: str, metavar: str = "", *, secret: bool = False) -> Any:
     return field(
         default=default,
@@ -122,8 +126,8 @@ class Config:
         300.0,
         "a namespace with --dynamo-endpoint expires as Dynamo's routers do: a lease per "
         "request, refreshed by its Add and its prefill's end, scanned every so many seconds "
-        "of log time (gone 1 to 2 scans after its last refresh; Dynamo's "
-        "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS); 'off': --expiry-s applies",
+        "of log time (gone 1 to 2 scans after its last refresh); unset, Dynamo's own "
+        f"{DYNAMO_SCAN_ENV} when the environment has it; 'off': --expiry-s applies",
         "SECONDS",
     )
     idle_tick_s: float = _setting(
@@ -501,6 +505,8 @@ class Config:
         **overrides: object,
     ) -> Config:
         """Defaults, then ``SEQSTATE_<FIELD>`` (and ``NATS_URL``), then flags, then overrides.
+        The scan period alone also reads Dynamo's ``DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS``
+        when neither its flag nor its variable is set, as discovery reads Dynamo's variables.
 
         ``flags`` maps a field to ``(flag, raw text)``: parsed exactly as its environment
         variable is, and named as the flag in an error.
@@ -519,6 +525,11 @@ class Config:
             else:
                 continue
             values[f.name] = _parse(raw, f.type, f.name, labels[f.name])
+        dynamo_scan = env.get(DYNAMO_SCAN_ENV, "").strip()
+        if "expiry_scan_s" not in values and dynamo_scan:
+            labels["expiry_scan_s"] = f"{DYNAMO_SCAN_ENV}={dynamo_scan!r}"
+            scan = next(f for f in fields(cls) if f.name == "expiry_scan_s")
+            values[scan.name] = _parse(dynamo_scan, scan.type, scan.name, labels[scan.name])
         values.update({k: v for k, v in overrides.items() if v is not None})
         for name in overrides:
             labels.pop(name, None)

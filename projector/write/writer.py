@@ -188,6 +188,10 @@ class Writer(LagWatched):
         self._final_snapshot = True
         self._failure: BaseException | None = None
         self.applied = Progress()  # the sequence of the last event folded
+        # The Dynamo publishers the write model had heard when this writer began to read the
+        # log (its snapshot's): one first heard in the catch-up published while no writer
+        # ran, so a frontend behind it may have started blind (the follower resyncs it).
+        self.heard_before_start: frozenset[int] = frozenset()
         self._events = OrderedConsumer(
             self._js,
             settings.events_stream,
@@ -268,6 +272,7 @@ class Writer(LagWatched):
                 raise self._failure
             return
         await self.snapshotter.check_coverage(self.applied.value)
+        self.heard_before_start = frozenset(self.state.publishers.entries)
         # The stream may carry other namespaces: caught up means up to this namespace's newest
         # event, and a restored state starts the consumer after its last one.
         await self._events.start(after=self.applied.value)

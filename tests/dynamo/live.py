@@ -142,5 +142,26 @@ class LiveFleet:
         (add,) = self.capture.adds([rid]).values()
         return add.event.router_id
 
+    async def added(self, rids: list[str]) -> None:
+        """Until the AddRequest of each of ``rids`` is captured."""
+        await eventually(
+            lambda: self.capture.adds(rids),
+            lambda adds: len(adds) == len(rids),
+            what=f"{len(rids)} AddRequests",
+            watch=self.fleet.tails,
+        )
+
+    async def new_mocker(self, name: str) -> tuple[Proc, int]:
+        """A single-rank mocker started now, and its instance id once discovery has it."""
+        mocker = self.fleet.start_mocker(name)
+        worker_id = await eventually(
+            lambda: self.fleet.worker_of(mocker),
+            lambda w: w is not None,
+            what=f"{name} in discovery",
+            timeout=60,
+            check=mocker.check,
+        )
+        return mocker, worker_id
+
     def stop(self) -> None:
         self.fleet.stop()

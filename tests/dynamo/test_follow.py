@@ -145,14 +145,7 @@ async def test_a_killed_worker_leaves_loads_with_the_frontends_and_a_new_one_com
         await close_all(streams)
     await agree(live, seqstate, {}, "the drain")
     assert not any(w == dead for w, _ in await ranks_shown(seqstate))
-    back = live.fleet.start_mocker("mocker-back")
-    fresh = await eventually(
-        lambda: live.fleet.worker_of(back),
-        lambda w: w is not None,
-        what="the new mocker in discovery",
-        timeout=60,
-        check=back.check,
-    )
+    _, fresh = await live.new_mocker("mocker-back")
     assert fresh != dead
     await eventually(
         lambda: ranks_shown(seqstate),

@@ -58,12 +58,7 @@ async def hold(live: LiveFleet, tag: int, count: int) -> tuple[list[str], list[S
         for i, rid in enumerate(rids)
     ]
     streams = await open_streams(specs)
-    await eventually(
-        lambda: live.capture.adds(rids),
-        lambda adds: len(adds) == count,
-        what=f"{count} AddRequests",
-        watch=live.fleet.tails,
-    )
+    await live.added(rids)
     return rids, streams
 
 

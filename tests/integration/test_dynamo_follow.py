@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -182,9 +183,51 @@ async def test_changes_become_control_events_and_resyncs(nc: Client) -> None:
         ]
         assert follower.resyncs == 2
         assert list(follower.triggers) == [
-            "1 router replica(s) in discovery that never reached the log",
+            "1 router replica(s) in discovery that the log had not heard before this start",
             "router replica channel 6 appeared",
         ]
+    finally:
+        await stopped(task)
+
+
+async def test_a_channel_that_appears_while_a_resync_waits_gets_its_own_delay(
+    nc: Client,
+) -> None:
+    """Two frontends start 0.3 s apart; the resync that the first one's channel brought is
+    still waiting. Sent at the first's due time, it would reach the server 0.2 s after the
+    second's channel appeared, before that frontend subscribes (it does so a few ms after its
+    key, later on a loaded machine): one resync, once the second's delay has passed too."""
+    feed = ScriptedFeed()
+    state = ledger_with(11)
+    started: list[float] = []
+
+    async def resync() -> str:
+        started.append(time.monotonic())
+        return "resynced"
+
+    follower = Follower(
+        nc,
+        CONFIG,
+        feed=feed,
+        ledger=lambda: state,
+        resync=resync,
+        publish=Recorder().publish,
+        resync_delay_s=0.5,
+    )
+    task = asyncio.create_task(follower.run())
+    try:
+        feed.queue.put_nowait(Fleet(workers={11: (0, 1)}, endpoints=frozenset({ENDPOINT})))
+        one = Fleet(workers={11: (0, 1)}, channels=frozenset({6}), endpoints=frozenset({ENDPOINT}))
+        feed.queue.put_nowait(one)
+        await asyncio.sleep(0.3)
+        feed.queue.put_nowait(
+            Fleet(workers={11: (0, 1)}, channels=frozenset({6, 7}), endpoints=frozenset({ENDPOINT}))
+        )
+        second = time.monotonic()
+        await eventually(lambda: started, what="a resync")
+        assert started[0] - second >= 0.5, started[0] - second
+        await asyncio.sleep(0.3)
+        assert len(started) == 1, started
     finally:
         await stopped(task)
 

@@ -37,6 +37,7 @@ from projector.wire.config import Config
 from seqstate.dynamo import (
     ADD,
     FREE,
+    MARK,
     decode_dynamo,
     dynamo_subject,
     encode_dynamo,
@@ -253,6 +254,51 @@ async def test_a_new_router_replica_is_resynced_within_two_seconds(
         assert first - registered < 2.0, (first - registered, log())
         assert (await loads(config, url)) == {(W1, 0): 3}  # the echo changed nothing
     assert "router replica channel 5000002 appeared" in log()
+
+
+async def test_a_replica_that_started_and_routed_while_seqstate_was_down_is_resynced(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """seqstate stopped with three requests in flight; meanwhile a frontend starts (its
+    channel appears) and routes one request, which JetStream captures. That frontend knows
+    nothing of the three. When seqstate comes back, its publisher is in the log, yet it was
+    never resynced: seqstate resyncs at start, all four requests in flight."""
+    root = tmp_path / "kv"
+    endpoint = fresh_endpoint()
+    write_files(root, worker(W1, base=1000, **on(endpoint)) | channel(FRONT_A, **on(endpoint)))
+    config = fresh_config("down", dynamo_endpoint=endpoint)
+    url = nats_server.url
+    async with running(nc, config, url, tmp_path / "run.log", file_env(root)):
+        await eventually(lambda: loads(config, url), bool, what="the worker in loads")
+        await send(nc, endpoint, *(dynamo(ADD, f"q{i}", (W1, 0), i) for i in range(3)))
+        # The worker's own Mark, under its channel (base + 1), as a live worker sends it.
+        mark = decode_dynamo(dynamo(MARK, "q0", (W1, 0), 0))
+        mark = msgspec.structs.replace(mark, publisher_id=1001, router_id=W1)
+        await send(nc, endpoint, encode_dynamo(mark))
+        await eventually(
+            lambda: writer_status(nc, config),
+            lambda got: got.get("dynamo", {}).get("publishers") == 2,
+            what="the log heard both publishers",
+        )
+        assert await loads(config, url) == {(W1, 0): 3}
+    write_files(root, channel(FRONT_B, **on(endpoint)))
+    routed = msgspec.structs.replace(
+        decode_dynamo(dynamo(ADD, "q3", (W1, 0), 0)), publisher_id=FRONT_B
+    )
+    await send(nc, endpoint, encode_dynamo(routed))
+    late = asyncio.ensure_future(republished(nc, endpoint, 5, config.namespace))
+    await asyncio.sleep(0.1)  # the late replica's subscription reaches the server
+    async with running(nc, config, url, tmp_path / "run.log", file_env(root)) as log:
+        messages, _ = await late  # four Adds, and q0's Mark (its prefill is done)
+        assert sorted(decode_dynamo(m.data).request_id for m in messages) == [
+            "q0",
+            "q0",
+            "q1",
+            "q2",
+            "q3",
+        ]
+        assert (await loads(config, url)) == {(W1, 0): 4}
+    assert "1 router replica(s) in discovery that the log had not heard before" in log()
 
 
 async def test_an_endpoint_unknown_to_discovery_is_said(

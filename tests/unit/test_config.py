@@ -168,6 +168,24 @@ def test_a_dynamo_namespace_folds_by_the_lease_and_a_changed_scan_is_named() -> 
         )
 
 
+def test_the_scan_follows_dynamos_own_variable_unless_seqstate_is_told() -> None:
+    """Started with the fleet's environment, seqstate scans as its frontends do: Dynamo's
+    DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS, unless the flag or SEQSTATE_EXPIRY_SCAN_S says
+    otherwise; a bad value is named by the variable it came from."""
+    fleet = {"SEQSTATE_DYNAMO_ENDPOINT": "dynamo.backend.generate"}
+    fleet["DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS"] = "60"
+    assert Config.from_env(fleet).new_state().lease_scan_s == 60.0
+    told = Config.from_env(fleet | {"SEQSTATE_EXPIRY_SCAN_S": "30"})
+    assert told.new_state().lease_scan_s == 30.0
+    flagged = Config.from_env(fleet, flags={"expiry_scan_s": ("--expiry-scan-s", "off")})
+    assert flagged.new_state().lease_scan_s is None
+    with pytest.raises(ConfigError) as caught:
+        Config.from_env(fleet | {"DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS": "0"})
+    assert str(caught.value) == (
+        "DYN_ROUTER_ACTIVE_REQUEST_EXPIRY_SECS='0': must be positive (at most a year), or 'off'"
+    )
+
+
 def test_the_metrics_settings_parse_and_a_bad_port_is_one_clear_error() -> None:
     assert (Config().metrics_port, Config().metrics_host, Config().ready_lag_events) == (
         None,
