@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TypeVar
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
@@ -35,10 +37,14 @@ from projector.nats.stream import OrderedConsumer, last_seq_of
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_INDEX, SOURCE_SEQ, SOURCE_STREAM
 from seqstate import decode_deltas
+from seqstate.batches import MAX_EVENTS as MAX_BATCH_EVENTS
+from seqstate.batches import BatchDecodeError, decode_batch
 from seqstate.errors import SeqstateError
 
 REMEMBER = 65_536  # outcomes kept for calls that ask after their delta went by
 REMEMBER_REFUSED = 1_024  # refused events kept for calls that ask after their dead letter
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class OutcomeForgotten(SeqstateError, LookupError):
@@ -77,6 +83,8 @@ class Outcomes:
         self._consumer: OrderedConsumer | None = None
         self._refused: dict[int, None] = {}  # events the writer dead-lettered, oldest first
         self._refused_in: dict[tuple[int, int], None] = {}  # events of batches, the same
+        self._refused_of: dict[int, int] = {}  # a batch's sequence -> its events refused
+        self._sizes: dict[int, int] = {}  # a batch's sequence -> its events, once read
         self._dead: OrderedConsumer | None = None
 
     async def start(self) -> Outcomes:
@@ -111,16 +119,19 @@ class Outcomes:
     def refused(self, seq: int) -> None:
         """The writer dead-lettered event ``seq``: answer its caller now."""
         self._refused[seq] = None
-        while len(self._refused) > REMEMBER_REFUSED:
-            del self._refused[next(iter(self._refused))]
+        _trim(self._refused)
         self._seen.release(seq)
 
     def refused_in(self, seq: int, index: int) -> None:
         """The writer dead-lettered event ``index`` of record batch ``seq``: answer its
         caller now (its neighbours may have applied: the batch is no more settled)."""
+        if (seq, index) in self._refused_in:
+            return
         self._refused_in[(seq, index)] = None
-        while len(self._refused_in) > REMEMBER_REFUSED:
-            del self._refused_in[next(iter(self._refused_in))]
+        self._refused_of[seq] = self._refused_of.get(seq, 0) + 1
+        _trim(self._refused_in)
+        _trim(self._refused_of)
+        _trim(self._sizes)
         self._seen.release(seq)
 
     def refused_by(self, dead_letter_headers: dict[str, str] | None) -> None:
@@ -163,11 +174,31 @@ class Outcomes:
 
     async def folded(self, seq: int, timeout: float | None = None) -> None:
         """Until the writer has folded event ``seq`` (and so every event before it): a delta
-        named it or a later one, or it was refused; ``TimeoutError`` after ``timeout``."""
+        named it or a later one, or it was refused (a record batch: every event of it, which
+        its size, read once from the events stream, tells); ``TimeoutError`` after
+        ``timeout``."""
         deadline = _deadline(timeout)
         while seq > self.named and seq not in self._refused:
+            refused = self._refused_of.get(seq, 0)
+            if refused:
+                if refused >= await self._size_of(seq):
+                    return
+                if self._refused_of.get(seq, 0) != refused:
+                    continue  # another of its dead letters came meanwhile
             await self._seen.wait(seq, _left(deadline))
             self._raise_stopped()
+
+    async def _size_of(self, seq: int) -> int:
+        """The events of record batch ``seq`` (more than any count when it cannot be read)."""
+        size = self._sizes.get(seq)
+        if size is None:
+            try:
+                msg = await self._js.get_msg(self.config.events_stream, seq)
+                size = len(decode_batch(msg.data or b""))
+            except (nats.errors.Error, BatchDecodeError, TimeoutError):
+                return MAX_BATCH_EVENTS + 1  # a later delta settles it
+            self._sizes[seq] = size
+        return size
 
     def _raise_stopped(self) -> None:
         if self._consumer is not None and self._consumer.failure is not None:
@@ -191,6 +222,12 @@ class Outcomes:
                     )
                 break
         return EventOutcome(seq, None)
+
+
+def _trim(kept: dict[K, V]) -> None:
+    """The newest ``REMEMBER_REFUSED`` of ``kept`` (oldest first)."""
+    while len(kept) > REMEMBER_REFUSED:
+        del kept[next(iter(kept))]
 
 
 def _deadline(timeout: float | None) -> float | None:

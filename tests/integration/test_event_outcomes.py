@@ -151,3 +151,24 @@ async def test_each_event_of_a_batch_gets_its_own_outcome(nc: Client) -> None:
             assert got == [EventOutcome(seq, None)] * 2
         finally:
             await outcomes.stop()
+
+
+async def test_a_batch_refused_event_by_event_is_folded_with_no_delta_after_it(
+    nc: Client,
+) -> None:
+    """The newest stored message a record batch whose every event was refused: ``folded``
+    says so once its dead letters are read (no delta will name it, and no Tick comes)."""
+    config = fresh_config("oz", idle_tick_s=3600.0, tick_every_s=3600.0)
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="oz", config=config)
+        first = await pub.publish(AddRequest("a", 1))
+        await pipeline.wait_applied(first)
+        outcomes = await Outcomes(nc, config).start()
+        try:
+            refused = [encode_event(AddRequest(r, 2)) for r in ("u", "v", "w")]
+            js = nc.jetstream()
+            seq = (await js.publish(config.event_subject(1), encode_batch_of(refused))).seq
+            await outcomes.folded(seq, timeout=20)
+            assert outcomes.named == first  # no delta names it
+        finally:
+            await outcomes.stop()
