@@ -91,6 +91,8 @@ class _Entry:
 
 
 class Queued(Protocol):
+    """What :func:`by_message` reads of a call that waits for its group commit."""
+
     subject: str
     payload: bytes
     order: Hashable  # calls of one order (a connection) are stored in the order they came
@@ -139,6 +141,7 @@ class _Message:
         self.acked = False  # its ack, its fold or its failure came: its group waits no more
 
     def fail(self, seq: int, why: str) -> None:
+        """Each call of the message failed, told its place in it (for its event's delta)."""
         for index, entry in enumerate(self.entries):
             entry.failed(seq, index, why)
 
