@@ -274,6 +274,12 @@ class _AwaitedCall:
     def begun(self) -> None:
         pass
 
+    @property
+    def conn(self) -> object:
+        """What orders calls (:class:`Call`'s connection): each awaited call is on its own,
+        in no order with calls made at the same time."""
+        return self
+
     def answer(self, status: int, payload: object) -> None:
         if type(payload) is Encoded:  # a cached read: as a client would decode it
             payload = msgspec.json.decode(payload.data)
@@ -802,9 +808,9 @@ class SlotService:
             call.answer(*answer(path, parsed, outcome, owner=owner, block_size=block_size))
             self._done_with(tracker)
 
-        def failed(seq: int, why: str) -> None:
+        def failed(seq: int, index: int, why: str) -> None:
             if seq:  # stored, folded by another writer: its delta says how
-                self._spawn(self._late(tracker, path, parsed, seq, event, call))
+                self._spawn(self._late(tracker, path, parsed, seq, index, event, call))
                 return
             if isinstance(parsed, AddBody):
                 tracker.settle(parsed.request_id, (parsed.worker_id, parsed.dp_rank), None, None)
@@ -813,17 +819,26 @@ class SlotService:
 
         self._hold(tracker)
         try:
-            commit.submit(tracker.publisher.subject_for(event), payload, folded, failed)
+            commit.submit(
+                tracker.publisher.subject_for(event), payload, folded, failed, order=call.conn
+            )
         except BaseException:
             self._done_with(tracker)
             raise
         call.begun()
 
     async def _late(
-        self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object, call: Call
+        self,
+        tracker: _Tracker,
+        path: str,
+        parsed: _Body,
+        seq: int,
+        index: int,
+        event: object,
+        call: Call,
     ) -> None:
         try:
-            status, payload = await self._finish(tracker, path, parsed, seq, event)
+            status, payload = await self._finish(tracker, path, parsed, seq, event, index)
         except Exception as exc:
             log.warning("%s: no outcome for stored event %d: %s", path, seq, exc)
             status, payload = 503, {"error": f"stored as event {seq}, outcome unknown: {exc}"}
@@ -1003,10 +1018,11 @@ class SlotService:
         return problem
 
     async def _finish(
-        self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object
+        self, tracker: _Tracker, path: str, parsed: _Body, seq: int, event: object, index: int = 0
     ) -> tuple[int, object]:
-        """The answer to a stored event: the writer's outcome of it."""
-        result = await tracker.outcomes.of(seq, self.outcome_wait_s)
+        """The answer to a stored event (``index``: its place in a record batch): the
+        writer's outcome of it."""
+        result = await tracker.outcomes.of(seq, self.outcome_wait_s, index=index)
         if result.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s: %s",

@@ -13,17 +13,20 @@ says so with ``outcome=None`` as soon as its dead letter is stored (a second ord
 of the namespace's dead letters, which only costs when there are some), or once a later
 event's delta arrives.
 
-Outcomes are per stored message, for callers that publish one event per message (serve-http
-does): a record batch's events share its sequence, and its answer is its first applied
-event's; a dead letter of one event of a batch answers nothing, since its neighbours may
-have applied.
+Outcomes are per event: a record batch's events share its sequence and are told apart by
+their index in it (its deltas' ``index``, its dead letters' ``Seqstate-Source-Index``). An
+event of a batch with no delta of its own was refused once the batch's last delta part (or a
+later delta) is read, or at once by its own dead letter.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from typing import TypeVar
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
@@ -34,10 +37,14 @@ from projector.nats.stream import OrderedConsumer, last_seq_of
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_INDEX, SOURCE_SEQ, SOURCE_STREAM
 from seqstate import decode_deltas
+from seqstate.batches import MAX_EVENTS as MAX_BATCH_EVENTS
+from seqstate.batches import BatchDecodeError, decode_batch
 from seqstate.errors import SeqstateError
 
 REMEMBER = 65_536  # outcomes kept for calls that ask after their delta went by
 REMEMBER_REFUSED = 1_024  # refused events kept for calls that ask after their dead letter
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class OutcomeForgotten(SeqstateError, LookupError):
@@ -70,10 +77,14 @@ class Outcomes:
         # The highest event sequence a delta has named (the newest stored when this started,
         # then each one followed): a position every view of the namespace reaches.
         self.named = 0
-        self._recent: dict[int, EventOutcome] = {}  # in sequence order, the oldest first
+        # (seq, index in its record batch: 0 alone) -> outcome, in sequence order, oldest first
+        self._recent: dict[tuple[int, int], EventOutcome] = {}
         self._oldest = 0  # the lowest sequence still answerable (older ones are forgotten)
         self._consumer: OrderedConsumer | None = None
         self._refused: dict[int, None] = {}  # events the writer dead-lettered, oldest first
+        self._refused_in: dict[tuple[int, int], None] = {}  # events of batches, the same
+        self._refused_of: dict[int, int] = {}  # a batch's sequence -> its events refused
+        self._sizes: dict[int, int] = {}  # a batch's sequence -> its events, once read
         self._dead: OrderedConsumer | None = None
 
     async def start(self) -> Outcomes:
@@ -108,18 +119,31 @@ class Outcomes:
     def refused(self, seq: int) -> None:
         """The writer dead-lettered event ``seq``: answer its caller now."""
         self._refused[seq] = None
-        while len(self._refused) > REMEMBER_REFUSED:
-            del self._refused[next(iter(self._refused))]
+        _trim(self._refused)
+        self._seen.release(seq)
+
+    def refused_in(self, seq: int, index: int) -> None:
+        """The writer dead-lettered event ``index`` of record batch ``seq``: answer its
+        caller now (its neighbours may have applied: the batch is no more settled)."""
+        if (seq, index) in self._refused_in:
+            return
+        self._refused_in[(seq, index)] = None
+        self._refused_of[seq] = self._refused_of.get(seq, 0) + 1
+        _trim(self._refused_in)
+        _trim(self._refused_of)
+        _trim(self._sizes)
         self._seen.release(seq)
 
     def refused_by(self, dead_letter_headers: dict[str, str] | None) -> None:
         """A dead letter: if it is one of this namespace's events, that event was refused."""
         headers = dead_letter_headers or {}
-        if SOURCE_INDEX in headers:  # one event of a record batch: its neighbours may apply
-            return
         if headers.get(SOURCE_STREAM) == self.config.events_stream:
             with contextlib.suppress(KeyError, ValueError):
-                self.refused(int(headers[SOURCE_SEQ]))
+                seq = int(headers[SOURCE_SEQ])
+                if SOURCE_INDEX in headers:  # one event of a record batch
+                    self.refused_in(seq, int(headers[SOURCE_INDEX]))
+                else:
+                    self.refused(seq)
 
     async def stop(self) -> None:
         if self._consumer is not None:
@@ -128,47 +152,90 @@ class Outcomes:
             await self._dead.stop()
 
     async def handle(self, msg: Msg) -> None:
-        """One deltas message: each event's outcome (its first part carries it)."""
+        """One deltas message: each event's outcome (its first part carries it); a stored
+        message is settled once its last part is read."""
         recent = self._recent
         last = 0
         for delta in decode_deltas(msg.data):
             seq = delta.seq
-            if seq is None or delta.part:
+            if seq is None:
                 continue
-            recent[seq] = EventOutcome(seq, delta.outcome, delta.owner, delta.block_size)
-            last = seq
+            key = (seq, delta.index)
+            if key not in recent:
+                recent[key] = EventOutcome(seq, delta.outcome, delta.owner, delta.block_size)
+            last = seq - 1 if delta.more else seq
         while len(recent) > self.remember:
             oldest = next(iter(recent))
             del recent[oldest]
-            self._oldest = oldest + 1
+            self._oldest = oldest[0] + 1
         if last:
-            self.named = last
+            self.named = max(self.named, last)
             self._seen.advance(last)
 
     async def folded(self, seq: int, timeout: float | None = None) -> None:
         """Until the writer has folded event ``seq`` (and so every event before it): a delta
-        named it or a later one, or it was refused; ``TimeoutError`` after ``timeout``."""
-        if seq > self.named and seq not in self._refused:
-            await self._seen.wait(seq, timeout)
+        named it or a later one, or it was refused (a record batch: every event of it, which
+        its size, read once from the events stream, tells); ``TimeoutError`` after
+        ``timeout``."""
+        deadline = _deadline(timeout)
+        while seq > self.named and seq not in self._refused:
+            refused = self._refused_of.get(seq, 0)
+            if refused:
+                if refused >= await self._size_of(seq):
+                    return
+                if self._refused_of.get(seq, 0) != refused:
+                    continue  # another of its dead letters came meanwhile
+            await self._seen.wait(seq, _left(deadline))
             self._raise_stopped()
+
+    async def _size_of(self, seq: int) -> int:
+        """The events of record batch ``seq`` (more than any count when it cannot be read)."""
+        size = self._sizes.get(seq)
+        if size is None:
+            try:
+                msg = await self._js.get_msg(self.config.events_stream, seq)
+                size = len(decode_batch(msg.data or b""))
+            except (nats.errors.Error, BatchDecodeError, TimeoutError):
+                return MAX_BATCH_EVENTS + 1  # a later delta settles it
+            self._sizes[seq] = size
+        return size
 
     def _raise_stopped(self) -> None:
         if self._consumer is not None and self._consumer.failure is not None:
             raise OutcomesStopped(f"the deltas stopped: {self._consumer.failure!r}")
 
-    async def of(self, seq: int, timeout: float | None = None) -> EventOutcome:
-        """The outcome of event ``seq``, once the writer has stored its delta (or a later
-        one); ``TimeoutError`` after ``timeout`` seconds."""
-        if seq in self._refused:
-            return EventOutcome(seq, None)
-        await self._seen.wait(seq, timeout)
-        self._raise_stopped()
-        found = self._recent.get(seq)
-        if found is not None:
-            return found
-        if seq < self._oldest:
-            raise OutcomeForgotten(f"event {seq} is older than the outcomes still remembered")
+    async def of(self, seq: int, timeout: float | None = None, *, index: int = 0) -> EventOutcome:
+        """The outcome of event ``seq`` (``index``: event ``index`` of record batch ``seq``),
+        once the writer has stored its delta (all of its message's, or a later one);
+        ``TimeoutError`` after ``timeout`` seconds."""
+        key, deadline = (seq, index), _deadline(timeout)
+        while seq not in self._refused and key not in self._refused_in:
+            await self._seen.wait(seq, _left(deadline))
+            self._raise_stopped()
+            if self._seen.value >= seq:  # else woken for another event of its batch
+                found = self._recent.get(key)
+                if found is not None:
+                    return found
+                if seq < self._oldest:
+                    raise OutcomeForgotten(
+                        f"event {seq} is older than the outcomes still remembered"
+                    )
+                break
         return EventOutcome(seq, None)
+
+
+def _trim(kept: dict[K, V]) -> None:
+    """The newest ``REMEMBER_REFUSED`` of ``kept`` (oldest first)."""
+    while len(kept) > REMEMBER_REFUSED:
+        del kept[next(iter(kept))]
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else asyncio.get_running_loop().time() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
 
 
 class _Refusals:

@@ -118,20 +118,57 @@ async def test_a_follower_started_late_knows_what_was_folded_before_it(nc: Clien
             await late.stop()
 
 
-async def test_a_batch_with_a_refused_event_answers_its_first_applied_events_outcome(
-    nc: Client,
-) -> None:
-    """A record batch's events share its sequence: its answer is its first applied event's,
-    and the dead letter of another of its events (with its index) does not make it None."""
+async def test_each_event_of_a_batch_gets_its_own_outcome(nc: Client) -> None:
+    """A record batch's events share its sequence: each is asked for by its index, and gets
+    its own outcome; one refused gets None (its dead letter names its index) while its
+    neighbours apply, and a batch refused event by event answers each of them, with no delta
+    after it."""
     config = fresh_config("ob")
     async with Pipeline(nc, config):
         outcomes = await Outcomes(nc, config).start()
         try:
-            payload = encode_batch_of(
-                [encode_event(AddRequest("x", 1)), encode_event(AddRequest("y", 2))]
+            js = nc.jetstream()
+            events = [
+                AddRequest("x", 1),
+                AddRequest("y", 2),
+                AddRequest("x", 1),
+                AddRequest("z", 1),
+            ]
+            payload = encode_batch_of([encode_event(e) for e in events])
+            seq = (await js.publish(config.event_subject(1), payload)).seq
+            got = await asyncio.gather(
+                *(outcomes.of(seq, timeout=20, index=i) for i in range(len(events)))
             )
-            seq = (await nc.jetstream().publish(config.event_subject(1), payload)).seq
-            got = await outcomes.of(seq, timeout=20)
-            assert (got.seq, got.outcome) == (seq, "applied")
+            assert got == [
+                EventOutcome(seq, "applied"),
+                EventOutcome(seq, None),  # on worker 1's subject: refused
+                EventOutcome(seq, "duplicate", owner=(1, 0)),
+                EventOutcome(seq, "applied"),
+            ]
+            refused = [encode_event(AddRequest("u", 2)), encode_event(AddRequest("v", 2))]
+            seq = (await js.publish(config.event_subject(1), encode_batch_of(refused))).seq
+            got = await asyncio.gather(*(outcomes.of(seq, timeout=20, index=i) for i in (0, 1)))
+            assert got == [EventOutcome(seq, None)] * 2
+        finally:
+            await outcomes.stop()
+
+
+async def test_a_batch_refused_event_by_event_is_folded_with_no_delta_after_it(
+    nc: Client,
+) -> None:
+    """The newest stored message a record batch whose every event was refused: ``folded``
+    says so once its dead letters are read (no delta will name it, and no Tick comes)."""
+    config = fresh_config("oz", idle_tick_s=3600.0, tick_every_s=3600.0)
+    async with Pipeline(nc, config) as pipeline:
+        pub = RouterPublisher(nc, namespace=config.namespace, router_id="oz", config=config)
+        first = await pub.publish(AddRequest("a", 1))
+        await pipeline.wait_applied(first)
+        outcomes = await Outcomes(nc, config).start()
+        try:
+            refused = [encode_event(AddRequest(r, 2)) for r in ("u", "v", "w")]
+            js = nc.jetstream()
+            seq = (await js.publish(config.event_subject(1), encode_batch_of(refused))).seq
+            await outcomes.folded(seq, timeout=20)
+            assert outcomes.named == first  # no delta names it
         finally:
             await outcomes.stop()
