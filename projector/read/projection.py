@@ -72,6 +72,7 @@ from projector.nats.stream import (
 from projector.nats.tasks import cancel, until_set
 from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write
+from projector.read.raw_deltas import RawDelta, decode_raw_deltas
 from projector.wire.chain import chain_problem
 from projector.wire.headers import PREV_SOURCE_SEQ
 from projector.wire.values import (
@@ -82,7 +83,7 @@ from projector.wire.values import (
     slot_key,
     tracker_key,
 )
-from seqstate import Delta, SequenceState, decode_deltas
+from seqstate import Delta, SequenceState
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.projector")
@@ -371,7 +372,7 @@ class Projector(LagWatched):
         letter) must not record a message as handled whose deltas are not applied yet."""
         delta_seq, _ = log_time_ns(msg)
         try:
-            deltas = decode_deltas(msg.data)
+            deltas = decode_raw_deltas(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return Refused(UNDECODABLE, f"delta does not decode: {exc}")
         why = await self._implausible(msg, delta_seq, deltas)
@@ -396,7 +397,7 @@ class Projector(LagWatched):
         self._position_dirty = True
         self._dirty.set()
 
-    async def _implausible(self, msg: Msg, delta_seq: int, deltas: list[Delta]) -> str:
+    async def _implausible(self, msg: Msg, delta_seq: int, deltas: list[RawDelta]) -> str:
         """Why this message cannot be a writer's next deltas ("" if it can); raises on a gap.
 
         A writer chains its messages (each names the event the previous one ended at) and
