@@ -1,14 +1,15 @@
-"""DELTAS messages as the projector reads them: each booking's block hashes left encoded.
+"""DELTAS messages as the projector reads them: each booking's block hashes packed at once.
 
 The projector never uses a booking's hashes as numbers: it packs them into its slot's value
 (little-endian u64, :func:`projector.wire.values.pack_hashes`). Decoded as a list, a prompt of
 136 hashes cost 136 int objects, a min and a max to check their range, and an ``array`` to
-pack them again; that was the largest part of the projector's cost per delta. So the hashes
-stay the msgpack they came as (``msgspec.Raw``) and are packed straight from it
-(:func:`packed`): a writer's encoder writes a u64 hash as ``0xcf`` and 8 big-endian bytes, so
-a list of them is a fixed stride that slicing turns into the packed form in C, without
-one object per hash. Any other encoding (small numbers, a negative one, something else) is
-decoded as a list, as before.
+pack them again; that was the largest part of the projector's cost per delta. So the decoder
+leaves the hashes the msgpack they came as (``msgspec.Raw``), and :func:`decode_raw_deltas`
+packs them straight from it: a writer's encoder writes a u64 hash as ``0xcf`` and 8
+big-endian bytes, so a list of them is a fixed stride that slicing turns into the packed form
+in C, with no object per hash, and every one of them is a u64. A booking's hashes are then
+``bytes``, packed (a core delta's are never bytes); in any other encoding (small numbers, a
+negative one), the list the core's reader decodes, checked and packed as before.
 
 What a message means, and what is refused, do not change: :func:`decode_raw_deltas` takes the
 messages :func:`seqstate.decode_deltas` takes and raises, for any other, the error that
@@ -29,7 +30,8 @@ _STRIDE = 9
 
 
 class RawBooking(Booking):
-    """A :class:`~seqstate.deltas.Booking` whose ``hashes`` are their msgpack bytes."""
+    """A :class:`~seqstate.deltas.Booking` as decoded: its ``hashes`` their msgpack bytes,
+    until :func:`decode_raw_deltas` puts them there packed (or their list)."""
 
     hashes: msgspec.Raw  # type: ignore[assignment]
 
@@ -44,32 +46,34 @@ class RawDelta(Delta):
     changes: list[RawRankChange] = msgspec.field(default_factory=list)  # type: ignore[assignment]
 
 
-Hashes = list[int] | msgspec.Raw
+Hashes = list[int] | bytes  # bytes: packed, every one a u64
 
 _decoder = msgspec.msgpack.Decoder(list[RawDelta])
 _hashes_decoder = msgspec.msgpack.Decoder(list[int])
 
 
 def decode_raw_deltas(data: bytes) -> list[RawDelta]:
-    """The deltas of a DELTAS message, hashes left encoded; raises ``msgspec.DecodeError``
-    for exactly the messages :func:`seqstate.decode_deltas` refuses, with its reason."""
+    """The deltas of a DELTAS message, each booking's hashes packed (or, in another encoding
+    than the writer's, a list); raises ``msgspec.DecodeError`` for exactly
+    the messages :func:`seqstate.decode_deltas` refuses, with its reason."""
     try:
         deltas = _decoder.decode(data)
         for delta in deltas:
             for change in delta.changes:
                 for booking in change.booked:
-                    if _stride(booking.hashes) is None:
-                        _hashes_decoder.decode(booking.hashes)  # a list of ints, or raises
+                    raw = bytes(booking.hashes)
+                    hashes: Hashes | None = _packed(raw)
+                    if hashes is None:  # not the writer's form: as the core decodes them
+                        hashes = _hashes_decoder.decode(raw)
+                    booking.hashes = hashes  # type: ignore[assignment]
     except (msgspec.DecodeError, RecursionError):
         decode_deltas(data)  # raises the core reader's own error for this message
         raise  # (never reached: what the core reader takes, this one takes too)
     return deltas
 
 
-def _stride(hashes: msgspec.Raw) -> tuple[bytes, int, int] | None:
-    """``(bytes, where the first hash starts, how many)`` of a msgpack array of ``0xcf``
-    u64s only; None for any other bytes."""
-    data = bytes(hashes)
+def _packed(data: bytes) -> bytes | None:
+    """The msgpack array ``data`` of ``0xcf`` u64s only, packed; None for any other bytes."""
     head = data[0] if data else 0
     if 0x90 <= head <= 0x9F:
         count, start = head - 0x90, 1
@@ -81,29 +85,20 @@ def _stride(hashes: msgspec.Raw) -> tuple[bytes, int, int] | None:
         return None
     if len(data) - start != _STRIDE * count or data[start::_STRIDE].count(_U64_HEAD) != count:
         return None
-    return data, start, count
-
-
-def packed(hashes: Hashes) -> bytes:
-    """``hashes`` (a list, or a well-formed :class:`RawBooking`'s) as
-    :func:`~projector.wire.values.pack_hashes` packs them; raises ``OverflowError`` for a
-    hash that is no u64."""
-    if type(hashes) is list:
-        return pack_hashes(hashes)
-    stride = _stride(hashes)  # type: ignore[arg-type]
-    if stride is None:
-        return pack_hashes(_hashes_decoder.decode(hashes))  # type: ignore[arg-type]
-    data, start, count = stride
     out = bytearray(8 * count)
     for i in range(8):  # byte i of each big-endian hash is byte 7 - i of its packed form
         out[7 - i :: 8] = data[start + 1 + i :: _STRIDE]
     return bytes(out)
 
 
+def packed(hashes: Hashes) -> bytes:
+    """A booking's hashes (a list, or bytes packed already) as
+    :func:`~projector.wire.values.pack_hashes` packs them."""
+    return hashes if type(hashes) is bytes else pack_hashes(hashes)  # type: ignore[arg-type]
+
+
 def all_u64(hashes: Hashes) -> bool:
-    """Whether every hash is a u64 (a well-formed :class:`RawBooking`'s, or a list)."""
-    if type(hashes) is not list:
-        if _stride(hashes) is not None:  # type: ignore[arg-type]
-            return True
-        hashes = _hashes_decoder.decode(hashes)  # type: ignore[arg-type]
-    return not hashes or (min(hashes) >= 0 and max(hashes) < _U64)  # type: ignore[arg-type]
+    """Whether every hash is a u64 (a list's checked; packed ones are)."""
+    if type(hashes) is bytes or not hashes:
+        return True
+    return min(hashes) >= 0 and max(hashes) < _U64
