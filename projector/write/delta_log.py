@@ -235,8 +235,9 @@ class DeltaLog:
     async def close(self) -> None:
         await cancel(self._task)
 
-    def append(self, delta: Delta) -> None:
-        """Queue ``delta`` (its ``seq`` set, in source order) to be stored after the others."""
+    def append(self, delta: Delta, data: bytes | None = None) -> None:
+        """Queue ``delta`` (its ``seq`` set, in source order) to be stored after the others;
+        ``data``: its encoding, when the caller has it."""
         if self.stored_part is not None and delta.seq == self.stored_part[0]:
             # A restart inside this event's parts: store only those not stored yet (a record
             # batch's parts come one by one: forgotten once past the last one stored).
@@ -247,14 +248,15 @@ class DeltaLog:
             for part in fresh:
                 self._queue(part)
         else:
-            self._queue(delta)
+            self._queue(delta, data)
         self.appended = delta.seq or self.appended
         self._wake.set()
 
-    def _queue(self, delta: Delta) -> None:
+    def _queue(self, delta: Delta, data: bytes | None = None) -> None:
         """Encode ``delta`` onto the pending ones; one too large for a message on its own is
         cut into parts in its place."""
-        data = encode_delta(delta)
+        if data is None:
+            data = encode_delta(delta)
         if len(data) + 1 > self._limit:  # with the one byte of a message's array head
             for part in self._split(delta):
                 data = encode_delta(part)
@@ -274,6 +276,18 @@ class DeltaLog:
         if len(deltas) == 1:
             self.append(deltas[0])
             return
+        # Mostly none needs cutting: each is numbered and encoded once, as it is stored. One
+        # that fits a message numbered fits it as the fold made it (part 0, not more: the
+        # numbers only add fields), so these are the parts the cut below would make.
+        before = [(delta.part, delta.more) for delta in deltas]
+        if not any(number or more for number, more in before):
+            encoded = [encode_delta(delta) for delta in as_parts(deltas)]
+            if all(len(data) + 1 <= self._limit for data in encoded):
+                for delta, data in zip(deltas, encoded, strict=True):
+                    self.append(delta, data)
+                return
+            for delta, (number, more) in zip(deltas, before, strict=True):
+                delta.part, delta.more = number, more
         for part in as_parts([p for delta in deltas for p in self._split(delta)]):
             self.append(part)
 
