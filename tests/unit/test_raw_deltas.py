@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from projector.read.image import BucketImage
-from projector.read.raw_deltas import decode_raw_deltas
+from projector.read.raw_deltas import read_deltas
 from projector.wire.values import KEY_HASHES
 from seqstate import Delta, RankChange, decode_deltas, encode_deltas
 from seqstate.deltas import Booking
@@ -28,14 +28,15 @@ def booking_delta(hashes: list[int], seq: int = 5) -> Delta:
 def read_both(data: bytes) -> tuple[str, str]:
     """What each reader makes of ``data``: the bucket's writes, or why it refused."""
     out = []
-    for decode in (decode_deltas, decode_raw_deltas):
+    for raw in (False, True):
         try:
-            deltas = decode(data)
+            deltas, in_range = read_deltas(data) if raw else (decode_deltas(data), False)
         except msgspec.DecodeError as exc:
             out.append(f"{type(exc).__name__}: {exc}")
             continue
         image = BucketImage("ns")
         why = image.refusal(deltas)
+        assert not (in_range and why), "read as in range, and refused for a number"
         if not why:
             for delta in deltas:
                 image.apply(delta)
@@ -68,10 +69,38 @@ def test_a_booking_reads_as_the_core_reads_it(hashes: list[int]) -> None:
     assert ("not a u64" in core) == any(h < 0 for h in hashes)
 
 
-def _message(hashes: object, outcome: str = "applied") -> bytes:
+def _message(
+    hashes: object,
+    outcome: str = "applied",
+    rank: object = (1, 0),
+    released: object = (),
+    slot: object = 0,
+    **more: object,
+) -> bytes:
     load = [0, 0, [0, 0, None, None, 0]]
-    change = [[1, 0], load, [], [[0, "a", hashes]]]
-    return msgspec.msgpack.encode([{"outcome": outcome, "at_ns": 1, "changes": [change]}])
+    change = [rank, load, released, [[slot, "a", hashes]]]
+    return msgspec.msgpack.encode([{"outcome": outcome, "at_ns": 1, "changes": [change], **more}])
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        _message([7], rank=(-1, 0)),
+        _message([7], rank=(1, 2**32)),
+        _message([7], rank=(U64 - 1, 2**32 - 1)),  # the largest in range
+        _message([7], released=[3, -2]),
+        _message([7], slot=-1),
+        _message([2**63], slot=-1),
+        _message([-7], slot=5),
+        _message([7], added_ranks=[[-5, 0]]),
+        _message([7], removed_ranks=[[1, 2**32]]),
+        _message([7], removed_ranks=[[1, 0]], added_ranks=[[2, -1]], slot=-4),
+        _message([7], rank=(-1, 0), outcome="bogus"),  # a defect too: undecodable
+    ],
+)
+def test_a_number_out_of_range_is_refused_as_the_core_readers_deltas_are(data: bytes) -> None:
+    core, raw = read_both(data)
+    assert raw == core
 
 
 @pytest.mark.parametrize(
