@@ -14,7 +14,7 @@ reader decodes, checked and packed as before.
 
 The decoder also checks the range of every other number a writer's deltas carry (worker ids,
 dp ranks, slots), in C as it reads them: the projector's plausibility check then has nothing
-left to look at per delta (it cost about as much as decoding a batch's deltas).
+left to look at (it walked every delta's ranks and slots in Python).
 
 What a message means, and what is refused, do not change: :func:`read_deltas` takes the
 messages :func:`seqstate.decode_deltas` takes and raises, for any other, the error that
