@@ -28,6 +28,9 @@ record batches of ``N`` events (each rank's events in order, as ``publish_many``
 them), while (a) still reads the one-event stream: the ratio is the writer's events/s over
 batches against the bare consumer's over single events.
 
+The process's garbage collector is tuned as every ``seqstate`` command tunes its own
+(:func:`projector.run.collector.tune_collector`), for both (a) and (b).
+
 After the runs, ``verify`` (what ``seqstate verify`` runs) replays the log to the bucket's
 position and compares: it must say identical.
 
@@ -64,6 +67,7 @@ from projector.nats.server import NatsServer
 from projector.nats.stream import OrderedConsumer, Refused
 from projector.ops.replay import verify
 from projector.run.assemble import build_projector, build_writer
+from projector.run.collector import tune_collector
 from projector.wire.config import Config
 from projector.wire.values import decode_position, lease_key, position_key
 from seqstate import AddRequest, Event
@@ -286,6 +290,7 @@ def main() -> int:
         "--no-verify", dest="verify", action="store_false", help="skip the verify of each run"
     )
     args = parser.parse_args()
+    tune_collector()  # as a seqstate process runs
     runs = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="writer-catchup-") as tmp:

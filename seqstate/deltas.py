@@ -176,6 +176,27 @@ def encode_deltas(deltas: list[Delta]) -> bytes:
     return _encoder.encode(deltas)
 
 
+def _array_head(count: int) -> bytes:
+    """The msgpack head of an array of ``count`` items, as the encoder writes it."""
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 0x10000:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
+
+
+def join_deltas(encoded: list[bytes]) -> bytes:
+    """The message of deltas encoded one by one (:func:`encode_delta`):
+    ``join_deltas([encode_delta(d) for d in deltas]) == encode_deltas(deltas)``, so a writer
+    can encode each delta as it folds it and cut messages later from the bytes."""
+    return _array_head(len(encoded)) + b"".join(encoded)
+
+
+def message_size(count: int, size: int) -> int:
+    """The bytes of :func:`join_deltas` of ``count`` encodings of ``size`` bytes in all."""
+    return len(_array_head(count)) + size
+
+
 def decode_deltas(data: bytes | bytearray | memoryview) -> list[Delta]:
     """A message of deltas; any defect raises ``msgspec.DecodeError``. A field this build
     does not know is skipped (a newer writer's), and skipping recurses: a value nested past

@@ -23,6 +23,7 @@ from projector.nats.logs import error_line, setup_logging
 from projector.ops import flags
 from projector.ops.commands import COMMANDS, CliError
 from projector.ops.flags import config_from
+from projector.run.collector import tune_collector
 from projector.wire.config import Config
 from seqstate import SeqstateError
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if trace is not None and not trace.is_file():
             raise CliError(f"--trace {trace}: no such file")
         setup_logging(args.log_level, args.log_format)
+        tune_collector()
         command = BY_NAME[args.command]
         loop = event_loop(config, "event_loop" in command.settings)
         with asyncio.Runner(loop_factory=loop) as runner:

@@ -21,9 +21,11 @@ deltas, never on when a flush happened. A take lists the part keys before the sl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from projector.read.raw_deltas import all_u64, packed
 from projector.wire.values import (
     EMPTY_SLOT,
     Position,
@@ -115,7 +117,7 @@ class BucketImage:
                 if parts and (rank, slot) in parts:
                     self._hold_parts(rank, slot, [])
             for booking in change.booked:
-                head, *rest = request_values(seq, booking.request_id, booking.hashes)
+                head, *rest = request_values(seq, booking.request_id, packed(booking.hashes))
                 keys.add(booking.slot)
                 slots[slot_key(ns, rank, booking.slot)] = head
                 if rest or (parts and (rank, booking.slot) in parts):
@@ -154,7 +156,7 @@ class BucketImage:
             self._parts[key] = None
             self._empty.discard(key)
 
-    def refusal(self, deltas: list[Delta]) -> str:
+    def refusal(self, deltas: Sequence[Delta]) -> str:
         """Why ``deltas`` cannot be a writer's ("" if they can): a number out of the range the
         events carry (a worker id, a slot or a block hash past u64, a dp rank past u32; a
         negative hash once stopped the projector for good, as it packed the slot's value).
@@ -176,8 +178,7 @@ class BucketImage:
                 for booking in change.booked:
                     if not 0 <= booking.slot < _U64:
                         return f"not a writer's delta: slot {booking.slot} is out of range"
-                    hashes = booking.hashes  # min and max: the flush's hot path, in C
-                    if hashes and (min(hashes) < 0 or max(hashes) >= _U64):
+                    if not all_u64(booking.hashes):
                         return "not a writer's delta: a block hash is not a u64"
         return ""
 

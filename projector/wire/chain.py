@@ -9,6 +9,7 @@ ends; written once here, a reader cannot drift from the writer, nor need the wri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import pairwise
 
 import msgspec
@@ -17,7 +18,7 @@ from projector.wire.headers import PREV_SOURCE_SEQ, SOURCE_PART, SOURCE_SEQ
 from seqstate import Delta, decode_deltas
 
 
-def chain_problem(prev: str | None, deltas: list[Delta]) -> str:
+def chain_problem(prev: str | None, deltas: Sequence[Delta]) -> str:
     """Why a DELTAS message cannot be a writer's ("" if it can), by the chain's own rules.
 
     A writer's message names (``Seqstate-Prev-Source-Seq``) the event the previous message

@@ -275,20 +275,20 @@ def encode_request(applied_seq: int, request_id: str, hashes: list[int]) -> byte
     return _msgpack.encode(RequestValue(applied_seq, request_id, pack_hashes(hashes)))
 
 
-def request_values(applied_seq: int, request_id: str, hashes: list[int]) -> list[bytes]:
-    """A booked slot's values: its head's, then each part's (none for a prompt that fits one
-    key). Deterministic: the same booking gives the same bytes on any server."""
+def request_values(applied_seq: int, request_id: str, packed: bytes) -> list[bytes]:
+    """A booked slot's values, from its hashes packed (:func:`pack_hashes`): its head's, then
+    each part's (none for a prompt that fits one key). Deterministic: the same booking gives
+    the same bytes on any server."""
     # At most 4 UTF-8 bytes a character: most ids are known short without being encoded.
     short = len(request_id) <= ID_ROOM // 4 or len(request_id.encode()) <= ID_ROOM
-    first = KEY_HASHES if short else 0
-    if len(hashes) <= first:
-        return [encode_request(applied_seq, request_id, hashes)]
-    parts = -(-(len(hashes) - first) // KEY_HASHES)
-    values = [
-        _msgpack.encode(RequestValue(applied_seq, request_id, pack_hashes(hashes[:first]), parts))
-    ]
-    for start in range(first, len(hashes), KEY_HASHES):
-        chunk = pack_hashes(hashes[start : start + KEY_HASHES])
+    first = 8 * KEY_HASHES if short else 0
+    if len(packed) <= first:
+        return [_msgpack.encode(RequestValue(applied_seq, request_id, packed))]
+    key_bytes = 8 * KEY_HASHES
+    parts = -(-(len(packed) - first) // key_bytes)
+    values = [_msgpack.encode(RequestValue(applied_seq, request_id, packed[:first], parts))]
+    for start in range(first, len(packed), key_bytes):
+        chunk = packed[start : start + key_bytes]
         values.append(_msgpack.encode(RequestValue(applied_seq, hashes=chunk)))
     return values
 

@@ -53,6 +53,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
+from typing import NamedTuple
 
 import msgspec
 import nats.errors
@@ -74,8 +75,8 @@ from projector.wire.headers import (
     SOURCE_SEQ,
 )
 from projector.wire.sizes import DELTA_HEADROOM, largest_event
-from seqstate import Delta, decode_deltas, encode_deltas
-from seqstate.deltas import as_parts, split_delta
+from seqstate import Delta, decode_deltas
+from seqstate.deltas import as_parts, encode_delta, join_deltas, message_size, split_delta
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.writer")
@@ -108,12 +109,26 @@ class DeltaUnstorable(WriterStalled):
     """One delta alone exceeds the server's payload limit."""
 
 
+class _Queued(NamedTuple):
+    """A delta folded and not sent yet, encoded as it was appended (while its objects were
+    fresh: kept as objects until a batch was cut, a catch-up's deltas cost as much again to
+    encode and free then, thousands of them later), with what the chain's headers need."""
+
+    seq: int
+    part: int
+    more: bool
+    data: bytes
+
+
 @dataclass(frozen=True)
 class _Message:
-    """One DELTAS message of a batch: its deltas, in order, and their encoding."""
+    """One DELTAS message of a batch: its deltas' encoding, how many, and the first and last
+    (the chain's headers name them)."""
 
-    deltas: list[Delta]
     payload: bytes
+    count: int
+    first: _Queued
+    last: _Queued
 
 
 @dataclass(frozen=True)
@@ -142,7 +157,7 @@ class DeltaLog:
         self._max_payload = max_payload
         self._limit = max_payload - DELTA_HEADROOM
         self._retry_for_s = retry_for_s
-        self._pending: deque[Delta] = deque()  # folded, not sent yet
+        self._pending: deque[_Queued] = deque()  # folded, not sent yet
         self._flight = 0  # deltas of the batch being stored
         self._flight_first = 0  # the first one's source sequence
         # Whether the stream takes atomic batches (nats-server 2.12+, ``allow_atomic``): read
@@ -220,8 +235,9 @@ class DeltaLog:
     async def close(self) -> None:
         await cancel(self._task)
 
-    def append(self, delta: Delta) -> None:
-        """Queue ``delta`` (its ``seq`` set, in source order) to be stored after the others."""
+    def append(self, delta: Delta, data: bytes | None = None) -> None:
+        """Queue ``delta`` (its ``seq`` set, in source order) to be stored after the others;
+        ``data``: its encoding, when the caller has it."""
         if self.stored_part is not None and delta.seq == self.stored_part[0]:
             # A restart inside this event's parts: store only those not stored yet (a record
             # batch's parts come one by one: forgotten once past the last one stored).
@@ -229,11 +245,29 @@ class DeltaLog:
             fresh = [p for p in self._split(delta) if p.part > done]
             if fresh:
                 self.stored_part = None
-            self._pending.extend(fresh)
+            for part in fresh:
+                self._queue(part)
         else:
-            self._pending.append(delta)
+            self._queue(delta, data)
         self.appended = delta.seq or self.appended
         self._wake.set()
+
+    def _queue(self, delta: Delta, data: bytes | None = None) -> None:
+        """Encode ``delta`` onto the pending ones; one too large for a message on its own is
+        cut into parts in its place."""
+        if data is None:
+            data = encode_delta(delta)
+        if len(data) + 1 > self._limit:  # with the one byte of a message's array head
+            for part in self._split(delta):
+                data = encode_delta(part)
+                if len(data) + 1 > self._limit:
+                    raise DeltaUnstorable(
+                        f"a part of the delta of event {delta.seq} takes {len(data)} bytes, "
+                        f"over the {self._limit} of a message"
+                    )
+                self._pending.append(_Queued(part.seq or 0, part.part, part.more, data))
+            return
+        self._pending.append(_Queued(delta.seq or 0, delta.part, delta.more, data))
 
     def append_parts(self, deltas: list[Delta]) -> None:
         """Queue the deltas of one stored message's events (a record batch's, one ``seq``)
@@ -242,6 +276,18 @@ class DeltaLog:
         if len(deltas) == 1:
             self.append(deltas[0])
             return
+        # Mostly none needs cutting: each is numbered and encoded once, as it is stored. One
+        # that fits a message numbered fits it as the fold made it (part 0, not more: the
+        # numbers only add fields), so these are the parts the cut below would make.
+        before = [(delta.part, delta.more) for delta in deltas]
+        if not any(number or more for number, more in before):
+            encoded = [encode_delta(delta) for delta in as_parts(deltas)]
+            if all(len(data) + 1 <= self._limit for data in encoded):
+                for delta, data in zip(deltas, encoded, strict=True):
+                    self.append(delta, data)
+                return
+            for delta, (number, more) in zip(deltas, before, strict=True):
+                delta.part, delta.more = number, more
         for part in as_parts([p for delta in deltas for p in self._split(delta)]):
             self.append(part)
 
@@ -268,7 +314,7 @@ class DeltaLog:
     async def room(self) -> None:
         """Wait while too much is folded but not stored (the server away), or fail."""
         while self.backlogged and self.failure is None:
-            oldest = self._flight_first if self._flight else (self._pending[0].seq or 0)
+            oldest = self._flight_first if self._flight else self._pending[0].seq
             try:
                 await self.stored.wait(oldest, timeout=self._retry_for_s + 2 * ACK_TIMEOUT_S)
             except TimeoutError:
@@ -331,26 +377,23 @@ class DeltaLog:
             message = self._next_message()
             batch.append(message)
             size += len(message.payload)
-        self._flight = sum(len(m.deltas) for m in batch)
-        self._flight_first = batch[0].deltas[0].seq or 0
+        self._flight = sum(m.count for m in batch)
+        self._flight_first = batch[0].first.seq
         return batch
 
     def _next_message(self) -> _Message:
-        """As many pending deltas as fit in one message, taken off the pending ones."""
-        count = min(len(self._pending), MAX_BATCH)
+        """As many pending deltas as fit in one message (at most ``MAX_BATCH``, halved until
+        they fit), taken off the pending ones."""
+        pending = self._pending
+        count = min(len(pending), MAX_BATCH)
         while True:
-            deltas = list(islice(self._pending, count))
-            payload = encode_deltas(deltas)
-            if len(payload) <= self._limit:
+            queued = list(islice(pending, count))
+            size = sum(len(q.data) for q in queued)
+            if message_size(count, size) <= self._limit or count == 1:
                 for _ in range(count):
-                    self._pending.popleft()
-                return _Message(deltas, payload)
-            if count == 1:
-                # One delta alone too large: cut it into parts in its place, and go on.
-                parts = self._split(self._pending.popleft())
-                self._pending.extendleft(reversed(parts))
-                count = min(len(self._pending), MAX_BATCH)
-                continue
+                    pending.popleft()
+                payload = join_deltas([q.data for q in queued])
+                return _Message(payload, count, queued[0], queued[-1])
             count //= 2
 
     def _headers(self, batch: list[_Message], batch_id: str) -> list[dict[str, str]]:
@@ -360,8 +403,8 @@ class DeltaLog:
         out = []
         prev = self.stored.value
         for index, message in enumerate(batch):
-            last_delta = message.deltas[-1]
-            last = last_delta.seq or 0
+            last_delta = message.last
+            last = last_delta.seq
             msg_id = f"{self._settings.namespace}:{last}"
             headers = {SOURCE_SEQ: str(last), PREV_SOURCE_SEQ: str(prev)}
             if index == 0:
@@ -436,9 +479,9 @@ class DeltaLog:
         if not messages:
             return
         self.last_stream_seq = stored_at
-        last_delta = messages[-1].deltas[-1]
-        last = last_delta.seq or 0
-        count = sum(len(m.deltas) for m in messages)
+        last_delta = messages[-1].last
+        last = last_delta.seq
+        count = sum(m.count for m in messages)
         self._flight -= count
         self.messages += len(messages)
         self.deltas += count

@@ -40,7 +40,9 @@ async def test_a_server_killed_while_batches_are_in_flight_leaves_the_chain_whol
     tmp_path: Path,
 ) -> None:
     """Breaks: nats-server SIGKILLed twice (down 0.2-0.8 s) while the writer stores the deltas
-    of a backlog of ~4,000 events, each time as soon as its deltas have moved on.
+    of a backlog of ~31,000 events, each time as soon as its deltas have moved on (a backlog
+    that takes several appends of at most 8,192 deltas: a smaller one, ~4,000 events, was
+    stored in two appends by a writer fast enough, leaving the second kill nothing to cut).
     Expects: one writer process throughout; a gap-free chain of whole batches, one of several
     messages at least; snapshot and bucket equal to an uninterrupted fold."""
     rng = random.Random("batches")
@@ -53,7 +55,7 @@ async def test_a_server_killed_while_batches_are_in_flight_leaves_the_chain_whol
         await ensure(nc, config)
         js = nc.jetstream()
         pub = RouterPublisher(nc, router_id="backlog", config=config)
-        events = [s.event for s in workload(7, config, requests=1500) if s.event is not None]
+        events = [s.event for s in workload(7, config, requests=12_000) if s.event is not None]
         last = 0
         for start in range(0, len(events), 200):
             last = max(last, *await pub.publish_many(events[start : start + 200]))

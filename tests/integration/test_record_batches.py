@@ -153,9 +153,8 @@ async def test_a_writer_restarted_inside_a_batchs_parts_stores_only_the_rest(nc:
     assert await log.open() == 0
     failures: list[BaseException] = []
     log.start(failures.append)
-    log._pending.extend(parts[:2])  # what was in flight when it died
-    log.appended = 1
-    log._wake.set()
+    for part in parts[:2]:  # what was in flight when it died
+        log.append(part)
     await eventually(
         lambda: (log.messages, len(log._pending)),
         lambda stored_pending: stored_pending == (1, 0),

@@ -178,9 +178,8 @@ async def test_a_delta_too_large_for_one_message_is_cut_into_parts_and_applied_e
     for delta in deltas[:-1]:
         log.append(delta)
     await log.flush()
-    log._pending.extend(parts[:2])  # what was in flight when it died
-    log.appended = tick_seq
-    log._wake.set()
+    for part in parts[:2]:  # what was in flight when it died
+        log.append(part)
     await eventually(
         lambda: (log.messages, len(log._pending)),
         lambda stored_pending: stored_pending[0] >= 1 and not stored_pending[1],

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 
 from seqstate import AddRequest, Delta, PromptRegistry, RankChange, RankLoad, SequenceState, Tick
-from seqstate.deltas import Booking, DeltaTooLarge, encode_delta, split_delta
+from seqstate.deltas import (
+    Booking,
+    DeltaTooLarge,
+    encode_delta,
+    encode_deltas,
+    join_deltas,
+    message_size,
+    split_delta,
+)
 
 pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
@@ -129,3 +137,19 @@ def test_a_booking_larger_than_the_budget_cannot_be_cut() -> None:
     delta = Delta("applied", 1, [RankChange((1, 0), RankLoad(), booked=[big])], seq=3)
     with pytest.raises(DeltaTooLarge, match="event 3"):
         split_delta(delta, 10_000)
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 255, 256, 65_535, 65_536])
+def test_deltas_joined_one_by_one_are_the_message_encoded_at_once(count: int) -> None:
+    batch = [
+        Delta("applied", i, changes=[], seq=i, part=i % 3, more=bool(i % 2)) for i in range(count)
+    ]
+    encoded = [encode_delta(delta) for delta in batch]
+    assert join_deltas(encoded) == encode_deltas(batch)
+    assert message_size(count, sum(map(len, encoded))) == len(encode_deltas(batch))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(deltas, max_size=40))
+def test_any_deltas_joined_are_encoded_alike(batch: list[Delta]) -> None:
+    assert join_deltas([encode_delta(delta) for delta in batch]) == encode_deltas(batch)
