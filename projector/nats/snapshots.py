@@ -14,6 +14,7 @@ crash, never a silently wrong state.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import builtins
 import contextlib
@@ -30,6 +31,7 @@ from nats.js.errors import (
     BucketNotFoundError,
     NotFoundError,
     ObjectNotFoundError,
+    ServiceUnavailableError,
 )
 from nats.js.object_store import (
     OBJ_CHUNKS_PRE_TEMPLATE,
@@ -50,6 +52,7 @@ log = logging.getLogger("seqstate.snapshots")
 SEQ_DIGITS = 20
 CHUNK_BATCH = 64  # chunks asked for at once (8 MB of nats-py's 128 kB chunks)
 CHUNK_WAIT_S = 5.0  # a chunk that does not come within this is missing
+CHUNK_RETRY_S = 0.05  # a pull the server could not serve yet is asked again after this
 CHUNK_CONSUMER_IDLE_S = 30.0  # the server drops a reader's consumer left behind after this
 
 
@@ -238,6 +241,10 @@ class SnapshotStore:
                 deliver_policy=api.DeliverPolicy.ALL,
                 ack_policy=api.AckPolicy.NONE,
                 inactive_threshold=CHUNK_CONSUMER_IDLE_S,
+                # One replica in memory: on a cluster an R3 consumer answers its first pulls
+                # with 503 until its peers elect a leader (seen right after a leader change).
+                num_replicas=1,
+                mem_storage=True,
             ),
         )
         chunks: builtins.list[bytes] = []
@@ -246,13 +253,23 @@ class SnapshotStore:
             if stored != count:  # a chunk lost (or one too many): said at once, not waited for
                 raise SnapshotError(f"snapshot {name}: {stored} of {count} chunks stored")
             sub = await js.pull_subscribe_bind(consumer, stream)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + CHUNK_WAIT_S
             try:
                 while len(chunks) < count:
                     try:
                         msgs = await sub.fetch(min(count - len(chunks), CHUNK_BATCH), CHUNK_WAIT_S)
                     except TimeoutError:
                         break  # missing chunks: said by the caller
+                    except ServiceUnavailableError:
+                        # The consumer's leader not elected yet (a cluster in a leader
+                        # change): asked again until a chunk would count as missing.
+                        if loop.time() > deadline:
+                            raise
+                        await asyncio.sleep(CHUNK_RETRY_S)
+                        continue
                     chunks += [msg.data for msg in msgs]
+                    deadline = loop.time() + CHUNK_WAIT_S
             finally:
                 await sub.unsubscribe()
         finally:

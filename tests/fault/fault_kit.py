@@ -532,7 +532,7 @@ class Fold:
 
 async def fold_log(nc: Client, config: Config) -> Fold:
     """The log folded by the writer's one fold (``seqstate.fold.Fold``, its configuration's
-    rules): what it refuses, the writer dead-lettered."""
+    rules), a record batch event by event: what it refuses, the writer dead-lettered."""
     fold = CoreFold(config.new_state(), config.fold_rules)
     fold.state.defer_registry()  # as the writer folds
     image = BucketImage(config.namespace)
@@ -540,8 +540,9 @@ async def fold_log(nc: Client, config: Config) -> Fold:
     for seq, at_ns, subject, data in await read_events(nc, config):
         last, last_ns = seq, at_ns
         verdict = fold(seq, at_ns, subject, data)
-        if type(verdict) is not Refusal:
-            image.apply(verdict)
+        for each in verdict if isinstance(verdict, list) else [verdict]:  # a record batch
+            if type(each) is not Refusal:
+                image.apply(each)
     return Fold(fold.state, image, last, last_ns)
 
 
