@@ -17,6 +17,7 @@ import nats
 import pytest
 from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
 from eventually import eventually
+from holding_proxy import HoldingProxy
 from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
@@ -834,6 +835,53 @@ async def test_an_interrupted_publish_says_what_it_stored_and_resumes(
     assert len(await _stored_ids(nats_server, config)) == stored
 
     await _resumed(nats_server, config, path, stored, 20_000)
+
+
+async def test_ctrl_c_before_a_resume_has_read_the_log_says_that_nothing_was_published(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C on ``publish FILE --resume`` while it reads the log for the events its router id
+    stored: exit 130 and one line saying that this run published none and how to go on. It
+    exited 130 without a word, and only after its drain had waited for the read called off.
+    A proxy holds the command at the consumer it reads the log with, whatever the speed."""
+    path = tmp_path / "frees.jsonl"
+    path.write_text(_frees(300))
+    config = fresh_config("pub")
+    with NatsServer(tmp_path / "nats") as server:
+        first = seqstate(
+            "publish", str(path), "--router-id", "p3", *name_flags(config), NATS_URL=server.url
+        )
+        assert first.returncode == 0, first.stderr
+        port = int(server.url.rsplit(":", 1)[1])
+        proxy = await HoldingProxy(port, hold_at="$JS.API.CONSUMER.CREATE.").start()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "projector",
+                "publish",
+                str(path),
+                "--router-id",
+                "p3",
+                "--resume",
+                *name_flags(config),
+                env=cli_env(NATS_URL=proxy.url),
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            await asyncio.wait_for(proxy.held.wait(), 60)
+            proc.send_signal(signal.SIGINT)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            await proxy.stop()
+        assert len(await _stored_ids(server, config)) == 300
+    assert (proc.returncode, out) == (130, b""), err
+    assert plain_lines(err.decode()) == [
+        "seqstate: interrupted before checking the events router id 'p3' stored earlier: none "
+        f"of {path} published by this run; `seqstate publish {path} --router-id p3 --resume` "
+        "checks them and publishes the rest"
+    ]
 
 
 async def test_a_resume_after_the_duplicate_window_stores_each_event_once(
