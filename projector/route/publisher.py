@@ -242,6 +242,22 @@ class _Call:
         return out
 
 
+def quoted_router_id(router_id: str) -> str:
+    """``router_id`` as its msg-ids carry it (percent-encoded); ValueError naming why it
+    cannot be one (a command checks it before it reads or sends anything)."""
+    if not router_id:
+        raise ValueError("router_id must not be empty")
+    if len(router_id) > MAX_ROUTER_ID:
+        raise ValueError(
+            f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
+            "(what a RouterHeartbeat carries)"
+        )
+    try:
+        return quote(router_id, safe=_MSG_ID_SAFE)
+    except UnicodeEncodeError:
+        raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
+
+
 class RouterPublisher:
     """Publishes one router's lifecycle events, pipelined, deduplicated, never dropped.
 
@@ -274,17 +290,7 @@ class RouterPublisher:
         router_seq: int = 0,
         batch_events: int = 1,
     ) -> None:
-        if not router_id:
-            raise ValueError("router_id must not be empty")
-        if len(router_id) > MAX_ROUTER_ID:
-            raise ValueError(
-                f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
-                "(what a RouterHeartbeat carries)"
-            )
-        try:
-            quoted = quote(router_id, safe=_MSG_ID_SAFE)
-        except UnicodeEncodeError:
-            raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
+        quoted = quoted_router_id(router_id)
         self._msg_id_prefix = quoted + ":"
         self._msg_id_suffix = ":" + msg_ids.tag(msg_id_key, quoted)
         if max_pending < 1:

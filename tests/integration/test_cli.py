@@ -837,6 +837,33 @@ async def test_an_interrupted_publish_says_what_it_stored_and_resumes(
     await _resumed(nats_server, config, path, stored, 20_000)
 
 
+def test_publish_refuses_a_router_id_no_msg_id_can_carry_in_one_line(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """``--router-id`` of 257 characters ended in a traceback (the publisher's ValueError),
+    and an empty one published under a default id instead. Each is one line, nothing
+    stored."""
+    config = fresh_config("rid")
+    path = tmp_path / "one.jsonl"
+    path.write_text(_frees(1))
+    refused = {
+        "r" * 257: "router_id 'rrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrr'… (257 "
+        "characters): at most 256 characters (what a RouterHeartbeat carries)",
+        "": "router_id must not be empty",
+    }
+    for router_id, why in refused.items():
+        result = seqstate(
+            "publish",
+            str(path),
+            "--router-id",
+            router_id,
+            *name_flags(config),
+            NATS_URL=nats_server.url,
+        )
+        assert one_line_error(result) == f"seqstate: error: --router-id: {why}"
+        assert result.returncode == 1
+
+
 async def test_ctrl_c_before_a_resume_has_read_the_log_says_that_nothing_was_published(
     tmp_path: Path,
 ) -> None:

@@ -42,12 +42,16 @@ if TYPE_CHECKING:
 
 
 async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
-    from projector.route.publisher import PublishError, RouterPublisher
+    from projector.route.publisher import PublishError, RouterPublisher, quoted_router_id
     from seqstate import EventDecodeError, decode_event, encode_event
 
     if args.resume and args.router_id is None:
         raise CliError("--resume: give the --router-id of the run to resume")
-    router_id = args.router_id or f"cli-{os.getpid()}"
+    router_id = f"cli-{os.getpid()}" if args.router_id is None else args.router_id
+    try:
+        quoted_router_id(router_id)
+    except ValueError as exc:
+        raise CliError(f"--router-id: {exc}") from None
     decoder = msgspec.json.Decoder(Event)
     if args.file == "-":
         lines = sys.stdin.buffer.read().splitlines()
