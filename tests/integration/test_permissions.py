@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
+import nats
 import nats.errors
 import pytest
 from dynamo_capture import CAPTURE
@@ -643,6 +644,29 @@ async def test_a_view_under_a_role_that_may_not_read_the_bucket_says_so_at_once(
         "user 'router' lacks the permission to read bucket seqstate-registry: NATS refused a "
         'publish to "$JS.API.STREAM.INFO.KV_seqstate-registry" (permissions violation)'
     )
+
+
+async def test_a_router_on_nats_default_inbox_is_told_why_no_ack_comes(
+    roles_server: str,
+) -> None:
+    """The README's snippet connects with ``nats.connect``, whose inbox is nats' ``_INBOX``:
+    under the router role the server refuses that subscription, and the acks never come. The
+    PublishError said only "ack timed out"; it names the inbox refused and the way out."""
+    nc = await nats.connect(roles_server, user="router", password=PASSWORDS["router"])
+    try:
+        pub = RouterPublisher(nc, config=Config(), router_id="plain", retries=1)
+        with pytest.raises(PublishError) as failed:
+            await pub.add("r1", 1, block_hashes=[1])
+    finally:
+        await nc.close()
+    said = str(failed.value)
+    assert "ack timed out, 2 times; NATS refused this client the subscription to its inbox " in (
+        said
+    ), said
+    assert said.endswith(
+        "(permissions violation), where the acks come: connect with "
+        'inbox_prefix="_SEQSTATE_INBOX.<user>" (projector.connect does)'
+    ), said
 
 
 def _lacks(role: str, what: str, subject: str) -> list[str]:
