@@ -46,7 +46,7 @@ LOG_READERS: dict[tuple[str, ...], str | None] = {
     ("snapshot", "list"): "name",
     ("snapshot", "show"): None,  # it has no snapshot
     ("rebuild",): None,  # its projector holds the lease
-    ("dynamo", "resync", "--dynamo-endpoint", "dyn.backend.generate"): "resynced 0 requests",
+    ("dynamo", "resync", "--dynamo-endpoint", "dyn.backend.generate"): None,  # not captured
     ("dynamo", "uncapture"): None,  # it captures no Dynamo endpoint
 }
 
