@@ -719,12 +719,11 @@ async def test_run_captures_dynamo_from_the_moment_it_says_it_runs(tmp_path: Pat
         stopped(proc)
 
 
-async def _interrupted_publish(
-    nats_server: NatsServer, config: Config, path: Path, *flags: str
-) -> tuple[int, str]:
-    """``seqstate publish FILE --router-id p3`` interrupted (SIGINT, as Ctrl-C sends it) once
-    it has stored 200 events; its exit code and its one line."""
-    proc = await asyncio.create_subprocess_exec(
+async def _publishing(
+    url: str, config: Config, path: Path, *flags: str
+) -> asyncio.subprocess.Process:
+    """``seqstate publish FILE --router-id p3 FLAGS`` started against ``url``, as typed."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "projector",
@@ -734,11 +733,19 @@ async def _interrupted_publish(
         "p3",
         *name_flags(config),
         *flags,
-        env=cli_env(NATS_URL=nats_server.url),
+        env=cli_env(NATS_URL=url),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+
+
+async def _interrupted_publish(
+    nats_server: NatsServer, config: Config, path: Path, *flags: str
+) -> tuple[int, str]:
+    """``seqstate publish FILE --router-id p3`` interrupted (SIGINT, as Ctrl-C sends it) once
+    it has stored 200 events; its exit code and its one line."""
+    proc = await _publishing(nats_server.url, config, path, *flags)
     nc = await nats.connect(nats_server.url)
     try:
         js = nc.jetstream()
@@ -882,21 +889,7 @@ async def test_ctrl_c_before_a_resume_has_read_the_log_says_that_nothing_was_pub
         port = int(server.url.rsplit(":", 1)[1])
         proxy = await HoldingProxy(port, hold_at="$JS.API.CONSUMER.CREATE.").start()
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "projector",
-                "publish",
-                str(path),
-                "--router-id",
-                "p3",
-                "--resume",
-                *name_flags(config),
-                env=cli_env(NATS_URL=proxy.url),
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
+            proc = await _publishing(proxy.url, config, path, "--resume")
             await asyncio.wait_for(proxy.held.wait(), 60)
             proc.send_signal(signal.SIGINT)
             out, err = await asyncio.wait_for(proc.communicate(), 60)
