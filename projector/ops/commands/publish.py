@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import shlex
+import signal
 import sys
 import textwrap
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from projector.wire.config import Config
 from seqstate.events import Event
 
 log = logging.getLogger("seqstate")
+EXIT_INTERRUPTED = 130  # a shell's code for a command ended by SIGINT
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -42,6 +44,35 @@ if TYPE_CHECKING:
 
 
 async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
+    """:func:`_publish`, stopped by the first Ctrl-C only: a second one that came before the
+    first was handled raised KeyboardInterrupt wherever the loop stood, cutting the line that
+    says what was stored (or a clean-up, with a traceback)."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            task.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        return await _publish(args, config)
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        task.uncancel()
+        return EXIT_INTERRUPTED
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        if interrupted:  # the process ends now: another Ctrl-C would only cut its exit short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+async def _publish(args: argparse.Namespace, config: Config) -> int:
     from projector.route.publisher import PublishError, RouterPublisher, quoted_router_id
     from seqstate import EventDecodeError, decode_event, encode_event
 
