@@ -179,6 +179,9 @@ class Writer(LagWatched):
         # Holes logged: the first at once, then one line per interval (``_log_hole``).
         self._holes_quiet = Quiet(LOG_EVERY_S, self._say_held_holes)
         self._holes_held: list[Any] = [0, 0, ""]  # holes, messages missing, the last one said
+        # Ticks refused (a full stream is retried every idle_tick_s / 4): said as holes are.
+        self._ticks_quiet = Quiet(LOG_EVERY_S, self._say_held_ticks)
+        self._ticks_held: list[Any] = [0, ""]  # Ticks not logged, the last reason
         self._tick_tag = ""  # read at the first Tick
         self._last_event_at = 0.0
         # The loop's clock, looked up once: asking for the running loop per event cost a
@@ -293,6 +296,7 @@ class Writer(LagWatched):
                     await self.snapshotter.settle(SETTLE_S)
         finally:
             self._holes_quiet.flush()
+            self._ticks_quiet.flush()
             self._release_awaited()
             await cancel(watcher)
             await cancel(ticker)
@@ -453,6 +457,17 @@ class Writer(LagWatched):
             extra={"namespace": self.settings.namespace},
         )
 
+    def _say_held_ticks(self, span_s: float) -> None:
+        ticks, why = self._ticks_held
+        self._ticks_held = [0, ""]
+        log.warning(
+            "Tick not logged %s more times in the last %.1fs; the last: %s",
+            f"{ticks:,}",
+            span_s,
+            why,
+            extra={"namespace": self.settings.namespace},
+        )
+
     def _fold_failed(self, exc: BaseException) -> None:
         log.error(
             "writer stopping: %s",
@@ -517,7 +532,13 @@ class Writer(LagWatched):
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
                 why = await explain(self.nc, exc, self.settings.events_stream)
-                log.warning("Tick not logged: %s", why)
+                if self._ticks_quiet.now():
+                    log.warning(
+                        "Tick not logged: %s", why, extra={"namespace": self.settings.namespace}
+                    )
+                else:
+                    self._ticks_held[0] += 1
+                    self._ticks_held[1] = why
                 refused = self.stats.publishes_refused
                 refused[refusal(exc)] = refused.get(refusal(exc), 0) + 1
                 continue
