@@ -63,7 +63,7 @@ from projector.nats.stream import (
 from projector.nats.tasks import cancel, until_set
 from projector.wire import msg_ids
 from projector.wire.headers import MSG_ID, STREAM_SOURCE
-from projector.wire.sizes import EVENT_ROOM
+from projector.wire.sizes import EVENT_ROOM, largest_event
 from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.write.snapshotter import SnapshotStats, Snapshotter
 from seqstate import (
@@ -108,6 +108,20 @@ class WriterStats(SnapshotStats):
 
 class EventLimitUnfit(SeqstateError, ValueError):
     """The fold's event limit is over what this server can store the delta of."""
+
+
+def check_event_limit(max_payload: int, max_event_bytes: int) -> None:
+    """The fold's size rule is a setting, the same for every fold of the log; the delta of
+    the largest event it takes must still fit this server's messages (else EventLimitUnfit).
+    """
+    fits = largest_event(max_payload)
+    if max_event_bytes > fits:
+        raise EventLimitUnfit(
+            f"max_event_bytes={max_event_bytes}: over the {fits:,} bytes of event whose delta "
+            f"this server can store (its max_payload of {max_payload:,} less {EVENT_ROOM:,}); "
+            f"set --max-event-bytes (SEQSTATE_MAX_EVENT_BYTES) to at most {fits}, the same for "
+            "every fold of the log"
+        )
 
 
 @dataclass(frozen=True)
@@ -218,17 +232,7 @@ class Writer(LagWatched):
         self._fold.state = state
 
     def _check_event_limit(self) -> None:
-        """The fold's size rule is a setting, the same for every fold of the log; the delta of
-        the largest event it takes must still fit this server's messages."""
-        limit, fits = self.settings.fold.max_event_bytes, self.deltas.max_event
-        if limit > fits:
-            raise EventLimitUnfit(
-                f"max_event_bytes={limit}: over the {fits:,} bytes of event whose delta this "
-                f"server can store (its max_payload of {self.nc.max_payload:,} less "
-                f"{EVENT_ROOM:,}); set --max-event-bytes "
-                f"(SEQSTATE_MAX_EVENT_BYTES) to at most {fits}, the same for every fold of "
-                "the log"
-            )
+        check_event_limit(self.nc.max_payload, self.settings.fold.max_event_bytes)
 
     async def run(self) -> None:
         async with self._host.announce("writer", self.status):
