@@ -63,6 +63,13 @@ RESYNC_DELAY_S = 0.5
 QUIET_WARN_S = 60.0
 # Router publishers remembered as seen (a bounded memory: the oldest are forgotten first).
 MAX_SEEN = 4096
+# Without discovery, a resync for a router publisher never seen before comes at least this long
+# after the last one so wanted: any client that may publish on Dynamo's subjects can draw new
+# publisher ids, and each resync republishes every request in flight to every replica.
+FIRST_SEEN_SPACING_S = 10.0
+# A resync wanted while one is due already joins it; those are counted in its lines, as are
+# the resyncs that would be due with automatic resync off (a line per this many seconds).
+SAY_EVERY_S = 10.0
 
 Range = tuple[int, int]  # (dp_start, dp_size)
 
@@ -167,6 +174,9 @@ class Follower:
         self.heard: dict[str, int] = dict.fromkeys(config.dynamo_endpoints, 0)
         self._wanted = asyncio.Event()
         self._due = 0.0
+        self._joined = 0  # triggers that joined the resync due, unsaid
+        self._first_seen_due = -FIRST_SEEN_SPACING_S  # when the last such resync was due
+        self._off_said_at = -SAY_EVERY_S
         self.listening = False  # subscribed to the endpoints' subjects
         self.triggers: deque[str] = deque(maxlen=100)  # why each resync was wanted, newest last
         self.resyncs = 0  # how many ran (status, tests)
@@ -200,15 +210,29 @@ class Follower:
         once the last of them is due (a channel that appears while a resync waits must get its
         own delay, or the resync reaches the server before that frontend's subscription)."""
         self.triggers.append(why)
-        if not self.auto_resync:
-            log.info("a Dynamo resync would be due (%s); automatic resync is off", why)
-            return
         loop = asyncio.get_running_loop()
+        if not self.auto_resync:
+            if loop.time() - self._off_said_at < SAY_EVERY_S:
+                self._joined += 1
+                return
+            self._off_said_at = loop.time()
+            joined = self._take_joined()
+            more = f", and {joined:,} more since" if joined else ""
+            log.info("a Dynamo resync would be due (%s%s); automatic resync is off", why, more)
+            return
         due = loop.time() + delay_s
-        if not self._wanted.is_set() or due > self._due:
+        pending = self._wanted.is_set()
+        if not pending or due > self._due:
             self._due = due
-        log.info("Dynamo resync due in %.1fs: %s", max(0.0, self._due - loop.time()), why)
         self._wanted.set()
+        if pending:  # said with the resync it joins: a flood of triggers is not a line each
+            self._joined += 1
+            return
+        log.info("Dynamo resync due in %.1fs: %s", max(0.0, self._due - loop.time()), why)
+
+    def _take_joined(self) -> int:
+        joined, self._joined = self._joined, 0
+        return joined
 
     def _state(self) -> SequenceState | None:
         """The ledger now, or None while no pipeline runs (it is restarting)."""
@@ -234,6 +258,7 @@ class Follower:
             while (wait := self._due - loop.time()) > 0:
                 await asyncio.sleep(wait)
             self._wanted.clear()
+            joined = self._take_joined()
             try:
                 done = await self._resync()
             except LookupError:  # no pipeline: the next one resyncs
@@ -243,7 +268,8 @@ class Follower:
                 log.error("Dynamo resync failed: %s", exc)
                 continue
             self.resyncs += 1
-            log.info("Dynamo resync done: %s", done)
+            more = f" ({joined:,} more triggers joined it)" if joined else ""
+            log.info("Dynamo resync done: %s%s", done, more)
 
     # ---- discovery ----------------------------------------------------------------------------
 
@@ -375,7 +401,13 @@ class Follower:
         heard = self._heard()
         if heard is None or publisher_id in heard:
             return  # the log had heard it before this start: not a replica started blind
-        self.want_resync(0.0, f"a router publisher never seen before ({publisher_id}) routes")
+        now = asyncio.get_running_loop().time()
+        if self._wanted.is_set():  # joins the resync due
+            delay = max(0.0, self._due - now)
+        else:
+            delay = max(0.0, self._first_seen_due + FIRST_SEEN_SPACING_S - now)
+            self._first_seen_due = now + delay
+        self.want_resync(delay, f"a router publisher never seen before ({publisher_id}) routes")
 
     async def _quiet(self) -> None:
         """Says again, every ``quiet_warn_s``, each endpoint that discovery does not know

@@ -26,7 +26,8 @@ headroom. What a library would have done is kept small and explicit here:
   ``MAX_QUEUED_TOTAL`` over every connection (a connection that queues nothing always reads
   on); past either, reading waits until calls begin and their bodies are let go;
 - every part of a request is bounded as it arrives, before it is kept: a URL over ``MAX_URL``
-  is 414, headers over ``MAX_HEADERS`` 431, a body over ``MAX_BODY`` 413 (axum's default
+  is 414, headers over ``MAX_HEADERS`` 431 (and so are a chunked body's size lines and
+  trailer), a body over ``MAX_BODY`` 413 (axum's default
   limit, 2 MiB; with its ``Content-Length`` it is refused before it is read); a request that
   does not parse is 400. Each refusal is a JSON error, and the connection closes after it;
 - a head must arrive within ``HEAD_TIMEOUT_S`` (slowloris), a body within ``BODY_TIMEOUT_S``
@@ -82,6 +83,10 @@ BODY_TIMEOUT_S = 30.0  # a request's body, from its head's first byte
 IDLE_TIMEOUT_S = 120.0  # nothing in flight; over reqwest's 90 s pool idle timeout
 SEND_TIMEOUT_S = 60.0  # answers not read at all for this long: the connection is aborted
 HEADERS_TOO_LARGE = f"the request's headers are over {MAX_HEADERS} bytes"
+FRAMING_TOO_LARGE = (
+    f"the request's chunked framing (a chunk's size line, or the trailer after the last chunk) "
+    f"is over {MAX_HEADERS} bytes"
+)
 TOO_LARGE = "Failed to buffer the request body: length limit exceeded"  # axum's words
 Answer = tuple[int, object]  # status, JSON payload (None: an empty body)
 
@@ -320,6 +325,7 @@ class _Connection(asyncio.Protocol):
         self.body: list[bytes] = []
         self.size = 0
         self.header_bytes = 0
+        self.framing = 0  # a chunked body's bytes since its last chunk that are not its data
         self.close_after = False
 
     # ---- asyncio.Protocol --------------------------------------------------------------------
@@ -390,6 +396,7 @@ class _Connection(asyncio.Protocol):
             else:  # the common case: one request, or the rest of a body
                 piece, data = data, b""
             in_body = self.phase == BODY  # a body's bytes are not a head's, even the last
+            size = self.size
             try:
                 parser.feed_data(piece)
             except httptools.HttpParserUpgrade:
@@ -403,6 +410,14 @@ class _Connection(asyncio.Protocol):
                 self.head_bytes += len(piece)
                 if self.head_bytes > MAX_HEAD:  # the URL is not (on_url): its headers are
                     self._refuse(431, HEADERS_TOO_LARGE)
+                    return
+            elif in_body and self.content_length is None and self.phase == BODY:
+                # A chunked body: what is not its data (chunk size lines with their extensions,
+                # the trailer) is counted as a head is, since httptools keeps a trailer's
+                # header it has not finished, grown a piece at a time (over by a piece at most)
+                self.framing += len(piece) - (self.size - size)
+                if self.framing > MAX_HEADERS:
+                    self._refuse(431, FRAMING_TOO_LARGE)
                     return
             if self.paused and data:
                 self.held = bytes(data)
@@ -547,6 +562,9 @@ class _Connection(asyncio.Protocol):
         if self.size > MAX_BODY:  # a chunked body: its length was not told in advance
             raise self._refusal(413, TOO_LARGE)
         self.body.append(body)
+
+    def on_chunk_complete(self) -> None:
+        self.framing = 0
 
     def on_message_complete(self) -> None:
         self.phase = BETWEEN

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
@@ -725,10 +726,17 @@ class SlotService:
             status, payload = 400, {"error": str(exc)}
         except _Rejected as rejected:  # no room for the tracker it names
             status, payload = rejected.answer
+        except (nats.errors.Error, TimeoutError, ConnectionError) as exc:
+            # NATS away or not answering: not a bug of ours, and a client may try again
+            status, payload = 503, {"error": self._nats_failed(exc)}
         except Exception:  # a bug must not take the connection's other calls with it
             log.exception("call %s %s failed", call.method, call.path)  # never its body
             status, payload = 500, {"error": "internal error"}
         call.answer(status, payload)
+
+    def _nats_failed(self, exc: BaseException) -> str:
+        away = "" if self.nc.is_connected else " (NATS is disconnected, reconnecting)"
+        return f"NATS failed the call: {exc or type(exc).__name__}{away}"
 
     def _commit(self, tracker: _Tracker) -> OwnFold | None:
         """Where this process's writer folds the tracker: what answers its calls from that

@@ -130,6 +130,11 @@ class SnapshotStore:
         return self
 
     @property
+    def exists(self) -> bool:
+        """Whether :meth:`open` found (or made) the object store."""
+        return self._store is not None
+
+    @property
     def store(self) -> ObjectStore:
         if self._store is None:
             raise RuntimeError("SnapshotStore.open() first")

@@ -59,21 +59,9 @@ async def uncapture(nc: Client, config: Config, endpoints: tuple[str, ...] = ())
     ``endpoints`` is not among its subjects."""
     js = nc.jetstream()
     name = dynamo_capture(config)
-    try:
-        info = await js.stream_info(name)
-    except NotFoundError:
-        raise UncaptureError(
-            f"namespace {config.namespace!r} captures no Dynamo endpoint (no stream {name})"
-        ) from None
+    info = await _capture_info(nc, config)
     subjects = list(info.config.subjects or [])
-    captured = [e for e in map(endpoint_of, subjects) if e is not None]
-    unknown = [e for e in endpoints if e not in captured]
-    if unknown:
-        raise UncaptureError(
-            f"namespace {config.namespace!r} does not capture Dynamo "
-            f"endpoint{'' if len(unknown) == 1 else 's'} {', '.join(unknown)}; it captures "
-            + (", ".join(captured) if captured else "none (run this without --dynamo-endpoint)")
-        )
+    captured = _require_captured(config, subjects, endpoints)
     gone = set(endpoints or captured)
     kept = tuple(e for e in captured if e not in gone)
     if kept:
@@ -152,3 +140,34 @@ async def _in_log(js: JetStreamContext, config: Config, endpoints: list[str]) ->
         return dict.fromkeys(endpoints, 0)
     counts = info.state.subjects or {}
     return {e: counts.get(captured_subject(config.namespace, e), 0) for e in endpoints}
+
+
+async def require_captured(nc: Client, config: Config, endpoints: tuple[str, ...]) -> None:
+    """Refuse (:class:`UncaptureError`) endpoints the namespace does not capture: a mistyped
+    ``--dynamo-endpoint`` is said, never answered as an endpoint with nothing in flight."""
+    info = await _capture_info(nc, config)
+    _require_captured(config, list(info.config.subjects or []), endpoints)
+
+
+async def _capture_info(nc: Client, config: Config) -> api.StreamInfo:
+    name = dynamo_capture(config)
+    try:
+        return await nc.jetstream().stream_info(name)
+    except NotFoundError:
+        raise UncaptureError(
+            f"namespace {config.namespace!r} captures no Dynamo endpoint (no stream {name})"
+        ) from None
+
+
+def _require_captured(config: Config, subjects: list[str], endpoints: tuple[str, ...]) -> list[str]:
+    """The endpoints the capture stream's ``subjects`` name; refuses any of ``endpoints`` not
+    among them."""
+    captured = [e for e in map(endpoint_of, subjects) if e is not None]
+    unknown = [e for e in endpoints if e not in captured]
+    if unknown:
+        raise UncaptureError(
+            f"namespace {config.namespace!r} does not capture Dynamo "
+            f"endpoint{'' if len(unknown) == 1 else 's'} {', '.join(unknown)}; it captures "
+            + (", ".join(captured) if captured else "none (run this without --dynamo-endpoint)")
+        )
+    return captured

@@ -16,16 +16,19 @@ import asyncio
 import sys
 from collections.abc import Callable
 
-import nats.errors
+try:  # what every command loads, before main can catch anything: Ctrl-C meanwhile is an exit
+    import nats.errors
 
-from projector.nats.failures import describe, jetstream_off, storage_full
-from projector.nats.logs import error_line, setup_logging
-from projector.ops import flags
-from projector.ops.commands import COMMANDS, CliError
-from projector.ops.flags import config_from
-from projector.run.collector import tune_collector
-from projector.wire.config import Config
-from seqstate import SeqstateError
+    from projector.nats.failures import describe, jetstream_off, storage_full
+    from projector.nats.logs import error_line, setup_logging
+    from projector.ops import flags
+    from projector.ops.commands import COMMANDS, CliError
+    from projector.ops.flags import config_from
+    from projector.run.collector import tune_collector
+    from projector.wire.config import Config
+    from seqstate import SeqstateError
+except KeyboardInterrupt:  # not a traceback of whatever module was loading
+    raise SystemExit(130) from None
 
 EXIT_ERROR = 1
 BY_NAME = {command.name: command for command in COMMANDS}
@@ -53,8 +56,11 @@ def event_loop(config: Config, chosen: bool) -> Callable[[], asyncio.AbstractEve
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return 130
     if args.command is None:
         parser.print_help()
         return 0

@@ -66,14 +66,18 @@ def iso(ns: int) -> str:
     return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).isoformat(timespec="microseconds")
 
 
+def no_bucket(config: Config) -> InspectError:
+    return InspectError(
+        f"bucket {config.registry_bucket!r} does not exist: is a projector running?"
+    )
+
+
 async def bucket(nc: Client, config: Config, keys: str) -> BucketView:
     """The namespace's current values under ``keys``; a missing bucket is one clear line."""
     try:
         return await read_bucket(nc, config, keys=keys)
     except BucketNotFoundError:
-        raise InspectError(
-            f"bucket {config.registry_bucket!r} does not exist: is a projector running?"
-        ) from None
+        raise no_bucket(config) from None
 
 
 # ---- reading a range of the events stream --------------------------------------------------

@@ -252,7 +252,7 @@ async def replay(
     bounds = bounds or await log_bounds(nc, config)
     check_range(bounds, from_seq=from_seq, to_seq=to_seq, at_ns=at_ns)
     end = bounds.last_seq if to_seq is None else to_seq
-    store = await SnapshotStore(nc, config).open()
+    store = await SnapshotStore(nc, config).open(create=False)  # a read makes nothing
     snapshot: SnapshotInfo | None = None
     if from_seq is not None:
         state = config.new_state()
@@ -275,6 +275,11 @@ async def replay(
     first, last, count, dead = await fold_stream(
         nc, config, state, start_seq=start, end_seq=end, until_ns=at_ns, progress=progress
     )
+    if from_seq is not None and not last:  # the range holds other namespaces' events only
+        raise ReplayError(
+            f"no event of namespace {config.namespace!r} from event {from_seq} to event {end}: "
+            f"{bounds}"
+        )
     return Replayed(
         state=state,
         first_seq=first,

@@ -104,6 +104,17 @@ class BucketUnfit(SeqstateError, ValueError):
     """The server's payload limit is under what one bucket value may take."""
 
 
+def check_bucket_fits(max_payload: int) -> None:
+    """BucketUnfit if a long prompt's keys would never be written to a server whose payload
+    limit is ``max_payload``."""
+    if max_payload < LARGEST_VALUE:
+        raise BucketUnfit(
+            f"the server's max_payload of {max_payload:,} bytes is under the "
+            f"{LARGEST_VALUE:,} one bucket value may take (4,096 hashes of a long prompt "
+            "beside a request id of up to 4 KiB); raise nats-server's max_payload"
+        )
+
+
 @dataclass
 class ProjectorStats:
     deltas: int = 0
@@ -234,12 +245,7 @@ class Projector(LagWatched):
         }
 
     async def _run(self) -> None:
-        if self.nc.max_payload < LARGEST_VALUE:  # a long prompt's keys would never be written
-            raise BucketUnfit(
-                f"the server's max_payload of {self.nc.max_payload:,} bytes is under the "
-                f"{LARGEST_VALUE:,} one bucket value may take (4,096 hashes of a long prompt "
-                "beside a request id of up to 4 KiB); raise nats-server's max_payload"
-            )
+        check_bucket_fits(self.nc.max_payload)
         await self._host.provision()
         if self._held_lease is not None:
             self.lease = self._held_lease

@@ -37,6 +37,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailabl
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from projector.nats.backlog import datetime_ns, stamp_ns
+from projector.nats.connection import PermissionRefused, refused_or
 from projector.nats.failures import JETSTREAM_OFF, jetstream_off
 from projector.nats.lease import decode_holder
 from projector.nats.progress import Progress
@@ -258,8 +259,17 @@ class RegistryView:
         """Watch the bucket; returns once the current values have been received."""
         self._js = self.nc.jetstream()
         self._stopped = False
-        try:
-            await self._js.key_value(self.config.registry_bucket)
+        bucket = self.config.registry_bucket
+        try:  # a role that may not read the bucket is told so at once, not by a timeout
+            await refused_or(
+                self.nc,
+                self._js.key_value(bucket),
+                user=self.config.nats_user,
+                names=[f"KV_{bucket}", bucket],
+                lacks=True,
+            )
+        except PermissionRefused as exc:
+            raise RegistryUnavailable(str(exc)) from None
         except BucketNotFoundError:
             raise RegistryUnavailable(
                 f"bucket {self.config.registry_bucket!r} does not exist: is a projector running?"

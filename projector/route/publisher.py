@@ -242,6 +242,22 @@ class _Call:
         return out
 
 
+def quoted_router_id(router_id: str) -> str:
+    """``router_id`` as its msg-ids carry it (percent-encoded); ValueError naming why it
+    cannot be one (a command checks it before it reads or sends anything)."""
+    if not router_id:
+        raise ValueError("router_id must not be empty")
+    if len(router_id) > MAX_ROUTER_ID:
+        raise ValueError(
+            f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
+            "(what a RouterHeartbeat carries)"
+        )
+    try:
+        return quote(router_id, safe=_MSG_ID_SAFE)
+    except UnicodeEncodeError:
+        raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
+
+
 class RouterPublisher:
     """Publishes one router's lifecycle events, pipelined, deduplicated, never dropped.
 
@@ -274,17 +290,7 @@ class RouterPublisher:
         router_seq: int = 0,
         batch_events: int = 1,
     ) -> None:
-        if not router_id:
-            raise ValueError("router_id must not be empty")
-        if len(router_id) > MAX_ROUTER_ID:
-            raise ValueError(
-                f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
-                "(what a RouterHeartbeat carries)"
-            )
-        try:
-            quoted = quote(router_id, safe=_MSG_ID_SAFE)
-        except UnicodeEncodeError:
-            raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
+        quoted = quoted_router_id(router_id)
         self._msg_id_prefix = quoted + ":"
         self._msg_id_suffix = ":" + msg_ids.tag(msg_id_key, quoted)
         if max_pending < 1:
@@ -675,7 +681,11 @@ class RouterPublisher:
             why = _reasons(errors)
             if errors and errors[-1] in (_TIMED_OUT, _NO_STREAM):  # what the stream says
                 timed_out = errors[-1] == _TIMED_OUT
-                if said := await unstored(self._nc, self.config.events_stream, timed_out=timed_out):
+                if timed_out and (deaf := self._inbox_refused()):
+                    why += f"; {deaf}"
+                elif said := await unstored(
+                    self._nc, self.config.events_stream, timed_out=timed_out
+                ):
                     why += f"; {said}"
             error = PublishError(
                 f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
@@ -706,6 +716,22 @@ class RouterPublisher:
             f"stream sequence {seq}, a message copied in from {source.split(' ', 1)[0]} (the "
             f"Dynamo capture, subject {msg.subject!r}) whose publisher forged this msg-id in "
             "its Nats-Msg-Id header"
+        )
+
+    def _inbox_refused(self) -> str | None:
+        """Why no ack came, if the server refused this client its inbox: a plain
+        ``nats.connect`` keeps nats' ``_INBOX`` prefix, which deploy/nats-roles.conf leaves to
+        Dynamo's processes (the violation reaches only the client's error callback)."""
+        error, inbox = self._nc.last_error, self._inbox
+        if error is None or inbox is None:
+            return None
+        said = str(error).lower()
+        if "permissions violation for subscription" not in said or inbox.lower() not in said:
+            return None
+        return (
+            f"NATS refused this client the subscription to its inbox {inbox}* (permissions "
+            'violation), where the acks come: connect with inbox_prefix="_SEQSTATE_INBOX.<user>" '
+            "(projector.connect does)"
         )
 
     async def _open_inbox(self) -> None:

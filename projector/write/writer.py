@@ -63,7 +63,7 @@ from projector.nats.stream import (
 from projector.nats.tasks import cancel, until_set
 from projector.wire import msg_ids
 from projector.wire.headers import MSG_ID, STREAM_SOURCE
-from projector.wire.sizes import EVENT_ROOM
+from projector.wire.sizes import EVENT_ROOM, largest_event
 from projector.write.delta_log import ACK_TIMEOUT_S, DeltaLog
 from projector.write.snapshotter import SnapshotStats, Snapshotter
 from seqstate import (
@@ -108,6 +108,20 @@ class WriterStats(SnapshotStats):
 
 class EventLimitUnfit(SeqstateError, ValueError):
     """The fold's event limit is over what this server can store the delta of."""
+
+
+def check_event_limit(max_payload: int, max_event_bytes: int) -> None:
+    """The fold's size rule is a setting, the same for every fold of the log; the delta of
+    the largest event it takes must still fit this server's messages (else EventLimitUnfit).
+    """
+    fits = largest_event(max_payload)
+    if max_event_bytes > fits:
+        raise EventLimitUnfit(
+            f"max_event_bytes={max_event_bytes}: over the {fits:,} bytes of event whose delta "
+            f"this server can store (its max_payload of {max_payload:,} less {EVENT_ROOM:,}); "
+            f"set --max-event-bytes (SEQSTATE_MAX_EVENT_BYTES) to at most {fits}, the same for "
+            "every fold of the log"
+        )
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,9 @@ class Writer(LagWatched):
         # Holes logged: the first at once, then one line per interval (``_log_hole``).
         self._holes_quiet = Quiet(LOG_EVERY_S, self._say_held_holes)
         self._holes_held: list[Any] = [0, 0, ""]  # holes, messages missing, the last one said
+        # Ticks refused (a full stream is retried every idle_tick_s / 4): said as holes are.
+        self._ticks_quiet = Quiet(LOG_EVERY_S, self._say_held_ticks)
+        self._ticks_held: list[Any] = [0, ""]  # Ticks not logged, the last reason
         self._tick_tag = ""  # read at the first Tick
         self._last_event_at = 0.0
         # The loop's clock, looked up once: asking for the running loop per event cost a
@@ -219,17 +236,7 @@ class Writer(LagWatched):
         self._fold.state = state
 
     def _check_event_limit(self) -> None:
-        """The fold's size rule is a setting, the same for every fold of the log; the delta of
-        the largest event it takes must still fit this server's messages."""
-        limit, fits = self.settings.fold.max_event_bytes, self.deltas.max_event
-        if limit > fits:
-            raise EventLimitUnfit(
-                f"max_event_bytes={limit}: over the {fits:,} bytes of event whose delta this "
-                f"server can store (its max_payload of {self.nc.max_payload:,} less "
-                f"{EVENT_ROOM:,}); set --max-event-bytes "
-                f"(SEQSTATE_MAX_EVENT_BYTES) to at most {fits}, the same for every fold of "
-                "the log"
-            )
+        check_event_limit(self.nc.max_payload, self.settings.fold.max_event_bytes)
 
     async def run(self) -> None:
         async with self._host.announce("writer", self.status):
@@ -298,6 +305,7 @@ class Writer(LagWatched):
                     await self.snapshotter.settle(SETTLE_S)
         finally:
             self._holes_quiet.flush()
+            self._ticks_quiet.flush()
             self._release_awaited()
             await cancel(watcher)
             await cancel(ticker)
@@ -458,6 +466,17 @@ class Writer(LagWatched):
             extra={"namespace": self.settings.namespace},
         )
 
+    def _say_held_ticks(self, span_s: float) -> None:
+        ticks, why = self._ticks_held
+        self._ticks_held = [0, ""]
+        log.warning(
+            "Tick not logged %s more times in the last %.1fs; the last: %s",
+            f"{ticks:,}",
+            span_s,
+            why,
+            extra={"namespace": self.settings.namespace},
+        )
+
     def _fold_failed(self, exc: BaseException) -> None:
         log.error(
             "writer stopping: %s",
@@ -522,7 +541,13 @@ class Writer(LagWatched):
                 )
             except (TimeoutError, nats.errors.Error) as exc:  # the next round tries again
                 why = await explain(self.nc, exc, self.settings.events_stream)
-                log.warning("Tick not logged: %s", why)
+                if self._ticks_quiet.now():
+                    log.warning(
+                        "Tick not logged: %s", why, extra={"namespace": self.settings.namespace}
+                    )
+                else:
+                    self._ticks_held[0] += 1
+                    self._ticks_held[1] = why
                 refused = self.stats.publishes_refused
                 refused[refusal(exc)] = refused.get(refusal(exc), 0) + 1
                 continue

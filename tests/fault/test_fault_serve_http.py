@@ -191,6 +191,14 @@ async def test_serve_http_is_not_ready_while_nats_is_away_and_serves_again_after
             )
             assert down.body == {"error": "not ready: NATS is disconnected (reconnecting)"}
             assert await ready() == (503, "nats: disconnected\n")
+            # A call that needs NATS is 503 naming it, never a 500 "internal error" (with a
+            # traceback in the log): here the registration of a tracker not served yet.
+            new = {**register, "model_name": f"{M}-new"}
+            (refused,) = await exchange(port, [("POST", "/register", new)])
+            assert refused.status == 503, refused
+            assert refused.body == {
+                "error": "NATS failed the call: nats: timeout (NATS is disconnected, reconnecting)"
+            }, refused
 
             server.start()
             await eventually(

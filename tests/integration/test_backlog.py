@@ -32,6 +32,7 @@ from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
 from projector.route.publisher import RouterPublisher
+from projector.run.pipeline import Pipeline
 from projector.wire.capture import dynamo_subject
 from projector.wire.config import Config
 from seqstate import Free
@@ -360,6 +361,35 @@ async def test_twenty_thousand_dead_letters_make_a_bounded_number_of_log_lines(
     assert len(at_once) + counted == total, (len(at_once), counted)
     assert len(dead) <= 2 + 2 * elapsed / LOG_EVERY_S, (len(dead), elapsed)
     assert f"{config.events_stream} {total} on {config.event_subject(0)} (" in dead[-1]["msg"]
+
+
+async def test_a_writer_whose_ticks_are_refused_says_so_once_per_interval(
+    nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full events stream refuses the writer's Ticks, tried again every ``idle_tick_s`` / 4:
+    each refusal was a warning line (2,880 an hour for one namespace at the default 5 s, and
+    serve-http runs a writer per tracker). The first is said at once, the rest once per
+    10 s, counted; each line names its namespace."""
+    caplog.set_level(logging.WARNING, "seqstate.writer")
+    config = fresh_config("tq", idle_tick_s=0.4)
+    await ensure(nc, config)
+    await RouterPublisher(nc, config=config, router_id="tq").add("r1", 1, block_hashes=[1])
+    await limit(nc, config.events_stream, max_msgs=1)  # full: every Tick is refused
+    loop = asyncio.get_running_loop()
+    async with Pipeline(nc, config) as pipeline:
+        began = loop.time()
+        refused = pipeline.writer.stats.publishes_refused
+        await eventually(
+            lambda: refused.get("stream_full", 0) >= 20, what="20 Ticks refused", timeout=60
+        )
+        elapsed = loop.time() - began
+    records = [r for r in caplog.records if r.getMessage().startswith("Tick not logged")]
+    said = [r.getMessage() for r in records]
+    full = "the stream is full: maximum messages exceeded (JetStream error 10077)"
+    assert said[0] == f"Tick not logged: {full}", said
+    assert said[-1].endswith(f"; the last: {full}"), said
+    assert len(said) <= 2 + elapsed // LOG_EVERY_S, (len(said), elapsed)
+    assert {getattr(r, "namespace", None) for r in records} == {config.namespace}
 
 
 async def test_provisioning_gives_the_capture_and_dead_letter_streams_byte_limits(

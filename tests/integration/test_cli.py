@@ -17,6 +17,7 @@ import nats
 import pytest
 from dynamo_capture import CAPTURE, ENDPOINT, SUBJECT
 from eventually import eventually
+from holding_proxy import HoldingProxy
 from log_text import plain_lines
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
@@ -718,12 +719,11 @@ async def test_run_captures_dynamo_from_the_moment_it_says_it_runs(tmp_path: Pat
         stopped(proc)
 
 
-async def _interrupted_publish(
-    nats_server: NatsServer, config: Config, path: Path, *flags: str
-) -> tuple[int, str]:
-    """``seqstate publish FILE --router-id p3`` interrupted (SIGINT, as Ctrl-C sends it) once
-    it has stored 200 events; its exit code and its one line."""
-    proc = await asyncio.create_subprocess_exec(
+async def _publishing(
+    url: str, config: Config, path: Path, *flags: str
+) -> asyncio.subprocess.Process:
+    """``seqstate publish FILE --router-id p3 FLAGS`` started against ``url``, as typed."""
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "projector",
@@ -733,11 +733,19 @@ async def _interrupted_publish(
         "p3",
         *name_flags(config),
         *flags,
-        env=cli_env(NATS_URL=nats_server.url),
+        env=cli_env(NATS_URL=url),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+
+
+async def _interrupted_publish(
+    nats_server: NatsServer, config: Config, path: Path, *flags: str
+) -> tuple[int, str]:
+    """``seqstate publish FILE --router-id p3`` interrupted (SIGINT, as Ctrl-C sends it) once
+    it has stored 200 events; its exit code and its one line."""
+    proc = await _publishing(nats_server.url, config, path, *flags)
     nc = await nats.connect(nats_server.url)
     try:
         js = nc.jetstream()
@@ -834,6 +842,66 @@ async def test_an_interrupted_publish_says_what_it_stored_and_resumes(
     assert len(await _stored_ids(nats_server, config)) == stored
 
     await _resumed(nats_server, config, path, stored, 20_000)
+
+
+def test_publish_refuses_a_router_id_no_msg_id_can_carry_in_one_line(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """``--router-id`` of 257 characters ended in a traceback (the publisher's ValueError),
+    and an empty one published under a default id instead. Each is one line, nothing
+    stored."""
+    config = fresh_config("rid")
+    path = tmp_path / "one.jsonl"
+    path.write_text(_frees(1))
+    refused = {
+        "r" * 257: "router_id 'rrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrr'… (257 "
+        "characters): at most 256 characters (what a RouterHeartbeat carries)",
+        "": "router_id must not be empty",
+    }
+    for router_id, why in refused.items():
+        result = seqstate(
+            "publish",
+            str(path),
+            "--router-id",
+            router_id,
+            *name_flags(config),
+            NATS_URL=nats_server.url,
+        )
+        assert one_line_error(result) == f"seqstate: error: --router-id: {why}"
+        assert result.returncode == 1
+
+
+async def test_ctrl_c_before_a_resume_has_read_the_log_says_that_nothing_was_published(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C on ``publish FILE --resume`` while it reads the log for the events its router id
+    stored: exit 130 and one line saying that this run published none and how to go on. It
+    exited 130 without a word, and only after its drain had waited for the read called off.
+    A proxy holds the command at the consumer it reads the log with, whatever the speed."""
+    path = tmp_path / "frees.jsonl"
+    path.write_text(_frees(300))
+    config = fresh_config("pub")
+    with NatsServer(tmp_path / "nats") as server:
+        first = seqstate(
+            "publish", str(path), "--router-id", "p3", *name_flags(config), NATS_URL=server.url
+        )
+        assert first.returncode == 0, first.stderr
+        port = int(server.url.rsplit(":", 1)[1])
+        proxy = await HoldingProxy(port, hold_at="$JS.API.CONSUMER.CREATE.").start()
+        try:
+            proc = await _publishing(proxy.url, config, path, "--resume")
+            await asyncio.wait_for(proxy.held.wait(), 60)
+            proc.send_signal(signal.SIGINT)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            await proxy.stop()
+        assert len(await _stored_ids(server, config)) == 300
+    assert (proc.returncode, out) == (130, b""), err
+    assert plain_lines(err.decode()) == [
+        "seqstate: interrupted before checking the events router id 'p3' stored earlier: none "
+        f"of {path} published by this run; `seqstate publish {path} --router-id p3 --resume` "
+        "checks them and publishes the rest"
+    ]
 
 
 async def test_a_resume_after_the_duplicate_window_stores_each_event_once(

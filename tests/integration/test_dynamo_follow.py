@@ -55,6 +55,7 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.resyncs = 0
+        self.at: list[float] = []  # when each resync ran (loop time)
 
     async def publish(self, event: Event) -> int:
         self.events.append(event)
@@ -62,6 +63,7 @@ class Recorder:
 
     async def resync(self) -> str:
         self.resyncs += 1
+        self.at.append(asyncio.get_running_loop().time())
         return f"resync {self.resyncs}"
 
 
@@ -274,6 +276,41 @@ async def test_without_discovery_a_new_router_publisher_triggers_a_resync(nc: Cl
         ]
     finally:
         await stopped(task)
+
+
+async def test_a_flood_of_new_publisher_ids_makes_one_spaced_resync_and_a_few_lines(
+    nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any client that may publish on Dynamo's subjects can draw publisher ids: 1,000 new
+    ones, each a resync wanted, made a resync each as fast as they came (every one
+    republishing every request in flight to every replica) and a log line each. The first
+    is resynced at once; those after it wait for one more resync, 10 s after the first,
+    said in one line when due and one when done."""
+    caplog.set_level(logging.INFO, "seqstate.dynamo")
+    follower, rec, task = await running(nc, ledger_with(11), None)
+    try:
+        await eventually(lambda: follower.listening, what="follower.listening")
+        before = asyncio.get_running_loop().time()
+        await publish_raw(nc, message(2000))
+        await eventually(lambda: rec.resyncs == 1, what="rec.resyncs == 1")
+        await publish_raw(nc, *(message(p) for p in range(2001, 3000)))
+        await eventually(
+            lambda: follower.heard[ENDPOINT] == 1000, what="follower.heard[ENDPOINT] == 1000"
+        )
+        assert rec.resyncs == 1
+        await eventually(lambda: rec.resyncs == 2, what="rec.resyncs == 2")
+        await eventually(lambda: "resync 2" in caplog.text, what="the second resync said")
+    finally:
+        await stopped(task)
+    lines = [r.getMessage() for r in caplog.records if "Dynamo resync" in r.getMessage()]
+    assert (
+        lines[0] == "Dynamo resync due in 0.0s: a router publisher never seen before (2000) routes"
+    )
+    assert lines[1] == "Dynamo resync done: resync 1"
+    assert lines[2].startswith("Dynamo resync due in "), lines[2]
+    assert lines[2].endswith("s: a router publisher never seen before (2001) routes"), lines[2]
+    assert rec.at[1] - before > 9.99, rec.at  # spaced from the first trigger (a timer's slack)
+    assert lines[3:] == ["Dynamo resync done: resync 2 (998 more triggers joined it)"]
 
 
 async def test_a_stop_during_a_resync_that_drops_its_cancellation_still_ends(

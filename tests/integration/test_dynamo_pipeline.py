@@ -15,6 +15,7 @@ import logging
 
 import pytest
 from dynamo_capture import CAPTURE, EDGES, ENDPOINT, SUBJECT
+from log_text import plain_lines
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -127,6 +128,14 @@ async def test_the_capture_folds_through_the_pipeline_as_in_the_core(
         adds = [m for m in republished if m.op == ADD]
         assert {m.request_id for m in adds} == set(reference_state.requests.owner)
         assert {m.request_id for m in republished if m.op == MARK} == marked
+        # A mistyped endpoint is said, never "resynced 0 requests", exit 0: nothing is sent.
+        typo = ENDPOINT[:-1]
+        out = await run_cli(config, url, "dynamo", "resync", "--dynamo-endpoint", typo)
+        assert (out.returncode, out.stdout) == (1, ""), out.stdout
+        assert plain_lines(out.stderr) == [
+            f"seqstate: error: namespace {config.namespace!r} does not capture Dynamo endpoint "
+            f"{typo}; it captures {ENDPOINT}"
+        ]
         # The ledger takes its own republished messages as echoes: nothing changes.
         after = await logged(nc, config, last + len(republished))
         await pipeline.wait_applied(after)

@@ -321,3 +321,36 @@ async def test_a_projector_refuses_a_server_whose_payload_limit_cannot_hold_a_lo
         "raise nats-server's max_payload"
     )
     assert LARGEST_VALUE == 36_921
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (
+            (),
+            "max_event_bytes=1043456: over the 27,648 bytes of event whose delta this server "
+            "can store (its max_payload of 32,768 less 5,120); set --max-event-bytes "
+            "(SEQSTATE_MAX_EVENT_BYTES) to at most 27648, the same for every fold of the log",
+        ),
+        (
+            ("--max-event-bytes", "27648"),
+            f"the server's max_payload of 32,768 bytes is under the {LARGEST_VALUE:,} one "
+            "bucket value may take (4,096 hashes of a long prompt beside a request id of up to "
+            "4 KiB); raise nats-server's max_payload",
+        ),
+    ],
+)
+async def test_serve_http_refuses_a_server_no_trackers_pipeline_can_run_on(
+    tmp_path: Path, flags: tuple[str, ...], said: str
+) -> None:
+    """serve-http on a server of 32 KiB messages served on, and each tracker's pipeline
+    failed there silently: a /register waited 15 s for a stream that never took its
+    namespace, then answered 503 "no response from stream". It refuses at start, in the
+    words ``run`` uses, exit 1."""
+    conf = tmp_path / "server.conf"
+    conf.write_text(f"max_payload: {32 * 1024}\n")
+    config = fresh_config("tinyh")
+    with NatsServer(tmp_path / "js", extra_args=("-c", str(conf))) as server:
+        result = await run_cli(config, server.url, "serve-http", "--http-port", "0", *flags)
+    assert (result.returncode, result.stdout) == (1, ""), result.stderr
+    assert plain_lines(result.stderr) == [f"seqstate: error: {said}"]

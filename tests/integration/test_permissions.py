@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import msgspec
+import nats
 import nats.errors
 import pytest
 from dynamo_capture import CAPTURE
@@ -42,7 +43,7 @@ from projector.nats.connection import ConnectError, connect
 from projector.nats.resources import dynamo_capture, ensure
 from projector.ops.workers import WorkerControl
 from projector.read.projection import Projector
-from projector.read.reader import RegistryView
+from projector.read.reader import RegistryUnavailable, RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_projector, build_writer
 from projector.schedule.scheduler import Scheduler
@@ -626,6 +627,46 @@ async def test_a_role_that_may_not_provision_is_told_so_in_one_line(tmp_path: Pa
         'seqstate: error: NATS refused a publish to "$JS.API.INFO" (permissions violation for '
         "user 'router') while checking or provisioning the streams and the bucket"
     ]
+
+
+async def test_a_view_under_a_role_that_may_not_read_the_bucket_says_so_at_once(
+    roles_server: str,
+) -> None:
+    """A RegistryView started by a router (a client of ``projector.connect``) raises
+    RegistryUnavailable saying the role lacks the permission, as the commands say it; it was
+    nats-py's "nats: timeout", 5 s later. No other error ends the start first (it fails at
+    once, so ``wait_for``'s 4 s are a bound never reached)."""
+    config = role_config(roles_server, "router")
+    async with connect(roles_server, service=False, config=config) as rnc:
+        with pytest.raises(RegistryUnavailable) as refused:
+            await asyncio.wait_for(RegistryView(rnc, config=config).start(), 4)
+    assert str(refused.value) == (
+        "user 'router' lacks the permission to read bucket seqstate-registry: NATS refused a "
+        'publish to "$JS.API.STREAM.INFO.KV_seqstate-registry" (permissions violation)'
+    )
+
+
+async def test_a_router_on_nats_default_inbox_is_told_why_no_ack_comes(
+    roles_server: str,
+) -> None:
+    """The README's snippet connects with ``nats.connect``, whose inbox is nats' ``_INBOX``:
+    under the router role the server refuses that subscription, and the acks never come. The
+    PublishError said only "ack timed out"; it names the inbox refused and the way out."""
+    nc = await nats.connect(roles_server, user="router", password=PASSWORDS["router"])
+    try:
+        pub = RouterPublisher(nc, config=Config(), router_id="plain", retries=1)
+        with pytest.raises(PublishError) as failed:
+            await pub.add("r1", 1, block_hashes=[1])
+    finally:
+        await nc.close()
+    said = str(failed.value)
+    assert "ack timed out, 2 times; NATS refused this client the subscription to its inbox " in (
+        said
+    ), said
+    assert said.endswith(
+        "(permissions violation), where the acks come: connect with "
+        'inbox_prefix="_SEQSTATE_INBOX.<user>" (projector.connect does)'
+    ), said
 
 
 def _lacks(role: str, what: str, subject: str) -> list[str]:

@@ -373,6 +373,31 @@ async def test_replay_refuses_a_range_outside_the_log_naming_the_log(
     assert expected.format(**fill) in lines[0]
 
 
+async def test_replay_of_a_range_holding_none_of_the_namespaces_events_says_so(
+    nc: Client, nats_server: object
+) -> None:
+    """On a stream shared by two namespaces, a range that holds only the other's events
+    printed "replayed 0 events from event X to event 0 ... as of log time 1970" and an empty
+    table, exit 0. It names the range and what the namespace's log holds, exit 1."""
+    url = nats_server.url  # type: ignore[attr-defined]
+    config, last = await filled(nc, 6)
+    other = config.with_namespace(f"{config.namespace}-other")
+    async with Pipeline(nc, other) as pipeline:
+        pub = RouterPublisher(nc, config=other, router_id="rq")
+        first = await pub.add("o1", 1, block_hashes=[1])
+        end = await pub.add("o2", 1, block_hashes=[2])
+        await pipeline.wait_applied(end)
+    after = await RouterPublisher(nc, config=config, router_id="rp2").free("q0", 0, 0)
+    assert last < first < end < after  # the range: the other namespace's two events
+    out = await run_cli(config, url, "replay", "--from-seq", str(first), "--to-seq", str(end))
+    assert (out.returncode, out.stdout) == (1, ""), out.stdout
+    (line,) = plain_lines(out.stderr)
+    assert line.startswith(
+        f"seqstate: error: no event of namespace {config.namespace!r} from event {first} to "
+        f"event {end}: the log of namespace {config.namespace!r} holds events 1 to "
+    ), line
+
+
 async def test_the_fast_path_equals_the_client_path_and_falls_back(
     nc: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

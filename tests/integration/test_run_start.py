@@ -12,10 +12,13 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import os
 import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -188,3 +191,48 @@ def test_a_signal_while_run_catches_up_stops_it_within_2s_in_one_line(
         verified = seqstate("replay", "--verify", timeout=120, NATS_URL=server.url)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert verified.stdout.splitlines()[-1] == "identical: 0 keys differ"
+
+
+# Holds the import of the commands (what every command loads first) until a signal comes: the
+# way to press Ctrl-C while a command loads, whatever the machine's speed.
+LOADING_HOLD = """
+import os, sys, time
+
+class _Hold:
+    def find_spec(self, name, path=None, target=None):
+        if name == "projector.ops.commands":
+            open(os.environ["HOLD_LOADING_MARK"], "w").close()
+            for _ in range(6000):
+                time.sleep(0.01)
+        return None
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+def test_ctrl_c_while_a_command_loads_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    """A Ctrl-C in the first half second of ``seqstate run`` (its modules loading) printed
+    a traceback of whichever module was loading, 15 to 35 lines, and died of the signal. It
+    exits 130, saying nothing."""
+    (tmp_path / "sitecustomize.py").write_text(LOADING_HOLD)
+    loading = tmp_path / "loading"
+    env = {k: v for k, v in os.environ.items() if k != "NATS_URL"}
+    env.update(PYTHONPATH=str(tmp_path), HOLD_LOADING_MARK=str(loading))
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "seqstate"), "run", "--store-dir", str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not loading.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # polls for the file the hold writes
+        assert loading.exists(), proc.poll()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (proc.returncode, out, err) == (130, b"", b"")

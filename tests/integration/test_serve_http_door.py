@@ -247,6 +247,40 @@ async def test_a_204_mb_url_and_a_128_mb_header_are_refused_unread_under_150_mb(
             assert peak() < RSS_LIMIT_MB, peak()
 
 
+async def test_a_128_mb_trailer_or_chunk_size_line_is_refused_unread_under_150_mb(
+    nc: Client, nats_server: NatsServer
+) -> None:
+    """A chunked body's framing is bounded as its head is: a trailer (header lines after the
+    last chunk) or a chunk size line (its extensions) over 16 KiB is 431 as it arrives. A
+    128 MB trailer was read for its 30 s, the server's loop busy growing it (its lease
+    renewals and other clients waiting), then answered 408; an 8 KiB one is served."""
+    config = fresh_config("dc")
+    chunked = (
+        b"POST /add HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    body = json.dumps(add("chunked", [1, 2])[2]).encode()
+    data = b"%x\r\n%s\r\n" % (len(body), body)
+    trailer = b"x-t: " + b"t" * 8 * KiB + b"\r\n"
+    refusal = (
+        431,
+        {
+            "error": "the request's chunked framing (a chunk's size line, or the trailer after "
+            "the last chunk) is over 16384 bytes"
+        },
+    )
+    async with serve_http(nats_server.url, config) as port:
+        assert (await exchange(port, [register()]))[0].status == 201
+        served = await exchange(port, [chunked + data + b"0\r\n" + trailer + b"\r\n"])
+        assert served[0] == (201, {"status": "ok"})
+        async with rss_watch(port) as peak:
+            assert await flood(port, chunked + data + b"0\r\nx-big: ", 128 * MiB) == refusal
+            await served_meanwhile(port, 1)
+            assert await flood(port, chunked + b"1;ext=", 128 * MiB) == refusal
+            await served_meanwhile(port, 2)
+            assert peak() < RSS_LIMIT_MB, peak()
+
+
 async def test_a_client_that_pipelines_20000_calls_and_reads_none_is_paused_under_150_mb(
     nc: Client, nats_server: NatsServer
 ) -> None:

@@ -46,7 +46,7 @@ LOG_READERS: dict[tuple[str, ...], str | None] = {
     ("snapshot", "list"): "name",
     ("snapshot", "show"): None,  # it has no snapshot
     ("rebuild",): None,  # its projector holds the lease
-    ("dynamo", "resync", "--dynamo-endpoint", "dyn.backend.generate"): "resynced 0 requests",
+    ("dynamo", "resync", "--dynamo-endpoint", "dyn.backend.generate"): None,  # not captured
     ("dynamo", "uncapture"): None,  # it captures no Dynamo endpoint
 }
 
@@ -143,3 +143,33 @@ async def test_a_namespace_provisioned_but_never_projected_is_known_to_log_reade
         f"seqstate: error: unknown namespace '{fresh.namespace}': nothing of it in bucket "
         f"{fresh.registry_bucket}; no namespace is known there"
     )
+
+
+async def test_reads_on_a_server_no_pipeline_has_used_say_what_is_missing_and_create_nothing(
+    served: Served,
+) -> None:
+    """Streams, bucket and object store of names no command has used: each read says which
+    one is missing and exits 1. ``worker list`` printed "0 workers" and ``snapshot list`` an
+    empty table, both exit 0, the latter creating the object store as it read it."""
+    bare = fresh_config("bare", snapshot_bucket=f"baresnap{fresh_config().namespace}")
+    missing_bucket = (
+        f"seqstate: error: bucket '{bare.registry_bucket}' does not exist: is a projector running?"
+    )
+    no_snapshots = f"seqstate: error: no snapshots for namespace '{bare.namespace}'"
+    said = {
+        ("loads",): missing_bucket,
+        ("worker", "list"): missing_bucket,
+        ("snapshot", "list"): f"{no_snapshots}: object store '{bare.snapshot_bucket}' does not "
+        "exist (no writer has run with it)",
+        ("snapshot", "show"): no_snapshots,
+    }
+    for argv, line in said.items():
+        result = await run_cli(bare, served.url, *argv)
+        assert error_line(result) == line, argv
+    nc = await nats.connect(served.url)
+    try:
+        names = {info.config.name for info in await nc.jetstream().streams_info()}
+    finally:
+        await nc.close()
+    mine = {bare.events_stream, f"KV_{bare.registry_bucket}", f"OBJ_{bare.snapshot_bucket}"}
+    assert not names & mine, names & mine

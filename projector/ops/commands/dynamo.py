@@ -15,6 +15,7 @@ from projector.wire.config import Config
 async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
     if args.action == "uncapture":
         return await cmd_uncapture(config)
+    from projector.nats.uncapture import UncaptureError, require_captured
     from projector.ops.resync import ResyncError, resync
 
     async with connect(
@@ -22,8 +23,9 @@ async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
     ) as nc:
         await require_namespace(nc, config, log=True)
         try:
+            await require_captured(nc, config, config.dynamo_endpoints)
             done = await resync(nc, config)
-        except ResyncError as exc:
+        except (ResyncError, UncaptureError) as exc:
             raise CliError(str(exc)) from None
     endpoints = ", ".join(config.dynamo_endpoints)
     print(

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import shlex
+import signal
 import sys
 import textwrap
 from collections.abc import AsyncIterator
@@ -26,13 +27,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from projector.nats.connection import connect, refused_or, require_url
+from projector.nats.connection import close_at_once, connect, refused_or, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.wire.config import Config
 from seqstate.events import Event
 
 log = logging.getLogger("seqstate")
+EXIT_INTERRUPTED = 130  # a shell's code for a command ended by SIGINT
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -42,12 +44,45 @@ if TYPE_CHECKING:
 
 
 async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
-    from projector.route.publisher import PublishError, RouterPublisher
+    """:func:`_publish`, stopped by the first Ctrl-C only: a second one that came before the
+    first was handled raised KeyboardInterrupt wherever the loop stood, cutting the line that
+    says what was stored (or a clean-up, with a traceback)."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    interrupted = False
+
+    def interrupt() -> None:
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            task.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, interrupt)
+    try:
+        return await _publish(args, config)
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        task.uncancel()
+        return EXIT_INTERRUPTED
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        if interrupted:  # the process ends now: another Ctrl-C would only cut its exit short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+async def _publish(args: argparse.Namespace, config: Config) -> int:
+    from projector.route.publisher import PublishError, RouterPublisher, quoted_router_id
     from seqstate import EventDecodeError, decode_event, encode_event
 
     if args.resume and args.router_id is None:
         raise CliError("--resume: give the --router-id of the run to resume")
-    router_id = args.router_id or f"cli-{os.getpid()}"
+    router_id = f"cli-{os.getpid()}" if args.router_id is None else args.router_id
+    try:
+        quoted_router_id(router_id)
+    except ValueError as exc:
+        raise CliError(f"--router-id: {exc}") from None
     decoder = msgspec.json.Decoder(Event)
     if args.file == "-":
         lines = sys.stdin.buffer.read().splitlines()
@@ -69,55 +104,65 @@ async def cmd_publish(args: argparse.Namespace, config: Config) -> int:
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
-        from projector.nats.resources import ensure, msg_id_key, resource_names
-        from projector.route.publisher import EventTooLarge
-
-        probe = RouterPublisher(nc, namespace=config.namespace, router_id=router_id, config=config)
-        checked = []
-        for number, event in events:  # all or nothing: sizes are known once connected
-            try:
-                checked.append(probe.check(event))
-            except EventTooLarge as exc:
-                raise CliError(f"{name}:{number}: {exc}") from None
-        info = await _events_stream_info(nc, config)
-        if info is None:
-            # a fresh server: provision, as the pipeline would
-            info = (await ensure(nc, config)).events
-        key = msg_id_key(info)
-        if key is None:
-            log.warning(
-                "stream %s has no msg-id key yet (a writer of this version adds it): a second "
-                "run with this router id will not be recognised",
-                config.events_stream,
-            )
-        names = resource_names(config)
-        stored = 0
-        if args.resume:
-            stored = await refused_or(
-                nc,
-                stored_before(nc, config, probe, checked, [n for n, _ in events], name),
-                user=config.nats_user,
-                doing="reading the events already stored",
-                names=names,
-            )
-        pub = RouterPublisher(
-            nc,
-            namespace=config.namespace,
-            router_id=router_id,
-            config=config,
-            msg_id_key=key,
-            router_seq=stored,
-        )
-        run = _Run(pub, [event for event, _ in checked[stored:]])
+        run: _Run | None = None
+        stored: int | None = None if args.resume else 0  # None: the log not checked yet
         try:
-            await refused_or(
-                nc, run.publish_all(), user=config.nats_user, doing="publishing events", names=names
+            from projector.nats.resources import ensure, msg_id_key, resource_names
+            from projector.route.publisher import EventTooLarge
+
+            probe = RouterPublisher(
+                nc, namespace=config.namespace, router_id=router_id, config=config
             )
-        except PublishError as exc:
-            raise CliError(_refusal(exc, name, router_id, stored + run.done)) from None
+            checked = []
+            for number, event in events:  # all or nothing: sizes are known once connected
+                try:
+                    checked.append(probe.check(event))
+                except EventTooLarge as exc:
+                    raise CliError(f"{name}:{number}: {exc}") from None
+            info = await _events_stream_info(nc, config)
+            if info is None:
+                # a fresh server: provision, as the pipeline would
+                info = (await ensure(nc, config)).events
+            key = msg_id_key(info)
+            if key is None:
+                log.warning(
+                    "stream %s has no msg-id key yet (a writer of this version adds it): a second "
+                    "run with this router id will not be recognised",
+                    config.events_stream,
+                )
+            names = resource_names(config)
+            earlier = 0
+            if args.resume:
+                earlier = stored = await refused_or(
+                    nc,
+                    stored_before(nc, config, probe, checked, [n for n, _ in events], name),
+                    user=config.nats_user,
+                    doing="reading the events already stored",
+                    names=names,
+                )
+            pub = RouterPublisher(
+                nc,
+                namespace=config.namespace,
+                router_id=router_id,
+                config=config,
+                msg_id_key=key,
+                router_seq=earlier,
+            )
+            run = _Run(pub, [event for event, _ in checked[earlier:]])
+            try:
+                await refused_or(
+                    nc,
+                    run.publish_all(),
+                    user=config.nats_user,
+                    doing="publishing events",
+                    names=names,
+                )
+            except PublishError as exc:
+                raise CliError(_refusal(exc, name, router_id, earlier + run.done)) from None
         except asyncio.CancelledError:  # Ctrl-C: say what is stored, and how to go on
-            said = _interrupted(name, router_id, stored + run.done, len(events))
+            said = _interrupted(name, router_id, stored, run, len(events))
             print(f"seqstate: {said}", file=sys.stderr)
+            await close_at_once(nc)  # a drain would wait for a read of the log called off
             raise
     count = f"{run.done} event" + ("" if run.done == 1 else "s")
     before = f" ({stored} already stored)" if args.resume else ""
@@ -146,11 +191,26 @@ def _resume_hint(name: str, router_id: str) -> str:
     return f"seqstate publish {shown} --router-id {shlex.quote(router_id)} --resume"
 
 
-def _interrupted(name: str, router_id: str, stored: int, total: int) -> str:
+def _interrupted(
+    name: str, router_id: str, stored: int | None, run: _Run | None, total: int
+) -> str:
+    """What an interrupted run leaves: said whenever it is stopped, publishing or not yet."""
+    hint = f"`{_resume_hint(name, router_id)}` checks them and publishes the rest"
+    if stored is None:  # --resume, before the log was checked
+        return (
+            f"interrupted before checking the events router id {router_id!r} stored earlier: "
+            f"none of {name} published by this run; {hint}"
+        )
+    if run is None:
+        if not stored:
+            return f"interrupted before publishing: none of the {total} events of {name} stored"
+        return (
+            f"interrupted before publishing: {stored} of {total} events of {name} stored "
+            f"(router id {router_id!r}, by an earlier run); {hint}"
+        )
     return (
-        f"interrupted: {stored} of {total} events of {name} stored (router id {router_id!r}; "
-        f"the next one may be too); `{_resume_hint(name, router_id)}` checks them and "
-        "publishes the rest"
+        f"interrupted: {stored + run.done} of {total} events of {name} stored (router id "
+        f"{router_id!r}; the next one may be too); {hint}"
     )
 
 
@@ -234,9 +294,14 @@ async def _messages(
         deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
         config=api.ConsumerConfig(opt_start_seq=first),
     )
+    task = asyncio.current_task()
     try:
         while True:
             msg = await sub.next_msg(timeout=30)
+            if task is not None and task.cancelling():
+                # nats-py waits with asyncio.wait_for, which drops a cancellation that comes as
+                # a message does (Python 3.11): Ctrl-C then went unheard until the log was read
+                raise asyncio.CancelledError
             seq = log_time_ns(msg)[0]
             yield seq, msg.subject, msg.headers, msg.data
             if seq >= last:

@@ -106,8 +106,13 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
         require_url(config), service=False, config=config, fail_on_refusal=True
     ) as nc:
         await require_namespace(nc, config, log=True)
-        store = await SnapshotStore(nc, config).open()
+        store = await SnapshotStore(nc, config).open(create=args.action == "save")
         if args.action == "list":
+            if not store.exists:  # a read creates nothing, and says what is not there
+                raise CliError(
+                    f"no snapshots for namespace {config.namespace!r}: object store "
+                    f"{config.snapshot_bucket!r} does not exist (no writer has run with it)"
+                )
             infos = await store.list()
             if args.json:
                 for info in infos:

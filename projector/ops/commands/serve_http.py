@@ -27,6 +27,8 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
     from projector.http.http_server import close, serve
     from projector.http.slot_service import SlotService
     from projector.http.tracker_names import TrackerNameTooLong, namespace_for
+    from projector.read.projection import BucketUnfit, check_bucket_fits
+    from projector.write.writer import EventLimitUnfit, check_event_limit
 
     token = bearer_token(config)
     try:  # a deployment's name is part of every tracker's namespace
@@ -42,6 +44,13 @@ async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
         connect(require_url(config), service=True, config=config) as nc,
         slot_metrics(nc, config, service := SlotService(nc, config)) as metrics,
     ):
+        # Every tracker's pipeline would refuse this server: said once, here, not by calls
+        # that each wait for a pipeline that never runs.
+        try:
+            check_event_limit(nc.max_payload, config.max_event_bytes)
+            check_bucket_fits(nc.max_payload)
+        except (EventLimitUnfit, BucketUnfit) as exc:
+            raise CliError(str(exc)) from None
         metrics.starting = "starting: opening the trackers"
         await service.start()
         try:

@@ -6,10 +6,12 @@ import argparse
 from typing import Any
 
 import msgspec
+from nats.js.errors import BucketNotFoundError
 
 from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
+from projector.ops.inspection import no_bucket
 from projector.ops.namespaces import require_namespace
 from projector.wire.config import Config
 
@@ -29,6 +31,10 @@ async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
         control = WorkerControl(nc, config=config, wait_s=args.wait)
         if args.action == "list":
             await require_namespace(nc, config)
+            try:  # a bucket that is not there holds no "0 workers"
+                await nc.jetstream().key_value(config.registry_bucket)
+            except BucketNotFoundError:
+                raise no_bucket(config) from None
             workers = await control.workers()
             if args.json:
                 for worker in workers:

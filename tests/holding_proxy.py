@@ -1,10 +1,11 @@
 """A TCP proxy in front of the nats-server that holds a client at its first publish to a
-Dynamo subject until the test releases it: the way to have Dynamo's Frees land at a chosen
-point of ``seqstate dynamo resync`` (after it read the ledger, before its republished Adds
-reach anyone), whatever the machine's speed.
+subject until the test releases it: the way to stop a client at a chosen point whatever the
+machine's speed. By default the subject is a Dynamo one, to have Dynamo's Frees land at a
+chosen point of ``seqstate dynamo resync`` (after it read the ledger, before its republished
+Adds reach anyone); ``hold_at`` names another prefix (a JetStream API request, say).
 
 Every byte is forwarded as it comes, both ways, except that once a client sends
-``PUB namespace.`` (or ``HPUB``), that line and all after it wait for :attr:`release`;
+``PUB <prefix>`` (or ``HPUB``), that line and all after it wait for :attr:`release`;
 :attr:`held` is set then. A tail that could be the start of such a line waits for the next
 read (a line split across reads); any other bytes go at once, so PINGs and the JetStream
 API flow while nothing is published.
@@ -18,18 +19,19 @@ import contextlib
 PUBLISH = b"PUB namespace."
 
 
-def _partial(tail: bytes) -> int:
-    """How many bytes at the end of ``tail`` could begin ``HPUB namespace.``."""
-    for size in range(min(len(tail), len(PUBLISH) + 1), 0, -1):
+def _partial(tail: bytes, publish: bytes = PUBLISH) -> int:
+    """How many bytes at the end of ``tail`` could begin ``HPUB <subject prefix>``."""
+    for size in range(min(len(tail), len(publish) + 1), 0, -1):
         end = tail[-size:]
-        if PUBLISH.startswith(end) or (b"H" + PUBLISH).startswith(end):
+        if publish.startswith(end) or (b"H" + publish).startswith(end):
             return size
     return 0
 
 
 class HoldingProxy:
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, hold_at: str = "namespace.") -> None:
         self.upstream_port = upstream_port
+        self.publish = b"PUB " + hold_at.encode()
         self.held = asyncio.Event()
         self.release = asyncio.Event()
         self.port = 0
@@ -81,7 +83,7 @@ class HoldingProxy:
         while chunk := await reader.read(65536):
             pending += chunk
             if not self.release.is_set():
-                at = pending.find(PUBLISH)
+                at = pending.find(self.publish)
                 if at >= 0:
                     start = at - 1 if at > 0 and pending[at - 1 : at] == b"H" else at
                     writer.write(pending[:start])
@@ -90,7 +92,7 @@ class HoldingProxy:
                     self.held.set()
                     await self.release.wait()
                 else:
-                    keep = _partial(pending)
+                    keep = _partial(pending, self.publish)
                     writer.write(pending[: len(pending) - keep])
                     await writer.drain()
                     pending = pending[len(pending) - keep :]
