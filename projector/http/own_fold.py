@@ -57,9 +57,8 @@ from nats.aio.subscription import Subscription
 from projector.nats import direct_delivery, fast_publish
 from projector.nats.failures import describe
 from projector.nats.pub_ack import ACK_DECODER
-from projector.wire.sizes import DELTA_HEADROOM
+from projector.wire.sizes import batch_limit
 from projector.write.writer import Writer
-from seqstate.batches import MAX_BYTES as MAX_BATCH_BYTES
 from seqstate.batches import MAX_EVENTS as MAX_BATCH_EVENTS
 from seqstate.batches import batch_size, encode_batch_of
 from seqstate.fold import Verdict
@@ -217,7 +216,7 @@ class OwnFold:
             self.commit(group)
 
     def commit(self, entries: list[_Entry]) -> None:
-        """Publish ``entries``' events, in record batches by subject (:meth:`_batched`),
+        """Publish ``entries``' events, in record batches by subject (:func:`by_message`),
         each told its own verdict: one group commit. Queued on the connection together, so
         nats-py's flusher sends them in one write; the next group waits for their acks (at
         most ``GROUP_WAIT_S``)."""
@@ -227,7 +226,7 @@ class OwnFold:
         if len(entries) == 1:
             self._send(_Message(entries), deadline)
             return
-        limit = min(self.nc.max_payload - DELTA_HEADROOM, MAX_BATCH_BYTES)
+        limit = batch_limit(self.nc.max_payload)
         for batch in by_message(entries, limit):
             self._send(_Message(batch), deadline)
 

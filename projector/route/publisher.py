@@ -83,7 +83,7 @@ from projector.wire import msg_ids
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from projector.wire.headers import STREAM_SOURCE
-from projector.wire.sizes import DELTA_HEADROOM, oversize
+from projector.wire.sizes import batch_limit, oversize
 from seqstate import (
     AddRequest,
     Event,
@@ -94,7 +94,6 @@ from seqstate import (
     decode_event,
     encode_event,
 )
-from seqstate.batches import MAX_BYTES as MAX_BATCH_BYTES
 from seqstate.batches import MAX_EVENTS as MAX_BATCH_EVENTS
 from seqstate.batches import batch_size, encode_batch_of
 from seqstate.errors import SeqstateError
@@ -583,7 +582,7 @@ class RouterPublisher:
         for n, subject in enumerate(subjects):
             groups.setdefault(subject, []).append(n)
         cap = min(self.batch_events, self.max_pending, MAX_BATCH_EVENTS)
-        limit = min(self._nc.max_payload - DELTA_HEADROOM, MAX_BATCH_BYTES)
+        limit = batch_limit(self._nc.max_payload)
         members: list[list[int]] = []
         for indices in groups.values():
             chunk: list[int] = []

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from seqstate.batches import MAX_BYTES as MAX_BATCH_BYTES
+
 DELTA_HEADROOM: Final = 4096  # under the server's payload limit: headers, the protocol line
 EVENT_MARGIN: Final = 1024  # what a delta adds to its event's bytes: rank, load, envelope
 EVENT_ROOM: Final = DELTA_HEADROOM + EVENT_MARGIN
@@ -26,6 +28,12 @@ def largest_event(max_payload: int) -> int:
     """The largest event whose delta surely fits one message of a server whose payload limit
     is ``max_payload``."""
     return max_payload - EVENT_ROOM
+
+
+def batch_limit(max_payload: int) -> int:
+    """The most bytes a record batch may take on a server of ``max_payload``: the batches'
+    own bound, and room for the message's headers."""
+    return min(max_payload - DELTA_HEADROOM, MAX_BATCH_BYTES)
 
 
 def event_limit(max_payload: int, max_event_bytes: int) -> int:
