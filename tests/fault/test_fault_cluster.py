@@ -258,7 +258,14 @@ async def test_the_events_stream_leader_killed_mid_run_leaves_the_ledger_exact(
                 watch=projector.logs,
                 check=projector.check,
             )
-            _, new_leader, _ = await replica_report(js, config.events_stream)
+            # Asked until answered: right after the kill, a stream info can time out while
+            # the peers elect.
+            _, new_leader, _ = await eventually(
+                lambda: replica_report(js, config.events_stream),
+                lambda report: True,
+                what="the events stream's new leader",
+                retry_on=BUSY,
+            )
             killed["new"] = new_leader or "?"
             await done.reached(restart_at)
             await asyncio.to_thread(cluster.restart, leader)
