@@ -140,5 +140,9 @@ async def test_a_freed_slot_is_the_one_byte_empty_map(nc: Client) -> None:
         values = await bucket_values(nc, config)
     key = f"{config.namespace}.req.0.0.0"
     assert hashes(unpack(booked[key])["hashes"]) == [1, 2]
-    assert values[key] == b"\x80" and unpack(values[key]) == {}
+    documented = re.search(
+        r"The \*\*empty value\*\* is the empty map, one byte `0x([0-9a-f]{2})`", DOC.read_text()
+    )
+    assert documented, "the page's empty value"
+    assert values[key] == bytes.fromhex(documented.group(1)) and unpack(values[key]) == {}
     assert json.loads(values[f"{config.namespace}.load.0.0"])["active_requests"] == 0
