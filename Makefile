@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 NATIVE := seqstate/.native-built
 CORE_SRC := $(wildcard seqstate/*.py)
 
-.PHONY: test test-dynamo run bench trace lint native pure clean
+.PHONY: test test-dynamo run bench lint native pure clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -73,20 +73,7 @@ test-dynamo: $(NATIVE)
 run: $(NATIVE)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo --trace data/mooncake_sample.jsonl
 
-# The whole Mooncake trace (12,031 requests, 2.9 MB) is not in the repo: the benchmarks read it,
-# the demo and the tests do not. Fetched once from its source and checked against its digest.
-FULL_TRACE := data/mooncake_conversation_trace.jsonl
-FULL_TRACE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl
-FULL_TRACE_SHA256 := b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df
-
-trace: $(FULL_TRACE)
-
-$(FULL_TRACE):
-	curl -fsSL --retry 3 -o $@.part $(FULL_TRACE_URL)
-	echo "$(FULL_TRACE_SHA256)  $@.part" | sha256sum --check --quiet
-	mv $@.part $@
-
-bench: $(NATIVE) $(BENCH_STAMP) $(FULL_TRACE)
+bench: $(NATIVE) $(BENCH_STAMP)
 	$(BIN)/python benchmarks/fold.py
 
 clean:

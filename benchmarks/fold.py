@@ -106,7 +106,7 @@ def read_trace(trace: Path, prog: str) -> list[TraceRecord] | None:
     """The trace's records, or None after printing one line on why they cannot be had."""
     if not trace.is_file():
         print(
-            f"{prog}: trace not found: {trace} (`make trace` fetches the Mooncake trace there;"
+            f"{prog}: trace not found: {trace} (the repo ships the Mooncake trace in data/;"
             " or pass --trace PATH)",
             file=sys.stderr,
         )

@@ -6,7 +6,7 @@ at once; this script measures what that buys against round-robin and against an 
 view is instant, for one scheduler replica and for two.
 
 The trace: the first ``--requests`` requests of the Mooncake trace
-(``data/mooncake_conversation_trace.jsonl``, fetched by ``make trace``; one hash id per 512-token
+(``data/mooncake_conversation_trace.jsonl``, shipped in the repo; one hash id per 512-token
 block), their arrival
 times divided by ``--speedup``. The workers (``--workers``, ranks ``(w, 0)``) are simulated in
 this process on the same compressed clock: a request first waits for the worker's earlier

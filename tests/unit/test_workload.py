@@ -307,7 +307,7 @@ def test_the_shipped_mooncake_sample() -> None:
 
 def test_make_run_replays_a_small_trace_inside_the_checkout() -> None:
     """`make run` replays a trace the clone holds, small enough to ship (a few hundred KB):
-    the whole Mooncake trace is fetched on demand (`make trace`), never needed by the demo."""
+    the whole Mooncake trace is there for the benchmarks, never needed by the demo."""
     repo = REAL_TRACE.parents[1]
     recipe = (repo / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
     match = re.search(r"--trace (\S+)", recipe)
