@@ -68,8 +68,10 @@ test-dynamo: $(NATIVE)
 
 # The demo, its server on nats://127.0.0.1:4222; refused if that port is taken (Dynamo's NATS
 # listens there too): SEQSTATE_PORT=0 make run takes any free one, and the log names it.
+# It replays the sample the repo ships (the Mooncake trace's first 1,000 requests, data/README.md);
+# `seqstate run --demo --trace data/mooncake_conversation_trace.jsonl` replays the whole trace.
 run: $(NATIVE)
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo --trace data/mooncake_conversation_trace.jsonl
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/seqstate run --demo --trace data/mooncake_sample.jsonl
 
 bench: $(NATIVE) $(BENCH_STAMP)
 	$(BIN)/python benchmarks/fold.py

@@ -105,7 +105,11 @@ Step = tuple[int, int, int]
 def read_trace(trace: Path, prog: str) -> list[TraceRecord] | None:
     """The trace's records, or None after printing one line on why they cannot be had."""
     if not trace.is_file():
-        print(f"{prog}: trace not found: {trace} (pass --trace PATH)", file=sys.stderr)
+        print(
+            f"{prog}: trace not found: {trace} (the repo ships the Mooncake trace in data/;"
+            " or pass --trace PATH)",
+            file=sys.stderr,
+        )
         return None
     try:
         return load_trace(trace)

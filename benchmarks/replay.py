@@ -114,7 +114,7 @@ from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_del
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 TARGET_REPLAY_EVENTS_PER_S: Final = 100_000
 TARGET_READY_S: Final = 2.0
-SNAPSHOT_WITHIN: Final = 10_000  # the "a snapshot within the last 10,000 events"
+SNAPSHOT_WITHIN: Final = 10_000  # the writer's default --snapshot-every-events
 WAIT_TIMEOUT_S: Final = 600.0
 
 
@@ -921,7 +921,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--save", type=Path, default=None, help="also write the JSON document here")
     args = p.parse_args(argv)
     if args.tail >= SNAPSHOT_WITHIN:
-        p.error(f"--tail must be below {SNAPSHOT_WITHIN:,} (the issue's snapshot bound)")
+        p.error(f"--tail must be below {SNAPSHOT_WITHIN:,} (the writer's snapshot spacing)")
     if args.events <= args.workers + args.tail:
         p.error("--events must exceed --workers + --tail")
     return args

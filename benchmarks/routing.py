@@ -5,8 +5,9 @@ a whole burst to one worker. ``projector.Scheduler`` counts its own events (and 
 at once; this script measures what that buys against round-robin and against an oracle whose
 view is instant, for one scheduler replica and for two.
 
-The trace: the first ``--requests`` requests of the shipped Mooncake trace
-(``data/mooncake_conversation_trace.jsonl``; one hash id per 512-token block), their arrival
+The trace: the first ``--requests`` requests of the Mooncake trace
+(``data/mooncake_conversation_trace.jsonl``, shipped in the repo; one hash id per 512-token
+block), their arrival
 times divided by ``--speedup``. The workers (``--workers``, ranks ``(w, 0)``) are simulated in
 this process on the same compressed clock: a request first waits for the worker's earlier
 prefills (one at a time), prefills its uncached tokens at ``--prefill-tps`` tokens/s (its

@@ -5,7 +5,8 @@ publishes every AddRequest, MarkPrefillCompleted and Free it decides on NATS Cor
 ``namespace.<NS>.component.<C>.endpoint.<E>.active_sequences_events`` (workers publish their
 own MarkPrefillCompleted there too). JetStream stores them in a namespace's events stream, and
 the one fold (:mod:`seqstate.fold`) folds them beside seqstate's own events. This module reads
-and writes those bytes exactly as Dynamo 1.6.1 does (``shared/design/dynamo-wire.md``):
+and writes those bytes exactly as Dynamo 1.6.1 does (``tests/unit/test_dynamo_wire.py`` decodes
+a real fleet's, recorded in ``tests/dynamo_capture.py``):
 
 - an envelope, a msgpack map with named fields ``publisher_id`` (u64, one per publishing
   process), ``sequence`` (u64, per publisher from 0, +1 per message), ``published_at`` (u64
@@ -20,7 +21,7 @@ newer Dynamo that adds a field still feeds the ledger. Where serde refuses, so d
 decoder: an unknown ``data`` variant, and an unknown field of a Rust ``Duration`` (serde's own
 implementation names only ``secs`` and ``nanos``). A ``worker`` without its ``dp_rank`` is
 rank 0, the one rank a worker without data parallelism has (Dynamo 1.6.1's replicas refuse
-it instead, "missing field `dp_rank`": the README's table of differences). Two are refused,
+it instead, "missing field `dp_rank`": a row of docs/dynamo-semantics.md). Two are refused,
 each with its reason: a ``topic`` other than
 ``active_sequences_events`` (a replica ignores such a message, whatever its subject), and an
 empty ``request_id`` (a replica books it, but every empty id would be the same request).

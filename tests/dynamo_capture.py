@@ -1,9 +1,9 @@
 """The raw capture of a real Dynamo 1.6.1 fleet's replica-sync traffic, for the tests.
 
 155 messages two KV-router frontends (with ``--router-replica-sync``) and two mocker workers
-(one with dp 2) published on NATS Core (``shared/dynamo/replica-sync-1.6.1.jsonl``, copied
-into ``tests/data`` because CI has only the repository): each with its subject, the time it was
-seen (ns) and its bytes, in the order seen.
+(one with dp 2) published on NATS Core, recorded once from a live fleet into ``tests/data`` so
+that the tests need no fleet: each with its subject, the time it was seen (ns) and its bytes,
+in the order seen.
 """
 
 from __future__ import annotations

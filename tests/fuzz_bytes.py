@@ -151,7 +151,7 @@ def payload(rng: random.Random, ns: str) -> bytes:
     """One hostile payload."""
     pool = [encode_event(e) for e in events(rng, ns)]
     if rng.random() < 0.1:
-        return b"\x92" + bytes([SCHEMA_VERSION]) + nested(rng)  # the issue's message, any depth
+        return b"\x92" + bytes([SCHEMA_VERSION]) + nested(rng)  # nested arrays, any depth
     data = rng.choice(pool)
     for _ in range(rng.choice([1, 1, 1, 2, 3])):
         data = mutate(rng, data, rng.choice(pool))

@@ -11,7 +11,7 @@
 - :class:`Capture`: a plain NATS subscriber on the endpoint's ``active_sequences_events``
   subject, decoding every message with msgspec into the structs below. The structs forbid
   unknown fields: if a Dynamo release changes the wire, these facts fail instead of drifting.
-  They are written from dynamo-wire.md, independently of seqstate's own decoder, so the live
+  They are written from Dynamo's Rust sources, independently of seqstate's own decoder, so the live
   suite checks that decoder against Dynamo rather than against itself.
 
 Prompts are made of digits only: the tiny tokenizer (make_tiny_model.py) learnt no merge for a
@@ -218,7 +218,7 @@ async def close_all(streams: Iterable[Stream]) -> None:
     await asyncio.gather(*(s.close() for s in streams))
 
 
-# ---- the wire, decoded independently (dynamo-wire.md) -----------------------------------------
+# ---- the wire, decoded independently of seqstate ---------------------------------------------
 
 
 class Envelope(msgspec.Struct, forbid_unknown_fields=True):

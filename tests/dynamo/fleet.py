@@ -215,7 +215,7 @@ class Fleet:
         return EtcdGateway(f"http://127.0.0.1:{self.etcd.rpc_port}")
 
     def _env(self, rpc_port: int, response_port: int | None = None) -> dict[str, str]:
-        """dynamo-wire.md's environment: NATS event plane, TCP request plane, the fleet's
+        """Dynamo's environment: NATS event plane, TCP request plane, the fleet's
         discovery, no hub; distinct TCP ports per process, so two never fight over one."""
         env = dict(os.environ)
         env.update(

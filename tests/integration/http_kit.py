@@ -1,4 +1,4 @@
-"""``seqstate serve-http`` as a client meets it: the process started the way the README shows
+"""``seqstate serve-http`` as a client meets it: the process started the way docs/http-api.md shows
 it (its defaults, but a free port), and raw HTTP/1.1 over a socket, pipelined when asked."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pipeline_kit import REPO
 
 from projector.ops.demo import ReplayProgress
 
-TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_sample.jsonl"
 LINES = 60  # 15 s of the trace: 3 s of arrivals at 5x
 
 

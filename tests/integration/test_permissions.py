@@ -4,7 +4,7 @@ One server per module runs with the role config. The writer and the projector ru
 own credentials, a router publishes with its credential (heartbeat and goodbye included), the
 control role registers the workers, a scheduler reads the bucket with its credential, and an
 operator verifies with the replay credential: the loads equal an in-process fold of the log
-exactly, and no client was refused anything. Every command the README gives a role runs, as a
+exactly, and no client was refused anything. Every command the role table gives a role runs, as a
 subprocess, signed in as that role; ``seqstate writer`` and ``seqstate projector`` run as
 compose runs them and the writer's idle Tick expires a request; the admin runs the commands
 that do several roles' work (``run``, ``rebuild``, ``snapshot save``, ``serve-http``). Then
@@ -368,7 +368,7 @@ async def test_a_wrong_role_password_is_refused_in_one_line(roles_server: str) -
     assert "refused the credentials" in message and "not-it-55" not in message
 
 
-# --- every documented command, as the role the README gives it ------------------------------
+# --- every documented command, as the role docs/operations.md gives it -----------------------
 
 
 def role_env(url: str, role: str) -> dict[str, str]:
@@ -413,8 +413,9 @@ def _clean(role: str, argv: tuple[str, ...], rc: int, out: str, err: str) -> Non
     assert PASSWORDS[role] not in out + err, said
 
 
-# The README's table "role | may publish to | for", command by command. Each runs against the
-# pipeline (a snapshot every 5 events), after a router's events and a worker registration.
+# The role table "role | may publish to | for" (docs/operations.md), command by command. Each
+# runs against the pipeline (a snapshot every 5 events), after a router's events and a worker
+# registration.
 DOCUMENTED: list[tuple[str, tuple[str, ...]]] = [
     ("control", ("worker", "add", "41", "--dp-size", "2")),
     ("control", ("worker", "list", "--json")),
@@ -438,7 +439,7 @@ async def test_every_documented_command_runs_as_its_role(
     roles_server: str, pipeline: tuple[Writer, Projector]
 ) -> None:
     """``seqstate publish`` as the router (it needs no JetStream API: the stream is there),
-    then each command of the README's role table signed in as its role: exit 0, no
+    then each command of the role table (docs/operations.md) signed in as its role: exit 0, no
     permissions violation anywhere in its output."""
     lines = [
         {"type": "AddRequest", "request_id": "cli-a", "worker_id": 5, "block_hashes": [1, 2]},
@@ -487,7 +488,7 @@ async def test_an_unknown_namespace_is_told_with_a_readers_own_rights_never_for_
     assert plain_lines(err) == _lacks("router", *BUCKET_READ)
 
 
-# The README's "admin" row: the commands that do several roles' work. Not in DOCUMENTED: a
+# The role table's "admin" row: the commands that do several roles' work. Not in DOCUMENTED: a
 # run and a rebuild each take the namespace's lease, which the pipeline fixture's projector
 # holds, and a snapshot save beside a running writer could save under the same name.
 async def test_the_admin_runs_the_commands_of_several_roles(tmp_path: Path) -> None:
@@ -649,7 +650,7 @@ async def test_a_view_under_a_role_that_may_not_read_the_bucket_says_so_at_once(
 async def test_a_router_on_nats_default_inbox_is_told_why_no_ack_comes(
     roles_server: str,
 ) -> None:
-    """The README's snippet connects with ``nats.connect``, whose inbox is nats' ``_INBOX``:
+    """The README tour's snippet connects with ``nats.connect``, whose inbox is nats' ``_INBOX``:
     under the router role the server refuses that subscription, and the acks never come. The
     PublishError said only "ack timed out"; it names the inbox refused and the way out."""
     nc = await nats.connect(roles_server, user="router", password=PASSWORDS["router"])

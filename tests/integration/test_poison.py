@@ -27,7 +27,7 @@ from projector.wire.headers import REASON, SOURCE_SEQ
 from seqstate import AddRequest, Fold, Free, Refusal, WorkerRemoved, encode_event
 from seqstate.fold import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE, WRONG_SUBJECT
 
-REPRO = b"\x92\x01" + b"\x91" * 1000 + b"\xc0"  # the message, as reported
+REPRO = b"\x92\x01" + b"\x91" * 1000 + b"\xc0"  # 1,000 nested arrays: once killed the writer
 
 
 async def raw_publish(url: str, subject: bytes, payload: bytes) -> None:

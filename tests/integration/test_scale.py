@@ -100,9 +100,9 @@ async def test_a_rank_past_a_million_active_hashes_round_trips_exactly(nc: Clien
 
 
 async def test_a_backlog_of_adds_and_frees_is_caught_up_without_stalling(nc: Client) -> None:
-    """The issue's crash loop: with the writer stopped, 2,000 AddRequests of 500 unique hashes
-    and then their 2,000 Frees; the writer used to fail on every restart with a batch of Free
-    deltas over the payload limit."""
+    """A backlog that once crash-looped the writer: with it stopped, 2,000 AddRequests of 500
+    unique hashes and then their 2,000 Frees; the writer used to fail on every restart with a
+    batch of Free deltas over the payload limit."""
     config = fresh_config("backlog")
     await ensure(nc, config)
     rng = random.Random(11)

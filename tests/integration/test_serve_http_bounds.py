@@ -34,7 +34,7 @@ from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
 from projector.wire.config import Config
 
-CONNECTIONS = 512  # serve-http's default bound, as the README states it
+CONNECTIONS = 512  # serve-http's default bound (docs/http-api.md)
 HEALTH = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
 FULL = {
     "error": "too many connections: this server holds at most 512 at once "

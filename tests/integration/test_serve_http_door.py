@@ -3,7 +3,7 @@ named for each, timeouts for clients that send too slowly, output bounded for cl
 not read, and names checked before they become NATS subjects. Each against a real process on a
 real nats-server, with another client served meanwhile.
 
-The limits, as the README states them: URL 8 KiB (414), header lines 16 KiB (431), body 2 MiB
+The limits, as docs/http-api.md states them: URL 8 KiB (414), header lines 16 KiB (431), body 2 MiB
 (413), a head within 10 s (408, then closed), a tracker's namespace 2,048 bytes (400).
 """
 

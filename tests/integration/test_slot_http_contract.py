@@ -1,5 +1,5 @@
 """The slot-tracker HTTP contract (docs/slot-tracker-api.md), call by call, against
-``seqstate serve-http`` started as the README shows it: every status code and error text,
+``seqstate serve-http`` started as docs/http-api.md shows it: every status code and error text,
 Dynamo's own scenarios with their exact numbers, the transport's details (pipelining, HEAD,
 ``Allow``), and where seqstate departs from Dynamo on purpose.
 

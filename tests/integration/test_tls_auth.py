@@ -702,7 +702,7 @@ def tls_cases(pki: Path, port: int) -> list[tuple[str, str, dict[str, str]]]:
     signed_in = {"SEQSTATE_NATS_USER": USER, "SEQSTATE_NATS_PASSWORD": PASSWORD}
     ca = {"SEQSTATE_TLS_CA": str(pki / "ca.pem")}
     return [
-        ("status", f"tls://{USER}:{PASSWORD}@127.0.0.1:{port}", ca),  # the repro
+        ("status", f"tls://{USER}:{PASSWORD}@127.0.0.1:{port}", ca),  # a tls:// URL with a password
         ("status", f"tls://{USER}:{PASSWORD}@127.0.0.1:{port}", {}),  # the system's CAs
         ("status", f"nats://{USER}:{PASSWORD}@127.0.0.1:{port}", ca),  # a TLS setting
         ("status", f"nats://127.0.0.1:{port}", {**signed_in, **tls_env(pki)}),  # a client cert

@@ -1,5 +1,6 @@
 """The one fold of the log (seqstate.fold): each rule and each kind of refusal, the
-issue's poison pills, and that the fold never raises and never depends on the caller's stack.
+poison pills that once killed the writer, and that the fold never raises and never depends on
+the caller's stack.
 
 Each message is ``(seq, log_time_ns, subject, payload)``; a verdict is the Delta (applied) or a
 ``Refusal(kind, reason)``. The rules, in order: size, decode, subject, bounds, apply.
@@ -55,8 +56,8 @@ pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 
 NS = "default"
 CONTROL = control_subject(NS)
-# The issue's 1 KB message: the writer died on it ("maximum recursion depth exceeded while
-# deserializing an object"), every restart died on it, and replay crashed.
+# A 1 KB message of nested arrays: the writer once died on it ("maximum recursion depth
+# exceeded while deserializing an object"), every restart died on it, and replay crashed.
 REPRO = b"\x92\x01" + b"\x91" * 1000 + b"\xc0"
 REPRO_SUBJECT = "seqstate.events.default.2.0"
 _raw = msgspec.msgpack.encode

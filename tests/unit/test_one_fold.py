@@ -136,7 +136,7 @@ def hostile(draw: st.DrawFn) -> tuple[str, bytes]:
         st.sampled_from(
             [
                 draw(st.binary(max_size=60)),  # random bytes
-                b"\x92\x01" + nest,  # the message, at several depths
+                b"\x92\x01" + nest,  # nested arrays, at several depths
                 b"\x93" + good[1:] + nest,  # a trailing element after a valid event
                 b"\x92\x01" + b"\x81\xa1k" * depth + b"\xc0",  # maps: the tag search skips
                 b"\x92\x01\x84\xa1k" + nest + b"\xa4type\xa4Free\xaarequest_id\xa1a"

@@ -1,8 +1,9 @@
 """Lifecycle oddities are outcomes, never exceptions: our precise rules beyond the reference.
 
 Dynamo forgets a Free or MarkPrefillCompleted that overtakes its AddRequest
-(`reference-semantics.md` §3.5, §7.4): the late add leaks load until expiry and a lost mark keeps
-prefill charged. These tests pin the tombstone rules of ARCHITECTURE.md that replace that.
+(its ActiveSequences): the late add leaks load until expiry and a lost mark keeps prefill
+charged. These tests pin the tombstone rules (docs/architecture.md, "The rules") that replace
+that.
 """
 
 from __future__ import annotations

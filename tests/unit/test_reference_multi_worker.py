@@ -21,7 +21,7 @@ Replaced (our design replaces the mechanism):
   and a removed worker takes its mappings with it); tested instead by
   ``test_free_after_worker_removal_is_unknown_request_with_empty_index``.
 
-Departs from Dynamo (our precise rules, ARCHITECTURE.md):
+Departs from Dynamo (our rules, docs/architecture.md "The rules"):
 * #11 ``worker_targeted_cleanup_ignores_a_different_owner``: Mark/Free look a request up by id
   alone, so a Free naming another worker still frees the owner and counts
   ``worker_mismatch``; tested by ``test_worker_targeted_cleanup_frees_the_owner_by_id``.

@@ -1,5 +1,5 @@
-"""Port of Dynamo's ``lib/kv-router/src/sequences/prefill_tracker.rs`` tests (reference-semantics
-9.2) and of the worked-examples table of section 6.7.
+"""Port of Dynamo's ``lib/kv-router/src/sequences/prefill_tracker.rs`` tests and of worked
+examples of its decay, computed by hand from its formula.
 
 The 9.2 tests drive :class:`seqstate.prefill.PrefillTracker` and read its
 :class:`~seqstate.PrefillSnapshot` directly, with the catalogue's names and numbers. Times are
@@ -17,7 +17,7 @@ readings, run at every level that can express it:
   through ``registry.potential_loads([], 0, now)`` (Dynamo's potential tokens with no delta);
 * registry level: a :class:`~seqstate.PromptRegistry` given a load-only delta.
 
-Nothing in 9.2 or 6.7 is skipped. Departures from Dynamo, by design (ARCHITECTURE.md):
+None of those tests is skipped. Departures from Dynamo, by design (docs/architecture.md):
 
 * the "replica (receive-time anchored)" row (Dynamo's
   ``replica_sync_modeled_remaining_prefill_time_uses_receive_time_and_clears``) has no replica

@@ -1,4 +1,4 @@
-"""Port of Dynamo's ``lib/kv-router/src/sequences/single.rs`` tests (reference-semantics 9.1).
+"""Port of Dynamo's ``lib/kv-router/src/sequences/single.rs`` tests.
 
 Each test keeps the catalogue's name and numbers. Conventions: block size 4; times are seconds
 from epoch 0 converted to log-time nanoseconds; a ``tracking_hint(n)`` is
@@ -12,7 +12,7 @@ Skipped:
 * ``active_sequences_remains_send_and_sync`` (9.1 #1): Rust-specific (Send + Sync marker
   traits); Python has no counterpart.
 
-Where our design replaces Dynamo's mechanism (ARCHITECTURE.md "Precise rules"), the test
+Where our design replaces Dynamo's mechanism (docs/architecture.md, "The rules"), the test
 asserts our rule and departs from the named Dynamo test as follows:
 
 * ``active_worker_teardown_with_a_live_long_chain_is_iterative``: Dynamo drops the

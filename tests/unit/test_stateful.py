@@ -1,9 +1,10 @@
 """Stateful property test: random event interleavings checked against a naive model.
 
-The model below is written from the rules (ARCHITECTURE.md "Precise rules of the core" and
-reference-semantics.md sections 3, 5 and 6), not from the core: it keeps a flat list of live
-requests and recomputes every read (blocks, prefill decay, overlap) from that list with exact
-rational arithmetic. After every step the real ``SequenceState`` must agree with it exactly.
+The model below is written from the rules (docs/architecture.md, "The rules", and Dynamo's
+ActiveSequences and prefill tracker in ``lib/kv-router/src/sequences``), not from the core: it
+keeps a flat list of live requests and recomputes every read (blocks, prefill decay, overlap)
+from that list with exact rational arithmetic. After every step the real ``SequenceState``
+must agree with it exactly.
 
 Block hashes are chained: every prompt is a prefix of one of a few fixed lineages of distinct
 integers, so a hash identifies its whole prefix and prompts share prefixes realistically.
@@ -192,7 +193,8 @@ class Model:
         return len(self.present(rank)) + sum(r.outputs for r in self.on(rank))
 
     def active_tokens(self, rank: Rank, now: int) -> int:
-        """reference-semantics.md 6.4, in exact rationals."""
+        """The pending prefill tokens, the oldest's decayed over its expected duration, in exact
+        rationals."""
         queue = self.prefills(rank)
         if not queue:
             return 0
@@ -213,7 +215,7 @@ class Model:
         return max(0, total - completed)
 
     def modeled_ms(self, rank: Rank, now: int) -> int | None:
-        """reference-semantics.md 6.5."""
+        """The modeled prefill time left: the queue's durations, the oldest's decayed."""
         queue = self.prefills(rank)
         if any(r.duration_ns is None for r in queue):
             return None

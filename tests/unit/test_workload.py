@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +27,7 @@ from projector.ops.workload import (
     synthetic,
 )
 
-REAL_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_conversation_trace.jsonl"
+REAL_TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake_sample.jsonl"
 
 
 def conversation_turn(request: DemoRequest) -> tuple[str, int]:
@@ -292,9 +293,9 @@ def test_mooncake_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         next(requests)
 
 
-def test_the_real_mooncake_trace() -> None:
+def test_the_shipped_mooncake_sample() -> None:
     requests = list(mooncake(REAL_TRACE))
-    assert len(requests) == 12031
+    assert len(requests) == 1000
     arrivals = [r.arrival_s for r in requests]
     assert arrivals == sorted(arrivals)
     assert requests[0].request_id == "mc-0" and requests[0].isl_tokens == 6758
@@ -302,3 +303,16 @@ def test_the_real_mooncake_trace() -> None:
     # Conversation turns in the trace reuse earlier prefixes.
     firsts = {r.block_hashes[0] for r in requests if r.block_hashes}
     assert len(firsts) < len(requests) / 2
+
+
+def test_make_run_replays_a_small_trace_inside_the_checkout() -> None:
+    """`make run` replays a trace the clone holds, small enough to ship (a few hundred KB):
+    the whole Mooncake trace is there for the benchmarks, never needed by the demo."""
+    repo = REAL_TRACE.parents[1]
+    recipe = (repo / "Makefile").read_text().split("\nrun:", 1)[1].split("\n\n", 1)[0]
+    match = re.search(r"--trace (\S+)", recipe)
+    assert match, recipe
+    trace = (repo / match.group(1)).resolve()
+    assert trace.is_relative_to(repo) and trace.is_file(), trace
+    assert trace.stat().st_size <= 300_000
+    assert len(list(mooncake(trace))) == 1000
