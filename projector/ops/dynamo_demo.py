@@ -55,6 +55,7 @@ from projector.dynamo.fleet import (
     default_venv,
 )
 from projector.nats.server import NatsServer, NatsServerError
+from seqstate.errors import SeqstateError
 
 NAMESPACE = "dyn"
 STREAMS = 6  # chat requests in flight at a time
@@ -75,7 +76,7 @@ QUESTIONS = (
 )
 
 
-class Stopped(Exception):
+class Stopped(SeqstateError):
     """Ctrl-C (or SIGTERM) while the demo was still starting."""
 
 
