@@ -119,6 +119,12 @@ def _ttou_ignored() -> Iterator[None]:
         signal.signal(signal.SIGTTOU, old)
 
 
+def _own_settings_only() -> dict[str, str]:
+    """This environment without the caller's NATS and seqstate settings: seqstate's processes
+    get the demo's server and namespace, by flag, and nothing else of a user's own setup."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SEQSTATE_", "NATS_"))}
+
+
 def _last_line(log: Path) -> str:
     with contextlib.suppress(OSError):
         for line in reversed(log.read_text(errors="replace").splitlines()):
@@ -154,7 +160,7 @@ class Demo:
             fleet.start_etcd()
             await self._until(self._etcd_healthy, "etcd answers healthy")
         # seqstate first: its capture stream then stores everything the fleet publishes.
-        self.seqstate = self._seqstate("seqstate-run", "run", "--dynamo-endpoint", DYNAMO_ENDPOINT)
+        self.seqstate = self._seqstate_run()
         await self._until(
             lambda: READY_LINE in self.seqstate_log(), "seqstate run is capturing the endpoint"
         )
@@ -167,21 +173,16 @@ class Demo:
                 functools.partial(self._serves_the_model, front), f"{front.name} lists the model"
             )
 
-    def _seqstate(self, name: str, *args: str) -> Proc:
+    def _seqstate_run(self) -> Proc:
+        """``seqstate run`` as docs/dynamo.md starts it, with the fleet's discovery in its
+        environment, which it follows with no flag (as Dynamo's own processes do)."""
         assert self.fleet is not None
-        command = [
-            *SEQSTATE,
-            *args[:1],
-            "--nats-url",
-            self.server.url,
-            "--namespace",
-            NAMESPACE,
-            *args[1:],
-        ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SEQSTATE_", "NATS_"))}
-        # The fleet's discovery, which seqstate follows with no flag (as Dynamo's processes do).
-        env.update(self.fleet.discovery_env())
-        return self.fleet.spawn(name, command, env)
+        args = ["run", *self._connection(), "--dynamo-endpoint", DYNAMO_ENDPOINT]
+        env = {**_own_settings_only(), **self.fleet.discovery_env()}
+        return self.fleet.spawn("seqstate-run", [*SEQSTATE, *args], env)
+
+    def _connection(self) -> list[str]:
+        return ["--nats-url", self.server.url, "--namespace", NAMESPACE]
 
     def seqstate_log(self) -> str:
         assert self.seqstate is not None
@@ -260,9 +261,11 @@ class Demo:
 
     def start_top(self) -> None:
         """``seqstate top`` in this process's group: on the terminal, and Ctrl-C reaches it."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SEQSTATE_", "NATS_"))}
-        args = ["top", "--nats-url", self.server.url, "--namespace", NAMESPACE]
-        self.top = subprocess.Popen([*SEQSTATE, *args], env=env, stdin=subprocess.DEVNULL)
+        self.top = subprocess.Popen(
+            [*SEQSTATE, "top", *self._connection()],
+            env=_own_settings_only(),
+            stdin=subprocess.DEVNULL,
+        )
 
     async def serve(self) -> None:
         """The load and the watch, until a stop or a process's exit (raised)."""
@@ -271,6 +274,9 @@ class Demo:
             try:
                 while not self.stop.is_set():
                     self.check()
+                    for task in load:
+                        if task.done():  # a client loop never ends: it failed
+                            raise FleetError(f"the load generator failed: {task.exception()!r}")
                     if self.top is not None and (code := self.top.poll()) is not None:
                         if code != 0:
                             raise FleetError(f"seqstate top exited with {code}")
@@ -357,9 +363,10 @@ async def _demo(args: argparse.Namespace, python: Path) -> int:
         print(f"dynamo-demo: {failure} (logs kept in {root / 'logs'})", file=sys.stderr)
         return 1
     shutil.rmtree(root, ignore_errors=True)
+    cut = demo.sent - demo.completed - demo.failed
     print(
         f"dynamo-demo: stopped; {demo.sent} chat requests sent, {demo.completed} completed, "
-        f"{demo.failed} failed",
+        f"{demo.failed} failed, {cut} cut short by the stop",
         flush=True,
     )
     return 0
