@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 NATIVE := seqstate/.native-built
 CORE_SRC := $(wildcard seqstate/*.py)
 
-.PHONY: test test-dynamo run bench lint native pure clean
+.PHONY: test test-dynamo dynamo-demo run bench lint native pure clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,18 +53,27 @@ test: $(NATIVE) lint
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m core
 
-# The live suite against a real Dynamo 1.6.1 fleet (tests/dynamo, README.md there). Dynamo is a
-# test tool, never a dependency of seqstate: its venv is built once by the installer kept in
-# tests/dynamo, outside the checkout (DYNAMO_VENV overrides where), and reused while it imports.
+# The live suite against a real Dynamo 1.6.1 fleet (tests/dynamo, README.md there). Dynamo is
+# never a dependency of seqstate: its venv is built once by deploy/dynamo/install_dynamo.sh,
+# outside the checkout (DYNAMO_VENV overrides where), and reused while it imports.
 # Fleets on etcd discovery take Debian's etcd-server, unpacked once into ETCD_DIR.
 # `make test` deselects these tests; only `-m dynamo` runs them.
 DYNAMO_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/seqstate/dynamo-1.6.1
 ETCD_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/seqstate/etcd-3.4
 
 test-dynamo: $(NATIVE)
-	bash tests/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
+	bash deploy/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
 	bash tests/dynamo/install_etcd.sh "$(ETCD_DIR)"
 	ETCD_BIN="$(ETCD_DIR)/usr/bin/etcd" DYNAMO_VENV="$(DYNAMO_VENV)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m dynamo tests/dynamo
+
+# A CPU Dynamo fleet (nats-server with JetStream, two mockers, two KV-router frontends with
+# replica sync) with seqstate following it, a chat load and `seqstate top`; Ctrl-C stops it
+# all (docs/dynamo.md). DISCOVERY=etcd puts the fleet on an etcd of its own instead of files.
+DISCOVERY ?= file
+
+dynamo-demo: $(NATIVE)
+	bash deploy/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
+	$(if $(filter etcd,$(DISCOVERY)),ETCD_BIN="$$(bash tests/tools/install_etcd.sh "$(ETCD_DIR)")" )PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m projector.ops.dynamo_demo --dynamo-venv "$(DYNAMO_VENV)" --discovery "$(DISCOVERY)"
 
 # The demo, its server on nats://127.0.0.1:4222; refused if that port is taken (Dynamo's NATS
 # listens there too): SEQSTATE_PORT=0 make run takes any free one, and the log names it.

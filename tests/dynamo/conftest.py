@@ -39,7 +39,7 @@ def dynamo_python() -> Path:
     if not python.exists():
         pytest.fail(
             f"no Dynamo venv at {venv}: run `make test-dynamo` (it builds one with "
-            "tests/dynamo/install_dynamo.sh), or set DYNAMO_VENV to one",
+            "deploy/dynamo/install_dynamo.sh), or set DYNAMO_VENV to one",
             pytrace=False,
         )
     return python

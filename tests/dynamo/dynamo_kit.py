@@ -14,9 +14,9 @@
   They are written from Dynamo's Rust sources, independently of seqstate's own decoder, so the live
   suite checks that decoder against Dynamo rather than against itself.
 
-Prompts are made of digits only: the tiny tokenizer (make_tiny_model.py) learnt no merge for a
-digit, so one digit is one token and a prompt of ``n`` digits is ``n`` tokens exactly (the
-completions endpoint adds no BOS). :func:`block` is one 16-token block of them.
+Prompts are made of digits only: the tiny tokenizer (projector/dynamo/tiny_model.py) learnt no
+merge for a digit, so one digit is one token and a prompt of ``n`` digits is ``n`` tokens
+exactly (the completions endpoint adds no BOS). :func:`block` is one 16-token block of them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""An etcd server for a fleet on etcd discovery, and what it holds, read as an operator would.
+"""What the etcd of a fleet on etcd discovery holds, read as an operator would.
 
 Dynamo's default discovery on bare metal is etcd: each process keeps its keys (``v1/...``,
 unencoded, see README.md) under an etcd lease it keeps alive, and etcd deletes them when the
-lease runs out. The fleet's etcd is Debian's ``etcd-server`` (3.4), a single member on two free
-loopback ports with a data directory under the fleet's root, started in its own process group
-and stopped like every other process of the fleet (fleet.py's :class:`fleet.Proc`).
-
-The binary: ``ETCD_BIN``, else ``etcd`` on ``PATH``, else where ``tests/dynamo/install_etcd.sh``
-unpacks the package (``${XDG_CACHE_HOME:-~/.cache}/seqstate/etcd-3.4/usr/bin/etcd``;
-``make test-dynamo`` runs it first).
+lease runs out. The fleet's etcd (Debian's ``etcd-server`` 3.4, one member on loopback) is
+started and stopped by :meth:`projector.dynamo.fleet.Fleet.start_etcd`, which also says where
+its binary is found (``etcd_binary``).
 
 Reads go through etcd's v3 JSON gateway (``POST /v3/kv/range`` and ``/v3/lease/timetolive``,
 keys base64), with urllib: a test kit needs no etcd client library, and what it reads is the
@@ -19,50 +15,9 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import shutil
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
-
-
-def etcd_binary() -> Path | None:
-    """Where the etcd binary is, or None: ``ETCD_BIN``, ``PATH``, the installer's cache."""
-    configured = os.environ.get("ETCD_BIN")
-    if configured:
-        return Path(configured)
-    on_path = shutil.which("etcd")
-    if on_path:
-        return Path(on_path)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    unpacked = Path(cache) / "seqstate" / "etcd-3.4" / "usr" / "bin" / "etcd"
-    return unpacked if unpacked.exists() else None
-
-
-def etcd_args(binary: Path, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
-    """A single member on loopback: its own cluster, nothing shared with another fleet's."""
-    client = f"http://127.0.0.1:{client_port}"
-    peer = f"http://127.0.0.1:{peer_port}"
-    return [
-        str(binary),
-        "--name",
-        "fleet",
-        "--data-dir",
-        str(data_dir),
-        "--listen-client-urls",
-        client,
-        "--advertise-client-urls",
-        client,
-        "--listen-peer-urls",
-        peer,
-        "--initial-advertise-peer-urls",
-        peer,
-        "--initial-cluster",
-        f"fleet={peer}",
-        "--log-level",
-        "warn",
-    ]
 
 
 @dataclass(frozen=True)
