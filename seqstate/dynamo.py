@@ -21,7 +21,7 @@ newer Dynamo that adds a field still feeds the ledger. Where serde refuses, so d
 decoder: an unknown ``data`` variant, and an unknown field of a Rust ``Duration`` (serde's own
 implementation names only ``secs`` and ``nanos``). A ``worker`` without its ``dp_rank`` is
 rank 0, the one rank a worker without data parallelism has (Dynamo 1.6.1's replicas refuse
-it instead, "missing field `dp_rank`": a row of docs/dynamo-semantics.md). Two are refused,
+it instead, "missing field `dp_rank`": a row of docs/dynamo.md). Two are refused,
 each with its reason: a ``topic`` other than
 ``active_sequences_events`` (a replica ignores such a message, whatever its subject), and an
 empty ``request_id`` (a replica books it, but every empty id would be the same request).

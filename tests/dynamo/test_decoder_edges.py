@@ -6,7 +6,7 @@ topic, an empty request id, then a valid AddRequest. Both frontends book the val
 empty id; neither books the worker without its ``dp_rank`` (each logs "missing field
 `dp_rank`") nor the other topic (ignored without a word). seqstate books the valid one and the
 rankless worker on its rank 0, and refuses the other topic and the empty id (every empty id
-would be one request). The two differences are rows of docs/dynamo-semantics.md. Frees of what
+would be one request). The two differences are rows of docs/dynamo.md. Frees of what
 was booked leave every gauge at zero, as the module found them.
 """
 

@@ -17,7 +17,7 @@ SIGKILLed and started again by the same command. Through it, at each stage, seqs
 
 The scan is short (``S`` s) so that expiry is seen; held streams are compared within S of
 their Add, since past it a frontend's peers expire their copy of a live stream while the
-frontend that routed it keeps it (docs/dynamo-semantics.md's table), so no one ledger equals both.
+frontend that routed it keeps it (docs/dynamo.md's table), so no one ledger equals both.
 """
 
 from __future__ import annotations
