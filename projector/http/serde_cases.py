@@ -55,7 +55,6 @@ _ESCAPE = "invalid escape"
 _CONTROL = "control character (\\u0000-\\u001F) found while parsing a string"
 _SURROGATE = "lone leading surrogate in hex escape"
 _COMMA_LIST = "expected `,` or `]`"
-_TRAILING = "trailing characters"
 
 # name: (serde's text, position rule). The name says the shape of the input.
 CASES: Final[dict[str, Case]] = {
@@ -92,14 +91,13 @@ CASES: Final[dict[str, Case]] = {
         "list.eof": (_LIST_EOF, P),  # no `]`
         "list.comma": (_COMMA_LIST, P),  # `[1 2]`
         "list.trailing_comma": ("trailing comma", P),  # `[1,]`
-        "list.after": (_TRAILING, P),  # more than the struct's fields, positionally
+        "list.after": ("trailing characters", P),  # more than the struct's fields, by position
         # objects
         "object.eof": (_OBJECT_EOF, P),  # no `}`, or a key cut before its colon
         "object.comma": ("expected `,` or `}`", P),  # `{"a":1 "b":2}`
         "object.trailing_comma": ("trailing comma", P),  # `{"a":1,}`
         "object.key": ("key must be a string", P),  # `{1:2}`
         "object.colon": ("expected `:`", P),  # `{"a" 1}`
-        "object.after": (_TRAILING, P),
         # data errors (422)
         "data.invalid_type": ("invalid type: {unexpected}, expected {expected}", V),
         "data.invalid_value": ("invalid value: {unexpected}, expected {expected}", V),
@@ -122,8 +120,9 @@ class Refusal(SeqstateError, ValueError):
     (serde_path_to_error keeps the first path it is told about).
     """
 
-    def __init__(self, message: str, *, data: bool, at: int | None) -> None:
+    def __init__(self, case: str, message: str, *, data: bool, at: int | None) -> None:
         super().__init__(message)
+        self.case = case  # its row of CASES
         self.message = message
         self.data = data
         self.at = at
@@ -135,7 +134,7 @@ class Refusal(SeqstateError, ValueError):
         case = CASES[name]
         at = {At.READ: index, At.PEEK: min(length, index + 1), At.VALUE: None}[case.at]
         text = case.text.format(**words) if words else case.text
-        return cls(text, data=case.at is At.VALUE, at=at)
+        return cls(name, text, data=case.at is At.VALUE, at=at)
 
     @property
     def status(self) -> int:
