@@ -6,8 +6,10 @@ that reads a JSON body: a corpus built to reach every case of serde's walk
 (``projector.http.serde_cases``: truncations at every byte, a wrong value of every type in
 every field, missing and repeated fields, unknown fields holding deep nesting, bad escapes,
 lone surrogates, huge numbers and bytes that are not UTF-8, trailing characters, positional
-arrays, the line and column after newlines, content types) and a seeded set of byte-level
-mutations of it. Every answer must be the tracker's: the same status and the same body.
+arrays, the line and column after newlines, content types, a body at and past the size
+bound), a seeded set of byte-level mutations of it, and seeded objects put together at random.
+Every answer must be the tracker's: the same status and the same body; and the corpus must
+reach every row of serde_cases' table.
 
 Both trackers start empty and get the calls in the same order, so an answer past the
 extractor (a 404 for a model never registered, a register's 400 for ``block_size`` 0) is
@@ -289,8 +291,8 @@ def generated(route: str, count: int, seed: int) -> Iterator[bytes]:
 
 
 def mutations(bodies: list[bytes], count: int, seed: int) -> Iterator[bytes]:
-    """``count`` byte-level mutations of ``bodies`` (a seeded generator: the same every run)
-    : a byte deleted, replaced, inserted or a span repeated, one to three times each."""
+    """``count`` byte-level mutations of ``bodies``, seeded (the same every run): a byte
+    deleted, replaced or inserted, or a span repeated, one to three times each."""
     rng = random.Random(seed)
     alphabet = b'{}[]":,.-+eE0123456789 \\u\n\x00\xff\xc3tnfrl'
     for _ in range(count):
