@@ -621,13 +621,15 @@ class SequenceState:
         worker_id = event.worker_id
         worker = WorkerDpRange(worker_id, event.dp_start, event.dp_size)
         if self.slot_tracker:
-            if worker_id in self.workers.ranges:
-                return Delta(outcome=outcomes.WORKER_EXISTS, at_ns=now)
+            # Dynamo's order: a block size the tracker does not have is refused first, even
+            # for a worker already there.
             wanted = event.block_size
             if wanted is not None and self.block_size not in (None, wanted):
                 return Delta(
                     outcome=outcomes.BLOCK_SIZE_MISMATCH, at_ns=now, block_size=self.block_size
                 )
+            if worker_id in self.workers.ranges:
+                return Delta(outcome=outcomes.WORKER_EXISTS, at_ns=now)
             if self.block_size is None:
                 self.block_size = wanted
         else:

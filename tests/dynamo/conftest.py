@@ -17,6 +17,7 @@ with them) until pytest prunes it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from live import LiveFleet
 from seqstate_kit import Seqstate, lacks, running_seqstate
 
 from projector.nats.server import NatsServer
+
+# serve-http as the integration tests start it (http_kit); appended: this suite's modules win.
+sys.path.append(str(Path(__file__).resolve().parent.parent / "integration"))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from projector.http.serde_errors import STRUCTS, error_for_accepted, extractor_error
-from projector.http.slot_service import _DECODERS
+from projector.http.slot_service import _DECODERS, _parse
 
 PREFIX = {
     400: "Failed to parse the request body as JSON: ",
@@ -1026,6 +1026,28 @@ def test_msgspec_refuses_each_case(
         _DECODERS[route].decode(body)
 
 
+# The fields Dynamo reads from each body of ACCEPTED_BY_DYNAMO (an unknown field skipped
+# unread, whatever its depth; an array read by position).
+READ_AS = {
+    "/free": {"model_name": "m", "routing_group": "default", "request_id": "r"},
+    "/add": {
+        "model_name": "m",
+        "routing_group": "g",
+        "request_id": "r",
+        "worker_id": 1,
+        "dp_rank": 0,
+        "sequence_hashes": [1, 2],
+        "new_isl_tokens": 5,
+    },
+    "/potential_loads": {
+        "model_name": "m",
+        "routing_group": "g",
+        "sequence_hashes": [],
+        "new_isl_tokens": 0,
+    },
+}
+
+
 @pytest.mark.parametrize(
     ("what", "route", "body"), ACCEPTED_BY_DYNAMO, ids=_ids(ACCEPTED_BY_DYNAMO)
 )
@@ -1033,6 +1055,7 @@ def test_bodies_only_dynamo_accepts(what: str, route: str, body: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, RecursionError)):
         _DECODERS[route].decode(body)
     assert extractor_error(route, body) is None
+    assert msgspec.to_builtins(_parse(route, body)) == READ_AS[route]  # what Dynamo reads
 
 
 @pytest.mark.parametrize(

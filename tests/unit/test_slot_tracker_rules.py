@@ -124,6 +124,8 @@ def test_the_first_registration_fixes_the_block_size_and_a_worker_is_registered_
     mismatch = s.apply(WorkerAdded(2, block_size=32), s.now_ns)
     assert (mismatch.outcome, mismatch.block_size) == ("block_size_mismatch", 16)  # 409
     assert register(s, 1, dp_size=4) == "worker_exists"  # 409, its range unchanged
+    again = s.apply(WorkerAdded(1, block_size=32), s.now_ns)  # Dynamo checks the size first
+    assert (again.outcome, again.block_size) == ("block_size_mismatch", 16)
     assert [(w.worker_id, w.dp_start, w.dp_size) for w in s.workers.worker_ranges()] == [(1, 0, 1)]
     assert register(s, 2, block=16) == "applied"
     assert s.block_size == 16

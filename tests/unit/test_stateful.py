@@ -498,10 +498,10 @@ class Model:
         w = ev.worker_id
         new = (ev.dp_start, ev.dp_size)
         if self.tracker:
-            if w in self.ranges:
-                return Expected("worker_exists")
             if ev.block_size is not None and self.block_size not in (None, ev.block_size):
                 return Expected("block_size_mismatch", block_size=self.block_size)
+            if w in self.ranges:
+                return Expected("worker_exists")
             if self.block_size is None:
                 self.block_size = ev.block_size
         else:  # the router rules: the latest registration naming a block size sets it
