@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -25,13 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import nats.errors
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from projector.nats import direct_delivery
+from projector.nats import client_internals, direct_delivery
 from projector.nats.progress import Progress
 from projector.nats.tasks import attempt, cancel
 
@@ -52,52 +50,6 @@ ACK_WAIT_S = 22 * 3600.0  # never redelivered for want of an ack: ordered, as na
 ACK = b"+ACK"
 STATUS = api.Header.STATUS
 DELIVERY = "$JS.ACK."  # the reply subject of every message a consumer delivers
-
-
-def _utf8(raw: bytes) -> bytes:
-    return raw.decode(errors="replace").encode()
-
-
-def _tolerate_any_subject() -> None:
-    """A message whose subject is not UTF-8 must not stop a consumer.
-
-    nats-py decodes each delivery's subject strictly, in its read loop: one message published
-    raw on ``seqstate.events.<ns>.\\xff.0`` raised there, and the connection silently stopped
-    handing messages over, to the writer and to every subscription on it, at every restart.
-    Decoded with replacement characters instead (as the fast replay reader decodes it), such
-    a subject meets no event's own, and the fold refuses it (``wrong_subject``) on every path
-    alike. Patched only where the client has the method this knows (nats-py 2.x)."""
-    original = getattr(Client, "_build_message", None)
-    if original is None or getattr(original, "_seqstate_tolerant", False):
-        return
-    if list(inspect.signature(original).parameters) != [
-        "self",
-        "sid",
-        "subject",
-        "reply",
-        "data",
-        "headers",
-    ]:
-        return
-
-    def build(
-        self: Client,
-        sid: int,
-        subject: bytes,
-        reply: bytes,
-        data: bytes,
-        headers: dict[str, str] | None,
-    ) -> Any:
-        try:
-            return original(self, sid, subject, reply, data, headers)
-        except UnicodeDecodeError:
-            return original(self, sid, _utf8(subject), _utf8(reply), data, headers)
-
-    build._seqstate_tolerant = True  # type: ignore[attr-defined]
-    Client._build_message = build  # type: ignore[method-assign]
-
-
-_tolerate_any_subject()
 
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:
@@ -191,8 +143,10 @@ async def drop_subscription(js: JetStreamContext, sub: Any) -> None:
     process that opens and closes watches as it goes (serve-http, as slot trackers come and
     go) would leave them behind by the hundred. Clean-up only: a failure is passed over."""
     await attempt(sub.unsubscribe())
-    stream, name = getattr(sub, "_stream", None), getattr(sub, "_consumer", None)
-    if stream and name and js._nc.is_connected:  # else it goes by itself, without interest
+    stream, name = client_internals.consumer_of(sub)
+    if (
+        stream and name and client_internals.client_of(js).is_connected
+    ):  # else it goes by itself, without interest
         await attempt(js.delete_consumer(stream, name))
 
 
@@ -200,7 +154,7 @@ async def stop_watch(js: JetStreamContext, watcher: Any) -> None:
     """Stop a KV watch (``KeyValue.watch``'s) and delete its consumer, as
     :func:`drop_subscription` does."""
     await attempt(watcher.stop())
-    sub = getattr(watcher, "_sub", None)
+    sub = client_internals.subscription_of(watcher)
     if sub is not None:
         await drop_subscription(js, sub)
 
@@ -275,6 +229,7 @@ class OrderedConsumer:
         self.peak_held = 0  # the most messages ever received and not yet handled at once
         self.restarts = 0  # consumers started again (a gap, a silent server)
         self._js = js
+        self._nc = client_internals.client_of(js)
         self._processor = processor
         self._dead_letters = dead_letters
         self._on_failure = on_failure
@@ -300,6 +255,7 @@ class OrderedConsumer:
 
     async def start(self, after: int = 0) -> None:
         """Subscribe from the message after stream sequence ``after`` (0: from the first)."""
+        client_internals.install()  # a feed on a client of the caller's making takes any subject
         self.position.advance(after)
         self._target = await last_seq_of(self._js, self.stream, self.subjects)
         if self._target <= after:
@@ -326,7 +282,7 @@ class OrderedConsumer:
     async def _open(self) -> None:
         """A subscription and a consumer from the message after the position (the caller
         holds no lock; a failure leaves none, and the watch tries again)."""
-        nc = self._js._nc
+        nc = self._nc
         after = self.position.value
         self._generation += 1
         generation = self._generation
@@ -470,13 +426,13 @@ class OrderedConsumer:
         self._acked_at = asyncio.get_running_loop().time()
         if reply is not None:
             with contextlib.suppress(nats.errors.Error, OSError):
-                await self._js._nc.publish(reply, ACK)
+                await self._nc.publish(reply, ACK)
 
     async def _control(self, msg: Msg, generation: int) -> None:
         """A status message: flow control, a heartbeat, or the consumer gone."""
         headers = msg.headers or {}
         status = headers.get(STATUS)
-        nc = self._js._nc
+        nc = self._nc
         if status == "100" and msg.reply:  # flow control: everything before it is handled
             with contextlib.suppress(nats.errors.Error, OSError):
                 await nc.publish(msg.reply)
@@ -520,7 +476,7 @@ class OrderedConsumer:
             self._sub = None
         if self._consumer is not None:
             name, self._consumer = self._consumer, None
-            if self._js._nc.is_connected:  # else it goes by itself, once without interest
+            if self._nc.is_connected:  # else it goes by itself, once without interest
                 await attempt(self._js.delete_consumer(self.stream, name))
 
     async def _deliver(self, msg: Msg, seq: int) -> None:

@@ -54,7 +54,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
-from projector.nats.acked import acked_jetstream
+from projector.nats.client_internals import acked_jetstream
 from projector.nats.dead_letters import IMPLAUSIBLE, UNDECODABLE
 from projector.nats.failures import describe, explain
 from projector.nats.host import Host
