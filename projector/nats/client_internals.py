@@ -11,9 +11,11 @@ test_client_internals.py`` checks each name below against the installed nats-py 
 signature), and that its version is the minor this was tested on (``TESTED_ON``, the minor
 pyproject.toml pins).
 
-The patch of nats-py's ``Client`` class (:func:`install`) is put in place at start-up, by the
-CLI and by the library's entry points (the writer, the projector, the pipeline, a stream's
-feed), never as a side effect of an import.
+The patch of nats-py's ``Client`` class (:func:`install`) is put in place at start-up, never as
+a side effect of an import: by the CLI's ``main`` before any command runs, by
+:func:`projector.nats.connection.connect` before it dials (every client of the library's entry
+points: the writer, the projector, the pipeline, serve-http, a router's publisher), and by
+:meth:`projector.nats.consumer.OrderedConsumer.start`, for a client of the caller's making.
 """
 
 from __future__ import annotations
