@@ -59,17 +59,18 @@ class Runner:
 
     async def run(self) -> None:
         feed, position = self.feed, self.position
+        take, handled, deliver = feed.take, feed.handled, self.deliver  # once, not per message
         while not self._halted:
-            taken = feed.take()
+            taken = take()
             if taken is None:
                 await feed.settle()
                 continue
             msg, seq = taken
             if seq > position.value:
-                await self.deliver(msg, seq)
+                await deliver(msg, seq)
                 if self._halted:
                     continue
-            if feed.handled(msg):
+            if handled(msg):
                 await feed.ack()
 
     def halt(self) -> None:
