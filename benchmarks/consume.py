@@ -6,7 +6,7 @@ events (a Free, ~150 bytes stored) into a processor that only counts, on a fresh
 
 - ``ordered push (nats-py)``: the old runner, ``js.subscribe(ordered_consumer=True, cb=...)``;
   nothing bounds what the client queues (its flow control is answered on receipt);
-- ``windowed push, window N``: :class:`~projector.nats.stream.OrderedConsumer` as it is now,
+- ``windowed push, window N``: :class:`~projector.nats.consumer.OrderedConsumer` as it is now,
   acknowledgement ``all`` with ``max_ack_pending = N``;
 - ``pull fetch(N)``: a pull consumer read with nats-py's ``fetch(batch=N)``.
 
@@ -31,8 +31,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 
+from projector.nats.consumer import OrderedConsumer
 from projector.nats.server import NatsServer
-from projector.nats.stream import OrderedConsumer, Refused
+from projector.nats.stream import Refused
 from seqstate import Free, encode_event
 
 STREAM, SUBJECTS = "BENCH", "bench.>"

@@ -2,7 +2,7 @@
 
 Why this exists: a writer restarted (or paused) behind a backlog must catch up at the pace its
 reading allows, not at the pace of its delta log. The yardstick is the reading itself: the
-repo's :class:`~projector.nats.stream.OrderedConsumer` with a processor that does nothing,
+repo's :class:`~projector.nats.consumer.OrderedConsumer` with a processor that does nothing,
 over the same stream, in the same run, so the ratio holds on a busy machine where absolute
 rates do not.
 
@@ -62,9 +62,10 @@ from pipeline import collect, git_revision
 from replay import base_events, encoded, fill
 
 from projector.nats.connection import connect
+from projector.nats.consumer import OrderedConsumer
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.nats.stream import OrderedConsumer, Refused
+from projector.nats.stream import Refused
 from projector.ops.replay import verify
 from projector.run.assemble import build_projector, build_writer
 from projector.run.collector import tune_collector

@@ -5,17 +5,16 @@ face; the wings below (``projector.route``, ``projector.read``, ``projector.wire
 layout, and a name imported from a wing may move. Every error is a :class:`SeqstateError`.
 
 Names are imported when first used, so that ``import projector`` (which every module of the
-package runs first, the CLI and the replay reader's child process included) costs nothing.
-The module paths of 0.1 (``projector.publisher``, ``projector.reader``...) still import, with a
-DeprecationWarning, for one release (:mod:`projector._moved`).
+package runs first, the CLI and the replay reader's child process included) costs nothing. The
+public names are listed once, in the ``TYPE_CHECKING`` block below: type checkers read it as it
+is, and :func:`__getattr__` reads it from this file's source at the first name asked for, to
+know where each name lives (as ``lazy_loader`` reads a stub).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
-
-from projector import _moved
 
 
 def _check_the_core() -> None:
@@ -33,103 +32,87 @@ def _check_the_core() -> None:
 
 _check_the_core()
 
-if TYPE_CHECKING:
-    from projector.nats.connection import ConnectError, connect
+if TYPE_CHECKING:  # the public names, each once: ``__all__`` is these
+    # ``X as X``: re-exported, for a type checker in strict mode (one import per module)
+    # isort: off
+    from projector.nats.connection import (
+        ConnectError as ConnectError,
+        connect as connect,
+    )
     from projector.ops.workers import (
-        WorkerChange,
-        WorkerControl,
-        WorkerControlError,
-        WorkerNotRegistered,
-        WorkerRefused,
+        WorkerChange as WorkerChange,
+        WorkerControl as WorkerControl,
+        WorkerControlError as WorkerControlError,
+        WorkerNotRegistered as WorkerNotRegistered,
+        WorkerRefused as WorkerRefused,
     )
     from projector.read.reader import (
-        BlockSizeUnknown,
-        RegistryUnavailable,
-        RegistryView,
-        Staleness,
+        BlockSizeUnknown as BlockSizeUnknown,
+        RegistryUnavailable as RegistryUnavailable,
+        RegistryView as RegistryView,
+        Staleness as Staleness,
     )
-    from projector.read.view_metrics import view_collector
-    from projector.route.publisher import EventTooLarge, PublishError, RouterPublisher
-    from projector.route.refusals import publisher_collector
+    from projector.read.view_metrics import view_collector as view_collector
+    from projector.route.publisher import (
+        EventTooLarge as EventTooLarge,
+        PublishError as PublishError,
+        RouterPublisher as RouterPublisher,
+    )
+    from projector.route.refusals import publisher_collector as publisher_collector
     from projector.schedule.scheduler import (
-        DuplicateRequest,
-        NoCandidates,
-        Scheduler,
-        UnknownRequest,
+        DuplicateRequest as DuplicateRequest,
+        NoCandidates as NoCandidates,
+        Scheduler as Scheduler,
+        UnknownRequest as UnknownRequest,
     )
-    from projector.wire.config import Config, ConfigError
-    from seqstate.cost import CostRow, CostWeights
-    from seqstate.errors import SeqstateError
+    from projector.wire.config import (
+        Config as Config,
+        ConfigError as ConfigError,
+    )
+    from seqstate.cost import (
+        CostRow as CostRow,
+        CostWeights as CostWeights,
+    )
+    from seqstate.errors import SeqstateError as SeqstateError
+    # isort: on
 
-# name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    "RouterPublisher": "projector.route.publisher",
-    "PublishError": "projector.route.publisher",
-    "EventTooLarge": "projector.route.publisher",
-    "RegistryView": "projector.read.reader",
-    "RegistryUnavailable": "projector.read.reader",
-    "BlockSizeUnknown": "projector.read.reader",
-    "CostWeights": "seqstate.cost",
-    "CostRow": "seqstate.cost",
-    "view_collector": "projector.read.view_metrics",
-    "publisher_collector": "projector.route.refusals",
-    "Config": "projector.wire.config",
-    "ConfigError": "projector.wire.config",
-    "connect": "projector.nats.connection",
-    "ConnectError": "projector.nats.connection",
-    "WorkerControl": "projector.ops.workers",
-    "WorkerChange": "projector.ops.workers",
-    "WorkerControlError": "projector.ops.workers",
-    "WorkerNotRegistered": "projector.ops.workers",
-    "WorkerRefused": "projector.ops.workers",
-    "SeqstateError": "seqstate.errors",
-    "Scheduler": "projector.schedule.scheduler",
-    "Staleness": "projector.read.reader",
-    "NoCandidates": "projector.schedule.scheduler",
-    "UnknownRequest": "projector.schedule.scheduler",
-    "DuplicateRequest": "projector.schedule.scheduler",
-}
+_homes: dict[str, str] = {}  # public name -> the module that defines it, read at first use
 
-__all__ = [
-    "BlockSizeUnknown",
-    "Config",
-    "ConfigError",
-    "ConnectError",
-    "CostRow",
-    "CostWeights",
-    "DuplicateRequest",
-    "EventTooLarge",
-    "NoCandidates",
-    "PublishError",
-    "RegistryUnavailable",
-    "RegistryView",
-    "RouterPublisher",
-    "Scheduler",
-    "SeqstateError",
-    "Staleness",
-    "UnknownRequest",
-    "WorkerChange",
-    "WorkerControl",
-    "WorkerControlError",
-    "WorkerNotRegistered",
-    "WorkerRefused",
-    "connect",
-    "publisher_collector",
-    "view_collector",
-]
+
+def _exports() -> dict[str, str]:
+    """The names of the ``TYPE_CHECKING`` block above, each with its module, read from this
+    file once: the one list, where a table and ``__all__`` beside it had to be kept equal to
+    it by hand."""
+    if not _homes:
+        import ast
+        from pathlib import Path
+
+        tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+        (block,) = (
+            node
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        )
+        _homes.update(
+            (alias.asname or alias.name, node.module or "")
+            for node in block.body
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        )
+    return _homes
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'projector' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if name == "__all__":
+        value: Any = sorted(_exports())
+    else:
+        module = _exports().get(name)
+        if module is None:
+            raise AttributeError(f"module 'projector' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-_moved.install()
+    return sorted(set(globals()) | set(_exports()))

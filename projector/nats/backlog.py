@@ -36,6 +36,7 @@ import nats.errors
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
+from projector.nats.client_internals import api_prefix, client_of
 from projector.wire.headers import STREAM_SOURCE
 
 NUM_PENDING = "Nats-Num-Pending"
@@ -145,7 +146,8 @@ async def waiting_after(js: JetStreamContext, stream: str, subjects: str, seq: i
     """The messages on ``subjects`` of ``stream`` after sequence ``seq``, counted by the server."""
     ask = json.dumps({"seq": seq + 1, "next_by_subj": subjects, "batch": 1}).encode()
     try:
-        reply = await js._nc.request(f"{js._prefix}.DIRECT.GET.{stream}", ask, timeout=ASK_S)
+        nc, prefix = client_of(js), api_prefix(js)
+        reply = await nc.request(f"{prefix}.DIRECT.GET.{stream}", ask, timeout=ASK_S)
     except nats.errors.NoRespondersError:  # no direct gets on this stream
         return await _span_after(js, stream, subjects, seq)
     headers = reply.headers or {}

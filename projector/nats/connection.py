@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 import nats
 import nats.errors
 from nats.aio.client import Client
-from nats.protocol.parser import PERMISSIONS_ERR
 
+from projector.nats.client_internals import MendedClient, TlsNotOffered, install
 from projector.nats.security import (
     auth_options,
     client_tls,
@@ -169,87 +169,6 @@ def _resource(stream: str) -> str:
         if stream.startswith(prefix):
             return f"{kind} {stream[len(prefix) :]}"
     return f"stream {stream}"
-
-
-class TlsNotOffered(SeqstateError, nats.errors.Error):
-    """TLS was asked for (a ``tls://`` URL, a TLS setting) and the server offers none."""
-
-    def __str__(self) -> str:
-        return "the server offers no TLS"
-
-
-class _Client(Client):
-    """nats-py's client, mended where it fails a long-running service: TLS whenever TLS was
-    asked for, a server's ``-ERR`` reconnected from, a late PONG taken in.
-
-    nats-py upgrades to TLS only when the server's INFO says ``tls_required``: against a
-    server that does not (a plain one, or an impostor), a ``tls://`` URL and a CA went on in
-    cleartext and sent CONNECT, the password in it. Here, with ``require_tls``, the INFO that
-    opens each connection is checked before anything is sent: a server offering no TLS is a
-    :class:`TlsNotOffered` (nats-py reports it to the error callback, which gives up on it:
-    see :func:`is_permanent`), and one that offers TLS without requiring it is upgraded all
-    the same.
-    """
-
-    def __init__(self, *, require_tls: bool) -> None:
-        super().__init__()
-        self.require_tls = require_tls
-
-    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
-        # nats-py (2.9 to 2.16) calls this with the opening INFO, which it also keeps as
-        # ``_server_info``, after reading it and before it decides on TLS and sends CONNECT.
-        if self.require_tls and initial_connection:
-            if not (info.get("tls_required") or info.get("tls_available")):
-                raise TlsNotOffered()
-            info["tls_required"] = True  # nats-py's cue to upgrade before CONNECT
-            self._server_info["tls_required"] = True
-        await super()._process_info(info, initial_connection)
-
-    async def _process_err(self, err_msg: str) -> None:
-        """A server's ``-ERR`` (lower-cased by nats-py's parser): one that ends the connection
-        is a lost connection, so the client reconnects as after any other.
-
-        nats-py closes the client for good at any ``-ERR`` but a stale connection or a
-        permissions violation: one publish on a subject longer than the server's control
-        line ("maximum control line exceeded"), or over its payload limit, left a service
-        with a closed client and no reconnect, answering on without NATS. Only a refusal of
-        the credentials still closes it (nats-py's way: no reconnect can mend it), and a
-        service exits then (:func:`closed_for_good`).
-        """
-        if any(refusal in err_msg for refusal in _AUTH_ERRORS) or PERMISSIONS_ERR in err_msg:
-            await super()._process_err(err_msg)
-            return
-        error = nats.errors.Error(err_msg.strip(" '"))  # logged as "nats: <the server's words>"
-        await self._error_cb(error)
-        await self._process_op_err(error)
-
-    async def _process_pong(self) -> None:
-        """The PONG of a flush that timed out or was cancelled: its ping's place is taken all
-        the same, its future left as it is.
-
-        nats-py keeps one future per PING sent and sets the oldest's result at each PONG; a
-        flush that gave up cancelled its future but left it in the queue, and its late PONG
-        raised InvalidStateError in the read loop, which then stopped reading for good: every
-        later request and ack timed out on a connection nats-py still called connected (a
-        flush cut short by a stop while a resync published did it; a flush timed out on a
-        busy machine would too)."""
-        pongs = self._pongs
-        if pongs and pongs[0].done():
-            pongs.pop(0)
-            self._pongs_received += 1
-            self._pings_outstanding = 0
-            return
-        await super()._process_pong()
-
-
-# The -ERR texts (lower-cased) that refuse the credentials, as nats.go lists them: no
-# reconnect mends those, every other -ERR that ends a connection is reconnected from.
-_AUTH_ERRORS = (
-    "authorization violation",
-    "user authentication expired",
-    "user authentication revoked",
-    "account authentication expired",
-)
 
 
 def tls_asked_for(url: str, tls: ssl.SSLContext | None) -> bool:
@@ -499,7 +418,7 @@ async def _dial(
     options: dict[str, Any] = {**auth, "tls": tls} if tls is not None else dict(auth)
     require_tls = tls_asked_for(url, tls)
     while True:
-        client = _Client(require_tls=require_tls)
+        client = MendedClient(require_tls=require_tls)
         dialing = asyncio.ensure_future(
             _connected(
                 client,
@@ -532,7 +451,7 @@ async def _dial(
 
 
 async def _connected(client: Client, servers: list[str], **options: Any) -> Client:
-    """``nats.connect`` with a client of our own making (:class:`_Client`)."""
+    """``nats.connect`` with a client of our own making (:class:`MendedClient`)."""
     await client.connect(servers, **options)
     return client
 
@@ -633,6 +552,7 @@ async def connect(
     the permission to do (a refused JetStream API request is otherwise only a timeout, "nats:
     timeout", seconds later). Otherwise the violation is logged and the client goes on.
     """
+    install()  # every client of ours takes any subject (start-up, before the first dial)
     settings = config if config is not None else connect_settings_from_env()
     tls = client_tls(settings)
     auth = {**auth_options(settings), "inbox_prefix": inbox_prefix(settings, url)}

@@ -8,12 +8,13 @@ every consumer of the pipeline one per stored message; their handlers only note 
 and wake their own runner, which is all that needs the loop (measured in
 ``benchmarks/slot_vs_dynamo.py``, recorded in BENCHMARKS.md).
 
-:func:`attach` puts a sink in place of the subscription's queue (``_pending_queue``, which
-nats-py keeps private): nats-py's reader calls ``on_msg(msg)`` at once, in the order it
-reads, and the byte count nats-py keeps for its slow-consumer check is settled there. It
-returns False where this nats-py has no such queue; the caller keeps the callback then.
-``on_msg`` runs inside nats-py's reader: it must be quick, and what it raises is logged and
-dropped, never let into the reader (a bug there must not take the connection down).
+:func:`attach` puts a sink in place of the subscription's queue (which nats-py keeps
+private: :mod:`projector.nats.client_internals` swaps it): nats-py's reader calls
+``on_msg(msg)`` at once, in the order it reads, and the byte count nats-py keeps for its
+slow-consumer check is settled there. It returns False where this nats-py has no such
+queue; the caller keeps the callback then. ``on_msg`` runs inside nats-py's reader: it must
+be quick, and what it raises is logged and dropped, never let into the reader (a bug there
+must not take the connection down).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from projector.nats import client_internals
+
 log = logging.getLogger("seqstate.nats")
 
 
@@ -37,7 +40,7 @@ class _Sink:
         self._on_msg = on_msg
 
     def put_nowait(self, msg: Msg) -> None:
-        self._sub._pending_size -= len(msg.data)  # nothing stays pending here
+        client_internals.settle(self._sub, len(msg.data))  # nothing stays pending here
         try:
             self._on_msg(msg)
         except Exception:
@@ -61,19 +64,16 @@ class _Sink:
 
 def usable(sub: Subscription) -> bool:
     """Whether ``sub`` keeps the queue and byte count this replaces (nats-py 2.x)."""
-    return isinstance(getattr(sub, "_pending_queue", None), asyncio.Queue) and isinstance(
-        getattr(sub, "_pending_size", None), int
-    )
+    return client_internals.keeps_queue(sub)
 
 
 def attach(sub: Subscription, on_msg: Callable[[Msg], None]) -> bool:
     """Hand ``sub``'s messages to ``on_msg`` as they are read, those already queued first;
     False (nothing changed) if this nats-py's subscription is not the one this knows."""
-    if not usable(sub):
-        return False
-    queued: asyncio.Queue[Msg] = sub._pending_queue
     sink = _Sink(sub, on_msg)
-    sub._pending_queue = sink  # type: ignore[assignment]
+    queued = client_internals.swap_queue(sub, sink)
+    if queued is None:
+        return False
     while not queued.empty():  # read before this: not taken by nats-py's task yet
         sink.put_nowait(queued.get_nowait())
     return True

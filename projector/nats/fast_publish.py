@@ -11,28 +11,26 @@ statistics. Acks, msg-ids and what to do without them are the caller's
 (:mod:`projector.http.own_fold`). Measured against ``nc.publish`` in
 ``benchmarks/hot_publish.py``.
 
-It reads four attributes nats-py keeps private (``_pending``, ``_pending_data_size``,
-``_max_pending_size``, ``_flush_queue``): :func:`usable` says whether this client has them,
-and the caller falls back to ``nc.publish`` if not.
+The buffer is nats-py's private state, touched only in
+:mod:`projector.nats.client_internals`: :func:`usable` says whether this client keeps it, and
+the caller falls back to ``nc.publish`` if not.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 import nats.errors
 from nats.aio.client import Client
 
+from projector.nats.client_internals import queue_command, queues_commands
+
 _BAD = re.compile(r"[\s]")  # what would break the HPUB line: whitespace of any kind
-_ATTRIBUTES = ("_pending", "_pending_data_size", "_max_pending_size", "_flush_queue", "stats")
 
 
 def usable(nc: Client) -> bool:
     """Whether ``nc`` keeps the pending buffer this publishes into (nats-py 2.x)."""
-    return all(hasattr(nc, name) for name in _ATTRIBUTES) and isinstance(
-        getattr(nc, "_pending", None), list
-    )
+    return queues_commands(nc)
 
 
 def publish(nc: Client, subject: str, payload: bytes, reply: str, msg_id: str) -> None:
@@ -59,16 +57,4 @@ def publish(nc: Client, subject: str, payload: bytes, reply: str, msg_id: str) -
         header,
         payload,
     )
-    size = nc._pending_data_size + len(command)
-    limit = nc._max_pending_size
-    if not nc.is_connected and (limit <= 0 or size > limit):  # as nc.publish: no buffering
-        raise nats.errors.OutboundBufferLimitError
-    nc._pending.append(command)
-    nc._pending_data_size = size
-    stats = nc.stats
-    stats["out_msgs"] += 1
-    stats["out_bytes"] += len(payload)
-    queue = nc._flush_queue
-    if nc.is_connected and queue is not None and queue.empty():
-        # One future per flush, not per message: the flusher sets it once written.
-        queue.put_nowait(asyncio.get_running_loop().create_future())
+    queue_command(nc, command, len(payload))

@@ -55,6 +55,7 @@ from projector.nats.backlog import (
     use_of,
     waiting_after,
 )
+from projector.nats.client_internals import client_of
 from projector.nats.resources import dead_letter_stream, dynamo_capture
 from projector.nats.retention import trimmed_below
 from projector.nats.retry import ATTEMPT_TIMEOUT_S
@@ -269,7 +270,7 @@ async def capture_of(
             return None
 
     async def trimmed() -> bool:
-        return bool(await trimmed_below(js._nc, config))
+        return bool(await trimmed_below(client_of(js), config))
 
     subjects = captured_subjects(config.namespace)
     return await captured(js, events, dynamo_capture(config), subjects, trimmed)

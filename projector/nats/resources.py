@@ -40,6 +40,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from projector.nats.client_internals import server_info
 from projector.nats.connection import refused_or
 from projector.nats.failures import STORAGE_EXCEEDED, JetStreamOff, describe, jetstream_off
 from projector.nats.retry import placing
@@ -97,9 +98,7 @@ async def wait_for_jetstream(nc: Client, timeout: float = 10.0) -> None:
             await js.account_info()
             return
         except (TimeoutError, APIError) as exc:
-            if jetstream_off(exc) and not (getattr(nc, "_server_info", None) or {}).get(
-                "jetstream"
-            ):
+            if jetstream_off(exc) and not server_info(nc).get("jetstream"):
                 raise JetStreamOff() from None
             if asyncio.get_running_loop().time() > deadline:
                 if jetstream_off(exc):

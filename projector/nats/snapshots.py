@@ -39,6 +39,7 @@ from nats.js.object_store import (
     OBJ_STREAM_TEMPLATE,
     ObjectStore,
 )
+from nats.nuid import NUID
 
 from projector.nats.failures import explain
 from projector.nats.retry import placing
@@ -237,7 +238,7 @@ class SnapshotStore:
         js = self.nc.jetstream()
         bucket = self.config.snapshot_bucket
         stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
-        consumer = self.nc._nuid.next().decode()  # nats-py's own way to name one
+        consumer = NUID().next().decode()  # nats-py's own way to name one
         consumer_info = await js.add_consumer(
             stream,
             api.ConsumerConfig(

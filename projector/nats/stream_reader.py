@@ -37,6 +37,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.js import api
 
+from projector.nats.client_internals import server_info, signs_with_keys
 from projector.nats.frames import DONE, ERROR, GAP, Parser
 from projector.nats.security import config_secrets, tls_context
 from projector.wire.config import Config
@@ -52,7 +53,6 @@ _batch_decoder = msgspec.msgpack.Decoder(Batch)
 HANDSHAKE_S = 10.0  # connection, TLS, CONNECT and SUB: a live server answers in milliseconds
 QUIET_S = 30.0  # no byte for this long, with heartbeats every second: the connection is dead
 # What nats-py signs in with that the reader cannot do (nkeys, a JWT from a creds file).
-_SIGNING = ("_signature_cb", "_user_jwt_cb", "_user_credentials", "_nkeys_seed", "_nkeys_seed_str")
 
 
 class ReaderUnavailable(SeqstateError, RuntimeError):
@@ -221,13 +221,13 @@ def reader_params(nc: Client, config: Config, inbox: str, end_seq: int) -> Reade
         return "the client is not connected"
     if url.scheme not in ("nats", "tls", ""):
         return f"the fast path speaks nats:// and tls://, not {url.scheme}://"
-    if any(getattr(nc, name, None) is not None for name in _SIGNING):
+    if signs_with_keys(nc):
         return "the client signs in with nkeys or a credentials file; the reader cannot"
     user, password, token = _credentials(nc)
-    server_info: dict[str, Any] = getattr(nc, "_server_info", None) or {}
+    info = server_info(nc)
     tls = (
         url.scheme == "tls"
-        or bool(server_info.get("tls_required"))
+        or bool(info.get("tls_required"))
         or config.tls_ca is not None
         or config.tls_cert is not None
     )

@@ -19,6 +19,7 @@ from collections.abc import Callable
 try:  # what every command loads, before main can catch anything: Ctrl-C meanwhile is an exit
     import nats.errors
 
+    from projector.nats import client_internals
     from projector.nats.failures import describe, jetstream_off, storage_full
     from projector.nats.logs import error_line, setup_logging
     from projector.ops import flags
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CliError(f"--trace {trace}: no such file")
         setup_logging(args.log_level, args.log_format)
         tune_collector()
+        client_internals.install()
         command = BY_NAME[args.command]
         loop = event_loop(config, "event_loop" in command.settings)
         with asyncio.Runner(loop_factory=loop) as runner:

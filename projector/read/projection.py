@@ -54,21 +54,17 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
-from projector.nats.acked import acked_jetstream
+from projector.nats.client_internals import acked_jetstream
+from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_letters import IMPLAUSIBLE, UNDECODABLE
 from projector.nats.failures import describe, explain
+from projector.nats.feed import DEFAULT_WINDOW
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.lease import Lease, LeaseLost
 from projector.nats.progress import Progress
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
-from projector.nats.stream import (
-    DEFAULT_WINDOW,
-    DeadLetterSink,
-    OrderedConsumer,
-    Refused,
-    log_time_ns,
-)
+from projector.nats.stream import DeadLetterSink, Refused, log_time_ns
 from projector.nats.tasks import cancel, until_set
 from projector.read.bucket import BucketView
 from projector.read.image import BucketImage, Write

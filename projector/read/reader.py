@@ -37,6 +37,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailabl
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from projector.nats.backlog import datetime_ns, stamp_ns
+from projector.nats.client_internals import api_prefix
 from projector.nats.connection import PermissionRefused, refused_or
 from projector.nats.failures import JETSTREAM_OFF, jetstream_off
 from projector.nats.lease import decode_holder
@@ -303,7 +304,7 @@ class RegistryView:
         they were written, and their stored times say when that was, so a view that starts
         beside a projector stopped long ago does not take its last values for news."""
         assert self._js is not None, "start() makes it"
-        subject = f"{self._js._prefix}.STREAM.INFO.{self._stream}"
+        subject = f"{api_prefix(self._js)}.STREAM.INFO.{self._stream}"
         asked = time.monotonic()
         try:
             reply = await self.nc.request(subject, b"", timeout=min(self._initial_timeout, 5.0))

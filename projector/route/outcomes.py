@@ -31,9 +31,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+from projector.nats.consumer import OrderedConsumer
 from projector.nats.progress import Progress
 from projector.nats.resources import dead_letter_stream
-from projector.nats.stream import OrderedConsumer, last_seq_of
+from projector.nats.stream import last_seq_of
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_INDEX, SOURCE_SEQ, SOURCE_STREAM
 from seqstate import decode_deltas

@@ -60,6 +60,7 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from projector.nats.client_internals import client_of
 from projector.nats.failures import describe, explain
 from projector.nats.progress import Progress
 from projector.nats.tasks import cancel
@@ -453,7 +454,7 @@ class DeltaLog:
             else:
                 self._stored(batch, stored_at)
                 return
-            why = await explain(self._js._nc, error, self._settings.deltas_stream)
+            why = await explain(client_of(self._js), error, self._settings.deltas_stream)
             if loop.time() >= deadline:
                 raise WriterStalled(
                     f"a delta publish failed for {self._retry_for_s:g}s: {why}"
@@ -466,7 +467,7 @@ class DeltaLog:
         """Send the messages (all but the last without waiting: the server answers the
         batch's commit for all of them); the stream sequence of the last."""
         subject = self._settings.deltas_subject
-        publish = self._js._nc.publish
+        publish = client_of(self._js).publish
         for message, message_headers in zip(batch[:-1], headers[:-1], strict=True):
             await publish(subject, message.payload, headers=message_headers)
         ack = await self._js.publish(

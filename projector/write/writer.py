@@ -2,7 +2,7 @@
 
 Each event is applied at its JetStream timestamp (the time the log received it), so a replay
 anywhere rebuilds the same state. The writer is a processor for an
-:class:`~projector.nats.stream.OrderedConsumer`, which hands it the events in stream order, gap-
+:class:`~projector.nats.consumer.OrderedConsumer`, which hands it the events in stream order, gap-
 free, from the first message, so a restarted writer rebuilds its state from the log; it
 republishes no delta the DELTAS stream already holds: it reads the source sequence of the last
 delta first, folds up to it silently, and publishes from the next. Its
@@ -47,19 +47,15 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_letters import LOG_EVERY_S
 from projector.nats.failures import describe, explain, refusal
+from projector.nats.feed import DEFAULT_WINDOW
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.logs import Quiet, event_fields
 from projector.nats.progress import Progress
-from projector.nats.stream import (
-    DEFAULT_WINDOW,
-    DeadLetterSink,
-    OrderedConsumer,
-    Refused,
-    log_time_ns,
-)
+from projector.nats.stream import DeadLetterSink, Refused, log_time_ns
 from projector.nats.tasks import cancel, until_set
 from projector.wire import msg_ids
 from projector.wire.headers import MSG_ID, STREAM_SOURCE

@@ -17,8 +17,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pipeline_kit import fresh_config
 
+from projector.nats.consumer import OrderedConsumer
 from projector.nats.resources import ensure
-from projector.nats.stream import OrderedConsumer, Refused, log_time_ns
+from projector.nats.stream import Refused, log_time_ns
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 
@@ -83,8 +84,8 @@ async def test_a_runner_far_behind_holds_at_most_its_window_then_handles_all_in_
     try:
         await asyncio.wait_for(held.holding.wait(), WAIT_S)
         js = nc.jetstream()
-        assert runner._consumer is not None
-        name = runner._consumer
+        assert runner.feed._consumer is not None
+        name = runner.feed._consumer
 
         async def pending() -> tuple[int, int | None]:
             info = await js.consumer_info(config.events_stream, name)
@@ -95,7 +96,7 @@ async def test_a_runner_far_behind_holds_at_most_its_window_then_handles_all_in_
         ) == (64, 64)
         # Heartbeats come every second and the server sends nothing more: the window holds.
         await eventually(
-            lambda: runner._heard_at,
+            lambda: runner.feed._heard_at,
             lambda at: at > asyncio.get_running_loop().time() - 0.5,
             what="a heartbeat while held",
             timeout=WAIT_S,
@@ -120,8 +121,8 @@ async def test_a_consumer_deleted_under_the_runner_is_started_again_after_the_la
     config, seqs, held, failures, runner = await held_runner(nc, "cd", 3000, 1000, window=128)
     try:
         await asyncio.wait_for(held.holding.wait(), WAIT_S)
-        assert runner._consumer is not None
-        await nc.jetstream().delete_consumer(config.events_stream, runner._consumer)
+        assert runner.feed._consumer is not None
+        await nc.jetstream().delete_consumer(config.events_stream, runner.feed._consumer)
         held.release.set()
         await runner.position.wait(seqs[-1], WAIT_S)
         last = await nc.jetstream().publish(config.event_subject(1), b"after")

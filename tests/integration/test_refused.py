@@ -13,9 +13,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pipeline_kit import fresh_config, read_stream
 
+from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_letters import OUT_OF_BOUNDS, UNDECODABLE, WRITER_KINDS
 from projector.nats.resources import dead_letter_stream, ensure
-from projector.nats.stream import OrderedConsumer, Refused, log_time_ns
+from projector.nats.stream import Refused, log_time_ns
 from projector.run.assemble import build_dead_letters
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID, REASON, SIZE, SOURCE_SEQ, SOURCE_STREAM, SUBJECT
@@ -82,7 +83,7 @@ async def test_each_refused_message_is_dead_lettered_once_and_the_next_is_handle
     assert consumer.position.value == seqs[-1]
     assert picky.taken == [(seqs[0], b"ok-1"), (seqs[2], b"ok-3"), (seqs[5], b"ok-6")]
     assert picky.dead == [(seqs[1], UNDECODABLE), (seqs[3], OUT_OF_BOUNDS), (seqs[4], UNDECODABLE)]
-    dead_letters = consumer._dead_letters
+    dead_letters = consumer.dead_letters
     assert dead_letters is not None
     assert dead_letters.counts == {
         UNDECODABLE: 2,

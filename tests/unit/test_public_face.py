@@ -1,16 +1,17 @@
-"""What users import: ``projector``'s public names, and the 0.1 module paths kept for a release."""
+"""What users import: ``projector``'s public names, listed once, and nothing of 0.1's paths."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 import projector
-from projector._moved import MOVED
 
 
 def test_every_public_name_imports_from_projector() -> None:
@@ -36,19 +37,33 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         _ = projector.Nothing  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_is_the_new_module_with_a_warning(old: str) -> None:
-    new = importlib.import_module(f"projector.{MOVED[old]}.{old}")
+# The module paths of 0.1, before projector/ was split into wings: never released.
+OLD_PATHS = ("publisher", "reader", "config", "cli", "stream", "writer", "projection")
+
+
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_an_old_module_path_is_gone(old: str) -> None:
     sys.modules.pop(f"projector.{old}", None)
-    with pytest.warns(DeprecationWarning, match=rf"projector\.{old} moved to {new.__name__}"):
-        aliased = importlib.import_module(f"projector.{old}")
-    assert aliased is new
+    with pytest.raises(ModuleNotFoundError, match=rf"No module named 'projector\.{old}'"):
+        importlib.import_module(f"projector.{old}")
 
 
-def test_every_module_of_a_wing_is_in_the_table_or_new() -> None:
-    """The table names real modules only: an alias to nothing would fail at import."""
-    for old, wing in MOVED.items():
-        assert importlib.util.find_spec(f"projector.{wing}.{old}") is not None, old
+def test_the_public_names_are_listed_once() -> None:
+    """``__all__`` is the ``TYPE_CHECKING`` block's names: one list, each name where it lives."""
+    source = Path(projector.__file__).read_text()
+    assert "__all__ =" not in source and "_EXPORTS" not in source
+    block = next(
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    listed = [alias.name for node in block.body for alias in node.names]  # type: ignore[attr-defined]
+    assert sorted(listed) == projector.__all__ == sorted(set(listed))
+    assert len(listed) == 25
+    assert set(projector.__all__) <= set(dir(projector))
+    code = "from projector import *; print(sorted(k for k in dir() if not k.startswith('_')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(projector.__all__)
 
 
 def test_importing_projector_imports_no_wing() -> None:
@@ -57,7 +72,7 @@ def test_importing_projector_imports_no_wing() -> None:
         "import sys, projector; print(sorted(m for m in sys.modules if m.startswith('projector.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "['projector._moved']"
+    assert out.stdout.strip() == "[]"
 
 
 def test_the_new_paths_do_not_warn() -> None:

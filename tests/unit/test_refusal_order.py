@@ -1,8 +1,9 @@
-"""Refusals, without a server: the runner's order of things, and processors built from stand-ins.
+"""Refusals, without a server: the consumer's order of things, and processors with stand-ins.
 
-The runner must store a dead letter before it tells the processor and before the position
-moves (a crash in between re-reads the message, and the dead letter's msg-id makes the second
-copy a duplicate); a dead letter that cannot be stored stops it with the message unpassed. A
+Dead-lettering must store a dead letter before it tells the processor, and the runner moves
+the position only after (a crash in between re-reads the message, and the dead letter's
+msg-id makes the second copy a duplicate); a dead letter that cannot be stored stops the
+runner with the message unpassed. A
 projector, handed stand-ins for everything it works with, refuses what it cannot read and
 moves its position only once told the dead letter is stored.
 """
@@ -17,11 +18,16 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from projector.nats.consumer import OrderedConsumer
+from projector.nats.dead_lettering import DeadLettering
 from projector.nats.dead_letters import PROJECTOR_KINDS, UNDECODABLE
+from projector.nats.feed import StreamFeed
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagSettings
 from projector.nats.lease import Lease
-from projector.nats.stream import OrderedConsumer, Refused
+from projector.nats.progress import Progress
+from projector.nats.runner import Runner
+from projector.nats.stream import Refused
 from projector.read.bucket import BucketView
 from projector.read.projection import Projector, ProjectorSettings
 
@@ -88,9 +94,9 @@ async def test_the_dead_letter_is_stored_then_the_processor_told_then_the_positi
     sink = Sink((UNDECODABLE,), events)
     refuser = Refuser(events)
     runner = refuser.runner = consumer(refuser, sink, failures)
-    await runner._deliver(delivery(1, b"yes"), 1)
-    await runner._deliver(delivery(2, b"no"), 2)
-    await runner._deliver(delivery(3, b"yes"), 3)
+    await runner.runner.deliver(delivery(1, b"yes"), 1)
+    await runner.runner.deliver(delivery(2, b"no"), 2)
+    await runner.runner.deliver(delivery(3, b"yes"), 3)
     assert not failures and runner.position.value == 3
     assert events == ["put 2", f"told 2 {UNDECODABLE} at 1"]  # stored, told, then moved
     assert sink.put_args == [
@@ -103,11 +109,65 @@ async def test_a_dead_letter_not_stored_stops_the_runner_before_the_message() ->
     events: list[str] = []
     failures: list[BaseException] = []
     runner = consumer(Refuser(events), Sink((UNDECODABLE,), events, broken=True), failures)
-    await runner._deliver(delivery(1, b"yes"), 1)
-    await runner._deliver(delivery(2, b"no"), 2)
-    await runner._deliver(delivery(3, b"yes"), 3)  # halted: not handed over
+    await runner.runner.deliver(delivery(1, b"yes"), 1)
+    await runner.runner.deliver(delivery(2, b"no"), 2)
+    await runner.runner.deliver(delivery(3, b"yes"), 3)  # halted: not handed over
     assert [type(exc) for exc in failures] == [TimeoutError]
     assert runner.position.value == 1 and events == []
+
+
+class Batch:
+    """Refuses the events of a record batch one by one: the second and the third."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple[int, int | None]] = []
+
+    async def handle(self, msg: Msg) -> list[Refused]:
+        return [
+            Refused(UNDECODABLE, "second", index=1, payload=b"e1"),
+            Refused(UNDECODABLE, "third", index=2, payload=b"e2"),
+        ]
+
+    def dead_lettered(self, seq: int, refused: Refused) -> None:
+        self.told.append((seq, refused.index))
+
+
+class IndexedSink(Sink):
+    async def put(self, *args: Any, index: int | None = None, **kwargs: Any) -> None:
+        await super().put(*args, **kwargs)
+        self.put_args[-1] = (*self.put_args[-1], index)  # type: ignore[assignment]
+
+
+async def test_dead_lettering_writes_each_refused_event_once_and_refuses_nothing() -> None:
+    """The wrapper stores what the processor refuses (each event of a batch its own letter,
+    with its own bytes) and answers as if handled: the runner sees no refusal."""
+    events: list[str] = []
+    sink = IndexedSink((UNDECODABLE,), events)
+    batch = Batch()
+    wrapped = DeadLettering(batch, sink, "S")
+    assert await wrapped.handle(delivery(7, b"batch")) is None
+    assert [(args[1], args[3], args[-1]) for args in sink.put_args] == [
+        (7, b"e1", 1),
+        (7, b"e2", 2),
+    ]
+    assert batch.told == [(7, 1), (7, 2)] and sink.counts == {UNDECODABLE: 2}
+
+
+async def test_a_runner_without_dead_lettering_stops_at_a_refusal() -> None:
+    """A refusal that reaches the runner (nothing wraps the processor) is never passed over."""
+    events: list[str] = []
+    failures: list[BaseException] = []
+    position = Progress()
+    feed = StreamFeed(cast(JetStreamContext, None), "S", "s.>", position)
+    runner = Runner(feed, Refuser(events), position=position, on_failure=failures.append)
+    await runner.deliver(delivery(1, b"yes"), 1)
+    await runner.deliver(delivery(2, b"no"), 2)
+    await runner.deliver(delivery(3, b"yes"), 3)
+    assert [str(exc) for exc in failures] == [
+        f"message 2 of S refused ({UNDECODABLE}: it said no), and this consumer has no dead "
+        "letters to put it in"
+    ]
+    assert runner.halted and position.value == 1 and events == []
 
 
 def stand_in_projector(sink: Sink) -> Projector:
