@@ -387,11 +387,13 @@ class DeltaLog:
 
     async def _linger(self) -> None:
         """Wait ``linger_s`` for more deltas to join the pending ones, unless they fill a
-        message already or a flush waits for them."""
+        message already (by count or bytes) or a flush waits for them."""
+        pending = self._pending
         if (
             self._linger_s <= 0
-            or len(self._pending) >= MAX_BATCH
+            or len(pending) >= MAX_BATCH
             or self.stored.value < self._hurried_to
+            or message_size(len(pending), sum(len(q.data) for q in pending)) > self._limit
         ):
             return
         loop = asyncio.get_running_loop()

@@ -146,10 +146,20 @@ async def test_deltas_folded_close_together_share_one_message(nc: Client) -> Non
     for seq in range(4, 4 + MAX_BATCH):
         log.append(booked(seq, seq))
     await log.stored.wait(3 + MAX_BATCH, timeout=10)
+    assert (log.messages, log.deltas) == (2, 3 + MAX_BATCH)
+    # Fewer deltas, but more bytes than a message holds (long prompts): no linger either.
+    first = 4 + MAX_BATCH
+    hashes = [2**63 + i for i in range(4_000)]  # 9 bytes each: ~36 KB a delta
+    big = nc.max_payload // 36_000 + 2
+    for seq in range(first, first + big):
+        load = RankLoad(active_blocks=len(hashes), active_requests=1)
+        change = RankChange((1, 0), load, booked=[Booking(seq, f"r{seq}", hashes)])
+        log.append(Delta("applied", seq * S, changes=[change], seq=seq))
+    await log.stored.wait(first + big - 1, timeout=10)
     await log.close()
-    assert failures == [] and (log.messages, log.deltas) == (2, 3 + MAX_BATCH)
+    assert failures == [] and log.deltas == 3 + MAX_BATCH + big
     stored = await read_stream(nc, config.deltas_stream, config.deltas_subject)
-    assert [h[PREV_SOURCE_SEQ] for _, h, _ in stored] == ["0", "3"]
+    assert [h[PREV_SOURCE_SEQ] for _, h, _ in stored][:3] == ["0", "3", str(3 + MAX_BATCH)]
 
 
 async def test_appends_are_atomic_batches_where_the_stream_takes_them_else_single_messages(
