@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -207,7 +208,9 @@ class _Tracker:
     # request id -> (worker, rank) of the adds this process published, newest last: where a
     # /prefill_complete or /free that follows at once finds its request (the bucket shows it
     # a flush later). Bounded: the oldest are forgotten, and found in the view instead.
-    booked: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # Ordered: a dict's first key, once the oldest are deleted, is found past every slot
+    # deleted before it.
+    booked: OrderedDict[str, tuple[int, int]] = dataclasses.field(default_factory=OrderedDict)
     # While this process holds the lease: its calls, answered by its writer's fold.
     own: OwnFold | None = None
     opening_own: bool = False
@@ -237,7 +240,7 @@ class _Tracker:
             return
         booked[request_id] = rank
         if len(booked) > MAX_BOOKED:
-            del booked[next(iter(booked))]
+            booked.popitem(last=False)
 
     def settle(
         self,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from typing import TypeVar
 
 import msgspec
@@ -78,8 +79,10 @@ class Outcomes:
         # The highest event sequence a delta has named (the newest stored when this started,
         # then each one followed): a position every view of the namespace reaches.
         self.named = 0
-        # (seq, index in its record batch: 0 alone) -> outcome, in sequence order, oldest first
-        self._recent: dict[tuple[int, int], EventOutcome] = {}
+        # (seq, index in its record batch: 0 alone) -> outcome, in sequence order, oldest first.
+        # Ordered, not a dict: a dict's first key, once the oldest are deleted, is found past
+        # every slot deleted before it (a scan of up to ``remember`` per message).
+        self._recent: OrderedDict[tuple[int, int], EventOutcome] = OrderedDict()
         self._oldest = 0  # the lowest sequence still answerable (older ones are forgotten)
         self._consumer: OrderedConsumer | None = None
         self._refused: dict[int, None] = {}  # events the writer dead-lettered, oldest first
@@ -166,8 +169,7 @@ class Outcomes:
                 recent[key] = EventOutcome(seq, delta.outcome, delta.owner, delta.block_size)
             last = seq - 1 if delta.more else seq
         while len(recent) > self.remember:
-            oldest = next(iter(recent))
-            del recent[oldest]
+            oldest, _ = recent.popitem(last=False)
             self._oldest = oldest[0] + 1
         if last:
             self.named = max(self.named, last)

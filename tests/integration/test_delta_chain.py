@@ -19,7 +19,7 @@ from pipeline_kit import fresh_config, read_stream
 
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.read.projection import DeltaGap
-from projector.run.assemble import build_delta_log, build_projector
+from projector.run.assemble import build_delta_log, build_projector, delta_log_settings
 from projector.wire.config import Config
 from projector.wire.headers import (
     BATCH_COMMIT,
@@ -28,6 +28,7 @@ from projector.wire.headers import (
     PREV_SOURCE_SEQ,
     REASON,
 )
+from projector.write.delta_log import MAX_BATCH, DeltaLog
 from seqstate import AddRequest, Delta, RankChange, encode_deltas, encode_event
 from seqstate.deltas import Booking
 from seqstate.loads import RankLoad
@@ -117,6 +118,48 @@ async def test_a_restarting_writer_resumes_at_the_real_chain_not_at_a_broken_cop
     await js.publish(config.deltas_subject, copy)  # no chain header
     await js.publish(config.deltas_subject, copy, headers={PREV_SOURCE_SEQ: "5"})
     assert await build_delta_log(nc, config).open() == 3
+
+
+async def test_deltas_folded_close_together_share_one_message(nc: Client) -> None:
+    """A live event's delta waits (``linger_s``) for the deltas of the events folded right
+    after it, so that calls made one at a time share a message, its ack and its deliveries,
+    instead of one each; a flush (a writer stopping, a caller waiting for the bucket) ends the
+    wait, and so does a full message. Expected, with a linger of a minute: three deltas
+    appended a loop turn apart are one message once flushed; a full message's worth more is
+    stored with no flush, long before the minute is out; the chain runs on across both."""
+    config = fresh_config("linger")
+    await ensure(nc, config)
+    settings = delta_log_settings(config)
+    log = DeltaLog(nc.jetstream(), settings, max_payload=nc.max_payload, linger_s=60.0)
+    await log.take_batches()
+    assert await log.open() == 0
+    failures: list[BaseException] = []
+    log.start(failures.append)
+    log.append(booked(1, 1))
+    for _ in range(3):  # the log takes the first delta and waits for more
+        await asyncio.sleep(0)
+    log.append(booked(2, 2))
+    await asyncio.sleep(0)
+    log.append(booked(3, 3))
+    await asyncio.wait_for(log.flush(), 10)
+    assert (log.messages, log.deltas) == (1, 3)
+    for seq in range(4, 4 + MAX_BATCH):
+        log.append(booked(seq, seq))
+    await log.stored.wait(3 + MAX_BATCH, timeout=10)
+    assert (log.messages, log.deltas) == (2, 3 + MAX_BATCH)
+    # Fewer deltas, but more bytes than a message holds (long prompts): no linger either.
+    first = 4 + MAX_BATCH
+    hashes = [2**63 + i for i in range(4_000)]  # 9 bytes each: ~36 KB a delta
+    big = nc.max_payload // 36_000 + 2
+    for seq in range(first, first + big):
+        load = RankLoad(active_blocks=len(hashes), active_requests=1)
+        change = RankChange((1, 0), load, booked=[Booking(seq, f"r{seq}", hashes)])
+        log.append(Delta("applied", seq * S, changes=[change], seq=seq))
+    await log.stored.wait(first + big - 1, timeout=10)
+    await log.close()
+    assert failures == [] and log.deltas == 3 + MAX_BATCH + big
+    stored = await read_stream(nc, config.deltas_stream, config.deltas_subject)
+    assert [h[PREV_SOURCE_SEQ] for _, h, _ in stored][:3] == ["0", "3", str(3 + MAX_BATCH)]
 
 
 async def test_appends_are_atomic_batches_where_the_stream_takes_them_else_single_messages(
