@@ -121,12 +121,14 @@ async def test_a_restarting_writer_resumes_at_the_real_chain_not_at_a_broken_cop
 
 
 async def test_deltas_folded_close_together_share_one_message(nc: Client) -> None:
-    """A live event's delta waits (``linger_s``) for the deltas of the events folded right
-    after it, so that calls made one at a time share a message, its ack and its deliveries,
-    instead of one each; a flush (a writer stopping, a caller waiting for the bucket) ends the
-    wait, and so does a full message. Expected, with a linger of a minute: three deltas
-    appended a loop turn apart are one message once flushed; a full message's worth more is
-    stored with no flush, long before the minute is out; the chain runs on across both."""
+    """A live event's delta that comes within ``linger_s`` of the last store waits for the
+    deltas of the events folded right after it, so that calls made one at a time share a
+    message, its ack and its deliveries, instead of one each; the first delta after a quiet
+    spell goes at once; a flush (a writer stopping, a caller waiting for the bucket) ends the
+    wait, and so does a full message. Expected, with a linger of a minute: the first delta is
+    stored at once, alone; three more appended a loop turn apart are one message once flushed;
+    a full message's worth more is stored with no flush, long before the minute is out; the
+    chain runs on across all."""
     config = fresh_config("linger")
     await ensure(nc, config)
     settings = delta_log_settings(config)
@@ -135,20 +137,23 @@ async def test_deltas_folded_close_together_share_one_message(nc: Client) -> Non
     assert await log.open() == 0
     failures: list[BaseException] = []
     log.start(failures.append)
-    log.append(booked(1, 1))
-    for _ in range(3):  # the log takes the first delta and waits for more
-        await asyncio.sleep(0)
+    log.append(booked(1, 1))  # after a quiet spell: stored at once, with no flush
+    await log.stored.wait(1, timeout=10)
+    assert (log.messages, log.deltas) == (1, 1)
     log.append(booked(2, 2))
-    await asyncio.sleep(0)
+    for _ in range(3):  # the log takes the delta and waits for more
+        await asyncio.sleep(0)
     log.append(booked(3, 3))
+    await asyncio.sleep(0)
+    log.append(booked(4, 4))
     await asyncio.wait_for(log.flush(), 10)
-    assert (log.messages, log.deltas) == (1, 3)
-    for seq in range(4, 4 + MAX_BATCH):
+    assert (log.messages, log.deltas) == (2, 4)
+    for seq in range(5, 5 + MAX_BATCH):
         log.append(booked(seq, seq))
-    await log.stored.wait(3 + MAX_BATCH, timeout=10)
-    assert (log.messages, log.deltas) == (2, 3 + MAX_BATCH)
+    await log.stored.wait(4 + MAX_BATCH, timeout=10)
+    assert (log.messages, log.deltas) == (3, 4 + MAX_BATCH)
     # Fewer deltas, but more bytes than a message holds (long prompts): no linger either.
-    first = 4 + MAX_BATCH
+    first = 5 + MAX_BATCH
     hashes = [2**63 + i for i in range(4_000)]  # 9 bytes each: ~36 KB a delta
     big = nc.max_payload // 36_000 + 2
     for seq in range(first, first + big):
@@ -157,9 +162,10 @@ async def test_deltas_folded_close_together_share_one_message(nc: Client) -> Non
         log.append(Delta("applied", seq * S, changes=[change], seq=seq))
     await log.stored.wait(first + big - 1, timeout=10)
     await log.close()
-    assert failures == [] and log.deltas == 3 + MAX_BATCH + big
+    assert failures == [] and log.deltas == 4 + MAX_BATCH + big
     stored = await read_stream(nc, config.deltas_stream, config.deltas_subject)
-    assert [h[PREV_SOURCE_SEQ] for _, h, _ in stored][:3] == ["0", "3", str(3 + MAX_BATCH)]
+    chain = [h[PREV_SOURCE_SEQ] for _, h, _ in stored][:4]
+    assert chain == ["0", "1", "4", str(4 + MAX_BATCH)]
 
 
 async def test_appends_are_atomic_batches_where_the_stream_takes_them_else_single_messages(
