@@ -36,7 +36,7 @@ import nats.errors
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
-from projector.wire.headers import STREAM_SOURCE
+from projector.wire.headers import CAPTURE, STREAM_SOURCE
 
 NUM_PENDING = "Nats-Num-Pending"
 TIME_STAMP = "Nats-Time-Stamp"
@@ -183,6 +183,17 @@ def sourced_seq(headers: dict[str, str] | None, capture: str) -> int:
     return 0
 
 
+def covered_seq(headers: dict[str, str] | None, capture: str) -> int:
+    """The last capture sequence a message of the events stream holds (0: none of
+    ``capture``'s): a message the forwarder stored names its range in ``Seqstate-Capture``
+    (``<stream> <first> <last> <count>``), one the events stream sourced (a log written before
+    the forwarder) its sequence in ``Nats-Stream-Source``."""
+    tokens = (headers or {}).get(CAPTURE, "").split()
+    if len(tokens) >= 3 and tokens[0] == capture and tokens[2].isdigit():
+        return int(tokens[2])
+    return sourced_seq(headers, capture)
+
+
 async def captured(
     js: JetStreamContext,
     events: api.StreamInfo,
@@ -203,7 +214,7 @@ async def captured(
     except NotFoundError:
         sourced = 0
     else:
-        sourced = sourced_seq(newest.headers, capture)
+        sourced = covered_seq(newest.headers, capture)
     error, lag = "", None
     for source in events.sources or []:
         if source.name == capture:
@@ -212,8 +223,11 @@ async def captured(
                 error = str(source.error.get("description") or source.error)
     last, first = state.last_seq, state.first_seq
     dropped = max(0, first - 1 - sourced)
-    if not sourced and lag is not None and await trimmed():  # sourced, then trimmed
-        sourced, dropped = max(0, last - lag), 0  # the server's count: in flight left out
+    if not sourced and first > 1 and await trimmed():  # taken, then trimmed from the log
+        if lag is not None:  # still sourced: the server's count (in flight left out)
+            sourced, dropped = max(0, last - lag), 0
+        else:  # the forwarder purges what it stored: the capture holds what waits
+            sourced, dropped = first - 1, 0
     waiting = max(0, last - max(sourced, first - 1))
     oldest = None
     if waiting:

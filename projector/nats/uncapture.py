@@ -20,6 +20,7 @@ still given the endpoint (``run``, ``writer``, ``projector`` provision at every 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -27,6 +28,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
 from projector.nats.backlog import Captured
+from projector.nats.forward import forward_waiting
 from projector.nats.lag import capture_of, captured_subjects
 from projector.nats.resources import dynamo_capture
 from projector.wire.capture import captured_subject, endpoint_of
@@ -68,17 +70,21 @@ async def uncapture(nc: Client, config: Config, endpoints: tuple[str, ...] = ())
         left = [s for s in subjects if endpoint_of(s) not in gone]
         await _update(js, info.config, subjects=left)
     else:
-        await _stop(js, config, info.config)
+        await _stop(nc, config, info.config)
     removed = await _in_log(js, config, [e for e in captured if e in gone])
     return Uncaptured(name, removed, kept, deleted=not kept)
 
 
-async def _stop(js: JetStreamContext, config: Config, capture: api.StreamConfig) -> None:
-    """No Dynamo subject left: stop listening, let the events stream take the rest, then
-    drop its source and the capture stream."""
+async def _stop(nc: Client, config: Config, capture: api.StreamConfig) -> None:
+    """No Dynamo subject left: stop listening, store the rest in the events stream (as a
+    writer's forwarder does, beside any running), then drop the capture stream (and the
+    events stream's source of it, on a stream provisioned before the forwarder)."""
+    js = nc.jetstream()
     name = capture.name or ""
     if any(endpoint_of(s) is not None for s in capture.subjects or []):
         await _update(js, capture, subjects=[])
+    with contextlib.suppress(TimeoutError, NotFoundError):
+        await forward_waiting(nc, config, DRAIN_S)
     backlog = await _drained(js, config)
     if backlog is not None:
         one = backlog.waiting == 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from seqstate.dynamo import TOPIC, captured_subject, dynamo_subject, endpoint_of
+from seqstate.dynamo import CAPTURED, TOPIC, captured_subject, dynamo_subject, endpoint_of
 
 # Dynamo's subject of any endpoint, with the three tokens the rewrite keeps.
 RAW_PATTERN: Final = f"namespace.*.component.*.endpoint.*.{TOPIC}"
@@ -33,6 +33,11 @@ def rewrite(namespace: str) -> str:
     return captured_subject(namespace, ".".join(f"{{{{wildcard({n})}}}}" for n in (1, 2, 3)))
 
 
+def captured_subjects(namespace: str) -> str:
+    """Where the namespace's log holds its captured Dynamo messages (every endpoint's)."""
+    return f"seqstate.events.{namespace}.{CAPTURED}.>"
+
+
 def capture_stream(events_stream: str, namespace: str) -> str:
     """The namespace's capture stream: beside its events stream, one per namespace."""
     return f"{events_stream}_DYNAMO_{namespace}"
@@ -43,6 +48,7 @@ __all__ = [
     "RAW_PATTERN",
     "capture_stream",
     "captured_subject",
+    "captured_subjects",
     "dynamo_subject",
     "endpoint_of",
     "rewrite",
