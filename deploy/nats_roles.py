@@ -218,7 +218,7 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
                 # purges what it stored, and removes the events stream's source of it
                 *read_stream(capture),
                 f"$JS.API.STREAM.PURGE.{capture}",
-                captured_subjects(config.namespace),
+                captured_subjects(config.namespace).removesuffix(">") + "*.*.*",
                 config.deltas_subject,
                 config.dead_letter_subject,
                 f"$JS.API.STREAM.PURGE.{events}",

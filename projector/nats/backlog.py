@@ -194,6 +194,13 @@ def covered_seq(headers: dict[str, str] | None, capture: str) -> int:
     return sourced_seq(headers, capture)
 
 
+def events_held(headers: dict[str, str] | None) -> int:
+    """The Dynamo messages a message on a captured subject holds: a batch of the forwarder's
+    names their count in ``Seqstate-Capture``; any other holds one."""
+    tokens = (headers or {}).get(CAPTURE, "").split()
+    return int(tokens[3]) if len(tokens) >= 4 and tokens[3].isdigit() else 1
+
+
 async def captured(
     js: JetStreamContext,
     events: api.StreamInfo,

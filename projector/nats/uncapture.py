@@ -20,14 +20,16 @@ still given the endpoint (``run``, ``writer``, ``projector`` provision at every 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
-from projector.nats.backlog import Captured
+from projector.nats.backlog import Captured, events_held
+from projector.nats.failures import describe
 from projector.nats.forward import forward_waiting
 from projector.nats.lag import capture_of, captured_subjects
 from projector.nats.resources import dynamo_capture
@@ -83,8 +85,13 @@ async def _stop(nc: Client, config: Config, capture: api.StreamConfig) -> None:
     name = capture.name or ""
     if any(endpoint_of(s) is not None for s in capture.subjects or []):
         await _update(js, capture, subjects=[])
-    with contextlib.suppress(TimeoutError, NotFoundError):
+    refused = ""
+    try:
         await forward_waiting(nc, config, DRAIN_S)
+    except (TimeoutError, NotFoundError):
+        pass  # said below, by what still waits
+    except (APIError, nats.errors.Error) as exc:
+        refused = describe(exc)
     backlog = await _drained(js, config)
     if backlog is not None:
         one = backlog.waiting == 1
@@ -92,7 +99,7 @@ async def _stop(nc: Client, config: Config, capture: api.StreamConfig) -> None:
             f"{backlog.waiting:,} Dynamo message{'' if one else 's'} captured for namespace "
             f"{config.namespace!r} {'is' if one else 'are'} not in stream "
             f"{config.events_stream} yet"
-            + (f" ({backlog.error})" if backlog.error else " (is it full?)")
+            + f" ({backlog.error or refused or 'is it full?'})"
             + f"; {name} captures nothing more, and is kept until the events stream has "
             f"{'it' if one else 'them'}: run this again then"
         )
@@ -137,7 +144,8 @@ async def _update(js: JetStreamContext, have: api.StreamConfig, **changes: objec
 
 
 async def _in_log(js: JetStreamContext, config: Config, endpoints: list[str]) -> dict[str, int]:
-    """Each endpoint's events in the namespace's log (one request: the server counts them)."""
+    """Each endpoint's events in the namespace's log: the server counts its messages, and a
+    forwarded batch's header says how many it holds (read headers only)."""
     try:
         info = await js.stream_info(
             config.events_stream, subjects_filter=captured_subjects(config.namespace)
@@ -145,7 +153,39 @@ async def _in_log(js: JetStreamContext, config: Config, endpoints: list[str]) ->
     except NotFoundError:
         return dict.fromkeys(endpoints, 0)
     counts = info.state.subjects or {}
-    return {e: counts.get(captured_subject(config.namespace, e), 0) for e in endpoints}
+    held = {}
+    for e in endpoints:
+        subject = captured_subject(config.namespace, e)
+        held[e] = await _events_on(js, config.events_stream, subject, counts.get(subject, 0))
+    return held
+
+
+async def _events_on(js: JetStreamContext, stream: str, subject: str, messages: int) -> int:
+    """The events the first ``messages`` messages on ``subject`` hold."""
+    if not messages:
+        return 0
+    seen, total = 0, 0
+    done = asyncio.Event()
+
+    async def take(msg: Msg) -> None:
+        nonlocal seen, total
+        seen += 1
+        total += events_held(msg.headers)
+        if seen >= messages:
+            done.set()
+
+    sub = await js.subscribe(
+        subject,
+        stream=stream,
+        ordered_consumer=True,
+        config=api.ConsumerConfig(headers_only=True),
+        cb=take,
+    )
+    try:
+        await asyncio.wait_for(done.wait(), DRAIN_S)
+    finally:
+        await sub.unsubscribe()
+    return total
 
 
 async def require_captured(nc: Client, config: Config, endpoints: tuple[str, ...]) -> None:

@@ -4,19 +4,23 @@ writer saw it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from eventually import eventually
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from projector.nats.forward import CaptureForwarder
 from projector.nats.resources import ensure
 from projector.nats.stream import last_seq_of, log_time_ns
+from projector.nats.tasks import cancel
 from projector.wire.config import Config
 from projector.wire.values import lease_key
 from seqstate import AddRequest, Fold, Free, SequenceState, encode_event
@@ -165,6 +169,17 @@ def folded(config: Config, log: list[tuple[int, int, str, bytes]]) -> SequenceSt
     for message in log:
         fold(*message)
     return fold.state
+
+
+@contextlib.asynccontextmanager
+async def forwarding(nc: Client, config: Config) -> AsyncIterator[CaptureForwarder]:
+    """The capture's forwarder (what every writer runs) while inside."""
+    forwarder = CaptureForwarder(nc, config)
+    task = asyncio.create_task(forwarder.run())
+    try:
+        yield forwarder
+    finally:
+        await cancel(task)
 
 
 def events_in(log: list[tuple[int, int, str, bytes]]) -> int:
