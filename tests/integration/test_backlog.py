@@ -80,12 +80,13 @@ async def taken(nc: Client, config: Config) -> int:
 async def test_a_full_events_stream_shows_the_dynamo_backlog_until_it_is_lifted(
     nc: Client, nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """Broke: the events stream limited to 30 messages (discard new) and filled by a router's
-    events, then 155 Dynamo messages published on NATS Core while ``seqstate run`` captured
-    the endpoint; the writer folded all the events stream held. Expected: ``status`` names the Dynamo messages waiting
-    in the capture stream, exactly, and the events stream 100% full of its 30; the metrics
-    the same; ``/readyz`` 503 saying so; the writer's refused Ticks counted. Then the limit
-    lifted: every message taken and folded, nothing waits, ``/readyz`` 200."""
+    """Broke: the events stream limited to 30 messages (discard new) and filled by a
+    router's events, then 155 Dynamo messages published on NATS Core while ``seqstate run``
+    captured the endpoint; the writer folded all the events stream held. Expected:
+    ``status`` names the Dynamo messages waiting in the capture stream, exactly, and the
+    events stream 100% full of its 30; the metrics the same; ``/readyz`` 503 saying so; the
+    writer's refused Ticks counted. Then the limit lifted: every message taken and folded,
+    nothing waits, ``/readyz`` 200."""
     config = dynamo_config("bk")
     js = nc.jetstream()
     await ensure(nc, config)
