@@ -13,14 +13,16 @@ Three places can hold a namespace's backlog, and each is counted in its own mess
   consumer's position is). A server without batched gets (before 2.11), or a stream without
   direct gets, is counted by sequence difference instead, and said to be inexact;
 - the capture stream of the namespace's Dynamo endpoints (:mod:`projector.wire.capture`):
-  messages captured that the events stream has not sourced yet, because it refuses them (full)
-  or has not got to them. The events stream's newest message on the namespace's Dynamo
-  subjects names, in its ``Nats-Stream-Source`` header, the capture sequence it was sourced
-  from: every captured message after it waits, and any the capture stream no longer holds
-  between the two was dropped before it was sourced (its byte limit, or its age limit, while
-  the events stream refused). None there: none was sourced yet, unless the namespace's events
-  were trimmed past the last one; then the server's own count for the source (its ``lag``,
-  which leaves out the few messages in flight) is used;
+  messages captured that are not in the events stream yet, because no writer forwards them,
+  it refuses them (full), or the forwarder has not got to them. The events stream's newest
+  message on the namespace's Dynamo subjects names the last capture sequence it holds (in its
+  ``Seqstate-Capture`` header, as the forwarder stores a burst; in ``Nats-Stream-Source`` on a
+  log sourced before the forwarder): every captured message after it waits, and any the
+  capture stream no longer holds between the two was dropped before it was taken (its byte
+  limit, or its age limit, while nothing took it). None there: none was taken yet, unless the
+  namespace's events were trimmed past the last one; then the capture's first sequence (the
+  forwarder purges what it stored), or on a stream that still sources it the server's own
+  count for the source (its ``lag``, which leaves out the few messages in flight), is used;
 - the JetStream storage of the streams: messages and bytes against their limits, and the
   account's storage against its own.
 """

@@ -18,14 +18,14 @@ policy, is warned about.
 
 The capture and dead-letter streams are buffers and copies, so they have byte limits
 (``capture_max_bytes``, ``dead_letter_max_bytes``) and drop their oldest messages beyond
-(discard ``old``). The capture stream keeps sourced messages until then, so ``new`` would
-have it refuse Dynamo's messages once a day's traffic filled it, however healthy the events
-stream; with ``old``, only a backlog the events stream refused for longer than the limit holds
-loses its oldest, and :mod:`projector.nats.backlog` counts those exactly (``status``, the
-metrics), as the fold counts them per Dynamo publisher. A byte limit on an existing stream
-is only ever raised (a stream without one, as streams created before the setting, gets it):
-two processes given different values must not take turns rewriting it, and an operator's
-larger limit stays; 'off' lifts it.
+(discard ``old``). The capture stream holds what no writer's forwarder has stored yet (it
+purges what it stored), so ``new`` would have it refuse Dynamo's newest messages once such a
+backlog filled it, and keep the oldest; with ``old``, only a backlog nothing took for longer
+than the limit holds loses its oldest, and :mod:`projector.nats.backlog` counts those exactly
+(``status``, the metrics), as the fold counts them per Dynamo publisher. A byte limit on an
+existing stream is only ever raised (a stream without one, as streams created before the
+setting, gets it): two processes given different values must not take turns rewriting it, and
+an operator's larger limit stays; 'off' lifts it.
 """
 
 from __future__ import annotations

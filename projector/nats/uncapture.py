@@ -2,14 +2,15 @@
 
 Provisioning only ever adds: a typo'd ``--dynamo-endpoint dynamo.backend.generat`` leaves its
 subject in the namespace's capture stream for good. Removing an endpoint takes its subject out
-of the capture stream's subjects, so JetStream stops storing what Dynamo publishes there; the
-events stream's source of the capture, and its one subject transform, serve every endpoint and
-stay. Removing the last one stops the capture altogether: the capture stream first listens on
-no Dynamo subject (a stream with no subjects listens on its own name, where Dynamo publishes
-nothing), then the events stream takes what it still held (normally at once), and only then
-loses its source and the capture stream is deleted, so nothing captured before the removal is
-lost. A later ``--dynamo-endpoint`` provisions both afresh, and the events stream sources the
-new capture stream from its first message.
+of the capture stream's subjects, so JetStream stops storing what Dynamo publishes there;
+what it captured before is still forwarded by the writers. Removing the last one stops the
+capture altogether: the capture stream first listens on no Dynamo subject (a stream with no
+subjects listens on its own name, where Dynamo publishes nothing), then this command forwards
+what it still holds into the events stream itself (as a writer's forwarder does, beside any
+running: :mod:`projector.nats.forward`), and only then is the capture stream deleted (and an
+events stream provisioned before the forwarder loses its source of it), so nothing captured
+before the removal is lost. A later ``--dynamo-endpoint`` provisions it afresh, and the
+forwarder stores the new capture stream from its first message.
 
 Nothing in the events stream is touched: the namespace's log keeps every event the endpoint
 had, and every fold (replay, verify, rebuild) still folds them, since the fold tells a Dynamo
