@@ -145,6 +145,7 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
             await publish(nc, sourced, data)
             last = {sourced.namespace: await wait_count(js, sourced.events_stream, len(data))}
             await publish(nc, batched, data)
+            await wait_count(js, dynamo_capture(batched), len(data))
             forwarder = CaptureForwarder(nc, batched)
             await forwarder.forward_waiting(600.0)
             info = await js.stream_info(batched.events_stream)

@@ -193,7 +193,8 @@ def build_writer(
         lag=lag_settings(config),
         measure_lag=measure_lag,
         rules_differing=config.rules_differing,
-        forwarder=CaptureForwarder(nc, config),
+        # a namespace that captures Dynamo endpoints: its writer stores what is captured
+        forwarder=CaptureForwarder(nc, config) if config.dynamo_endpoints else None,
     )
 
 
