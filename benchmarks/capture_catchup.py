@@ -176,8 +176,9 @@ def main() -> int:
         s, b = run["sourced"], run["batched"]
         print(
             f"run {i + 1}: {run['messages']:,} Dynamo messages; sourced (a message each): "
-            f"{s['per_s']:,.0f}/s, CPU {s['cpu']:.0%}; batched ({run['batched_messages']:,} "
-            f"messages): {b['per_s']:,.0f}/s, CPU {b['cpu']:.0%}; ratio "
+            f"{s['per_s']:,.0f}/s, CPU {s['cpu']:.0%} ({s['cpu'] / s['per_s'] * 1e6:.1f} us each); "
+            f"batched ({run['batched_messages']:,} messages): {b['per_s']:,.0f}/s, CPU "
+            f"{b['cpu']:.0%} ({b['cpu'] / b['per_s'] * 1e6:.1f} us each); ratio "
             f"{b['per_s'] / s['per_s']:.2f}x; verify: "
             + ", ".join(
                 "identical" if not r["diffs"] else f"{len(r['diffs'])} keys differ" for r in (s, b)
@@ -187,11 +188,16 @@ def main() -> int:
     med = {
         name: statistics.median(r[name]["per_s"] for r in runs) for name in ("sourced", "batched")
     }
+    us = {
+        name: statistics.median(r[name]["cpu"] / r[name]["per_s"] * 1e6 for r in runs)
+        for name in ("sourced", "batched")
+    }
     ratios = ", ".join(f"{r['batched']['per_s'] / r['sourced']['per_s']:.2f}x" for r in runs)
     print(
         f"{runs[0]['messages']:,} Dynamo messages, {args.runs} runs, commit {git_revision()}: "
         f"median writer+projector sourced {med['sourced']:,.0f}/s, batched "
-        f"{med['batched']:,.0f}/s (ratios {ratios})"
+        f"{med['batched']:,.0f}/s (ratios {ratios}); CPU per Dynamo message sourced "
+        f"{us['sourced']:.1f} us, batched {us['batched']:.1f} us"
     )
     return 1 if any(r[n]["diffs"] for r in runs for n in ("sourced", "batched")) else 0
 
