@@ -46,6 +46,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from projector.nats.dead_letters import LOG_EVERY_S
 from projector.nats.failures import describe, explain, refusal
@@ -84,6 +85,7 @@ from seqstate.fold import Verdict, event_of
 from seqstate.recent import NEVER
 
 log = logging.getLogger("seqstate.writer")
+FORWARD_AT_START_S = 60.0  # for the capture's backlog to reach the log before the fold starts
 SETTLE_S = 0.5  # what a prompt stop gives a snapshot save under way to finish
 
 # (stream sequence, the fold's verdict: of a record batch, one per event); (0, None): never
@@ -284,6 +286,7 @@ class Writer(LagWatched):
             return
         await self.snapshotter.check_coverage(self.applied.value)
         self.heard_before_start = frozenset(self.state.publishers.entries)
+        await self._forward_backlog()
         # The stream may carry other namespaces: caught up means up to this namespace's newest
         # event, and a restored state starts the consumer after its last one.
         await self._events.start(after=self.applied.value)
@@ -321,6 +324,25 @@ class Writer(LagWatched):
             await self._events.stop()
         if self._failure is not None:
             raise self._failure
+
+    async def _forward_backlog(self) -> None:
+        """What the capture holds at start, stored in the log before the writer reads it: so
+        caught up means Dynamo's messages captured while no writer ran are folded too (a
+        resync at start finds their requests). The forwarder goes on with anything left."""
+        if self.forwarder is None:
+            return
+        try:
+            await self.forwarder.forward_waiting(FORWARD_AT_START_S)
+        except NotFoundError:
+            return  # no capture stream (uncaptured): nothing waits
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the running forwarder retries, saying why
+            log.warning(
+                "the Dynamo capture's backlog is not all in the log at start: %s",
+                describe(exc) if str(exc) else type(exc).__name__,
+                extra={"namespace": self.settings.namespace},
+            )
 
     async def _forward(self) -> None:
         """The capture's forwarder, for as long as the writer runs; one that cannot go on
