@@ -66,6 +66,18 @@ async def captured(nc: Client, config: Config, count: int) -> None:
     raise AssertionError(f"{count} messages not captured")
 
 
+async def written(
+    nc: Client, config: Config
+) -> tuple[SequenceState, list[tuple[int, int, str, bytes]]]:
+    """Once the capture holds the whole of ``DATA``: a writer's model once it folded it, and
+    the log it wrote."""
+    await captured(nc, config, len(DATA))
+    async with Pipeline(nc, config) as pipeline:
+        await pipeline.wait_applied(await logged(nc, config, len(DATA)))
+        state = pipeline.writer.state
+    return state, await read_events(nc, config)
+
+
 def dynamo_messages(log: list[tuple[int, int, str, bytes]]) -> list[bytes]:
     """Every Dynamo message the log holds, in order: alone, or in a batch."""
     return [item for _, _, subject, data in log if ".dynamo." in subject for item in items_of(data)]
@@ -88,11 +100,7 @@ async def test_a_burst_is_fewer_stored_messages_folded_as_each_alone(nc: Client)
     config = config_for("cb")
     await ensure(nc, config)
     await publish(nc, config, DATA)
-    await captured(nc, config, len(DATA))
-    async with Pipeline(nc, config) as pipeline:
-        await pipeline.wait_applied(await logged(nc, config, len(DATA)))
-        state = pipeline.writer.state
-    log = await read_events(nc, config)
+    state, log = await written(nc, config)
     assert dynamo_messages(log) == DATA
     assert len(log) < len(DATA) and any(is_batch(data) for *_, data in log)
     js = nc.jetstream()
@@ -205,11 +213,7 @@ async def test_a_log_sourced_then_batched_replays_identically(
         pass  # its forwarder takes over
     assert not (await js.stream_info(config.events_stream)).config.sources
     await publish(nc, config, DATA[60:])
-    await captured(nc, config, len(DATA))
-    async with Pipeline(nc, config) as pipeline:
-        await pipeline.wait_applied(await logged(nc, config, len(DATA)))
-        state = pipeline.writer.state
-    log = await read_events(nc, config)
+    state, log = await written(nc, config)
     assert dynamo_messages(log) == DATA
     headers = [(await js.get_msg(config.events_stream, seq)).headers or {} for seq, *_ in log]
     assert all(STREAM_SOURCE in h for h in headers[:60])
