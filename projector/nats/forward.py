@@ -76,6 +76,7 @@ PURGE_EVERY_S: Final = 1.0
 ABSENT_S: Final = 2.0  # how often a namespace without a capture stream is looked at again
 RETRY_S: Final = (0.1, 0.25, 0.5, 1.0, 2.0)  # after an error, before reading the log again
 ASK_S: Final = 5.0
+LOST_SAID: Final = 100  # stores in a row refused as another's: said, and a pause
 FETCH_BYTES: Final = 64 * 1024 * 1024  # what one fetch may hold, at most (its messages' bound)
 
 
@@ -138,13 +139,22 @@ class CaptureForwarder:
         self._created_ns = 0
 
     async def run(self) -> None:
-        failures = 0
+        failures, lost = 0, 0
         while True:
+            stored = self.stored
             try:
                 await self._session(None)
                 return
             except _Lost:
-                failures = 0
+                failures, lost = 0, (lost if self.stored == stored else 0) + 1
+                if lost % LOST_SAID == 0:  # another forwarder, or a log that says no position
+                    log.warning(
+                        "capture forwarder of %s: %d stores in a row taken by another",
+                        self.capture,
+                        lost,
+                    )
+                    await asyncio.sleep(RETRY_S[-1])
+                continue
             except NotFoundError:
                 await asyncio.sleep(ABSENT_S)  # no capture stream (yet, or any more)
             except ForwardError:
