@@ -14,7 +14,7 @@ import sys
 
 from projector.nats.resources import dead_letter_stream
 from projector.nats.security import INBOX_PREFIX
-from projector.wire.capture import RAW_PATTERN, capture_stream
+from projector.wire.capture import RAW_PATTERN, capture_stream, captured_subjects
 from projector.wire.config import Config
 
 ROLES = (
@@ -203,8 +203,8 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
         ),
         "writer": (
             "folds the events (retention purges them), logs its Ticks on the control subject, "
-            "publishes deltas and dead letters, keeps snapshots, reads the projector's "
-            "position in the bucket",
+            "forwards the Dynamo capture into the captured subjects, publishes deltas and dead "
+            "letters, keeps snapshots, reads the projector's position in the bucket",
             [
                 config.control_subject,
                 *info,
@@ -213,8 +213,12 @@ def namespaced_permissions(config: Config) -> dict[str, tuple[str, list[str]]]:
                 *read_stream(deltas),
                 *read_stream(registry),
                 *read_stream(snapshots),
-                # its lag: the oldest Dynamo message waiting in the capture stream
-                f"$JS.API.STREAM.MSG.GET.{capture}",
+                # its capture forwarder: reads the capture stream (and its lag, the oldest
+                # message waiting there), stores its messages on the captured subjects,
+                # purges what it stored, and removes the events stream's source of it
+                *read_stream(capture),
+                f"$JS.API.STREAM.PURGE.{capture}",
+                captured_subjects(config.namespace).removesuffix(">") + "*.*.*",
                 config.deltas_subject,
                 config.dead_letter_subject,
                 f"$JS.API.STREAM.PURGE.{events}",

@@ -125,6 +125,12 @@ def decode_batch(payload: bytes | bytearray | memoryview) -> list[bytes]:
         raise BatchDecodeError(f"malformed record batch: {exc}") from None
 
 
+def items_of(payload: bytes) -> list[bytes]:
+    """What a stored message holds, one bytes per event or Dynamo message: a batch's items,
+    else the payload itself. Raises :class:`BatchDecodeError` for a batch that is none."""
+    return decode_batch(payload) if is_batch(payload) else [payload]
+
+
 def _count(head: bytes) -> int | None:
     """The length of the msgpack array ``head`` opens (fixarray, array 16, array 32)."""
     if not head:

@@ -162,11 +162,11 @@ def events_of(
     of one event, ``(index, event)`` of each event of a record batch that decodes (the others
     are passed over); raises :class:`~seqstate.events.EventDecodeError` for bytes that are
     none."""
-    if payload[:1] == BATCH_HEAD and is_batch(payload) and not is_dynamo_subject(subject):
+    if payload[:1] == BATCH_HEAD and is_batch(payload):
         found: list[tuple[int | None, Event]] = []
         for index, item in enumerate(decode_batch(payload)):
             with contextlib.suppress(EventDecodeError):
-                found.append((index, decode_event(item)))
+                found.append((index, event_of(subject, item)))
         return found
     return [(None, event_of(subject, payload))]
 
@@ -248,7 +248,7 @@ class Fold:
         route = self._routes.get(subject, _UNSEEN)
         if route is _UNSEEN:
             route = self._route(subject)
-        if payload[:1] == BATCH_HEAD and route is not _DYNAMO_ROUTE and is_batch(payload):
+        if payload[:1] == BATCH_HEAD and is_batch(payload):
             return self._batch(seq, log_time_ns, subject, route, payload)
         if len(payload) > self._limit:
             return self._too_large(route, log_time_ns, payload)
@@ -299,9 +299,12 @@ class Fold:
             return Refusal(UNDECODABLE, f"malformed record batch: {type(exc).__name__}: {exc}")
         verdicts: list[Verdict] = []
         limit = self._limit
+        dynamo = route is _DYNAMO_ROUTE
         for index, item in enumerate(items):
             if len(item) > limit:
                 verdict: Verdict = self._too_large(route, at_ns, item)
+            elif dynamo:  # a Dynamo message, decided exactly as it is alone
+                verdict = self._dynamo(seq, at_ns, subject, item)
             elif item[:1] == BATCH_HEAD:
                 verdict = Refusal(UNDECODABLE, "a record batch inside a record batch")
             else:

@@ -13,14 +13,16 @@ Three places can hold a namespace's backlog, and each is counted in its own mess
   consumer's position is). A server without batched gets (before 2.11), or a stream without
   direct gets, is counted by sequence difference instead, and said to be inexact;
 - the capture stream of the namespace's Dynamo endpoints (:mod:`projector.wire.capture`):
-  messages captured that the events stream has not sourced yet, because it refuses them (full)
-  or has not got to them. The events stream's newest message on the namespace's Dynamo
-  subjects names, in its ``Nats-Stream-Source`` header, the capture sequence it was sourced
-  from: every captured message after it waits, and any the capture stream no longer holds
-  between the two was dropped before it was sourced (its byte limit, or its age limit, while
-  the events stream refused). None there: none was sourced yet, unless the namespace's events
-  were trimmed past the last one; then the server's own count for the source (its ``lag``,
-  which leaves out the few messages in flight) is used;
+  messages captured that are not in the events stream yet, because no writer forwards them,
+  it refuses them (full), or the forwarder has not got to them. The events stream's newest
+  message on the namespace's Dynamo subjects names the last capture sequence it holds (in its
+  ``Seqstate-Capture`` header, as the forwarder stores a burst; in ``Nats-Stream-Source`` on a
+  log sourced before the forwarder): every captured message after it waits, and any the
+  capture stream no longer holds between the two was dropped before it was taken (its byte
+  limit, or its age limit, while nothing took it). None there: none was taken yet, unless the
+  namespace's events were trimmed past the last one; then the capture's first sequence (the
+  forwarder purges what it stored), or on a stream that still sources it the server's own
+  count for the source (its ``lag``, which leaves out the few messages in flight), is used;
 - the JetStream storage of the streams: messages and bytes against their limits, and the
   account's storage against its own.
 """
@@ -37,7 +39,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from projector.nats.client_internals import api_prefix, client_of
-from projector.wire.headers import STREAM_SOURCE
+from projector.wire.headers import CAPTURE, STREAM_SOURCE
 
 NUM_PENDING = "Nats-Num-Pending"
 TIME_STAMP = "Nats-Time-Stamp"
@@ -185,6 +187,24 @@ def sourced_seq(headers: dict[str, str] | None, capture: str) -> int:
     return 0
 
 
+def covered_seq(headers: dict[str, str] | None, capture: str) -> int:
+    """The last capture sequence a message of the events stream holds (0: none of
+    ``capture``'s): a message the forwarder stored names its range in ``Seqstate-Capture``
+    (``<stream> <first> <last> <count>``), one the events stream sourced (a log written before
+    the forwarder) its sequence in ``Nats-Stream-Source``."""
+    tokens = (headers or {}).get(CAPTURE, "").split()
+    if len(tokens) >= 3 and tokens[0] == capture and tokens[2].isdigit():
+        return int(tokens[2])
+    return sourced_seq(headers, capture)
+
+
+def events_held(headers: dict[str, str] | None) -> int:
+    """The Dynamo messages a message on a captured subject holds: a batch of the forwarder's
+    names their count in ``Seqstate-Capture``; any other holds one."""
+    tokens = (headers or {}).get(CAPTURE, "").split()
+    return int(tokens[3]) if len(tokens) >= 4 and tokens[3].isdigit() else 1
+
+
 async def captured(
     js: JetStreamContext,
     events: api.StreamInfo,
@@ -205,7 +225,7 @@ async def captured(
     except NotFoundError:
         sourced = 0
     else:
-        sourced = sourced_seq(newest.headers, capture)
+        sourced = covered_seq(newest.headers, capture)
     error, lag = "", None
     for source in events.sources or []:
         if source.name == capture:
@@ -214,8 +234,11 @@ async def captured(
                 error = str(source.error.get("description") or source.error)
     last, first = state.last_seq, state.first_seq
     dropped = max(0, first - 1 - sourced)
-    if not sourced and lag is not None and await trimmed():  # sourced, then trimmed
-        sourced, dropped = max(0, last - lag), 0  # the server's count: in flight left out
+    if not sourced and first > 1 and await trimmed():  # taken, then trimmed from the log
+        if lag is not None:  # still sourced: the server's count (in flight left out)
+            sourced, dropped = max(0, last - lag), 0
+        else:  # the forwarder purges what it stored: the capture holds what waits
+            sourced, dropped = first - 1, 0
     waiting = max(0, last - max(sourced, first - 1))
     oldest = None
     if waiting:

@@ -60,11 +60,11 @@ from projector.nats.resources import dead_letter_stream, dynamo_capture
 from projector.nats.retention import trimmed_below
 from projector.nats.retry import ATTEMPT_TIMEOUT_S
 from projector.nats.stream import last_seq_of
+from projector.wire.capture import captured_subjects
 from projector.wire.chain import covered_source
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
 from projector.wire.values import Heartbeat
-from seqstate.dynamo import CAPTURED
 
 REPEAT_S = 60.0  # while behind, the warning is repeated this often
 CAUGHT_UP = 0.1  # caught up again: under this share of each threshold
@@ -251,11 +251,6 @@ def over(config: LagLimits, lag: Lag, share: float = 1.0) -> bool:
 
 
 # ---- measuring ----------------------------------------------------------------------------
-
-
-def captured_subjects(namespace: str) -> str:
-    """Where the events stream puts the namespace's captured Dynamo messages."""
-    return f"seqstate.events.{namespace}.{CAPTURED}.>"
 
 
 async def capture_of(

@@ -18,14 +18,14 @@ policy, is warned about.
 
 The capture and dead-letter streams are buffers and copies, so they have byte limits
 (``capture_max_bytes``, ``dead_letter_max_bytes``) and drop their oldest messages beyond
-(discard ``old``). The capture stream keeps sourced messages until then, so ``new`` would
-have it refuse Dynamo's messages once a day's traffic filled it, however healthy the events
-stream; with ``old``, only a backlog the events stream refused for longer than the limit holds
-loses its oldest, and :mod:`projector.nats.backlog` counts those exactly (``status``, the
-metrics), as the fold counts them per Dynamo publisher. A byte limit on an existing stream
-is only ever raised (a stream without one, as streams created before the setting, gets it):
-two processes given different values must not take turns rewriting it, and an operator's
-larger limit stays; 'off' lifts it.
+(discard ``old``). The capture stream holds what no writer's forwarder has stored yet (it
+purges what it stored), so ``new`` would have it refuse Dynamo's newest messages once such a
+backlog filled it, and keep the oldest; with ``old``, only a backlog nothing took for longer
+than the limit holds loses its oldest, and :mod:`projector.nats.backlog` counts those exactly
+(``status``, the metrics), as the fold counts them per Dynamo publisher. A byte limit on an
+existing stream is only ever raised (a stream without one, as streams created before the
+setting, gets it): two processes given different values must not take turns rewriting it, and
+an operator's larger limit stays; 'off' lifts it.
 """
 
 from __future__ import annotations
@@ -47,10 +47,8 @@ from projector.nats.retry import placing
 from projector.wire import msg_ids
 from projector.wire.capture import (
     CAPTURE_MAX_AGE_S,
-    RAW_PATTERN,
     capture_stream,
     dynamo_subject,
-    rewrite,
 )
 from projector.wire.config import Config
 from seqstate.errors import SeqstateError
@@ -160,7 +158,8 @@ async def _ensure(nc: Client, config: Config) -> Resources:
     js = nc.jetstream()
     await wait_for_jetstream(nc)
     storage = api.StorageType.FILE
-    sources = [await _ensure_capture(js, config)] if config.dynamo_endpoints else None
+    if config.dynamo_endpoints:
+        await _ensure_capture(js, config)
     events = await _ensure_stream(
         js,
         api.StreamConfig(
@@ -173,7 +172,6 @@ async def _ensure(nc: Client, config: Config) -> Resources:
             num_replicas=config.replicas,
             allow_direct=True,
             discard=api.DiscardPolicy.NEW,
-            sources=sources,
             metadata={msg_ids.KEY: msg_ids.new_key()},
         ),
         keep_every_message=True,
@@ -220,13 +218,13 @@ async def _ensure(nc: Client, config: Config) -> Resources:
     return Resources(events, deltas, dead, registry)
 
 
-async def _ensure_capture(js: JetStreamContext, config: Config) -> api.StreamSource:
-    """The namespace's capture stream (its Dynamo endpoints' subjects, added to any it has),
-    and the events stream's source of it, rewriting each subject into the namespace's.
+async def _ensure_capture(js: JetStreamContext, config: Config) -> None:
+    """The namespace's capture stream (its Dynamo endpoints' subjects, added to any it has).
 
-    The capture stream only buffers: the server copies each message on into the events
-    stream at once, whether seqstate's processes run or not. It keeps a day of messages, in
-    case the events stream refuses them for a while (full, or its leader being elected).
+    It buffers what Dynamo publishes, whether seqstate's processes run or not, until a
+    writer's forwarder (:mod:`projector.nats.forward`) stores it in the events stream (as
+    record batches) and purges it. It keeps a day of messages, should none be forwarded for
+    a while (no writer running, or the events stream full).
     """
     name = dynamo_capture(config)
     await _ensure_stream(
@@ -235,7 +233,7 @@ async def _ensure_capture(js: JetStreamContext, config: Config) -> api.StreamSou
             name=name,
             description=(
                 f"Dynamo replica-sync events captured for seqstate namespace "
-                f"{config.namespace} (its events stream sources them)"
+                f"{config.namespace} (the writer forwards them into its events stream)"
             ),
             subjects=[dynamo_subject(e) for e in config.dynamo_endpoints],
             storage=api.StorageType.FILE,
@@ -245,10 +243,6 @@ async def _ensure_capture(js: JetStreamContext, config: Config) -> api.StreamSou
             discard=api.DiscardPolicy.OLD,
             num_replicas=config.replicas,
         ),
-    )
-    return api.StreamSource(
-        name=name,
-        subject_transforms=[api.SubjectTransform(src=RAW_PATTERN, dest=rewrite(config.namespace))],
     )
 
 

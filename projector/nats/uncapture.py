@@ -2,14 +2,15 @@
 
 Provisioning only ever adds: a typo'd ``--dynamo-endpoint dynamo.backend.generat`` leaves its
 subject in the namespace's capture stream for good. Removing an endpoint takes its subject out
-of the capture stream's subjects, so JetStream stops storing what Dynamo publishes there; the
-events stream's source of the capture, and its one subject transform, serve every endpoint and
-stay. Removing the last one stops the capture altogether: the capture stream first listens on
-no Dynamo subject (a stream with no subjects listens on its own name, where Dynamo publishes
-nothing), then the events stream takes what it still held (normally at once), and only then
-loses its source and the capture stream is deleted, so nothing captured before the removal is
-lost. A later ``--dynamo-endpoint`` provisions both afresh, and the events stream sources the
-new capture stream from its first message.
+of the capture stream's subjects, so JetStream stops storing what Dynamo publishes there;
+what it captured before is still forwarded by the writers. Removing the last one stops the
+capture altogether: the capture stream first listens on no Dynamo subject (a stream with no
+subjects listens on its own name, where Dynamo publishes nothing), then this command forwards
+what it still holds into the events stream itself (as a writer's forwarder does, beside any
+running: :mod:`projector.nats.forward`), and only then is the capture stream deleted (and an
+events stream provisioned before the forwarder loses its source of it), so nothing captured
+before the removal is lost. A later ``--dynamo-endpoint`` provisions it afresh, and the
+forwarder stores the new capture stream from its first message.
 
 Nothing in the events stream is touched: the namespace's log keeps every event the endpoint
 had, and every fold (replay, verify, rebuild) still folds them, since the fold tells a Dynamo
@@ -22,11 +23,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import nats.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
-from projector.nats.backlog import Captured
+from projector.nats.backlog import Captured, events_held
+from projector.nats.failures import describe
+from projector.nats.forward import forward_waiting
 from projector.nats.lag import capture_of, captured_subjects
 from projector.nats.resources import dynamo_capture
 from projector.wire.capture import captured_subject, endpoint_of
@@ -68,17 +73,26 @@ async def uncapture(nc: Client, config: Config, endpoints: tuple[str, ...] = ())
         left = [s for s in subjects if endpoint_of(s) not in gone]
         await _update(js, info.config, subjects=left)
     else:
-        await _stop(js, config, info.config)
+        await _stop(nc, config, info.config)
     removed = await _in_log(js, config, [e for e in captured if e in gone])
     return Uncaptured(name, removed, kept, deleted=not kept)
 
 
-async def _stop(js: JetStreamContext, config: Config, capture: api.StreamConfig) -> None:
-    """No Dynamo subject left: stop listening, let the events stream take the rest, then
-    drop its source and the capture stream."""
+async def _stop(nc: Client, config: Config, capture: api.StreamConfig) -> None:
+    """No Dynamo subject left: stop listening, store the rest in the events stream (as a
+    writer's forwarder does, beside any running), then drop the capture stream (and the
+    events stream's source of it, on a stream provisioned before the forwarder)."""
+    js = nc.jetstream()
     name = capture.name or ""
     if any(endpoint_of(s) is not None for s in capture.subjects or []):
         await _update(js, capture, subjects=[])
+    refused = ""
+    try:
+        await forward_waiting(nc, config, DRAIN_S)
+    except (TimeoutError, NotFoundError):
+        pass  # said below, by what still waits
+    except (APIError, nats.errors.Error) as exc:
+        refused = describe(exc)
     backlog = await _drained(js, config)
     if backlog is not None:
         one = backlog.waiting == 1
@@ -86,7 +100,7 @@ async def _stop(js: JetStreamContext, config: Config, capture: api.StreamConfig)
             f"{backlog.waiting:,} Dynamo message{'' if one else 's'} captured for namespace "
             f"{config.namespace!r} {'is' if one else 'are'} not in stream "
             f"{config.events_stream} yet"
-            + (f" ({backlog.error})" if backlog.error else " (is it full?)")
+            + f" ({backlog.error or refused or 'is it full?'})"
             + f"; {name} captures nothing more, and is kept until the events stream has "
             f"{'it' if one else 'them'}: run this again then"
         )
@@ -131,7 +145,8 @@ async def _update(js: JetStreamContext, have: api.StreamConfig, **changes: objec
 
 
 async def _in_log(js: JetStreamContext, config: Config, endpoints: list[str]) -> dict[str, int]:
-    """Each endpoint's events in the namespace's log (one request: the server counts them)."""
+    """Each endpoint's events in the namespace's log: the server counts its messages, and a
+    forwarded batch's header says how many it holds (read headers only)."""
     try:
         info = await js.stream_info(
             config.events_stream, subjects_filter=captured_subjects(config.namespace)
@@ -139,7 +154,39 @@ async def _in_log(js: JetStreamContext, config: Config, endpoints: list[str]) ->
     except NotFoundError:
         return dict.fromkeys(endpoints, 0)
     counts = info.state.subjects or {}
-    return {e: counts.get(captured_subject(config.namespace, e), 0) for e in endpoints}
+    held = {}
+    for e in endpoints:
+        subject = captured_subject(config.namespace, e)
+        held[e] = await _events_on(js, config.events_stream, subject, counts.get(subject, 0))
+    return held
+
+
+async def _events_on(js: JetStreamContext, stream: str, subject: str, messages: int) -> int:
+    """The events the first ``messages`` messages on ``subject`` hold."""
+    if not messages:
+        return 0
+    seen, total = 0, 0
+    done = asyncio.Event()
+
+    async def take(msg: Msg) -> None:
+        nonlocal seen, total
+        seen += 1
+        total += events_held(msg.headers)
+        if seen >= messages:
+            done.set()
+
+    sub = await js.subscribe(
+        subject,
+        stream=stream,
+        ordered_consumer=True,
+        config=api.ConsumerConfig(headers_only=True),
+        cb=take,
+    )
+    try:
+        await asyncio.wait_for(done.wait(), DRAIN_S)
+    finally:
+        await sub.unsubscribe()
+    return total
 
 
 async def require_captured(nc: Client, config: Config, endpoints: tuple[str, ...]) -> None:

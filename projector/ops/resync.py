@@ -29,6 +29,7 @@ resync publisher, so none of it changes the ledger.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -42,12 +43,13 @@ from projector.ops.replay import fold_stream, replay
 from projector.read.bucket import read_bucket
 from projector.wire.config import Config
 from seqstate import SeqstateError, SequenceState
+from seqstate.batches import items_of
 from seqstate.dynamo import ADD, CAPTURED, DynamoMessage, captured_subject, decode_dynamo
 from seqstate.events import EventDecodeError
 
-# How long the fence may take to come back through the capture: the server copies a message
-# from the capture stream into the events stream at once; only a capture that is not there
-# (or an events stream refusing messages) takes longer.
+# How long the fence may take to come back through the capture: the writer's forwarder stores
+# a captured message in the events stream at once; only a capture that is not there, no
+# writer running (or an events stream refusing messages) takes longer.
 FENCE_WAIT_S = 30.0
 
 
@@ -111,7 +113,7 @@ async def in_flight(
         for _, value in sorted(bucket.requests(rank).items()):
             slot = state.workers.slots.get(rank)
             live = slot.requests.get(value.request_id) if slot is not None else None
-            request = await _stored_add(js, config, value.applied_seq, wanted)
+            request = await _stored_add(js, config, value.applied_seq, wanted, value.request_id)
             if live is None or request is None or request[1].request_id != value.request_id:
                 skipped += 1
                 continue
@@ -125,9 +127,10 @@ def _live(state: SequenceState, rank: tuple[int, int], request_id: str) -> bool:
 
 
 async def _stored_add(
-    js: JetStreamContext, config: Config, seq: int, wanted: set[str]
+    js: JetStreamContext, config: Config, seq: int, wanted: set[str], request_id: str
 ) -> tuple[str, DynamoMessage] | None:
-    """The endpoint and the Dynamo AddRequest stored at ``seq``, if that is what it is."""
+    """The endpoint and the Dynamo AddRequest of ``request_id`` stored at ``seq`` (alone, or
+    in a record batch of the capture's forwarder), if that is what it is."""
     try:
         msg = await js.get_msg(config.events_stream, seq)
     except NotFoundError:
@@ -136,10 +139,17 @@ async def _stored_add(
     if endpoint is None or endpoint not in wanted:
         return None
     try:
-        message = decode_dynamo(msg.data or b"")
+        items = items_of(msg.data or b"")
     except EventDecodeError:
         return None
-    return (endpoint, message) if message.op == ADD else None
+    for item in items:
+        try:
+            message = decode_dynamo(item)
+        except EventDecodeError:
+            continue
+        if message.op == ADD and message.request_id == request_id:
+            return endpoint, message
+    return None
 
 
 async def stored_at(
@@ -151,8 +161,11 @@ async def stored_at(
     found: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
     async def take(msg: Msg) -> None:
-        if not found.done() and msg.data == data:
-            found.set_result(log_time_ns(msg)[0])
+        if found.done():
+            return
+        with contextlib.suppress(EventDecodeError):
+            if data in items_of(msg.data):  # alone, or in a batch of the forwarder's
+                found.set_result(log_time_ns(msg)[0])
 
     sub = await js.subscribe(
         captured_subject(config.namespace, endpoint),

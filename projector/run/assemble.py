@@ -18,6 +18,7 @@ from nats.js import JetStreamContext
 
 from projector.nats.dead_letters import PROJECTOR_KINDS, WRITER_KINDS, DeadLetters
 from projector.nats.discovery import announced
+from projector.nats.forward import CaptureForwarder
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagSettings, projector_lag, writer_lag
 from projector.nats.lease import DEFAULT_TTL_S, Kind, Lease, LeaseLost
@@ -192,6 +193,8 @@ def build_writer(
         lag=lag_settings(config),
         measure_lag=measure_lag,
         rules_differing=config.rules_differing,
+        # a namespace that captures Dynamo endpoints: its writer stores what is captured
+        forwarder=CaptureForwarder(nc, config) if config.dynamo_endpoints else None,
     )
 
 

@@ -9,6 +9,10 @@ MSG_ID = "Nats-Msg-Id"
 # every message of the events stream that carries it came from Dynamo's side, and its
 # Nats-Msg-Id, if any, is whatever the client that published it there chose.
 STREAM_SOURCE = "Nats-Stream-Source"
+# On a message the capture's forwarder stored (projector.nats.forward): ``<capture stream>
+# <first> <last> <count>``, the capture sequences of the Dynamo messages it holds (``count`` of
+# them, in order; a batch holds them as a record batch). Where a restarted forwarder resumes.
+CAPTURE = "Seqstate-Capture"
 # A compare-and-set on the subject's last message, so two writers cannot interleave.
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 # An atomic batch (nats-server 2.12+, a stream with ``allow_atomic``): messages with the same

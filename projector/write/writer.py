@@ -46,11 +46,13 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_letters import LOG_EVERY_S
 from projector.nats.failures import describe, explain, refusal
 from projector.nats.feed import DEFAULT_WINDOW
+from projector.nats.forward import CaptureForwarder
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.logs import Quiet, event_fields
@@ -79,6 +81,7 @@ from seqstate.fold import Verdict, event_of
 from seqstate.recent import NEVER
 
 log = logging.getLogger("seqstate.writer")
+FORWARD_AT_START_S = 60.0  # for the capture's backlog to reach the log before the fold starts
 SETTLE_S = 0.5  # what a prompt stop gives a snapshot save under way to finish
 
 # (stream sequence, the fold's verdict: of a record batch, one per event); (0, None): never
@@ -164,6 +167,7 @@ class Writer(LagWatched):
         lag: WatchSettings,
         measure_lag: Callable[[int], Awaitable[Lag]],
         rules_differing: Callable[[SequenceState], list[str]],
+        forwarder: CaptureForwarder | None = None,
     ) -> None:
         self.nc = nc
         self.settings = settings
@@ -185,6 +189,8 @@ class Writer(LagWatched):
         self._host = host
         self._lag_of = measure_lag
         self._rules_differing = rules_differing
+        # Stores the namespace's captured Dynamo messages into the log, bursts as batches.
+        self.forwarder = forwarder
         self._published_up_to = 0
         # Holes logged: the first at once, then one line per interval (``_log_hole``).
         self._holes_quiet = Quiet(LOG_EVERY_S, self._say_held_holes)
@@ -276,6 +282,7 @@ class Writer(LagWatched):
             return
         await self.snapshotter.check_coverage(self.applied.value)
         self.heard_before_start = frozenset(self.state.publishers.entries)
+        await self._forward_backlog()
         # The stream may carry other namespaces: caught up means up to this namespace's newest
         # event, and a restored state starts the consumer after its last one.
         await self._events.start(after=self.applied.value)
@@ -289,9 +296,11 @@ class Writer(LagWatched):
         self.deltas.start(self._fail)
         ticker = asyncio.create_task(self._tick_when_idle())
         watcher = asyncio.create_task(self.lag_watch.run(), name="seqstate-writer-lag")
+        forwarder = asyncio.create_task(self._forward(), name="seqstate-capture-forwarder")
         try:
             await self._stopping.wait()
             await cancel(watcher)  # a stop is no news of a lag
+            await cancel(forwarder)
             await self._events.stop()
             if self._failure is None:
                 await self.flush()
@@ -304,12 +313,44 @@ class Writer(LagWatched):
             self._ticks_quiet.flush()
             self._release_awaited()
             await cancel(watcher)
+            await cancel(forwarder)
             await cancel(ticker)
             await self.deltas.close()
             await self.snapshotter.close()
             await self._events.stop()
         if self._failure is not None:
             raise self._failure
+
+    async def _forward_backlog(self) -> None:
+        """What the capture holds at start, stored in the log before the writer reads it: so
+        caught up means Dynamo's messages captured while no writer ran are folded too (a
+        resync at start finds their requests). The forwarder goes on with anything left."""
+        if self.forwarder is None:
+            return
+        try:
+            await self.forwarder.forward_waiting(FORWARD_AT_START_S)
+        except NotFoundError:
+            return  # no capture stream (uncaptured): nothing waits
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the running forwarder retries, saying why
+            log.warning(
+                "the Dynamo capture's backlog is not all in the log at start: %s",
+                describe(exc) if str(exc) else type(exc).__name__,
+                extra={"namespace": self.settings.namespace},
+            )
+
+    async def _forward(self) -> None:
+        """The capture's forwarder, for as long as the writer runs; one that cannot go on
+        stops the writer, saying why."""
+        if self.forwarder is None:
+            return
+        try:
+            await self.forwarder.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
 
     async def _restore(self) -> None:
         """Start from the newest valid snapshot whose deltas are all on the DELTAS stream."""
@@ -423,29 +464,33 @@ class Writer(LagWatched):
             self.deltas.append_parts(deltas)
             self.stats.deltas_published += len(deltas)
             self.stats.last_delta_seq = seq
+            for delta in deltas:  # a batch of Dynamo messages may reveal holes
+                if delta.hole is not None:
+                    self._log_hole(seq, delta.hole, delta.index)
         if not refused:
             return None
         items = decode_batch(msg.data)  # decoded once more only when an event was refused
         return [replace(each, payload=items[each.index or 0]) for each in refused]
 
-    def _log_hole(self, seq: int, hole: Hole) -> None:
+    def _log_hole(self, seq: int, hole: Hole, index: int | None = None) -> None:
         """A Dynamo publisher's messages the log never got (NATS Core keeps no copy). They
         may come by the thousand (forged sequences, a flood of publishers): the first is said
         at once, the rest once per interval, counted (the metrics keep every one)."""
+        at = str(seq) if index is None else f"{seq}#{index}"  # an event of a batch: its index
         if not self._holes_quiet.now():
             held = self._holes_held
             held[0] += 1
             held[1] += hole.missing
-            held[2] = f"publisher {hole.publisher_id}, {hole.missing:,} before event {seq}"
+            held[2] = f"publisher {hole.publisher_id}, {hole.missing:,} before event {at}"
             return
         log.warning(
-            "Dynamo publisher %d lost %d message%s (its sequence %d on) before event %d: "
+            "Dynamo publisher %d lost %d message%s (its sequence %d on) before event %s: "
             "what they added, marked or freed stays wrong until a Free or expiry",
             hole.publisher_id,
             hole.missing,
             "" if hole.missing == 1 else "s",
             hole.first_missing,
-            seq,
+            at,
             extra={"namespace": self.settings.namespace, "stream_seq": seq},
         )
 

@@ -44,17 +44,18 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from pipeline_kit import events_in, forwarding, read_events
 
 from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
 from projector.nats.server import NatsCluster
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import last_seq_of
 from projector.read.reader import RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID
 from projector.wire.values import position_key
 from seqstate import AddRequest, Free, WorkerAdded
+from seqstate.batches import items_of
 
 WINDOW = 40  # publishes in flight at once
 ELECTION_S = 20.0  # a killed leader stalls publishing 4-9 s (the server's election timeout)
@@ -524,14 +525,17 @@ async def test_a_dynamo_capture_on_the_cluster_is_r3_and_every_message_folds(
         for message in CAPTURE:
             await nc.publish(SUBJECT, message.data)
         await nc.flush()
-        await eventually(
-            lambda: last_seq_of(js, config.events_stream, config.events_subjects),
-            lambda last: last >= len(CAPTURE),
-            what="every captured message in the namespace's log",
-            retry_on=BUSY,
-        )
+        async with forwarding(nc, config):  # a writer's
+            await eventually(
+                lambda: read_events(nc, config),
+                lambda log: events_in(log) >= len(CAPTURE),
+                what="every captured message in the namespace's log",
+                retry_on=BUSY,
+            )
+        log = await read_events(nc, config)
+        assert [item for *_, data in log for item in items_of(data)] == [m.data for m in CAPTURE]
         fold = await fold_log(nc, config)
-        assert fold.last == len(CAPTURE)
+        assert fold.last == log[-1][0]
         state = fold.state
         assert len(state.requests) == 0
         assert (len(state.publishers), state.publishers.holes) == (4, 0)

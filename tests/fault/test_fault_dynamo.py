@@ -22,12 +22,18 @@ from fault_kit import (
     wait_current,
 )
 from nats.aio.client import Client
-from pipeline_kit import run_cli
+from pipeline_kit import read_events, run_cli
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
 from seqstate import SequenceState
+from seqstate.batches import items_of
+
+
+def dynamo_messages(log: list[tuple[int, int, str, bytes]]) -> list[bytes]:
+    """The Dynamo messages ``log`` holds, in order: alone, or in the forwarder's batches."""
+    return [item for _, _, _, data in log for item in items_of(data)]
 
 
 async def publish(nc: Client, part: list[bytes]) -> None:
@@ -59,16 +65,18 @@ async def test_seqstate_killed_while_dynamo_routes_ends_equal(
             await service.wait_ready(js)
         await publish(nc, data[110:])
 
-        async def logged() -> int:
-            return await last_seq_of(js, config.events_stream, config.events_subjects)
+        async def logged() -> list[bytes]:
+            return dynamo_messages(await read_events(nc, config))
 
-        last = await eventually(logged, lambda n: n >= len(data), what="every message stored")
+        await eventually(logged, lambda got: len(got) >= len(data), what="every message stored")
+        last = await last_seq_of(js, config.events_stream, config.events_subjects)
         await wait_current(js, writer, projector, last)
         await stop_all(services)
     finally:
         for service in services:
             service.close()
-    assert last == len(data)  # every captured message, once, in the namespace's log
+    # every captured message, once and in order, in the namespace's log (bursts as batches)
+    assert dynamo_messages(await read_events(nc, config)) == data
     snapshot = await assert_exact(nc, config, last)
     state = SequenceState.restore(snapshot)
     assert len(state.requests) == 0 and state.publishers.holes == 0  # the capture drains

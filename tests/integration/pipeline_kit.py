@@ -4,22 +4,27 @@ writer saw it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from eventually import eventually
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from projector.nats.forward import CaptureForwarder
 from projector.nats.resources import ensure
 from projector.nats.stream import last_seq_of, log_time_ns
+from projector.nats.tasks import cancel
 from projector.wire.config import Config
 from projector.wire.values import lease_key
 from seqstate import AddRequest, Fold, Free, SequenceState, encode_event
+from seqstate.batches import decode_batch, is_batch
 
 _names = itertools.count()
 REPO = Path(__file__).resolve().parents[2]
@@ -166,15 +171,48 @@ def folded(config: Config, log: list[tuple[int, int, str, bytes]]) -> SequenceSt
     return fold.state
 
 
+@contextlib.asynccontextmanager
+async def forwarding(nc: Client, config: Config) -> AsyncIterator[CaptureForwarder]:
+    """The capture's forwarder (what every writer runs) while inside."""
+    forwarder = CaptureForwarder(nc, config)
+    task = asyncio.create_task(forwarder.run())
+    try:
+        yield forwarder
+    finally:
+        await cancel(task)
+
+
+def events_in(log: list[tuple[int, int, str, bytes]]) -> int:
+    """The events ``log`` (``read_events``) holds: a record batch's each (the capture's
+    forwarder stores a burst of Dynamo messages as one)."""
+    return sum(len(decode_batch(data)) if is_batch(data) else 1 for _, _, _, data in log)
+
+
+def where(log: list[tuple[int, int, str, bytes]], data: bytes) -> str:
+    """Where ``log`` (``read_events``) holds ``data`` first, as the writer names an event:
+    ``<seq>``, or ``<seq>#<index>`` in a record batch."""
+    for seq, _, _, stored in log:
+        if not is_batch(stored):
+            if stored == data:
+                return str(seq)
+        elif data in (items := decode_batch(stored)):
+            return f"{seq}#{items.index(data)}"
+    raise AssertionError("not in the log")
+
+
 async def logged(nc: Client, config: Config, count: int) -> int:
-    """The sequence of the namespace's newest event, once ``count`` are stored (messages
-    published on NATS Core, which a capture stores with no ack to wait for)."""
-    js = nc.jetstream()
-    return await eventually(
-        lambda: last_seq_of(js, config.events_stream, config.events_subjects),
-        lambda last: last >= count,
-        what=f"{count} captured messages stored",
+    """The sequence of the namespace's newest message, once ``count`` events are stored
+    (Dynamo's messages published on NATS Core, which the capture stores with no ack to wait
+    for, and the writer's forwarder then stores in the log, a burst per message)."""
+
+    async def newest() -> tuple[int, int]:
+        log = await read_events(nc, config)
+        return (events_in(log), log[-1][0] if log else 0)
+
+    found = await eventually(
+        newest, lambda got: got[0] >= count, what=f"{count} captured messages stored"
     )
+    return found[1]
 
 
 async def fill(nc: Client, config: Config, n: int) -> int:

@@ -23,7 +23,9 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from pipeline_kit import cli_env, fresh_config, name_flags, seqstate, spawned_run
 
+from projector.nats.backlog import covered_seq
 from projector.nats.lease import Holder
+from projector.nats.resources import dynamo_capture
 from projector.nats.server import LOCK_FILE, NatsServer
 from projector.read.bucket import read_bucket
 from projector.read.reader import RegistryView
@@ -709,8 +711,12 @@ async def test_run_captures_dynamo_from_the_moment_it_says_it_runs(tmp_path: Pat
             js = nc.jetstream()
 
             async def stored() -> int:
-                info = await js.stream_info(config.events_stream, subjects_filter=captured)
-                return (info.state.subjects or {}).get(captured, 0)
+                """The last capture sequence in the log (the forwarder's header names it)."""
+                try:
+                    newest = await js.get_last_msg(config.events_stream, captured)
+                except NotFoundError:
+                    return 0
+                return covered_seq(newest.headers, dynamo_capture(config))
 
             await eventually(stored, lambda n: n == 6, what="the six AddRequests stored")
         finally:

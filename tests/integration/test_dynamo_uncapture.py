@@ -20,7 +20,7 @@ from dynamo_capture import CAPTURE
 from log_text import error_line
 from nats.aio.client import Client
 from nats.js.errors import NoStreamResponseError, NotFoundError
-from pipeline_kit import fresh_config, logged, run_cli
+from pipeline_kit import forwarding, fresh_config, logged, run_cli
 
 from projector.nats.resources import dynamo_capture, ensure
 from projector.nats.server import NatsServer
@@ -61,7 +61,8 @@ async def test_a_typod_endpoint_is_uncaptured_and_the_log_keeps_its_events(
     typo = dynamo_subject("unc.backend.generat")
     await nc.publish(typo, ADD)  # NATS Core, as Dynamo publishes: captured under the typo
     await nc.flush()
-    await logged(nc, config, 1)
+    async with forwarding(nc, config):  # a writer's
+        await logged(nc, config, 1)
     url = nats_server.url
     done = await run_cli(
         config, url, "dynamo", "uncapture", "--dynamo-endpoint", "unc.backend.generat"
@@ -76,12 +77,13 @@ async def test_a_typod_endpoint_is_uncaptured_and_the_log_keeps_its_events(
         "first",
     ]
     assert await subjects(nc, config) == [dynamo_subject("unc.backend.generate")]
-    assert await sources(nc, config) == [dynamo_capture(config)]
+    assert await sources(nc, config) == []  # the writer's forwarder stores what is captured
     await stored_nowhere(nc, typo)
     # The endpoint still captured goes on; the typo's subject took nothing meanwhile.
     await nc.publish(dynamo_subject("unc.backend.generate"), CAPTURE[1].data)
     await nc.flush()
-    await logged(nc, config, 2)
+    async with forwarding(nc, config):
+        await logged(nc, config, 2)
     info = await nc.jetstream().stream_info(
         config.events_stream, subjects_filter=f"seqstate.events.{config.namespace}.>"
     )
@@ -178,12 +180,12 @@ async def test_the_last_endpoint_uncaptured_under_a_running_pipeline_and_provisi
         assert set(pipeline.writer.state.requests.owner) == {"own", decode_dynamo(ADD).request_id}
     async with Pipeline(nc, config) as pipeline:  # its next start provisions it again
         assert await subjects(nc, config) == [subject]
-        assert await sources(nc, config) == [dynamo_capture(config)]
+        assert await sources(nc, config) == []
         await nc.publish(subject, CAPTURE[1].data)
         await nc.flush()
         last = await logged(nc, config, 3)
         await pipeline.wait_applied(last)
-    assert (await js.stream_info(dynamo_capture(config))).state.messages == 1
+    assert (await js.stream_info(dynamo_capture(config))).state.last_seq == 1  # a new stream
     out = await run_cli(config, url, "replay", "--verify", "--no-progress")
     assert out.returncode == 0 and "identical: 0 keys differ" in out.stdout, out.stdout
 
@@ -203,18 +205,21 @@ async def test_what_the_capture_still_holds_reaches_the_log_before_it_is_deleted
     events.max_msgs = 1
     await js.update_stream(events)
     subject = dynamo_subject("full.backend.generate")
-    for data in (ADD, CAPTURE[1].data):
-        await nc.publish(subject, data)
+    await nc.publish(subject, ADD)
     await nc.flush()
-    await logged(nc, config, 1)
+    async with forwarding(nc, config):  # a writer's, while the stream has room
+        await logged(nc, config, 1)
+    await nc.publish(subject, CAPTURE[1].data)
+    await nc.flush()
     url = nats_server.url
     assert error_line(await run_cli(config, url, "dynamo", "uncapture")) == (
         f"seqstate: error: 1 Dynamo message captured for namespace '{config.namespace}' is "
-        f"not in stream {config.events_stream} yet (is it full?); {dynamo_capture(config)} "
-        "captures nothing more, and is kept until the events stream has it: run this again then"
+        f"not in stream {config.events_stream} yet (the stream is full: maximum messages "
+        f"exceeded (JetStream error 10077)); "
+        f"{dynamo_capture(config)} captures nothing more, and is kept until the events stream "
+        "has it: run this again then"
     )
     assert await subjects(nc, config) == [dynamo_capture(config)]  # no Dynamo subject
-    assert await sources(nc, config) == [dynamo_capture(config)]
     await stored_nowhere(nc, subject)
     events = (await js.stream_info(config.events_stream)).config
     events.max_msgs = -1

@@ -38,6 +38,7 @@ from pipeline_kit import (
 
 from projector.http.slot_api import AddBody, event_for
 from projector.http.tracker_names import namespace_for
+from projector.nats.forward import fitted
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
@@ -47,7 +48,7 @@ from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from projector.wire.headers import REASON
-from projector.wire.sizes import event_limit
+from projector.wire.sizes import DELTA_HEADROOM, event_limit
 from projector.wire.values import EMPTY_SLOT, LARGEST_VALUE, parse_key
 from seqstate import AddRequest, Free, WorkerRemoved, encode_event
 from seqstate.dynamo import DynamoMessage, dynamo_subject, encode_dynamo
@@ -271,7 +272,7 @@ async def test_a_captured_dynamo_long_prompt_is_applied_and_one_over_the_limit_d
         dynamo_add(1, "million", MILLION, 2),
         dynamo_sized(limit, 2),
         dynamo_sized(limit + 1, 3),
-        dynamo_sized(nc.max_payload, 4),  # the most NATS takes: captured, then refused
+        dynamo_sized(nc.max_payload, 4),  # the most NATS takes: captured, cut, refused
         dynamo_add(5, "after", [1, 2, 3]),
     ]
     async with Pipeline(nc, config) as pipeline:
@@ -288,10 +289,14 @@ async def test_a_captured_dynamo_long_prompt_is_applied_and_one_over_the_limit_d
         assert pipeline.writer.stats.dead_letters == 2
         assert pipeline.writer.state.publishers.holes == 0  # refused, not lost
     letters = await read_stream(nc, dead_letter_stream(config), config.dead_letter_subject)
+    # The largest cannot be stored with the forwarder's headers: the tail of its hashes is cut
+    # (still over the limit, still counted in its publisher's sequence).
+    cut = len(fitted(messages[4], nc.max_payload - DELTA_HEADROOM))
+    assert limit + 1 < cut < nc.max_payload
     assert [headers[REASON] for _, headers, _ in letters] == [
         f"refused: an event of {size} bytes; its delta would not fit a message (at most "
         f"{limit} bytes of event)"
-        for size in (limit + 1, nc.max_payload)
+        for size in (limit + 1, cut)
     ]
     await assert_exact(
         nc, nats_server.url, config, [list(range(2**16, 2**16 + 140_000)), MILLION, WIDE]

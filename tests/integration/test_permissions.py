@@ -48,9 +48,11 @@ from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_projector, build_writer
 from projector.schedule.scheduler import Scheduler
 from projector.wire.config import Config
+from projector.wire.headers import MSG_ID
 from projector.wire.values import load_key
 from projector.write.writer import Writer
 from seqstate import AddRequest, WorkerAdded, WorkerRemoved, decode_event, encode_event
+from seqstate.batches import items_of
 from seqstate.dynamo import decode_dynamo, dynamo_subject, encode_dynamo
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,8 +121,11 @@ def violations(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.fixture
 async def pipeline(roles_server: str) -> AsyncIterator[tuple[Writer, Projector]]:
-    """The writer and the projector, each signed in as itself (a snapshot every 5 events)."""
-    writer_config = role_config(roles_server, "writer", snapshot_every_events=5)
+    """The writer and the projector, each signed in as itself (a snapshot every 5 events);
+    the writer forwards the namespace's Dynamo capture (``dynamo.backend.generate``)."""
+    writer_config = role_config(
+        roles_server, "writer", snapshot_every_events=5, dynamo_endpoint="dynamo.backend.generate"
+    )
     projector_config = role_config(roles_server, "projector")
     async with (
         connect(roles_server, service=True, config=writer_config) as wnc,
@@ -888,14 +893,17 @@ async def test_the_writer_and_the_projector_provision_a_dynamo_capture_as_themse
     roles_server: str,
 ) -> None:
     """``--dynamo-endpoint`` on the writer or the projector, each signed in as its role:
-    the capture stream is created and the events stream sources it, with no permissions
-    violation (each may create and update the namespace's capture stream)."""
+    the capture stream is created (the writer's forwarder stores what it captures: no
+    source), with no permissions violation (each may create and update the namespace's
+    capture stream)."""
     for role in ("writer", "projector"):
         async with as_role(roles_server, role, dynamo_endpoint="dyn.backend.generate") as nc:
             config = role_config(roles_server, role, dynamo_endpoint="dyn.backend.generate")
             await ensure(nc, config)
-            info = await nc.jetstream().stream_info(config.events_stream)
-            assert [s.name for s in info.config.sources or []] == [dynamo_capture(config)]
+            js = nc.jetstream()
+            assert not (await js.stream_info(config.events_stream)).config.sources
+            capture = await js.stream_info(dynamo_capture(config))
+            assert dynamo_subject("dyn.backend.generate") in (capture.config.subjects or [])
 
 
 async def test_dynamo_publishes_as_dynamo_and_the_admin_resyncs(
@@ -1069,21 +1077,16 @@ async def test_a_dynamo_clients_forged_headers_take_nothing_from_seqstate(
         # nothing purged or removed: every message stored since is still there
         assert after.messages - before.messages == after.last_seq - before.last_seq
         reached = []
+        forged = {k for h, _ in FORGED for k in h}
         for seq in range(before.last_seq + 1, after.last_seq + 1):
             msg = await js.get_msg("SEQSTATE_EVENTS", seq)
             if msg.subject.endswith(".dynamo.dynamo.backend.generate"):
-                headers = {
-                    k: v for k, v in (msg.headers or {}).items() if k != "Nats-Stream-Source"
-                }
-                reached.append((decode_dynamo(msg.data).request_id, headers))
-    assert reached == [
-        *(
-            (f"forged-{i}", {k: v for k, v in h.items() if not k.startswith("Nats-Expected-")})
-            for i, (h, ok) in enumerate(FORGED)
-            if ok
-        ),
-        ("after", {}),
-    ]
+                # stored by the writer's forwarder: its own headers, none of the forger's
+                headers = msg.headers or {}
+                assert headers[MSG_ID].startswith("capture:"), headers
+                assert not forged & set(headers) - {MSG_ID, "Nats-Expected-Last-Subject-Sequence"}
+                reached += [decode_dynamo(item).request_id for item in items_of(msg.data)]
+    assert reached == [*(f"forged-{i}" for i, (_, ok) in enumerate(FORGED) if ok), "after"]
 
 
 def _dynamo(sequence: int, request_id: str, op: str) -> bytes:

@@ -7,6 +7,7 @@ what the events stream's rewrite gives them) with the capture's own times as log
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from seqstate import (
     encode_delta,
     encode_event,
 )
+from seqstate.batches import encode_batch_of
 from seqstate.bounds import RankBounds
 from seqstate.deltas import Hole, split_delta
 from seqstate.dynamo import (
@@ -645,3 +647,64 @@ def test_no_bytes_on_a_dynamo_subject_make_the_fold_raise(data: bytes) -> None:
         assert verdict.kind in (UNDECODABLE, WRONG_SUBJECT) and verdict.reason
     else:
         assert decode_dynamo(data)  # only a whole Dynamo message is applied
+
+
+# ---- bursts stored as record batches (the capture's forwarder) ------------------------------
+
+POISON = b"\x81\xa4oops\xc1"  # a map that is no Dynamo message
+
+
+def stored_as(items: list[bytes]) -> bytes:
+    """How the forwarder stores a run of Dynamo messages: a lone one as it is, else a batch."""
+    return items[0] if len(items) == 1 else encode_batch_of(items)
+
+
+def unprefixed(verdict: Delta | Refusal) -> object:
+    """A verdict as a message alone gets it: a batch's refusal names its index first, and a
+    delta of a batch carries its index."""
+    if isinstance(verdict, Refusal):
+        return verdict._replace(reason=re.sub(r"^event \d+ of the batch: ", "", verdict.reason))
+    return encode_delta(msgspec.structs.replace(verdict, index=0))
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=60), st.integers(0, len(CAPTURE)))
+def test_bursts_as_batches_fold_as_each_message_alone(cuts: list[int], poison_at: int) -> None:
+    """The capture (a poison message somewhere in it) cut into bursts of any sizes, each
+    stored as one message (a batch, or a lone message as it is): every Dynamo message gets
+    the verdict it gets handed over alone at its burst's sequence and time, in order, and the
+    write models are byte for byte the same."""
+    data = [c.data for c in CAPTURE]
+    data.insert(poison_at, POISON)
+    bursts, start = [], 0
+    for size in cuts * (len(data) // max(1, sum(cuts)) + 1):
+        if start >= len(data):
+            break
+        bursts.append(data[start : start + size])
+        start += size
+    batched, alone = new_fold(), new_fold()
+    got: list[object] = []
+    want: list[object] = []
+    for seq, burst in enumerate(bursts, 1):
+        at_ns = CAPTURE[min(seq, len(CAPTURE) - 1)].t_ns
+        verdict = batched(seq, at_ns, ON, stored_as(burst))
+        got += [unprefixed(v) for v in (verdict if isinstance(verdict, list) else [verdict])]
+        want += [unprefixed(alone(seq, at_ns, ON, item)) for item in burst]  # type: ignore[arg-type]
+    assert got == want
+    assert batched.state.snapshot() == alone.state.snapshot()
+    assert sum(isinstance(v, Refusal) for v in got) == 1
+
+
+def test_a_poison_message_in_a_burst_is_refused_alone_with_its_index() -> None:
+    """A message that is no Dynamo message between two of the capture's: refused alone,
+    named by its index; its neighbours applied, its publisher's sequence untouched."""
+    fold = new_fold()
+    verdicts = fold(
+        1, CAPTURE[0].t_ns, ON, encode_batch_of([CAPTURE[0].data, POISON, CAPTURE[1].data])
+    )
+    assert isinstance(verdicts, list) and len(verdicts) == 3
+    first, poison, third = verdicts
+    assert (applied(first).index, applied(third).index) == (0, 2)
+    assert refused(poison).kind == UNDECODABLE
+    assert refused(poison).reason.startswith("event 1 of the batch: malformed Dynamo envelope")
+    assert fold.state.publishers.holes == 0
