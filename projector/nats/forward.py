@@ -84,7 +84,7 @@ class ForwardError(SeqstateError, RuntimeError):
     """The forwarder cannot go on (the server refuses it what it needs)."""
 
 
-class _Lost(Exception):
+class _Lost(SeqstateError):
     """Another publish took the place of this one: read the log again."""
 
 
