@@ -45,7 +45,16 @@ def node() -> str:
 
 def js_args(script: str, config: Config, url: str, *args: str) -> list[str]:
     bucket = ["--registry-bucket", config.registry_bucket] if script == "loads.mjs" else []
-    return [node(), str(JS / script), "--nats-url", url, "--namespace", config.namespace]+ bucket + list(args)
+    return [
+        node(),
+        str(JS / script),
+        "--nats-url",
+        url,
+        "--namespace",
+        config.namespace,
+        *bucket,
+        *args,
+    ]
 
 
 async def run_js(script: str, config: Config, url: str, *args: str) -> str:
@@ -92,7 +101,7 @@ async def churn(pub: RouterPublisher, rng: random.Random, rounds: int) -> dict[s
         )
         live[rid] = (worker, rank, modeled)
         for old in rng.sample(sorted(live), k=min(len(live), rng.randrange(3))):
-            w, r, m = live[old]
+            w, r, _ = live[old]
             if rng.random() < 0.4:
                 await pub.mark_prefill_completed(old, worker_id=w, dp_rank=r)
                 live[old] = (w, r, False)  # no prefill left: nothing of it decays
@@ -145,7 +154,9 @@ async def test_loads_mjs_prints_what_seqstate_loads_prints_under_load(
             # Read while the load runs: every line is a row of a known rank, exit 0.
             during = await run_js("loads.mjs", config, url, "--json")
             assert not load.done(), "the load ended before the read: raise its rounds"
-            assert during and all(json.loads(line)["worker_id"] in WORKERS for line in during.splitlines())
+            assert during and all(
+                json.loads(line)["worker_id"] in WORKERS for line in during.splitlines()
+            )
             live = await load
 
             # Stop the load with every live prefill unmodeled (a modeled one is marked
@@ -256,7 +267,15 @@ def test_loads_mjs_says_an_unknown_namespace_is_unknown(nats_server: NatsServer)
         cwd=REPO,
     )
     assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.startswith("loads.mjs: no registry bucket") and len(
-        result.stderr.splitlines()
-    ) == 1
+    assert (
+        result.stderr.startswith("loads.mjs: no registry bucket")
+        and len(result.stderr.splitlines()) == 1
+    )
 
+
+def test_the_js_reader_computes_the_pages_test_vectors() -> None:
+    result = subprocess.run(
+        [node(), str(JS / "vectors.mjs")], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == "11 vectors: every row as the page says\n"
