@@ -24,8 +24,9 @@ NS = "vec"
 def vectors() -> list[tuple[bytes, int, bytes]]:
     """(value, now, row) for each row of the page's "Test vectors" block."""
     block = re.search(r"### Test vectors.*?```text\n(.*?)```", DOC.read_text(), re.S)
-    assert block, "the page's test vectors"
     out: list[tuple[bytes, int, bytes]] = []
+    if block is None:
+        return out  # the count test fails, naming the block; collection goes on
     value = b""
     now = 0
     for line in block.group(1).splitlines():
@@ -41,7 +42,7 @@ def vectors() -> list[tuple[bytes, int, bytes]]:
 
 def test_the_page_has_vectors_past_two_to_the_53() -> None:
     found = vectors()
-    assert len(found) == 11
+    assert len(found) == 11, "the page's \"Test vectors\" block, 11 rows"
     # Worker ids and log times a double cannot hold: the reason the page says how to keep them.
     assert any(json.loads(v)["worker_id"] > 2**53 for v, _, _ in found)
     assert all(json.loads(v)["as_of"] > 2**53 for v, _, _ in found)
