@@ -78,13 +78,17 @@ async def python_loads(config: Config, url: str) -> str:
     return out.stdout
 
 
-async def churn(pub: RouterPublisher, rng: random.Random, rounds: int) -> dict[str, tuple]:  # type: ignore[type-arg]
+async def churn(
+    pub: RouterPublisher, rng: random.Random, rounds: int, stop: asyncio.Event
+) -> dict[str, tuple]:  # type: ignore[type-arg]
     """Requests booked, marked and freed on WORKERS' ranks, with shared prefixes, some
-    prefills modeled and some not; returns the ones still live: id -> (worker, rank,
-    modeled)."""
+    prefills modeled and some not, for at least ``rounds`` and until ``stop``; returns the
+    ones still live: id -> (worker, rank, modeled)."""
     live: dict[str, tuple] = {}  # type: ignore[type-arg]
     prefixes = [[rng.getrandbits(64) for _ in range(8)] for _ in range(4)]
-    for n in range(rounds):
+    n = 0
+    while n < rounds or not stop.is_set():
+        n += 1
         worker, rank = rng.choice(WORKERS), rng.randrange(2)
         modeled = rng.random() < 0.5
         rid = f"r{n}"
@@ -135,7 +139,9 @@ async def test_loads_mjs_prints_what_seqstate_loads_prints_under_load(
     rng = random.Random(7)
     async with Pipeline(nc, config):
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="js-load")
-        await pub.add("first", worker_id=WORKERS[0], block_hashes=[2**64 - 1])
+        first = await pub.add("first", worker_id=WORKERS[0], block_hashes=[2**64 - 1])
+        async with RegistryView(nc, namespace=config.namespace, config=config) as view:
+            await view.wait_for(first, timeout=30)  # a row to read from the start
         watcher = subprocess.Popen(
             js_args("loads.mjs", config, url, "--watch", "--json"),
             stdout=subprocess.PIPE,
@@ -150,10 +156,11 @@ async def test_loads_mjs_prints_what_seqstate_loads_prints_under_load(
             reading = asyncio.create_task(
                 asyncio.to_thread(lambda: watched.extend(iter(watcher.stdout.readline, "")))  # type: ignore[union-attr]
             )
-            load = asyncio.create_task(churn(pub, rng, 300))
+            stop = asyncio.Event()
+            load = asyncio.create_task(churn(pub, rng, 300, stop))
             # Read while the load runs: every line is a row of a known rank, exit 0.
             during = await run_js("loads.mjs", config, url, "--json")
-            assert not load.done(), "the load ended before the read: raise its rounds"
+            stop.set()
             assert during and all(
                 json.loads(line)["worker_id"] in WORKERS for line in during.splitlines()
             )
@@ -178,10 +185,12 @@ async def test_loads_mjs_prints_what_seqstate_loads_prints_under_load(
             assert sum(r["active_requests"] for r in rows) == len(live)
             assert any(r["active_prefill_tokens"] > 0 for r in rows)
 
-            # The live view converges to the same rows, at the last event.
+            # The live view converges to the same rows. (The position its lines name is not
+            # compared: a flush whose position comes over HOLD_MS late is shown without it,
+            # as the page says; test/view.test.mjs checks the hold itself.)
             await eventually(
                 lambda: folded(list(watched)),
-                lambda f: f == (expected.splitlines(), last),
+                lambda f: f[0] == expected.splitlines() and 0 < f[1] <= last,
                 what="loads.mjs --watch to show the last event's loads",
                 watch=lambda: "\n".join(watched[-5:]),
             )
@@ -279,3 +288,11 @@ def test_the_js_reader_computes_the_pages_test_vectors() -> None:
     )
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout == "11 vectors: every row as the page says\n"
+
+
+def test_the_js_view_holds_a_flush_until_its_position() -> None:
+    result = subprocess.run(
+        [node(), "--test", str(JS / "test")], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "# pass 2\n" in result.stdout and "# fail 0\n" in result.stdout

@@ -42,7 +42,7 @@ def vectors() -> list[tuple[bytes, int, bytes]]:
 
 def test_the_page_has_vectors_past_two_to_the_53() -> None:
     found = vectors()
-    assert len(found) == 11, "the page's \"Test vectors\" block, 11 rows"
+    assert len(found) == 11, 'the page\'s "Test vectors" block, 11 rows'
     # Worker ids and log times a double cannot hold: the reason the page says how to keep them.
     assert any(json.loads(v)["worker_id"] > 2**53 for v, _, _ in found)
     assert all(json.loads(v)["as_of"] > 2**53 for v, _, _ in found)
