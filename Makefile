@@ -41,6 +41,15 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# examples/js's packages (the official NATS JavaScript client), from its committed lock file:
+# tests/integration/test_js_reader.py runs its reader and publisher against a real pipeline.
+# npm writes node_modules/.package-lock.json on every install: the stamp.
+JS_STAMP := examples/js/node_modules/.package-lock.json
+
+$(JS_STAMP): examples/js/package-lock.json
+	npm ci --prefix examples/js --no-audit --no-fund
+	touch $(JS_STAMP)
+
 # Two passes. The whole suite against the compiled core; then the tests marked `core` (those
 # that exercise seqstate/ itself, with no nats-server: its unit, reference, property and
 # conformance tests) against the pure sources, the reference the compiled build must equal.
@@ -48,7 +57,7 @@ lint: $(STAMP)
 # integration and fault tests a second time cost minutes and tested the same projector/ again.
 # etcd (for Dynamo's etcd discovery) is unpacked from Debian's package into a cache outside the
 # checkout by tests/tools/install_etcd.sh: at once when already there.
-test: $(NATIVE) lint
+test: $(NATIVE) $(JS_STAMP) lint
 	bash tests/tools/install_etcd.sh >/dev/null
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m core
