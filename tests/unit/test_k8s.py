@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
-import subprocess
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from k8s_kit import BASE, by_kind, container_of, environment, render, with_mounted_secrets
 from packaging.version import Version
 from test_compose import _role_users
 
@@ -32,7 +31,6 @@ from projector.ops.flags import config_from
 from projector.wire.config import Config, env_name
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ROOT / "deploy" / "k8s"
 GUIDE = ROOT / "docs" / "kubernetes.md"
 SINGLETONS = ("seqstate-writer", "seqstate-projector")  # one fold per namespace
 SCALED = "seqstate-serve-http"
@@ -40,27 +38,12 @@ SCALED = "seqstate-serve-http"
 
 @pytest.fixture(scope="module")
 def objects() -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    assert kubectl, "kubectl is needed to render deploy/k8s (.ci/run installs it when missing)"
-    out = subprocess.run(
-        [kubectl, "kustomize", str(BASE)], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
-
-
-def _by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+    return render()
 
 
 @pytest.fixture(scope="module")
 def deployments(objects) -> dict[str, dict[str, Any]]:
-    return _by_kind(objects, "Deployment")
-
-
-def _container(deployment: dict[str, Any]) -> dict[str, Any]:
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return container
+    return by_kind(objects, "Deployment")
 
 
 def _parsed(container: dict[str, Any]) -> argparse.Namespace:
@@ -102,16 +85,16 @@ def test_the_image_is_the_one_kustomize_images_sets(deployments):
     kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
     (image,) = kustomization["images"]
     for name, deployment in deployments.items():
-        assert _container(deployment)["image"] == f"{image['newName']}:{image['newTag']}", name
+        assert container_of(deployment)["image"] == f"{image['newName']}:{image['newTag']}", name
     for path in BASE.glob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "Deployment":
-                assert _container(doc)["image"] == image["name"], path
+                assert container_of(doc)["image"] == image["name"], path
 
 
 @pytest.mark.parametrize("name", ["seqstate-writer", "seqstate-projector", SCALED])
 def test_every_argument_is_a_flag_the_command_accepts(deployments, name):
-    container = _container(deployments[name])
+    container = container_of(deployments[name])
     args = _parsed(container)
     assert args.command == name.removeprefix("seqstate-"), args.command
     # Every --flag is one of that command's own (argparse would accept an unambiguous prefix).
@@ -122,28 +105,12 @@ def test_every_argument_is_a_flag_the_command_accepts(deployments, name):
             assert token in known, f"{name}: `seqstate {args.command}` has no {token}"
 
 
-def _environment(objects: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
-    """What the container's process finds in its environment; a Secret's value is a stand-in."""
-    maps = _by_kind(objects, "ConfigMap")
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        assert set(source) == {"configMapRef"}, source
-        env.update(maps[source["configMapRef"]["name"]]["data"])
-    for var in container.get("env", []):
-        if "value" in var:
-            env[var["name"]] = var["value"]
-        else:
-            ref = var["valueFrom"]["secretKeyRef"]
-            env[var["name"]] = f"stand-in-for-{ref['name']}-{ref['key']}"
-    return env
-
-
 @pytest.mark.parametrize("name", ["seqstate-writer", "seqstate-projector", SCALED])
 def test_every_variable_is_a_setting_the_command_reads(
     objects, deployments, name, monkeypatch, tmp_path
 ):
-    container = _container(deployments[name])
-    env = _environment(objects, container)
+    container = container_of(deployments[name])
+    env = environment(objects, container)
     readable = {env_name(f.name) for f in fields(Config)} | {logs.ENV, logs.LEVEL_ENV}
     assert set(env) <= readable, f"{name} sets variables no setting reads: {set(env) - readable}"
     # The settings path of the command itself: each value parses and passes its checks.
@@ -152,7 +119,7 @@ def test_every_variable_is_a_setting_the_command_reads(
             monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    args = _parsed(_with_mounted_secrets(deployments[name], tmp_path))
+    args = _parsed(with_mounted_secrets(deployments[name], tmp_path))
     config = config_from(args)
     if logs.ENV in env:
         assert env[logs.ENV] in ("auto", "json", "console"), env[logs.ENV]
@@ -164,31 +131,10 @@ def test_every_variable_is_a_setting_the_command_reads(
         assert config.dynamo_endpoint is None and "SEQSTATE_NAMESPACE" not in env
 
 
-def _with_mounted_secrets(deployment: dict[str, Any], root: Path) -> dict[str, Any]:
-    """The container with each Secret volume's mount path moved under ``root``, each key the
-    command's file flags name written there, so the settings' file checks see real files."""
-    spec = deployment["spec"]["template"]["spec"]
-    container = _container(deployment)
-    command = list(container["command"])
-    secret_volumes = {v["name"] for v in spec.get("volumes", []) if "secret" in v}
-    for mount in container.get("volumeMounts", []):
-        if mount["name"] not in secret_volumes:
-            continue
-        assert mount.get("readOnly") is True, mount
-        local = root / mount["name"]
-        for i, token in enumerate(command):
-            if token.startswith(mount["mountPath"] + "/"):
-                path = local / token.removeprefix(mount["mountPath"] + "/")
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text("stand-in-token\n")
-                command[i] = str(path)
-    return {**container, "command": command}
-
-
 @pytest.mark.parametrize("name", ["seqstate-writer", "seqstate-projector", SCALED])
 def test_probes_and_scrapes_ask_the_metrics_port_the_command_listens_on(deployments, name):
     template = deployments[name]["spec"]["template"]
-    container = _container(deployments[name])
+    container = container_of(deployments[name])
     args = _parsed(container)
     port = int(args.cfg_metrics_port)
     assert args.cfg_metrics_host == "0.0.0.0", "the kubelet probes the pod's address"
@@ -211,12 +157,12 @@ def test_probes_and_scrapes_ask_the_metrics_port_the_command_listens_on(deployme
 
 
 def test_the_service_reaches_the_port_serve_http_listens_on(objects, deployments):
-    container = _container(deployments[SCALED])
+    container = container_of(deployments[SCALED])
     args = _parsed(container)
     assert args.cfg_http_host == "0.0.0.0"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["http"] == int(args.cfg_http_port)
-    service = _by_kind(objects, "Service")[SCALED]
+    service = by_kind(objects, "Service")[SCALED]
     labels = deployments[SCALED]["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     (port,) = service["spec"]["ports"]
@@ -225,7 +171,7 @@ def test_the_service_reaches_the_port_serve_http_listens_on(objects, deployments
 
 def test_every_container_requests_resources(deployments):
     for name, deployment in deployments.items():
-        requests = _container(deployment)["resources"]["requests"]
+        requests = container_of(deployment)["resources"]["requests"]
         assert {"cpu", "memory"} <= set(requests), name
 
 
@@ -242,7 +188,7 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def test_the_budget_protects_serve_http_and_only_it(objects, deployments):
-    (budget,) = _by_kind(objects, "PodDisruptionBudget").values()
+    (budget,) = by_kind(objects, "PodDisruptionBudget").values()
     selected = [
         name
         for name, d in deployments.items()
@@ -276,7 +222,7 @@ def _secret_refs(deployment: dict[str, Any]) -> set[tuple[str, str]]:
 
 
 def test_every_secret_is_the_users_and_documented(objects, deployments):
-    assert not _by_kind(objects, "Secret"), "no placeholder secret may be applied over a real one"
+    assert not by_kind(objects, "Secret"), "no placeholder secret may be applied over a real one"
     guide = GUIDE.read_text()
     refs = set().union(*(_secret_refs(d) for d in deployments.values()))
     assert refs
@@ -288,7 +234,7 @@ def test_every_secret_is_the_users_and_documented(objects, deployments):
 
 @pytest.mark.parametrize("name", ["seqstate-writer", "seqstate-projector", SCALED])
 def test_each_process_signs_in_as_its_role_with_its_roles_password(deployments, name):
-    env = {v["name"]: v for v in _container(deployments[name])["env"]}
+    env = {v["name"]: v for v in container_of(deployments[name])["env"]}
     user = env["SEQSTATE_NATS_USER"]["value"]
     assert user == {"seqstate-serve-http": "admin"}.get(name, name.removeprefix("seqstate-"))
     assert user in _role_users()
