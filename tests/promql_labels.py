@@ -13,8 +13,12 @@ not have (an empty panel in Grafana, never an error) fails here.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 _TOKEN = re.compile(
     r"""\s*(?:
@@ -270,3 +274,24 @@ def problems(expr: str, exported: dict[str, set[str]]) -> list[str]:
 
     labels(parse(expr))
     return found
+
+
+def exported(text: str) -> dict[str, set[str]]:
+    """A /metrics scrape's series names, each with the label names its samples carry."""
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+def dashboard_queries(path: Path) -> list[str]:
+    """Every PromQL expression of a Grafana dashboard: its panels' (rows' included) and its
+    query variables'."""
+    dashboard = json.loads(path.read_text())
+    panels = [p for top in dashboard["panels"] for p in (top, *top.get("panels", []))]
+    out = [t["expr"] for p in panels for t in p.get("targets", [])]
+    for variable in dashboard.get("templating", {}).get("list", []):
+        query = variable.get("query")
+        out.append(query["query"] if isinstance(query, dict) else str(query))
+    return out

@@ -12,14 +12,13 @@ suite without a fleet checks the dashboard against) says of those metrics.
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 
 import pytest
 from dynamo_kit import close_all, http_get
 from prometheus_client.parser import text_string_to_metric_families
-from promql_labels import problems
+from promql_labels import dashboard_queries, exported, problems
 from seqstate_kit import NAMESPACE, REPO, agree, per_rank
 from test_seqstate import hold
 
@@ -30,23 +29,14 @@ FRONTEND_TEXT = REPO / "tests" / "data" / "dynamo-frontend-metrics-1.6.1.txt"
 DECODE = "dynamo_frontend_worker_active_decode_blocks"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-METRICS_PORT = _free_port()
+METRICS_PORT = free_port()
 SEQSTATE_ARGS = ("--dynamo-resync", "off", "--metrics-port", str(METRICS_PORT))
-
-
-def exported(text: str) -> dict[str, set[str]]:
-    """Series name -> the label names its samples carry."""
-    out: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, set()).update(sample.labels)
-    return out
 
 
 def samples(text: str, name: str) -> dict[tuple[str, str], float]:
@@ -57,13 +47,6 @@ def samples(text: str, name: str) -> dict[tuple[str, str], float]:
             if s.name == name:
                 worker = s.labels.get("worker", s.labels.get("worker_id", ""))
                 out[(worker, s.labels["dp_rank"])] = s.value
-    return out
-
-
-def queries() -> list[str]:
-    dashboard = json.loads(DASHBOARD.read_text())
-    out = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    out += [v["query"]["query"] for v in dashboard["templating"]["list"]]
     return out
 
 
@@ -88,7 +71,7 @@ async def test_the_dashboard_reads_what_the_frontends_and_seqstate_export(
     names = exported(ours)
     for text in fronts:
         names.update(exported(text))
-    found = {expr: problems(expr, names) for expr in queries()}
+    found = {expr: problems(expr, names) for expr in dashboard_queries(DASHBOARD)}
     assert not any(found.values()), {e: p for e, p in found.items() if p}
 
     # The join of the comparison panel: each frontend's gauge, keyed as the ledger's series.

@@ -12,7 +12,6 @@ by tests/dynamo/test_dashboard.py, which checks it against a live fleet), carry.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dynamo_capture import CAPTURE, EDGES, ENDPOINT, FRONTEND_A, SUBJECT
@@ -20,9 +19,8 @@ from eventually import eventually
 from http_kit import http_get
 from nats.aio.client import Client
 from pipeline_kit import REPO, fresh_config, logged, name_flags
-from prometheus_client.parser import text_string_to_metric_families
-from promql_labels import problems
-from test_metrics import command, free_port
+from promql_labels import dashboard_queries, exported, problems
+from test_metrics import command, free_port, parse, pick
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -30,40 +28,12 @@ from seqstate.dynamo import decode_dynamo
 
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "seqstate-dynamo.json"
 FRONTEND_TEXT = REPO / "tests" / "data" / "dynamo-frontend-metrics-1.6.1.txt"
-Sample = tuple[str, frozenset[tuple[str, str]]]
-
-
-def exported(text: str) -> dict[str, set[str]]:
-    """Series name -> the label names its samples carry."""
-    out: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, set()).update(sample.labels)
-    return out
-
-
-def values(text: str) -> dict[Sample, float]:
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def queries() -> list[str]:
-    dashboard = json.loads(DASHBOARD.read_text())
-    out = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    return out + [v["query"]["query"] for v in dashboard["templating"]["list"]]
 
 
 async def scrape(port: int) -> str:
     status, _, body = await http_get(port, "/metrics")
     assert status == 200
     return body
-
-
-def of(samples: dict[Sample, float], name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
 
 
 async def test_every_query_reads_what_the_pipeline_and_a_frontend_export(
@@ -85,30 +55,15 @@ async def test_every_query_reads_what_the_pipeline_and_a_frontend_export(
                 expected.get(str(m.publisher_id), 0), m.sequence + 1
             )
 
-    w_port, p_port = free_port(), free_port()
-    common = [*name_flags(config), "--dynamo-endpoint", ENDPOINT, "--lag-check-s", "0.2"]
-    async with (
-        command(
-            nats_server.url,
-            tmp_path / "writer.log",
-            "writer",
-            *common,
-            "--idle-tick-s",
-            "3600",
-            "--tick-every-s",
-            "3600",
-            "--metrics-port",
-            str(w_port),
-        ),
-        command(
-            nats_server.url,
-            tmp_path / "projector.log",
-            "projector",
-            *common,
-            "--metrics-port",
-            str(p_port),
-        ),
-    ):
+    ports = {"writer": free_port(), "projector": free_port()}
+    own = {"writer": ["--idle-tick-s", "3600", "--tick-every-s", "3600"], "projector": []}
+
+    def started(role: str):  # as an operator (compose, Kubernetes) starts each
+        flags = [*name_flags(config), "--dynamo-endpoint", ENDPOINT, "--lag-check-s", "0.2"]
+        flags += [*own[role], "--metrics-port", str(ports[role])]
+        return command(nats_server.url, tmp_path / f"{role}.log", role, *flags)
+
+    async with started("writer"), started("projector"):
         # The edge amid the traffic: the projector's position moves with the writer's deltas,
         # and a message dead-lettered last would leave it one short until the next Tick.
         for data in [*sent[:10], edge, *sent[10:]]:
@@ -117,34 +72,28 @@ async def test_every_query_reads_what_the_pipeline_and_a_frontend_export(
         last = await logged(nc, config, len(sent) + 1)
         ns = config.namespace
 
-        def caught_up(role: str, extra: str):
-            def check(text: str) -> bool:
-                got = values(text)
-                at = {"namespace": ns, "role": role}
-                return (
-                    of(got, "seqstate_applied_seq", **at) == last
-                    and of(got, "seqstate_lag_events", **at) == 0
-                    and (not extra or of(got, extra, namespace=ns) is not None)
-                )
+        texts = {}
+        for role, port in ports.items():
+            at = {"namespace": ns, "role": role}
+            texts[role] = await eventually(
+                lambda port=port: scrape(port),
+                lambda text, at=at: (
+                    pick(parse(text), "seqstate_applied_seq", **at) == last
+                    and pick(parse(text), "seqstate_lag_events", **at) == 0
+                    # the writer's capture measured too (the projector exports none)
+                    and (
+                        at["role"] == "projector"
+                        or pick(parse(text), "seqstate_capture_waiting_messages", namespace=ns)
+                        is not None
+                    )
+                ),
+                what=f"the {role} at the last captured message, its lag measured",
+                interval=0.05,
+                retry_on=(OSError,),
+            )
+        ours, theirs = texts["writer"], texts["projector"]
 
-            return check
-
-        ours = await eventually(
-            lambda: scrape(w_port),
-            caught_up("writer", "seqstate_capture_waiting_messages"),
-            what="the writer at the last captured message, its capture measured",
-            interval=0.05,
-            retry_on=(OSError,),
-        )
-        theirs = await eventually(
-            lambda: scrape(p_port),
-            caught_up("projector", ""),
-            what="the projector at the last captured message",
-            interval=0.05,
-            retry_on=(OSError,),
-        )
-
-    got = values(ours)
+    got = parse(ours)
     per_publisher = {
         dict(labels)["publisher"]: value
         for (name, labels), value in got.items()
@@ -152,15 +101,15 @@ async def test_every_query_reads_what_the_pipeline_and_a_frontend_export(
     }
     assert per_publisher == expected
     lost = "seqstate_dynamo_messages_lost_total"
-    assert of(got, lost, namespace=ns, publisher="all") == 1
-    assert of(got, lost, namespace=ns, publisher=str(FRONTEND_A)) == 1
+    assert pick(got, lost, namespace=ns, publisher="all") == 1
+    assert pick(got, lost, namespace=ns, publisher=str(FRONTEND_A)) == 1
     dead = "seqstate_dead_letters_total"
-    assert of(got, dead, namespace=ns, role="writer", reason="undecodable") == 1
-    assert of(got, "seqstate_capture_waiting_messages", namespace=ns) == 0
+    assert pick(got, dead, namespace=ns, role="writer", reason="undecodable") == 1
+    assert pick(got, "seqstate_capture_waiting_messages", namespace=ns) == 0
 
     names = exported(ours)
     for text in (theirs, FRONTEND_TEXT.read_text()):
         for name, labels in exported(text).items():
             names.setdefault(name, set()).update(labels)
-    found = {expr: problems(expr, names) for expr in queries()}
+    found = {expr: problems(expr, names) for expr in dashboard_queries(DASHBOARD)}
     assert not any(found.values()), {e: p for e, p in found.items() if p}

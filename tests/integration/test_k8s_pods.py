@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -28,7 +27,7 @@ from typing import Any
 import nats
 from dynamo_capture import CAPTURE, SUBJECT
 from eventually import eventually
-from http_kit import exchange, http_get
+from http_kit import exchange, free_port, http_get
 from k8s_kit import by_kind, environment, render, with_mounted_secrets
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -36,12 +35,6 @@ from projector.nats.server import NatsServer
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES_CONF = REPO / "deploy" / "nats-roles.conf"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def on_loopback(command: list[str], ports: dict[str, int]) -> list[str]:

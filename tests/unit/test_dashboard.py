@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from promql_labels import metric_names, problems
+from promql_labels import dashboard_queries, metric_names, problems
 
 from projector.ops.metrics import Metrics
 
@@ -28,14 +28,6 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(panel)
         out.extend(panel.get("panels", []))
     return out
-
-
-def _expressions(dashboard: dict[str, Any]) -> list[str]:
-    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
-    for variable in dashboard.get("templating", {}).get("list", []):
-        query = variable.get("query")
-        exprs.append(query["query"] if isinstance(query, dict) else str(query))
-    return exprs
 
 
 # The series names the Prometheus text format gives a family of each type.
@@ -135,7 +127,7 @@ def test_dashboard_is_a_grafana_dashboard_with_unique_panels(uid):
 
 
 def test_every_metric_the_dashboard_names_is_exported(dashboard, exported_names):
-    named = set().union(*(metric_names(e) for e in _expressions(dashboard)))
+    named = set().union(*(metric_names(e) for e in dashboard_queries(DASHBOARD)))
     assert named, "the dashboard names no metric"
     missing = sorted(named - exported_names)
     assert not missing, f"the dashboard names metrics the code does not export: {missing}"
