@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,20 @@ def on_loopback(command: list[str], ports: dict[str, int]) -> list[str]:
     return out
 
 
+@dataclass
+class Pod:
+    ports: dict[str, int]  # --port and --metrics-port, as moved
+    env: dict[str, str]  # the container's environment
+
+    async def exec(self, *argv: str) -> tuple[int, str]:
+        """``kubectl exec`` of a command in the pod: its environment; exit status and output."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode or 0, out.decode()
+
+
 @asynccontextmanager
 async def pod(
     objects: list[dict[str, Any]],
@@ -56,9 +71,9 @@ async def pod(
     url: str,
     passwords: dict[str, str],
     tmp: Path,
-) -> AsyncIterator[dict[str, int]]:
-    """The Deployment's container as a process; yields its ports (``--port``,
-    ``--metrics-port``); SIGTERM at the end, which must stop it cleanly."""
+) -> AsyncIterator[Pod]:
+    """The Deployment's container as a process; SIGTERM at the end, which must stop it
+    cleanly."""
     deployment = by_kind(objects, "Deployment")[name]
     container = with_mounted_secrets(deployment, tmp / name)
     ports = {"--port": free_port(), "--metrics-port": free_port()}
@@ -80,7 +95,7 @@ async def pod(
             stderr=out,
         )
     try:
-        yield ports
+        yield Pod(ports, env)
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
@@ -132,7 +147,7 @@ async def test_the_base_runs_beside_dynamo_on_the_roles_config(tmp_path: Path) -
             for name, ports in running.items():
                 for path in ("/healthz", "/readyz"):
                     await eventually(
-                        lambda p=ports["--metrics-port"], path=path: probe(p, path),
+                        lambda p=ports.ports["--metrics-port"], path=path: probe(p, path),
                         lambda status: status == 200,
                         what=f"{name}: {path} answers 200",
                         interval=0.1,
@@ -147,8 +162,8 @@ async def test_the_base_runs_beside_dynamo_on_the_roles_config(tmp_path: Path) -
                 await dynamo.flush()
             finally:
                 await dynamo.close()
-            writer = running["seqstate-writer"]["--metrics-port"]
-            projector = running["seqstate-projector"]["--metrics-port"]
+            writer = running["seqstate-writer"].ports["--metrics-port"]
+            projector = running["seqstate-projector"].ports["--metrics-port"]
             folded = await eventually(
                 lambda: http_get(writer, "/metrics"),
                 lambda got: applied(got[2]).get("writer", 0) >= len(CAPTURE),
@@ -165,11 +180,30 @@ async def test_the_base_runs_beside_dynamo_on_the_roles_config(tmp_path: Path) -
             for port in (writer, projector):
                 assert await probe(port, "/readyz") == 200
 
-            http = running["seqstate-serve-http"]["--port"]
+            http = running["seqstate-serve-http"].ports["--port"]
             token = (tmp_path / "seqstate-serve-http" / "http-token" / "token").read_text()
             call = [("GET", "/loads", None)]
             (refused,) = await exchange(http, call)
             (answered,) = await exchange(http, call, token=token.strip())
             assert (refused[0], answered[0]) == (401, 200), (refused, answered)
+
+            # What docs/kubernetes.md runs in a serve-http pod (the admin role), and the
+            # status it reads through a port-forward as the replay role.
+            admin = running["seqstate-serve-http"]
+            endpoint = by_kind(objects, "ConfigMap")["seqstate-pipeline"]["data"]
+            dynamo_flag = ("--dynamo-endpoint", endpoint["SEQSTATE_DYNAMO_ENDPOINT"])
+            for argv in (("snapshot", "save", *dynamo_flag), ("dynamo", "resync", *dynamo_flag)):
+                rc, out = await admin.exec("seqstate", *argv)
+                assert rc == 0 and "permission" not in out, (argv, out)
+            replay = Pod(
+                {},
+                {
+                    **admin.env,
+                    "SEQSTATE_NATS_USER": "replay",
+                    "SEQSTATE_NATS_PASSWORD": passwords["SEQSTATE_REPLAY_PASSWORD"],
+                },
+            )
+            rc, out = await replay.exec("seqstate", "status")
+            assert rc == 0 and "permission" not in out, out
     finally:
         server.stop()
