@@ -208,16 +208,24 @@ def test_the_budget_protects_serve_http_and_only_it(objects, deployments):
         assert mine == [name], (name, mine)
 
 
-def _secret_refs(deployment: dict[str, Any]) -> set[tuple[str, str]]:
-    """Every (Secret, key) a pod reads: keys of env references, ``*`` for a whole volume."""
+def _secret_refs(deployment: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """Every (Secret, key, how) a pod reads: ``env`` for an env reference's key, ``file`` for
+    a file of a Secret volume that the command names (a volume's file is named by its key)."""
     spec = deployment["spec"]["template"]["spec"]
+    container = container_of(deployment)
     refs = {
-        (v["valueFrom"]["secretKeyRef"]["name"], v["valueFrom"]["secretKeyRef"]["key"])
-        for c in spec["containers"]
-        for v in c.get("env", [])
+        (v["valueFrom"]["secretKeyRef"]["name"], v["valueFrom"]["secretKeyRef"]["key"], "env")
+        for v in container.get("env", [])
         if "secretKeyRef" in v.get("valueFrom", {})
     }
-    refs |= {(v["secret"]["secretName"], "*") for v in spec.get("volumes", []) if "secret" in v}
+    secrets = {
+        v["name"]: v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v
+    }
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in secrets:
+            files = [t for t in container["command"] if t.startswith(mount["mountPath"] + "/")]
+            assert files, f"{mount['name']} is mounted but the command reads no file of it"
+            refs |= {(secrets[mount["name"]], Path(f).name, "file") for f in files}
     return refs
 
 
@@ -226,10 +234,10 @@ def test_every_secret_is_the_users_and_documented(objects, deployments):
     guide = GUIDE.read_text()
     refs = set().union(*(_secret_refs(d) for d in deployments.values()))
     assert refs
-    for secret, key in sorted(refs):
+    for secret, key, how in sorted(refs):
         assert f"create secret generic {secret}" in guide, f"{secret} is not documented"
-        if key != "*":
-            assert key in guide, f"{secret}'s key {key} is not documented"
+        made = f"--from-literal={key}=" if how == "file" else key
+        assert made in guide, f"{secret}'s key {key} is not documented"
 
 
 @pytest.mark.parametrize("name", ["seqstate-writer", "seqstate-projector", SCALED])
