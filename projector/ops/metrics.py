@@ -295,6 +295,13 @@ class _StateCollector(Collector):
             "the 20 publishers that lost the most, and the namespace's total (publisher 'all')",
             labels=("namespace", "publisher"),
         )
+        sent = CounterMetricFamily(
+            "seqstate_dynamo_publisher_messages",
+            "messages each Dynamo publisher (a frontend, a worker rank) has sent by its own "
+            "sequence numbers, the last heard plus one: its rate is the publisher's capture "
+            "rate, holes included (the publishers heard last, at most 4096)",
+            labels=("namespace", "publisher"),
+        )
         backlog = _BacklogFamilies()
         refused: list[RefusedRow] = []
         seen: set[tuple[str, str]] = set()
@@ -316,6 +323,8 @@ class _StateCollector(Collector):
                         lost.add_metric([namespace, "all"], counted.holes)
                         for publisher, n in counted.lossy():
                             lost.add_metric([namespace, str(publisher)], n)
+                        for publisher, heard in counted.entries.items():
+                            sent.add_metric([namespace, str(publisher)], heard.last_sequence + 1)
                     applied.add_metric([namespace, role], c.applied.value)
                     refused.append((namespace, role, c.stats.publishes_refused))
                     backlog.add(namespace, c.lag)
@@ -334,7 +343,7 @@ class _StateCollector(Collector):
                     lag_s.add_metric([namespace, role], lag.oldest_age_s)
                     behind.add_metric([namespace, role], lag.behind_events)
         yield from (events, dead, deltas, writes, applied, lag_events, lag_s, snap_age, snap_bytes)
-        yield from (publishers, lost, behind, refused_family(refused))
+        yield from (publishers, lost, sent, behind, refused_family(refused))
         yield from backlog.families()
 
 

@@ -543,11 +543,13 @@ def test_grafana_provisions_the_data_source_and_dashboard_it_names(services):
     (provider,) = providers["providers"]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
     files = sorted(dashboards.glob("*.json"))
-    assert [f.name for f in files] == ["seqstate.json"]
-    dashboard = json.loads(files[0].read_text())
+    assert [f.name for f in files] == ["seqstate-dynamo.json", "seqstate.json"]
     home = _environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
-    assert home == f"/var/lib/grafana/dashboards/{files[0].name}"
+    assert home == "/var/lib/grafana/dashboards/seqstate.json"
     used = {
-        json.dumps(p["datasource"], sort_keys=True) for p in panels(dashboard) if p["type"] != "row"
+        json.dumps(p["datasource"], sort_keys=True)
+        for f in files
+        for p in panels(json.loads(f.read_text()))
+        if p["type"] != "row"
     }
     assert used == {json.dumps({"type": "prometheus", "uid": source["uid"]}, sort_keys=True)}

@@ -1,59 +1,24 @@
 """deploy/grafana/dashboards/seqstate.json names only metrics the code exports.
 
-Every PromQL expression of every panel and template variable is read for its metric names
-(identifiers outside label matchers, ranges, grouping clauses and strings, not followed by
-``(``), and each must be a series name the code's registry exposes, histogram and counter
-suffixes included. A renamed metric then fails here, not on an operator's blank panel.
+Every PromQL expression of every panel and template variable is parsed for its metric names
+(tests/promql_labels.py), and each must be a series name the code's registry exposes,
+histogram and counter suffixes included. A renamed metric then fails here, not on an
+operator's blank panel.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from promql_labels import dashboard_queries, metric_names, problems
 
 from projector.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "seqstate.json"
-KEYWORDS = {
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
-    "offset",
-    "bool",
-    "and",
-    "or",
-    "unless",
-    "inf",
-    "nan",
-}
-IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
-    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges and subqueries
-    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    expr = re.sub(r"label_values\(\s*([^,)]+)(?:,[^)]*)?\)", r"(\1)", expr)
-    names = set()
-    for match in IDENT.finditer(expr):
-        rest = expr[match.end() :].lstrip()
-        before = expr[: match.start()]
-        if rest.startswith("(") or match.group().lower() in KEYWORDS:
-            continue
-        if before and (before[-1].isdigit() or before[-1] == "."):  # 1e3, 0.5
-            continue
-        names.add(match.group())
-    return names
 
 
 def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
@@ -63,14 +28,6 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(panel)
         out.extend(panel.get("panels", []))
     return out
-
-
-def _expressions(dashboard: dict[str, Any]) -> list[str]:
-    exprs = [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
-    for variable in dashboard.get("templating", {}).get("list", []):
-        query = variable.get("query")
-        exprs.append(query["query"] if isinstance(query, dict) else str(query))
-    return exprs
 
 
 # The series names the Prometheus text format gives a family of each type.
@@ -121,8 +78,42 @@ def test_metric_names_are_read_from_promql(expr, names):
     assert metric_names(expr) == names
 
 
-def test_dashboard_is_a_grafana_dashboard_with_unique_panels(dashboard):
-    assert dashboard["uid"] == "seqstate" and dashboard["schemaVersion"] >= 36
+@pytest.mark.parametrize(
+    ("expr", "exported", "found"),
+    [
+        ('sum by (worker) (a{namespace=~"x"})', {"a": {"namespace", "worker"}}, []),
+        (
+            "sum by (worker) (a)",
+            {"a": {"worker_id"}},
+            ["sum by 'worker': not a label of its argument"],
+        ),
+        ('a{wrong="1"}', {"a": {"namespace"}}, ["a has no label 'wrong'"]),
+        ("b", {"a": set()}, ["no metric b"]),
+        ("a - on (w) b", {"a": {"w"}, "b": {"v"}}, ["on (w): not a label of the right side"]),
+        (
+            'sum by (w) (a) - on (w) max by (w) (label_replace(b, "w", "$1", "v", "(.*)"))',
+            {"a": {"w"}, "b": {"v"}},
+            [],
+        ),
+        (
+            'label_replace(b, "w", "$1", "u", "(.*)")',
+            {"b": {"v"}},
+            ["label_replace reads 'u': not a label of its argument"],
+        ),
+        ("histogram_quantile(0.5, sum by (le) (rate(h_bucket[5m])))", {"h_bucket": {"le"}}, []),
+        ("topk(3, a) > bool 1", {"a": {"x"}}, []),
+        ("sum(a) by (x)", {"a": {"y"}}, ["sum by 'x': not a label of its argument"]),
+        ("label_values(a, x)", {"a": {"y"}}, ["label_values: 'x' is not a label of its metric"]),
+    ],
+)
+def test_labels_are_checked_where_promql_reads_them(expr, exported, found):
+    assert problems(expr, exported) == found
+
+
+@pytest.mark.parametrize("uid", ["seqstate", "seqstate-dynamo"])
+def test_dashboard_is_a_grafana_dashboard_with_unique_panels(uid):
+    dashboard = json.loads((DASHBOARD.parent / f"{uid}.json").read_text())
+    assert dashboard["uid"] == uid and dashboard["schemaVersion"] >= 36
     every = panels(dashboard)
     ids = [p["id"] for p in every]
     assert len(ids) == len(set(ids)), ids
@@ -136,7 +127,7 @@ def test_dashboard_is_a_grafana_dashboard_with_unique_panels(dashboard):
 
 
 def test_every_metric_the_dashboard_names_is_exported(dashboard, exported_names):
-    named = set().union(*(metric_names(e) for e in _expressions(dashboard)))
+    named = set().union(*(metric_names(e) for e in dashboard_queries(DASHBOARD)))
     assert named, "the dashboard names no metric"
     missing = sorted(named - exported_names)
     assert not missing, f"the dashboard names metrics the code does not export: {missing}"
