@@ -67,20 +67,28 @@ def check_writable(out: Path) -> None:
 
 @dataclass
 class _Sampler:
-    """The :class:`~projector.ops.replay.Ticks` of a report: a point at each mark passed."""
+    """The :class:`~projector.ops.replay.Ticks` of a report: a point at each mark passed.
+
+    No mark within half a step of the range's end, where the last point is: two points a few
+    nanoseconds apart made an events/s of millions out of a handful of events."""
 
     state: SequenceState
     since_ns: int
-    step_ns: int
+    until_ns: int
+    step_ns: int = 1
     next_ns: int = 0
     points: list[Point] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.step_ns = max(1, (self.until_ns - self.since_ns) // MAX_POINTS)
         self.next_ns = self.since_ns
 
     def passed(self, at_ns: int, events: int, dead_letters: int) -> None:
         marks = (at_ns - self.since_ns) // self.step_ns  # the last mark at or before at_ns
         mark_ns = self.since_ns + marks * self.step_ns
+        if mark_ns > self.until_ns - self.step_ns // 2:
+            self.next_ns = 1 << 64  # the end's point is the last one
+            return
         self.points.append(of_state(self.state, mark_ns / NS_PER_S, events, dead_letters))
         self.next_ns = mark_ns + self.step_ns
 
@@ -126,7 +134,7 @@ async def report(
     state, snapshot = await starting_state(
         nc, config, store, end_seq=bounds.last_seq, at_ns=since_ns
     )
-    sampler = _Sampler(state, since_ns, max(1, (until_ns - since_ns) // MAX_POINTS))
+    sampler = _Sampler(state, since_ns, until_ns)
     start = snapshot.applied_seq + 1 if snapshot else 1
     _, _, events, dead = await fold_stream(
         nc,
@@ -142,4 +150,6 @@ async def report(
     )
     end_ns = until_ns if until else max(until_ns, state.now_ns)
     sampler.points.append(of_state(state, end_ns / NS_PER_S, events, dead))
+    for point in sampler.points[:-1]:  # the table is the end's; each point keeps its age
+        del point["oldest"]
     return Report(sampler.points, since_ns, until_ns, events, bounds)

@@ -107,7 +107,9 @@ class Page:
         return await asyncio.wait_for(future, 30)
 
     async def evaluate(self, expression: str) -> Any:
-        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True)
+        result = await self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in result:
             raise AssertionError(f"{expression[:60]}: {result['exceptionDetails']}")
         return result["result"].get("value")

@@ -19,7 +19,8 @@ from browser_kit import Page, browser
 from dynamo_capture import CAPTURE, ENDPOINT, FRONTEND_A, SUBJECT
 from eventually import eventually
 from nats.aio.client import Client
-from pipeline_kit import fill, fresh_config, logged, run_cli, spawned_run
+from pipeline_kit import fill, fresh_config, logged, name_flags, run_cli, spawned_run
+from test_metrics import command, free_port, pick, scrape
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -166,3 +167,41 @@ def test_the_live_page_of_seqstate_run_updates_every_second(tmp_path: Path) -> N
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+async def test_the_live_page_of_a_projector_draws_what_its_image_knows(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A projector alone knows loads and counts (its image of the bucket), not requests' ages
+    nor Dynamo's publishers: those charts say so, the others draw."""
+    config = fresh_config("repui")
+    last = await fill(nc, config, 300)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/ui"
+    async with (
+        command(nats_server.url, tmp_path / "writer.log", "writer", *name_flags(config)),
+        command(
+            nats_server.url,
+            tmp_path / "projector.log",
+            "projector",
+            *name_flags(config),
+            "--metrics-port",
+            str(port),
+        ),
+    ):
+        await eventually(
+            lambda: scrape(port),
+            lambda s: (
+                pick(s, "seqstate_applied_seq", namespace=config.namespace, role="projector")
+                >= last
+            ),  # and the writer's idle ticks after them
+            what="every event in the bucket",
+            retry_on=(OSError,),
+        )
+        async with browser() as page:
+            charts = await open_and_check(page, url, ("blocks", "prefill", "rate", "faults"))
+            assert charts["oldest"]["points"] == charts["capture"]["points"] == "none"
+            point = await page.evaluate("fetch('/ui/data').then((r) => r.json())")
+            assert (point["role"], point["dead"]) == ("projector", 0)
+            assert point["events"] >= last and "oldest" not in point
+            assert len(point["workers"]) == 8

@@ -45,9 +45,9 @@
     const hasHoles = points.some((p) => p.holes != null);
     out.faults = { names: hasHoles ? ["dead letters", "Dynamo messages lost"] : ["dead letters"],
       data: [t, points.map((p) => p.dead), ...(hasHoles ? [points.map((p) => p.holes)] : [])] };
-    if (points.some((p) => p.oldest)) {
+    if (points.some((p) => p.age != null)) {
       out.oldest = { names: ["oldest request in flight (s)"], data: [t, points.map((p) =>
-        p.oldest ? (p.oldest.length ? p.oldest[0][1] : 0) : null)] };
+        p.age == null ? null : p.age)] };
     }
     const publishers = keysOf("publishers", cfg.max_publishers, (v) => v[0]);
     if (publishers.length) {

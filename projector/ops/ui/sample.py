@@ -5,9 +5,11 @@ the running process for one point a second. Both go through here, so that the tw
 the same quantities, and the page's script (``page.js``) turns a list of points into charts.
 
 A point is bounded whatever the state holds: at most :data:`MAX_WORKERS` ranks (the busiest),
-:data:`MAX_PUBLISHERS` Dynamo publishers (the most recently heard) and :data:`OLDEST` requests.
-Counters are cumulative; the page takes their differences (events/s, a publisher's capture rate
-between two points), so a point never depends on the one before it.
+:data:`MAX_PUBLISHERS` Dynamo publishers (the most recently heard) and :data:`OLDEST` requests
+(their ids cut at :data:`ID_CHARS` characters). A report keeps the table of the oldest requests
+(``oldest``) in its last point only; every point has the oldest one's ``age``. Counters are
+cumulative; the page takes their differences (events/s, a publisher's capture rate between two
+points), so a point never depends on the one before it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from seqstate import RankLoad, SequenceState
 MAX_WORKERS: Final = 32
 MAX_PUBLISHERS: Final = 20
 OLDEST: Final = 10
+ID_CHARS: Final = 64  # of a request id shown: ids have no length limit of their own
 NS_PER_S: Final = 1_000_000_000
 
 Point = dict[str, Any]
@@ -53,7 +56,7 @@ def of_state(state: SequenceState, t_s: float, events: int, dead_letters: int) -
         for request_id, request in slot.requests.items()
     )
     oldest = [
-        [request_id, round(max(0, now - added) / NS_PER_S, 3), rank_name(rank)]
+        [request_id[:ID_CHARS], round(max(0, now - added) / NS_PER_S, 3), rank_name(rank)]
         for added, request_id, rank in heapq.nsmallest(OLDEST, live)
     ]
     publishers = state.publishers
@@ -63,6 +66,7 @@ def of_state(state: SequenceState, t_s: float, events: int, dead_letters: int) -
         "events": events,
         "dead": dead_letters,
         "holes": publishers.holes,
+        "age": oldest[0][1] if oldest else 0,
         "workers": worker_loads((rank, slot.load()) for rank, slot in state.workers.slots.items()),
         "oldest": oldest,
         "publishers": {str(pid): [p.last_sequence, p.holes] for pid, p in recent},
