@@ -10,7 +10,6 @@ test with the command that installs it (``.ci/run`` runs it).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
 import json
@@ -122,21 +121,6 @@ class Page:
     async def charts(self) -> dict[str, dict[str, Any]]:
         """Each chart's ``data-points`` and its coloured pixels (its lines drawn)."""
         return dict(await self.evaluate(INK))
-
-    async def screenshot(self, path: Path) -> int:
-        """A PNG of the whole page; its size in bytes."""
-        height = await self.evaluate("document.documentElement.scrollHeight")
-        await self.send(
-            "Emulation.setDeviceMetricsOverride",
-            width=1100,
-            height=int(height),
-            deviceScaleFactor=1,
-            mobile=False,
-        )
-        shot = await self.send("Page.captureScreenshot", format="png")
-        data = base64.b64decode(shot["data"])
-        path.write_bytes(data)
-        return len(data)
 
     def off_machine(self) -> list[str]:
         """The requests made to anything but this machine (loopback, data: and file:)."""
