@@ -91,10 +91,11 @@ async def test_a_dynamo_namespace_shows_each_frontends_capture_rate_and_its_hole
     assert done.returncode == 0, done.stderr
     async with browser() as page:
         charts = await open_and_check(page, out.as_uri(), (*WRITER_CHARTS, "capture"))
-        holes = await page.evaluate(
-            "JSON.parse(document.getElementById('seqstate-data').textContent).points.at(-1).holes"
+        last = await page.evaluate(
+            "JSON.parse(document.getElementById('seqstate-data').textContent).points.at(-1)"
         )
-        assert holes == 2
+        assert last["holes"] == 2
+        assert last["publishers"][str(FRONTEND_A)][1] == 2  # both were frontend A's
         assert charts["capture"]["points"] != "none"
 
 

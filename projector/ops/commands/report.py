@@ -11,6 +11,7 @@ from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.namespaces import require_namespace
 from projector.ops.progress_bar import progress_bar
+from projector.ops.ui.page import MAX_POINTS
 from projector.wire.config import Config
 
 
@@ -34,13 +35,21 @@ async def cmd_report(args: argparse.Namespace, config: Config) -> int:
 
 
 def add_report_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="the HTML page")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help=f"the HTML page to write: self-contained, at most {MAX_POINTS + 2} points per series",
+    )
     when = (
         "ISO 8601 (UTC unless it says), a time of day HH:MM[:SS] on the log's newest day, or "
         "before the log's newest event: --since=-5m (s, m, h or d)"
     )
     parser.add_argument("--since", metavar="WHEN", help=f"from (default: the first event); {when}")
-    parser.add_argument("--until", metavar="WHEN", help="to (default: the newest event)")
+    parser.add_argument(
+        "--until", metavar="WHEN", help="to (default: the newest event); as --since"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
