@@ -9,6 +9,12 @@
   const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
     "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
   const charts = {};
+  // A point is the state at its time, held until the next point changes it: steps, not slopes
+  // (across an idle hour, a line would slope where the state stood still).
+  // A rate (events/s, a capture rate) is of the interval that ends at its point: it steps
+  // back over that interval.
+  const held = uPlot.paths.stepped({ align: 1 });
+  const over = uPlot.paths.stepped({ align: -1 });
 
   // The union of keys over the points, at most `most`, those with the largest peak first.
   function keysOf(field, most, valueOf) {
@@ -38,7 +44,7 @@
     const load = (j) => (p, i, k) => (p.workers[k] ? p.workers[k][j] : null);
     out.blocks = { names: workers, data: [t, ...perKey("workers", workers, load(0))] };
     out.prefill = { names: workers, data: [t, ...perKey("workers", workers, load(1))] };
-    out.rate = { names: ["events/s"], data: [t, points.map((p, i) => {
+    out.rate = { interval: true, names: ["events/s"], data: [t, points.map((p, i) => {
       const n = diff(i, (q) => q.events), dt = diff(i, (q) => q.t);
       return n == null || !dt ? null : Math.round((n / dt) * 10) / 10;
     })] };
@@ -51,7 +57,7 @@
     }
     const publishers = keysOf("publishers", cfg.max_publishers, (v) => v[0]);
     if (publishers.length) {
-      out.capture = { names: publishers.map((k) => "publisher " + k), data: [t,
+      out.capture = { interval: true, names: publishers.map((k) => "publisher " + k), data: [t,
         ...perKey("publishers", publishers, (p, i, k) => {
           const sent = diff(i, (q) => (q.publishers[k] ? q.publishers[k][0] : null));
           const lost = diff(i, (q) => (q.publishers[k] ? q.publishers[k][1] : null));
@@ -83,7 +89,7 @@
         scales: { x: { time: true } },
         axes: [{}, { size: 80 }],
         series: [{}, ...s.names.map((name, i) => ({ label: name, stroke: COLORS[i % COLORS.length],
-          width: 1.5, points: { show: false } }))],
+          width: 1.5, paths: s.interval ? over : held, points: { show: false } }))],
         legend: { show: s.names.length <= 12 },
       };
       chart = charts[id] = { key: key, u: new uPlot(opts, s.data, plot) };
