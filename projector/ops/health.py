@@ -1,4 +1,5 @@
-"""The metrics port: ``/metrics`` (Prometheus), ``/healthz`` and ``/readyz``, on one small server.
+"""The metrics port: ``/metrics`` (Prometheus), ``/healthz``, ``/readyz`` and the live page
+``/ui``, on one small server.
 
 One asyncio server for the three, in the process's own event loop: a scrape reads the state
 between two events, so what it shows is one consistent cut, and ``/healthz`` answering proves
@@ -10,6 +11,8 @@ HTTP/1.1 server of ``serve-http`` (:mod:`projector.http.http_server`), nor a dep
 - ``/readyz``: 200 once caught up (:meth:`Metrics.readiness`), else 503 with a one-line reason
   such as ``replaying: 52000 events behind (writer of namespace prod)`` or ``nats: disconnected``;
 - ``/metrics``: the process's registry in Prometheus's text format;
+- ``/ui``: a page of charts (:mod:`projector.ops.ui`) that asks ``/ui/data`` once a second for
+  a point read off the consumers' state (JSON; 503 while none runs);
 - anything else is 404; a method other than GET or HEAD is 405.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -24,6 +28,7 @@ from http import HTTPStatus
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from projector.ops.metrics import Metrics
+from projector.ops.ui import live
 from projector.wire.config import Config
 from seqstate.errors import SeqstateError
 
@@ -32,6 +37,8 @@ log = logging.getLogger("seqstate.metrics")
 READ_TIMEOUT_S = 10.0  # a client that sends no request line in time is dropped
 HEAD_LIMIT = 16 * 1024  # request line and headers; a scraper's are a few hundred bytes
 TEXT = "text/plain; charset=utf-8"
+HTML = "text/html; charset=utf-8"
+JSON = "application/json"
 
 
 class MetricsPortError(SeqstateError, OSError):
@@ -50,7 +57,14 @@ def answer(metrics: Metrics, method: str, target: str) -> tuple[int, str, bytes]
     if path == "/readyz":
         ready, why = metrics.readiness()
         return (200 if ready else 503), TEXT, f"{why}\n".encode()
-    return 404, TEXT, b"not found: /metrics, /healthz, /readyz\n"
+    if path == "/ui":
+        return 200, HTML, live.page(metrics).encode()
+    if path == live.DATA_URL:
+        now = live.point(metrics)
+        if now is None:
+            return 503, TEXT, b"starting: no consumer running yet\n"
+        return 200, JSON, json.dumps(now, separators=(",", ":")).encode()
+    return 404, TEXT, b"not found: /metrics, /healthz, /readyz, /ui\n"
 
 
 async def _handle(
@@ -109,7 +123,7 @@ async def serving(metrics: Metrics, config: Config) -> AsyncIterator[int | None]
             f"cannot listen on {host}:{config.metrics_port} for metrics: {exc.strerror or exc}"
         ) from None
     port = int(server.sockets[0].getsockname()[1])
-    log.info("metrics on http://%s:%d/metrics (and /healthz, /readyz)", host, port)
+    log.info("metrics on http://%s:%d/metrics (and /healthz, /readyz, /ui)", host, port)
     try:
         yield port
     finally:

@@ -22,6 +22,7 @@ import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -43,6 +44,18 @@ from seqstate import Fold, FoldRules, LoadRow, RankLoad, Refusal, SequenceState
 from seqstate.errors import SeqstateError
 
 Progress = Callable[[int, int], None]  # (events folded, events to fold)
+
+
+class Ticks(Protocol):
+    """Told, before the fold takes the first message at or after ``next_ns`` (log time), that
+    the log has got there: the state is then as of every message before it (how a report
+    samples the state over time, at a cost per sample, not per event)."""
+
+    next_ns: int
+
+    def passed(self, at_ns: int, events: int, dead_letters: int) -> None: ...
+
+
 log = logging.getLogger("seqstate.replay")
 
 
@@ -85,8 +98,10 @@ class _Folder:
         progress: Progress | None,
         rules: FoldRules,
         on_refused: Callable[[int, Refusal], None] | None = None,
+        ticks: Ticks | None = None,
     ) -> None:
         self.fold = Fold(state, rules)
+        self.ticks = ticks
         self.state = state
         self.on_refused = on_refused
         self.start_seq, self.end_seq, self.until_ns = start_seq, end_seq, until_ns
@@ -99,6 +114,8 @@ class _Folder:
         if seq > self.end_seq or (self.until_ns is not None and at_ns > self.until_ns):
             self.finished = True
             return False
+        if self.ticks is not None and at_ns >= self.ticks.next_ns:
+            self.ticks.passed(at_ns, self.count, self.dead)
         verdict = self.fold(seq, at_ns, subject, data)
         if type(verdict) is list:  # a record batch: its events one by one
             self.count += len(verdict) - 1
@@ -127,11 +144,17 @@ class _Folder:
         fold, on_refused, refusal = self.fold.__call__, self.on_refused, Refusal
         end = self.end_seq
         until = self.until_ns if self.until_ns is not None else 1 << 64
+        ticks = self.ticks
+        tick = ticks.next_ns if ticks is not None else 1 << 64
         last, folded, dead = self.last, 0, 0
         for seq, at_ns, subject, data in batch:
             if seq > end or at_ns > until:
                 self.finished = True
                 break
+            if at_ns >= tick:
+                assert ticks is not None
+                ticks.passed(at_ns, self.count + folded, self.dead + dead)
+                tick = ticks.next_ns
             verdict = fold(seq, at_ns, subject, data)
             if type(verdict) is refusal:
                 dead += 1
@@ -168,20 +191,23 @@ async def fold_stream(
     progress: Progress | None = None,
     fast: bool = True,
     on_refused: Callable[[int, Refusal], None] | None = None,
+    ticks: Ticks | None = None,
 ) -> tuple[int, int, int, int]:
     """Fold events ``start_seq..end_seq`` (stopping before log time ``until_ns``) into ``state``,
     by the configuration's :attr:`~projector.wire.config.Config.fold_rules`, as the writer folds.
 
     Returns ``(first_seq, last_seq, events, dead_letters)`` of what was folded;
     ``on_refused(seq, refusal)`` is told of each message refused, and of each event refused
-    in a record batch (``events`` counts a batch's events). The registry is
-    rebuilt once at the end instead of after every event. The fast path (a reader process,
-    see :mod:`projector.nats.stream_reader`) is tried first; if it gives up, the fold continues
-    through nats-py from where it stopped.
+    in a record batch (``events`` counts a batch's events); ``ticks``, if given, is told as
+    the log's time passes its marks. The registry is rebuilt once at the end instead of after
+    every event. The fast path (a reader process, see :mod:`projector.nats.stream_reader`) is
+    tried first; if it gives up, the fold continues through nats-py from where it stopped.
     """
     if end_seq < start_seq:
         return 0, 0, 0, 0
-    folder = _Folder(state, start_seq, end_seq, until_ns, progress, config.fold_rules, on_refused)
+    folder = _Folder(
+        state, start_seq, end_seq, until_ns, progress, config.fold_rules, on_refused, ticks
+    )
     state.defer_registry(changes=False)
     # A replay allocates millions of objects that live on: the cyclic collector would scan
     # them again and again for cycles that the fold never makes.
@@ -248,7 +274,6 @@ async def replay(
 
     ``bounds`` is what the log holds, if the caller has just looked it up (``--at`` needs it).
     """
-    js = nc.jetstream()
     bounds = bounds or await log_bounds(nc, config)
     check_range(bounds, from_seq=from_seq, to_seq=to_seq, at_ns=at_ns)
     end = bounds.last_seq if to_seq is None else to_seq
@@ -258,20 +283,8 @@ async def replay(
         state = config.new_state()
         start = from_seq
     else:
-        found = await store.newest_valid(at_most_seq=end, at_most_ns=at_ns)
-        if found is not None:
-            state, snapshot = found
-            start = snapshot.applied_seq + 1
-        else:
-            state = config.new_state()
-            start = 1
-            cut = await trimmed_below(nc, config)
-            if cut > 1:
-                oldest = await first_seq_of(js, config.events_stream, config.events_subjects)
-                raise ReplayError(
-                    f"events before sequence {cut} were trimmed and no valid snapshot covers "
-                    f"them; use --from-seq {oldest or cut} for a partial replay"
-                )
+        state, snapshot = await starting_state(nc, config, store, end_seq=end, at_ns=at_ns)
+        start = snapshot.applied_seq + 1 if snapshot else 1
     first, last, count, dead = await fold_stream(
         nc, config, state, start_seq=start, end_seq=end, until_ns=at_ns, progress=progress
     )
@@ -290,6 +303,26 @@ async def replay(
         skipped=list(store.skipped),
         at_ns=at_ns,
     )
+
+
+async def starting_state(
+    nc: Client, config: Config, store: SnapshotStore, *, end_seq: int, at_ns: int | None
+) -> tuple[SequenceState, SnapshotInfo | None]:
+    """Where a fold to ``end_seq`` (and log time ``at_ns``) starts: the newest valid snapshot
+    at or before it, else an empty state at the first event, refused if events were trimmed
+    that no snapshot covers."""
+    found = await store.newest_valid(at_most_seq=end_seq, at_most_ns=at_ns)
+    if found is not None:
+        return found
+    cut = await trimmed_below(nc, config)
+    if cut > 1:
+        js = nc.jetstream()
+        oldest = await first_seq_of(js, config.events_stream, config.events_subjects)
+        raise ReplayError(
+            f"events before sequence {cut} were trimmed and no valid snapshot covers "
+            f"them; use --from-seq {oldest or cut} for a partial replay"
+        )
+    return config.new_state(), None
 
 
 # ---- the bucket ------------------------------------------------------------------------------

@@ -226,6 +226,7 @@ def test_help_speaks_the_users_language() -> None:
             "replay",
             "rebuild",
             "snapshot",
+            "report",
             "inspect",
             "top",
         )

@@ -72,6 +72,7 @@ COMMANDS = [
     ("snapshot", "list"),
     ("snapshot", "show"),
     ("snapshot", "save", "--no-progress"),
+    ("report", "--out", "report.html", "--no-progress"),
     ("worker", "list"),
     ("worker", "add", "1"),
     ("worker", "remove", "1"),

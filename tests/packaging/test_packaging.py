@@ -139,9 +139,16 @@ def checkout(into: Path) -> Path:
     return Path(shutil.copytree(REPO, into / "seqstate-src", ignore=junk))
 
 
+# The pictures' page is package data: its script and style, and uPlot with its licence.
+ASSETS = ("projector/ops/ui/*.js", "projector/ops/ui/*.css", "projector/ops/ui/uPlot.LICENSE")
+
+
 def sources() -> set[str]:
-    """Every module of each package, its wings included, as the archives name them."""
-    return {f.relative_to(REPO).as_posix() for p in PACKAGES for f in (REPO / p).rglob("*.py")}
+    """Every module of each package, its wings included, and the page's assets, as the
+    archives name them."""
+    modules = {f for p in PACKAGES for f in (REPO / p).rglob("*.py")}
+    assets = {f for pattern in ASSETS for f in REPO.glob(pattern)}
+    return {f.relative_to(REPO).as_posix() for f in modules | assets}
 
 
 @dataclass(frozen=True)
@@ -205,12 +212,11 @@ def test_the_wheel_from_the_sdist_installs_compiled(dists: Dists, tmp_path: Path
     with zipfile.ZipFile(dists.wheel) as whl:
         names = set(whl.namelist())
     modules = {n for n in names if not n.startswith("seqstate-0.1.0.dist-info/")}
-    python = {n for n in modules if n.endswith(".py")}
+    shipped = {n for n in modules if not n.endswith(".so")}
     native = {n.split("/")[1].split(".")[0] for n in modules if n.endswith(".so")}
-    assert python == sources()
-    assert not {n for n in modules if not n.endswith((".py", ".so"))}, "junk in the wheel"
+    assert shipped == sources()  # nothing missing, no junk
     assert native == (COMPILED if compiled else set())
-    assert all(n.startswith("seqstate/") for n in modules - python)
+    assert all(n.startswith("seqstate/") for n in modules - shipped)
     assert dists.wheel.name.endswith("-py3-none-any.whl") != compiled
 
     venv = make_venv(tmp_path)

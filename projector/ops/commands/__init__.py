@@ -13,6 +13,7 @@ from projector.ops.commands.loads import LOADS, WATCH
 from projector.ops.commands.pipeline import DEMO, PROJECTOR, RUN, WRITER
 from projector.ops.commands.publish import PUBLISH
 from projector.ops.commands.replay import REBUILD, REPLAY, SNAPSHOT
+from projector.ops.commands.report import REPORT
 from projector.ops.commands.serve_http import SERVE_HTTP
 from projector.ops.commands.status import STATUS
 from projector.ops.commands.top import TOP
@@ -32,6 +33,7 @@ COMMANDS: list[Command] = [
     REPLAY,
     REBUILD,
     SNAPSHOT,
+    REPORT,
     WORKER,
     SERVE_HTTP,
     DYNAMO,
