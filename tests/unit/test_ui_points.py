@@ -12,7 +12,7 @@ import json
 from projector.ops.ui.page import MAX_POINTS, render
 from projector.ops.ui.sample import ID_CHARS, MAX_PUBLISHERS, MAX_WORKERS, OLDEST, of_state
 from projector.wire.config import Config
-from seqstate import AddRequest, SequenceState
+from seqstate import AddRequest, Free, SequenceState
 
 S = 1_000_000_000
 BIG_WORKER = 18391909055928191313  # Dynamo's ids run to 20 digits
@@ -58,3 +58,19 @@ def test_the_largest_report_page_is_under_one_and_a_half_megabytes() -> None:
     assert 1_000_000 < len(page.encode()) < 1_500_000
     data = page.split('type="application/json">')[1].split("</script>")[0]
     assert len(json.loads(data)["points"]) == MAX_POINTS + 2
+
+
+def test_the_oldest_requests_are_those_of_a_full_scan_after_frees() -> None:
+    """A point reads each rank's first requests only (a rank holds them in add order): the
+    answer must equal a scan of every live request, also once the oldest have been freed."""
+    state = crowded()
+    for i in range(0, 2000, 3):  # free every third, the oldest of every rank among them
+        worker = BIG_WORKER - i % 100
+        state.apply(Free(request_id=f"request-{i:05d}-{'x' * 1000}", worker_id=worker), 30 * S)
+    point = of_state(state, 3.0, 2667, 0)
+    scan = sorted(
+        (request.added_ns, request_id[:ID_CHARS])
+        for slot in state.workers.slots.values()
+        for request_id, request in slot.requests.items()
+    )[:OLDEST]
+    assert [row[0] for row in point["oldest"]] == [rid for _, rid in scan]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
+from itertools import islice
 from typing import Any, Final
 
 from seqstate import RankLoad, SequenceState
@@ -47,13 +48,15 @@ def of_state(state: SequenceState, t_s: float, events: int, dead_letters: int) -
     """The write model's point at ``t_s``: loads, counters, the oldest requests in flight
     (their age at the state's log time) and each recent Dynamo publisher's count.
 
-    The oldest requests cost a pass over the live requests: once per point, never per event.
+    A rank holds its requests in add order (add times never decrease: its age expiry stops at
+    the first young one), so the oldest of all are among each rank's first :data:`OLDEST`: a
+    point costs what the ranks are, never what the live requests are.
     """
     now = state.now_ns
     live = (
         (request.added_ns, request_id, rank)
         for rank, slot in state.workers.slots.items()
-        for request_id, request in slot.requests.items()
+        for request_id, request in islice(slot.requests.items(), OLDEST)
     )
     oldest = [
         [request_id[:ID_CHARS], round(max(0, now - added) / NS_PER_S, 3), rank_name(rank)]
