@@ -33,8 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.report import git_revision
 from nats.js import api
-from pipeline import git_revision
 from writer_catchup import writer_catchup
 
 from projector.nats.connection import connect

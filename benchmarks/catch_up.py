@@ -46,6 +46,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.measure import rss_kb
+from harness.servers import free_port
 from nats.aio.client import Client
 
 from projector.nats.connection import connect
@@ -116,16 +118,6 @@ async def router(url: str, index: int, rate: float, one_by_one: bool) -> None:
 # ---- the benchmark ------------------------------------------------------------------------
 
 
-def rss_kb(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of ``pid``, in kB."""
-    out: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0])
-    return out
-
-
 async def readyz(port: int) -> int | None:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -152,14 +144,6 @@ async def positions(nc: Client, config: Config) -> tuple[int, int]:
     except Exception:
         folded = 0
     return logged, folded
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def command(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:

@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import functools
 import json
 import os
@@ -81,6 +80,8 @@ from importlib import metadata
 from typing import Annotated, Any, Final
 
 import msgspec
+from harness.report import machine
+from harness.servers import free_port
 
 # ---------------------------------------------------------------------------------------------
 # The contract's shapes, shared by every candidate.
@@ -921,12 +922,6 @@ async def wrk_check(port: int, seconds: float, lua: str) -> dict[str, float]:
 # Servers as child processes, the probe, the report.
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 async def one_shot(
     port: int, raw: bytes, timeout: float = 5.0, host: str = "127.0.0.1"
 ) -> tuple[int, dict[str, str], bytes]:
@@ -1067,21 +1062,6 @@ def versions(dynamo_python: str | None) -> dict[str, str]:
             text=True,
         ).stdout.strip()
     return out
-
-
-def machine() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": model,
-        "loadavg": os.getloadavg()[0],
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    }
 
 
 def table(

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import nats
-from pipeline import git_revision  # benchmarks/ is the script's own path
+from harness.report import git_revision
 
 from projector.nats.server import NatsServer
 from projector.read.reader import RegistryView

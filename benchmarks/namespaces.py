@@ -58,11 +58,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from catch_up import free_port, readyz
-from fold import DEFAULT_TRACE, cpu_model, git_revision
+from catch_up import readyz
+from harness.measure import process_cpu_s
+from harness.report import cpu_model, git_revision
+from harness.servers import free_port
+from harness.workload import DEFAULT_TRACE, base_events, encoded
 from nats.aio.client import Client
 from nats.js import api
-from replay import base_events, encoded
 
 from projector.nats.connection import connect
 from projector.nats.resources import ensure
@@ -76,7 +78,6 @@ WORKERS: Final = 16  # per namespace, as the trace benchmarks route it
 POLL_S: Final = 0.05
 READY_TIMEOUT_S: Final = 120.0
 FOLD_TIMEOUT_S: Final = 600.0
-CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
 
 def names(index: int, streams: str) -> dict[str, str]:
@@ -97,15 +98,6 @@ def config_of(index: int, streams: str, replicas: int) -> Config:
 
 def flags(index: int, streams: str) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in names(index, streams).items()]
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def clean_env() -> dict[str, str]:
@@ -291,7 +283,7 @@ async def one_run(
                     assert pub.stdout is not None
                     if pub.stdout.readline().strip() != "ready":
                         raise RuntimeError("a publisher did not start")
-                servers_cpu0 = sum(cpu_s(pid) for pid in server_pids(server))
+                servers_cpu0 = sum(process_cpu_s(pid) for pid in server_pids(server))
                 for pub in publishers:
                     assert pub.stdin is not None
                     pub.stdin.write("go\n")
@@ -307,15 +299,15 @@ async def one_run(
                 result["stored_per_s"] = share * n / ((last - first) / 1e9)
                 for p, r in zip(pipes, reports, strict=True):
                     p.last_seq = r["last_seq"]
-                servers_cpu1 = sum(cpu_s(pid) for pid in server_pids(server))
+                servers_cpu1 = sum(process_cpu_s(pid) for pid in server_pids(server))
                 result["server_cpu_us_per_event_stored"] = (
                     (servers_cpu1 - servers_cpu0) / (share * n) * 1e6
                 )
 
                 for p, config in zip(pipes, configs, strict=True):
-                    p.cpu_at_cont = cpu_s(p.proc.pid)
+                    p.cpu_at_cont = process_cpu_s(p.proc.pid)
                     p.covered_before = await covered(nc, config)
-                servers_cpu0 = sum(cpu_s(pid) for pid in server_pids(server))
+                servers_cpu0 = sum(process_cpu_s(pid) for pid in server_pids(server))
                 resumed = time.perf_counter()
                 for p in pipes:
                     os.kill(p.proc.pid, signal.SIGCONT)
@@ -336,10 +328,10 @@ async def one_run(
                 folded_s = max(p.folded_s or 0.0 for p in pipes)
                 result["folded_per_s"] = share * n / folded_s
                 result["per_namespace_per_s"] = [share / (p.folded_s or 1) for p in pipes]
-                pipe_cpu = sum(cpu_s(p.proc.pid) - p.cpu_at_cont for p in pipes)
+                pipe_cpu = sum(process_cpu_s(p.proc.pid) - p.cpu_at_cont for p in pipes)
                 result["pipeline_cpu_us_per_event"] = pipe_cpu / (share * n) * 1e6
                 result["pipeline_cpu_share"] = pipe_cpu / folded_s
-                servers_cpu = sum(cpu_s(pid) for pid in server_pids(server)) - servers_cpu0
+                servers_cpu = sum(process_cpu_s(pid) for pid in server_pids(server)) - servers_cpu0
                 result["server_cpu_share"] = servers_cpu / folded_s
                 result["server_cpu_us_per_event"] = servers_cpu / (share * n) * 1e6
                 result["first_delta_s"] = max(p.started_s or 0.0 for p in pipes)

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from pipeline import git_revision  # benchmarks/ is the script's own path
+from harness.report import git_revision
 from slot_vs_dynamo import (
     DEFAULT_DYNAMO_PY,
     Processes,

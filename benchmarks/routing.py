@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import nats
+from harness.servers import connect
+from harness.workload import DEFAULT_TRACE
 from nats.aio.client import Client
 
 from projector import RegistryView, RouterPublisher, Scheduler, WorkerControl
@@ -68,8 +69,7 @@ from projector.wire.config import Config
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, WorkerAdded
 from seqstate.cost import CostWeights, select
 
-REPO = Path(__file__).resolve().parent.parent
-TRACE = REPO / "data" / "mooncake_conversation_trace.jsonl"
+NAME = "bench-routing"  # the client name the server lists
 BLOCK_TOKENS = 512  # the Mooncake trace's block: one hash id per 512 tokens
 Rank = tuple[int, int]
 
@@ -351,13 +351,6 @@ class Oracle:
 # ---- one round -------------------------------------------------------------------------------
 
 
-async def connect(url: str) -> Client:
-    async def quiet(exc: Exception) -> None:
-        pass
-
-    return await nats.connect(url, error_cb=quiet, max_reconnect_attempts=-1)
-
-
 @contextlib.asynccontextmanager
 async def pipeline(url: str, namespace: str) -> Any:
     """``seqstate run`` for one namespace, in a process of its own (as deployed)."""
@@ -402,7 +395,7 @@ async def run_scheme(
     if scheme == "oracle":
         outcome = await simulate(reqs, Oracle(ranks, args.seed + round_no), args, ranks)
         return report(scheme, outcome, [], None)
-    nc = await connect(url)
+    nc = await connect(url, NAME, max_reconnect_attempts=-1)
     await ensure(nc, config)
     async with pipeline(url, namespace):
         await wait_bucket(nc, config)
@@ -420,7 +413,7 @@ async def run_scheme(
             indexed = scheme == "toolkit-indexed"
             scheds = []
             for i in range(replicas):
-                conn = nc if i == 0 else await connect(url)
+                conn = nc if i == 0 else await connect(url, NAME, max_reconnect_attempts=-1)
                 if conn is not nc:
                     extra.append(conn)
                 scheds.append(
@@ -565,7 +558,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--speedup", type=float, default=20.0)
     p.add_argument("--workers", type=int, default=8)

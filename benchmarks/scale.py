@@ -103,10 +103,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from fold import percentile, positive
+from harness.cli import parser, positive
+from harness.measure import collect, median, percentile, process_cpu_s, rss_kb
+from harness.report import PASS_FAIL, REPO_ROOT, machine, verdict
+from harness.servers import connect
 from nats.aio.client import Client
-from pipeline import collect, connect, machine
-from replay import process_cpu_s
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -116,7 +117,6 @@ from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
 from seqstate import AddRequest, Event, Free, MarkPrefillCompleted, WorkerAdded
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 WORKERS: Final = 8
 SET_SIZES: Final = (1024, 16_384, 65_536, 262_144)
 REQUEST_SIZES: Final = (16, 64, 256, 1024)
@@ -255,13 +255,6 @@ class CountingView(RegistryView):
         self.delivered += 1
         size = 22 + self._subject_prefix + len(key) + len(value or b"") + 8
         self.stored_bytes += size + (4 + DEL_HEADER if deleted else 0)
-
-
-def rss_kb(field: str = "VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return -1
 
 
 @dataclass
@@ -638,7 +631,7 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
                 result["paced"] = await paced_churn(
                     args, nc_pub, config, pub, view, consumers, server_pid, paced
                 )
-                view_rss = rss_kb()
+                view_rss = rss_kb()["VmRSS"]
                 child = await cold_start(server.url, queries, work)
                 child["live_view_equals_fold"] = same_answers(view, child)
                 child["live_view_present_hashes"] = view.registry.membership_size()
@@ -675,13 +668,14 @@ async def view_child(url: str, queries_path: str) -> dict[str, Any]:
     queries = msgspec.json.decode(Path(queries_path).read_bytes())
     nc = await connect(url, "bench-cold-view")
     gc.collect()
-    rss0 = rss_kb()
+    rss0 = rss_kb()["VmRSS"]
     c0, t0 = time.process_time(), time.perf_counter()
     view = RegistryView(nc, config=config, initial_timeout=WAIT_TIMEOUT_S)
     await view.start()
     ready_s = time.perf_counter() - t0
     cpu_s = time.process_time() - c0
-    rss1, hwm1 = rss_kb(), rss_kb("VmHWM")
+    mem = rss_kb()
+    rss1, hwm1 = mem["VmRSS"], mem["VmHWM"]
     await view.stop()
     now = view.as_of_ns + 50 * NS_PER_MS
     view_loads = view.loads(now)
@@ -724,10 +718,6 @@ def points_of(args: argparse.Namespace) -> list[Point]:
     return unique
 
 
-def med(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def summarize(point: Point, runs: list[dict[str, Any]]) -> dict[str, Any]:
     c = [r["churn"] for r in runs]
     p = [r["paced"] for r in runs]
@@ -737,23 +727,23 @@ def summarize(point: Point, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "blocks": point.blocks,
         "requests_per_rank": point.requests_per_rank,
         "runs": len(runs),
-        "fill_events_per_s": med([r["fill"]["events"] / r["fill"]["seconds"] for r in runs]),
-        "churn_events_per_s": med([x["events_per_s"] for x in c]),
+        "fill_events_per_s": median([r["fill"]["events"] / r["fill"]["seconds"] for r in runs]),
+        "churn_events_per_s": median([x["events_per_s"] for x in c]),
         "churn_events_per_s_runs": [x["events_per_s"] for x in c],
-        "churn_hashes_per_s": med([x["hashes_per_s"] for x in c]),
-        "churn_lag_p50_ms": med([x["lag_at_saturation"]["p50_ms"] for x in c]),
-        "churn_lag_p99_ms": med([x["lag_at_saturation"]["p99_ms"] for x in c]),
-        "fresh_p50_ms": med([x["ack_to_view"]["p50_ms"] for x in p]),
-        "fresh_p99_ms": med([x["ack_to_view"]["p99_ms"] for x in p]),
+        "churn_hashes_per_s": median([x["hashes_per_s"] for x in c]),
+        "churn_lag_p50_ms": median([x["lag_at_saturation"]["p50_ms"] for x in c]),
+        "churn_lag_p99_ms": median([x["lag_at_saturation"]["p99_ms"] for x in c]),
+        "fresh_p50_ms": median([x["ack_to_view"]["p50_ms"] for x in p]),
+        "fresh_p99_ms": median([x["ack_to_view"]["p99_ms"] for x in p]),
         "fresh_p99_ms_runs": [x["ack_to_view"]["p99_ms"] for x in p],
         "fresh_max_ms": max(x["ack_to_view"]["max_ms"] for x in p),
-        "fresh_start_p99_ms": med([x["start_to_view"]["p99_ms"] for x in p]),
-        "paced_achieved_rate": med([x["achieved_rate"] for x in p]),
-        "cold_ready_s": med([x["ready_s"] for x in k]),
+        "fresh_start_p99_ms": median([x["start_to_view"]["p99_ms"] for x in p]),
+        "paced_achieved_rate": median([x["achieved_rate"] for x in p]),
+        "cold_ready_s": median([x["ready_s"] for x in k]),
         "cold_ready_s_runs": [x["ready_s"] for x in k],
-        "cold_cpu_s": med([x["cpu_s"] for x in k]),
-        "cold_rss_growth_mb": med([x["rss_growth_mb"] for x in k]),
-        "cold_peak_growth_mb": med([x["peak_growth_mb"] for x in k]),
+        "cold_cpu_s": median([x["cpu_s"] for x in k]),
+        "cold_rss_growth_mb": median([x["rss_growth_mb"] for x in k]),
+        "cold_peak_growth_mb": median([x["peak_growth_mb"] for x in k]),
         "cold_present_hashes": k[-1]["present_hashes"],
         "cold_exact": all(x["exact"] for x in k),
         "live_view_exact": all(x["live_view_equals_fold"] for x in k),
@@ -761,12 +751,8 @@ def summarize(point: Point, runs: list[dict[str, Any]]) -> dict[str, Any]:
     for phase, xs in (("churn", c), ("paced", p)):
         for part in ("cpu_us_per_event", "bytes_per_event", "messages_per_event"):
             for name in xs[0][part]:
-                out[f"{phase}_{part}_{name}"] = med([x[part][name] for x in xs])
+                out[f"{phase}_{part}_{name}"] = median([x[part][name] for x in xs])
     return out
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
 
 
 def targets(args: argparse.Namespace, summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -907,7 +893,7 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         )
     print("\nTargets:")
     for t in report["targets"]:
-        print(f"  {verdict(t['ok'])}: {t['name']}: {t['detail']}")
+        print(f"  {verdict(t['ok'], PASS_FAIL)}: {t['name']}: {t['detail']}")
     if report.get("plot"):
         print(f"\nplot: {report['plot']}")
     print(f"wall time: {report['wall_s']:.0f} s")
@@ -998,7 +984,7 @@ def plot(summary: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = parser(__doc__)
     p.add_argument("--runs", type=positive, default=3, help="runs per point (interleaved)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument("--save", metavar="FILE", default="", help="also write the JSON to FILE")

@@ -66,7 +66,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,9 +76,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from fold import cpu_model  # benchmarks/ is the script's own path
-from http_servers import free_port, listener_pid, one_shot
-from pipeline import git_revision
+from harness.measure import median, percentile, proc_tree_cpu
+from harness.report import cpu_model, git_revision
+from harness.servers import free_port
+from http_servers import listener_pid, one_shot
 
 REPO: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN: Final = os.path.dirname(sys.executable)
@@ -312,36 +312,6 @@ class Client(asyncio.Protocol):
             self.closed.set_result(None)
 
 
-def proc_tree_cpu(pids: list[int]) -> float:
-    """utime + stime (all threads) of ``pids`` and their live descendants, in seconds."""
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    tck = os.sysconf("SC_CLK_TCK")
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            parent[int(name)] = int(fields[1])
-            cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tck
-    wanted = set(pids)
-    grew = True
-    while grew:
-        grew = False
-        for pid, ppid in parent.items():
-            if ppid in wanted and pid not in wanted:
-                wanted.add(pid)
-                grew = True
-    return sum(cpu.get(p, 0.0) for p in wanted)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 @dataclass
 class Target:
     name: str
@@ -403,9 +373,9 @@ async def measure(
         "rate": m.calls / elapsed,
         "errors": errors,
         "notes": notes,
-        "p50_ms": 1e3 * percentile(lat, 0.50),
-        "p90_ms": 1e3 * percentile(lat, 0.90),
-        "p99_ms": 1e3 * percentile(lat, 0.99),
+        "p50_ms": 1e3 * percentile(lat, 50),
+        "p90_ms": 1e3 * percentile(lat, 90),
+        "p99_ms": 1e3 * percentile(lat, 99),
         "max_ms": 1e3 * lat[-1] if lat else math.nan,
         "server_cpu_us": 1e6 * cpu / calls,
         "nats_cpu_us": 1e6 * nats / calls,
@@ -714,11 +684,6 @@ def header(args: argparse.Namespace, loop_name: str) -> dict[str, Any]:
     }
 
 
-def med(values: list[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return statistics.median(values) if values else math.nan
-
-
 def fmt(x: float, spec: str) -> str:
     return "n/a" if math.isnan(x) else format(x, spec)
 
@@ -738,13 +703,13 @@ def summarize(
         rs = [r[w.name] for r in rounds]
 
         def col(server: str, key: str, rs: list[dict[str, dict[str, Any]]] = rs) -> float:
-            return med([r[server][key] for r in rs if server in r])
+            return median([r[server][key] for r in rs if server in r])
 
         def errs(server: str, rs: list[dict[str, dict[str, Any]]] = rs) -> str:
             return str(sum(r[server]["errors"] for r in rs)) if server in names else "-"
 
         ratio[w.name] = (
-            med([r["seqstate"]["rate"] / r["dynamo"]["rate"] for r in rs if r["dynamo"]["rate"]])
+            median([r["seqstate"]["rate"] / r["dynamo"]["rate"] for r in rs if r["dynamo"]["rate"]])
             if both
             else math.nan
         )
@@ -759,10 +724,12 @@ def summarize(
             f" | {errs('seqstate')}, {errs('dynamo')} |"
         )
     c1 = [r["pairs-c1"] for r in rounds]
-    p50 = {s: med([r[s]["p50_ms"] for r in c1 if s in r]) for s in SERVERS}
-    p99 = {s: med([r[s]["p99_ms"] for r in c1 if s in r]) for s in SERVERS}
+    p50 = {s: median([r[s]["p50_ms"] for r in c1 if s in r]) for s in SERVERS}
+    p99 = {s: median([r[s]["p99_ms"] for r in c1 if s in r]) for s in SERVERS}
     p50_ratio = (
-        med([r["seqstate"]["p50_ms"] / r["dynamo"]["p50_ms"] for r in c1 if r["dynamo"]["p50_ms"]])
+        median(
+            [r["seqstate"]["p50_ms"] / r["dynamo"]["p50_ms"] for r in c1 if r["dynamo"]["p50_ms"]]
+        )
         if both
         else math.nan
     )

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.measure import rss_kb
+
 from projector.nats.connection import connect
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -35,13 +37,6 @@ NAMES = {
     "registry_bucket": "wb-registry",
     "snapshot_bucket": "wb-snapshots",
 }
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def one_run(events: int, store: Path) -> float:
@@ -90,9 +85,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="writer-backlog-") as tmp:
             rates.append(asyncio.run(one_run(opts.events, Path(tmp) / "js")))
     shown = ", ".join(f"{r:,.0f}" for r in rates)
+    peak_mb = rss_kb()["VmHWM"] / 1024
     print(
         f"writer over a backlog of ~{opts.events:,} events: median "
-        f"{statistics.median(rates):,.0f} events/s ({shown}); peak RSS {rss_mb():.0f} MB"
+        f"{statistics.median(rates):,.0f} events/s ({shown}); peak RSS {peak_mb:.0f} MB"
     )
 
 

@@ -55,11 +55,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fold import DEFAULT_TRACE
+from harness.measure import collect
+from harness.report import git_revision
+from harness.workload import DEFAULT_TRACE, base_events, encoded, fill
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
-from pipeline import collect, git_revision
-from replay import base_events, encoded, fill
 
 from projector.nats.connection import connect
 from projector.nats.consumer import OrderedConsumer

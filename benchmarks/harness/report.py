@@ -105,8 +105,13 @@ def machine(**extra: Any) -> dict[str, Any]:
     }
 
 
-def verdict(ok: bool) -> str:
-    return "MEETS" if ok else "MISSES"
+MEETS_MISSES: Final = ("MEETS", "MISSES")
+PASS_FAIL: Final = ("PASS", "FAIL")
+
+
+def verdict(ok: bool, words: tuple[str, str] = MEETS_MISSES) -> str:
+    """A target's verdict, in the words of the report that states it."""
+    return words[0] if ok else words[1]
 
 
 def fmt_rates(values: Any) -> str:

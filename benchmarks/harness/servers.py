@@ -21,14 +21,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-async def connect(url: str, name: str = "bench") -> Client:
-    """A client that gives up at once on a lost server (a benchmark does not ride out a
-    fault) and does not print a traceback per reconnect attempt."""
+async def connect(url: str, name: str = "bench", max_reconnect_attempts: int = 0) -> Client:
+    """A client that does not print a traceback per error, and by default gives up at once on
+    a lost server: a benchmark does not ride out a fault."""
 
     async def quiet(exc: Exception) -> None:
         pass
 
-    return await nats.connect(url, name=name, max_reconnect_attempts=0, error_cb=quiet)
+    return await nats.connect(
+        url, name=name, max_reconnect_attempts=max_reconnect_attempts, error_cb=quiet
+    )
 
 
 def seqstate_command() -> list[str]:
