@@ -25,7 +25,6 @@ Run from the repository root: ``.venv/bin/python benchmarks/fold.py [--runs N] [
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -35,9 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from harness.cli import add_trace, parser, positive
+from harness.cli import add_json, add_trace, parser, positive
 from harness.measure import collect, percentile
-from harness.report import fmt_rates, machine, verdict
+from harness.report import emit, fmt_rates, machine, print_head, verdict
 from harness.workload import (
     ADD,
     DECODE_NS_PER_TOKEN,
@@ -332,13 +331,7 @@ def bench_memory(requests: Sequence[Lifecycle], workers: int, top: int) -> dict[
 
 def print_report(report: dict[str, Any]) -> None:
     m = report["machine"]
-    print("seqstate fold benchmark (benchmarks/fold.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
-        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
-    )
+    print_head("seqstate fold benchmark (benchmarks/fold.py)", m)
     print(f"  python     : {m['python']}; msgspec {m['msgspec']}; gc enabled {m['gc_enabled']}")
     print(f"  seqstate   : git {m['git']}; sources sha256 {m['seqstate_sha256']}")
     w = report["workload"]
@@ -440,7 +433,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = parser(__doc__)
     add_trace(p)
     p.add_argument("--runs", type=positive, default=5, help="timed runs per measurement")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--workers", type=positive, default=16, help="workers for (a), (b) and (d)")
     p.add_argument("--latency-workers", type=positive, default=64, help="workers for (c)")
     p.add_argument(
@@ -468,9 +461,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.limit is not None:
         records = records[: args.limit]
-    if not records:
-        print(f"fold.py: trace has no requests: {trace}", file=sys.stderr)
-        return 2
     requests = lifecycles(records)
     steps = timeline(requests)
     sections = set(args.only.lower())
@@ -508,10 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "d" in sections:
         report["memory"] = bench_memory(requests, args.workers, top=6)
 
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    emit(report, args.json, print_report)
     return 0
 
 

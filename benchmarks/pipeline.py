@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -49,9 +48,9 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from harness.cli import add_trace, parser, positive
+from harness.cli import add_json, add_trace, parser, positive
 from harness.measure import collect, median_of, percentile, stamp
-from harness.report import fmt_rates, machine
+from harness.report import emit, fmt_rates, machine, print_head, print_software
 from harness.servers import connect
 from harness.workload import (
     NS_PER_MS,
@@ -358,18 +357,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     m, w, runs, s = report["machine"], report["workload"], report["runs"], report["summary"]
-    print("seqstate pipeline benchmark over NATS (benchmarks/pipeline.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
-        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
-    )
-    print(
-        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
-        f"{runs[0]['nats_server']}; msgspec {m['msgspec']}"
-    )
-    print(f"  seqstate   : git {m['git']}; core {m['core']}")
+    print_head("seqstate pipeline benchmark over NATS (benchmarks/pipeline.py)", m)
+    print_software(m, runs[0]["nats_server"])
     print(
         f"  trace      : {w['trace']} ({w['requests']:,} requests, {w['events']:,} events, "
         f"{w['workers']} workers round-robin, {w['runs']} runs, fresh server + store per run)"
@@ -477,7 +466,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = parser(__doc__)
     add_trace(p)
     p.add_argument("--runs", type=positive, default=3, help="runs, each on a fresh server")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--requests", type=positive, default=None, help="use the first N requests")
     p.add_argument("--workers", type=positive, default=16, help="workers, round-robin")
     p.add_argument("--chunk", type=positive, default=1024, help="(e) events per gather")
@@ -498,9 +487,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace: Path = args.trace
     records = read_trace(trace, "pipeline.py")
     if records is None:
-        return 2
-    if not records:
-        print(f"pipeline.py: trace has no requests: {trace}", file=sys.stderr)
         return 2
     everything = lifecycles(records)
     requests = everything[: args.requests] if args.requests else everything
@@ -533,10 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["runs"] = runs
     report["summary"] = summarize(runs)
     report["wall_s"] = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    emit(report, args.json, print_report)
     return 0
 
 

@@ -90,9 +90,18 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from harness.cli import add_trace, parser, positive
+from harness.cli import add_json, add_trace, parser, positive
 from harness.measure import children_cpu_s, collect, process_cpu_s
-from harness.report import REPO_ROOT, fmt_rates, git_revision, machine, verdict
+from harness.report import (
+    REPO_ROOT,
+    emit,
+    fmt_rates,
+    git_revision,
+    machine,
+    print_head,
+    print_software,
+    verdict,
+)
 from harness.servers import connect
 from harness.workload import WAIT_TIMEOUT_S, base_events, encoded, fill
 from nats.aio.client import Client
@@ -645,18 +654,8 @@ def import_time() -> float:
 
 def print_report(report: dict[str, Any]) -> None:
     m, w, r = report["machine"], report["workload"], report["result"]
-    print("seqstate replay and restart benchmark (benchmarks/replay.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
-        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
-    )
-    print(
-        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
-        f"{r['nats_server']}; msgspec {m['msgspec']}"
-    )
-    print(f"  seqstate   : git {m['git']}; core {m['core']}; compiled {w['compiled_core']}")
+    print_head("seqstate replay and restart benchmark (benchmarks/replay.py)", m)
+    print_software(m, r["nats_server"], f"; compiled {w['compiled_core']}")
     if m.get("git_at_end", m["git"]) != m["git"]:
         print(f"  WARNING    : the checkout changed during the run: now {m['git_at_end']}")
     print(
@@ -811,7 +810,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile even if (r1) meets its target")
     p.add_argument("--no-profile", action="store_true", help="never profile")
     p.add_argument("--top", type=positive, default=12, help="profile: functions listed")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--save", type=Path, default=None, help="also write the JSON document here")
     args = p.parse_args(argv)
     if args.tail >= SNAPSHOT_WITHIN:
@@ -869,10 +868,7 @@ def finish(
     report["machine"]["git_at_end"] = git_revision()
     if args.save is not None:
         args.save.write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        show(report)
+    emit(report, args.json, show)
 
 
 if __name__ == "__main__":

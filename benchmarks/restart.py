@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from harness.cli import add_trace, parser, positive
+from harness.cli import add_json, add_trace, parser, positive
 from harness.measure import collect, stamp
 from harness.servers import connect, replay_verify
 from harness.workload import base_events, encoded, fill
@@ -292,7 +292,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-pending", type=positive, default=4_000, help="setup: unacked publishes")
     p.add_argument("--profile", action="store_true", help="one more writer start, cProfiled")
     p.add_argument("--top", type=positive, default=25, help="profile: functions listed")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--save", type=Path, default=None, help="also write the JSON document here")
     args = p.parse_args(argv)
     if args.events <= args.workers:

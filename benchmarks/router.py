@@ -35,7 +35,6 @@ import asyncio
 import functools
 import gc
 import itertools
-import json
 import os
 import random
 import statistics
@@ -45,7 +44,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 from harness.cli import positive
-from harness.report import machine
+from harness.report import emit, machine
 from harness.servers import connect
 from nats.aio.client import Client
 
@@ -259,10 +258,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report = asyncio.run(bench(args))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report, args)
+    emit(report, args.json, print_report, args)
     return 0
 
 

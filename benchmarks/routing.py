@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from harness.report import emit
 from harness.servers import connect
 from harness.workload import DEFAULT_TRACE
 from nats.aio.client import Client
@@ -582,10 +583,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     result = asyncio.run(main_async(args))
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_summary(result)
+    emit(result, args.json, print_summary)
     return 0
 
 

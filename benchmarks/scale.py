@@ -103,9 +103,17 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from harness.cli import parser, positive
+from harness.cli import add_json, parser, positive
 from harness.measure import collect, median, percentile, process_cpu_s, rss_kb
-from harness.report import PASS_FAIL, REPO_ROOT, machine, verdict
+from harness.report import (
+    PASS_FAIL,
+    REPO_ROOT,
+    emit,
+    machine,
+    print_head,
+    print_software,
+    verdict,
+)
 from harness.servers import connect
 from nats.aio.client import Client
 
@@ -835,18 +843,8 @@ def _cpu_of(s: dict[str, Any], phase: str) -> str:
 
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     m, summary = report["machine"], report["summary"]
-    print("seqstate fleet-scale benchmark (benchmarks/scale.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; load avg (1 min) at "
-        f"start {m['loadavg_1m_at_start']}"
-    )
-    print(
-        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
-        f"{report['nats_server']}; msgspec {m['msgspec']}"
-    )
-    print(f"  seqstate   : git {m['git']}; core {m['core']}")
+    print_head("seqstate fleet-scale benchmark (benchmarks/scale.py)", m)
+    print_software(m, report["nats_server"])
     print(
         f"  workload   : {WORKERS} workers (dp 0); churn {args.churn_events:,} events "
         f"(publish_many chunks of {args.chunk}, lag sampled every {args.sample_every}th); "
@@ -986,7 +984,7 @@ def plot(summary: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = parser(__doc__)
     p.add_argument("--runs", type=positive, default=3, help="runs per point (interleaved)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--save", metavar="FILE", default="", help="also write the JSON to FILE")
     p.add_argument(
         "--sets",
@@ -1098,10 +1096,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - started
     if args.save:
         Path(args.save).write_text(json.dumps(report, indent=2))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report, args)
+    emit(report, args.json, print_report, args)
     return 0
 
 

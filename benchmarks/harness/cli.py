@@ -20,5 +20,9 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0] or None)
 
 
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+
+
 def add_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (Mooncake)")

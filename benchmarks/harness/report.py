@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Final
@@ -116,6 +117,35 @@ def verdict(ok: bool, words: tuple[str, str] = MEETS_MISSES) -> str:
 
 def fmt_rates(values: Any) -> str:
     return ", ".join(f"{v:,.0f}" for v in values)
+
+
+def print_head(title: str, m: dict[str, Any]) -> None:
+    """The first lines of a printed report: its title, then when, how and on what it ran."""
+    print(title)
+    print(f"  date (UTC) : {m['date_utc']}")
+    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
+    print(
+        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
+        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
+    )
+
+
+def print_software(m: dict[str, Any], nats_server: str, core_note: str = "") -> None:
+    """The software lines of a report that ran against a nats-server."""
+    print(
+        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
+        f"{nats_server}; msgspec {m['msgspec']}"
+    )
+    print(f"  seqstate   : git {m['git']}; core {m['core']}{core_note}")
+
+
+def emit(report: dict[str, Any], as_json: bool, printer: Callable[..., None], *args: Any) -> None:
+    """``--json``: the report as one indented JSON document on stdout; else
+    ``printer(report, *args)``, the script's own text."""
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        printer(report, *args)
 
 
 def write_json(path: Path | str | None, report: Any) -> None:

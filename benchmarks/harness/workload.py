@@ -74,7 +74,8 @@ Step = tuple[int, int, int]
 
 
 def read_trace(trace: Path, prog: str) -> list[TraceRecord] | None:
-    """The trace's records, or None after printing one line on why they cannot be had."""
+    """The trace's records, or None after printing one line on why they cannot be had (none,
+    unreadable, or empty)."""
     if not trace.is_file():
         print(
             f"{prog}: trace not found: {trace} (the repo ships the Mooncake trace in data/;"
@@ -83,10 +84,14 @@ def read_trace(trace: Path, prog: str) -> list[TraceRecord] | None:
         )
         return None
     try:
-        return load_trace(trace)
+        records = load_trace(trace)
     except (OSError, msgspec.DecodeError) as exc:
         print(f"{prog}: cannot read trace {trace}: {exc}", file=sys.stderr)
         return None
+    if not records:
+        print(f"{prog}: trace has no requests: {trace}", file=sys.stderr)
+        return None
+    return records
 
 
 def load_trace(path: Path) -> list[TraceRecord]:
