@@ -29,10 +29,10 @@ import asyncio
 import random
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.measure import fresh_stores
 from harness.report import git_revision
 from nats.js import api
 from writer_catchup import writer_catchup
@@ -169,9 +169,8 @@ def main() -> int:
     args = parser.parse_args()
     tune_collector()
     runs = []
-    for i in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="capture-catchup-") as tmp:
-            run = asyncio.run(one_run(args, Path(tmp) / "js"))
+    for i, store in enumerate(fresh_stores(args.runs, "capture-catchup-")):
+        run = asyncio.run(one_run(args, store))
         runs.append(run)
         s, b = run["sourced"], run["batched"]
         print(

@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import nats
 from nats.aio.client import Client
@@ -110,7 +108,7 @@ async def main(opts: argparse.Namespace) -> None:
         *((f"windowed push, window {w}", windowed(w)) for w in opts.windows),
         *((f"pull fetch({b})", pull(b)) for b in (256, 1024)),
     ]
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp)) as server:
+    with NatsServer() as server:
         nc = await nats.connect(server.url, pending_size=64 * 1024 * 1024)
         last = await fill(nc, opts.events)
         print(f"{opts.events:,} events stored; medians of {opts.runs} runs")

@@ -30,7 +30,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -244,15 +243,14 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "runs": args.runs,
         "results": {},
     }
-    with tempfile.TemporaryDirectory(prefix="hot-publish-") as store:
-        async with NatsServer(store, binary=binary, name="hot-publish") as server:
-            report["machine"]["nats_url"] = server.url
-            results: dict[str, list[Result]] = {v: [] for v in chosen}
-            for _ in range(args.runs):
-                for variant in chosen:
-                    n = args.js_events if variant == "c" else args.events
-                    result = await measure(server, variant, bodies[variant], n, args)
-                    results[variant].append(result)
+    async with NatsServer(binary=binary, name="hot-publish") as server:
+        report["machine"]["nats_url"] = server.url
+        results: dict[str, list[Result]] = {v: [] for v in chosen}
+        for _ in range(args.runs):
+            for variant in chosen:
+                n = args.js_events if variant == "c" else args.events
+                result = await measure(server, variant, bodies[variant], n, args)
+                results[variant].append(result)
     for variant, runs in results.items():
         report["results"][variant] = {
             "what": VARIANTS[variant],

@@ -22,9 +22,7 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import nats
 from harness.report import git_revision
@@ -53,8 +51,7 @@ def keys_of(hashes: list[int]) -> int:
 
 
 async def run(repeats: int) -> None:
-    store = Path(tempfile.mkdtemp(prefix="long-prompts-"))
-    with NatsServer(store) as server:
+    with NatsServer() as server:
         pipe_nc, pub_nc, view_nc = [await nats.connect(server.url) for _ in range(3)]
         config = Config(namespace="longbench")
         async with Pipeline(pipe_nc, config):

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from harness.measure import percentile
 from harness.report import git_revision
 from slot_vs_dynamo import (
     DEFAULT_DYNAMO_PY,
@@ -98,7 +99,7 @@ async def measure(target: Target, seconds: float, tag: str) -> list[float]:
 
 
 def _ms(latencies: list[float], q: float) -> float:
-    return 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * q))]
+    return 1000 * percentile(latencies, 100 * q)
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -50,7 +50,6 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -489,19 +488,18 @@ SCHEMES = ("round-robin", "view-only", "toolkit", "toolkit-2", "oracle", "toolki
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     reqs = load_trace(args.trace, args.requests, args.speedup)
     rounds: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory() as store:
-        async with NatsServer(store) as server:
-            for r in range(args.runs):
-                turn = SCHEMES[r % len(SCHEMES) :] + SCHEMES[: r % len(SCHEMES)]
-                order = [s for s in turn if s in args.schemes or s == "round-robin"]
-                results = {}
-                for scheme in order:
-                    results[scheme] = await run_scheme(scheme, server.url, reqs, args, r)
-                    print(json.dumps(results[scheme]), file=sys.stderr, flush=True)
-                rr = results["round-robin"]["prefilled_tokens"]
-                for res in results.values():
-                    res["prefill_saved_vs_rr"] = round(1 - res["prefilled_tokens"] / rr, 4)
-                rounds.append(results)
+    async with NatsServer() as server:
+        for r in range(args.runs):
+            turn = SCHEMES[r % len(SCHEMES) :] + SCHEMES[: r % len(SCHEMES)]
+            order = [s for s in turn if s in args.schemes or s == "round-robin"]
+            results = {}
+            for scheme in order:
+                results[scheme] = await run_scheme(scheme, server.url, reqs, args, r)
+                print(json.dumps(results[scheme]), file=sys.stderr, flush=True)
+            rr = results["round-robin"]["prefilled_tokens"]
+            for res in results.values():
+                res["prefill_saved_vs_rr"] = round(1 - res["prefilled_tokens"] / rr, 4)
+            rounds.append(results)
     summary = {}
     for scheme in rounds[0]:
         runs = [rd[scheme] for rd in rounds]

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from harness.measure import rss_kb
+from harness.measure import fresh_stores, rss_kb
 
 from projector.nats.connection import connect
 from projector.nats.resources import ensure
@@ -80,10 +79,10 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=3)
     opts = parser.parse_args()
-    rates = []
-    for _ in range(opts.runs):
-        with tempfile.TemporaryDirectory(prefix="writer-backlog-") as tmp:
-            rates.append(asyncio.run(one_run(opts.events, Path(tmp) / "js")))
+    rates = [
+        asyncio.run(one_run(opts.events, store))
+        for store in fresh_stores(opts.runs, "writer-backlog-")
+    ]
     shown = ", ".join(f"{r:,.0f}" for r in rates)
     peak_mb = rss_kb()["VmHWM"] / 1024
     print(

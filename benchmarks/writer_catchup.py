@@ -48,14 +48,13 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from harness.measure import collect
+from harness.measure import collect, fresh_stores
 from harness.report import git_revision
 from harness.workload import DEFAULT_TRACE, base_events, encoded, fill
 from nats.aio.msg import Msg
@@ -293,9 +292,8 @@ def main() -> int:
     args = parser.parse_args()
     tune_collector()  # as a seqstate process runs
     runs = []
-    for i in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="writer-catchup-") as tmp:
-            run = asyncio.run(one_run(args, Path(tmp) / "js"))
+    for i, store in enumerate(fresh_stores(args.runs, "writer-catchup-")):
+        run = asyncio.run(one_run(args, store))
         runs.append(run)
         print(
             f"run {i + 1}: bare {run['bare_per_s']:,.0f} events/s (this process on CPU "

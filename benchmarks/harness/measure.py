@@ -12,8 +12,9 @@ import math
 import os
 import resource
 import statistics
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -111,6 +112,14 @@ def rss_kb(pid: int | str = "self", fields: Sequence[str] = ("VmRSS", "VmHWM")) 
         if key in fields:
             out[key] = int(value.split()[0])
     return out
+
+
+def fresh_stores(runs: int, prefix: str) -> Iterator[Path]:
+    """A new, empty JetStream store directory for each of ``runs`` runs, removed after its run:
+    no run reads what an earlier one left."""
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield Path(tmp) / "js"
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
