@@ -37,7 +37,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.measure import rss_kb
+from harness.report import machine_line
 from harness.servers import free_port
 from nats.aio.client import Client
 
@@ -333,7 +333,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="catch-up-") as tmp:
         result = asyncio.run(bench(opts, Path(tmp)))
-    result["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
+    result["machine"] = machine_line()
     result["date"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     if opts.json:
         print(json.dumps(result))

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import time
 from collections.abc import Callable
+
+from harness.report import machine_line
 
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, Tick
 
@@ -114,7 +115,7 @@ def main() -> None:
         "scan_ms": {n: round(scan_cost_ms(n, args.runs), 2) for n in (1_000, 10_000, 100_000)},
         "live": args.live,
         "runs": args.runs,
-        "machine": f"{platform.machine()}, {platform.python_version()}",
+        "machine": machine_line(),
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip(),

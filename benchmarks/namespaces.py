@@ -44,7 +44,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ from typing import Any, Final
 import msgspec
 from catch_up import readyz
 from harness.measure import process_cpu_s
-from harness.report import cpu_model, git_revision
+from harness.report import git_revision, machine_line
 from harness.servers import free_port
 from harness.workload import DEFAULT_TRACE, base_events, encoded
 from nats.aio.client import Client
@@ -467,7 +466,7 @@ async def sweep(opts: argparse.Namespace) -> dict[str, Any]:
     return {
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.orig_argv),
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": machine_line(),
         "loadavg_at_end": os.getloadavg(),
         "git": git_revision(),
         "streams": opts.streams,

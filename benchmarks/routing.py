@@ -44,8 +44,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -57,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from harness.report import emit
+from harness.report import emit, machine_line
 from harness.servers import connect
 from harness.workload import DEFAULT_TRACE
 from nats.aio.client import Client
@@ -520,9 +518,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": " ".join(sys.orig_argv),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": (
-            f"{platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}"
-        ),
+        "machine": machine_line(),
         "settings": {k: str(v) for k, v in vars(args).items() if k != "json"},
         "summary": summary,
         "rounds": rounds,

@@ -110,6 +110,11 @@ MEETS_MISSES: Final = ("MEETS", "MISSES")
 PASS_FAIL: Final = ("PASS", "FAIL")
 
 
+def machine_line() -> str:
+    """The machine in one line, for the short reports that print no :func:`machine` head."""
+    return f"{cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
 def verdict(ok: bool, words: tuple[str, str] = MEETS_MISSES) -> str:
     """A target's verdict, in the words of the report that states it."""
     return words[0] if ok else words[1]
