@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import re
 import signal
@@ -46,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.measure import rss_kb
-from harness.report import machine_line
-from harness.servers import free_port
+from harness.report import emit, machine_line, print_fields
+from harness.servers import free_port, stop
 from nats.aio.client import Client
 
 from projector.nats.connection import connect
@@ -250,15 +249,8 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             finally:
                 for proc in routers:
                     proc.send_signal(signal.SIGTERM)
-                for proc in procs:
-                    if proc is writer:
-                        os.kill(proc.pid, signal.SIGCONT)
-                    proc.send_signal(signal.SIGTERM)
-                for proc in procs:
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                os.kill(writer.pid, signal.SIGCONT)
+                stop(procs)
             text = w_log.read_text(errors="replace")
             readies = [s for s in samples if s["t"] >= opts.pause and "behind" in s]
             result = {
@@ -335,11 +327,7 @@ def main() -> None:
         result = asyncio.run(bench(opts, Path(tmp)))
     result["machine"] = machine_line()
     result["date"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    if opts.json:
-        print(json.dumps(result))
-        return
-    for key, value in result.items():
-        print(f"{key:>36}: {value}")
+    emit(result, opts.json, print_fields, 36, indent=None)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ from typing import Annotated, Any, Final
 
 import msgspec
 from harness.report import machine
-from harness.servers import free_port
+from harness.servers import free_port, stop
 
 # ---------------------------------------------------------------------------------------------
 # The contract's shapes, shared by every candidate.
@@ -1214,13 +1214,7 @@ async def main_async(args: argparse.Namespace) -> int:
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs.values(), timeout=10)
 
 
 def main() -> int:

@@ -19,13 +19,11 @@ Run from the repository root: ``.venv/bin/python benchmarks/lease.py [--runs 5] 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
-from harness.report import machine_line
+from harness.report import emit, git_revision, machine_line, print_fields
 
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, Tick
 
@@ -116,15 +114,9 @@ def main() -> None:
         "live": args.live,
         "runs": args.runs,
         "machine": machine_line(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
+        "commit": git_revision(),
     }
-    if args.json:
-        print(json.dumps(result))
-        return
-    for key, value in result.items():
-        print(f"{key}: {value}")
+    emit(result, args.json, print_fields, indent=None)
 
 
 if __name__ == "__main__":

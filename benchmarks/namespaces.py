@@ -60,7 +60,7 @@ import msgspec
 from catch_up import readyz
 from harness.measure import process_cpu_s
 from harness.report import git_revision, machine_line
-from harness.servers import free_port
+from harness.servers import free_port, stop
 from harness.workload import DEFAULT_TRACE, base_events, encoded
 from nats.aio.client import Client
 from nats.js import api
@@ -349,12 +349,7 @@ async def one_run(
                 for p in pipes:
                     if p.proc.poll() is None:
                         os.kill(p.proc.pid, signal.SIGCONT)
-                        p.proc.send_signal(signal.SIGTERM)
-                for p in pipes:
-                    try:
-                        await asyncio.to_thread(p.proc.wait, 30)
-                    except subprocess.TimeoutExpired:
-                        p.proc.kill()
+                await asyncio.to_thread(stop, [p.proc for p in pipes])
             result["pipeline_exits"] = [p.proc.returncode for p in pipes]
             if verify:
                 result["verify"] = [await verify_one(url, i, opts.streams, env) for i in range(n)]

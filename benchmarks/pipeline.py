@@ -51,7 +51,7 @@ import msgspec
 from harness.cli import add_json, add_trace, parser, positive
 from harness.measure import collect, median_of, percentile, stamp
 from harness.report import emit, fmt_rates, machine, print_head, print_software
-from harness.servers import connect
+from harness.servers import connect, server_version
 from harness.workload import (
     NS_PER_MS,
     Lifecycle,
@@ -220,8 +220,7 @@ async def one_run(
         nc_pub = await connect(server.url, "bench-publisher")
         nc_pipe = await connect(server.url, "bench-pipeline")
         nc_view = await connect(server.url, "bench-view")
-        v = nc_pub.connected_server_version
-        result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+        result["nats_server"] = server_version(nc_pub)
         pipeline: Pipeline | None = None
         view: RegistryView | None = None
         try:

@@ -102,7 +102,7 @@ from harness.report import (
     print_software,
     verdict,
 )
-from harness.servers import connect
+from harness.servers import connect, server_version
 from harness.workload import WAIT_TIMEOUT_S, base_events, encoded, fill
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -554,8 +554,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
     async with NatsServer() as server:
         nc = await connect(server.url, "bench-setup")
         try:
-            v = nc.connected_server_version
-            result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            result["nats_server"] = server_version(nc)
             await ensure(nc, config)
             t0 = time.perf_counter()
             messages = encoded(config, base, args.events, args.workers)

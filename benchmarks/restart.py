@@ -61,7 +61,7 @@ from typing import Any, Final
 import msgspec
 from harness.cli import add_json, add_trace, parser, positive
 from harness.measure import collect, stamp
-from harness.servers import connect, replay_verify
+from harness.servers import connect, replay_verify, server_version
 from harness.workload import base_events, encoded, fill
 from nats.aio.client import Client
 from replay import PhaseClock, finish, new_report, ready_once
@@ -185,8 +185,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
     async with NatsServer() as server:
         nc = await connect(server.url, "bench-setup")
         try:
-            v = nc.connected_server_version
-            result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            result["nats_server"] = server_version(nc)
             await ensure(nc, config)
             t0 = time.perf_counter()
             messages = encoded(config, base, args.events + tails * args.tail, args.workers)

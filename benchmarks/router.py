@@ -45,7 +45,7 @@ from typing import Any, Final
 
 from harness.cli import positive
 from harness.report import emit, machine
-from harness.servers import connect
+from harness.servers import connect, server_version
 from nats.aio.client import Client
 
 from projector.nats.resources import ensure
@@ -158,8 +158,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         nc = await connect(server.url, "bench-router")
         try:
             await ensure(nc, config)
-            v = nc.connected_server_version
-            info["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            info["nats_server"] = server_version(nc)
             payloads = [encode_event(e) for e in events]  # (a)'s inputs, untimed: the ceiling
             for rep in range(args.runs):
                 tag = f"{os.getpid()}-{rep}"

@@ -114,7 +114,7 @@ from harness.report import (
     print_software,
     verdict,
 )
-from harness.servers import connect
+from harness.servers import connect, server_version, stop
 from nats.aio.client import Client
 
 from projector.nats.resources import ensure
@@ -338,29 +338,6 @@ def start_spies(
     return spies
 
 
-def stop_spies(spies: list[subprocess.Popen[bytes]]) -> None:
-    for spy in spies:
-        spy.send_signal(signal.SIGINT)
-    for spy in spies:
-        try:
-            spy.wait(30)
-        except subprocess.TimeoutExpired:
-            spy.kill()
-            spy.wait()
-
-
-def stop_consumers(consumers: Consumers) -> None:
-    for proc in (consumers.writer, consumers.projector):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in (consumers.writer, consumers.projector):
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def cpu_now(consumers: Consumers, server_pid: int) -> dict[str, float]:
     return {
         "writer": process_cpu_s(consumers.writer.pid),
@@ -477,7 +454,7 @@ async def saturated_churn(
     await view.wait_for(last, timeout=WAIT_TIMEOUT_S)
     seconds = time.perf_counter() - t0
     cpu1 = cpu_now(consumers, server_pid)
-    stop_spies(spies)
+    stop(spies, signal.SIGINT)
     lags = await asyncio.gather(*samplers)
     s1 = await streams_now(nc, config, view)
     adds = sum(isinstance(e, AddRequest) for e in events)
@@ -653,7 +630,7 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
             finally:
                 if view is not None:
                     await view.stop()
-                stop_consumers(consumers)
+                stop((consumers.writer, consumers.projector), timeout=10)
                 if args.logs:
                     keep = Path(args.logs)
                     keep.mkdir(parents=True, exist_ok=True)
@@ -663,8 +640,7 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
                 for nc in (nc_view, nc_pub):
                     with contextlib.suppress(Exception):
                         await nc.drain()
-            v = nc_pub.connected_server_version
-            result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            result["nats_server"] = server_version(nc_pub)
     return result
 
 

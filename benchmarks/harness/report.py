@@ -144,13 +144,25 @@ def print_software(m: dict[str, Any], nats_server: str, core_note: str = "") -> 
     print(f"  seqstate   : git {m['git']}; core {m['core']}{core_note}")
 
 
-def emit(report: dict[str, Any], as_json: bool, printer: Callable[..., None], *args: Any) -> None:
-    """``--json``: the report as one indented JSON document on stdout; else
-    ``printer(report, *args)``, the script's own text."""
+def emit(
+    report: dict[str, Any],
+    as_json: bool,
+    printer: Callable[..., None],
+    *args: Any,
+    indent: int | None = 2,
+) -> None:
+    """``--json``: the report as one JSON document on stdout; else ``printer(report, *args)``,
+    the script's own text."""
     if as_json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(report, indent=indent))
     else:
         printer(report, *args)
+
+
+def print_fields(report: dict[str, Any], width: int = 0) -> None:
+    """A flat report, a ``key: value`` line each, keys right-aligned to ``width``."""
+    for key, value in report.items():
+        print(f"{key:>{width}}: {value}")
 
 
 def write_json(path: Path | str | None, report: Any) -> None:

@@ -5,9 +5,11 @@ bucket equals a replay of the log."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,29 @@ async def connect(url: str, name: str = "bench", max_reconnect_attempts: int = 0
     return await nats.connect(
         url, name=name, max_reconnect_attempts=max_reconnect_attempts, error_cb=quiet
     )
+
+
+def stop(
+    procs: Iterable[subprocess.Popen[bytes]], sig: int = signal.SIGTERM, timeout: float = 30.0
+) -> None:
+    """Signal every process still running, then wait for each; kill what outlives ``timeout``.
+    All are signalled first so that they stop side by side, not one after another."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def server_version(nc: Client) -> str:
+    """The version of the nats-server ``nc`` is connected to, as a report names it."""
+    v = nc.connected_server_version
+    return f"{v.major}.{v.minor}.{v.patch}"
 
 
 def seqstate_command() -> list[str]:
