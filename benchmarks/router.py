@@ -217,7 +217,7 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"{m['date_utc']}  {m['cpu']}, {m['nproc']} cores, load {m['loadavg_1m_at_start']:.2f}"
         f"  {m['python']}, nats-py {m['nats_py']}, nats-server {m['nats_server']}, "
-        f"{m['core']} core"
+        f"{m['core'].split(':')[0]} core"
     )
     print(f"{report['events']:,} AddRequests per measurement, {report['runs']} runs each, medians:")
     for label, median in report["medians"].items():
