@@ -80,6 +80,7 @@ from importlib import metadata
 from typing import Annotated, Any, Final
 
 import msgspec
+from harness.measure import rotated
 from harness.report import machine
 from harness.servers import free_port, stop
 
@@ -1169,7 +1170,7 @@ async def main_async(args: argparse.Namespace) -> int:
         with open(lua, "w") as f:
             f.write(WRK_FREE_LUA)
         for run in range(args.runs):
-            order = servers[run % len(servers) :] + servers[: run % len(servers)]
+            order = rotated(servers, run)
             targets = {
                 s: (ports[s], procs[s].pid if s in procs else listener_pid(ports[s])) for s in order
             }

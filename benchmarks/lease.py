@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from harness.measure import ratio
 from harness.report import emit, git_revision, machine_line, print_fields
 
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, Tick
@@ -105,7 +106,7 @@ def main() -> None:
         "events": len(log),
         "fold_age_events_s": round(statistics.median(age)),
         "fold_lease_events_s": round(statistics.median(lease)),
-        "lease_over_age": round(statistics.median(lease) / statistics.median(age), 3),
+        "lease_over_age": round(ratio(lease, age), 3),
         "tick_no_scan_us_lease": round(
             tick_cost_us(lambda: SequenceState(lease_scan_s=SCAN_S), args.live, 201), 1
         ),

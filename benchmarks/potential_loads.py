@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from harness.measure import percentile
+from harness.measure import alternated, percentile
 from harness.report import git_revision
 from slot_vs_dynamo import (
     DEFAULT_DYNAMO_PY,
@@ -115,7 +115,7 @@ async def run(args: argparse.Namespace) -> int:
         p50s: dict[str, list[float]] = {name: [] for name in targets}
         p99s: dict[str, list[float]] = {name: [] for name in targets}
         for round_ in range(1, args.rounds + 1):
-            order = list(targets) if round_ % 2 else list(reversed(targets))
+            order = alternated(list(targets), round_ - 1)
             for name in order:
                 got = await measure(targets[name], args.seconds, f"r{round_}")
                 p50s[name].append(_ms(got, 0.5))

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from harness.measure import rotated
 from harness.report import emit, machine_line
 from harness.servers import connect
 from harness.workload import DEFAULT_TRACE
@@ -488,7 +489,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, dict[str, Any]]] = []
     async with NatsServer() as server:
         for r in range(args.runs):
-            turn = SCHEMES[r % len(SCHEMES) :] + SCHEMES[: r % len(SCHEMES)]
+            turn = rotated(SCHEMES, r)
             order = [s for s in turn if s in args.schemes or s == "round-robin"]
             results = {}
             for scheme in order:

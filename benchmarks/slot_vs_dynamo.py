@@ -76,7 +76,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from harness.measure import median, percentile, proc_tree_cpu
+from harness.measure import alternated, median, percentile, proc_tree_cpu
 from harness.report import cpu_model, git_revision
 from harness.servers import free_port
 from http_servers import listener_pid, one_shot
@@ -817,7 +817,7 @@ async def run(args: argparse.Namespace, loop_name: str) -> int:
         rounds: list[dict[str, dict[str, dict[str, Any]]]] = []
         print(flush=True)
         for rnd in range(args.rounds):
-            order = names if rnd % 2 == 0 else names[::-1]
+            order = alternated(names, rnd)
             res: dict[str, dict[str, dict[str, Any]]] = {}
             for w in ws:
                 res[w.name] = {}

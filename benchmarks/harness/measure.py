@@ -14,7 +14,7 @@ import resource
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -58,10 +58,17 @@ def ratio(after: Sequence[float], before: Sequence[float]) -> float:
     return median(after) / median(before)
 
 
-def interleaved(variants: Sequence[T], runs: int) -> list[tuple[int, T]]:
-    """``(run, variant)`` in the order to measure them: each run goes through every variant, so
-    a load that comes and goes falls on every variant alike."""
-    return [(run, variant) for run in range(runs) for variant in variants]
+def rotated(variants: Sequence[T], run: int) -> list[T]:
+    """The order to measure ``variants`` in on run ``run`` (from 0): each run starts one further
+    along, so no variant always runs first (on a cold cache) or right after the same other."""
+    k = run % len(variants)
+    return [*variants[k:], *variants[:k]]
+
+
+def alternated(variants: Sequence[T], run: int) -> list[T]:
+    """The order on run ``run`` (from 0): as given, then reversed, and so on; two variants
+    each go first as often."""
+    return list(variants) if run % 2 == 0 else list(variants[::-1])
 
 
 def process_cpu_s(pid: int | None) -> float:
@@ -120,10 +127,3 @@ def fresh_stores(runs: int, prefix: str) -> Iterator[Path]:
     for _ in range(runs):
         with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             yield Path(tmp) / "js"
-
-
-def timed(fn: Callable[[], T]) -> tuple[T, float]:
-    """``fn()``'s result and its wall seconds."""
-    t0 = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - t0
