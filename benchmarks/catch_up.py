@@ -46,7 +46,7 @@ from typing import Any
 
 from harness.measure import rss_kb
 from harness.report import emit, machine_line, print_fields
-from harness.servers import free_port, stop
+from harness.servers import free_port, start_seqstate, stop
 from nats.aio.client import Client
 
 from projector.nats.connection import connect
@@ -146,17 +146,8 @@ async def positions(nc: Client, config: Config) -> tuple[int, int]:
 
 
 def command(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
-    env["NATS_URL"] = url
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in NAMES.items()]
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "projector", *args, *flags],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=out,
-        )
+    return start_seqstate([*args, *flags], url, log)
 
 
 async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:

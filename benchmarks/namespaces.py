@@ -60,7 +60,7 @@ import msgspec
 from catch_up import readyz
 from harness.measure import process_cpu_s
 from harness.report import git_revision, machine_line
-from harness.servers import free_port, stop
+from harness.servers import free_port, replay_verify, seqstate_env, start_seqstate, stop
 from harness.workload import DEFAULT_TRACE, base_events, encoded
 from nats.aio.client import Client
 from nats.js import api
@@ -97,12 +97,6 @@ def config_of(index: int, streams: str, replicas: int) -> Config:
 
 def flags(index: int, streams: str) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in names(index, streams).items()]
-
-
-def clean_env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_") and k != "NATS_URL"
-    }
 
 
 # ---- a publisher process ------------------------------------------------------------------
@@ -218,7 +212,6 @@ async def one_run(
     replicas = 3 if topology == "cluster" else 1
     configs = [config_of(i, opts.streams, replicas) for i in range(n)]
     share = opts.events // n
-    env = clean_env()
     result: dict[str, Any] = {"topology": topology, "n": n, "events": share * n}
     async with server_for(topology, work) as server:
         url = server.url
@@ -233,25 +226,18 @@ async def one_run(
             pipes = []
             for i in range(n):
                 port, log = free_port(), work / f"run{i}.log"
-                with log.open("wb") as out:
-                    proc = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "projector",
-                            "run",
-                            f"--nats-url={url}",
-                            *flags(i, opts.streams),
-                            f"--replicas={replicas}",
-                            f"--metrics-port={port}",
-                            "--lag-check-s=0.5",
-                            "--log-format=console",
-                        ],
-                        env=env,
-                        cwd=REPO,
-                        stdout=subprocess.DEVNULL,
-                        stderr=out,
-                    )
+                proc = start_seqstate(
+                    [
+                        "run",
+                        *flags(i, opts.streams),
+                        f"--replicas={replicas}",
+                        f"--metrics-port={port}",
+                        "--lag-check-s=0.5",
+                        "--log-format=console",
+                    ],
+                    url,
+                    log,
+                )
                 pipes.append(Pipeline(i, proc, port, log))
             publishers: list[Any] = []
             try:
@@ -270,7 +256,7 @@ async def one_run(
                             "--max-pending",
                             str(opts.max_pending),
                         ],
-                        env=env,
+                        env=seqstate_env(url),
                         cwd=REPO,
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -352,29 +338,16 @@ async def one_run(
                 await asyncio.to_thread(stop, [p.proc for p in pipes])
             result["pipeline_exits"] = [p.proc.returncode for p in pipes]
             if verify:
-                result["verify"] = [await verify_one(url, i, opts.streams, env) for i in range(n)]
+                result["verify"] = [await verify_one(url, i, opts.streams) for i in range(n)]
     return result
 
 
-async def verify_one(url: str, index: int, streams: str, env: dict[str, str]) -> str:
+async def verify_one(url: str, index: int, streams: str) -> str:
     """``seqstate replay --verify`` on namespace ``index``: 'identical' or 'diverged: ...'."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "projector",
-        "replay",
-        "--verify",
-        f"--nats-url={url}",
-        *flags(index, streams),
-        cwd=REPO,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
-    if proc.returncode == 0:
+    done = await asyncio.to_thread(replay_verify, url, *flags(index, streams))
+    if done["exit"] == 0:
         return "identical"
-    return f"diverged (exit {proc.returncode}): {out.decode(errors='replace').strip()[-300:]}"
+    return f"diverged (exit {done['exit']}): {' / '.join(done['said'])}"
 
 
 # ---- the sweep ----------------------------------------------------------------------------

@@ -114,7 +114,7 @@ from harness.report import (
     print_software,
     verdict,
 )
-from harness.servers import connect, server_version, stop
+from harness.servers import connect, server_version, start_seqstate, stop
 from nats.aio.client import Client
 
 from projector.nats.resources import ensure
@@ -283,16 +283,13 @@ class Consumers:
 
 
 def start_consumers(url: str, logs: Path, level: str, snapshots: bool) -> Consumers:
-    exe = str(Path(sys.executable).parent / "seqstate")
-    env = {**os.environ, "NATS_URL": url, "SEQSTATE_LOG_LEVEL": level}
+    settings = {"SEQSTATE_LOG_LEVEL": level}
     if not snapshots:  # a diagnosis: what the writer's snapshots cost
-        env.update(SEQSTATE_SNAPSHOT_EVERY_EVENTS="0", SEQSTATE_SNAPSHOT_EVERY_S="0")
-    procs = {}
-    for name in ("writer", "projector"):
-        with open(logs / f"{name}.log", "wb") as log:
-            procs[name] = subprocess.Popen(
-                [exe, name], env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL
-            )
+        settings.update(SEQSTATE_SNAPSHOT_EVERY_EVENTS="0", SEQSTATE_SNAPSHOT_EVERY_S="0")
+    procs = {
+        name: start_seqstate([name], url, logs / f"{name}.log", **settings)
+        for name in ("writer", "projector")
+    }
     return Consumers(procs["writer"], procs["projector"], logs)
 
 

@@ -43,10 +43,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -56,6 +54,7 @@ from typing import Any
 
 from harness.measure import collect, fresh_stores
 from harness.report import git_revision
+from harness.servers import start_seqstate
 from harness.workload import DEFAULT_TRACE, base_events, encoded, fill
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
@@ -175,14 +174,7 @@ async def writer_beside_a_projector_process(
 ) -> tuple[float, float]:
     """(b) with ``seqstate projector`` in a process of its own, as a deployment runs it:
     until the bucket's position says the last event."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
-    env["NATS_URL"] = url
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "projector", "projector"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_seqstate(["projector"], url)
     try:
         kv = await nc.jetstream().key_value(config.registry_bucket)
 

@@ -9,12 +9,14 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import nats
 from nats.aio.client import Client
+
+from harness.report import REPO_ROOT
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,16 +65,43 @@ def seqstate_command() -> list[str]:
     return [str(Path(sys.executable).parent / "seqstate")]
 
 
-def replay_verify(url: str, *flags: str, cwd: Path | None = None) -> dict[str, Any]:
+def seqstate_env(url: str, **settings: str) -> dict[str, str]:
+    """This environment for a ``seqstate`` process against ``url``, without the caller's own
+    ``SEQSTATE_*`` settings: a figure depends only on what the benchmark sets (``settings``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
+    return {**env, "NATS_URL": url, **settings}
+
+
+def start_seqstate(
+    args: Sequence[str], url: str, log: Path | None = None, **settings: str
+) -> subprocess.Popen[bytes]:
+    """``seqstate ARGS`` against ``url`` in a process of its own, as deployed; what it writes
+    goes to ``log`` (nowhere if None). Stop it with :func:`stop`."""
+    out = log.open("wb") if log is not None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(
+            [*seqstate_command(), *args],
+            env=seqstate_env(url, **settings),
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+        )
+    finally:
+        if log is not None:
+            out.close()  # type: ignore[union-attr]
+
+
+def replay_verify(url: str, *flags: str) -> dict[str, Any]:
     """``seqstate replay --verify FLAGS`` against ``url``: exit 0 means the bucket equals a
     replay of the whole log; ``said`` is its last three lines."""
     done = subprocess.run(
         [*seqstate_command(), "replay", "--verify", "--no-progress", *flags],
-        env={**os.environ, "NATS_URL": url},
+        env=seqstate_env(url),
         capture_output=True,
         text=True,
         check=False,
-        cwd=cwd,
+        cwd=REPO_ROOT,
     )
     said = (done.stdout + done.stderr).strip().splitlines()
     return {"exit": done.returncode, "said": said[-3:]}
