@@ -566,8 +566,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
             result["setup"] = setup
             last = setup["last_seq"]
 
-            proc = getattr(server, "_proc", None)  # the server's CPU time, read from /proc
-            pid = proc.pid if proc is not None else None
+            pid = server.pid  # the server's CPU time, read from /proc
             runs = [await replay_once(server.url, config, last, pid) for _ in range(args.runs)]
             digests = {r["digest"] for r in runs}
             if len(digests) != 1:

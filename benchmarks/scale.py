@@ -572,8 +572,8 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
     with tempfile.TemporaryDirectory(prefix="seqstate-scale-") as tmp:
         work = Path(tmp)
         async with NatsServer() as server:
-            assert server._proc is not None
-            server_pid = server._proc.pid
+            server_pid = server.pid
+            assert server_pid is not None
             nc_pub = await connect(server.url, "bench-publisher")
             nc_view = await connect(server.url, "bench-view")
             await ensure(nc_pub, config)
