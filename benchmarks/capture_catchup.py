@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness.cli import argument_parser
 from harness.measure import fresh_stores
 from harness.report import git_revision
 from nats.js import api
@@ -163,7 +164,7 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()

@@ -44,6 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.cli import argument_parser
 from harness.measure import rss_kb
 from harness.report import emit, machine_line, print_fields
 from harness.servers import free_port, start_seqstate, stop
@@ -285,7 +286,7 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--routers", type=int, default=4)
     parser.add_argument(
         "--rate", type=float, default=0.0, help="events/s of all routers together (0: flat out)"

@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import nats
+from harness.cli import argument_parser
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
@@ -128,7 +129,7 @@ async def main(opts: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--windows", type=int, nargs="*", default=[256, 1024, 4096, 16384])

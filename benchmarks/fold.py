@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from harness.cli import add_json, add_trace, parser, positive
+from harness.cli import add_json, add_trace, argument_parser, positive
 from harness.measure import collect, percentile
 from harness.report import emit, fmt_rates, machine, print_head, verdict
 from harness.workload import (
@@ -430,7 +430,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = parser(__doc__)
+    p = argument_parser(__doc__)
     add_trace(p)
     p.add_argument("--runs", type=positive, default=5, help="timed runs per measurement")
     add_json(p)

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from harness.cli import parser  # noqa: E402
+from harness.cli import argument_parser  # noqa: E402
 from harness.report import machine, nats_server_version, write_json  # noqa: E402
 
 from projector.nats import fast_publish  # noqa: E402
@@ -211,7 +211,7 @@ async def measure(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = parser(__doc__)
+    p = argument_parser(__doc__)
     p.add_argument("--events", type=int, default=20_000, help="events for (a), (b) and (d)")
     p.add_argument("--js-events", type=int, default=3_000, help="events for (c)")
     p.add_argument("--runs", type=int, default=5)

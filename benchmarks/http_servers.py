@@ -80,6 +80,7 @@ from importlib import metadata
 from typing import Annotated, Any, Final
 
 import msgspec
+from harness.cli import argument_parser
 from harness.measure import rotated
 from harness.report import machine
 from harness.servers import free_port, stop
@@ -1219,7 +1220,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument(
         "--servers",
         default="aiohttp,starlette,asgi,granian,httptools,trivial,dynamo",

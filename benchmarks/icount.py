@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fold  # the sibling benchmark script: same state setup
 from harness import workload
+from harness.cli import argument_parser
 
 
 def build_and_fold(trace: Path, requests: int, workers: int, do_fold: bool) -> None:
@@ -55,7 +56,7 @@ def count(argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argument_parser(__doc__)
     p.add_argument("--trace", type=Path, default=workload.DEFAULT_TRACE)
     p.add_argument("--requests", type=int, default=2000, help="first N trace requests")
     p.add_argument("--workers", type=int, default=16)

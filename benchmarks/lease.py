@@ -18,11 +18,11 @@ Run from the repository root: ``.venv/bin/python benchmarks/lease.py [--runs 5] 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
 
+from harness.cli import argument_parser
 from harness.measure import ratio
 from harness.report import emit, git_revision, machine_line, print_fields
 
@@ -90,7 +90,7 @@ def scan_cost_ms(expiring: int, runs: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--live", type=int, default=100_000)

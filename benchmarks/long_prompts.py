@@ -16,7 +16,6 @@ interleaved (every size once per repeat), and each figure is the median over the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
@@ -25,6 +24,7 @@ import sys
 import time
 
 import nats
+from harness.cli import argument_parser
 from harness.report import git_revision
 
 from projector.nats.server import NatsServer
@@ -90,7 +90,7 @@ async def run(repeats: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--repeats", type=int, default=7)
     asyncio.run(run(p.parse_args().repeats))
     return 0

@@ -13,12 +13,12 @@ Run from the repository root: ``.venv/bin/python benchmarks/metrics_scrape.py [-
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import time
 from types import SimpleNamespace
 
+from harness.cli import argument_parser
 from prometheus_client import generate_latest
 
 from projector.nats.lag import Lag
@@ -75,7 +75,7 @@ def scrape_ms(state: SequenceState, runs: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
     print(f"python {platform.python_version()} on {platform.machine()}, {args.runs} scrapes each")

@@ -58,6 +58,7 @@ from typing import Any, Final
 
 import msgspec
 from catch_up import readyz
+from harness.cli import argument_parser
 from harness.measure import process_cpu_s
 from harness.report import git_revision, machine_line
 from harness.servers import free_port, replay_verify, seqstate_env, start_seqstate, stop
@@ -445,7 +446,7 @@ async def sweep(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=60_000, help="events in all namespaces")
     parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument(

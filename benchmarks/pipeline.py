@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from harness.cli import add_json, add_trace, parser, positive
+from harness.cli import add_json, add_trace, argument_parser, positive
 from harness.measure import collect, median_of, percentile, stamp
 from harness.report import emit, fmt_rates, machine, print_head, print_software
 from harness.servers import connect, server_version
@@ -462,7 +462,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = parser(__doc__)
+    p = argument_parser(__doc__)
     add_trace(p)
     p.add_argument("--runs", type=positive, default=3, help="runs, each on a fresh server")
     add_json(p)

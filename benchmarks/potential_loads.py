@@ -23,13 +23,14 @@ import sys
 import tempfile
 import time
 
+from harness.cli import argument_parser
 from harness.measure import alternated, percentile
 from harness.report import git_revision
 from slot_vs_dynamo import (
-    DEFAULT_DYNAMO_PY,
     Processes,
     StartError,
     Target,
+    add_server_args,
     start_servers,
 )
 
@@ -139,13 +140,10 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
-    p.add_argument("--no-dynamo", action="store_true", help="measure seqstate only")
-    p.add_argument("--dynamo-python", default=os.environ.get("DYNAMO_PYTHON", DEFAULT_DYNAMO_PY))
-    p.add_argument("--seqstate-src", metavar="DIR", help="serve-http from this source tree")
-    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
+    add_server_args(p)
     args = p.parse_args()
     args.seqstate_url = args.dynamo_url = None
     return asyncio.run(run(args))

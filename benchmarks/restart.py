@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from harness.cli import add_json, add_trace, parser, positive
+from harness.cli import add_json, add_trace, argument_parser, positive
 from harness.measure import collect, stamp
 from harness.servers import connect, replay_verify, server_version
 from harness.workload import base_events, encoded, fill
@@ -282,7 +282,7 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = parser(__doc__)
+    p = argument_parser(__doc__)
     add_trace(p)
     p.add_argument("--events", type=positive, default=1_000_000, help="events of history")
     p.add_argument("--runs", type=positive, default=3, help="runs of each start")

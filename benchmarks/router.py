@@ -43,7 +43,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
-from harness.cli import positive
+from harness.cli import argument_parser, positive
 from harness.report import emit, machine
 from harness.servers import connect, server_version
 from nats.aio.client import Client
@@ -233,7 +233,7 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=positive, default=50_000, help="events per measurement")
     parser.add_argument("--runs", type=positive, default=5, help="repetitions of every measurement")
     parser.add_argument(

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from harness.cli import argument_parser
 from harness.measure import rotated
 from harness.report import emit, machine_line
 from harness.servers import connect
@@ -553,7 +554,7 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--speedup", type=float, default=20.0)

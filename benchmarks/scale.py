@@ -103,7 +103,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from harness.cli import add_json, parser, positive
+from harness.cli import add_json, argument_parser, positive
 from harness.measure import collect, median, percentile, process_cpu_s, rss_kb
 from harness.report import (
     PASS_FAIL,
@@ -955,7 +955,7 @@ def plot(summary: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = parser(__doc__)
+    p = argument_parser(__doc__)
     p.add_argument("--runs", type=positive, default=3, help="runs per point (interleaved)")
     add_json(p)
     p.add_argument("--save", metavar="FILE", default="", help="also write the JSON to FILE")

@@ -76,6 +76,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from harness.cli import argument_parser
 from harness.measure import alternated, median, percentile, proc_tree_cpu
 from harness.report import cpu_model, git_revision
 from harness.servers import free_port
@@ -885,11 +886,8 @@ async def run(args: argparse.Namespace, loop_name: str) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
-    p.add_argument("--depth", type=int, default=32, help="requests in flight when pipelined")
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`start_servers` reads: which servers, from where, how long to wait."""
     p.add_argument(
         "--dynamo-python",
         default=os.environ.get("DYNAMO_PYTHON", DEFAULT_DYNAMO_PY),
@@ -898,16 +896,25 @@ def main() -> int:
     )
     p.add_argument("--no-dynamo", action="store_true", help="measure seqstate only")
     p.add_argument(
-        "--seqstate-url",
-        help="measure a serve-http already running (http://HOST:PORT): start neither it nor NATS",
-    )
-    p.add_argument("--dynamo-url", help="measure a Dynamo tracker already running")
-    p.add_argument(
         "--seqstate-src",
         metavar="DIR",
         help="run serve-http from this source tree (e.g. a `git archive` of another commit) "
         "instead of this checkout",
     )
+    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
+
+
+def main() -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    p.add_argument("--depth", type=int, default=32, help="requests in flight when pipelined")
+    add_server_args(p)
+    p.add_argument(
+        "--seqstate-url",
+        help="measure a serve-http already running (http://HOST:PORT): start neither it nor NATS",
+    )
+    p.add_argument("--dynamo-url", help="measure a Dynamo tracker already running")
     p.add_argument(
         "--workloads",
         help="comma-separated subset (pairs-c16,pairs-c64,pairs-pipe32,loads-c16,loads-pipe32);"
@@ -915,7 +922,6 @@ def main() -> int:
     )
     p.add_argument("--settle", type=float, default=0.5, help="seconds of rest after each one")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds past a deadline, at most")
-    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
     p.add_argument("--json", metavar="PATH", help="write every raw number there")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     p.add_argument("--fail-on-targets", action="store_true", help="exit 2 if a target is missed")

@@ -13,12 +13,12 @@ Run from the repository root: ``.venv/bin/python benchmarks/writer_backlog.py [-
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
 from pathlib import Path
 
+from harness.cli import argument_parser
 from harness.measure import fresh_stores, rss_kb
 
 from projector.nats.connection import connect
@@ -75,7 +75,7 @@ async def one_run(events: int, store: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=3)
     opts = parser.parse_args()

@@ -52,6 +52,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from harness.cli import argument_parser
 from harness.measure import collect, fresh_stores
 from harness.report import git_revision
 from harness.servers import start_seqstate
@@ -266,7 +267,7 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=150_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)

@@ -15,7 +15,7 @@ nothing of the product or the tests imports it.
 - :mod:`harness.workload`: the Mooncake conversation trace as lifecycles, events and
   encoded stream messages, and publishing them into the events stream.
 
-A new benchmark: parse its flags with ``harness.cli.parser`` (plus its own), start a
+A new benchmark: parse its flags with ``harness.cli.argument_parser`` (plus its own), start a
 ``NatsServer`` per run, build its events from ``harness.workload``, time with
 ``time.perf_counter`` / ``harness.measure``, take ``harness.measure.median`` of the runs,
 and put ``harness.report.machine()`` at the head of the report it prints or writes with

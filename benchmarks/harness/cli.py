@@ -15,7 +15,7 @@ def positive(text: str) -> int:
     return value
 
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
+def argument_parser(doc: str | None) -> argparse.ArgumentParser:
     """A parser described by the first paragraph of the script's docstring."""
     return argparse.ArgumentParser(description=(doc or "").split("\n\n")[0] or None)
 
