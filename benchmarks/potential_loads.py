@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -137,6 +138,7 @@ async def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         procs.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> int:
