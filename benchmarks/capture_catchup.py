@@ -29,12 +29,13 @@ import asyncio
 import random
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.cli import argument_parser
+from harness.measure import fresh_stores
+from harness.report import git_revision
 from nats.js import api
-from pipeline import git_revision
 from writer_catchup import writer_catchup
 
 from projector.nats.connection import connect
@@ -163,15 +164,14 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     tune_collector()
     runs = []
-    for i in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="capture-catchup-") as tmp:
-            run = asyncio.run(one_run(args, Path(tmp) / "js"))
+    for i, store in enumerate(fresh_stores(args.runs, "capture-catchup-")):
+        run = asyncio.run(one_run(args, store))
         runs.append(run)
         s, b = run["sourced"], run["batched"]
         print(

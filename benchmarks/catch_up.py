@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -46,6 +44,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.cli import argument_parser
+from harness.measure import rss_kb
+from harness.report import emit, machine_line, print_fields
+from harness.servers import free_port, start_seqstate, stop
 from nats.aio.client import Client
 
 from projector.nats.connection import connect
@@ -116,16 +118,6 @@ async def router(url: str, index: int, rate: float, one_by_one: bool) -> None:
 # ---- the benchmark ------------------------------------------------------------------------
 
 
-def rss_kb(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of ``pid``, in kB."""
-    out: dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0])
-    return out
-
-
 async def readyz(port: int) -> int | None:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -154,26 +146,9 @@ async def positions(nc: Client, config: Config) -> tuple[int, int]:
     return logged, folded
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def command(args: list[str], url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
-    env["NATS_URL"] = url
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in NAMES.items()]
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "projector", *args, *flags],
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=out,
-        )
+    return start_seqstate([*args, *flags], url, log)
 
 
 async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -266,15 +241,8 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             finally:
                 for proc in routers:
                     proc.send_signal(signal.SIGTERM)
-                for proc in procs:
-                    if proc is writer:
-                        os.kill(proc.pid, signal.SIGCONT)
-                    proc.send_signal(signal.SIGTERM)
-                for proc in procs:
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                os.kill(writer.pid, signal.SIGCONT)
+                stop(procs)
             text = w_log.read_text(errors="replace")
             readies = [s for s in samples if s["t"] >= opts.pause and "behind" in s]
             result = {
@@ -318,7 +286,7 @@ async def bench(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--routers", type=int, default=4)
     parser.add_argument(
         "--rate", type=float, default=0.0, help="events/s of all routers together (0: flat out)"
@@ -349,13 +317,9 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="catch-up-") as tmp:
         result = asyncio.run(bench(opts, Path(tmp)))
-    result["machine"] = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}"
+    result["machine"] = machine_line()
     result["date"] = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    if opts.json:
-        print(json.dumps(result))
-        return
-    for key, value in result.items():
-        print(f"{key:>36}: {value}")
+    emit(result, opts.json, print_fields, 36, indent=None)
 
 
 if __name__ == "__main__":

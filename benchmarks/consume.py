@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import nats
+from harness.cli import argument_parser
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
@@ -110,7 +109,7 @@ async def main(opts: argparse.Namespace) -> None:
         *((f"windowed push, window {w}", windowed(w)) for w in opts.windows),
         *((f"pull fetch({b})", pull(b)) for b in (256, 1024)),
     ]
-    with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp)) as server:
+    with NatsServer() as server:
         nc = await nats.connect(server.url, pending_size=64 * 1024 * 1024)
         last = await fill(nc, opts.events)
         print(f"{opts.events:,} events stored; medians of {opts.runs} runs")
@@ -130,7 +129,7 @@ async def main(opts: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--windows", type=int, nargs="*", default=[256, 1024, 4096, 16384])

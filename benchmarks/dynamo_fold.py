@@ -12,11 +12,12 @@ Run from the repository root: ``.venv/bin/python benchmarks/dynamo_fold.py [--ro
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import time
 from pathlib import Path
+
+from harness.cli import argument_parser
 
 import seqstate.state
 from seqstate import Fold, FoldRules, SequenceState, encode_event
@@ -43,7 +44,7 @@ def per_message_us(messages: list[tuple[str, bytes]], rounds: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=200, help="folds of the capture per run")
     args = parser.parse_args()
     rows = [json.loads(line) for line in CAPTURE.read_text().splitlines()]

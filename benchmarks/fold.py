@@ -25,29 +25,36 @@ Run from the repository root: ``.venv/bin/python benchmarks/fold.py [--runs N] [
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import gc
-import hashlib
-import json
 import math
-import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
 from collections.abc import Sequence
-from dataclasses import dataclass
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
+from harness.cli import add_json, add_trace, argument_parser, positive
+from harness.measure import collect, percentile
+from harness.report import emit, fmt_rates, machine, print_head, verdict
+from harness.workload import (
+    ADD,
+    DECODE_NS_PER_TOKEN,
+    MARK,
+    NS_PER_MS,
+    NS_PER_S,
+    PREFILL_BASE_MS,
+    PREFILL_MS_PER_TOKEN,
+    Lifecycle,
+    Step,
+    add_event,
+    lifecycles,
+    read_trace,
+    round_robin_events,
+    timeline,
+)
 
 from seqstate import (
-    AddRequest,
     Event,
     Free,
     MarkPrefillCompleted,
@@ -57,135 +64,11 @@ from seqstate import (
     encode_event,
 )
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE: Final = REPO_ROOT / "data" / "mooncake_conversation_trace.jsonl"
-
-NS_PER_MS: Final = 1_000_000
-NS_PER_S: Final = 1_000_000_000
-PREFILL_MS_PER_TOKEN: Final = 0.05
-PREFILL_BASE_MS: Final = 20.0
-DECODE_NS_PER_TOKEN: Final = 20 * NS_PER_MS
-
 TARGET_FOLD_EVENTS_PER_S: Final = 150_000
 TARGET_LATENCY_MEDIAN_US: Final = 100.0
 
-ADD: Final = 0
-MARK: Final = 1
-FREE: Final = 2
-
-
-class TraceRecord(msgspec.Struct):
-    timestamp: int
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class Lifecycle:
-    """One trace request with its modeled event times."""
-
-    index: int
-    request_id: str
-    hashes: list[int]
-    isl: int
-    expected_prefill_ms: float | None  # what the AddRequest tells the state (None: unmodeled)
-    add_ns: int
-    mark_ns: int
-    free_ns: int
-
-
-# A timeline entry: (at_ns, kind, request index); kinds ADD/MARK/FREE.
-Step = tuple[int, int, int]
-
 
 # ---- the workload -------------------------------------------------------------------------
-
-
-def read_trace(trace: Path, prog: str) -> list[TraceRecord] | None:
-    """The trace's records, or None after printing one line on why they cannot be had."""
-    if not trace.is_file():
-        print(
-            f"{prog}: trace not found: {trace} (the repo ships the Mooncake trace in data/;"
-            " or pass --trace PATH)",
-            file=sys.stderr,
-        )
-        return None
-    try:
-        return load_trace(trace)
-    except (OSError, msgspec.DecodeError) as exc:
-        print(f"{prog}: cannot read trace {trace}: {exc}", file=sys.stderr)
-        return None
-
-
-def load_trace(path: Path) -> list[TraceRecord]:
-    decoder = msgspec.json.Decoder(TraceRecord)
-    with path.open("rb") as f:
-        return [decoder.decode(line) for line in f if line.strip()]
-
-
-def prefill_ms(input_length: int) -> float:
-    return input_length * PREFILL_MS_PER_TOKEN + PREFILL_BASE_MS
-
-
-def lifecycles(records: Sequence[TraceRecord]) -> list[Lifecycle]:
-    out = []
-    for i, r in enumerate(records):
-        duration_ms = prefill_ms(r.input_length)
-        add_ns = r.timestamp * NS_PER_MS
-        mark_ns = add_ns + round(duration_ms * NS_PER_MS)
-        out.append(
-            Lifecycle(
-                index=i,
-                request_id=f"req-{i}",
-                hashes=r.hash_ids,
-                isl=r.input_length,
-                expected_prefill_ms=duration_ms if i % 2 == 0 else None,
-                add_ns=add_ns,
-                mark_ns=mark_ns,
-                free_ns=mark_ns + r.output_length * DECODE_NS_PER_TOKEN,
-            )
-        )
-    return out
-
-
-def timeline(requests: Sequence[Lifecycle]) -> list[Step]:
-    """Every add, mark and free, sorted by time; ties keep generation order (stable sort)."""
-    steps: list[Step] = []
-    for lc in requests:
-        steps.append((lc.add_ns, ADD, lc.index))
-        steps.append((lc.mark_ns, MARK, lc.index))
-        steps.append((lc.free_ns, FREE, lc.index))
-    steps.sort(key=itemgetter(0))
-    return steps
-
-
-def add_event(lc: Lifecycle, worker_id: int) -> AddRequest:
-    return AddRequest(
-        request_id=lc.request_id,
-        worker_id=worker_id,
-        block_hashes=lc.hashes,
-        prefill_tokens=lc.isl,
-        expected_prefill_ms=lc.expected_prefill_ms,
-    )
-
-
-def round_robin_events(
-    requests: Sequence[Lifecycle], steps: Sequence[Step], workers: int
-) -> list[tuple[int, Event]]:
-    events: list[tuple[int, Event]] = []
-    for at_ns, kind, i in steps:
-        lc = requests[i]
-        worker_id = i % workers
-        event: Event
-        if kind == ADD:
-            event = add_event(lc, worker_id)
-        elif kind == MARK:
-            event = MarkPrefillCompleted(request_id=lc.request_id, worker_id=worker_id)
-        else:
-            event = Free(request_id=lc.request_id, worker_id=worker_id)
-        events.append((at_ns, event))
-    return events
 
 
 def new_state(workers: int, expiry_s: float | None = 300.0) -> SequenceState:
@@ -194,11 +77,6 @@ def new_state(workers: int, expiry_s: float | None = 300.0) -> SequenceState:
     for worker_id in range(workers):
         state.apply(WorkerAdded(worker_id=worker_id), 0)
     return state
-
-
-def collect() -> None:
-    """Drop the previous run's garbage outside the timed region (gc stays enabled inside)."""
-    gc.collect()
 
 
 # ---- (a) fold throughput ------------------------------------------------------------------
@@ -326,12 +204,6 @@ def latency_queries(
     return queries
 
 
-def percentile(sorted_values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile of an ascending sequence."""
-    rank = max(1, math.ceil(p / 100 * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
 def bench_latency(
     requests: Sequence[Lifecycle],
     workers: int,
@@ -457,79 +329,9 @@ def bench_memory(requests: Sequence[Lifecycle], workers: int, top: int) -> dict[
 # ---- reporting ----------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "seqstate"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{rev}{' + uncommitted seqstate/ changes' if dirty else ''}"
-
-
-def source_digest() -> str:
-    """sha256 of seqstate/*.py: identifies the measured core even when it is uncommitted."""
-    digest = hashlib.sha256()
-    for path in sorted((REPO_ROOT / "seqstate").glob("*.py")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.orig_argv),
-        "cwd": os.getcwd(),
-        "platform": platform.platform(),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "msgspec": msgspec.__version__,
-        "cpu": cpu_model(),
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_count": os.cpu_count(),
-        "gc_enabled": gc.isenabled(),
-        "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "git": git_revision(),
-        "seqstate_sha256": source_digest(),
-    }
-
-
-def verdict(ok: bool) -> str:
-    return "MEETS" if ok else "MISSES"
-
-
-def fmt_rates(values: Sequence[float]) -> str:
-    return ", ".join(f"{v:,.0f}" for v in values)
-
-
 def print_report(report: dict[str, Any]) -> None:
     m = report["machine"]
-    print("seqstate fold benchmark (benchmarks/fold.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
-        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
-    )
+    print_head("seqstate fold benchmark (benchmarks/fold.py)", m)
     print(f"  python     : {m['python']}; msgspec {m['msgspec']}; gc enabled {m['gc_enabled']}")
     print(f"  seqstate   : git {m['git']}; sources sha256 {m['seqstate_sha256']}")
     w = report["workload"]
@@ -627,18 +429,11 @@ def print_report(report: dict[str, Any]) -> None:
 # ---- main ---------------------------------------------------------------------------------
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (Mooncake)")
+    p = argument_parser(__doc__)
+    add_trace(p)
     p.add_argument("--runs", type=positive, default=5, help="timed runs per measurement")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--workers", type=positive, default=16, help="workers for (a), (b) and (d)")
     p.add_argument("--latency-workers", type=positive, default=64, help="workers for (c)")
     p.add_argument(
@@ -666,9 +461,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.limit is not None:
         records = records[: args.limit]
-    if not records:
-        print(f"fold.py: trace has no requests: {trace}", file=sys.stderr)
-        return 2
     requests = lifecycles(records)
     steps = timeline(requests)
     sections = set(args.only.lower())
@@ -706,10 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "d" in sections:
         report["memory"] = bench_memory(requests, args.workers, top=6)
 
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    emit(report, args.json, print_report)
     return 0
 
 

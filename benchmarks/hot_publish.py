@@ -27,20 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fold import cpu_model  # noqa: E402  (benchmarks/: the script's own path)
-from pipeline import git_revision  # noqa: E402
+from harness.cli import argument_parser  # noqa: E402
+from harness.report import machine, nats_server_version, write_json  # noqa: E402
 
 from projector.nats import fast_publish  # noqa: E402
 from projector.nats.server import NatsServer  # noqa: E402
@@ -217,28 +210,8 @@ async def measure(
     return Result(variant, n, cpu, wall)
 
 
-def machine(binary: str) -> dict[str, Any]:
-    try:
-        server = subprocess.run(
-            [binary, "--version"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        server = "unknown"
-    return {
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.orig_argv),
-        "commit": git_revision(),
-        "cpu": cpu_model(),
-        "cores": len(os.sched_getaffinity(0)),
-        "loadavg_1m_at_start": os.getloadavg()[0],
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "nats_py": metadata.version("nats-py"),
-        "nats_server": server,
-    }
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--events", type=int, default=20_000, help="events for (a), (b) and (d)")
     p.add_argument("--js-events", type=int, default=3_000, help="events for (c)")
     p.add_argument("--runs", type=int, default=5)
@@ -265,16 +238,19 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if "d" in chosen and not hasattr(JetStreamContext, "publish_async"):
         print("(d) skipped: this nats-py has no JetStreamContext.publish_async")
         chosen.remove("d")
-    report: dict[str, Any] = {"machine": machine(binary), "runs": args.runs, "results": {}}
-    with tempfile.TemporaryDirectory(prefix="hot-publish-") as store:
-        async with NatsServer(store, binary=binary, name="hot-publish") as server:
-            report["machine"]["nats_url"] = server.url
-            results: dict[str, list[Result]] = {v: [] for v in chosen}
-            for _ in range(args.runs):
-                for variant in chosen:
-                    n = args.js_events if variant == "c" else args.events
-                    result = await measure(server, variant, bodies[variant], n, args)
-                    results[variant].append(result)
+    report: dict[str, Any] = {
+        "machine": machine(nats_server=nats_server_version(binary)),
+        "runs": args.runs,
+        "results": {},
+    }
+    async with NatsServer(binary=binary, name="hot-publish") as server:
+        report["machine"]["nats_url"] = server.url
+        results: dict[str, list[Result]] = {v: [] for v in chosen}
+        for _ in range(args.runs):
+            for variant in chosen:
+                n = args.js_events if variant == "c" else args.events
+                result = await measure(server, variant, bodies[variant], n, args)
+                results[variant].append(result)
     for variant, runs in results.items():
         report["results"][variant] = {
             "what": VARIANTS[variant],
@@ -286,14 +262,14 @@ async def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         }
     print_report(report, args)
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return report
 
 
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     m = report["machine"]
     print(
-        f"{m['date_utc']}  commit {m['commit']}  {m['cpu']}, {m['cores']} cores, "
+        f"{m['date_utc']}  commit {m['git']}  {m['cpu']}, {m['nproc']} cores, "
         f"load {m['loadavg_1m_at_start']:.2f}\n{m['python']}, nats-py {m['nats_py']}, "
         f"{m['nats_server']}, {args.storage} stream, {args.payload_size} B payloads, "
         f"{report['runs']} runs each (interleaved), medians:"

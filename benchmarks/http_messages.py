@@ -14,7 +14,6 @@ and then 16 at a time on 16 connections:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -22,6 +21,8 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+from harness.cli import argument_parser
 
 Call = tuple[str, bytes]
 
@@ -54,7 +55,7 @@ async def call(port: int, path: str, body: dict[str, Any]) -> int:
 
 
 async def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--port", type=int, default=8091)
     p.add_argument("--monitor", default="http://127.0.0.1:8222")
     p.add_argument("--calls", type=int, default=1600)

@@ -63,7 +63,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import functools
 import json
 import os
@@ -81,6 +80,10 @@ from importlib import metadata
 from typing import Annotated, Any, Final
 
 import msgspec
+from harness.cli import argument_parser
+from harness.measure import rotated
+from harness.report import machine
+from harness.servers import free_port, stop
 
 # ---------------------------------------------------------------------------------------------
 # The contract's shapes, shared by every candidate.
@@ -921,12 +924,6 @@ async def wrk_check(port: int, seconds: float, lua: str) -> dict[str, float]:
 # Servers as child processes, the probe, the report.
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 async def one_shot(
     port: int, raw: bytes, timeout: float = 5.0, host: str = "127.0.0.1"
 ) -> tuple[int, dict[str, str], bytes]:
@@ -1069,21 +1066,6 @@ def versions(dynamo_python: str | None) -> dict[str, str]:
     return out
 
 
-def machine() -> dict[str, Any]:
-    model = ""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": model,
-        "loadavg": os.getloadavg()[0],
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 def table(
     results: dict[str, Any],
     servers: list[str],
@@ -1189,7 +1171,7 @@ async def main_async(args: argparse.Namespace) -> int:
         with open(lua, "w") as f:
             f.write(WRK_FREE_LUA)
         for run in range(args.runs):
-            order = servers[run % len(servers) :] + servers[: run % len(servers)]
+            order = rotated(servers, run)
             targets = {
                 s: (ports[s], procs[s].pid if s in procs else listener_pid(ports[s])) for s in order
             }
@@ -1234,17 +1216,11 @@ async def main_async(args: argparse.Namespace) -> int:
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs.values(), timeout=10)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument(
         "--servers",
         default="aiohttp,starlette,asgi,granian,httptools,trivial,dynamo",

@@ -24,13 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fold  # the sibling benchmark script: same trace, same event model
+import fold  # the sibling benchmark script: same state setup
+from harness import workload
+from harness.cli import argument_parser
 
 
 def build_and_fold(trace: Path, requests: int, workers: int, do_fold: bool) -> None:
-    records = fold.load_trace(trace)[:requests]
-    lifecycles = fold.lifecycles(records)
-    events = fold.round_robin_events(lifecycles, fold.timeline(lifecycles), workers)
+    records = workload.load_trace(trace)[:requests]
+    lifecycles = workload.lifecycles(records)
+    events = workload.round_robin_events(lifecycles, workload.timeline(lifecycles), workers)
     state = fold.new_state(workers)
     if do_fold:
         apply = state.apply
@@ -54,8 +56,8 @@ def count(argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trace", type=Path, default=fold.DEFAULT_TRACE)
+    p = argument_parser(__doc__)
+    p.add_argument("--trace", type=Path, default=workload.DEFAULT_TRACE)
     p.add_argument("--requests", type=int, default=2000, help="first N trace requests")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--inner", choices=["fold", "build"], help=argparse.SUPPRESS)
@@ -81,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     folded = count([*base, "--inner", "fold"])
     built = count([*base, "--inner", "build"])
-    events = 3 * min(args.requests, len(fold.load_trace(args.trace)))
+    events = 3 * min(args.requests, len(workload.load_trace(args.trace)))
     print(
         f"fold: {(folded - built) / events:,.0f} instructions per event "
         f"({events:,} events of the first {args.requests:,} requests, "

@@ -18,13 +18,13 @@ Run from the repository root: ``.venv/bin/python benchmarks/lease.py [--runs 5] 
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
+
+from harness.cli import argument_parser
+from harness.measure import ratio
+from harness.report import emit, git_revision, machine_line, print_fields
 
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, Tick
 
@@ -90,7 +90,7 @@ def scan_cost_ms(expiring: int, runs: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--live", type=int, default=100_000)
@@ -106,7 +106,7 @@ def main() -> None:
         "events": len(log),
         "fold_age_events_s": round(statistics.median(age)),
         "fold_lease_events_s": round(statistics.median(lease)),
-        "lease_over_age": round(statistics.median(lease) / statistics.median(age), 3),
+        "lease_over_age": round(ratio(lease, age), 3),
         "tick_no_scan_us_lease": round(
             tick_cost_us(lambda: SequenceState(lease_scan_s=SCAN_S), args.live, 201), 1
         ),
@@ -114,16 +114,10 @@ def main() -> None:
         "scan_ms": {n: round(scan_cost_ms(n, args.runs), 2) for n in (1_000, 10_000, 100_000)},
         "live": args.live,
         "runs": args.runs,
-        "machine": f"{platform.machine()}, {platform.python_version()}",
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
+        "machine": machine_line(),
+        "commit": git_revision(),
     }
-    if args.json:
-        print(json.dumps(result))
-        return
-    for key, value in result.items():
-        print(f"{key}: {value}")
+    emit(result, args.json, print_fields, indent=None)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,16 @@ interleaved (every size once per repeat), and each figure is the median over the
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import nats
-from pipeline import git_revision  # benchmarks/ is the script's own path
+from harness.cli import argument_parser
+from harness.report import git_revision
 
 from projector.nats.server import NatsServer
 from projector.read.reader import RegistryView
@@ -53,8 +51,7 @@ def keys_of(hashes: list[int]) -> int:
 
 
 async def run(repeats: int) -> None:
-    store = Path(tempfile.mkdtemp(prefix="long-prompts-"))
-    with NatsServer(store) as server:
+    with NatsServer() as server:
         pipe_nc, pub_nc, view_nc = [await nats.connect(server.url) for _ in range(3)]
         config = Config(namespace="longbench")
         async with Pipeline(pipe_nc, config):
@@ -93,7 +90,7 @@ async def run(repeats: int) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--repeats", type=int, default=7)
     asyncio.run(run(p.parse_args().repeats))
     return 0

@@ -13,15 +13,17 @@ Run from the repository root: ``.venv/bin/python benchmarks/metrics_scrape.py [-
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import time
 from types import SimpleNamespace
 
+from harness.cli import argument_parser
 from prometheus_client import generate_latest
 
+from projector.nats.lag import Lag
 from projector.ops.metrics import WRITER, Metrics
+from projector.write.writer import WriterStats
 from seqstate import AddRequest, SequenceState, WorkerAdded
 
 BLOCK_BASE = 1 << 40
@@ -58,8 +60,8 @@ def scrape_ms(state: SequenceState, runs: int) -> tuple[float, int]:
         dead_letters=SimpleNamespace(counts={"undecodable": 0}),
         deltas=SimpleNamespace(messages=0, on_store=None),
         applied=SimpleNamespace(value=0),
-        stats=SimpleNamespace(last_snapshot_stored_s=None, last_snapshot_bytes=0),
-        lag=SimpleNamespace(measured_ns=1, events=0, oldest_age_s=0.0),
+        stats=WriterStats(),  # the real one: a stand-in missed what the metrics came to read
+        lag=Lag(measured_ns=1),
     )
     metrics = Metrics()
     metrics.follow(WRITER, lambda: [writer])
@@ -73,7 +75,7 @@ def scrape_ms(state: SequenceState, runs: int) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
     print(f"python {platform.python_version()} on {platform.machine()}, {args.runs} scrapes each")

@@ -44,7 +44,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -58,11 +57,14 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from catch_up import free_port, readyz
-from fold import DEFAULT_TRACE, cpu_model, git_revision
+from catch_up import readyz
+from harness.cli import argument_parser
+from harness.measure import process_cpu_s
+from harness.report import git_revision, machine_line
+from harness.servers import free_port, replay_verify, seqstate_env, start_seqstate, stop
+from harness.workload import DEFAULT_TRACE, base_events, encoded
 from nats.aio.client import Client
 from nats.js import api
-from replay import base_events, encoded
 
 from projector.nats.connection import connect
 from projector.nats.resources import ensure
@@ -76,7 +78,6 @@ WORKERS: Final = 16  # per namespace, as the trace benchmarks route it
 POLL_S: Final = 0.05
 READY_TIMEOUT_S: Final = 120.0
 FOLD_TIMEOUT_S: Final = 600.0
-CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 
 
 def names(index: int, streams: str) -> dict[str, str]:
@@ -97,21 +98,6 @@ def config_of(index: int, streams: str, replicas: int) -> Config:
 
 def flags(index: int, streams: str) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in names(index, streams).items()]
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def clean_env() -> dict[str, str]:
-    return {
-        k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_") and k != "NATS_URL"
-    }
 
 
 # ---- a publisher process ------------------------------------------------------------------
@@ -227,7 +213,6 @@ async def one_run(
     replicas = 3 if topology == "cluster" else 1
     configs = [config_of(i, opts.streams, replicas) for i in range(n)]
     share = opts.events // n
-    env = clean_env()
     result: dict[str, Any] = {"topology": topology, "n": n, "events": share * n}
     async with server_for(topology, work) as server:
         url = server.url
@@ -242,25 +227,18 @@ async def one_run(
             pipes = []
             for i in range(n):
                 port, log = free_port(), work / f"run{i}.log"
-                with log.open("wb") as out:
-                    proc = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "projector",
-                            "run",
-                            f"--nats-url={url}",
-                            *flags(i, opts.streams),
-                            f"--replicas={replicas}",
-                            f"--metrics-port={port}",
-                            "--lag-check-s=0.5",
-                            "--log-format=console",
-                        ],
-                        env=env,
-                        cwd=REPO,
-                        stdout=subprocess.DEVNULL,
-                        stderr=out,
-                    )
+                proc = start_seqstate(
+                    [
+                        "run",
+                        *flags(i, opts.streams),
+                        f"--replicas={replicas}",
+                        f"--metrics-port={port}",
+                        "--lag-check-s=0.5",
+                        "--log-format=console",
+                    ],
+                    url,
+                    log,
+                )
                 pipes.append(Pipeline(i, proc, port, log))
             publishers: list[Any] = []
             try:
@@ -279,7 +257,7 @@ async def one_run(
                             "--max-pending",
                             str(opts.max_pending),
                         ],
-                        env=env,
+                        env=seqstate_env(url),
                         cwd=REPO,
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -291,7 +269,7 @@ async def one_run(
                     assert pub.stdout is not None
                     if pub.stdout.readline().strip() != "ready":
                         raise RuntimeError("a publisher did not start")
-                servers_cpu0 = sum(cpu_s(pid) for pid in server_pids(server))
+                servers_cpu0 = sum(process_cpu_s(pid) for pid in server_pids(server))
                 for pub in publishers:
                     assert pub.stdin is not None
                     pub.stdin.write("go\n")
@@ -307,15 +285,15 @@ async def one_run(
                 result["stored_per_s"] = share * n / ((last - first) / 1e9)
                 for p, r in zip(pipes, reports, strict=True):
                     p.last_seq = r["last_seq"]
-                servers_cpu1 = sum(cpu_s(pid) for pid in server_pids(server))
+                servers_cpu1 = sum(process_cpu_s(pid) for pid in server_pids(server))
                 result["server_cpu_us_per_event_stored"] = (
                     (servers_cpu1 - servers_cpu0) / (share * n) * 1e6
                 )
 
                 for p, config in zip(pipes, configs, strict=True):
-                    p.cpu_at_cont = cpu_s(p.proc.pid)
+                    p.cpu_at_cont = process_cpu_s(p.proc.pid)
                     p.covered_before = await covered(nc, config)
-                servers_cpu0 = sum(cpu_s(pid) for pid in server_pids(server))
+                servers_cpu0 = sum(process_cpu_s(pid) for pid in server_pids(server))
                 resumed = time.perf_counter()
                 for p in pipes:
                     os.kill(p.proc.pid, signal.SIGCONT)
@@ -336,10 +314,10 @@ async def one_run(
                 folded_s = max(p.folded_s or 0.0 for p in pipes)
                 result["folded_per_s"] = share * n / folded_s
                 result["per_namespace_per_s"] = [share / (p.folded_s or 1) for p in pipes]
-                pipe_cpu = sum(cpu_s(p.proc.pid) - p.cpu_at_cont for p in pipes)
+                pipe_cpu = sum(process_cpu_s(p.proc.pid) - p.cpu_at_cont for p in pipes)
                 result["pipeline_cpu_us_per_event"] = pipe_cpu / (share * n) * 1e6
                 result["pipeline_cpu_share"] = pipe_cpu / folded_s
-                servers_cpu = sum(cpu_s(pid) for pid in server_pids(server)) - servers_cpu0
+                servers_cpu = sum(process_cpu_s(pid) for pid in server_pids(server)) - servers_cpu0
                 result["server_cpu_share"] = servers_cpu / folded_s
                 result["server_cpu_us_per_event"] = servers_cpu / (share * n) * 1e6
                 result["first_delta_s"] = max(p.started_s or 0.0 for p in pipes)
@@ -358,37 +336,19 @@ async def one_run(
                 for p in pipes:
                     if p.proc.poll() is None:
                         os.kill(p.proc.pid, signal.SIGCONT)
-                        p.proc.send_signal(signal.SIGTERM)
-                for p in pipes:
-                    try:
-                        await asyncio.to_thread(p.proc.wait, 30)
-                    except subprocess.TimeoutExpired:
-                        p.proc.kill()
+                await asyncio.to_thread(stop, [p.proc for p in pipes])
             result["pipeline_exits"] = [p.proc.returncode for p in pipes]
             if verify:
-                result["verify"] = [await verify_one(url, i, opts.streams, env) for i in range(n)]
+                result["verify"] = [await verify_one(url, i, opts.streams) for i in range(n)]
     return result
 
 
-async def verify_one(url: str, index: int, streams: str, env: dict[str, str]) -> str:
+async def verify_one(url: str, index: int, streams: str) -> str:
     """``seqstate replay --verify`` on namespace ``index``: 'identical' or 'diverged: ...'."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "projector",
-        "replay",
-        "--verify",
-        f"--nats-url={url}",
-        *flags(index, streams),
-        cwd=REPO,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    out, _ = await proc.communicate()
-    if proc.returncode == 0:
+    done = await asyncio.to_thread(replay_verify, url, *flags(index, streams))
+    if done["exit"] == 0:
         return "identical"
-    return f"diverged (exit {proc.returncode}): {out.decode(errors='replace').strip()[-300:]}"
+    return f"diverged (exit {done['exit']}): {' / '.join(done['said'])}"
 
 
 # ---- the sweep ----------------------------------------------------------------------------
@@ -475,7 +435,7 @@ async def sweep(opts: argparse.Namespace) -> dict[str, Any]:
     return {
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.orig_argv),
-        "machine": f"{cpu_model()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": machine_line(),
         "loadavg_at_end": os.getloadavg(),
         "git": git_revision(),
         "streams": opts.streams,
@@ -486,7 +446,7 @@ async def sweep(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=60_000, help="events in all namespaces")
     parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument(

@@ -38,40 +38,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import gc
 import itertools
-import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Sequence
-from importlib import metadata
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-import nats
-from fold import (
-    DEFAULT_TRACE,
+from harness.cli import add_json, add_trace, argument_parser, positive
+from harness.measure import collect, median_of, percentile, stamp
+from harness.report import emit, fmt_rates, machine, print_head, print_software
+from harness.servers import connect, server_version
+from harness.workload import (
+    NS_PER_MS,
     Lifecycle,
     add_event,
-    cpu_model,
-    fmt_rates,
     lifecycles,
-    percentile,
-    positive,
     read_trace,
     round_robin_events,
     timeline,
 )
-from nats.aio.client import Client
 
-import seqstate.state
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.read.reader import RegistryView
@@ -80,31 +70,11 @@ from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from seqstate import Event, SequenceState, WorkerAdded
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 NS_PER_US: Final = 1_000
-NS_PER_MS: Final = 1_000_000
 WAIT_TIMEOUT_S: Final = 300.0
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-
-def collect() -> None:
-    """Drop earlier garbage outside the timed regions (gc stays enabled inside them)."""
-    gc.collect()
-
-
-async def connect(url: str, name: str) -> Client:
-    async def quiet(exc: Exception) -> None:  # the default callback prints tracebacks
-        pass
-
-    return await nats.connect(url, name=name, max_reconnect_attempts=0, error_cb=quiet)
-
-
-async def stamp(awaitable: Awaitable[object]) -> float:
-    """``perf_counter()`` at the moment ``awaitable`` completes."""
-    await awaitable
-    return time.perf_counter()
 
 
 def spread(requests: Sequence[Lifecycle], count: int) -> list[Lifecycle]:
@@ -124,10 +94,6 @@ def summary_ms(samples_ns: list[int]) -> dict[str, float]:
         "p99_ms": percentile(ordered, 99) / NS_PER_MS,
         "max_ms": ordered[-1] / NS_PER_MS,
     }
-
-
-def median_of(runs: Sequence[dict[str, Any]], key: str) -> float:
-    return statistics.median(run[key] for run in runs)
 
 
 async def publish_all(pub: RouterPublisher, events: Sequence[Event], chunk: int) -> list[int]:
@@ -254,8 +220,7 @@ async def one_run(
         nc_pub = await connect(server.url, "bench-publisher")
         nc_pipe = await connect(server.url, "bench-pipeline")
         nc_view = await connect(server.url, "bench-view")
-        v = nc_pub.connected_server_version
-        result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+        result["nats_server"] = server_version(nc_pub)
         pipeline: Pipeline | None = None
         view: RegistryView | None = None
         try:
@@ -372,49 +337,6 @@ async def one_run(
 # ---- reporting ----------------------------------------------------------------------------
 
 
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--", "seqstate", "projector"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    changed = sorted({line[3:] for line in dirty if line.strip()})
-    return f"{rev}{' + uncommitted: ' + ', '.join(changed) if changed else ''}"
-
-
-def core_build() -> str:
-    path = Path(seqstate.state.__file__ or "")
-    kind = "compiled (mypyc)" if path.suffix == ".so" else "pure Python"
-    return f"{kind}: {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}"
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.orig_argv),
-        "cwd": os.getcwd(),
-        "platform": platform.platform(),
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "nats_py": metadata.version("nats-py"),
-        "msgspec": msgspec.__version__,
-        "cpu": cpu_model(),
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "git": git_revision(),
-        "core": core_build(),
-    }
-
-
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ingest_events_per_s": median_of([r["ingest"] for r in runs], "events_per_s"),
@@ -434,18 +356,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     m, w, runs, s = report["machine"], report["workload"], report["runs"], report["summary"]
-    print("seqstate pipeline benchmark over NATS (benchmarks/pipeline.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
-        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
-    )
-    print(
-        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
-        f"{runs[0]['nats_server']}; msgspec {m['msgspec']}"
-    )
-    print(f"  seqstate   : git {m['git']}; core {m['core']}")
+    print_head("seqstate pipeline benchmark over NATS (benchmarks/pipeline.py)", m)
+    print_software(m, runs[0]["nats_server"])
     print(
         f"  trace      : {w['trace']} ({w['requests']:,} requests, {w['events']:,} events, "
         f"{w['workers']} workers round-robin, {w['runs']} runs, fresh server + store per run)"
@@ -550,10 +462,10 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (Mooncake)")
+    p = argument_parser(__doc__)
+    add_trace(p)
     p.add_argument("--runs", type=positive, default=3, help="runs, each on a fresh server")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--requests", type=positive, default=None, help="use the first N requests")
     p.add_argument("--workers", type=positive, default=16, help="workers, round-robin")
     p.add_argument("--chunk", type=positive, default=1024, help="(e) events per gather")
@@ -574,9 +486,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace: Path = args.trace
     records = read_trace(trace, "pipeline.py")
     if records is None:
-        return 2
-    if not records:
-        print(f"pipeline.py: trace has no requests: {trace}", file=sys.stderr)
         return 2
     everything = lifecycles(records)
     requests = everything[: args.requests] if args.requests else everything
@@ -609,10 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["runs"] = runs
     report["summary"] = summarize(runs)
     report["wall_s"] = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report)
+    emit(report, args.json, print_report)
     return 0
 
 

@@ -18,17 +18,20 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 
-from pipeline import git_revision  # benchmarks/ is the script's own path
+from harness.cli import argument_parser
+from harness.measure import alternated, percentile
+from harness.report import git_revision
 from slot_vs_dynamo import (
-    DEFAULT_DYNAMO_PY,
     Processes,
     StartError,
     Target,
+    add_server_args,
     start_servers,
 )
 
@@ -98,7 +101,7 @@ async def measure(target: Target, seconds: float, tag: str) -> list[float]:
 
 
 def _ms(latencies: list[float], q: float) -> float:
-    return 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * q))]
+    return 1000 * percentile(latencies, 100 * q)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -114,7 +117,7 @@ async def run(args: argparse.Namespace) -> int:
         p50s: dict[str, list[float]] = {name: [] for name in targets}
         p99s: dict[str, list[float]] = {name: [] for name in targets}
         for round_ in range(1, args.rounds + 1):
-            order = list(targets) if round_ % 2 else list(reversed(targets))
+            order = alternated(list(targets), round_ - 1)
             for name in order:
                 got = await measure(targets[name], args.seconds, f"r{round_}")
                 p50s[name].append(_ms(got, 0.5))
@@ -135,16 +138,14 @@ async def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         procs.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argument_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
-    p.add_argument("--no-dynamo", action="store_true", help="measure seqstate only")
-    p.add_argument("--dynamo-python", default=os.environ.get("DYNAMO_PYTHON", DEFAULT_DYNAMO_PY))
-    p.add_argument("--seqstate-src", metavar="DIR", help="serve-http from this source tree")
-    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
+    add_server_args(p)
     args = p.parse_args()
     args.seqstate_url = args.dynamo_url = None
     return asyncio.run(run(args))

@@ -80,25 +80,34 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import pstats
-import resource
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from fold import DEFAULT_TRACE, fmt_rates, lifecycles, load_trace, positive, round_robin_events
-from fold import timeline as trace_timeline
+from harness.cli import add_json, add_trace, argument_parser, positive
+from harness.measure import children_cpu_s, collect, process_cpu_s
+from harness.report import (
+    REPO_ROOT,
+    emit,
+    fmt_rates,
+    git_revision,
+    machine,
+    print_head,
+    print_software,
+    verdict,
+)
+from harness.servers import connect, server_version
+from harness.workload import WAIT_TIMEOUT_S, base_events, encoded, fill
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
-from pipeline import collect, connect, git_revision, machine
 
 import seqstate.state
 from projector.nats.resources import ensure
@@ -109,101 +118,14 @@ from projector.ops.replay import fold_stream
 from projector.run.assemble import build_writer
 from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ
-from seqstate import Event, SequenceState, WorkerAdded, decode_event, encode_deltas, encode_event
+from seqstate import Event, SequenceState, decode_event, encode_deltas
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 TARGET_REPLAY_EVENTS_PER_S: Final = 100_000
 TARGET_READY_S: Final = 2.0
 SNAPSHOT_WITHIN: Final = 10_000  # the writer's default --snapshot-every-events
-WAIT_TIMEOUT_S: Final = 600.0
 
 
 # ---- the workload -------------------------------------------------------------------------
-
-
-def base_events(trace: Path, workers: int) -> list[Event]:
-    """One pass of the trace: every lifecycle event in timeline order, workers round-robin."""
-    requests = lifecycles(load_trace(trace))
-    return [event for _, event in round_robin_events(requests, trace_timeline(requests), workers)]
-
-
-def passes(base: Sequence[Event], count: int) -> Iterator[Event]:
-    """``count`` events: the trace pass after pass, request ids made distinct per pass."""
-    replace = msgspec.structs.replace
-    emitted = 0
-    k = 0
-    while True:
-        for event in base:
-            if emitted == count:
-                return
-            yield replace(event, request_id=f"{event.request_id}.{k}")  # type: ignore[arg-type]
-            emitted += 1
-        k += 1
-
-
-def encoded(
-    config: Config, base: Sequence[Event], total: int, workers: int
-) -> list[tuple[str, bytes]]:
-    """Every message of the stream, ``(subject, payload)``, in publish order."""
-    out = [(config.control_subject, encode_event(WorkerAdded(worker_id=w))) for w in range(workers)]
-    subject = config.event_subject
-    for event in passes(base, total - workers):
-        out.append((subject(event.worker_id, event.dp_rank), encode_event(event)))  # type: ignore[union-attr]
-    return out
-
-
-async def fill(
-    nc: Client, config: Config, messages: Sequence[tuple[str, bytes]], max_pending: int
-) -> dict[str, Any]:
-    """Publish ``messages`` pipelined with ``publish_async``; every ack future is checked."""
-    js = nc.jetstream(publish_async_max_pending=max_pending)
-    acked = failed = duplicates = 0
-    last = 0
-    first_error: list[str] = []
-
-    def settled(future: asyncio.Future[api.PubAck]) -> None:
-        nonlocal acked, failed, duplicates, last
-        if future.cancelled() or future.exception() is not None:
-            failed += 1
-            if not first_error:
-                first_error.append(repr(future.exception() if not future.cancelled() else "cancel"))
-            return
-        ack = future.result()
-        acked += 1
-        duplicates += bool(ack.duplicate)
-        last = max(last, ack.seq)
-
-    publish_async = js.publish_async
-    before = (await js.stream_info(config.events_stream)).state  # a tail adds to a history
-    collect()
-    t0 = time.perf_counter()
-    for subject, payload in messages:
-        future = await publish_async(subject, payload)
-        future.add_done_callback(settled)
-    await asyncio.wait_for(js.publish_async_completed(), WAIT_TIMEOUT_S)
-    seconds = time.perf_counter() - t0
-    await asyncio.sleep(0)  # let the last done-callbacks run
-    total = len(messages)
-    state = (await js.stream_info(config.events_stream)).state
-    if (
-        failed
-        or duplicates
-        or acked != total
-        or state.messages != before.messages + total
-        or last != before.last_seq + total
-    ):
-        raise RuntimeError(
-            f"setup: sent {total}, acked {acked}, failed {failed} ({first_error}), duplicates "
-            f"{duplicates}; the stream holds {state.messages} messages, last seq {state.last_seq}"
-        )
-    return {
-        "events": total,
-        "seconds": seconds,
-        "events_per_s": total / seconds,
-        "stream_bytes": state.bytes,
-        "last_seq": state.last_seq,
-        "max_pending": max_pending,
-    }
 
 
 def digest(state: SequenceState) -> str:
@@ -222,21 +144,6 @@ class Warnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
-
-
-def process_cpu_s(pid: int | None) -> float:
-    """CPU seconds (user + system) of another process, from /proc; NaN if unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError, TypeError):
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu_s() -> float:
-    """CPU seconds of this process's waited-for children (the fast path's reader process)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 async def replay_once(
@@ -647,8 +554,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
     async with NatsServer() as server:
         nc = await connect(server.url, "bench-setup")
         try:
-            v = nc.connected_server_version
-            result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            result["nats_server"] = server_version(nc)
             await ensure(nc, config)
             t0 = time.perf_counter()
             messages = encoded(config, base, args.events, args.workers)
@@ -660,8 +566,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
             result["setup"] = setup
             last = setup["last_seq"]
 
-            proc = getattr(server, "_proc", None)  # the server's CPU time, read from /proc
-            pid = proc.pid if proc is not None else None
+            pid = server.pid  # the server's CPU time, read from /proc
             runs = [await replay_once(server.url, config, last, pid) for _ in range(args.runs)]
             digests = {r["digest"] for r in runs}
             if len(digests) != 1:
@@ -745,24 +650,10 @@ def import_time() -> float:
 # ---- reporting ----------------------------------------------------------------------------
 
 
-def verdict(ok: bool) -> str:
-    return "MEETS" if ok else "MISSES"
-
-
 def print_report(report: dict[str, Any]) -> None:
     m, w, r = report["machine"], report["workload"], report["result"]
-    print("seqstate replay and restart benchmark (benchmarks/replay.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; "
-        f"load avg (1 min) at start {m['loadavg_1m_at_start']}"
-    )
-    print(
-        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
-        f"{r['nats_server']}; msgspec {m['msgspec']}"
-    )
-    print(f"  seqstate   : git {m['git']}; core {m['core']}; compiled {w['compiled_core']}")
+    print_head("seqstate replay and restart benchmark (benchmarks/replay.py)", m)
+    print_software(m, r["nats_server"], f"; compiled {w['compiled_core']}")
     if m.get("git_at_end", m["git"]) != m["git"]:
         print(f"  WARNING    : the checkout changed during the run: now {m['git_at_end']}")
     print(
@@ -901,8 +792,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (Mooncake)")
+    p = argument_parser(__doc__)
+    add_trace(p)
     p.add_argument("--events", type=positive, default=1_000_000, help="events in the stream")
     p.add_argument("--runs", type=positive, default=3, help="runs of (r1) and of (r2)")
     p.add_argument(
@@ -917,7 +808,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile even if (r1) meets its target")
     p.add_argument("--no-profile", action="store_true", help="never profile")
     p.add_argument("--top", type=positive, default=12, help="profile: functions listed")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--save", type=Path, default=None, help="also write the JSON document here")
     args = p.parse_args(argv)
     if args.tail >= SNAPSHOT_WITHIN:
@@ -975,10 +866,7 @@ def finish(
     report["machine"]["git_at_end"] = git_revision()
     if args.save is not None:
         args.save.write_text(json.dumps(report, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        show(report)
+    emit(report, args.json, show)
 
 
 if __name__ == "__main__":

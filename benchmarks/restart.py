@@ -50,10 +50,8 @@ import argparse
 import asyncio
 import cProfile
 import io
-import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -61,10 +59,12 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from fold import DEFAULT_TRACE, positive
+from harness.cli import add_json, add_trace, argument_parser, positive
+from harness.measure import collect, stamp
+from harness.servers import connect, replay_verify, server_version
+from harness.workload import base_events, encoded, fill
 from nats.aio.client import Client
-from pipeline import collect, connect, stamp
-from replay import PhaseClock, base_events, encoded, fill, finish, new_report, ready_once
+from replay import PhaseClock, finish, new_report, ready_once
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -74,7 +74,6 @@ from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 from seqstate import Event
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 TARGET_READY_S: Final = 0.5
 WAIT_TIMEOUT_S: Final = 900.0
 READYZ_POLL_S: Final = 0.002
@@ -163,20 +162,6 @@ async def publish_tail(
     return int((await fill(nc, config, messages, max_pending))["last_seq"])
 
 
-def verify(url: str, config: Config) -> dict[str, Any]:
-    """``seqstate replay --verify``: the bucket against a replay of the whole log."""
-    exe = Path(sys.executable).parent / "seqstate"
-    done = subprocess.run(
-        [str(exe), "replay", "--verify", "--no-progress", "--namespace", config.namespace],
-        env={**os.environ, "NATS_URL": url},
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    said = (done.stdout + done.stderr).strip().splitlines()
-    return {"exit": done.returncode, "said": said[-3:]}
-
-
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = [r["seconds"] for r in runs]
     phases: dict[str, float] = {}
@@ -200,8 +185,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
     async with NatsServer() as server:
         nc = await connect(server.url, "bench-setup")
         try:
-            v = nc.connected_server_version
-            result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            result["nats_server"] = server_version(nc)
             await ensure(nc, config)
             t0 = time.perf_counter()
             messages = encoded(config, base, args.events + tails * args.tail, args.workers)
@@ -248,7 +232,9 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
                 result["profile"] = {"run": run, "top_own_time": out.getvalue().splitlines()}
                 result["catch_up_after_profile"] = await catch_up(server.url, config)
             result["history_events"] = last
-            result["verify"] = await asyncio.to_thread(verify, server.url, config)
+            result["verify"] = await asyncio.to_thread(
+                replay_verify, server.url, "--namespace", config.namespace
+            )
         finally:
             await nc.drain()
     return result
@@ -296,8 +282,8 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (Mooncake)")
+    p = argument_parser(__doc__)
+    add_trace(p)
     p.add_argument("--events", type=positive, default=1_000_000, help="events of history")
     p.add_argument("--runs", type=positive, default=3, help="runs of each start")
     p.add_argument("--tail", type=positive, default=5_000, help="events after the snapshot")
@@ -305,7 +291,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-pending", type=positive, default=4_000, help="setup: unacked publishes")
     p.add_argument("--profile", action="store_true", help="one more writer start, cProfiled")
     p.add_argument("--top", type=positive, default=25, help="profile: functions listed")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--save", type=Path, default=None, help="also write the JSON document here")
     args = p.parse_args(argv)
     if args.events <= args.workers:

@@ -32,26 +32,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import functools
 import gc
 import itertools
-import json
 import os
-import platform
 import random
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from importlib import metadata
 from typing import Any, Final
 
-import nats
+from harness.cli import argument_parser, positive
+from harness.report import emit, machine
+from harness.servers import connect, server_version
 from nats.aio.client import Client
 
-import seqstate.state
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.route.publisher import MSG_ID_HEADER, RouterPublisher
@@ -61,13 +57,6 @@ from seqstate import AddRequest, Event, encode_event
 WORKERS: Final = 16
 HASHES_PER_EVENT: Final = 24
 TARGET_RATIO: Final = 0.5
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
 
 
 def make_events(count: int, seed: int = 1) -> list[AddRequest]:
@@ -83,13 +72,6 @@ def make_events(count: int, seed: int = 1) -> list[AddRequest]:
         )
         for n in range(count)
     ]
-
-
-async def connect(url: str) -> Client:
-    async def quiet(exc: Exception) -> None:  # the default callback prints tracebacks
-        pass
-
-    return await nats.connect(url, name="bench-router", max_reconnect_attempts=0, error_cb=quiet)
 
 
 # ---- the three ways to publish ------------------------------------------------------------
@@ -173,11 +155,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rates: dict[str, list[float]] = {label: [] for label in labels}
     info = machine()  # the date and load at the start
     async with NatsServer() as server:
-        nc = await connect(server.url)
+        nc = await connect(server.url, "bench-router")
         try:
             await ensure(nc, config)
-            v = nc.connected_server_version
-            info["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            info["nats_server"] = server_version(nc)
             payloads = [encode_event(e) for e in events]  # (a)'s inputs, untimed: the ceiling
             for rep in range(args.runs):
                 tag = f"{os.getpid()}-{rep}"
@@ -231,32 +212,12 @@ def describe(label: str, args: argparse.Namespace) -> str:
     return f"RouterPublisher.publish_many, batches of {label[1:]}"
 
 
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            names = (line.split(":", 1)[1] for line in cpuinfo if line.startswith("model name"))
-            model = next(names, model).strip()
-    except OSError:
-        pass
-    return {
-        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(sys.orig_argv),
-        "cpu": model,
-        "cores": len(os.sched_getaffinity(0)),
-        "loadavg_1m_at_start": os.getloadavg()[0],
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "nats_py": metadata.version("nats-py"),
-        "core": "compiled" if seqstate.state.__file__.endswith(".so") else "pure Python",
-    }
-
-
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     m = report["machine"]
     print(
-        f"{m['date_utc']}  {m['cpu']}, {m['cores']} cores, load {m['loadavg_1m_at_start']:.2f}"
+        f"{m['date_utc']}  {m['cpu']}, {m['nproc']} cores, load {m['loadavg_1m_at_start']:.2f}"
         f"  {m['python']}, nats-py {m['nats_py']}, nats-server {m['nats_server']}, "
-        f"{m['core']} core"
+        f"{m['core'].split(':')[0]} core"
     )
     print(f"{report['events']:,} AddRequests per measurement, {report['runs']} runs each, medians:")
     for label, median in report["medians"].items():
@@ -272,7 +233,7 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=positive, default=50_000, help="events per measurement")
     parser.add_argument("--runs", type=positive, default=5, help="repetitions of every measurement")
     parser.add_argument(
@@ -296,10 +257,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report = asyncio.run(bench(args))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report, args)
+    emit(report, args.json, print_report, args)
     return 0
 
 

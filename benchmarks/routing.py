@@ -44,13 +44,10 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -58,7 +55,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import nats
+from harness.cli import argument_parser
+from harness.measure import rotated
+from harness.report import emit, machine_line
+from harness.servers import connect
+from harness.workload import DEFAULT_TRACE
 from nats.aio.client import Client
 
 from projector import RegistryView, RouterPublisher, Scheduler, WorkerControl
@@ -68,8 +69,7 @@ from projector.wire.config import Config
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, WorkerAdded
 from seqstate.cost import CostWeights, select
 
-REPO = Path(__file__).resolve().parent.parent
-TRACE = REPO / "data" / "mooncake_conversation_trace.jsonl"
+NAME = "bench-routing"  # the client name the server lists
 BLOCK_TOKENS = 512  # the Mooncake trace's block: one hash id per 512 tokens
 Rank = tuple[int, int]
 
@@ -351,13 +351,6 @@ class Oracle:
 # ---- one round -------------------------------------------------------------------------------
 
 
-async def connect(url: str) -> Client:
-    async def quiet(exc: Exception) -> None:
-        pass
-
-    return await nats.connect(url, error_cb=quiet, max_reconnect_attempts=-1)
-
-
 @contextlib.asynccontextmanager
 async def pipeline(url: str, namespace: str) -> Any:
     """``seqstate run`` for one namespace, in a process of its own (as deployed)."""
@@ -402,7 +395,7 @@ async def run_scheme(
     if scheme == "oracle":
         outcome = await simulate(reqs, Oracle(ranks, args.seed + round_no), args, ranks)
         return report(scheme, outcome, [], None)
-    nc = await connect(url)
+    nc = await connect(url, NAME, max_reconnect_attempts=-1)
     await ensure(nc, config)
     async with pipeline(url, namespace):
         await wait_bucket(nc, config)
@@ -420,7 +413,7 @@ async def run_scheme(
             indexed = scheme == "toolkit-indexed"
             scheds = []
             for i in range(replicas):
-                conn = nc if i == 0 else await connect(url)
+                conn = nc if i == 0 else await connect(url, NAME, max_reconnect_attempts=-1)
                 if conn is not nc:
                     extra.append(conn)
                 scheds.append(
@@ -495,19 +488,18 @@ SCHEMES = ("round-robin", "view-only", "toolkit", "toolkit-2", "oracle", "toolki
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     reqs = load_trace(args.trace, args.requests, args.speedup)
     rounds: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory() as store:
-        async with NatsServer(store) as server:
-            for r in range(args.runs):
-                turn = SCHEMES[r % len(SCHEMES) :] + SCHEMES[: r % len(SCHEMES)]
-                order = [s for s in turn if s in args.schemes or s == "round-robin"]
-                results = {}
-                for scheme in order:
-                    results[scheme] = await run_scheme(scheme, server.url, reqs, args, r)
-                    print(json.dumps(results[scheme]), file=sys.stderr, flush=True)
-                rr = results["round-robin"]["prefilled_tokens"]
-                for res in results.values():
-                    res["prefill_saved_vs_rr"] = round(1 - res["prefilled_tokens"] / rr, 4)
-                rounds.append(results)
+    async with NatsServer() as server:
+        for r in range(args.runs):
+            turn = rotated(SCHEMES, r)
+            order = [s for s in turn if s in args.schemes or s == "round-robin"]
+            results = {}
+            for scheme in order:
+                results[scheme] = await run_scheme(scheme, server.url, reqs, args, r)
+                print(json.dumps(results[scheme]), file=sys.stderr, flush=True)
+            rr = results["round-robin"]["prefilled_tokens"]
+            for res in results.values():
+                res["prefill_saved_vs_rr"] = round(1 - res["prefilled_tokens"] / rr, 4)
+            rounds.append(results)
     summary = {}
     for scheme in rounds[0]:
         runs = [rd[scheme] for rd in rounds]
@@ -528,9 +520,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": " ".join(sys.orig_argv),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": (
-            f"{platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}"
-        ),
+        "machine": machine_line(),
         "settings": {k: str(v) for k, v in vars(args).items() if k != "json"},
         "summary": summary,
         "rounds": rounds,
@@ -564,8 +554,8 @@ def print_summary(result: dict[str, Any]) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=TRACE)
+    p = argument_parser(__doc__)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--speedup", type=float, default=20.0)
     p.add_argument("--workers", type=int, default=8)
@@ -589,10 +579,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     result = asyncio.run(main_async(args))
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_summary(result)
+    emit(result, args.json, print_summary)
     return 0
 
 

@@ -103,10 +103,19 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from fold import percentile, positive
+from harness.cli import add_json, argument_parser, positive
+from harness.measure import collect, median, percentile, process_cpu_s, rss_kb
+from harness.report import (
+    PASS_FAIL,
+    REPO_ROOT,
+    emit,
+    machine,
+    print_head,
+    print_software,
+    verdict,
+)
+from harness.servers import connect, server_version, start_seqstate, stop
 from nats.aio.client import Client
-from pipeline import collect, connect, machine
-from replay import process_cpu_s
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -116,7 +125,6 @@ from projector.route.publisher import RouterPublisher
 from projector.wire.config import Config
 from seqstate import AddRequest, Event, Free, MarkPrefillCompleted, WorkerAdded
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 WORKERS: Final = 8
 SET_SIZES: Final = (1024, 16_384, 65_536, 262_144)
 REQUEST_SIZES: Final = (16, 64, 256, 1024)
@@ -257,13 +265,6 @@ class CountingView(RegistryView):
         self.stored_bytes += size + (4 + DEL_HEADER if deleted else 0)
 
 
-def rss_kb(field: str = "VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return -1
-
-
 @dataclass
 class Consumers:
     writer: subprocess.Popen[bytes]
@@ -282,16 +283,13 @@ class Consumers:
 
 
 def start_consumers(url: str, logs: Path, level: str, snapshots: bool) -> Consumers:
-    exe = str(Path(sys.executable).parent / "seqstate")
-    env = {**os.environ, "NATS_URL": url, "SEQSTATE_LOG_LEVEL": level}
+    settings = {"SEQSTATE_LOG_LEVEL": level}
     if not snapshots:  # a diagnosis: what the writer's snapshots cost
-        env.update(SEQSTATE_SNAPSHOT_EVERY_EVENTS="0", SEQSTATE_SNAPSHOT_EVERY_S="0")
-    procs = {}
-    for name in ("writer", "projector"):
-        with open(logs / f"{name}.log", "wb") as log:
-            procs[name] = subprocess.Popen(
-                [exe, name], env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL
-            )
+        settings.update(SEQSTATE_SNAPSHOT_EVERY_EVENTS="0", SEQSTATE_SNAPSHOT_EVERY_S="0")
+    procs = {
+        name: start_seqstate([name], url, logs / f"{name}.log", **settings)
+        for name in ("writer", "projector")
+    }
     return Consumers(procs["writer"], procs["projector"], logs)
 
 
@@ -335,29 +333,6 @@ def start_spies(
         )
     time.sleep(0.5)  # let them attach
     return spies
-
-
-def stop_spies(spies: list[subprocess.Popen[bytes]]) -> None:
-    for spy in spies:
-        spy.send_signal(signal.SIGINT)
-    for spy in spies:
-        try:
-            spy.wait(30)
-        except subprocess.TimeoutExpired:
-            spy.kill()
-            spy.wait()
-
-
-def stop_consumers(consumers: Consumers) -> None:
-    for proc in (consumers.writer, consumers.projector):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in (consumers.writer, consumers.projector):
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def cpu_now(consumers: Consumers, server_pid: int) -> dict[str, float]:
@@ -476,7 +451,7 @@ async def saturated_churn(
     await view.wait_for(last, timeout=WAIT_TIMEOUT_S)
     seconds = time.perf_counter() - t0
     cpu1 = cpu_now(consumers, server_pid)
-    stop_spies(spies)
+    stop(spies, signal.SIGINT)
     lags = await asyncio.gather(*samplers)
     s1 = await streams_now(nc, config, view)
     adds = sum(isinstance(e, AddRequest) for e in events)
@@ -597,8 +572,8 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
     with tempfile.TemporaryDirectory(prefix="seqstate-scale-") as tmp:
         work = Path(tmp)
         async with NatsServer() as server:
-            assert server._proc is not None
-            server_pid = server._proc.pid
+            server_pid = server.pid
+            assert server_pid is not None
             nc_pub = await connect(server.url, "bench-publisher")
             nc_view = await connect(server.url, "bench-view")
             await ensure(nc_pub, config)
@@ -638,7 +613,7 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
                 result["paced"] = await paced_churn(
                     args, nc_pub, config, pub, view, consumers, server_pid, paced
                 )
-                view_rss = rss_kb()
+                view_rss = rss_kb()["VmRSS"]
                 child = await cold_start(server.url, queries, work)
                 child["live_view_equals_fold"] = same_answers(view, child)
                 child["live_view_present_hashes"] = view.registry.membership_size()
@@ -652,7 +627,7 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
             finally:
                 if view is not None:
                     await view.stop()
-                stop_consumers(consumers)
+                stop((consumers.writer, consumers.projector), timeout=10)
                 if args.logs:
                     keep = Path(args.logs)
                     keep.mkdir(parents=True, exist_ok=True)
@@ -662,8 +637,7 @@ async def one_point(args: argparse.Namespace, point: Point, run: int) -> dict[st
                 for nc in (nc_view, nc_pub):
                     with contextlib.suppress(Exception):
                         await nc.drain()
-            v = nc_pub.connected_server_version
-            result["nats_server"] = f"{v.major}.{v.minor}.{v.patch}"
+            result["nats_server"] = server_version(nc_pub)
     return result
 
 
@@ -675,13 +649,14 @@ async def view_child(url: str, queries_path: str) -> dict[str, Any]:
     queries = msgspec.json.decode(Path(queries_path).read_bytes())
     nc = await connect(url, "bench-cold-view")
     gc.collect()
-    rss0 = rss_kb()
+    rss0 = rss_kb()["VmRSS"]
     c0, t0 = time.process_time(), time.perf_counter()
     view = RegistryView(nc, config=config, initial_timeout=WAIT_TIMEOUT_S)
     await view.start()
     ready_s = time.perf_counter() - t0
     cpu_s = time.process_time() - c0
-    rss1, hwm1 = rss_kb(), rss_kb("VmHWM")
+    mem = rss_kb()
+    rss1, hwm1 = mem["VmRSS"], mem["VmHWM"]
     await view.stop()
     now = view.as_of_ns + 50 * NS_PER_MS
     view_loads = view.loads(now)
@@ -724,10 +699,6 @@ def points_of(args: argparse.Namespace) -> list[Point]:
     return unique
 
 
-def med(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def summarize(point: Point, runs: list[dict[str, Any]]) -> dict[str, Any]:
     c = [r["churn"] for r in runs]
     p = [r["paced"] for r in runs]
@@ -737,23 +708,23 @@ def summarize(point: Point, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "blocks": point.blocks,
         "requests_per_rank": point.requests_per_rank,
         "runs": len(runs),
-        "fill_events_per_s": med([r["fill"]["events"] / r["fill"]["seconds"] for r in runs]),
-        "churn_events_per_s": med([x["events_per_s"] for x in c]),
+        "fill_events_per_s": median([r["fill"]["events"] / r["fill"]["seconds"] for r in runs]),
+        "churn_events_per_s": median([x["events_per_s"] for x in c]),
         "churn_events_per_s_runs": [x["events_per_s"] for x in c],
-        "churn_hashes_per_s": med([x["hashes_per_s"] for x in c]),
-        "churn_lag_p50_ms": med([x["lag_at_saturation"]["p50_ms"] for x in c]),
-        "churn_lag_p99_ms": med([x["lag_at_saturation"]["p99_ms"] for x in c]),
-        "fresh_p50_ms": med([x["ack_to_view"]["p50_ms"] for x in p]),
-        "fresh_p99_ms": med([x["ack_to_view"]["p99_ms"] for x in p]),
+        "churn_hashes_per_s": median([x["hashes_per_s"] for x in c]),
+        "churn_lag_p50_ms": median([x["lag_at_saturation"]["p50_ms"] for x in c]),
+        "churn_lag_p99_ms": median([x["lag_at_saturation"]["p99_ms"] for x in c]),
+        "fresh_p50_ms": median([x["ack_to_view"]["p50_ms"] for x in p]),
+        "fresh_p99_ms": median([x["ack_to_view"]["p99_ms"] for x in p]),
         "fresh_p99_ms_runs": [x["ack_to_view"]["p99_ms"] for x in p],
         "fresh_max_ms": max(x["ack_to_view"]["max_ms"] for x in p),
-        "fresh_start_p99_ms": med([x["start_to_view"]["p99_ms"] for x in p]),
-        "paced_achieved_rate": med([x["achieved_rate"] for x in p]),
-        "cold_ready_s": med([x["ready_s"] for x in k]),
+        "fresh_start_p99_ms": median([x["start_to_view"]["p99_ms"] for x in p]),
+        "paced_achieved_rate": median([x["achieved_rate"] for x in p]),
+        "cold_ready_s": median([x["ready_s"] for x in k]),
         "cold_ready_s_runs": [x["ready_s"] for x in k],
-        "cold_cpu_s": med([x["cpu_s"] for x in k]),
-        "cold_rss_growth_mb": med([x["rss_growth_mb"] for x in k]),
-        "cold_peak_growth_mb": med([x["peak_growth_mb"] for x in k]),
+        "cold_cpu_s": median([x["cpu_s"] for x in k]),
+        "cold_rss_growth_mb": median([x["rss_growth_mb"] for x in k]),
+        "cold_peak_growth_mb": median([x["peak_growth_mb"] for x in k]),
         "cold_present_hashes": k[-1]["present_hashes"],
         "cold_exact": all(x["exact"] for x in k),
         "live_view_exact": all(x["live_view_equals_fold"] for x in k),
@@ -761,12 +732,8 @@ def summarize(point: Point, runs: list[dict[str, Any]]) -> dict[str, Any]:
     for phase, xs in (("churn", c), ("paced", p)):
         for part in ("cpu_us_per_event", "bytes_per_event", "messages_per_event"):
             for name in xs[0][part]:
-                out[f"{phase}_{part}_{name}"] = med([x[part][name] for x in xs])
+                out[f"{phase}_{part}_{name}"] = median([x[part][name] for x in xs])
     return out
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
 
 
 def targets(args: argparse.Namespace, summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -849,18 +816,8 @@ def _cpu_of(s: dict[str, Any], phase: str) -> str:
 
 def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     m, summary = report["machine"], report["summary"]
-    print("seqstate fleet-scale benchmark (benchmarks/scale.py)")
-    print(f"  date (UTC) : {m['date_utc']}")
-    print(f"  command    : {m['command']}  (cwd {m['cwd']})")
-    print(
-        f"  machine    : {m['platform']}; {m['cpu']}; nproc {m['nproc']}; load avg (1 min) at "
-        f"start {m['loadavg_1m_at_start']}"
-    )
-    print(
-        f"  software   : {m['python']}; nats-py {m['nats_py']}; nats-server "
-        f"{report['nats_server']}; msgspec {m['msgspec']}"
-    )
-    print(f"  seqstate   : git {m['git']}; core {m['core']}")
+    print_head("seqstate fleet-scale benchmark (benchmarks/scale.py)", m)
+    print_software(m, report["nats_server"])
     print(
         f"  workload   : {WORKERS} workers (dp 0); churn {args.churn_events:,} events "
         f"(publish_many chunks of {args.chunk}, lag sampled every {args.sample_every}th); "
@@ -907,7 +864,7 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         )
     print("\nTargets:")
     for t in report["targets"]:
-        print(f"  {verdict(t['ok'])}: {t['name']}: {t['detail']}")
+        print(f"  {verdict(t['ok'], PASS_FAIL)}: {t['name']}: {t['detail']}")
     if report.get("plot"):
         print(f"\nplot: {report['plot']}")
     print(f"wall time: {report['wall_s']:.0f} s")
@@ -998,9 +955,9 @@ def plot(summary: list[dict[str, Any]], args: argparse.Namespace, path: Path) ->
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argument_parser(__doc__)
     p.add_argument("--runs", type=positive, default=3, help="runs per point (interleaved)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    add_json(p)
     p.add_argument("--save", metavar="FILE", default="", help="also write the JSON to FILE")
     p.add_argument(
         "--sets",
@@ -1112,10 +1069,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - started
     if args.save:
         Path(args.save).write_text(json.dumps(report, indent=2))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print_report(report, args)
+    emit(report, args.json, print_report, args)
     return 0
 
 

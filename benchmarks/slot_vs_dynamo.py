@@ -66,7 +66,6 @@ import os
 import random
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,9 +76,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from fold import cpu_model  # benchmarks/ is the script's own path
-from http_servers import free_port, listener_pid, one_shot
-from pipeline import git_revision
+from harness.cli import argument_parser
+from harness.measure import alternated, median, percentile, proc_tree_cpu
+from harness.report import cpu_model, git_revision
+from harness.servers import free_port
+from http_servers import listener_pid, one_shot
 
 REPO: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN: Final = os.path.dirname(sys.executable)
@@ -312,36 +313,6 @@ class Client(asyncio.Protocol):
             self.closed.set_result(None)
 
 
-def proc_tree_cpu(pids: list[int]) -> float:
-    """utime + stime (all threads) of ``pids`` and their live descendants, in seconds."""
-    parent: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    tck = os.sysconf("SC_CLK_TCK")
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            parent[int(name)] = int(fields[1])
-            cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tck
-    wanted = set(pids)
-    grew = True
-    while grew:
-        grew = False
-        for pid, ppid in parent.items():
-            if ppid in wanted and pid not in wanted:
-                wanted.add(pid)
-                grew = True
-    return sum(cpu.get(p, 0.0) for p in wanted)
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 @dataclass
 class Target:
     name: str
@@ -403,9 +374,9 @@ async def measure(
         "rate": m.calls / elapsed,
         "errors": errors,
         "notes": notes,
-        "p50_ms": 1e3 * percentile(lat, 0.50),
-        "p90_ms": 1e3 * percentile(lat, 0.90),
-        "p99_ms": 1e3 * percentile(lat, 0.99),
+        "p50_ms": 1e3 * percentile(lat, 50),
+        "p90_ms": 1e3 * percentile(lat, 90),
+        "p99_ms": 1e3 * percentile(lat, 99),
         "max_ms": 1e3 * lat[-1] if lat else math.nan,
         "server_cpu_us": 1e6 * cpu / calls,
         "nats_cpu_us": 1e6 * nats / calls,
@@ -714,11 +685,6 @@ def header(args: argparse.Namespace, loop_name: str) -> dict[str, Any]:
     }
 
 
-def med(values: list[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return statistics.median(values) if values else math.nan
-
-
 def fmt(x: float, spec: str) -> str:
     return "n/a" if math.isnan(x) else format(x, spec)
 
@@ -738,13 +704,13 @@ def summarize(
         rs = [r[w.name] for r in rounds]
 
         def col(server: str, key: str, rs: list[dict[str, dict[str, Any]]] = rs) -> float:
-            return med([r[server][key] for r in rs if server in r])
+            return median([r[server][key] for r in rs if server in r])
 
         def errs(server: str, rs: list[dict[str, dict[str, Any]]] = rs) -> str:
             return str(sum(r[server]["errors"] for r in rs)) if server in names else "-"
 
         ratio[w.name] = (
-            med([r["seqstate"]["rate"] / r["dynamo"]["rate"] for r in rs if r["dynamo"]["rate"]])
+            median([r["seqstate"]["rate"] / r["dynamo"]["rate"] for r in rs if r["dynamo"]["rate"]])
             if both
             else math.nan
         )
@@ -759,10 +725,12 @@ def summarize(
             f" | {errs('seqstate')}, {errs('dynamo')} |"
         )
     c1 = [r["pairs-c1"] for r in rounds]
-    p50 = {s: med([r[s]["p50_ms"] for r in c1 if s in r]) for s in SERVERS}
-    p99 = {s: med([r[s]["p99_ms"] for r in c1 if s in r]) for s in SERVERS}
+    p50 = {s: median([r[s]["p50_ms"] for r in c1 if s in r]) for s in SERVERS}
+    p99 = {s: median([r[s]["p99_ms"] for r in c1 if s in r]) for s in SERVERS}
     p50_ratio = (
-        med([r["seqstate"]["p50_ms"] / r["dynamo"]["p50_ms"] for r in c1 if r["dynamo"]["p50_ms"]])
+        median(
+            [r["seqstate"]["p50_ms"] / r["dynamo"]["p50_ms"] for r in c1 if r["dynamo"]["p50_ms"]]
+        )
         if both
         else math.nan
     )
@@ -850,7 +818,7 @@ async def run(args: argparse.Namespace, loop_name: str) -> int:
         rounds: list[dict[str, dict[str, dict[str, Any]]]] = []
         print(flush=True)
         for rnd in range(args.rounds):
-            order = names if rnd % 2 == 0 else names[::-1]
+            order = alternated(names, rnd)
             res: dict[str, dict[str, dict[str, Any]]] = {}
             for w in ws:
                 res[w.name] = {}
@@ -918,11 +886,8 @@ async def run(args: argparse.Namespace, loop_name: str) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
-    p.add_argument("--depth", type=int, default=32, help="requests in flight when pipelined")
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """The flags :func:`start_servers` reads: which servers, from where, how long to wait."""
     p.add_argument(
         "--dynamo-python",
         default=os.environ.get("DYNAMO_PYTHON", DEFAULT_DYNAMO_PY),
@@ -931,16 +896,25 @@ def main() -> int:
     )
     p.add_argument("--no-dynamo", action="store_true", help="measure seqstate only")
     p.add_argument(
-        "--seqstate-url",
-        help="measure a serve-http already running (http://HOST:PORT): start neither it nor NATS",
-    )
-    p.add_argument("--dynamo-url", help="measure a Dynamo tracker already running")
-    p.add_argument(
         "--seqstate-src",
         metavar="DIR",
         help="run serve-http from this source tree (e.g. a `git archive` of another commit) "
         "instead of this checkout",
     )
+    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
+
+
+def main() -> int:
+    p = argument_parser(__doc__)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    p.add_argument("--depth", type=int, default=32, help="requests in flight when pipelined")
+    add_server_args(p)
+    p.add_argument(
+        "--seqstate-url",
+        help="measure a serve-http already running (http://HOST:PORT): start neither it nor NATS",
+    )
+    p.add_argument("--dynamo-url", help="measure a Dynamo tracker already running")
     p.add_argument(
         "--workloads",
         help="comma-separated subset (pairs-c16,pairs-c64,pairs-pipe32,loads-c16,loads-pipe32);"
@@ -948,7 +922,6 @@ def main() -> int:
     )
     p.add_argument("--settle", type=float, default=0.5, help="seconds of rest after each one")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds past a deadline, at most")
-    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
     p.add_argument("--json", metavar="PATH", help="write every raw number there")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs")
     p.add_argument("--fail-on-targets", action="store_true", help="exit 2 if a target is missed")

@@ -13,12 +13,13 @@ Run from the repository root: ``.venv/bin/python benchmarks/writer_backlog.py [-
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from pathlib import Path
+
+from harness.cli import argument_parser
+from harness.measure import fresh_stores, rss_kb
 
 from projector.nats.connection import connect
 from projector.nats.resources import ensure
@@ -35,13 +36,6 @@ NAMES = {
     "registry_bucket": "wb-registry",
     "snapshot_bucket": "wb-snapshots",
 }
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def one_run(events: int, store: Path) -> float:
@@ -81,18 +75,19 @@ async def one_run(events: int, store: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=3)
     opts = parser.parse_args()
-    rates = []
-    for _ in range(opts.runs):
-        with tempfile.TemporaryDirectory(prefix="writer-backlog-") as tmp:
-            rates.append(asyncio.run(one_run(opts.events, Path(tmp) / "js")))
+    rates = [
+        asyncio.run(one_run(opts.events, store))
+        for store in fresh_stores(opts.runs, "writer-backlog-")
+    ]
     shown = ", ".join(f"{r:,.0f}" for r in rates)
+    peak_mb = rss_kb()["VmHWM"] / 1024
     print(
         f"writer over a backlog of ~{opts.events:,} events: median "
-        f"{statistics.median(rates):,.0f} events/s ({shown}); peak RSS {rss_mb():.0f} MB"
+        f"{statistics.median(rates):,.0f} events/s ({shown}); peak RSS {peak_mb:.0f} MB"
     )
 
 

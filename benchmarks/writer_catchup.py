@@ -43,23 +43,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fold import DEFAULT_TRACE
+from harness.cli import argument_parser
+from harness.measure import collect, fresh_stores
+from harness.report import git_revision
+from harness.servers import start_seqstate
+from harness.workload import DEFAULT_TRACE, base_events, encoded, fill
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
-from pipeline import collect, git_revision
-from replay import base_events, encoded, fill
 
 from projector.nats.connection import connect
 from projector.nats.consumer import OrderedConsumer
@@ -176,14 +175,7 @@ async def writer_beside_a_projector_process(
 ) -> tuple[float, float]:
     """(b) with ``seqstate projector`` in a process of its own, as a deployment runs it:
     until the bucket's position says the last event."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
-    env["NATS_URL"] = url
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "projector", "projector"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_seqstate(["projector"], url)
     try:
         kv = await nc.jetstream().key_value(config.registry_bucket)
 
@@ -275,7 +267,7 @@ async def one_run(args: argparse.Namespace, store: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--events", type=int, default=150_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -293,9 +285,8 @@ def main() -> int:
     args = parser.parse_args()
     tune_collector()  # as a seqstate process runs
     runs = []
-    for i in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="writer-catchup-") as tmp:
-            run = asyncio.run(one_run(args, Path(tmp) / "js"))
+    for i, store in enumerate(fresh_stores(args.runs, "writer-catchup-")):
+        run = asyncio.run(one_run(args, store))
         runs.append(run)
         print(
             f"run {i + 1}: bare {run['bare_per_s']:,.0f} events/s (this process on CPU "
