@@ -34,8 +34,8 @@ and must fold the same state.
 ``SnapshotStore.save`` (stored, read back, compared). The writer restores only a snapshot
 whose deltas are all on SEQSTATE_DELTAS (``Writer._restore``: ``newest_valid(at_most_seq=
 <Seqstate-Source-Seq of the newest DELTAS message>)``), so the DELTAS stream gets one marker
-message: header ``Seqstate-Source-Seq: <last - tail>``, body ``encode_deltas([])``. This is
-the position a writer that ran up to the snapshot would have left behind.
+message: an echo delta at ``last - tail``, stored by the writer's own delta log. This is the
+position a writer that ran up to the snapshot would have left behind.
 
 Each run then starts a writer on a new connection and times ``build_writer(nc, config)`` →
 ``create_task(writer.run())`` → ``writer.caught_up``: ``ensure``, reading the newest delta,
@@ -115,10 +115,9 @@ from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import log_time_ns
 from projector.ops.replay import fold_stream
-from projector.run.assemble import build_writer
+from projector.run.assemble import build_delta_log, build_writer
 from projector.wire.config import Config
-from projector.wire.headers import SOURCE_SEQ
-from seqstate import Event, SequenceState, decode_event, encode_deltas
+from seqstate import Delta, Event, SequenceState, decode_event
 
 TARGET_REPLAY_EVENTS_PER_S: Final = 100_000
 TARGET_READY_S: Final = 2.0
@@ -238,7 +237,14 @@ async def reset_for_run(
     with contextlib.suppress(NotFoundError):
         await js.delete_stream(config.deltas_stream)
     await ensure(nc, config)
-    await js.publish(config.deltas_subject, encode_deltas([]), headers={SOURCE_SEQ: str(snap_seq)})
+    # What a writer that ran up to the snapshot leaves: its delta log's message at snap_seq.
+    log = build_delta_log(nc, config)
+    await log.take_batches()
+    await log.open()
+    log.start(lambda exc: None)
+    log.append(Delta("echo", 0, seq=snap_seq))
+    await log.flush()
+    await log.close()
     return removed
 
 
