@@ -10,7 +10,7 @@ import json
 from dynamo_capture import BIG_WORKER, CAPTURE, SMALL_WORKER
 from eventually import eventually
 from nats.aio.client import Client
-from pipeline_kit import bucket_values, fresh_config, logged, read_events, run_cli
+from pipeline_kit import bucket_values, events_in, fresh_config, logged, read_events, run_cli
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -134,8 +134,9 @@ async def test_a_worker_removed_for_good_never_comes_back_through_late_messages(
             if decode_dynamo(d).op == ADD and decode_dynamo(d).worker_id == BIG_WORKER
         )
         assert late_adds > 0
+        before = events_in(await read_events(nc, config))  # a record batch holds many
         await publish(nc, config, rest)
-        await pipeline.wait_applied(await logged(nc, config, removal + len(rest)))
+        await pipeline.wait_applied(await logged(nc, config, before + len(rest)))
         state = pipeline.writer.state
         assert state.counters["removed_worker"] == late_adds
         assert not any(w == BIG_WORKER for w, _ in state.workers.slots)
