@@ -21,6 +21,10 @@ answer timed two ways:
 (a) the same look back in this process (``projector.ops.loads_at.loads_at``), on a connection
     already open: the snapshot's fetch and restore and the fold.
 
+The writer spaces its snapshots by their cost (every 10,000 events, or every ``size / 64``
+events for a large state, and no sooner than 50 encodes' time): the widest gap between kept
+snapshots bounds the fold, and is reported with the snapshots' sizes.
+
 Reported: the median per point over its runs, then the median and the maximum of those over the
 points, and how many events each point folded (from the answer's own line). At the end one
 point's answer is checked against a replay from the first event.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import re
@@ -96,6 +101,9 @@ async def bench(args: argparse.Namespace, base: Sequence[Any]) -> dict[str, Any]
             store = await SnapshotStore(nc, config).open(create=False)
             snapshots = await store.list()
             setup["snapshots"] = [info.applied_seq for info in snapshots]
+            setup["snapshot_bytes"] = [info.size for info in snapshots]
+            starts = [0, *setup["snapshots"]]
+            setup["widest_gap_events"] = max(b - a for a, b in itertools.pairwise(starts))
             result["setup"] = setup
             last = setup["last_seq"]
             js = nc.jetstream()
@@ -165,7 +173,9 @@ def print_report(report: dict[str, Any]) -> None:
     s = r["setup"]
     print(
         f"setup: publish {s['seconds']:.1f} s, catch-up {s['catch_up']['seconds']:.1f} s, "
-        f"{len(s['snapshots'])} snapshots kept at {s['snapshots']}"
+        f"{len(s['snapshots'])} snapshots kept at {s['snapshots']} "
+        f"({max(s['snapshot_bytes']) / 1e6:.1f} MB at most; widest gap "
+        f"{s['widest_gap_events']:,} events)"
     )
     for key, label in (
         ("cli_seq_s", "seqstate loads --at seq:N --json (subprocess)"),

@@ -15,7 +15,7 @@ import time
 import msgspec
 from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import fresh_config, read_log, run_cli
+from pipeline_kit import folded, fresh_config, read_events, read_log, run_cli
 
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
@@ -79,6 +79,17 @@ async def history(nc: Client, config: Config, steps: int, *, modeled: bool = Tru
     return last
 
 
+def snap_config(prefix: str, **overrides: object) -> Config:
+    """A namespace of its own whose writer snapshots every 9 events and keeps the newest 2."""
+    return fresh_config(
+        prefix,
+        snapshot_bucket=f"{prefix}snap{fresh_config().namespace}",
+        snapshot_every_events=9,
+        snapshots_keep=2,
+        **overrides,
+    )
+
+
 def nearest(snapshots: list[SnapshotInfo], *, seq: int | None = None, at: int | None = None) -> str:
     """Where ``loads --at`` must start: the newest snapshot at or before the moment."""
     fits = [
@@ -94,13 +105,7 @@ async def test_loads_at_equals_a_fresh_replay_at_points_at_and_between_snapshots
     nc: Client, nats_server: object
 ) -> None:
     url = nats_server.url  # type: ignore[attr-defined]
-    config = fresh_config(
-        "la",
-        snapshot_bucket=f"lasnap{fresh_config().namespace}",
-        snapshot_every_events=9,
-        snapshots_keep=2,
-        snapshot_history_every=20,
-    )
+    config = snap_config("la", snapshot_history_every=20)
     last = await history(nc, config, 10)
     snapshots = await (await SnapshotStore(nc, config).open(create=False)).list()
     # The newest two, and the first past each multiple of 20 events: points far back start
@@ -125,12 +130,19 @@ async def test_loads_at_equals_a_fresh_replay_at_points_at_and_between_snapshots
     assert len(points) >= 40
     rounds = asyncio.Semaphore(3)  # a few commands at once
 
+    events = await read_events(nc, config)
+
     async def check(when: str, seq: int | None, at: int | None) -> None:
         async with rounds:
             out = await run_cli(config, url, "loads", "--at", when, "--json")
         assert out.returncode == 0, out.stderr
         fresh = await replay(nc, config, from_seq=1, to_seq=seq, at_ns=at)
         assert rows_of(out.stdout) == [msgspec.to_builtins(r) for r in fresh.loads()], when
+        # The same, folded here from the log's messages read one by one.
+        prefix = [e for e in events if e[0] <= (seq or last) and e[1] <= (at or e[1])]
+        state = folded(config, prefix)
+        expected = state.registry.loads(state.now_ns if at is None else at)
+        assert rows_of(out.stdout) == [msgspec.to_builtins(r) for r in expected], when
         said = plain_lines(out.stderr)
         assert len(said) == 1, out.stderr
         assert f"event {fresh.last_seq}" in said[0], (when, said)
@@ -180,14 +192,8 @@ async def test_loads_at_equals_what_loads_printed_live_at_that_moment(
     live with the bucket's position before and after it; afterwards ``--at seq:N`` and
     ``--at`` the ISO time of each reading print the same lines."""
     url = nats_server.url  # type: ignore[attr-defined]
-    config = fresh_config(
-        "lv",
-        snapshot_bucket=f"lvsnap{fresh_config().namespace}",
-        snapshot_every_events=9,
-        snapshots_keep=2,
-        snapshot_history_every=20,
-        idle_tick_s=3600.0,  # no Tick logged between steps: each reading is of a known event
-    )
+    # No Tick logged between steps: each reading is of a known event.
+    config = snap_config("lv", snapshot_history_every=20, idle_tick_s=3600.0)
     readings: list[tuple[int, int, str]] = []  # (position, wall time, loads --json's output)
     async with Pipeline(nc, config) as pipeline:
         pub = RouterPublisher(nc, namespace=config.namespace, router_id="lv", config=config)
@@ -217,14 +223,7 @@ async def test_a_moment_in_trimmed_history_names_the_earliest_answerable(
     nc: Client, nats_server: object
 ) -> None:
     url = nats_server.url  # type: ignore[attr-defined]
-    config = fresh_config(
-        "lt",
-        snapshot_bucket=f"ltsnap{fresh_config().namespace}",
-        snapshot_every_events=9,
-        snapshots_keep=2,
-        snapshot_history_every=None,
-        retain_events=0,
-    )
+    config = snap_config("lt", snapshot_history_every=None, retain_events=0)
     last = await history(nc, config, 4)
     assert await trimmed_below(nc, config) > 1
     snapshots = await (await SnapshotStore(nc, config).open(create=False)).list()
