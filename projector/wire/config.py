@@ -154,7 +154,7 @@ class Config:
     snapshot_history_every: int | None = _setting(
         50_000,
         "beside the newest, keep the first snapshot past every N events of history, so that "
-        "`loads --at` folds at most about N events; 'off' keeps only the newest",
+        "`loads --at` far back starts near its moment; 'off' keeps only the newest",
         "N",
     )
     snapshot_history_keep: int = _setting(
