@@ -64,7 +64,7 @@ from projector.ops.replay import iso, replay
 from projector.wire.config import Config
 
 TARGET_S: Final = 1.0
-FOLDED = re.compile(r"; (\d+) events folded from ")
+FOLDED = re.compile(r"; (\d+) events? folded from ")
 
 
 def cli_once(url: str, config: Config, when: str) -> tuple[float, int, list[dict[str, Any]]]:

@@ -143,4 +143,4 @@ async def loads_at(nc: Client, config: Config, text: str) -> LoadsAt:
 def _folded(done: Replayed) -> str:
     """Where the answer started, and how many events it folded from there."""
     start = f"snapshot {done.snapshot.name}" if done.snapshot else "the first event"
-    return f"; {done.events} events folded from {start}"
+    return f"; {done.events} event{'' if done.events == 1 else 's'} folded from {start}"
