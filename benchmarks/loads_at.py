@@ -12,6 +12,10 @@ history: a fresh embedded nats-server, ``ensure`` with the default ``Config``, 1
 published pipelined, and one pipeline (writer and projector, default settings) that folds them
 all, taking its snapshots as it goes, and stops.
 
+``--pace EVENTS_PER_S`` builds the history as live traffic does instead: the pipeline runs
+while the events arrive at that rate, so the writer snapshots as in service (by count and
+size) rather than as a catch-up at full speed (spaced by its encodes' time).
+
 Each point (``--points`` of them, seeded: ``--seed``) is asked ``--runs`` times, and each
 answer timed two ways:
 
@@ -52,18 +56,21 @@ from typing import Any, Final
 
 import msgspec
 from fold import DEFAULT_TRACE, positive
+from nats.aio.client import Client
 from pipeline import connect
 from replay import base_events, encoded, fill, finish, new_report
-from restart import catch_up
+from restart import WAIT_TIMEOUT_S, catch_up
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.ops.loads_at import loads_at
 from projector.ops.replay import iso, replay
+from projector.run.pipeline import Pipeline
 from projector.wire.config import Config
 
 TARGET_S: Final = 1.0
+PACE_SLICE: Final = 5_000
 FOLDED = re.compile(r"; (\d+) events? folded from ")
 
 
@@ -83,6 +90,39 @@ def cli_once(url: str, config: Config, when: str) -> tuple[float, int, list[dict
     return seconds, int(folded.group(1)) if folded else -1, rows
 
 
+async def paced(
+    url: str, nc: Client, config: Config, messages: Sequence[Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The history as live traffic makes it: a pipeline runs while the events arrive at
+    ``--pace`` events/s in slices of ``PACE_SLICE``, so the writer keeps up and snapshots as it
+    does in service, not as a catch-up at full speed does; it stops cleanly at the end."""
+    pnc = await connect(url, "bench-paced")
+    try:
+        pipeline = await Pipeline(pnc, config, start_timeout=WAIT_TIMEOUT_S).start()
+        t0 = time.perf_counter()
+        sent = 0
+        filled: dict[str, Any] = {}
+        for start in range(0, len(messages), PACE_SLICE):
+            part = messages[start : start + PACE_SLICE]
+            filled = await fill(nc, config, part, args.max_pending)
+            sent += len(part)
+            ahead = sent / args.pace - (time.perf_counter() - t0)
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+        await pipeline.wait_applied(filled["last_seq"])
+        seconds = time.perf_counter() - t0
+        await pipeline.stop(timeout=WAIT_TIMEOUT_S)
+    finally:
+        await pnc.drain()
+    return {
+        "events": sent,
+        "seconds": seconds,
+        "pace": args.pace,
+        "last_seq": filled["last_seq"],
+        "catch_up": {"seconds": 0.0, "events_folded": sent},
+    }
+
+
 async def bench(args: argparse.Namespace, base: Sequence[Any]) -> dict[str, Any]:
     config = Config()
     result: dict[str, Any] = {}
@@ -94,10 +134,14 @@ async def bench(args: argparse.Namespace, base: Sequence[Any]) -> dict[str, Any]
             await ensure(nc, config)
             t0 = time.perf_counter()
             messages = encoded(config, base, args.events, args.workers)
-            setup = await fill(nc, config, messages, args.max_pending)
-            setup["build_s"] = time.perf_counter() - t0
+            if args.pace:
+                setup = await paced(server.url, nc, config, messages, args)
+                setup["build_s"] = time.perf_counter() - t0
+            else:
+                setup = await fill(nc, config, messages, args.max_pending)
+                setup["build_s"] = time.perf_counter() - t0
+                setup["catch_up"] = await catch_up(server.url, config)
             del messages
-            setup["catch_up"] = await catch_up(server.url, config)
             store = await SnapshotStore(nc, config).open(create=False)
             snapshots = await store.list()
             setup["snapshots"] = [info.applied_seq for info in snapshots]
@@ -172,7 +216,9 @@ def print_report(report: dict[str, Any]) -> None:
     )
     s = r["setup"]
     print(
-        f"setup: publish {s['seconds']:.1f} s, catch-up {s['catch_up']['seconds']:.1f} s, "
+        f"setup: publish {s['seconds']:.1f} s"
+        + (f" at {s['pace']:,} events/s, the pipeline running" if "pace" in s else "")
+        + f", catch-up {s['catch_up']['seconds']:.1f} s, "
         f"{len(s['snapshots'])} snapshots kept at {s['snapshots']} "
         f"({max(s['snapshot_bytes']) / 1e6:.1f} MB at most; widest gap "
         f"{s['widest_gap_events']:,} events)"
@@ -198,6 +244,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--events", type=positive, default=1_000_000, help="events of history")
     p.add_argument("--points", type=positive, default=20, help="random points asked")
     p.add_argument("--runs", type=positive, default=3, help="answers timed per point")
+    p.add_argument(
+        "--pace",
+        type=positive,
+        default=None,
+        metavar="EVENTS_PER_S",
+        help="build the history as live traffic, a pipeline running, at this rate (default: "
+        "published first, then folded in one catch-up, as restart.py builds it)",
+    )
     p.add_argument("--seed", type=int, default=20261205, help="which points")
     p.add_argument("--workers", type=positive, default=16, help="workers, round-robin")
     p.add_argument("--max-pending", type=positive, default=4_000, help="setup: unacked publishes")
