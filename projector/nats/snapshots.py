@@ -94,6 +94,26 @@ class SnapshotInfo:
         return self.meta.applied_seq if self.meta else _seq_from_name(self.name)
 
 
+def kept(
+    snapshots: list[SnapshotInfo], keep: int, history_every: int | None, history_keep: int
+) -> list[SnapshotInfo]:
+    """Which of ``snapshots`` (oldest first) a prune keeps: the newest ``keep``, and the first
+    at or past each positive multiple of ``history_every`` events (the newest
+    ``history_keep`` of those), so that a look at any past moment folds at most about
+    ``history_every`` events from one; the start of the log needs none."""
+    newest = snapshots[max(0, len(snapshots) - keep) :]
+    if not history_every or not history_keep:
+        return newest
+    firsts: dict[int, SnapshotInfo] = {}
+    for info in snapshots:
+        window = info.applied_seq // history_every
+        if window >= 1 and window not in firsts:
+            firsts[window] = info
+    history = [firsts[w] for w in sorted(firsts)[-history_keep:]]
+    chosen = {info.name for info in history + newest}
+    return [info for info in snapshots if info.name in chosen]
+
+
 def _seq_from_name(name: str) -> int:
     try:
         return int(name.rsplit(".", 1)[1])
@@ -197,10 +217,14 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot {name} read back differently from what was stored")
         return SnapshotInfo(name, meta, len(state_bytes), "")
 
-    async def prune(self, keep: int) -> builtins.list[str]:
-        """Delete all but the newest ``keep`` snapshots of this namespace; returns their names."""
+    async def prune(
+        self, keep: int, history_every: int | None = None, history_keep: int = 0
+    ) -> builtins.list[str]:
+        """Delete the snapshots of this namespace that :func:`kept` does not keep; returns
+        their names."""
         snapshots = await self.list()
-        doomed = snapshots[: max(0, len(snapshots) - keep)]
+        spared = {info.name for info in kept(snapshots, keep, history_every, history_keep)}
+        doomed = [info for info in snapshots if info.name not in spared]
         for info in doomed:
             with contextlib.suppress(NotFoundError):
                 await self.store.delete(info.name)

@@ -67,6 +67,8 @@ WRITER = (
     "snapshot_every_events",
     "snapshot_every_s",
     "snapshots_keep",
+    "snapshot_history_every",
+    "snapshot_history_keep",
     "retain_events",
 )
 BEHIND = ("behind_warn_events", "behind_warn_s")  # when a consumer's lag is worth a warning

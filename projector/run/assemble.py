@@ -94,6 +94,8 @@ def snapshot_settings(config: Config) -> SnapshotSettings:
         every_events=config.snapshot_every_events,
         every_s=config.snapshot_every_s,
         keep=config.snapshots_keep,
+        history_every=config.snapshot_history_every,
+        history_keep=config.snapshot_history_keep,
     )
 
 

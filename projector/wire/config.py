@@ -151,6 +151,15 @@ class Config:
         60.0, "snapshot the write model every so many seconds; 0: never by time", "SECONDS"
     )
     snapshots_keep: int = _setting(3, "snapshots kept (the newest)", "N")
+    snapshot_history_every: int | None = _setting(
+        50_000,
+        "beside the newest, keep the first snapshot past every N events of history, so that "
+        "`loads --at` far back starts near its moment; 'off' keeps only the newest",
+        "N",
+    )
+    snapshot_history_keep: int = _setting(
+        40, "history snapshots kept (the newest), bounding the history answerable fast", "N"
+    )
     retain_events: int | None = _setting(
         None, "events kept before the oldest snapshot; 'off' (the default) never trims", "N"
     )
@@ -678,6 +687,8 @@ _CHECKS: list[tuple[str, Callable[[Any], str]]] = [
     ("snapshot_every_events", _not_negative),
     ("snapshot_every_s", _not_negative),
     ("snapshots_keep", lambda v: "" if v >= 1 else "keep at least 1"),
+    ("snapshot_history_every", lambda v: "" if v is None or v >= 1 else "at least 1, or 'off'"),
+    ("snapshot_history_keep", _not_negative),
     ("retain_events", _not_negative),
     (
         "forget_lazy_ranks_s",

@@ -75,6 +75,8 @@ class SnapshotSettings:
     every_events: int  # 0: never by count
     every_s: float  # 0: never by time
     keep: int
+    history_every: int | None = None  # None: no history snapshots
+    history_keep: int = 0
 
 
 class Snapshotter:
@@ -234,7 +236,8 @@ class Snapshotter:
         self.stats.snapshots_saved += 1
         self.stats.last_snapshot_bytes = len(data)
         self.stats.last_snapshot_stored_s = time.time()
-        await self.store.prune(self.settings.keep)
+        settings = self.settings
+        await self.store.prune(settings.keep, settings.history_every, settings.history_keep)
         log.log(
             logging.DEBUG if self.quiet else logging.INFO,
             "snapshot %s saved and verified (%d bytes)",

@@ -437,6 +437,8 @@ DOCUMENTED: list[tuple[str, tuple[str, ...]]] = [
     ("demo", ("demo", "--duration", "2", "--no-live", "--workers", "1")),
     ("replay", ("snapshot", "list")),
     ("replay", ("snapshot", "show")),
+    ("replay", ("loads", "--at", "-0s", "--json")),
+    ("replay", ("loads", "--at", "seq:1")),
 ]
 
 

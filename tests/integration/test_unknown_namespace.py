@@ -42,6 +42,7 @@ LOG_READERS: dict[tuple[str, ...], str | None] = {
     ("status", "--json"): '"namespace":"{ns}"',
     ("inspect", "request", "r1"): "state:  unknown",
     ("replay",): None,  # its log is empty
+    ("loads", "--at", "-5m"): None,  # its log is empty
     ("replay", "--verify"): None,  # or the bucket holds no position yet
     ("snapshot", "list"): "name",
     ("snapshot", "show"): None,  # it has no snapshot

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
 import sys
 from typing import Any
 
@@ -16,11 +17,15 @@ from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import Command
 from projector.ops.commands.signals import catch_signals, until_signal
-from projector.ops.namespaces import known
+from projector.ops.namespaces import known, require_namespace
 from projector.wire.config import Config
+
+_TIME_AGO = re.compile(r"^-\d+(\.\d+)?(ms|s|m|h|d)?$|^-\d*\.\d+$")
 
 
 async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
+    if args.at is not None:
+        return await loads_at(args, config)
     from projector.ops.live import plain_table, staleness_said
     from projector.read.reader import RegistryView
 
@@ -37,6 +42,24 @@ async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
     else:
         print(plain_table(rows))
         print(f"as of event {staleness.applied_seq}; {staleness_said(staleness)}")
+    return 0
+
+
+async def loads_at(args: argparse.Namespace, config: Config) -> int:
+    """``--at WHEN``: the loads replayed to that moment, in the live command's format; the
+    moment they reflect under the table, or on stderr beside ``--json``'s lines."""
+    from projector.ops.commands.replay import print_loads
+    from projector.ops.loads_at import loads_at
+
+    async with connect(
+        require_url(config), service=False, config=config, fail_on_refusal=True
+    ) as nc:
+        await require_namespace(nc, config, log=True)
+        answer = await loads_at(nc, config, args.at)
+    for name, why in answer.replayed.skipped:
+        print(f"seqstate: skipped snapshot {name}: {why}", file=sys.stderr)
+    print_loads(answer.replayed.loads(), args.json)
+    print(answer.said, file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -122,6 +145,16 @@ async def print_changes(view: Any, as_json: bool) -> None:
 
 def add_loads_flags(loads: argparse.ArgumentParser) -> None:
     loads.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    loads.add_argument(
+        "--at",
+        metavar="WHEN",
+        help="the loads as the ledger held them at WHEN, replayed from the log: seq:N (after "
+        "stream position N), an ISO 8601 time (UTC unless it says), a time of day HH:MM[:SS] "
+        "(UTC, the log's newest day), or a time ago: -30s, -5m, -2h, -1d",
+    )
+    # argparse reads "-5m" as an unknown flag; a time ago is a value of --at, as a negative
+    # number would be.
+    loads._negative_number_matcher = _TIME_AGO
 
 
 def add_watch_flags(watch: argparse.ArgumentParser) -> None:
@@ -137,7 +170,7 @@ LOADS = Command(
     "loads",
     "print every rank's load from the registry bucket",
     cmd_loads,
-    flags.READ,
+    flags.READ + flags.FOLD,
     add_loads_flags,
 )
 WATCH = Command(

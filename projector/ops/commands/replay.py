@@ -157,7 +157,9 @@ async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
         with progress_bar(not args.no_progress, "snapshot") as progress:
             done = await replay(nc, config, progress=progress)
         info = await store.save(done.state.snapshot(), done.last_seq, done.state.now_ns)
-        await store.prune(config.snapshots_keep)
+        await store.prune(
+            config.snapshots_keep, config.snapshot_history_every, config.snapshot_history_keep
+        )
         print(f"saved and verified {info.name} ({info.size} bytes, {done.events} events folded)")
     return 0
 
@@ -223,6 +225,13 @@ SNAPSHOT = Command(
     "snapshot",
     "write-model snapshots: list, show, save",
     cmd_snapshot,
-    (*flags.READ, *flags.PROVISION, *flags.FOLD, "snapshots_keep"),
+    (
+        *flags.READ,
+        *flags.PROVISION,
+        *flags.FOLD,
+        "snapshots_keep",
+        "snapshot_history_every",
+        "snapshot_history_keep",
+    ),
     add_snapshot_flags,
 )
