@@ -7,7 +7,7 @@ the fold refuses (a dead letter). Both /metrics are scraped over HTTP: the captu
 publisher counts exactly each publisher's messages, the hole and the dead letter are counted
 once, and every query of deploy/grafana/dashboards/seqstate-dynamo.json names only metrics and
 labels that these scrapes, or a real Dynamo 1.6.1 frontend's /metrics (recorded in tests/data
-by tests/dynamo/test_dashboard.py, which checks it against a live fleet), carry.
+by tests/dynamo/test_dashboard_live.py, which checks it against a live fleet), carry.
 """
 
 from __future__ import annotations
