@@ -9,8 +9,8 @@ One call in, one ``(status, JSON body)`` out, as Dynamo's standalone slot tracke
   answers with the writer's outcome of it, as soon as the writer has folded it: in the process
   that holds the lease, heard from its own writer (:mod:`.own_fold`), else read from the deltas
   (:class:`~projector.route.outcomes.Outcomes`). Which of the two tells the outcome is all
-  that differs: the event, the bookkeeping and the answer are the same (:meth:`SlotService.
-  _event`, :meth:`SlotService._answer`);
+  that differs: both build the event and the answer, and book the add, the same way
+  (``_event``, ``_answer``);
 - ``/prefill_complete`` and ``/free`` name no worker: their events name the worker and rank
   that hold the request (the add this process stored, else the fold's or the bucket's view),
   so they are logged on that rank's subject (where ``inspect`` reads) and no
@@ -244,6 +244,7 @@ class SlotService:
         tracker: Tracker,
         path: str,
         parsed: Body,
+        event: Event,
         seq: int,
         outcome: str | None,
         owner: tuple[int, int] | None,
@@ -251,6 +252,17 @@ class SlotService:
     ) -> tuple[int, object]:
         """The answer to a call whose event ``seq`` the writer folded to ``outcome`` (None:
         refused, nothing for a view to show); an add is booked by it."""
+        if outcome != APPLIED and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: %s",
+                path,
+                outcome or "refused by the writer",
+                extra={
+                    **event_fields(event),
+                    "stream_seq": seq,
+                    "namespace": tracker.config.namespace,
+                },
+            )
         if isinstance(parsed, AddBody):
             tracker.settle(parsed.request_id, (parsed.worker_id, parsed.dp_rank), outcome, owner)
         if outcome is not None and seq > tracker.answered:
@@ -275,10 +287,17 @@ class SlotService:
 
         def folded(seq: int, verdict: Verdict) -> None:
             if type(verdict) is not Delta:
-                answered = self._answer(tracker, path, parsed, seq, None, None, None)
+                answered = self._answer(tracker, path, parsed, event, seq, None, None, None)
             else:
                 answered = self._answer(
-                    tracker, path, parsed, seq, verdict.outcome, verdict.owner, verdict.block_size
+                    tracker,
+                    path,
+                    parsed,
+                    event,
+                    seq,
+                    verdict.outcome,
+                    verdict.owner,
+                    verdict.block_size,
                 )
             call.answer(*answered)
             trackers.done_with(tracker)
@@ -408,19 +427,8 @@ class SlotService:
         """The answer to a stored event (``index``: its place in a record batch): the
         writer's outcome of it, read from the deltas."""
         result = await tracker.outcomes.of(seq, self.outcome_wait_s, index=index)
-        if result.outcome != APPLIED and log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "%s: %s",
-                path,
-                result.outcome or "refused by the writer",
-                extra={
-                    **event_fields(event),
-                    "stream_seq": seq,
-                    "namespace": tracker.config.namespace,
-                },
-            )
         answered = self._answer(
-            tracker, path, parsed, seq, result.outcome, result.owner, result.block_size
+            tracker, path, parsed, event, seq, result.outcome, result.owner, result.block_size
         )
         if result.outcome is not None and isinstance(parsed, (RegisterBody, UnregisterBody)):
             await tracker.view.wait_for(seq, self.outcome_wait_s)  # in the bucket for all
