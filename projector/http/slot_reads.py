@@ -153,14 +153,16 @@ class SlotReads:
         """The trackers a read names, each with its writer, if this process folds every one
         of them and each fold holds every call this process answered; else None."""
         trackers = self.trackers
-        if trackers.unknown(model, group) or trackers.left_out_of(model, group):
+        if trackers.unknown(model, group) or (
+            trackers.left_out and trackers.left_out_of(model, group)
+        ):
             return None
         found = []
         for t in trackers.named(model, group):
-            writer = trackers.holding(t)
-            if writer is None:
+            own = trackers.own_fold(t)
+            if own is None or own.writer.stats.last_seq < t.answered:
                 return None
-            found.append((t, writer))
+            found.append((t, own.writer))
         return found
 
     # ---- from the views, caught up ------------------------------------------------------

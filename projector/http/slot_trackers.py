@@ -485,14 +485,6 @@ class Trackers:
             self.spawn(self._open_own(tracker, writer))
         return None
 
-    def holding(self, tracker: Tracker) -> Writer | None:
-        """The writer whose fold holds every call this process answered on ``tracker``, if
-        this process holds its lease; else None."""
-        own = self.own_fold(tracker)
-        if own is None or own.writer.stats.last_seq < tracker.answered:
-            return None
-        return own.writer
-
     async def _open_own(self, tracker: Tracker, writer: Writer) -> None:
         try:
             own = await OwnFold(self.nc, writer, answer_within_s=self.outcome_wait_s).start()
