@@ -127,9 +127,10 @@ class SlotReads:
         found = self._folds(query.get("model_name"), query.get("routing_group"))
         if found is None:
             return None
-        found.sort(key=lambda f: (f[0].model_name, f[0].routing_group))
-        key = (path, tuple(sorted(query.items())))
-        position = tuple((id(w.state), w.stats.last_seq) for _, w in found)
+        if len(found) > 1:
+            found.sort(key=lambda f: (f[0].model_name, f[0].routing_group))
+        key = (path, tuple(sorted(query.items())) if len(query) > 1 else tuple(query.items()))
+        position = tuple([(id(w.state), w.stats.last_seq) for _, w in found])
         cached = self._cache.get(key)
         if cached is not None and cached[0] == position:
             return cached[1]

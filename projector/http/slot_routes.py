@@ -7,6 +7,7 @@ is checked here, once: :func:`route` says either the answer at once or the parse
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import msgspec
@@ -78,6 +79,7 @@ def parse(path: str, body: bytes) -> Any:
     return parsed
 
 
+@lru_cache(maxsize=64)  # a client sends the same one again and again: said once
 def is_json(content_type: str) -> bool:
     """axum's test: ``application/json`` or any ``application/*+json``, parameters aside."""
     mime = content_type.split(";", 1)[0].strip().lower()
@@ -92,6 +94,9 @@ class Read:
 
     def __init__(self, path: str) -> None:
         self.path = path
+
+
+_READS = {path: Read(path) for path in ("/loads", "/workers")}
 
 
 def route(
@@ -109,7 +114,7 @@ def route(
     if path == "/health":
         return None
     if wanted == "GET":
-        return Read(path)
+        return _READS[path]
     if content_type is None or not is_json(content_type):
         return 415, {"error": "Expected request with `Content-Type: application/json`"}
     try:
