@@ -43,6 +43,7 @@ NATIVE = [
     "seqstate/blocks.py",
     "seqstate/decay.py",
     "seqstate/departures.py",
+    "seqstate/invariants.py",
     "seqstate/prefill.py",
     "seqstate/publishers.py",
     "seqstate/recent.py",

@@ -749,42 +749,9 @@ class SequenceState:
 
     def check_invariants(self) -> None:
         """Every cross-structure invariant of the write model (tests and debugging)."""
-        owners: dict[str, Rank] = {}
-        parked = self.departures.slots
-        assert not set(parked) & set(self.workers.slots), "a rank both parked and visible"
-        assert {r for _, ranks in self.departures.workers.values() for r in ranks} == set(parked)
-        for rank, slot in [*self.workers.slots.items(), *parked.items()]:
-            slot.check_invariants()
-            for request_id in slot.requests:
-                assert request_id not in owners, f"{request_id!r} live on two ranks"
-                owners[request_id] = rank
-        assert owners == self.requests.owner, "RequestIndex disagrees with ActiveSequences"
-        assert set(self.requests.lora) <= set(owners)
-        assert set(self.requests.router_of) <= set(owners)
-        by_router: dict[str, set[str]] = {}
-        for request_id, router_id in self.requests.router_of.items():
-            by_router.setdefault(router_id, set()).add(request_id)
-        assert by_router == self.requests.by_router, "the per-router index disagrees"
-        for request_id in owners:
-            assert request_id not in self.tombstones
-        for worker in self.workers.ranges.values():
-            for dp_rank in worker.ranks():
-                assert (worker.worker_id, dp_rank) in self.workers.slots
-        assert sorted(self.registry.ranks()) == sorted(self.workers.slots)
-        by_worker = {(w, r) for w, ranks in self.workers.by_worker.items() for r in ranks}
-        assert by_worker == set(self.workers.slots), "the per-worker index disagrees"
-        if self.lease_scan_ns:
-            assert set(self.leases.entries) == set(owners), "a live request without a lease"
-            oldest = self.leases.oldest_ns()
-            if oldest is not None:
-                due = (oldest // self.lease_scan_ns + 2) * self.lease_scan_ns
-                assert self.lease_due_ns <= due, "a lease scan due later than its oldest lease"
-        else:
-            assert not self.leases.entries
-        for key in self.removed_workers.entries:
-            worker_id = int(key)
-            assert worker_id not in self.workers.by_worker, f"removed worker {key} has a rank"
-            assert worker_id not in self.workers.ranges and worker_id not in self.departures
+        from seqstate.invariants import check_invariants
+
+        check_invariants(self)
 
     # ---- persistence --------------------------------------------------------------------
 

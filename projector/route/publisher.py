@@ -65,9 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import string
 from collections.abc import Iterable, Sequence
-from urllib.parse import quote
 
 import msgspec
 import nats.errors
@@ -76,9 +74,23 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from projector.nats.connection import PermissionRefused, refused_or, was_refused
-from projector.nats.failures import JETSTREAM_OFF, describe, refusal, unstored
+from projector.nats.failures import JETSTREAM_OFF, refusal, unstored
 from projector.nats.pub_ack import ACK_DECODER
 from projector.nats.tasks import cancel_all
+from projector.route.publish_calls import (
+    NO_STREAM,
+    TIMED_OUT,
+    EventTooLarge,
+    PublishCall,
+    PublishError,
+    Round,
+    attempts_said,
+    describe_attempt,
+    event_named,
+    not_stored,
+    quoted_router_id,
+    refused_by_permissions,
+)
 from projector.wire import msg_ids
 from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
@@ -96,8 +108,6 @@ from seqstate import (
 )
 from seqstate.batches import MAX_EVENTS as MAX_BATCH_EVENTS
 from seqstate.batches import batch_size, encode_batch_of
-from seqstate.errors import SeqstateError
-from seqstate.events import MAX_ROUTER_ID
 
 log = logging.getLogger("seqstate.publisher")
 
@@ -114,147 +124,12 @@ REFUSED_RETRIES = 3
 # timeout, for as long as ``retry_for_s`` allows.
 TRANSIENT_ERRORS = frozenset({10008})
 
-# Kept as they are in a msg-id: printable ASCII but "%", the escape. A header value is trimmed
-# and its CR/LF turned into spaces on the way out, so " r" and "r", or "a\nb" and "a b", would
-# otherwise share msg-ids: the second router's events refused as duplicates, or lost on a retry.
-_MSG_ID_SAFE = string.punctuation.replace("%", "")
-SHOWN_ID_CHARS = 60  # of an id in an error message
 _ROUTER_EVENTS = (AddRequest, MarkPrefillCompleted, Free)
 
 
-class EventTooLarge(SeqstateError, ValueError):
-    """An event over the one size rule (:mod:`projector.wire.sizes`): the writer would not
-    apply it, or the server could not store its delta."""
-
-
-class PublishError(SeqstateError, RuntimeError):
-    """An event could not be stored on the stream; the message names the request and msg-id.
-
-    Raised by :meth:`RouterPublisher.publish_many`, ``sequences`` holds the stream sequence of
-    every event of the call in the given order, ``None`` for each one not stored (the one named
-    and any other that failed); else it is ``None``. ``taken_at``: when the event's msg-id was
-    already used (a first attempt acknowledged as a duplicate), the stream sequence holding it;
-    ``squatted``: that message came in through the Dynamo capture.
-    """
-
-    taken_at: int | None = None
-    squatted: bool = False
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        msg_id: str,
-        request_id: str | None,
-        sequences: list[int | None] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.msg_id = msg_id
-        self.request_id = request_id
-        self.sequences = sequences
-
-
-# What a send or an ack wait can raise while the server is away or the client gave up on it:
-# the client's own errors, and the socket's (TimeoutError is an OSError too). A publish turns
-# each into a retry and, at the end, a PublishError: a router handles one exception, not ours
-# plus nats-py's.
 _CONNECTION_ERRORS = (nats.errors.Error, OSError)
 
 _NO_RESPONDERS = "503"
-
-
-class _Round:
-    """One attempt at some events of a call (:meth:`RouterPublisher.publish` is a call of one).
-
-    Every event sent gets a reply token of its own; the publisher's reply callback settles it
-    (``seqs``/``errors`` of the call, by index) and the timer expires the ones not acknowledged
-    within the timeout. ``sent`` lists (deadline, token, index) in send order, so deadlines
-    increase along it and the timer only ever looks at its unsettled front.
-    """
-
-    __slots__ = ("call", "cursor", "done", "first", "open", "sending", "sent", "timer")
-
-    def __init__(self, call: _Call, first: bool, done: asyncio.Future[None]) -> None:
-        self.call = call
-        self.first = first  # the first attempt: a duplicate ack means a msg-id collision
-        self.done = done
-        self.open = 0  # sent and not settled
-        self.sending = True
-        self.sent: list[tuple[float, int, int]] = []
-        self.cursor = 0
-        self.timer: asyncio.TimerHandle | None = None
-
-
-class _Call:
-    """What one call knows about its messages, by index in the order sent: each message one
-    event, or a record batch of ``members`` (the indices of its events in the given order;
-    ``events[i]`` is its first, the one an error names)."""
-
-    __slots__ = (
-        "errors",
-        "events",
-        "fatal",
-        "members",
-        "msg_ids",
-        "payloads",
-        "refusals",
-        "seqs",
-        "subjects",
-        "taken",
-    )
-
-    def __init__(
-        self,
-        events: list[Event],
-        subjects: list[str],
-        payloads: list[bytes],
-        msg_ids: list[str],
-        members: list[list[int]] | None = None,
-    ) -> None:
-        self.members = members  # None: one event per message, in the given order
-        self.events = events
-        self.subjects = subjects
-        self.payloads = payloads
-        self.msg_ids = msg_ids
-        self.seqs: list[int | None] = [None] * len(events)
-        self.errors: dict[int, list[str]] = {}  # the failed attempts of each event
-        self.fatal: dict[int, PublishError] = {}  # not to be retried (a msg-id collision)
-        self.refusals: dict[int, int] = {}  # the error acks of each event (see REFUSED_RETRIES)
-        self.taken: dict[int, int] = {}  # a first attempt acked duplicate: the seq holding it
-
-    def request_id(self, i: int) -> str | None:
-        return getattr(self.events[i], "request_id", None)
-
-    def weight(self, i: int) -> int:
-        """The events message ``i`` carries: the slots it takes on the wire."""
-        return 1 if self.members is None else len(self.members[i])
-
-    def per_event(self, seqs: Sequence[int | None]) -> list[int | None]:
-        """The messages' sequences as each event's, in the given order."""
-        members = self.members
-        if members is None:
-            return list(seqs)
-        out: list[int | None] = [None] * sum(len(m) for m in members)
-        for seq, indices in zip(seqs, members, strict=True):
-            for n in indices:
-                out[n] = seq
-        return out
-
-
-def quoted_router_id(router_id: str) -> str:
-    """``router_id`` as its msg-ids carry it (percent-encoded); ValueError naming why it
-    cannot be one (a command checks it before it reads or sends anything)."""
-    if not router_id:
-        raise ValueError("router_id must not be empty")
-    if len(router_id) > MAX_ROUTER_ID:
-        raise ValueError(
-            f"router_id {_shown(router_id)}: at most {MAX_ROUTER_ID} characters "
-            "(what a RouterHeartbeat carries)"
-        )
-    try:
-        return quote(router_id, safe=_MSG_ID_SAFE)
-    except UnicodeEncodeError:
-        raise ValueError(f"router_id {_shown(router_id)}: not encodable as UTF-8") from None
 
 
 class RouterPublisher:
@@ -332,7 +207,7 @@ class RouterPublisher:
         self._inbox: str | None = None
         self._inbox_lock = asyncio.Lock()
         self._token = 0
-        self._awaiting: dict[int, tuple[_Round, int]] = {}
+        self._awaiting: dict[int, tuple[Round, int]] = {}
         self.heartbeat_every_s = heartbeat_every_s
         self._heartbeats: asyncio.Task[None] | None = None
         self._closing = False
@@ -487,7 +362,7 @@ class RouterPublisher:
         """
         event, payload = self.check(event)
         self._router_seq += 1
-        call = _Call(
+        call = PublishCall(
             [event],
             [self.subject_for(event)],
             [payload],
@@ -553,7 +428,7 @@ class RouterPublisher:
         first = self._router_seq + 1
         self._router_seq += len(checked)
         if min(self.batch_events, self.max_pending) == 1:  # a message per event, in order
-            call = _Call(
+            call = PublishCall(
                 [event for event, _ in checked],
                 subjects,
                 [payload for _, payload in checked],
@@ -562,7 +437,7 @@ class RouterPublisher:
             del checked
             return await self._run(call)
         members = self._batched(checked, subjects)
-        call = _Call(
+        call = PublishCall(
             [checked[m[0]][0] for m in members],
             [subjects[m[0]] for m in members],
             [
@@ -597,16 +472,16 @@ class RouterPublisher:
             members.append(chunk)
         return members
 
-    async def _run(self, call: _Call) -> list[int]:
+    async def _run(self, call: PublishCall) -> list[int]:
         """Send every event of ``call``, retrying those not stored; their sequences, in order."""
         if self._inbox is None:
             try:
                 await self._open_inbox()
             except _CONNECTION_ERRORS as exc:  # e.g. a client that gave up on a dead server
                 raise PublishError(
-                    f"{_what(call.events[0], call.request_id(0))}: msg-id {call.msg_ids[0]} "
+                    f"{event_named(call.events[0], call.request_id(0))}: msg-id {call.msg_ids[0]} "
                     f"{'and the rest of the call ' if len(call.events) > 1 else ''}not sent, "
-                    f"no subscription for acks: {_describe(exc)}",
+                    f"no subscription for acks: {describe_attempt(exc)}",
                     msg_id=call.msg_ids[0],
                     request_id=call.request_id(0),
                     sequences=[None] * len(call.events),
@@ -623,12 +498,12 @@ class RouterPublisher:
             attempt = 0
             asked = False  # whether JetStream was asked why no stream answered
             while True:
-                if not asked and any(call.errors.get(i, [""])[-1] == _NO_STREAM for i in todo):
+                if not asked and any(call.errors.get(i, [""])[-1] == NO_STREAM for i in todo):
                     asked = True  # no retry can store anything while JetStream is off
                     if await unstored(self._nc, self.config.events_stream) == JETSTREAM_OFF:
                         for i in todo:
                             if call.seqs[i] is None:
-                                call.fatal.setdefault(i, _unstored(call, i, JETSTREAM_OFF))
+                                call.fatal.setdefault(i, not_stored(call, i, JETSTREAM_OFF))
                 refusals = call.refusals
                 todo = [
                     i
@@ -656,7 +531,7 @@ class RouterPublisher:
             return stored if call.members is None else call.per_event(stored)  # type: ignore[return-value]
         raise await self._failure(call)
 
-    async def _failure(self, call: _Call) -> PublishError:
+    async def _failure(self, call: PublishCall) -> PublishError:
         """The error of a call some event of which was not stored: the first such event's,
         named as precisely as the stream lets us (a squatted msg-id, a full disk, JetStream
         off), with the sequences of those that were."""
@@ -667,7 +542,7 @@ class RouterPublisher:
             squat = await self._squatted(call.taken[failed])
             if squat is not None:
                 error = PublishError(
-                    f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
+                    f"{event_named(call.events[failed], call.request_id(failed))}: msg-id "
                     f"{call.msg_ids[failed]} is taken by {squat}, so the event was not stored",
                     msg_id=call.msg_ids[failed],
                     request_id=call.request_id(failed),
@@ -677,9 +552,9 @@ class RouterPublisher:
             error.taken_at = call.taken[failed]
         if error is None:
             errors = call.errors.get(failed, [])
-            why = _reasons(errors)
-            if errors and errors[-1] in (_TIMED_OUT, _NO_STREAM):  # what the stream says
-                timed_out = errors[-1] == _TIMED_OUT
+            why = attempts_said(errors)
+            if errors and errors[-1] in (TIMED_OUT, NO_STREAM):  # what the stream says
+                timed_out = errors[-1] == TIMED_OUT
                 if timed_out and (deaf := self._inbox_refused()):
                     why += f"; {deaf}"
                 elif said := await unstored(
@@ -687,7 +562,7 @@ class RouterPublisher:
                 ):
                     why += f"; {said}"
             error = PublishError(
-                f"{_what(call.events[failed], call.request_id(failed))}: msg-id "
+                f"{event_named(call.events[failed], call.request_id(failed))}: msg-id "
                 f"{call.msg_ids[failed]} not stored after {len(errors)} attempt(s) to "
                 f"{call.subjects[failed]}: {why}",
                 msg_id=call.msg_ids[failed],
@@ -740,10 +615,10 @@ class RouterPublisher:
                 await self._nc.subscribe(f"{inbox}*", cb=self._on_ack)
                 self._inbox = inbox
 
-    async def _send_round(self, call: _Call, todo: Sequence[int], *, first: bool) -> None:
+    async def _send_round(self, call: PublishCall, todo: Sequence[int], *, first: bool) -> None:
         """Send the events ``todo`` (indices, in order) once; return when each is settled."""
         loop = asyncio.get_running_loop()
-        rnd = _Round(call, first, loop.create_future())
+        rnd = Round(call, first, loop.create_future())
         publish = self._nc.publish
         acquire = self._slots.acquire
         awaiting = self._awaiting
@@ -783,7 +658,7 @@ class RouterPublisher:
                     )
                 except _CONNECTION_ERRORS as exc:  # e.g. the connection is closed
                     if awaiting.pop(token, None) is not None:
-                        self._settle(rnd, i, None, _describe(exc))
+                        self._settle(rnd, i, None, describe_attempt(exc))
             rnd.sending = False
             if rnd.open:
                 await rnd.done
@@ -814,7 +689,7 @@ class RouterPublisher:
         except msgspec.DecodeError:
             status = (msg.headers or {}).get("Status")
             if status == _NO_RESPONDERS:
-                problem = _NO_STREAM
+                problem = NO_STREAM
             else:
                 problem = f"unreadable ack (status {status}): {msg.data[:200]!r}"
             self._settle(rnd, i, None, problem)
@@ -828,13 +703,13 @@ class RouterPublisher:
                 calls = rnd.call.refusals
                 calls[i] = calls.get(i, 0) + 1
                 self._count_refusal(refusal(api_error))
-            self._settle(rnd, i, None, _describe(api_error))
+            self._settle(rnd, i, None, describe_attempt(api_error))
         elif ack.duplicate and rnd.first:
             call = rnd.call
             request_id = call.request_id(i)
             call.taken[i] = ack.seq
             call.fatal[i] = PublishError(
-                f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} was already "
+                f"{event_named(call.events[i], request_id)}: msg-id {call.msg_ids[i]} was already "
                 f"used (stream sequence {ack.seq}), so the event was not stored; another "
                 f"publisher or an earlier run uses router_id {self.router_id!r}",
                 msg_id=call.msg_ids[i],
@@ -852,7 +727,7 @@ class RouterPublisher:
         for _ in range(weight):
             self._slots.release()
 
-    def _settle(self, rnd: _Round, i: int, seq: int | None, problem: str | None) -> None:
+    def _settle(self, rnd: Round, i: int, seq: int | None, problem: str | None) -> None:
         """Message ``i`` of ``rnd`` is acknowledged (``seq``) or failed (``problem``)."""
         self._release(rnd.call.weight(i))
         if seq is not None:
@@ -863,7 +738,7 @@ class RouterPublisher:
         if not rnd.open and not rnd.sending and not rnd.done.done():
             rnd.done.set_result(None)
 
-    def _expire(self, rnd: _Round) -> None:
+    def _expire(self, rnd: Round) -> None:
         """The timer: fail the events of ``rnd`` whose ack is overdue, then re-arm."""
         rnd.timer = None
         awaiting = self._awaiting
@@ -878,9 +753,9 @@ class RouterPublisher:
                 del awaiting[token]
                 subject = rnd.call.subjects[i]
                 if was_refused(self._nc, subject):  # no retry can change the server's mind
-                    rnd.call.fatal.setdefault(i, _refused(rnd.call, i))
+                    rnd.call.fatal.setdefault(i, refused_by_permissions(rnd.call, i))
                     self._count_refusal("permission")
-                self._settle(rnd, i, None, _describe(TimeoutError()))
+                self._settle(rnd, i, None, describe_attempt(TimeoutError()))
             rnd.cursor += 1
 
     def check(self, event: Event) -> tuple[Event, bytes]:
@@ -894,7 +769,7 @@ class RouterPublisher:
         why = oversize(len(payload), self._nc.max_payload, self.config.max_event_bytes)
         if why:  # the one size rule (projector.wire.sizes): the fold would refuse it too
             raise EventTooLarge(
-                f"{_what(event, getattr(event, 'request_id', None))}: {why}; it was not sent"
+                f"{event_named(event, getattr(event, 'request_id', None))}: {why}; it was not sent"
             )
         return event, payload
 
@@ -906,59 +781,3 @@ class RouterPublisher:
         if self._in_progress:
             await asyncio.wait(list(self._in_progress))
         return self._last_seq
-
-
-def _refused(call: _Call, i: int) -> PublishError:
-    """Event ``i`` of ``call`` was refused by the server's permissions: said so, not retried."""
-    return _unstored(
-        call,
-        i,
-        f'NATS refused a publish to "{call.subjects[i]}" (permissions violation: this user may '
-        "not publish it)",
-    )
-
-
-def _unstored(call: _Call, i: int, why: str) -> PublishError:
-    """Event ``i`` of ``call`` cannot be stored, for a reason no retry changes."""
-    request_id = call.request_id(i)
-    return PublishError(
-        f"{_what(call.events[i], request_id)}: msg-id {call.msg_ids[i]} not stored: {why}",
-        msg_id=call.msg_ids[i],
-        request_id=request_id,
-    )
-
-
-def _reasons(errors: list[str]) -> str:
-    """The failed attempts' reasons, a run of the same one said once with its count."""
-    runs: list[tuple[str, int]] = []
-    for error in errors:
-        if runs and runs[-1][0] == error:
-            runs[-1] = (error, runs[-1][1] + 1)
-        else:
-            runs.append((error, 1))
-    return "; ".join(text if n == 1 else f"{text}, {n} times" for text, n in runs) or "?"
-
-
-def _what(event: Event, request_id: str | None) -> str:
-    name = type(event).__name__
-    return f"{name} for request {_shown(request_id)}" if request_id is not None else name
-
-
-def _shown(text: str) -> str:
-    """An id as an error message shows it: quoted, escaped (one line), at most
-    ``SHOWN_ID_CHARS`` of it, and its length when longer."""
-    if len(text) <= SHOWN_ID_CHARS:
-        return repr(text)
-    return f"{text[:SHOWN_ID_CHARS]!r}… ({len(text):,} characters)"
-
-
-def _describe(exc: BaseException) -> str:
-    """A failed attempt, as :func:`projector.nats.failures.describe` names it (a full stream,
-    JetStream storage full); a timeout here is an ack that never came."""
-    if isinstance(exc, TimeoutError):
-        return _TIMED_OUT
-    return describe(exc)
-
-
-_TIMED_OUT = "ack timed out"
-_NO_STREAM = _describe(nats.js.errors.NoStreamResponseError())

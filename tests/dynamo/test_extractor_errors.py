@@ -36,7 +36,7 @@ from pipeline_kit import fresh_config
 from projector.http.http_server import MAX_BODY
 from projector.http.serde_cases import CASES, STRUCTS, Refusal
 from projector.http.serde_reader import Reader
-from projector.http.slot_service import EMPTY_ID
+from projector.http.slot_routes import EMPTY_ID
 from projector.nats.server import NatsServer
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.asyncio(loop_scope="module")]

@@ -73,7 +73,7 @@ async def _holding(service: SlotService) -> None:
     tracker = service.trackers[namespace_for(M, "default", service.config.namespace)]
 
     async def ready() -> bool:
-        service._commit(tracker)  # opens it once the pipeline runs
+        service._trackers.own_fold(tracker)  # opens it once the pipeline runs
         return tracker.own is not None
 
     await eventually(ready, bool, what="the lease holder's own fold")

@@ -39,7 +39,7 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import cli, fresh_config
 
-from projector.http.slot_service import EMPTY_ID
+from projector.http.slot_routes import EMPTY_ID
 from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
 

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from projector.http.serde_errors import STRUCTS, error_for_accepted, extractor_error
-from projector.http.slot_service import _DECODERS, _parse
+from projector.http.slot_routes import DECODERS, parse
 
 PREFIX = {
     400: "Failed to parse the request body as JSON: ",
@@ -1023,7 +1023,7 @@ def test_msgspec_refuses_each_case(
 ) -> None:
     """extractor_error is only asked about bodies msgspec refused."""
     with pytest.raises(msgspec.DecodeError):
-        _DECODERS[route].decode(body)
+        DECODERS[route].decode(body)
 
 
 # The fields Dynamo reads from each body of ACCEPTED_BY_DYNAMO (an unknown field skipped
@@ -1053,9 +1053,9 @@ READ_AS = {
 )
 def test_bodies_only_dynamo_accepts(what: str, route: str, body: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, RecursionError)):
-        _DECODERS[route].decode(body)
+        DECODERS[route].decode(body)
     assert extractor_error(route, body) is None
-    assert msgspec.to_builtins(_parse(route, body)) == READ_AS[route]  # what Dynamo reads
+    assert msgspec.to_builtins(parse(route, body)) == READ_AS[route]  # what Dynamo reads
 
 
 @pytest.mark.parametrize(
@@ -1066,13 +1066,13 @@ def test_bodies_only_dynamo_accepts(what: str, route: str, body: bytes) -> None:
 def test_bodies_only_dynamo_refuses(
     what: str, route: str, body: bytes, status: int, text: str
 ) -> None:
-    _DECODERS[route].decode(body)
+    DECODERS[route].decode(body)
     assert error_for_accepted(route, body) == (status, PREFIX[status] + text)
 
 
 @pytest.mark.parametrize(("what", "route", "body"), VALID, ids=_ids(VALID))
 def test_valid_bodies(what: str, route: str, body: bytes) -> None:
-    _DECODERS[route].decode(body)
+    DECODERS[route].decode(body)
     assert extractor_error(route, body) is None
     assert error_for_accepted(route, body) is None
 
@@ -1081,7 +1081,7 @@ def test_valid_bodies(what: str, route: str, body: bytes) -> None:
 def test_fields_are_slot_apis(route: str) -> None:
     """The Rust structs' table names the fields slot_api's Structs decode, with the same ones
     optional."""
-    info = msgspec.inspect.type_info(_DECODERS[route].type)
+    info = msgspec.inspect.type_info(DECODERS[route].type)
     assert isinstance(info, msgspec.inspect.StructType)
     ours = {field.name: field.required for field in info.fields}
     assert ours == {field.name: field.required for field in STRUCTS[route].fields}
