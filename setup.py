@@ -42,6 +42,7 @@ NATIVE = [
     "seqstate/batches.py",
     "seqstate/blocks.py",
     "seqstate/decay.py",
+    "seqstate/fold.py",
     "seqstate/departures.py",
     "seqstate/invariants.py",
     "seqstate/prefill.py",

@@ -260,10 +260,10 @@ class Fold:
         """Rules 2 to 5 for one seqstate event (alone, or of a batch)."""
         try:
             event = decode_event(payload)
-        except EventDecodeError as exc:
-            return self._undecodable(subject, payload, str(exc))
-        except Exception as exc:  # whatever a decoder could still raise: never fatal
-            return Refusal(UNDECODABLE, f"malformed event bytes: {type(exc).__name__}: {exc}")
+        except EventDecodeError as bad:
+            return self._undecodable(subject, payload, str(bad))
+        except Exception as odd:  # whatever a decoder could still raise: never fatal
+            return Refusal(UNDECODABLE, f"malformed event bytes: {type(odd).__name__}: {odd}")
         if type(event) in _WORKER_TYPES:  # an isinstance of a Struct class costs ~80 ns each
             if (
                 not route
@@ -291,12 +291,12 @@ class Fold:
         batch's sequence and log time. A refusal names its event's index."""
         try:
             items = decode_batch(payload)
-        except BatchTooLarge as exc:
-            return Refusal(TOO_LARGE, str(exc))
-        except EventDecodeError as exc:
-            return Refusal(UNDECODABLE, str(exc))
-        except Exception as exc:  # whatever a decoder could still raise: never fatal
-            return Refusal(UNDECODABLE, f"malformed record batch: {type(exc).__name__}: {exc}")
+        except BatchTooLarge as big:
+            return Refusal(TOO_LARGE, str(big))
+        except EventDecodeError as bad:
+            return Refusal(UNDECODABLE, str(bad))
+        except Exception as odd:  # whatever a decoder could still raise: never fatal
+            return Refusal(UNDECODABLE, f"malformed record batch: {type(odd).__name__}: {odd}")
         verdicts: list[Verdict] = []
         limit = self._limit
         dynamo = route is _DYNAMO_ROUTE
@@ -366,10 +366,10 @@ class Fold:
         """A Dynamo replica-sync message: decoded, counted, bounded, applied as its event."""
         try:
             message = decode_dynamo(payload)
-        except EventDecodeError as exc:
-            return self._not_dynamo(subject, payload, str(exc))
-        except Exception as exc:  # whatever a decoder could still raise: never fatal
-            return Refusal(UNDECODABLE, f"malformed Dynamo message: {type(exc).__name__}: {exc}")
+        except EventDecodeError as bad:
+            return self._not_dynamo(subject, payload, str(bad))
+        except Exception as odd:  # whatever a decoder could still raise: never fatal
+            return Refusal(UNDECODABLE, f"malformed Dynamo message: {type(odd).__name__}: {odd}")
         state = self._state
         if message.publisher_id == self._resync_id:
             delta = state.echo(log_time_ns)

@@ -40,6 +40,8 @@ COMPILED = {
     "blocks",
     "decay",
     "departures",
+    "fold",
+    "invariants",
     "prefill",
     "publishers",
     "recent",
