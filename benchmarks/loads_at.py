@@ -55,11 +55,12 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from fold import DEFAULT_TRACE, positive
+from harness.cli import positive
+from harness.servers import connect
+from harness.workload import DEFAULT_TRACE, WAIT_TIMEOUT_S, encoded, fill, trace_events
 from nats.aio.client import Client
-from pipeline import connect
-from replay import base_events, encoded, fill, finish, new_report
-from restart import WAIT_TIMEOUT_S, catch_up
+from replay import finish, new_report
+from restart import catch_up
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -266,10 +267,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        base = base_events(args.trace, args.workers)
-    except (OSError, msgspec.DecodeError) as exc:
-        print(f"loads_at.py: cannot read trace {args.trace}: {exc}", file=sys.stderr)
+    base = trace_events(args.trace, args.workers, "loads_at.py")
+    if base is None:
         return 2
     report = new_report(args, base)
     finish(report, args, bench(args, base), print_report)

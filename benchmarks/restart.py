@@ -58,11 +58,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
 from harness.cli import add_json, add_trace, argument_parser, positive
 from harness.measure import collect, stamp
 from harness.servers import connect, replay_verify, server_version
-from harness.workload import base_events, encoded, fill
+from harness.workload import encoded, fill, trace_events
 from nats.aio.client import Client
 from replay import PhaseClock, finish, new_report, ready_once
 
@@ -301,10 +300,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        base = base_events(args.trace, args.workers)
-    except (OSError, msgspec.DecodeError) as exc:
-        print(f"restart.py: cannot read trace {args.trace}: {exc}", file=sys.stderr)
+    base = trace_events(args.trace, args.workers, "restart.py")
+    if base is None:
         return 2
     report = new_report(args, base)
     finish(report, args, bench(args, base), print_report)

@@ -170,6 +170,16 @@ def base_events(trace: Path, workers: int) -> list[Event]:
     return [event for _, event in round_robin_events(requests, timeline(requests), workers)]
 
 
+def trace_events(trace: Path, workers: int, prog: str) -> list[Event] | None:
+    """:func:`base_events`, or None after one line on stderr saying why the trace cannot be
+    read (the caller exits 2)."""
+    try:
+        return base_events(trace, workers)
+    except (OSError, msgspec.DecodeError) as exc:
+        print(f"{prog}: cannot read trace {trace}: {exc}", file=sys.stderr)
+        return None
+
+
 def passes(base: Sequence[Event], count: int) -> Iterator[Event]:
     """``count`` events: the trace pass after pass, request ids made distinct per pass."""
     replace = msgspec.structs.replace
