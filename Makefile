@@ -59,6 +59,7 @@ $(JS_STAMP): examples/js/package-lock.json
 # checkout by tests/tools/install_etcd.sh: at once when already there.
 test: $(NATIVE) $(JS_STAMP) lint
 	bash tests/tools/install_etcd.sh >/dev/null
+	bash tests/tools/install_debian_tools.sh
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest
 	SEQSTATE_PURE=1 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m core
 
