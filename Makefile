@@ -83,7 +83,7 @@ DISCOVERY ?= file
 
 dynamo-demo: $(NATIVE)
 	bash deploy/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
-	$(if $(filter etcd,$(DISCOVERY)),ETCD_BIN="$$(bash tests/tools/install_etcd.sh "$(ETCD_DIR)")" )PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m projector.ops.dynamo_demo --dynamo-venv "$(DYNAMO_VENV)" --discovery "$(DISCOVERY)"
+	$(if $(filter etcd,$(DISCOVERY)),ETCD_BIN="$$(bash tests/tools/install_etcd.sh "$(ETCD_DIR)")" )PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m projector.dynamo.demo --dynamo-venv "$(DYNAMO_VENV)" --discovery "$(DISCOVERY)"
 
 # The demo, its server on nats://127.0.0.1:4222; refused if that port is taken (Dynamo's NATS
 # listens there too): SEQSTATE_PORT=0 make run takes any free one, and the log names it.

@@ -38,14 +38,14 @@ from harness.report import git_revision
 from nats.js import api
 from writer_catchup import writer_catchup
 
+from projector.dynamo.forward import CaptureForwarder
 from projector.nats.connection import connect
-from projector.nats.forward import CaptureForwarder
 from projector.nats.resources import dynamo_capture, ensure
 from projector.nats.server import NatsServer
 from projector.ops.replay import verify
 from projector.run.collector import tune_collector
+from projector.settings.config import Config
 from projector.wire.capture import RAW_PATTERN, rewrite
-from projector.wire.config import Config
 from seqstate.dynamo import ADD, FREE, MARK, DynamoMessage, dynamo_subject, encode_dynamo
 
 FRONTENDS = (5396769825624678, 3443434125927359)  # publisher ids

@@ -55,8 +55,8 @@ from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
 from projector.route.publisher import RouterPublisher
+from projector.settings.config import Config
 from projector.wire.chain import covered_source
-from projector.wire.config import Config
 from seqstate import AddRequest, Event, Free
 
 REPO = Path(__file__).resolve().parents[1]

@@ -66,9 +66,9 @@ from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.ops.loads_at import loads_at
-from projector.ops.replay import iso, replay
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import iso, replay
 
 TARGET_S: Final = 1.0
 PACE_SLICE: Final = 5_000

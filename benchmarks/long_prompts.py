@@ -27,11 +27,11 @@ import nats
 from harness.cli import argument_parser
 from harness.report import git_revision
 
+from projector.bucket.reader import RegistryView
 from projector.nats.server import NatsServer
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import KEY_HASHES
 from seqstate import Free, WorkerAdded
 

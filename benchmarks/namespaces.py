@@ -69,8 +69,8 @@ from nats.js import api
 from projector.nats.connection import connect
 from projector.nats.resources import ensure
 from projector.nats.server import NatsCluster, NatsServer
+from projector.settings.config import Config
 from projector.wire.chain import covered_source
-from projector.wire.config import Config
 from projector.wire.values import position_key
 
 REPO: Final = Path(__file__).resolve().parents[1]

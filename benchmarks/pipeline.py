@@ -62,12 +62,12 @@ from harness.workload import (
     timeline,
 )
 
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import Event, SequenceState, WorkerAdded
 
 NS_PER_US: Final = 1_000

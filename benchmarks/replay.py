@@ -114,9 +114,9 @@ from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import log_time_ns
-from projector.ops.replay import fold_stream
 from projector.run.assemble import build_delta_log, build_writer
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import fold_stream
 from seqstate import Delta, Event, SequenceState, decode_event
 
 TARGET_REPLAY_EVENTS_PER_S: Final = 100_000

@@ -70,7 +70,7 @@ from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.ops.metrics import PROJECTOR, WRITER, Metrics
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import Event
 
 TARGET_READY_S: Final = 0.5

@@ -51,7 +51,7 @@ from nats.aio.client import Client
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.route.publisher import MSG_ID_HEADER, RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, Event, encode_event
 
 WORKERS: Final = 16

@@ -65,7 +65,7 @@ from nats.aio.client import Client
 from projector import RegistryView, RouterPublisher, Scheduler, WorkerControl
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, Free, MarkPrefillCompleted, SequenceState, WorkerAdded
 from seqstate.cost import CostWeights, select
 

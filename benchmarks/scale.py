@@ -117,12 +117,12 @@ from harness.report import (
 from harness.servers import connect, server_version, start_seqstate, stop
 from nats.aio.client import Client
 
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.ops.replay import fold_stream
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import fold_stream
 from seqstate import AddRequest, Event, Free, MarkPrefillCompleted, WorkerAdded
 
 WORKERS: Final = 8

@@ -26,7 +26,7 @@ from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.route.publisher import RouterPublisher
 from projector.run.assemble import build_writer
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, Event, Free
 
 NAMES = {

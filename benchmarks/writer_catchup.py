@@ -68,7 +68,7 @@ from projector.nats.stream import Refused
 from projector.ops.replay import verify
 from projector.run.assemble import build_projector, build_writer
 from projector.run.collector import tune_collector
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import decode_position, lease_key, position_key
 from seqstate import AddRequest, Event
 from seqstate.batches import encode_batch_of

@@ -14,8 +14,8 @@ import sys
 
 from projector.nats.resources import dead_letter_stream
 from projector.nats.security import INBOX_PREFIX
+from projector.settings.config import Config
 from projector.wire.capture import RAW_PATTERN, capture_stream, captured_subjects
-from projector.wire.config import Config
 
 ROLES = (
     "router",
@@ -75,7 +75,7 @@ def inbox(role: str) -> str:
 def subscriptions(config: Config, role: str) -> list[str]:
     """Per role: the subjects it may subscribe to. Every role gets its own inbox; the writer
     and the projector also answer NATS service discovery (``nats micro``:
-    projector.nats.discovery) and their status endpoint, replying to whoever asked
+    projector.nats.services) and their status endpoint, replying to whoever asked
     (``allow_responses``); so does the admin, which runs them, in every namespace. Dynamo's
     processes keep nats' default ``_INBOX.>``, which no seqstate client uses."""
     if role in CONSUMERS:

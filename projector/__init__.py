@@ -1,7 +1,7 @@
 """seqstate's NATS side: what routers, schedulers and operators import.
 
 ``from projector import Scheduler, RouterPublisher, RegistryView, Config`` is the public
-face; the wings below (``projector.route``, ``projector.read``, ``projector.wire``...) are the
+face; the wings below (``projector.route``, ``projector.bucket``, ``projector.wire``...) are the
 layout, and a name imported from a wing may move. Every error is a :class:`SeqstateError`.
 
 Names are imported when first used, so that ``import projector`` (which every module of the
@@ -39,20 +39,20 @@ if TYPE_CHECKING:  # the public names, each once: ``__all__`` is these
         ConnectError as ConnectError,
         connect as connect,
     )
-    from projector.ops.workers import (
+    from projector.control.workers import (
         WorkerChange as WorkerChange,
         WorkerControl as WorkerControl,
         WorkerControlError as WorkerControlError,
         WorkerNotRegistered as WorkerNotRegistered,
         WorkerRefused as WorkerRefused,
     )
-    from projector.read.reader import (
+    from projector.bucket.reader import (
         BlockSizeUnknown as BlockSizeUnknown,
         RegistryUnavailable as RegistryUnavailable,
         RegistryView as RegistryView,
         Staleness as Staleness,
     )
-    from projector.read.view_metrics import view_collector as view_collector
+    from projector.bucket.view_metrics import view_collector as view_collector
     from projector.route.publisher import (
         EventTooLarge as EventTooLarge,
         PublishError as PublishError,
@@ -65,7 +65,7 @@ if TYPE_CHECKING:  # the public names, each once: ``__all__`` is these
         Scheduler as Scheduler,
         UnknownRequest as UnknownRequest,
     )
-    from projector.wire.config import (
+    from projector.settings.config import (
         Config as Config,
         ConfigError as ConfigError,
     )

@@ -24,7 +24,7 @@ from nats.js import api
 
 from harness.measure import collect
 from harness.report import REPO_ROOT
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import (
     AddRequest,
     Event,

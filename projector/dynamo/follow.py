@@ -15,7 +15,7 @@ in flight. Beside a running pipeline, the follower closes both gaps:
   discovery holds: a worker that died while seqstate was down is removed then.
 - **Router replicas.** A frontend with replica sync registers an ``active_sequences_events``
   channel in discovery as it starts, and subscribes to the subject right after. The follower
-  resyncs (:mod:`projector.ops.resync`) a moment after a channel appears, and at start if a
+  resyncs (:mod:`projector.dynamo.resync`) a moment after a channel appears, and at start if a
   channel's publisher is one the log had not heard before this start (a frontend started
   while seqstate was down: what it routed meanwhile reached the log, but no resync did). The
   subject is shared by every replica, so each of them receives the resync: a replica that
@@ -45,9 +45,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from projector.aio.tasks import cancel_all
 from projector.dynamo.discovery import DiscoveryFollower
-from projector.nats.tasks import cancel_all
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import SequenceState
 from seqstate.dynamo import decode_dynamo, dynamo_subject, resync_publisher_id
 from seqstate.errors import SeqstateError

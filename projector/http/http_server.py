@@ -61,7 +61,7 @@ import httptools
 import msgspec
 
 from projector.http.listener import LINGER_S, Listener, listen
-from projector.wire.config import DEFAULT_HTTP_MAX_CONNECTIONS
+from projector.settings.config import DEFAULT_HTTP_MAX_CONNECTIONS
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.http")

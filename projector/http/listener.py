@@ -30,7 +30,7 @@ import socket
 from collections.abc import Callable
 from typing import cast
 
-from projector.nats.logs import Quiet
+from projector.settings.logs import Quiet
 
 log = logging.getLogger("seqstate.http")
 

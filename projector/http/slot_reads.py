@@ -2,7 +2,7 @@
 
 A read answers from the lease holder's own fold where this process holds every lease it
 reads (at once, no task: :meth:`SlotReads.here`), else from a
-:class:`~projector.read.reader.RegistryView` per namespace, once it reflects every call this
+:class:`~projector.bucket.reader.RegistryView` per namespace, once it reflects every call this
 process has answered (read-your-writes, paid by the read that needs it, not by every write:
 :meth:`SlotReads.read`). Both build the same rows from a registry's loads.
 """
@@ -22,7 +22,7 @@ from projector.http.slot_routes import Rejected
 from projector.http.slot_trackers import Tracker, Trackers, listed
 from projector.nats.stream import last_seq_of
 from projector.route.outcomes import Outcomes
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.write.writer import Writer
 from seqstate import LoadRow, PotentialLoadRow
 

@@ -56,10 +56,10 @@ from projector.http.slot_routes import ROUTES, Body, Read, Rejected
 from projector.http.slot_trackers import Tracker, Trackers
 from projector.http.tracker_names import TrackerNameTooLong, namespace_for
 from projector.nats import fast_publish
-from projector.nats.logs import event_fields
 from projector.nats.resources import ensure
 from projector.route.publisher import EventTooLarge, PublishError
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.settings.logs import event_fields
 from seqstate import Delta, Event
 from seqstate.deltas import APPLIED
 from seqstate.fold import Verdict

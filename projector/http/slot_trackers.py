@@ -29,17 +29,17 @@ from dataclasses import dataclass
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
+from projector.aio.tasks import cancel, cancel_all
+from projector.bucket.contents import tracker_updates
+from projector.bucket.reader import RegistryView
 from projector.http.own_fold import OwnFold
 from projector.http.shared_lookup import SharedLookup
 from projector.http.slot_routes import Rejected
 from projector.http.tracker_names import NotATrackerNamespace, namespace_for, tracker_of
-from projector.nats.tasks import cancel, cancel_all
-from projector.read.bucket import tracker_updates
-from projector.read.reader import RegistryView
 from projector.route.outcomes import Outcomes
 from projector.route.publisher import RouterPublisher
 from projector.run.standby import StandbyPipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import tracker_key
 from projector.write.writer import Writer
 from seqstate import SequenceState

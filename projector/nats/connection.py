@@ -42,8 +42,8 @@ from projector.nats.security import (
     inbox_prefix,
 )
 from projector.nats.server import NatsServer, PortTaken
-from projector.wire.config import Config
-from projector.wire.redaction import redact, scrub, secrets_in, server_urls
+from projector.settings.config import Config
+from projector.settings.redaction import redact, scrub, secrets_in, server_urls
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate")

@@ -13,20 +13,20 @@ from collections.abc import Callable
 
 from nats.js import JetStreamContext
 
+from projector.aio.progress import Progress
+from projector.aio.tasks import cancel
 from projector.nats import client_internals
 from projector.nats.dead_lettering import DeadLettering
 from projector.nats.feed import DEFAULT_WINDOW, StreamFeed
-from projector.nats.progress import Progress
 from projector.nats.runner import Runner
 from projector.nats.stream import DeadLetterSink, Processor, last_seq_of
-from projector.nats.tasks import cancel
 
 
 class OrderedConsumer:
     """Runs a processor over ``subjects`` of ``stream``, in stream order, from a position, with
     at most ``window`` messages received and not yet handled (:class:`StreamFeed`).
 
-    ``position`` (a :class:`~projector.nats.progress.Progress`, the caller's or a new one)
+    ``position`` (a :class:`~projector.aio.progress.Progress`, the caller's or a new one)
     advances to each message's stream sequence once the processor has handled it; a caller
     needs to know when the processor has seen what the stream held when it started:
     ``caught_up`` is set once it has passed the subjects' last sequence as looked up at

@@ -25,8 +25,8 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from projector.nats.logs import Quiet
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
+from projector.settings.logs import Quiet
 from projector.wire.headers import (
     MSG_ID,
     REASON,

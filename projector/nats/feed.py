@@ -40,9 +40,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 
+from projector.aio.progress import Progress
+from projector.aio.tasks import attempt, cancel
 from projector.nats import client_internals, direct_delivery
-from projector.nats.progress import Progress
-from projector.nats.tasks import attempt, cancel
 
 log = logging.getLogger("seqstate")
 

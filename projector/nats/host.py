@@ -2,7 +2,7 @@
 
 The writer and the projector provision the streams and buckets they use at every start, and
 register themselves as NATS services while they run. Both are done from the whole
-configuration (:mod:`projector.nats.resources`, :mod:`projector.nats.discovery`); the consumer
+configuration (:mod:`projector.nats.resources`, :mod:`projector.nats.services`); the consumer
 is handed them bound, by :mod:`projector.run.assemble`, so it needs no configuration for them.
 """
 

@@ -60,9 +60,9 @@ from projector.nats.resources import dead_letter_stream, dynamo_capture
 from projector.nats.retention import trimmed_below
 from projector.nats.retry import ATTEMPT_TIMEOUT_S
 from projector.nats.stream import last_seq_of
+from projector.settings.config import Config
 from projector.wire.capture import captured_subjects
 from projector.wire.chain import covered_source
-from projector.wire.config import Config
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
 from projector.wire.values import Heartbeat
 

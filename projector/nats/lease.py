@@ -52,9 +52,9 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from projector.aio.tasks import cancel_all
 from projector.nats.failures import describe as describe_failure
-from projector.nats.tasks import cancel_all
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import Heartbeat, lease_key
 from seqstate.errors import SeqstateError
 

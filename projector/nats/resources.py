@@ -2,7 +2,7 @@
 
 Running it twice changes nothing; running it for a second namespace adds that namespace's
 subjects to the shared streams. It never deletes a stream, nor takes a Dynamo endpoint out of a
-capture (``seqstate dynamo uncapture`` does: :mod:`projector.nats.uncapture`). A difference it
+capture (``seqstate dynamo uncapture`` does: :mod:`projector.dynamo.uncapture`). A difference it
 cannot reconcile (the storage type of an existing stream, say) is reported as
 :class:`ProvisioningError` naming the setting, never papered over by recreating the stream and
 losing its log. Replicas are only ever raised: a process started with the default ``--replicas
@@ -44,13 +44,13 @@ from projector.nats.client_internals import server_info
 from projector.nats.connection import refused_or
 from projector.nats.failures import STORAGE_EXCEEDED, JetStreamOff, describe, jetstream_off
 from projector.nats.retry import placing
+from projector.settings.config import Config
 from projector.wire import msg_ids
 from projector.wire.capture import (
     CAPTURE_MAX_AGE_S,
     capture_stream,
     dynamo_subject,
 )
-from projector.wire.config import Config
 from seqstate.errors import SeqstateError
 
 # Per-message TTL, atomic batches and counters arrive in 2.11-2.12; we rely on none of them,
@@ -222,7 +222,7 @@ async def _ensure_capture(js: JetStreamContext, config: Config) -> None:
     """The namespace's capture stream (its Dynamo endpoints' subjects, added to any it has).
 
     It buffers what Dynamo publishes, whether seqstate's processes run or not, until a
-    writer's forwarder (:mod:`projector.nats.forward`) stores it in the events stream (as
+    writer's forwarder (:mod:`projector.dynamo.forward`) stores it in the events stream (as
     record batches) and purges it. It keeps a day of messages, should none be forwarded for
     a while (no writer running, or the events stream full).
     """

@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from projector.nats.snapshots import SnapshotInfo
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 def marker_key(namespace: str) -> str:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 from nats.aio.msg import Msg
 
+from projector.aio.progress import Progress
 from projector.nats.feed import StreamFeed
-from projector.nats.progress import Progress
 from projector.nats.stream import Processor, Refused
 
 YIELD_EVERY = 64  # messages handled back to back before the runner lets other tasks run

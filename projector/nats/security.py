@@ -4,7 +4,7 @@ A NATS URL may carry a password (``nats://user:password@host``) or a token
 (``nats://token@host``), and ``NATS_URL`` may list several servers separated by commas. The
 ``nats_*`` settings carry the same (a password, a token) or name a file holding one (an NKEY
 seed, a credentials file with a JWT and a seed). What is shown of them to a person goes
-through :mod:`projector.wire.redaction`, given the secrets of the settings
+through :mod:`projector.settings.redaction`, given the secrets of the settings
 (:func:`config_secrets`) as well as the URL's.
 
 :func:`auth_options` turns the settings into nats-py's options, checking the files first: an
@@ -26,8 +26,8 @@ from contextlib import suppress
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from projector.wire.config import Config, ConfigError, is_literal_subject
-from projector.wire.redaction import JWT, server_urls
+from projector.settings.config import Config, ConfigError, is_literal_subject
+from projector.settings.redaction import JWT, server_urls
 
 # ---- credentials from settings ---------------------------------------------------------------
 

@@ -41,10 +41,10 @@ from nats.js.object_store import (
 )
 from nats.nuid import NUID
 
+from projector.aio.tasks import off_loop
 from projector.nats.failures import explain
 from projector.nats.retry import placing
-from projector.nats.tasks import off_loop
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import SCHEMA_VERSION, SeqstateError, SequenceState, SnapshotError
 from seqstate.snapshot import READABLE_VERSIONS, SNAPSHOT_VERSION
 

@@ -24,8 +24,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from projector.aio.tasks import attempt
 from projector.nats import client_internals
-from projector.nats.tasks import attempt
 
 
 def log_time_ns(msg: Msg) -> tuple[int, int]:

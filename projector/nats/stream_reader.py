@@ -40,8 +40,8 @@ from nats.js import api
 from projector.nats.client_internals import server_info, signs_with_keys
 from projector.nats.frames import DONE, ERROR, GAP, Parser
 from projector.nats.security import config_secrets, tls_context
-from projector.wire.config import Config
-from projector.wire.redaction import scrub
+from projector.settings.config import Config
+from projector.settings.redaction import scrub
 from seqstate.errors import SeqstateError
 
 READY = b"RDY\n"

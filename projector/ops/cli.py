@@ -21,12 +21,12 @@ try:  # what every command loads, before main can catch anything: Ctrl-C meanwhi
 
     from projector.nats import client_internals
     from projector.nats.failures import describe, jetstream_off, storage_full
-    from projector.nats.logs import error_line, setup_logging
     from projector.ops import flags
     from projector.ops.commands import COMMANDS, CliError
     from projector.ops.flags import config_from
     from projector.run.collector import tune_collector
-    from projector.wire.config import Config
+    from projector.settings.config import Config
+    from projector.settings.logs import error_line, setup_logging
     from seqstate import SeqstateError
 except KeyboardInterrupt:  # not a traceback of whatever module was loading
     raise SystemExit(130) from None

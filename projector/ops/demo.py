@@ -29,10 +29,11 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from projector.aio.tasks import cancel_all
+from projector.bucket.reader import RegistryView
 from projector.nats.connection import refused_or
 from projector.nats.lag import Lag, writer_lag
 from projector.nats.resources import ensure
-from projector.nats.tasks import cancel_all
 from projector.ops.live import staleness_said
 from projector.ops.workload import (
     MOONCAKE_BLOCK_TOKENS,
@@ -43,9 +44,8 @@ from projector.ops.workload import (
     synthetic,
     trace_extent,
 )
-from projector.read.reader import RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import PotentialLoadRow, WorkerAdded
 
 log = logging.getLogger("seqstate.demo")

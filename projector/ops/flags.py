@@ -4,7 +4,7 @@ Each command (:mod:`projector.ops.commands`) takes as flags only the settings it
 is not offered the writer's snapshot cadence), naming them with the groups below; every setting
 is still read from its environment variable everywhere, and a flag wins over the variable.
 Help texts, metavars and defaults come from the fields of
-:class:`~projector.wire.config.Config`, so the help cannot drift from what the code reads.
+:class:`~projector.settings.config.Config`, so the help cannot drift from what the code reads.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import MISSING, Field, fields
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from projector.nats.logs import add_log_flags
-from projector.wire.config import Config, env_name
+from projector.settings.config import Config, env_name
+from projector.settings.logs import add_log_flags
 from seqstate import SCHEMA_VERSION
 
 if TYPE_CHECKING:  # a type only: the commands import this module for its groups

@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from projector.ops.metrics import Metrics
 from projector.ops.ui import live
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.metrics")

@@ -33,9 +33,9 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from projector.bucket.contents import BucketView, read_bucket
 from projector.nats.stream import first_seq_of, last_seq_of, log_time_ns
-from projector.read.bucket import BucketView, read_bucket
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import MSG_ID
 from projector.wire.msg_ids import router_of
 from projector.wire.values import LoadValue, Rank

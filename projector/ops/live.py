@@ -19,8 +19,8 @@ from rich.text import Text
 from seqstate import LoadRow
 
 if TYPE_CHECKING:
+    from projector.bucket.reader import Staleness
     from projector.nats.lag import Lag
-    from projector.read.reader import Staleness
 
 BAR_WIDTH: Final = 24
 # Eighth blocks, so a bar moves visibly before a whole cell fills.

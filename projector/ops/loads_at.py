@@ -23,8 +23,16 @@ from nats.aio.client import Client
 
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotStore
-from projector.ops.replay import LogBounds, Replayed, ReplayError, iso, log_bounds, parse_at, replay
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import (
+    LogBounds,
+    Replayed,
+    ReplayError,
+    iso,
+    log_bounds,
+    parse_at,
+    replay,
+)
 
 _RELATIVE = re.compile(r"-(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_NS = {"ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9, "d": 86_400 * 10**9}

@@ -34,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from projector.read.view_metrics import RankRow, view_ranks, worker_families
+from projector.bucket.view_metrics import RankRow, view_ranks, worker_families
 from projector.route.refusals import RefusedRow, refused_family
 
 if TYPE_CHECKING:

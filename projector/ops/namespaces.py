@@ -28,7 +28,7 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from projector.nats.connection import refused_or
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import SeqstateError
 
 SHOWN = 20  # known namespaces named in the error, at most

@@ -17,7 +17,10 @@ from pathlib import Path
 from nats.aio.client import Client
 
 from projector.nats.snapshots import SnapshotStore
-from projector.ops.replay import (
+from projector.ops.ui.page import MAX_POINTS, render
+from projector.ops.ui.sample import NS_PER_S, Point, of_state
+from projector.settings.config import Config
+from projector.write.log_fold import (
     LogBounds,
     Progress,
     ReplayError,
@@ -27,9 +30,6 @@ from projector.ops.replay import (
     parse_at,
     starting_state,
 )
-from projector.ops.ui.page import MAX_POINTS, render
-from projector.ops.ui.sample import NS_PER_S, Point, of_state
-from projector.wire.config import Config
 from seqstate import SequenceState
 
 RELATIVE = re.compile(r"^-(\d+(?:\.\d+)?)(s|m|h|d)$")

@@ -28,18 +28,18 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from projector.bucket.contents import read_bucket
 from projector.nats.backlog import Captured, size, use_of, waiting_after
-from projector.nats.discovery import status_subject
 from projector.nats.lag import Lag, describe, over, projector_lag, thresholds, writer_lag
 from projector.nats.resources import dead_letter_stream, dynamo_capture
 from projector.nats.retention import trimmed_below
+from projector.nats.services import status_subject
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
 from projector.nats.stream import last_seq_of
-from projector.read.bucket import read_bucket
 from projector.run.assemble import build_delta_log
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.settings.redaction import redact
 from projector.wire.headers import SOURCE_SEQ, SOURCE_STREAM
-from projector.wire.redaction import redact
 from seqstate import SeqstateError, SnapshotError
 from seqstate.deltas import U64_MAX
 from seqstate.snapshot import decode_state

@@ -20,7 +20,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from projector.read.reader import RegistryView
+from projector.bucket.reader import RegistryView
 from projector.wire.values import decode_request, parse_key
 from seqstate import LoadRow
 

@@ -32,11 +32,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
+from projector.aio.progress import Progress
 from projector.nats.consumer import OrderedConsumer
-from projector.nats.progress import Progress
 from projector.nats.resources import dead_letter_stream
 from projector.nats.stream import last_seq_of
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import SOURCE_INDEX, SOURCE_SEQ, SOURCE_STREAM
 from seqstate import decode_deltas
 from seqstate.batches import MAX_EVENTS as MAX_BATCH_EVENTS

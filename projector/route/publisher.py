@@ -73,10 +73,10 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from projector.aio.tasks import cancel_all
 from projector.nats.connection import PermissionRefused, refused_or, was_refused
 from projector.nats.failures import JETSTREAM_OFF, refusal, unstored
 from projector.nats.pub_ack import ACK_DECODER
-from projector.nats.tasks import cancel_all
 from projector.route.publish_calls import (
     NO_STREAM,
     TIMED_OUT,
@@ -91,8 +91,8 @@ from projector.route.publish_calls import (
     quoted_router_id,
     refused_by_permissions,
 )
+from projector.settings.config import Config
 from projector.wire import msg_ids
-from projector.wire.config import Config
 from projector.wire.headers import MSG_ID as MSG_ID_HEADER
 from projector.wire.headers import STREAM_SOURCE
 from projector.wire.sizes import batch_limit, oversize

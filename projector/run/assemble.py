@@ -1,4 +1,4 @@
-"""The one place where a :class:`~projector.wire.config.Config` becomes components.
+"""The one place where a :class:`~projector.settings.config.Config` becomes components.
 
 The writer and the projector read a handful of the configuration's fields each, and work with
 collaborators (a delta log, a snapshotter, dead letters, a lease...) that read a handful of
@@ -16,18 +16,18 @@ from collections.abc import Callable
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from projector.bucket.contents import BucketView, read_bucket
+from projector.bucket.projection import Projector, ProjectorSettings
+from projector.dynamo.forward import CaptureForwarder
 from projector.nats.dead_letters import PROJECTOR_KINDS, WRITER_KINDS, DeadLetters
-from projector.nats.discovery import announced
-from projector.nats.forward import CaptureForwarder
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagSettings, projector_lag, writer_lag
 from projector.nats.lease import DEFAULT_TTL_S, Kind, Lease, LeaseLost
 from projector.nats.resources import ensure
 from projector.nats.retention import Retention
+from projector.nats.services import announced
 from projector.nats.snapshots import SnapshotStore
-from projector.read.bucket import BucketView, read_bucket
-from projector.read.projection import Projector, ProjectorSettings
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.write.delta_log import DeltaLog, DeltaLogSettings
 from projector.write.snapshotter import SnapshotSettings, SnapshotStats, Snapshotter
 from projector.write.writer import Writer, WriterSettings, WriterStats

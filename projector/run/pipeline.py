@@ -23,13 +23,13 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 
+from projector.aio.tasks import cancel_all
+from projector.bucket.projection import BucketUnfit, DeltaGap
 from projector.nats.failures import describe
 from projector.nats.lease import Lease
 from projector.nats.resources import ProvisioningError
-from projector.nats.tasks import cancel_all
-from projector.read.projection import BucketUnfit, DeltaGap
 from projector.run.assemble import build_projector, build_writer
-from projector.wire.config import Config, ConfigError
+from projector.settings.config import Config, ConfigError
 from projector.write.snapshotter import SnapshotUnavailable
 from projector.write.writer import EventLimitUnfit
 from seqstate.errors import SeqstateError

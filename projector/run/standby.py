@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from projector.nats.lease import DEFAULT_TTL_S, LeaseLost
 from projector.run.assemble import build_lease
 from projector.run.pipeline import PERMANENT, Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate.errors import SeqstateError
 
 log = logging.getLogger("seqstate.standby")

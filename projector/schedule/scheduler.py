@@ -38,11 +38,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
+from projector.bucket.reader import RegistryView, Staleness
 from projector.nats.stream import drop_subscription, log_time_ns
-from projector.read.reader import RegistryView, Staleness
 from projector.route.publisher import RouterPublisher
 from projector.schedule.overlay import Overlay, Pending, RankDelta
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, EventDecodeError, Free, MarkPrefillCompleted, decode_event
 from seqstate.batches import decode_batch, is_batch
 from seqstate.cost import CostRow, CostWeights, dynamo_cost, select

@@ -5,7 +5,7 @@ each AddRequest, MarkPrefillCompleted and Free it decides on NATS Core, fire-and
 ``namespace.<NS>.component.<C>.endpoint.<E>.active_sequences_events``. Nothing stores them
 unless a stream listens. So a namespace given ``--dynamo-endpoint NS.C.E`` gets a capture
 stream of its own listening on those subjects (JetStream stores every Core publish, while
-seqstate's processes are up or not), and the writer's forwarder (:mod:`projector.nats.forward`)
+seqstate's processes are up or not), and the writer's forwarder (:mod:`projector.dynamo.forward`)
 stores what it captures in the events stream, each burst as one record batch, under the
 namespace's own subject: ``seqstate.events.<ns>.dynamo.<NS>.<C>.<E>``. (An events stream
 provisioned before the forwarder *sourced* the capture stream with :func:`rewrite`, a message

@@ -9,7 +9,7 @@ MSG_ID = "Nats-Msg-Id"
 # every message of the events stream that carries it came from Dynamo's side, and its
 # Nats-Msg-Id, if any, is whatever the client that published it there chose.
 STREAM_SOURCE = "Nats-Stream-Source"
-# On a message the capture's forwarder stored (projector.nats.forward): ``<capture stream>
+# On a message the capture's forwarder stored (projector.dynamo.forward): ``<capture stream>
 # <first> <last> <count>``, the capture sequences of the Dynamo messages it holds (``count`` of
 # them, in order; a batch holds them as a record batch). Where a restarted forwarder resumes.
 CAPTURE = "Seqstate-Capture"

@@ -66,10 +66,10 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from projector.aio.progress import Progress
+from projector.aio.tasks import cancel
 from projector.nats.client_internals import client_of
 from projector.nats.failures import describe, explain
-from projector.nats.progress import Progress
-from projector.nats.tasks import cancel
 from projector.wire.chain import chain_problem, source_part, source_seq
 from projector.wire.headers import (
     BATCH_COMMIT,

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from projector.aio.tasks import cancel
 from projector.nats.failures import describe
 from projector.nats.retention import Retention
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
-from projector.nats.tasks import cancel
 from projector.write.delta_log import DeltaLog, WriterStalled
 from seqstate import SequenceState
 from seqstate.errors import SeqstateError

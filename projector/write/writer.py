@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import nats.errors
 from nats.aio.client import Client
@@ -48,17 +48,16 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from projector.aio.progress import Progress
+from projector.aio.tasks import cancel, until_set
 from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_letters import LOG_EVERY_S
 from projector.nats.failures import describe, explain, refusal
 from projector.nats.feed import DEFAULT_WINDOW
-from projector.nats.forward import CaptureForwarder
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
-from projector.nats.logs import Quiet, event_fields
-from projector.nats.progress import Progress
 from projector.nats.stream import DeadLetterSink, Refused, log_time_ns
-from projector.nats.tasks import cancel, until_set
+from projector.settings.logs import Quiet, event_fields
 from projector.wire import msg_ids
 from projector.wire.headers import MSG_ID, STREAM_SOURCE
 from projector.wire.sizes import EVENT_ROOM, largest_event
@@ -91,6 +90,16 @@ FoldListener = Callable[[int, Verdict | list[Verdict] | None], None]
 
 # At most one Tick a second for a due lease scan (while the idle rule would wait longer).
 LEASE_TICK_S = 1.0
+
+
+class Forwarder(Protocol):
+    """What the writer runs beside its fold when a Dynamo namespace is captured: the
+    capture's forwarder (:class:`projector.dynamo.forward.CaptureForwarder`), handed in by
+    :mod:`projector.run.assemble` so that the write model knows nothing of Dynamo."""
+
+    async def forward_waiting(self, timeout: float) -> int: ...
+
+    async def run(self) -> None: ...
 
 
 @dataclass
@@ -167,7 +176,7 @@ class Writer(LagWatched):
         lag: WatchSettings,
         measure_lag: Callable[[int], Awaitable[Lag]],
         rules_differing: Callable[[SequenceState], list[str]],
-        forwarder: CaptureForwarder | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self.nc = nc
         self.settings = settings
@@ -245,7 +254,7 @@ class Writer(LagWatched):
             await self._run()
 
     def status(self) -> dict[str, Any]:
-        """What ``nats micro stats`` and the status endpoint show (projector.nats.discovery)."""
+        """What ``nats micro stats`` and the status endpoint show (projector.nats.services)."""
         lag, stats = self.lag, self.stats
         return {
             "kind": "writer",

@@ -34,11 +34,11 @@ from pipeline_kit import read_events
 from pipeline_kit import read_log as read_log  # the fault tests import it from here
 from pipeline_kit import read_stream as read_stream
 
+from projector.bucket.image import BucketImage
 from projector.nats.snapshots import SnapshotStore
 from projector.ops.flags import FOLD
-from projector.read.image import BucketImage
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import SOURCE_SEQ
 from projector.wire.values import Position, decode_position, position_key
 from seqstate import (

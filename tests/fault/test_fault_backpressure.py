@@ -34,7 +34,7 @@ from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
 from projector.route.publisher import MSG_ID_HEADER, RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import position_key
 from seqstate import AddRequest, Event, Free, MarkPrefillCompleted
 

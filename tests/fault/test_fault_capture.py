@@ -32,8 +32,8 @@ from projector.nats.backlog import covered_seq
 from projector.nats.resources import dynamo_capture, ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
+from projector.settings.config import Config
 from projector.wire.capture import captured_subjects, dynamo_subject
-from projector.wire.config import Config
 from seqstate.batches import items_of
 
 COPIES = 20  # of the real fleet's 155 messages, per part: 3,100 Dynamo messages

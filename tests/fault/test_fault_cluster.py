@@ -46,12 +46,12 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from pipeline_kit import events_in, forwarding, read_events
 
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
 from projector.nats.server import NatsCluster
 from projector.nats.snapshots import SnapshotStore
-from projector.read.reader import RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import MSG_ID
 from projector.wire.values import position_key
 from seqstate import AddRequest, Free, WorkerAdded

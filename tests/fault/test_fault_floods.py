@@ -25,7 +25,7 @@ from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import REASON, SOURCE_SEQ
 from projector.wire.values import load_key, position_key
 from seqstate import (

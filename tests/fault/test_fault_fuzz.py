@@ -37,7 +37,7 @@ from pipeline_kit import name_flags, read_events
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import PREV_SOURCE_SEQ
 from seqstate import Fold, Refusal
 

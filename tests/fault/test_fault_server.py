@@ -43,11 +43,11 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import last_seq_of
-from projector.read.reader import RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.wire.values import position_key
 from seqstate import AddRequest, Event

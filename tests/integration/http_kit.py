@@ -19,7 +19,7 @@ from typing import Any
 from eventually import eventually
 from pipeline_kit import REPO, name_flags
 
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 WAIT_S = 30.0
 JSON_TYPE = "application/json"

@@ -17,11 +17,11 @@ from eventually import eventually
 from nats.aio.client import Client
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
-from projector.nats.forward import CaptureForwarder
+from projector.aio.tasks import cancel
+from projector.dynamo.forward import CaptureForwarder
 from projector.nats.resources import ensure
 from projector.nats.stream import last_seq_of, log_time_ns
-from projector.nats.tasks import cancel
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import lease_key
 from seqstate import AddRequest, Fold, Free, SequenceState, encode_event
 from seqstate.batches import decode_batch, is_batch

@@ -33,8 +33,8 @@ from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
+from projector.settings.config import Config
 from projector.wire.capture import dynamo_subject
-from projector.wire.config import Config
 from seqstate import Free
 
 LIMIT = 30  # the events stream's max_msgs, as an operator set it: far under the capture's 155

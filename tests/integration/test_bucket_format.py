@@ -17,7 +17,7 @@ from typing import Any
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config
 
-from projector.read.reader import RegistryView
+from projector.bucket.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 

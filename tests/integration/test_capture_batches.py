@@ -1,7 +1,7 @@
 """The Dynamo capture stored as record batches: a burst of Dynamo's messages is one stored
 message of the events stream, and the one fold still decides each message alone, in order.
 
-The writer's forwarder (``projector.nats.forward``) reads the namespace's capture stream and
+The writer's forwarder (``projector.dynamo.forward``) reads the namespace's capture stream and
 stores what waits there on the captured subject: a lone message as it is, a burst as a record
 batch of Dynamo's own bytes, each message naming the capture sequences it holds. Every test
 counts every captured message: none lost, none twice, in the order captured.
@@ -29,8 +29,8 @@ from pipeline_kit import (
 from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
 from projector.nats.server import NatsServer
 from projector.run.pipeline import Pipeline
+from projector.settings.config import Config
 from projector.wire.capture import RAW_PATTERN, rewrite
-from projector.wire.config import Config
 from projector.wire.headers import CAPTURE as CAPTURE_HEADER
 from projector.wire.headers import REASON, SOURCE_INDEX, SOURCE_SEQ, STREAM_SOURCE
 from seqstate import Fold, SequenceState

@@ -21,7 +21,7 @@ from projector.nats.consumer import OrderedConsumer
 from projector.nats.resources import ensure
 from projector.nats.stream import Refused, log_time_ns
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 WAIT_S = 30.0
 

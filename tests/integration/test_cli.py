@@ -23,15 +23,15 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from pipeline_kit import cli_env, fresh_config, name_flags, seqstate, spawned_run
 
+from projector.bucket.contents import read_bucket
+from projector.bucket.reader import RegistryView
 from projector.nats.backlog import covered_seq
 from projector.nats.lease import Holder
 from projector.nats.resources import dynamo_capture
 from projector.nats.server import LOCK_FILE, NatsServer
-from projector.read.bucket import read_bucket
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import Position, encode_position, lease_key, position_key
 from seqstate import decode_deltas
 from seqstate.dynamo import captured_subject

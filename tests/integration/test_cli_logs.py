@@ -19,7 +19,7 @@ from nats.aio.client import Client
 from pipeline_kit import fresh_config, name_flags
 
 from projector.nats.server import NatsServer
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 REPO = Path(__file__).resolve().parents[2]
 EVENTS = [

@@ -17,10 +17,10 @@ from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_stream
 
+from projector.bucket.projection import DeltaGap
 from projector.nats.resources import dead_letter_stream, ensure
-from projector.read.projection import DeltaGap
 from projector.run.assemble import build_delta_log, build_projector, delta_log_settings
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import (
     BATCH_COMMIT,
     BATCH_ID,

@@ -13,11 +13,11 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
-from projector.nats.discovery import NAMES, status_subject
 from projector.nats.server import NatsServer
+from projector.nats.services import NAMES, status_subject
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 WAIT_S = 10.0
 

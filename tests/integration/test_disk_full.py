@@ -29,12 +29,12 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import REPO, clean_env, fill, fresh_config, name_flags
 
+from projector.bucket.projection import Projector
 from projector.nats.server import NatsServer, find_binary
 from projector.nats.snapshots import SnapshotStore
-from projector.read.projection import Projector
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_lease, build_projector, build_writer
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 FULL = "JetStream storage full"
 ADVICE = "free disk space on the server, or raise its JetStream limit"

@@ -18,8 +18,8 @@ from pipeline_kit import forwarding
 
 from projector.nats.resources import ProvisioningError, dynamo_capture, ensure
 from projector.nats.stream import last_seq_of
+from projector.settings.config import Config, ConfigError
 from projector.wire.capture import captured_subject, dynamo_subject
-from projector.wire.config import Config, ConfigError
 
 _names = itertools.count()
 

@@ -15,7 +15,7 @@ from pipeline_kit import bucket_values, events_in, fresh_config, logged, read_ev
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import Fold, Tick, decode_event
 from seqstate.dynamo import ADD, decode_dynamo, dynamo_subject
 

@@ -22,7 +22,7 @@ from eventually import eventually
 from nats.aio.client import Client
 
 from projector.dynamo.follow import Fleet, Follower
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, Free, SequenceState
 from seqstate.dynamo import (
     ADD,

@@ -33,7 +33,7 @@ from pipeline_kit import REPO, clean_env, fresh_config, name_flags, run_cli
 from test_dynamo_forged import started_run, writer_status
 
 from projector.nats.server import NatsServer
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate.dynamo import (
     ADD,
     FREE,

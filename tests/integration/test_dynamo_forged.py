@@ -30,13 +30,13 @@ from nats.aio.client import Client
 from pipeline_kit import REPO, clean_env, fresh_config, logged, name_flags, run_cli
 from prometheus_client import generate_latest
 
-from projector.nats.discovery import status_subject
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
+from projector.nats.services import status_subject
 from projector.nats.snapshots import SnapshotStore
 from projector.ops.metrics import Metrics
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate.dynamo import FREE, decode_dynamo, dynamo_subject, encode_dynamo
 
 U64_MAX = 2**64 - 1  # the most a snapshot can hold

@@ -27,7 +27,7 @@ from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.ops.metrics import Metrics
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import REASON
 from seqstate import Fold, SequenceState
 from seqstate.dynamo import (

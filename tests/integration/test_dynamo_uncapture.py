@@ -26,7 +26,7 @@ from projector.nats.resources import dynamo_capture, ensure
 from projector.nats.server import NatsServer
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate.dynamo import captured_subject, decode_dynamo, dynamo_subject
 
 ADD = CAPTURE[0].data  # an AddRequest of a frontend, worker above 2^63, rank 0

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log, read_stream
 
+from projector.bucket.contents import read_bucket
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
-from projector.read.bucket import read_bucket
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import REASON, SOURCE_SEQ
 from seqstate import (
     SCHEMA_VERSION,

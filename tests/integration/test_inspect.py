@@ -23,7 +23,7 @@ from pipeline_kit import REPO, cli, fresh_config, name_flags, run_cli
 from projector.nats.server import NatsServer
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import PrefillSnapshot, WorkerAdded, WorkerRemoved
 
 

@@ -20,10 +20,10 @@ from http_kit import free_port
 from log_text import plain_lines
 from pipeline_kit import REPO, clean_env
 
+from projector.bucket.reader import RegistryUnavailable, RegistryView
 from projector.nats.server import find_binary
-from projector.read.reader import RegistryUnavailable, RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 SAID = "JetStream is off on this NATS server"
 HOW = "start nats-server with -js"

@@ -22,11 +22,11 @@ from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import REPO, clean_env, fresh_config, run_cli
 
+from projector.bucket.reader import RegistryView
 from projector.nats.server import NatsServer
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 JS = REPO / "examples" / "js"
 # Dynamo draws worker ids at random: most are past 2^53 (9007199254740992), and the

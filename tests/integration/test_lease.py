@@ -25,16 +25,16 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from pipeline_kit import fresh_config, read_log, run_cli
 
+from projector.bucket.contents import read_bucket
+from projector.bucket.projection import Projector
+from projector.bucket.reader import RegistryView
 from projector.nats.lease import PID_SPACE, Holder, Lease, LeaseHeld, LeaseLost
 from projector.nats.resources import ensure
 from projector.ops.replay import rebuild, verify
-from projector.read.bucket import read_bucket
-from projector.read.projection import Projector
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.assemble import build_projector, build_writer
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import lease_key, parse_key, position_key
 from seqstate import WorkerAdded, decode_event
 

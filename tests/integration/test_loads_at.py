@@ -17,13 +17,13 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import folded, fresh_config, read_events, read_log, run_cli
 
+from projector.bucket.contents import read_bucket
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
-from projector.ops.replay import iso, parse_at, replay
-from projector.read.bucket import read_bucket
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import iso, parse_at, replay
 from seqstate import WorkerAdded
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)

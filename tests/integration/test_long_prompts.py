@@ -36,17 +36,17 @@ from pipeline_kit import (
     run_cli,
 )
 
+from projector.bucket.projection import BucketUnfit
+from projector.bucket.reader import RegistryView
+from projector.dynamo.forward import fitted
 from projector.http.slot_api import AddBody, event_for
 from projector.http.tracker_names import namespace_for
-from projector.nats.forward import fitted
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
-from projector.read.projection import BucketUnfit
-from projector.read.reader import RegistryView
 from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import REASON
 from projector.wire.sizes import DELTA_HEADROOM, event_limit
 from projector.wire.values import EMPTY_SLOT, LARGEST_VALUE, parse_key

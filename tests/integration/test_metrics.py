@@ -29,13 +29,13 @@ from pipeline_kit import REPO, fill, fresh_config, name_flags, read_log, second_
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from projector.bucket.reader import RegistryView
+from projector.bucket.view_metrics import view_collector
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
-from projector.read.reader import RegistryView
-from projector.read.view_metrics import view_collector
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import (
     AddRequest,
     EventDecodeError,

@@ -28,7 +28,7 @@ from projector.http.tracker_names import namespace_for
 from projector.nats.connection import connect
 from projector.nats.resources import dead_letter_stream
 from projector.nats.server import NatsServer
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import MSG_ID, SOURCE_INDEX, SOURCE_SEQ
 from seqstate import Delta, Fold, Refusal
 from seqstate.batches import decode_batch, is_batch

@@ -39,15 +39,15 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from pipeline_kit import read_log
 
+from projector.bucket.projection import Projector
+from projector.bucket.reader import RegistryUnavailable, RegistryView
+from projector.control.workers import WorkerControl
 from projector.nats.connection import ConnectError, connect
 from projector.nats.resources import dynamo_capture, ensure
-from projector.ops.workers import WorkerControl
-from projector.read.projection import Projector
-from projector.read.reader import RegistryUnavailable, RegistryView
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_projector, build_writer
 from projector.schedule.scheduler import Scheduler
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import MSG_ID
 from projector.wire.values import load_key
 from projector.write.writer import Writer

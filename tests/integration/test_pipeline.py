@@ -16,15 +16,15 @@ from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
+from projector.bucket.contents import read_bucket
+from projector.bucket.projection import Projector
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.ops.replay import verify
-from projector.read.bucket import read_bucket
-from projector.read.projection import Projector
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.assemble import build_projector, build_writer
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import PREV_SOURCE_SEQ, REASON
 from projector.wire.values import decode_request, load_key, position_key, slot_key
 from seqstate import Delta, SequenceState, WorkerAdded, WorkerRemoved, decode_event, encode_deltas

@@ -26,7 +26,7 @@ from projector.route.publisher import (
     PublishError,
     RouterPublisher,
 )
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.sizes import event_limit
 from seqstate import (
     AddRequest,

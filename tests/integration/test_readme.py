@@ -20,7 +20,7 @@ import pytest
 
 from projector.nats.server import NatsServer
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -18,7 +18,7 @@ from projector.nats.dead_letters import OUT_OF_BOUNDS, UNDECODABLE, WRITER_KINDS
 from projector.nats.resources import dead_letter_stream, ensure
 from projector.nats.stream import Refused, log_time_ns
 from projector.run.assemble import build_dead_letters
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import MSG_ID, REASON, SIZE, SOURCE_SEQ, SOURCE_STREAM, SUBJECT
 
 WAIT_S = 10.0

@@ -22,13 +22,14 @@ from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 from pipeline_kit import fill, fresh_config, name_flags, read_log, run_cli
 
-from projector.ops.replay import rebuild, replay, verify
-from projector.read.bucket import read_bucket
-from projector.read.reader import RegistryView
+from projector.bucket.contents import read_bucket
+from projector.bucket.reader import RegistryView
+from projector.ops.replay import rebuild, verify
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import decode_request, encode_request, load_key, slot_key
+from projector.write.log_fold import replay
 from seqstate import EventDecodeError, SequenceState, WorkerAdded, decode_event
 
 REPO = Path(__file__).resolve().parents[2]
@@ -401,7 +402,7 @@ async def test_replay_of_a_range_holding_none_of_the_namespaces_events_says_so(
 async def test_the_fast_path_equals_the_client_path_and_falls_back(
     nc: Client, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from projector.ops.replay import fold_stream
+    from projector.write.log_fold import fold_stream
 
     config = fresh_config("f")
     last = await fill(nc, config, 6000)  # enough bytes for the server to ask for flow control

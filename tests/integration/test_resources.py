@@ -9,7 +9,7 @@ from nats.aio.client import Client
 from nats.js import api
 
 from projector.nats.resources import ProvisioningError, dead_letter_stream, ensure
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import load_key
 
 _names = itertools.count()

@@ -7,10 +7,11 @@ from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
-from projector.ops.replay import replay, verify
-from projector.read.reader import RegistryView
+from projector.bucket.reader import RegistryView
+from projector.ops.replay import verify
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
+from projector.write.log_fold import replay
 from seqstate import decode_event
 
 

@@ -32,7 +32,7 @@ from pipeline_kit import seqstate, spawned_run
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, Event, Free
 
 DEFAULT_PORT = 4222

@@ -18,15 +18,15 @@ from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config, read_log, read_stream
 
+from projector.bucket.image import BucketImage
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.ops.replay import verify
-from projector.read.image import BucketImage
-from projector.read.reader import RegistryView
 from projector.route.publisher import EventTooLarge, RouterPublisher
 from projector.run.assemble import build_delta_log, build_projector
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.write.writer import EventLimitUnfit
 from seqstate import AddRequest, Free, SequenceState, decode_deltas, decode_event, encode_event
 from seqstate.deltas import split_delta

@@ -18,8 +18,8 @@ import pytest
 from nats.aio.client import Client
 from pipeline_kit import fresh_config, read_log
 
+from projector.bucket.reader import RegistryView
 from projector.nats.server import NatsServer
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from seqstate import (

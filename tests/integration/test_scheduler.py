@@ -27,7 +27,7 @@ from projector.schedule.scheduler import (
     NoCandidates,
     UnknownRequest,
 )
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest
 
 BLOCK = 16

@@ -21,7 +21,7 @@ from pipeline_kit import fresh_config, name_flags, read_stream, run_cli, second_
 
 from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
-from projector.ops.replay import replay
+from projector.write.log_fold import replay
 from seqstate import Free, MarkPrefillCompleted, decode_event
 
 

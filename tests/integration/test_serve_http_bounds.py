@@ -32,7 +32,7 @@ from projector.http.tracker_names import namespace_for
 from projector.nats.resources import dead_letter_stream
 from projector.nats.server import NatsServer
 from projector.nats.stream import last_seq_of
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 CONNECTIONS = 512  # serve-http's default bound (docs/http-api.md)
 HEALTH = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"

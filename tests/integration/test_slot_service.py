@@ -18,7 +18,7 @@ from pipeline_kit import fresh_config
 from projector.http.slot_service import SlotService
 from projector.http.tracker_names import namespace_for
 from projector.nats.server import NatsServer
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 JSON = "application/json"
 

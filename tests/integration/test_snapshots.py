@@ -17,10 +17,10 @@ from pipeline_kit import fresh_config, read_log
 from projector.nats.resources import ensure
 from projector.nats.snapshots import SnapshotStore
 from projector.nats.stream import first_seq_of
-from projector.ops.replay import ReplayError, replay
 from projector.route.publisher import RouterPublisher
 from projector.run.assemble import build_writer
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import ReplayError, replay
 from projector.write.snapshotter import SnapshotUnavailable
 from projector.write.writer import Writer
 from seqstate import EventDecodeError, decode_event

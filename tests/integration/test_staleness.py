@@ -22,11 +22,11 @@ from nats.aio.client import Client
 from pipeline_kit import fresh_config, name_flags, run_cli
 from test_metrics import command, publish
 
+from projector.bucket.reader import STALL_AFTER_S, RegistryUnavailable, RegistryView, Staleness
 from projector.nats.lease import DEFAULT_TTL_S
 from projector.nats.server import NatsServer
-from projector.read.reader import STALL_AFTER_S, RegistryUnavailable, RegistryView, Staleness
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import WorkerAdded
 
 IDLE_TICK_S = Config().idle_tick_s  # the writer's default: a Tick after this much silence

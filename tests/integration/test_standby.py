@@ -11,13 +11,13 @@ import nats
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.ops.replay import verify
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.standby import StandbyPipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import WorkerAdded
 
 WAIT_S = 20.0

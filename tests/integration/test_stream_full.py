@@ -29,7 +29,7 @@ from projector.nats.retry import retrying
 from projector.nats.server import NatsServer
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_writer
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import Free
 
 STORAGE_FULL_10023 = (

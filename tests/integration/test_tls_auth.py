@@ -32,9 +32,9 @@ from pipeline_kit import fill, fresh_config
 from projector.nats.connection import connect
 from projector.nats.server import NatsServer
 from projector.nats.stream_reader import ReaderParams
-from projector.ops.replay import fold_stream
-from projector.wire.config import Config, ConfigError
-from projector.wire.redaction import redact, scrub
+from projector.settings.config import Config, ConfigError
+from projector.settings.redaction import redact, scrub
+from projector.write.log_fold import fold_stream
 
 REPO = Path(__file__).resolve().parents[2]
 USER, PASSWORD, TOKEN = "alice", "pw-9f3Kq27xWv", "tok-Zx81mQp4Lr"

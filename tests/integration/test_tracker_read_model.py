@@ -11,9 +11,9 @@ import json
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config
 
+from projector.bucket.contents import read_trackers
+from projector.bucket.reader import RegistryView
 from projector.ops.replay import rebuild, verify
-from projector.read.bucket import read_trackers
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.wire.values import tracker_key

@@ -22,7 +22,7 @@ from projector.nats.server import NatsServer
 from projector.route.publisher import RouterPublisher
 from projector.run.assemble import build_lease
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 # One server and two pipelines for the module: each test runs commands against them.
 pytestmark = pytest.mark.asyncio(loop_scope="module")

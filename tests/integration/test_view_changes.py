@@ -16,7 +16,7 @@ from eventually import eventually
 from nats.aio.client import Client
 from pipeline_kit import fresh_config
 
-from projector.read.reader import RegistryView
+from projector.bucket.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 

@@ -13,10 +13,10 @@ from nats.aio.client import Client
 from pipeline_kit import folded, fresh_config, read_events
 
 from projector import BlockSizeUnknown, CostRow, CostWeights, SeqstateError
-from projector.read.reader import RegistryView
+from projector.bucket.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import load_key
 from seqstate import OverlapRow, SequenceState, WorkerAdded
 

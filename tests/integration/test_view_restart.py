@@ -18,10 +18,10 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 from pipeline_kit import fresh_config
 
+from projector.bucket.image import BucketImage
+from projector.bucket.reader import RegistryView
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
-from projector.read.image import BucketImage
-from projector.read.reader import RegistryView
 from seqstate import AddRequest, Event, Free, MarkPrefillCompleted, SequenceState, WorkerRemoved
 
 WAIT_S = 30.0  # any single wait: only a view that never resumes reaches it

@@ -11,13 +11,18 @@ from log_text import plain_lines
 from nats.aio.client import Client
 from pipeline_kit import bucket_values, fresh_config, run_cli
 
+from projector.bucket.reader import RegistryView
+from projector.control.workers import (
+    WorkerChange,
+    WorkerControl,
+    WorkerNotRegistered,
+    WorkerRefused,
+)
 from projector.nats.server import NatsServer
 from projector.ops.replay import rebuild, verify
-from projector.ops.workers import WorkerChange, WorkerControl, WorkerNotRegistered, WorkerRefused
-from projector.read.reader import RegistryView
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 def keys_of(values: dict[str, bytes], config: Config, worker_id: int) -> list[str]:

@@ -14,10 +14,10 @@ from nats.aio.client import Client
 
 from projector.nats.dead_letters import PREFIX_BYTES
 from projector.nats.resources import dead_letter_stream, ensure
-from projector.ops.replay import replay
 from projector.run.assemble import build_writer
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.headers import REASON, SIZE, SOURCE_SEQ, SOURCE_STREAM, TRUNCATED
+from projector.write.log_fold import replay
 from projector.write.writer import Writer
 from seqstate import (
     AddRequest,

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from projector.read.reader import RegistryView
+from projector.bucket.reader import RegistryView
 
 pytestmark = pytest.mark.core
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from projector.nats.tasks import cancel_all
+from projector.aio.tasks import cancel_all
 
 
 class Requester:

@@ -508,7 +508,7 @@ def test_monitoring_runs_only_behind_its_profile_on_loopback(services, name):
 def test_a_scraped_service_asks_for_every_address_explicitly(services, name):
     """The metrics port listens on loopback by default: Prometheus scrapes it from
     another container, so a scraped service must ask for 0.0.0.0 in so many words."""
-    from projector.wire.config import Config
+    from projector.settings.config import Config
 
     assert Config().metrics_host == "127.0.0.1"
     env = _environment(services[name])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from projector.wire.config import Config, ConfigError
+from projector.settings.config import Config, ConfigError
 from seqstate import SequenceState
 from seqstate.state import MAX_ENDED, MAX_TOMBSTONES
 

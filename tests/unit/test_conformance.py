@@ -7,8 +7,8 @@ The paths:
   in-process state keeps);
 - ``parts``: the same, fed each delta cut into small parts (what crosses the DELTAS stream
   when a delta is too large for one message);
-- ``live view``: the parts folded into a :class:`~projector.read.image.BucketImage`, its writes
-  handed, flush by flush, to a :class:`~projector.read.reader.RegistryView` as a KV watch would;
+- ``live view``: the parts folded into a :class:`~projector.bucket.image.BucketImage`, its writes
+  handed, flush by flush, to a :class:`~projector.bucket.reader.RegistryView` as a KV watch would;
 - ``cold view``: a new RegistryView given the bucket's current values once, in the order a
   watch delivers them (each key where its last write left it in the stream).
 
@@ -26,8 +26,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from projector.read.image import BucketImage
-from projector.read.reader import RegistryView
+from projector.bucket.image import BucketImage
+from projector.bucket.reader import RegistryView
 from projector.wire.values import decode_request, parse_key
 from seqstate import (
     AddOutputBlock,

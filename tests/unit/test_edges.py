@@ -12,9 +12,9 @@ from collections.abc import Callable
 import pytest
 from nats.aio.client import Client
 
-from projector.read.reader import RegistryView
+from projector.bucket.reader import RegistryView
 from projector.route.publisher import EventTooLarge, RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, EventDecodeError
 
 pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too

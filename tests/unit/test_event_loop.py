@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from projector.ops.cli import event_loop, main
-from projector.wire.config import Config, ConfigError
+from projector.settings.config import Config, ConfigError
 
 
 def test_auto_takes_uvloop_when_installed_and_asyncio_on_request() -> None:

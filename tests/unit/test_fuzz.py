@@ -21,7 +21,7 @@ from fuzz_bytes import messages, mutate, nested
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from projector.read.image import BucketImage
+from projector.bucket.image import BucketImage
 from projector.wire.chain import chain_problem
 from projector.wire.values import decode_load, decode_position, decode_request, decode_tracker
 from seqstate import (

@@ -29,9 +29,9 @@ DOCUMENTED = [
     "seqstate.state.SequenceState",
     "seqstate.loads.LoadRow",
     "seqstate.loads.PotentialLoadRow",
-    "projector.read.reader.RegistryView",
+    "projector.bucket.reader.RegistryView",
     *(
-        f"projector.read.reader.RegistryView.{name}"
+        f"projector.bucket.reader.RegistryView.{name}"
         for name in (
             "start",
             "stop",

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from projector.bucket.contents import BucketView
+from projector.bucket.image import BucketImage, Parts
 from projector.ops.replay import differences
-from projector.read.bucket import BucketView
-from projector.read.image import BucketImage, Parts
 from projector.wire.values import (
     EMPTY_SLOT,
     ID_ROOM,

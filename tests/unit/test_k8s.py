@@ -25,10 +25,10 @@ from k8s_kit import BASE, by_kind, container_of, environment, render, with_mount
 from packaging.version import Version
 from test_compose import _role_users
 
-from projector.nats import logs
 from projector.ops.cli import build_parser
 from projector.ops.flags import config_from
-from projector.wire.config import Config, env_name
+from projector.settings import logs
+from projector.settings.config import Config, env_name
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "kubernetes.md"

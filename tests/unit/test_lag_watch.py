@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from projector.nats.lag import CAUGHT_UP, REPEAT_S, Lag, LagWatch, describe, over, thresholds
-from projector.wire.config import Config, ConfigError
+from projector.settings.config import Config, ConfigError
 
 NS = 1_000_000_000
 

@@ -11,7 +11,7 @@ import pytest
 from projector.nats.snapshots import SnapshotInfo, SnapshotMeta, kept
 from projector.ops.cli import build_parser
 from projector.ops.loads_at import When, parse_when
-from projector.ops.replay import ReplayError
+from projector.write.log_fold import ReplayError
 
 S = 1_000_000_000
 NOW = 1_764_936_000 * S  # 2025-12-05T12:00:00Z

@@ -1,4 +1,5 @@
-"""Log formats (projector.nats.logs): JSON lines a pipeline parses, console lines a person reads."""
+"""Log formats (projector.settings.logs): JSON lines a pipeline parses, console lines a person
+reads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from projector.nats.logs import (
+from projector.settings.logs import (
     FIELDS,
     ConsoleFormatter,
     JsonFormatter,

@@ -21,7 +21,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from projector.ops.replay import _Folder
+from projector.write.log_fold import _Folder
 from seqstate import (
     SCHEMA_VERSION,
     AddOutputBlock,

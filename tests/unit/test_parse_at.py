@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from projector.ops.replay import ReplayError, parse_at
+from projector.write.log_fold import ReplayError, parse_at
 
 
 def ns(text: str) -> int:

@@ -28,8 +28,8 @@ def test_the_readme_names_are_public() -> None:
 
     assert issubclass(PublishError, SeqstateError)
     assert RouterPublisher.__module__ == "projector.route.publisher"
-    assert RegistryView.__module__ == "projector.read.reader"
-    assert Config.__module__ == "projector.wire.config"
+    assert RegistryView.__module__ == "projector.bucket.reader"
+    assert Config.__module__ == "projector.settings.config"
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
@@ -84,4 +84,4 @@ def test_the_new_paths_do_not_warn() -> None:
     subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        importlib.import_module("projector.read.reader")
+        importlib.import_module("projector.bucket.reader")

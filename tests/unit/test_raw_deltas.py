@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projector.read.image import BucketImage
-from projector.read.raw_deltas import read_deltas
+from projector.bucket.image import BucketImage
+from projector.bucket.raw_deltas import read_deltas
 from projector.wire.values import KEY_HASHES
 from seqstate import Delta, RankChange, decode_deltas, encode_deltas
 from seqstate.deltas import Booking

@@ -18,6 +18,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from projector.aio.progress import Progress
+from projector.bucket.contents import BucketView
+from projector.bucket.projection import Projector, ProjectorSettings
 from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_lettering import DeadLettering
 from projector.nats.dead_letters import PROJECTOR_KINDS, UNDECODABLE
@@ -25,11 +28,8 @@ from projector.nats.feed import StreamFeed
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagSettings
 from projector.nats.lease import Lease
-from projector.nats.progress import Progress
 from projector.nats.runner import Runner
 from projector.nats.stream import Refused
-from projector.read.bucket import BucketView
-from projector.read.projection import Projector, ProjectorSettings
 
 
 def delivery(seq: int, data: bytes, headers: dict[str, str] | None = None) -> Msg:

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from projector.nats.server import find_binary
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 ROOT = Path(__file__).resolve().parents[1].parent
 CONF = ROOT / "deploy" / "nats-roles.conf"

@@ -12,7 +12,7 @@ from projector.http.tracker_names import (
     namespace_for,
     tracker_of,
 )
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import json
 
 from projector.ops.ui.page import MAX_POINTS, render
 from projector.ops.ui.sample import ID_CHARS, MAX_PUBLISHERS, MAX_WORKERS, OLDEST, of_state
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import AddRequest, Free, SequenceState
 
 S = 1_000_000_000

@@ -10,10 +10,10 @@ import time
 import msgspec
 import pytest
 
+from projector.bucket.image import BucketImage
+from projector.bucket.reader import RegistryView
 from projector.nats.lease import Holder
-from projector.read.image import BucketImage
-from projector.read.reader import RegistryView
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import (
     Heartbeat,
     Position,

@@ -11,7 +11,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate import SeqstateError
 
 Body = Callable[[argparse.Namespace, Config], Coroutine[Any, Any, int]]
@@ -30,7 +30,7 @@ def no_flags(parser: argparse.ArgumentParser) -> None:
 class Command:
     """One subcommand.
 
-    ``settings`` names the :class:`~projector.wire.config.Config` fields offered as flags: only
+    ``settings`` names the :class:`~projector.settings.config.Config` fields offered as flags: only
     those the command reads, so a reader is not offered the writer's snapshot cadence (every
     setting is still read from its environment variable). ``epilog`` is a function so that a
     costly one (``publish``'s event reference) is built only with the parser.

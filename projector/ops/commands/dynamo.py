@@ -9,14 +9,14 @@ from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.namespaces import require_namespace
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
     if args.action == "uncapture":
         return await cmd_uncapture(config)
-    from projector.nats.uncapture import UncaptureError, require_captured
-    from projector.ops.resync import ResyncError, resync
+    from projector.dynamo.resync import ResyncError, resync
+    from projector.dynamo.uncapture import UncaptureError, require_captured
 
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
@@ -39,7 +39,7 @@ async def cmd_dynamo(args: argparse.Namespace, config: Config) -> int:
 
 
 async def cmd_uncapture(config: Config) -> int:
-    from projector.nats.uncapture import UncaptureError, uncapture
+    from projector.dynamo.uncapture import UncaptureError, uncapture
 
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True

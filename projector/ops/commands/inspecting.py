@@ -12,7 +12,7 @@ from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.namespaces import require_namespace
 from projector.ops.progress_bar import progress_bar
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 async def cmd_inspect(args: argparse.Namespace, config: Config) -> int:

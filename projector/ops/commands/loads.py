@@ -18,7 +18,7 @@ from projector.ops import flags
 from projector.ops.commands.command import Command
 from projector.ops.commands.signals import catch_signals, until_signal
 from projector.ops.namespaces import known, require_namespace
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 _TIME_AGO = re.compile(r"^-\d+(\.\d+)?(ms|s|m|h|d)?$|^-\d*\.\d+$")
 
@@ -26,8 +26,8 @@ _TIME_AGO = re.compile(r"^-\d+(\.\d+)?(ms|s|m|h|d)?$|^-\d*\.\d+$")
 async def cmd_loads(args: argparse.Namespace, config: Config) -> int:
     if args.at is not None:
         return await loads_at(args, config)
+    from projector.bucket.reader import RegistryView
     from projector.ops.live import plain_table, staleness_said
-    from projector.read.reader import RegistryView
 
     async with (
         connect(require_url(config), service=False, config=config, fail_on_refusal=True) as nc,
@@ -65,7 +65,7 @@ async def loads_at(args: argparse.Namespace, config: Config) -> int:
 
 async def cmd_watch(args: argparse.Namespace, config: Config) -> int:
     """A live table in a terminal; elsewhere (or with --json) a record per change, flushed."""
-    from projector.read.reader import RegistryView
+    from projector.bucket.reader import RegistryView
 
     catch_signals()
     async with (

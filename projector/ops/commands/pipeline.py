@@ -23,7 +23,7 @@ from projector.nats.connection import close_at_once, connect, nats_for, require_
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 if TYPE_CHECKING:
     from projector.run.pipeline import Pipeline
@@ -109,8 +109,8 @@ async def cmd_run(args: argparse.Namespace, config: Config) -> int:
 async def _follow_fleet(
     nc: Client, config: Config, pipeline: Callable[[], Pipeline | None], feed: Any
 ) -> None:
-    """The Dynamo fleet followed beside the pipeline (:mod:`projector.ops.following`)."""
-    from projector.ops.following import follower
+    """The Dynamo fleet followed beside the pipeline (:mod:`projector.dynamo.following`)."""
+    from projector.dynamo.following import follower
 
     if feed is not None:
         log.info("following Dynamo's discovery: %s", feed.where)
@@ -121,7 +121,7 @@ def _discovery(config: Config) -> Any:
     if not config.dynamo_endpoints:
         return None
     from projector.dynamo.discovery_config import DiscoveryConfigError
-    from projector.ops.following import feed_for
+    from projector.dynamo.following import feed_for
 
     try:
         return feed_for(config)

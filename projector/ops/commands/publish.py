@@ -30,7 +30,7 @@ import msgspec
 from projector.nats.connection import close_at_once, connect, refused_or, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
-from projector.wire.config import Config
+from projector.settings.config import Config
 from seqstate.events import Event
 
 log = logging.getLogger("seqstate")

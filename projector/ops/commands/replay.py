@@ -17,8 +17,8 @@ from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.namespaces import require_namespace
 from projector.ops.progress_bar import progress_bar
-from projector.ops.replay import iso
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import iso
 from seqstate import LoadRow
 
 
@@ -33,7 +33,8 @@ def print_loads(rows: list[LoadRow], as_json: bool) -> None:
 
 
 async def cmd_replay(args: argparse.Namespace, config: Config) -> int:
-    from projector.ops.replay import log_bounds, parse_at, replay, verify
+    from projector.ops.replay import verify
+    from projector.write.log_fold import log_bounds, parse_at, replay
 
     async with connect(
         require_url(config), service=False, config=config, fail_on_refusal=True
@@ -99,7 +100,7 @@ async def cmd_rebuild(args: argparse.Namespace, config: Config) -> int:
 
 async def cmd_snapshot(args: argparse.Namespace, config: Config) -> int:
     from projector.nats.snapshots import SnapshotStore
-    from projector.ops.replay import replay
+    from projector.write.log_fold import replay
     from seqstate import SnapshotError
 
     async with connect(

@@ -17,17 +17,17 @@ from projector.nats.connection import closed_for_good, connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
-from projector.wire.config import Config, bearer_problem, env_name
+from projector.settings.config import Config, bearer_problem, env_name
 
 log = logging.getLogger("seqstate")
 
 
 async def cmd_serve_http(args: argparse.Namespace, config: Config) -> int:
     """Dynamo's standalone slot-tracker API, durable underneath (see projector/slot_service)."""
+    from projector.bucket.projection import BucketUnfit, check_bucket_fits
     from projector.http.http_server import close, serve
     from projector.http.slot_service import SlotService
     from projector.http.tracker_names import TrackerNameTooLong, namespace_for
-    from projector.read.projection import BucketUnfit, check_bucket_fits
     from projector.write.writer import EventLimitUnfit, check_event_limit
 
     token = bearer_token(config)

@@ -7,7 +7,7 @@ import signal
 from collections.abc import Awaitable
 from typing import Any
 
-from projector.nats.tasks import cancel_all
+from projector.aio.tasks import cancel_all
 
 CLEAN_UP_S = 5.0  # what a stopping task has for its clean-up before it is cancelled again
 

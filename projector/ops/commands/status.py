@@ -10,7 +10,7 @@ from projector.nats.connection import connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import Command
 from projector.ops.namespaces import require_namespace
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 async def cmd_status(args: argparse.Namespace, config: Config) -> int:

@@ -14,7 +14,7 @@ from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
 from projector.ops.namespaces import require_namespace
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 async def cmd_top(args: argparse.Namespace, config: Config) -> int:

@@ -13,11 +13,11 @@ from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.inspection import no_bucket
 from projector.ops.namespaces import require_namespace
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 
 async def cmd_worker(args: argparse.Namespace, config: Config) -> int:
-    from projector.ops.workers import WorkerControl
+    from projector.control.workers import WorkerControl
 
     if args.action == "list":
         if args.worker_id is not None:

@@ -7,7 +7,7 @@ what it captured before is still forwarded by the writers. Removing the last one
 capture altogether: the capture stream first listens on no Dynamo subject (a stream with no
 subjects listens on its own name, where Dynamo publishes nothing), then this command forwards
 what it still holds into the events stream itself (as a writer's forwarder does, beside any
-running: :mod:`projector.nats.forward`), and only then is the capture stream deleted (and an
+running: :mod:`projector.dynamo.forward`), and only then is the capture stream deleted (and an
 events stream provisioned before the forwarder loses its source of it), so nothing captured
 before the removal is lost. A later ``--dynamo-endpoint`` provisions it afresh, and the
 forwarder stores the new capture stream from its first message.
@@ -29,13 +29,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
+from projector.dynamo.forward import forward_waiting
 from projector.nats.backlog import Captured, events_held
 from projector.nats.failures import describe
-from projector.nats.forward import forward_waiting
 from projector.nats.lag import capture_of, captured_subjects
 from projector.nats.resources import dynamo_capture
+from projector.settings.config import Config
 from projector.wire.capture import captured_subject, endpoint_of
-from projector.wire.config import Config
 from seqstate.errors import SeqstateError
 
 DRAIN_S = 10.0  # for the events stream to take what the capture stream still holds

@@ -20,7 +20,7 @@ from seqstate.decay import active_tokens, modeled_remaining_ms
 from seqstate.loads import RankLoad
 
 if TYPE_CHECKING:
-    from projector.read.reader import RegistryView
+    from projector.bucket.reader import RegistryView
 
 WORKER_LABELS = ("namespace", "worker", "dp_rank")
 

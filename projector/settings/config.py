@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
-from projector.wire.redaction import redact
+from projector.settings.redaction import redact
 from seqstate.bounds import MAX_RANKS, MAX_RANKS_PER_WORKER, RankBounds
 from seqstate.errors import SeqstateError
 from seqstate.events import Event

@@ -59,8 +59,8 @@ from nats.js.errors import APIError, NotFoundError
 from projector.nats.backlog import covered_seq, datetime_ns
 from projector.nats.lag import captured_subjects
 from projector.nats.resources import dynamo_capture
+from projector.settings.config import Config
 from projector.wire.capture import captured_subject, endpoint_of
-from projector.wire.config import Config
 from projector.wire.headers import CAPTURE, EXPECTED_LAST_SUBJECT_SEQ, MSG_ID, TRUNCATED
 from projector.wire.sizes import DELTA_HEADROOM, batch_limit
 from seqstate.batches import HEAD, MAX_EVENTS, batch_size, encode_batch_of

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from projector.read.raw_deltas import all_u64, packed
+from projector.bucket.raw_deltas import all_u64, packed
 from projector.wire.values import (
     EMPTY_SLOT,
     Position,
@@ -45,7 +45,7 @@ from seqstate import Delta, RankLoad
 from seqstate.loads import EMPTY_LOAD
 
 if TYPE_CHECKING:
-    from projector.read.bucket import BucketView
+    from projector.bucket.contents import BucketView
 
 Write = tuple[str, bytes | None]  # (key, value); None deletes the key
 

@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from projector.nats.stream import stop_watch
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import (
     LoadValue,
     Position,

@@ -19,10 +19,10 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError
 
+from projector.bucket.contents import read_bucket
 from projector.nats.stream import stop_watch
-from projector.read.bucket import read_bucket
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import LoadValue, decode_position, position_key
 from seqstate.errors import SeqstateError
 from seqstate.events import EventDecodeError, WorkerAdded, WorkerRemoved

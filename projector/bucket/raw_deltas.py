@@ -71,7 +71,7 @@ Hashes = list[int] | bytes  # bytes: packed, every one a u64
 
 class DeltaMessage(NamedTuple):
     """A DELTAS message's deltas, and whether every number in them is in the range a writer's
-    are (as :meth:`~projector.read.image.BucketImage.refusal` checks them): then that check
+    are (as :meth:`~projector.bucket.image.BucketImage.refusal` checks them): then that check
     has nothing to say, and is not run."""
 
     deltas: list[Delta]

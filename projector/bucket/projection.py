@@ -1,7 +1,7 @@
 """The projector: folds SEQSTATE_DELTAS into the registry bucket that schedulers watch.
 
 It is the single writer of the bucket. What to write is decided by a pure fold, the
-:class:`~projector.read.image.BucketImage`: a booking becomes its slot's value (and a long
+:class:`~projector.bucket.image.BucketImage`: a booking becomes its slot's value (and a long
 prompt's part keys), a release an empty value, a load its rank's load key. The projector
 keeps each rank's load and slot count, never the hashes, so its memory and its cost per delta
 follow what the delta changed. The hash-to-ranks index that answers potential-load queries
@@ -54,6 +54,11 @@ from nats.aio.msg import Msg
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KV_DEL, KV_OP
 
+from projector.aio.progress import Progress
+from projector.aio.tasks import cancel, until_set
+from projector.bucket.contents import BucketView
+from projector.bucket.image import BucketImage, Write
+from projector.bucket.raw_deltas import read_deltas
 from projector.nats.client_internals import acked_jetstream
 from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_letters import IMPLAUSIBLE, UNDECODABLE
@@ -62,13 +67,8 @@ from projector.nats.feed import DEFAULT_WINDOW
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.lease import Lease, LeaseLost
-from projector.nats.progress import Progress
 from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
 from projector.nats.stream import DeadLetterSink, Refused, log_time_ns
-from projector.nats.tasks import cancel, until_set
-from projector.read.bucket import BucketView
-from projector.read.image import BucketImage, Write
-from projector.read.raw_deltas import read_deltas
 from projector.wire.chain import chain_problem
 from projector.wire.headers import PREV_SOURCE_SEQ
 from projector.wire.values import (
@@ -223,7 +223,7 @@ class Projector(LagWatched):
             await self._run()
 
     def status(self) -> dict[str, Any]:
-        """What ``nats micro stats`` and the status endpoint show (projector.nats.discovery)."""
+        """What ``nats micro stats`` and the status endpoint show (projector.nats.services)."""
         lag, stats = self.lag, self.stats
         return {
             "kind": "projector",

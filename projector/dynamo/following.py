@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from nats.aio.client import Client
 
 from projector.dynamo.discovery_config import open_discovery, parse_discovery
 from projector.dynamo.follow import DiscoveryFeed, FleetFeed, Follower
-from projector.ops.resync import resync
+from projector.dynamo.resync import resync
 from projector.route.publisher import RouterPublisher
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.writer import Writer
 from seqstate import SequenceState
 from seqstate.errors import SeqstateError
 
-if TYPE_CHECKING:
-    from projector.run.pipeline import Pipeline
+
+class Pipeline(Protocol):
+    """The running pipeline as the follower sees it: its writer (``seqstate run``'s
+    :class:`projector.run.pipeline.Pipeline`, which sits above this wing)."""
+
+    @property
+    def writer(self) -> Writer: ...
 
 
 class NoPipeline(SeqstateError, LookupError):

@@ -37,11 +37,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
+from projector.bucket.contents import read_bucket
 from projector.dynamo.republish import InFlight, Republisher
 from projector.nats.stream import last_seq_of, log_time_ns
-from projector.ops.replay import fold_stream, replay
-from projector.read.bucket import read_bucket
-from projector.wire.config import Config
+from projector.settings.config import Config
+from projector.write.log_fold import fold_stream, replay
 from seqstate import SeqstateError, SequenceState
 from seqstate.batches import items_of
 from seqstate.dynamo import ADD, CAPTURED, DynamoMessage, captured_subject, decode_dynamo

@@ -36,15 +36,15 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from projector.aio.progress import Progress
+from projector.aio.tasks import cancel_all
 from projector.nats.backlog import datetime_ns, stamp_ns
 from projector.nats.client_internals import api_prefix
 from projector.nats.connection import PermissionRefused, refused_or
 from projector.nats.failures import JETSTREAM_OFF, jetstream_off
 from projector.nats.lease import decode_holder
-from projector.nats.progress import Progress
 from projector.nats.stream import drop_subscription
-from projector.nats.tasks import cancel_all
-from projector.wire.config import Config
+from projector.settings.config import Config
 from projector.wire.values import (
     Heartbeat,
     Rank,
@@ -649,11 +649,11 @@ class RegistryView:
         """Opt-in: this view's per-worker gauges in ``registry`` (prometheus_client's default
         ``REGISTRY``, where a scheduler's own metrics usually are, when None), read at each
         scrape; the collector is returned for ``registry.unregister``. Several views in one
-        registry: register one ``projector.read.view_metrics.view_collector(*views)`` instead (their
-        series share names, so each namespace must be collected once)."""
+        registry: register one ``projector.bucket.view_metrics.view_collector(*views)``
+        instead (their series share names, so each namespace must be collected once)."""
         from prometheus_client import REGISTRY
 
-        from projector.read.view_metrics import view_collector
+        from projector.bucket.view_metrics import view_collector
 
         collector = view_collector(self)
         (REGISTRY if registry is None else registry).register(collector)

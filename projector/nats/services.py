@@ -27,7 +27,7 @@ from nats.aio.client import Client
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from projector.wire.config import Config
+from projector.settings.config import Config
 
 log = logging.getLogger("seqstate.discovery")
 
