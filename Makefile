@@ -73,8 +73,7 @@ ETCD_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/seqstate/etcd-3.4
 
 test-dynamo: $(NATIVE)
 	bash deploy/dynamo/install_dynamo.sh "$(DYNAMO_VENV)"
-	bash tests/dynamo/install_etcd.sh "$(ETCD_DIR)"
-	ETCD_BIN="$(ETCD_DIR)/usr/bin/etcd" DYNAMO_VENV="$(DYNAMO_VENV)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m dynamo tests/dynamo
+	etcd="$$(bash tests/tools/install_etcd.sh "$(ETCD_DIR)")" && ETCD_BIN="$$etcd" DYNAMO_VENV="$(DYNAMO_VENV)" PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -m dynamo tests/dynamo
 
 # A CPU Dynamo fleet (nats-server with JetStream, two mockers, two KV-router frontends with
 # replica sync) with seqstate following it, a chat load and `seqstate top`; Ctrl-C stops it

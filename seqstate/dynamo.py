@@ -6,7 +6,7 @@ publishes every AddRequest, MarkPrefillCompleted and Free it decides on NATS Cor
 own MarkPrefillCompleted there too). JetStream stores them in a namespace's events stream, and
 the one fold (:mod:`seqstate.fold`) folds them beside seqstate's own events. This module reads
 and writes those bytes exactly as Dynamo 1.6.1 does (``tests/unit/test_dynamo_wire.py`` decodes
-a real fleet's, recorded in ``tests/dynamo_capture.py``):
+a real fleet's, recorded in ``tests/support/dynamo_capture.py``):
 
 - an envelope, a msgpack map with named fields ``publisher_id`` (u64, one per publishing
   process), ``sequence`` (u64, per publisher from 0, +1 per message), ``published_at`` (u64

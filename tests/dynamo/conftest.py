@@ -17,7 +17,6 @@ with them) until pytest prunes it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
@@ -30,9 +29,6 @@ from live import LiveFleet
 from seqstate_kit import Seqstate, lacks, running_seqstate
 
 from projector.nats.server import NatsServer
-
-# serve-http as the integration tests start it (http_kit); appended: this suite's modules win.
-sys.path.append(str(Path(__file__).resolve().parent.parent / "integration"))
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Fuzzed bytes on every subject a role may publish to, sent to real processes.
 
 A ``seqstate writer``, a ``seqstate projector`` and a ``seqstate watch --json`` (a view) run
-as the operator starts them. A fixed-seed corpus (``tests/fuzz_bytes.py``: valid events at the
+as the operator starts them. A fixed-seed corpus (``tests/support/fuzz_bytes.py``: valid events at the
 edges of their ranges, cut short, flipped, spliced, with integers past 64 bits, headers that
 claim 2^32-1 items, nesting up to 200,000 deep, types no field has, events near and past the
 writer's size rule) goes on routers' worker and routers subjects and the operator's control

@@ -3,7 +3,7 @@
 # Debian's etcd-server package (3.4), downloaded with apt and unpacked (dpkg-deb -x) into DIR,
 # outside the checkout. Returns at once when DIR already holds a working etcd, or when one is
 # installed system-wide (/usr/bin/etcd). `make test` runs it before pytest; the tests find the
-# binary through ETCD_BIN, else DIR's default, else PATH (tests/etcd_server.py).
+# binary through ETCD_BIN, else DIR's default, else PATH (tests/support/etcd_server.py).
 # Usage: install_etcd.sh [DIR]   (default: ${XDG_CACHE_HOME:-$HOME/.cache}/seqstate/etcd-3.4)
 set -euo pipefail
 dir=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/seqstate/etcd-3.4}

@@ -1,7 +1,7 @@
 """deploy/grafana/dashboards/seqstate.json names only metrics the code exports.
 
 Every PromQL expression of every panel and template variable is parsed for its metric names
-(tests/promql_labels.py), and each must be a series name the code's registry exposes,
+(tests/support/promql_labels.py), and each must be a series name the code's registry exposes,
 histogram and counter suffixes included. A renamed metric then fails here, not on an
 operator's blank panel.
 """

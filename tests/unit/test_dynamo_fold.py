@@ -12,6 +12,19 @@ from typing import Any
 
 import msgspec
 import pytest
+from dynamo_capture import (
+    BIG_WORKER,
+    CAPTURE,
+    EDGES,
+    ENDPOINT,
+    FRONTEND_A,
+    FRONTEND_B,
+    NO_RANK,
+    SMALL_WORKER,
+    SUBJECT,
+    WORKER_DP1,
+    WORKER_DP2,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,19 +53,6 @@ from seqstate.dynamo import (
 )
 from seqstate.fold import OUT_OF_BOUNDS, TOO_LARGE, UNDECODABLE, WRONG_SUBJECT, subject_of
 from seqstate.snapshot import _State, decode_state
-from tests.dynamo_capture import (
-    BIG_WORKER,
-    CAPTURE,
-    EDGES,
-    ENDPOINT,
-    FRONTEND_A,
-    FRONTEND_B,
-    NO_RANK,
-    SMALL_WORKER,
-    SUBJECT,
-    WORKER_DP1,
-    WORKER_DP2,
-)
 
 pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 

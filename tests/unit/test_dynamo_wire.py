@@ -1,5 +1,5 @@
 """Dynamo's replica-sync bytes: decoded exactly, encoded back to the same bytes, and
-every defect refused with a reason, over the real capture (tests/dynamo_capture.py)."""
+every defect refused with a reason, over the real capture (tests/support/dynamo_capture.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,17 @@ from typing import Any
 
 import msgspec
 import pytest
+from dynamo_capture import (
+    BIG_WORKER,
+    CAPTURE,
+    ENDPOINT,
+    FRONTEND_A,
+    FRONTEND_B,
+    SMALL_WORKER,
+    SUBJECT,
+    WORKER_DP1,
+    WORKER_DP2,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,17 +40,6 @@ from seqstate.dynamo import (
 )
 from seqstate.errors import SeqstateError
 from seqstate.events import EventDecodeError
-from tests.dynamo_capture import (
-    BIG_WORKER,
-    CAPTURE,
-    ENDPOINT,
-    FRONTEND_A,
-    FRONTEND_B,
-    SMALL_WORKER,
-    SUBJECT,
-    WORKER_DP1,
-    WORKER_DP2,
-)
 
 pytestmark = pytest.mark.core  # exercises the core: the pure pass runs it too
 

@@ -15,7 +15,7 @@ from typing import Final, NamedTuple
 
 import msgspec
 
-PATH: Final = Path(__file__).parent / "data" / "replica-sync-1.6.1.jsonl"
+PATH: Final = Path(__file__).resolve().parents[1] / "data" / "replica-sync-1.6.1.jsonl"
 
 
 class Captured(NamedTuple):

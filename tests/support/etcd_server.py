@@ -30,7 +30,7 @@ from projector.nats.server import _free_ports
 
 READY_S = 20.0
 STOP_S = 10.0
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 INSTALLER = HERE / "tools" / "install_etcd.sh"
 
 
