@@ -1,16 +1,16 @@
 """Fuzzed bytes on every subject a role may publish to, sent to real processes.
 
-A ``seqstate writer``, a ``seqstate projector`` and a ``seqstate watch --json`` (a view) run
-as the operator starts them. A fixed-seed corpus (``tests/support/fuzz_bytes.py``: valid events at the
-edges of their ranges, cut short, flipped, spliced, with integers past 64 bits, headers that
-claim 2^32-1 items, nesting up to 200,000 deep, types no field has, events near and past the
-writer's size rule) goes on routers' worker and routers subjects and the operator's control
+A ``seqstate writer``, a ``seqstate projector`` and a ``seqstate watch --json`` (a view) run as
+the operator starts them. A fixed-seed corpus (``tests/support/fuzz_bytes.py``: valid events at
+the edges of their ranges, cut short, flipped, spliced, with integers past 64 bits, headers
+that claim 2^32-1 items, nesting up to 200,000 deep, types no field has, events near and past
+the writer's size rule) goes on routers' worker and routers subjects and the operator's control
 subject; broken and forged messages go on the deltas subject, which the writer's role may
 publish to. Half way, the writer and the projector are SIGKILLed and started again over what
 they had folded. Every process stays up; the writer's snapshot and the bucket are what one
 uninterrupted fold of the log gives; ``seqstate replay --verify`` (its default, fast, reader)
-says identical and a replay from the first event counts every dead letter; the view followed
-to the last event.
+says identical and a replay from the first event counts every dead letter; the view followed to
+the last event.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ A kill point is a number of events published, chosen by ``random.Random(seed)``,
 moment in time. Before each kill the test waits until the process it is about to kill has
 shown progress of its own (a delta or a bucket position newer than when it started), so every
 SIGKILL hits a process that is connected and working, never one still importing Python.
-Every wait is an ``eventually`` (tests/support/eventually.py): an observable condition with a deadline;
-a process that dies on its own fails the test at once with its log (``check=service.check``).
+Every wait is an ``eventually`` (tests/support/eventually.py): an observable condition with a
+deadline; a process that dies on its own fails the test at once with its log
+(``check=service.check``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``eventually`` (tests/support/eventually.py), the wait every integration and fault test relies on.
+"""``eventually`` (tests/support/eventually.py), the wait every integration and fault test
+relies on.
 
 Each test drives the helper with a probe that counts its calls, so success and failure are
 decided by the count, not by a clock: ``interval=0`` polls without sleeping and ``timeout=0``
