@@ -32,7 +32,7 @@ import functools
 import re
 from typing import Final
 
-from projector.settings.config import MAX_NAMESPACE_BYTES
+from projector.settings.checks import MAX_NAMESPACE_BYTES
 from seqstate.errors import SeqstateError
 
 PREFIX: Final = "st-"

@@ -26,7 +26,8 @@ from contextlib import suppress
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from projector.settings.config import Config, ConfigError, is_literal_subject
+from projector.settings.checks import is_literal_subject
+from projector.settings.config import Config, ConfigError
 from projector.settings.redaction import JWT, server_urls
 
 # ---- credentials from settings ---------------------------------------------------------------

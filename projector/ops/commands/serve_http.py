@@ -17,7 +17,8 @@ from projector.nats.connection import closed_for_good, connect, require_url
 from projector.ops import flags
 from projector.ops.commands.command import CliError, Command
 from projector.ops.commands.signals import catch_signals, until_signal
-from projector.settings.config import Config, bearer_problem, env_name
+from projector.settings.checks import bearer_problem
+from projector.settings.config import Config, env_name
 
 log = logging.getLogger("seqstate")
 
