@@ -62,7 +62,7 @@ else:
 
 # The shared fixtures (a real nats-server, a client, a real etcd) live in tests/support/, loaded
 # here, after the core's import hook is in place.
-pytest_plugins = ["fixtures"]
+pytest_plugins = ["server_fixtures"]  # not "fixtures": pytest has a plugin of that name
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
