@@ -77,10 +77,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from harness.cli import argument_parser
+from harness.http import listener_pid, one_shot
 from harness.measure import alternated, median, percentile, proc_tree_cpu
 from harness.report import cpu_model, git_revision
 from harness.servers import free_port
-from http_servers import listener_pid, one_shot
 
 REPO: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN: Final = os.path.dirname(sys.executable)
