@@ -18,6 +18,9 @@ nothing of the product or the tests imports it.
   a connection of its own (``one_shot``), the process behind a port (``listener_pid``), and
   the client connection a load generator builds on (``RawClient``: answers split by
   ``Content-Length``).
+- :mod:`harness.trackers`: the slot trackers an HTTP benchmark measures, started for it and
+  stopped together: ``seqstate serve-http`` on a nats-server of its own and Dynamo's tracker
+  (``start_servers``, ``Processes``), or servers already running (``--seqstate-url``).
 - :mod:`harness.cli`: the parser and the flags several scripts take (``--json``,
   ``--trace``, positive counts).
 - :mod:`harness.workload`: the Mooncake conversation trace as lifecycles, events and
