@@ -27,13 +27,7 @@ import time
 from harness.cli import argument_parser
 from harness.measure import alternated, percentile
 from harness.report import git_revision
-from slot_vs_dynamo import (
-    Processes,
-    StartError,
-    Target,
-    add_server_args,
-    start_servers,
-)
+from harness.trackers import Processes, StartError, Target, add_server_args, start_servers
 
 MODEL = "potential-bench"
 

@@ -74,13 +74,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import cProfile
-import gc
 import hashlib
 import inspect
 import json
 import logging
-import pstats
 import statistics
 import subprocess
 import sys
@@ -92,32 +89,22 @@ from typing import Any, Final
 import msgspec
 from harness.cli import add_json, add_trace, argument_parser, positive
 from harness.measure import children_cpu_s, collect, process_cpu_s
-from harness.report import (
-    REPO_ROOT,
-    emit,
-    fmt_rates,
-    git_revision,
-    machine,
-    print_head,
-    print_software,
-    verdict,
-)
+from harness.report import REPO_ROOT, emit, git_revision, machine
 from harness.servers import connect, server_version
 from harness.workload import WAIT_TIMEOUT_S, base_events, encoded, fill
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js import api
 from nats.js.errors import NotFoundError
+from replay_profile import client_alone, core_alone, profiled_replay, reader_alone
+from replay_report import print_report
 
 import seqstate.state
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.nats.snapshots import SnapshotStore
-from projector.nats.stream import log_time_ns
 from projector.run.assemble import build_delta_log, build_writer
 from projector.settings.config import Config
 from projector.write.log_fold import fold_stream
-from seqstate import Delta, Event, SequenceState, decode_event
+from seqstate import Delta, Event, SequenceState
 
 TARGET_REPLAY_EVENTS_PER_S: Final = 100_000
 TARGET_READY_S: Final = 2.0
@@ -344,213 +331,6 @@ async def ready_once(
     }
 
 
-# ---- profile ------------------------------------------------------------------------------
-
-
-async def client_alone(url: str, config: Config, last: int) -> tuple[dict[str, Any], list[Any]]:
-    """(p1) fold_stream's subscription with a callback that folds nothing; keeps the payloads."""
-    nc = await connect(url, "bench-client-alone")
-    kept: list[tuple[bytes, int]] = []
-    keep = kept.append
-    try:
-        done = asyncio.get_running_loop().create_future()
-
-        async def take(msg: Msg) -> None:
-            seq, at_ns = log_time_ns(msg)
-            keep((msg.data, at_ns))
-            if seq >= last and not done.done():
-                done.set_result(None)
-
-        collect()
-        c0, t0 = time.process_time(), time.perf_counter()
-        sub = await nc.jetstream().subscribe(
-            config.events_subjects,
-            stream=config.events_stream,
-            ordered_consumer=True,
-            idle_heartbeat=1.0,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            config=api.ConsumerConfig(opt_start_seq=1),
-            cb=take,
-            pending_msgs_limit=1_000_000,
-            pending_bytes_limit=1 << 30,
-        )
-        await asyncio.wait_for(done, WAIT_TIMEOUT_S)
-        seconds = time.perf_counter() - t0
-        cpu = time.process_time() - c0
-        await sub.unsubscribe()
-    finally:
-        await nc.drain()
-    return {
-        "events": len(kept),
-        "seconds": seconds,
-        "cpu_s": cpu,
-        "events_per_s": len(kept) / seconds,
-    }, kept
-
-
-async def reader_alone(url: str, config: Config, last: int) -> dict[str, Any] | None:
-    """(p1b) the fast path's reader process and pipe, feeding a callback that folds nothing."""
-    try:
-        from projector.nats.stream_reader import fast_fold
-    except ImportError:
-        return None
-    nc = await connect(url, "bench-reader-alone")
-    count = 0
-
-    def take(*args: Any) -> bool:
-        """One ``(seq, at_ns, data)`` or, in newer versions, one batch of them."""
-        nonlocal count
-        if len(args) == 1:
-            count += len(args[0])
-            return bool(args[0]) and args[0][-1][0] < last
-        count += 1
-        return bool(args[0] < last)
-
-    try:
-        collect()
-        c0, k0, t0 = time.process_time(), children_cpu_s(), time.perf_counter()
-        _, why = await fast_fold(nc, config, take, start_seq=1, end_seq=last)
-        seconds = time.perf_counter() - t0
-        cpu, child_cpu = time.process_time() - c0, children_cpu_s() - k0
-    finally:
-        await nc.drain()
-    return {
-        "events": count,
-        "seconds": seconds,
-        "cpu_s": cpu,
-        "child_cpu_s": child_cpu,
-        "events_per_s": count / seconds,
-        "gave_up": why,
-    }
-
-
-def fold_payloads(
-    kept: Sequence[tuple[bytes, int]], config: Config, *, like_fold_stream: bool
-) -> float:
-    """Seconds to decode and fold ``kept`` into a fresh state.
-
-    ``like_fold_stream``: as ``fold_stream`` folds when it can (registry deferred and rebuilt
-    once at the end, cyclic GC off); otherwise registry kept current and GC on (fold.py's way).
-    """
-    state = config.new_state()
-    apply = state.apply
-    deferred = like_fold_stream and hasattr(state, "defer_registry")
-    collect()
-    if like_fold_stream:
-        gc.disable()
-    try:
-        t0 = time.perf_counter()
-        if deferred:
-            state.defer_registry()
-        for data, at_ns in kept:
-            apply(decode_event(data), at_ns)
-        if deferred:
-            state.sync_registry()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
-
-
-def core_alone(kept: Sequence[tuple[bytes, int]], config: Config) -> dict[str, Any]:
-    """(p2) decode_event + apply over the stream's own payloads and log times, no NATS."""
-    n = len(kept)
-    collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        decoded = [decode_event(data) for data, _ in kept]
-        decode_s = time.perf_counter() - t0
-    finally:
-        gc.enable()
-    del decoded
-    fast_s = fold_payloads(kept, config, like_fold_stream=True)
-    plain_s = fold_payloads(kept, config, like_fold_stream=False)
-    return {
-        "events": n,
-        "decode_us": decode_s / n * 1e6,
-        "like_fold_stream_us": fast_s / n * 1e6,
-        "like_fold_stream_events_per_s": n / fast_s,
-        "registry_current_gc_on_us": plain_s / n * 1e6,
-        "registry_current_gc_on_events_per_s": n / plain_s,
-    }
-
-
-CATEGORIES: Final = (
-    ("seqstate: decode_event", ("seqstate/events",)),
-    ("seqstate: apply (the fold, registry rebuild)", ("seqstate/", "SequenceState", "seqstate.")),
-    (
-        "fold_stream's loop (_Folder / take, log_time_ns)",
-        ("projector/replay", "projector/stream.py"),
-    ),
-    ("fast path, this side (pipe reads, batch decode)", ("projector/stream_reader",)),
-    ("nats-py JetStream (ordered-consumer checks, metadata)", ("nats/js/",)),
-    ("nats-py core (read loop, parser, Msg, dispatch)", ("nats/aio/", "nats/protocol/")),
-    ("asyncio (queues, tasks, streams, event loop, epoll)", ("asyncio/", "selectors")),
-)
-OTHER: Final = "other"
-
-
-def categorize(key: tuple[str, int, str]) -> str:
-    text = f"{key[0]}:{key[2]}"
-    for label, needles in CATEGORIES:
-        if any(needle in text for needle in needles):
-            return label
-    return OTHER
-
-
-def grouped(raw: dict[tuple[str, int, str], Any]) -> dict[str, float]:
-    """Own time per category; a builtin's own time goes to the category of each caller."""
-    groups: dict[str, float] = {}
-    for key, (_, _, tottime, _, callers) in raw.items():
-        label = categorize(key)
-        if key[0] == "~" and label == OTHER and callers:
-            for caller, caller_stats in callers.items():
-                share = caller_stats[2]  # own time of this builtin under that caller
-                groups[categorize(caller)] = groups.get(categorize(caller), 0.0) + share
-            continue
-        groups[label] = groups.get(label, 0.0) + tottime
-    return groups
-
-
-async def profiled_replay(url: str, config: Config, last: int, top: int) -> dict[str, Any]:
-    """(p3) cProfile over one fold_stream, grouped by where the time goes."""
-    nc = await connect(url, "bench-profile")
-    profiler = cProfile.Profile()
-    try:
-        state = config.new_state()
-        collect()
-        t0 = time.perf_counter()
-        profiler.enable()
-        await fold_stream(nc, config, state, start_seq=1, end_seq=last)
-        profiler.disable()
-        seconds = time.perf_counter() - t0
-    finally:
-        await nc.drain()
-    stats = pstats.Stats(profiler)
-    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
-    total = sum(v[2] for v in raw.values())
-    groups = grouped(raw)
-    rows = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    functions = []
-    for (filename, line, name), (_, calls, tottime, cumtime, _) in rows:
-        short = "/".join(Path(filename).parts[-2:]) if filename != "~" else ""
-        functions.append(
-            {
-                "function": f"{short}:{line}({name})" if short else name,
-                "calls": calls,
-                "tottime_s": tottime,
-                "cumtime_s": cumtime,
-                "share": tottime / total,
-            }
-        )
-    return {
-        "wall_s_under_profiler": seconds,
-        "profiled_s": total,
-        "shares": {k: v / total for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-        "top": functions,
-    }
-
-
 # ---- one invocation -----------------------------------------------------------------------
 
 
@@ -651,147 +431,6 @@ def import_time() -> float:
         cwd=REPO_ROOT,
     )
     return time.perf_counter() - t0
-
-
-# ---- reporting ----------------------------------------------------------------------------
-
-
-def print_report(report: dict[str, Any]) -> None:
-    m, w, r = report["machine"], report["workload"], report["result"]
-    print_head("seqstate replay and restart benchmark (benchmarks/replay.py)", m)
-    print_software(m, r["nats_server"], f"; compiled {w['compiled_core']}")
-    if m.get("git_at_end", m["git"]) != m["git"]:
-        print(f"  WARNING    : the checkout changed during the run: now {m['git_at_end']}")
-    print(
-        f"  workload   : {w['trace']} ({w['trace_events']:,} events per pass), "
-        f"{w['events']:,} events in the stream ({w['workers']} WorkerAdded + lifecycles, "
-        f"{w['workers']} workers round-robin), {w['runs']} runs each"
-    )
-    s = r["setup"]
-    print(
-        f"\nsetup (untimed for the targets): {s['events']:,} events encoded in "
-        f"{s['build_s']:.1f} s, published in {s['seconds']:.1f} s ({s['events_per_s']:,.0f} "
-        f"events/s, publish_async pipelined, max pending {s['max_pending']}, every ack "
-        f"checked); stream {s['stream_bytes'] / 1e6:.0f} MB"
-    )
-
-    a = r["replay"]
-    path = "fast path (reader process)" if a["fast_path_available"] else "nats-py ordered consumer"
-    print(
-        f"\n(r1) replay throughput: fold_stream(start_seq=1, end_seq={s['last_seq']:,}) into a "
-        f"fresh SequenceState, no snapshot; {path}"
-    )
-    print(
-        f"    median {a['median_events_per_s']:,.0f} events/s ({a['median_seconds']:.2f} s)   "
-        f"target >= {a['target_events_per_s']:,} events/s: {verdict(a['meets_target'])}"
-    )
-    print(f"    runs (events/s): {fmt_rates([x['events_per_s'] for x in a['runs']])}")
-    print(
-        "    CPU this process + reader child + nats-server / wall (per run; 2 vCPUs give "
-        "2 CPU-s per s): "
-        + ", ".join(
-            f"{x['cpu_s']:.2f} + {x['child_cpu_s']:.2f} + {x['server_cpu_s']:.2f} / "
-            f"{x['seconds']:.2f} s"
-            for x in a["runs"]
-        )
-    )
-    fell_back = [msg for x in a["runs"] for msg in x["warnings"]]
-    print(f"    fallbacks or warnings: {fell_back or 'none'}")
-    x = a["runs"][-1]
-    print(
-        f"    every run's final state identical: yes (sha256 {x['digest']}); live at end "
-        f"{x['live_requests']}; outcomes {x['outcomes']}"
-    )
-    if "replay_client_path" in r:
-        c = r["replay_client_path"]
-        print(
-            f"    for comparison, fold_stream(fast=False) (nats-py ordered consumer): median "
-            f"{c['median_events_per_s']:,.0f} events/s ("
-            + ", ".join(
-                f"{y['events_per_s']:,.0f}/s, CPU {y['cpu_s']:.1f} + server "
-                f"{y['server_cpu_s']:.1f} / {y['seconds']:.1f} s"
-                for y in c["runs"]
-            )
-            + "); same final state"
-        )
-
-    snap, b = r["snapshot"], r["ready"]
-    print(
-        f"\n(r2) start to ready: build_writer(nc, config) → writer.caught_up, snapshot at event "
-        f"{snap['applied_seq']:,} (last - {b['tail']:,})"
-    )
-    print(
-        f"    snapshot: {snap['bytes'] / 1e6:.2f} MB ({snap['live_requests']:,} live requests, "
-        f"{snap['ended_ids']:,} ended ids, {snap['tombstones']:,} tombstones); prepared by "
-        f"folding to it in {snap['fold_s']:.1f} s, encoded in {snap['encode_s'] * 1000:.0f} ms, "
-        f"saved + verified in {snap['save_s'] * 1000:.0f} ms; "
-        f"SequenceState.restore in this process {snap['decode_in_process_s'] * 1000:.0f} ms"
-    )
-    print(
-        f"    median {b['median_s'] * 1000:.0f} ms   target < {b['target_s']:g} s: "
-        f"{verdict(b['meets_target'])}   (+ connect {b['median_connect_s'] * 1000:.1f} ms, "
-        f"+ a fresh interpreter's imports {w['import_s'] * 1000:.0f} ms)"
-    )
-    print("    runs (ms): " + ", ".join(f"{x['seconds'] * 1000:.0f}" for x in b["runs"]))
-    labels = {
-        "start_before_restore": "ensure + newest delta + open store",
-        "snapshot_load": "snapshot load (list + fetch + decode)",
-        "snapshot_fetch": "  of which fetch (object store get)",
-        "snapshot_decode_and_list": "  of which list + decode",
-        "coverage_and_target": "coverage check + stream's last seq",
-        "subscribe": "create the ordered consumer",
-        "tail_fold": f"fold the {b['tail']:,}-event tail + its deltas",
-    }
-    for key, label in labels.items():
-        print(f"    {label:<40} median {b['median_phases_s'][key] * 1000:7.1f} ms")
-    x = b["runs"][-1]
-    print(
-        f"    tail: {x['tail_events']:,} events at {x['tail_events_per_s']:,.0f} events/s, "
-        f"{x['batches_published']} delta batches; restored_from == {x['restored_from']:,} and "
-        f"state == full replay in every run: "
-        f"{all(y['state_equals_full_replay'] for y in b['runs'])}"
-    )
-
-    if "profile" in r:
-        p = r["profile"]
-        p1, p1b, p2, p3 = p["client_alone"], p["reader_alone"], p["core_alone"], p["cprofile"]
-        print("\nprofile: where (r1)'s time goes")
-        print(
-            f"    (p1) nats-py alone (the fallback's ordered consumer, callback reads seq/time "
-            f"and keeps the payload): {p1['events_per_s']:,.0f} events/s ({p1['seconds']:.2f} s, "
-            f"CPU {p1['cpu_s']:.2f} s)"
-        )
-        if p1b is not None:
-            print(
-                f"    (p1b) fast path's reader process + pipe alone (callback folds nothing): "
-                f"{p1b['events_per_s']:,.0f} events/s ({p1b['seconds']:.2f} s; CPU parent "
-                f"{p1b['cpu_s']:.2f} s, reader {p1b['child_cpu_s']:.2f} s)"
-                + (f"; gave up: {p1b['gave_up']}" if p1b["gave_up"] else "")
-            )
-        print(
-            f"    (p2) core alone, in process on the stream's payloads: decode "
-            f"{p2['decode_us']:.2f} us/event; decode + apply as fold_stream folds (registry "
-            f"deferred, GC off) {p2['like_fold_stream_us']:.2f} us = "
-            f"{p2['like_fold_stream_events_per_s']:,.0f} events/s; with the registry kept "
-            f"current and GC on {p2['registry_current_gc_on_us']:.2f} us = "
-            f"{p2['registry_current_gc_on_events_per_s']:,.0f} events/s"
-        )
-        print(
-            f"    per event: replay {1e6 / a['median_events_per_s']:.2f} us; nats-py alone "
-            f"{1e6 / p1['events_per_s']:.2f} us"
-            + (f"; reader + pipe alone {1e6 / p1b['events_per_s']:.2f} us" if p1b else "")
-            + f"; fold alone {p2['like_fold_stream_us']:.2f} us"
-        )
-        print(
-            f"    (p3) cProfile over one fold_stream, this process only "
-            f"({p3['wall_s_under_profiler']:.1f} s under the profiler), share of profiled time:"
-        )
-        for label, share in p3["shares"].items():
-            print(f"        {share * 100:5.1f}%  {label}")
-        print("        top functions by own time:")
-        for row in p3["top"]:
-            print(f"        {row['share'] * 100:5.1f}%  {row['calls']:>9,}  {row['function']}")
-    print(f"\nwall time: {report['wall_s']:.1f} s")
 
 
 # ---- main ---------------------------------------------------------------------------------

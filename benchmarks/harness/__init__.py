@@ -14,6 +14,13 @@ nothing of the product or the tests imports it.
   ``seqstate replay --verify``. The embedded nats-server itself is the product's
   ``projector.nats.server.NatsServer`` (and ``NatsCluster``): a benchmark starts those, never
   a copy.
+- :mod:`harness.http`: raw HTTP/1.1 for the scripts that load an HTTP server: one call on
+  a connection of its own (``one_shot``), the process behind a port (``listener_pid``), and
+  the client connection a load generator builds on (``RawClient``: answers split by
+  ``Content-Length``).
+- :mod:`harness.trackers`: the slot trackers an HTTP benchmark measures, started for it and
+  stopped together: ``seqstate serve-http`` on a nats-server of its own and Dynamo's tracker
+  (``start_servers``, ``Processes``), or servers already running (``--seqstate-url``).
 - :mod:`harness.cli`: the parser and the flags several scripts take (``--json``,
   ``--trace``, positive counts).
 - :mod:`harness.workload`: the Mooncake conversation trace as lifecycles, events and
