@@ -2,7 +2,7 @@
 
 serde names a value it did not want (``invalid type: string "…", expected u64``), in Rust's
 words; serve-http answers the same bytes (docs/slot-tracker-api.md), so the two formats are
-copied here, each checked against the 1.6.1 wheel (tests/unit/test_serde_errors.py).
+copied here, each checked against the 1.6.1 wheel (tests/unit/test_serde_errors_text.py).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ serde_path_to_error, into a ``#[derive(Deserialize)]`` struct. Its refusal is on
 ``<prefix><path>: <text> at line L column C``; serve-http answers the same bytes
 (docs/slot-tracker-api.md). :mod:`.serde_reader` walks a body as serde_json does and names,
 at each refusal, a row of :data:`CASES`; everything else of the answer is formatting
-(:meth:`Refusal.text`). Every row was observed on the 1.6.1 wheel (tests/unit/test_serde_errors.py,
-and tests/dynamo/test_extractor_errors.py against the wheel itself).
+(:meth:`Refusal.text`). Every row was observed on the 1.6.1 wheel
+(tests/unit/test_serde_errors_text.py, and tests/dynamo/test_extractor_errors.py against the
+wheel itself).
 
 A row's position rule says which byte serde_json's position is computed from:
 

@@ -1,5 +1,5 @@
 """deploy/nats-roles.conf is what deploy/nats_roles.py writes for the default names, and a
-nats-server accepts it (the permissions themselves: tests/integration/test_permissions.py)."""
+nats-server accepts it (the permissions themselves: tests/integration/test_permissions_*.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_another_namespace_gets_its_own_subjects() -> None:
 
 def test_the_control_subject_is_the_operators_and_the_writers_never_a_routers() -> None:
     """Who may publish where on the events subjects (the servers' enforcement of it:
-    tests/integration/test_permissions.py)."""
+    tests/integration/test_permissions_refusals.py)."""
     generator = runpy.run_path(str(ROOT / "deploy" / "nats_roles.py"))
     config = Config()
     allowed = {role: publish for role, (_, publish) in generator["permissions"](config).items()}
