@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 
 CORE = Path(__file__).resolve().parent.parent / "seqstate"
+# The shared helpers (tests/support/) assert too: their failures explain themselves as a test's
+# do, once pytest rewrites them like test modules (before anything imports them).
+pytest.register_assert_rewrite(*(p.stem for p in (Path(__file__).parent / "support").glob("*.py")))
 PURE = os.environ.get("SEQSTATE_PURE") == "1"
 
 
