@@ -11,6 +11,7 @@ import random
 import re
 import subprocess
 import time
+from itertools import pairwise
 
 import msgspec
 from log_text import plain_lines
@@ -240,3 +241,36 @@ async def test_a_moment_in_trimmed_history_names_the_earliest_answerable(
     assert rows_of(out.stdout) == [msgspec.to_builtins(r) for r in state]
     assert f"0 events folded from snapshot {oldest.name}" in out.stderr
     assert last > oldest.applied_seq
+
+
+async def test_history_snapshots_bound_the_fold_of_any_moment(
+    nc: Client, nats_server: object
+) -> None:
+    """A writer whose snapshots by count are far apart (a large state's are) still snapshots
+    the first event at or past every multiple of ``snapshot_history_every``: whatever the
+    moment, ``loads --at`` folds fewer events than that, and equals a replay from the start."""
+    url = nats_server.url  # type: ignore[attr-defined]
+    config = fresh_config(
+        "lh",
+        snapshot_bucket=f"lhsnap{fresh_config().namespace}",
+        snapshot_every_events=1_000,
+        snapshot_every_s=0.0,
+        snapshots_keep=2,
+        snapshot_history_every=20,
+        idle_tick_s=3600.0,  # no Tick between chunks: the log is the chunks' events
+    )
+    last = await history(nc, config, 10)
+    assert last == 121  # the WorkerAdded, then 10 chunks of 12
+    snapshots = [s.applied_seq for s in await (await SnapshotStore(nc, config).open()).list()]
+    assert snapshots == [20, 40, 60, 80, 100, 120, 121]  # the last one: the stop's
+    starts = [0, *snapshots]
+    widest = max(b - a for a, b in pairwise(starts))
+    assert widest == 20
+    for seq in (19, 20, 39, 119, 121):
+        out = await run_cli(config, url, "loads", "--at", f"seq:{seq}", "--json")
+        assert out.returncode == 0, out.stderr
+        fresh = await replay(nc, config, from_seq=1, to_seq=seq)
+        assert rows_of(out.stdout) == [msgspec.to_builtins(r) for r in fresh.loads()], seq
+        start = max(s for s in starts if s <= seq)
+        source = f"snapshot {config.namespace}.{start:020d}" if start else "the first event"
+        assert plain_lines(out.stderr)[0].endswith(f"; {seq - start} events folded from {source}")
