@@ -14,13 +14,16 @@ import time
 from itertools import pairwise
 
 import msgspec
+import pytest
 from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import folded, fresh_config, read_events, read_log, run_cli
+from pipeline_kit import fill, folded, fresh_config, read_events, read_log, run_cli
 
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
-from projector.ops.replay import iso, parse_at, replay
+from projector.ops import replay as replay_module
+from projector.ops.loads_at import loads_at
+from projector.ops.replay import FAST_PATH_MIN_EVENTS, iso, parse_at, replay
 from projector.read.bucket import read_bucket
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
@@ -274,3 +277,38 @@ async def test_history_snapshots_bound_the_fold_of_any_moment(
         start = max(s for s in starts if s <= seq)
         source = f"snapshot {config.namespace}.{start:020d}" if start else "the first event"
         assert plain_lines(out.stderr)[0].endswith(f"; {seq - start} events folded from {source}")
+
+
+async def test_a_long_tail_s_reader_starts_while_its_snapshot_is_restored(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look back whose tail the reader process folds starts that process before the
+    snapshot is fetched and restored, not after: the two overlap. The answer is unchanged."""
+    config = fresh_config("lr", snapshot_bucket=f"lrsnap{fresh_config().namespace}")
+    last = await fill(nc, config, FAST_PATH_MIN_EVENTS + 2_000)
+    events = await read_events(nc, config)
+    at = 1_000
+    state = folded(config, [e for e in events if e[0] <= at])
+    store = await SnapshotStore(nc, config).open()
+    await store.save(state.snapshot(), at, state.now_ns)
+    order: list[str] = []
+    start_reader, load = replay_module.start_reader, SnapshotStore.load
+
+    async def started(*args: object) -> object:
+        order.append("reader started")
+        return await start_reader(*args)  # type: ignore[arg-type]
+
+    async def restored(self: SnapshotStore, *args: object, **kwargs: object) -> object:
+        loaded = await load(self, *args, **kwargs)  # type: ignore[arg-type]
+        order.append("snapshot restored")
+        return loaded
+
+    monkeypatch.setattr(replay_module, "start_reader", started)
+    monkeypatch.setattr(SnapshotStore, "load", restored)
+    answer = await loads_at(nc, config, f"seq:{last}")
+    assert order == ["reader started", "snapshot restored"]
+    assert answer.replayed.snapshot is not None and answer.replayed.snapshot.applied_seq == at
+    assert answer.replayed.events == last - at
+    fresh = await replay(nc, config, from_seq=1)
+    assert answer.replayed.state.snapshot() == fresh.state.snapshot()
+    assert answer.replayed.loads() == fresh.loads()
