@@ -17,7 +17,8 @@ its cost (count, size, encode time, one save at a time). A history snapshot serv
 ``snapshot_history_every`` gets one, whatever the cost-based spacing says, so that a look back
 folds fewer than that many events from the snapshot before it; a save under way does not hold
 it back either, it is stored right after. It costs one encode per ``history_every`` events at
-most, and resets the cost-based spacing as any snapshot does.
+most, and resets the cost-based spacing as any snapshot does; one by count is left out when a
+history snapshot comes sooner than the next by count would.
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ SNAPSHOT_TIMEOUT_S = 30.0  # a snapshot not stored by then is given up: the log 
 # events/s would then stall the fold for several percent of its time, and every event behind
 # a stall waits for it. So the next snapshot is not due before the last encode's duration,
 # divided by this share, has passed: restarts fold a slightly longer tail, events stay fresh.
+# Storing it costs the loop too (its chunks, their digests, the read-back): counted as
+# ``SAVE_S_PER_BYTE``, the cost per byte measured on a writer catching up over a million
+# events, so that a cheaper encode does not buy more saves than the share pays for.
 ENCODE_SHARE = 0.02
+SAVE_S_PER_BYTE = 20e-9
 # Bytes of snapshot per event folded since the last one, at most, when snapshotting by count.
 # A snapshot costs work in proportion to its size (encoding, the digest, storing its chunks,
 # reading them back before older ones are pruned: about 40 ns a byte here, and as much again
@@ -184,13 +189,15 @@ class Snapshotter:
         if self._task is not None and not self._task.done():
             return False
         since = time.monotonic() - self._taken_at
-        if since < self._encode_s / ENCODE_SHARE:
+        if since < (self._encode_s + self._taken_bytes * SAVE_S_PER_BYTE) / ENCODE_SHARE:
             return False
         every = self.settings.every_events
-        if every and seq - self.stats.last_snapshot_seq >= max(
-            every, self._taken_bytes // BYTES_PER_EVENT
-        ):
-            return True
+        if every:
+            spacing = max(every, self._taken_bytes // BYTES_PER_EVENT)
+            # One due by count is not taken when a history snapshot comes sooner than the
+            # next one by count would: that one serves a restart as well.
+            if seq - self.stats.last_snapshot_seq >= spacing and self._history_at - seq >= spacing:
+                return True
         every_s = self.settings.every_s
         return bool(every_s) and since >= every_s
 

@@ -146,3 +146,16 @@ async def test_history_is_owed_from_the_last_snapshot_on_and_not_when_off() -> N
     off, _ = await _snapshotter(every_events=0, history_every=None)
     await off.now(_state_with_ended(3), 120)
     assert not off.due(10**9)
+
+
+async def test_no_snapshot_by_count_just_before_a_history_one() -> None:
+    """The one by count due at 90 is taken (the history one at 100 is 10 events away, as far
+    as the next by count); due at 95 after one at 85, it is left to the history one at 100."""
+    snapshotter, store = await _snapshotter(every_events=10, history_every=50)
+    small = _state_with_ended(1)
+    await snapshotter.now(small, 80)
+    assert snapshotter.due(90)
+    await snapshotter.now(small, 85)
+    assert not snapshotter.due(95) and not snapshotter.due(99)
+    assert snapshotter.due(100)
+    assert store.saved == [80, 85]
