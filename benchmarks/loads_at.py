@@ -14,7 +14,7 @@ all, taking its snapshots as it goes, and stops.
 
 ``--pace EVENTS_PER_S`` builds the history as live traffic does instead: the pipeline runs
 while the events arrive at that rate, so the writer snapshots as in service (by count and
-size) rather than as a catch-up at full speed (spaced by its encodes' time).
+size) rather than as a catch-up at full speed (spaced by its encodes' and saves' time).
 
 Each point (``--points`` of them, seeded: ``--seed``) is asked ``--runs`` times, and each
 answer timed two ways:
@@ -26,8 +26,9 @@ answer timed two ways:
     already open: the snapshot's fetch and restore and the fold.
 
 The writer spaces its snapshots by their cost (every 10,000 events, or every ``size / 64``
-events for a large state, and no sooner than 50 encodes' time): the widest gap between kept
-snapshots bounds the fold, and is reported with the snapshots' sizes.
+events for a large state, and no sooner than 50 times an encode and save's time), and takes
+one at the first event past each multiple of ``snapshot_history_every`` besides: the widest
+gap between kept snapshots bounds the fold, and is reported with the snapshots' sizes.
 
 Reported: the median per point over its runs, then the median and the maximum of those over the
 points, and how many events each point folded (from the answer's own line). At the end one

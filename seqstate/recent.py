@@ -29,7 +29,17 @@ class RecentIds:
     """``request_id -> (value, written_at_ns)``, forgetting entries older than ``retention_ns``
     and the oldest ones beyond ``capacity``. ``value`` is a code below 256."""
 
-    __slots__ = ("_queue", "_times", "capacity", "due_ns", "entries", "evicted", "retention_ns")
+    __slots__ = (
+        "_columns",
+        "_packed",
+        "_queue",
+        "_times",
+        "capacity",
+        "due_ns",
+        "entries",
+        "evicted",
+        "retention_ns",
+    )
 
     def __init__(self, retention_ns: int, capacity: int) -> None:
         self.retention_ns = retention_ns
@@ -47,6 +57,10 @@ class RecentIds:
         # When the oldest entry falls out of retention: callers skip prune() before then.
         self.due_ns: int = NEVER
         self.evicted = 0  # dropped for capacity before their time (an operator signal)
+        # The last :meth:`columns` given (or loaded), and the packed entries they were made
+        # of: the next one reuses what is unchanged.
+        self._columns: tuple[list[str], bytes, list[int]] | None = None
+        self._packed: list[int] = []
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -157,16 +171,65 @@ class RecentIds:
         self.entries.update((rid, at << VALUE_BITS | value) for rid, value, at in items)
         self._queue = deque([rid for rid, _, _ in items])
         self._times = deque([at for _, _, at in items])
+        self._columns, self._packed = None, []
         self._set_due()
 
     def columns(self) -> tuple[list[str], bytes, list[int]]:
         """The content as three columns, oldest first: the ids, their values (one byte each),
         and the gaps between their write times (the first one's time first), which are small
-        numbers where the times are not: what a snapshot stores, compactly."""
+        numbers where the times are not: what a snapshot stores, compactly.
+
+        Between two snapshots most of the entries stay as they were: some of the oldest go,
+        newer ones come after the rest. So the last columns are kept with the entries they
+        were made of, and whatever of those is still, in order and unchanged, the start of
+        the entries is reused; only the entries after it are computed. Checking that costs a
+        comparison of references per entry, not the arithmetic on 70-bit integers that
+        computing the columns again does (40 ms for the 250,000 ended ids a busy writer
+        keeps: a snapshot's encode, almost all of it).
+        """
         entries = self.entries
-        times = [packed >> VALUE_BITS for packed in entries.values()]
-        gaps = times[:1] + [b - a for a, b in pairwise(times)]
-        return list(entries), bytes([packed & VALUE_MASK for packed in entries.values()]), gaps
+        ids = list(entries)
+        packed = list(entries.values())
+        columns = self._reused(ids, packed)
+        if columns is None:
+            times = [each >> VALUE_BITS for each in packed]
+            gaps = times[:1] + [b - a for a, b in pairwise(times)]
+            columns = ids, bytes([each & VALUE_MASK for each in packed]), gaps
+        self._columns = columns
+        self._packed = packed
+        return columns
+
+    def _reused(
+        self, ids: list[str], packed: list[int]
+    ) -> tuple[list[str], bytes, list[int]] | None:
+        """The columns of the entries ``ids`` -> ``packed`` made from the last ones, if the
+        entries those were made of, from some point on, are the same objects at the start of
+        these; None otherwise (nothing to reuse)."""
+        if self._columns is None or not ids:
+            return None
+        old_ids, old_values, old_gaps = self._columns
+        old_packed = self._packed
+        start = 0
+        first = ids[0]
+        while start < len(old_ids) and old_ids[start] is not first:  # the oldest ones gone
+            start += 1
+        kept = len(old_ids) - start
+        if (
+            kept == 0
+            or kept > len(ids)
+            or ids[:kept] != old_ids[start:]
+            or packed[:kept] != old_packed[start:]
+        ):
+            return None
+        at = old_packed[-1] >> VALUE_BITS
+        gaps = [packed[0] >> VALUE_BITS]
+        gaps += old_gaps[start + 1 :]
+        for each in packed[kept:]:
+            written = each >> VALUE_BITS
+            gaps.append(written - at)
+            at = written
+        values = old_values[start:] + bytes([each & VALUE_MASK for each in packed[kept:]])
+        return ids, values, gaps
 
     def load_columns(self, ids: list[str], values: bytes, gaps: list[int]) -> None:
         """Replace the content with :meth:`columns`' output, without an object per id beyond
@@ -181,4 +244,5 @@ class RecentIds:
             raise ValueError("an id twice in a memory")
         self._queue = deque(ids)
         self._times = deque(times)
+        self._columns, self._packed = (ids, values, gaps), packed
         self._set_due()

@@ -337,9 +337,11 @@ class SnapshotStore:
         at_most_seq: int | None = None,
         at_most_ns: int | None = None,
         registry: bool = True,
+        snapshots: builtins.list[SnapshotInfo] | None = None,
     ) -> tuple[SequenceState, SnapshotInfo] | None:
-        """The newest snapshot that loads (within the bounds given); each one passed is logged."""
-        for info in reversed(await self.list()):
+        """The newest snapshot that loads (within the bounds given; among ``snapshots`` if the
+        caller has just listed them); each one passed is logged."""
+        for info in reversed(await self.list() if snapshots is None else snapshots):
             if at_most_seq is not None and info.applied_seq > at_most_seq:
                 continue
             if at_most_ns is not None and (info.meta is None or info.meta.as_of > at_most_ns):

@@ -31,6 +31,7 @@ import json
 import struct
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -253,24 +254,29 @@ def reader_argv() -> list[str]:
     return [sys.executable, "-m", "projector.nats.stream_reader"]
 
 
-async def fast_fold(
-    nc: Client,
-    config: Config,
-    fold: Callable[[Batch], bool],
-    *,
-    start_seq: int,
-    end_seq: int,
-) -> tuple[int, str | None]:
-    """Feed ``fold`` batches of ``(seq, log_time_ns, subject, payload)``, ``start_seq..end_seq``
-    in order.
+@dataclass
+class Reader:
+    """A reader process started ahead of its fold: its interpreter starts (a tenth of a second
+    and more) while the caller does other work, such as restoring the snapshot the fold goes
+    on from. It waits for its settings on stdin, which :func:`fast_fold` sends."""
 
-    ``fold`` returns False to stop early. Returns the last sequence fed and, if the fast path
-    gave up before the end, why: the events fed stand, and the caller continues after them.
-    """
+    proc: asyncio.subprocess.Process
+    params: ReaderParams
+
+    async def discard(self) -> None:
+        """End it unused."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        await self.proc.wait()
+
+
+async def start_reader(nc: Client, config: Config, end_seq: int) -> Reader | str:
+    """A reader process for events up to ``end_seq``, or why the fast path cannot be used."""
     inbox = nc.new_inbox()  # under the client's own prefix: its role may read only there
     params = reader_params(nc, config, inbox, end_seq)
     if isinstance(params, str):
-        return start_seq - 1, params
+        return params
     proc = await asyncio.create_subprocess_exec(
         *reader_argv(),
         stdin=asyncio.subprocess.PIPE,
@@ -278,6 +284,33 @@ async def fast_fold(
         stderr=asyncio.subprocess.PIPE,
         limit=1 << 22,
     )
+    return Reader(proc, params)
+
+
+async def fast_fold(
+    nc: Client,
+    config: Config,
+    fold: Callable[[Batch], bool],
+    *,
+    start_seq: int,
+    end_seq: int,
+    reader: Reader | str | None = None,
+) -> tuple[int, str | None]:
+    """Feed ``fold`` batches of ``(seq, log_time_ns, subject, payload)``, ``start_seq..end_seq``
+    in order, through ``reader`` (:func:`start_reader`'s, for ``end_seq``; None: one started
+    now). It ends the reader.
+
+    ``fold`` returns False to stop early. Returns the last sequence fed and, if the fast path
+    gave up before the end, why: the events fed stand, and the caller continues after them.
+    """
+    if reader is None:
+        reader = await start_reader(nc, config, end_seq)
+    if isinstance(reader, str):
+        return start_seq - 1, reader
+    proc, params, inbox = reader.proc, reader.params, reader.params.inbox
+    if params.end_seq != end_seq:
+        await reader.discard()
+        raise ValueError(f"a reader started for event {params.end_seq}, not {end_seq}")
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     js = nc.jetstream()
     consumer: str | None = None
@@ -328,10 +361,7 @@ async def fast_fold(
         url = nc.connected_url.geturl() if nc.connected_url else ""
         return last, scrub(why, url, config_secrets(config))
     finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        await proc.wait()
+        await reader.discard()
         if consumer is not None:
             with contextlib.suppress(Exception):
                 await js.delete_consumer(config.events_stream, consumer)

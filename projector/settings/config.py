@@ -135,8 +135,8 @@ class Config:
     snapshots_keep: int = _setting(3, "snapshots kept (the newest)", "N")
     snapshot_history_every: int | None = _setting(
         50_000,
-        "beside the newest, keep the first snapshot past every N events of history, so that "
-        "`loads --at` far back starts near its moment; 'off' keeps only the newest",
+        "beside the newest, snapshot the first event past every N events of history and keep "
+        "it, so that `loads --at` folds fewer than N events; 'off' keeps only the newest",
         "N",
     )
     snapshot_history_keep: int = _setting(

@@ -31,7 +31,7 @@ from nats.js.api import RawStreamMsg
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
 from projector.nats.stream import first_seq_of, last_seq_of, log_time_ns
-from projector.nats.stream_reader import fast_fold
+from projector.nats.stream_reader import Reader, fast_fold, start_reader
 from projector.settings.config import Config
 from seqstate import Fold, FoldRules, LoadRow, Refusal, SequenceState
 from seqstate.errors import SeqstateError
@@ -189,6 +189,7 @@ async def fold_stream(
     fast: bool = True,
     on_refused: Callable[[int, Refusal], None] | None = None,
     ticks: Ticks | None = None,
+    reader: Reader | None = None,
 ) -> tuple[int, int, int, int]:
     """Fold events ``start_seq..end_seq`` (stopping before log time ``until_ns``) into
     ``state``, by the configuration's :attr:`~projector.settings.config.Config.fold_rules`, as
@@ -199,8 +200,12 @@ async def fold_stream(
     in a record batch (``events`` counts a batch's events); ``ticks``, if given, is told as
     the log's time passes its marks. The registry is rebuilt once at the end instead of after
     every event. The fast path (a reader process, see :mod:`projector.nats.stream_reader`) is
-    tried first; if it gives up, the fold continues through nats-py from where it stopped.
+    tried first (through ``reader``, if one was started for ``end_seq``: this ends it); if it
+    gives up, the fold continues through nats-py from where it stopped.
     """
+    if reader is not None and (not fast or end_seq < start_seq):
+        await reader.discard()
+        reader = None
     if end_seq < start_seq:
         return 0, 0, 0, 0
     folder = _Folder(
@@ -215,7 +220,7 @@ async def fold_stream(
         why: str | None = "the fast path is off"
         if fast:
             _, why = await fast_fold(
-                nc, config, folder.fold_batch, start_seq=start_seq, end_seq=end_seq
+                nc, config, folder.fold_batch, start_seq=start_seq, end_seq=end_seq, reader=reader
             )
             if why is not None and not folder.finished:
                 log.warning("fast replay path stopped (%s); continuing through nats-py", why)
@@ -279,22 +284,36 @@ async def replay(
         end = await last_seq_at(nc, config, at_ns, bounds)
     store = await SnapshotStore(nc, config).open(create=False)  # a read makes nothing
     snapshot: SnapshotInfo | None = None
-    if from_seq is not None:
-        state = config.new_state()
-        start = from_seq
-    else:
-        state, snapshot = await starting_state(nc, config, store, end_seq=end, at_ns=at_ns)
-        start = snapshot.applied_seq + 1 if snapshot else 1
-    first, last, count, dead = await fold_stream(
-        nc,
-        config,
-        state,
-        start_seq=start,
-        end_seq=end,
-        until_ns=at_ns,
-        progress=progress,
-        fast=end - start + 1 >= FAST_PATH_MIN_EVENTS,
-    )
+    reader: Reader | None = None
+    try:
+        if from_seq is not None:
+            state = config.new_state()
+            start = from_seq
+        else:
+            snapshots = await store.list()
+            # The tail's reader process starts while the snapshot is fetched and restored.
+            if end - _planned_start(snapshots, end, at_ns) + 1 >= FAST_PATH_MIN_EVENTS:
+                started = await start_reader(nc, config, end)
+                reader = started if isinstance(started, Reader) else None
+            state, snapshot = await starting_state(
+                nc, config, store, end_seq=end, at_ns=at_ns, snapshots=snapshots
+            )
+            start = snapshot.applied_seq + 1 if snapshot else 1
+        fold, reader = reader, None  # fold_stream ends it
+        first, last, count, dead = await fold_stream(
+            nc,
+            config,
+            state,
+            start_seq=start,
+            end_seq=end,
+            until_ns=at_ns,
+            progress=progress,
+            fast=end - start + 1 >= FAST_PATH_MIN_EVENTS,
+            reader=fold,
+        )
+    finally:
+        if reader is not None:  # a snapshot could not be restored: never used
+            await reader.discard()
     if from_seq is not None and not last:  # the range holds other namespaces' events only
         raise ReplayError(
             f"no event of namespace {config.namespace!r} from event {from_seq} to event {end}: "
@@ -312,13 +331,30 @@ async def replay(
     )
 
 
+def _planned_start(snapshots: list[SnapshotInfo], end_seq: int, at_ns: int | None) -> int:
+    """Where a fold to ``end_seq`` (and log time ``at_ns``) starts if the newest snapshot at or
+    before it restores (``starting_state`` says for sure)."""
+    for info in reversed(snapshots):
+        if info.applied_seq <= end_seq and (
+            at_ns is None or (info.meta is not None and info.meta.as_of <= at_ns)
+        ):
+            return info.applied_seq + 1
+    return 1
+
+
 async def starting_state(
-    nc: Client, config: Config, store: SnapshotStore, *, end_seq: int, at_ns: int | None
+    nc: Client,
+    config: Config,
+    store: SnapshotStore,
+    *,
+    end_seq: int,
+    at_ns: int | None,
+    snapshots: list[SnapshotInfo] | None = None,
 ) -> tuple[SequenceState, SnapshotInfo | None]:
     """Where a fold to ``end_seq`` (and log time ``at_ns``) starts: the newest valid snapshot
-    at or before it, else an empty state at the first event, refused if events were trimmed
-    that no snapshot covers."""
-    found = await store.newest_valid(at_most_seq=end_seq, at_most_ns=at_ns)
+    at or before it (among ``snapshots``, if the caller has just listed them), else an empty
+    state at the first event, refused if events were trimmed that no snapshot covers."""
+    found = await store.newest_valid(at_most_seq=end_seq, at_most_ns=at_ns, snapshots=snapshots)
     if found is not None:
         return found
     cut = await trimmed_below(nc, config)

@@ -10,6 +10,15 @@ still holds everything, so a failed one is counted and the writer goes on.
 Each saved snapshot is read back (by the store) before older ones are pruned and the events
 only they needed are trimmed; a start that finds the beginning of the log trimmed and no valid
 snapshot to cover it refuses, since it could not rebuild the state exactly.
+
+Two kinds of snapshot share one cadence. The newest one serves a restart, and is spaced by
+its cost (count, size, encode time, one save at a time). A history snapshot serves a look back
+(``loads --at``, ``replay``): the first event at or past each multiple of
+``snapshot_history_every`` gets one, whatever the cost-based spacing says, so that a look back
+folds fewer than that many events from the snapshot before it; a save under way does not hold
+it back either, it is stored right after. It costs one encode per ``history_every`` events at
+most, and resets the cost-based spacing as any snapshot does; one by count is left out when a
+history snapshot comes sooner than the next by count would.
 """
 
 from __future__ import annotations
@@ -39,7 +48,11 @@ SNAPSHOT_TIMEOUT_S = 30.0  # a snapshot not stored by then is given up: the log 
 # events/s would then stall the fold for several percent of its time, and every event behind
 # a stall waits for it. So the next snapshot is not due before the last encode's duration,
 # divided by this share, has passed: restarts fold a slightly longer tail, events stay fresh.
+# Storing it costs the loop too (its chunks, their digests, the read-back): counted as
+# ``SAVE_S_PER_BYTE``, the cost per byte measured on a writer catching up over a million
+# events, so that a cheaper encode does not buy more saves than the share pays for.
 ENCODE_SHARE = 0.02
+SAVE_S_PER_BYTE = 20e-9
 # Bytes of snapshot per event folded since the last one, at most, when snapshotting by count.
 # A snapshot costs work in proportion to its size (encoding, the digest, storing its chunks,
 # reading them back before older ones are pruned: about 40 ns a byte here, and as much again
@@ -49,6 +62,7 @@ ENCODE_SHARE = 0.02
 # restart folds a tail in proportion to the snapshot it starts from.
 BYTES_PER_EVENT = 64
 FINAL_SNAPSHOT_S = 10.0  # what a clean stop spends on snapshots, within the CLI's 15 s
+NO_HISTORY = 1 << 64  # past any sequence: no history snapshot is ever owed
 
 
 class SnapshotUnavailable(SeqstateError, RuntimeError):
@@ -105,6 +119,9 @@ class Snapshotter:
         self._taken_at = 0.0  # monotonic time of the last snapshot taken (per event: no loop)
         self._encode_s = 0.0  # how long encoding it took
         self._taken_bytes = 0  # its size (or the one restored from)
+        # The first sequence owed a history snapshot (past the last one taken or restored).
+        self._history_at = self._next_history(0)
+        self._queued = False  # a history snapshot waits for the save before it
         self.quiet = False  # saves say nothing (at debug): the writer is stopping
 
     @property
@@ -134,6 +151,7 @@ class Snapshotter:
         self.stats.restored_from = self.stats.last_snapshot_seq = info.applied_seq
         self.stats.last_snapshot_bytes = self._taken_bytes = info.size
         self.stats.last_snapshot_stored_s = _epoch_s(info.modified)
+        self._history_at = self._next_history(info.applied_seq)
         log.info(
             "restored the write model from snapshot %s (event %d)", info.name, info.applied_seq
         )
@@ -152,20 +170,34 @@ class Snapshotter:
                 + (f" (skipped {skipped})" if skipped else "")
             )
 
+    def _next_history(self, seq: int) -> int:
+        """The first multiple of ``history_every`` past ``seq`` (none when history is off)."""
+        every = self.settings.history_every
+        if not every or not self.settings.history_keep:
+            return NO_HISTORY
+        return (seq // every + 1) * every
+
     def due(self, seq: int) -> bool:
-        """Whether the fold at event ``seq`` is owed a snapshot, by events or by seconds."""
+        """Whether the fold at event ``seq`` is owed a snapshot: for history (see the module's
+        docstring), by events or by seconds."""
         if self.store is None or seq <= self.stats.last_snapshot_seq:
             return False
+        if seq >= self._history_at:
+            # A history snapshot waits for no save but one already waiting: a queue that
+            # stays one long, whatever the server's pace.
+            return not self._queued
         if self._task is not None and not self._task.done():
             return False
         since = time.monotonic() - self._taken_at
-        if since < self._encode_s / ENCODE_SHARE:
+        if since < (self._encode_s + self._taken_bytes * SAVE_S_PER_BYTE) / ENCODE_SHARE:
             return False
         every = self.settings.every_events
-        if every and seq - self.stats.last_snapshot_seq >= max(
-            every, self._taken_bytes // BYTES_PER_EVENT
-        ):
-            return True
+        if every:
+            spacing = max(every, self._taken_bytes // BYTES_PER_EVENT)
+            # One due by count is not taken when a history snapshot comes sooner than the
+            # next one by count would: that one serves a restart as well.
+            if seq - self.stats.last_snapshot_seq >= spacing and self._history_at - seq >= spacing:
+                return True
         every_s = self.settings.every_s
         return bool(every_s) and since >= every_s
 
@@ -181,8 +213,25 @@ class Snapshotter:
         self._encode_s = time.perf_counter() - started
         self._taken_bytes = len(data)  # what the next one is spaced by
         self.stats.last_snapshot_seq = seq
+        self._history_at = self._next_history(seq)
         self._taken_at = time.monotonic()
-        self._task = asyncio.create_task(self._save(data, seq, at_ns))
+        before = self._task
+        if before is None or before.done():
+            self._task = asyncio.create_task(self._save(data, seq, at_ns))
+        else:
+            self._queued = True
+            self._task = asyncio.create_task(self._save_after(before, data, seq, at_ns))
+
+    async def _save_after(
+        self, before: asyncio.Task[None], data: bytes, seq: int, at_ns: int
+    ) -> None:
+        """Save once the save ``before`` it is done (it never raises: it counts its failure;
+        cancelling this one cancels it too), so that snapshots are stored in their order."""
+        try:
+            await before
+        finally:
+            self._queued = False
+        await self._save(data, seq, at_ns)
 
     async def now(self, state: SequenceState, seq: int) -> None:
         """Take and store a snapshot of the fold so far (operators, tests)."""

@@ -11,19 +11,23 @@ import random
 import re
 import subprocess
 import time
+from itertools import pairwise
 
 import msgspec
+import pytest
 from log_text import plain_lines
 from nats.aio.client import Client
-from pipeline_kit import folded, fresh_config, read_events, read_log, run_cli
+from pipeline_kit import fill, folded, fresh_config, read_events, read_log, run_cli
 
 from projector.bucket.contents import read_bucket
 from projector.nats.retention import trimmed_below
 from projector.nats.snapshots import SnapshotInfo, SnapshotStore
+from projector.ops.loads_at import loads_at
 from projector.route.publisher import RouterPublisher
 from projector.run.pipeline import Pipeline
 from projector.settings.config import Config
-from projector.write.log_fold import iso, parse_at, replay
+from projector.write import log_fold
+from projector.write.log_fold import FAST_PATH_MIN_EVENTS, iso, parse_at, replay
 from seqstate import WorkerAdded
 
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -240,3 +244,71 @@ async def test_a_moment_in_trimmed_history_names_the_earliest_answerable(
     assert rows_of(out.stdout) == [msgspec.to_builtins(r) for r in state]
     assert f"0 events folded from snapshot {oldest.name}" in out.stderr
     assert last > oldest.applied_seq
+
+
+async def test_history_snapshots_bound_the_fold_of_any_moment(
+    nc: Client, nats_server: object
+) -> None:
+    """A writer whose snapshots by count are far apart (a large state's are) still snapshots
+    the first event at or past every multiple of ``snapshot_history_every``: whatever the
+    moment, ``loads --at`` folds fewer events than that, and equals a replay from the start."""
+    url = nats_server.url  # type: ignore[attr-defined]
+    config = fresh_config(
+        "lh",
+        snapshot_bucket=f"lhsnap{fresh_config().namespace}",
+        snapshot_every_events=1_000,
+        snapshot_every_s=0.0,
+        snapshots_keep=2,
+        snapshot_history_every=20,
+        idle_tick_s=3600.0,  # no Tick between chunks: the log is the chunks' events
+    )
+    last = await history(nc, config, 10)
+    assert last == 121  # the WorkerAdded, then 10 chunks of 12
+    snapshots = [s.applied_seq for s in await (await SnapshotStore(nc, config).open()).list()]
+    assert snapshots == [20, 40, 60, 80, 100, 120, 121]  # the last one: the stop's
+    starts = [0, *snapshots]
+    widest = max(b - a for a, b in pairwise(starts))
+    assert widest == 20
+    for seq in (19, 20, 39, 119, 121):
+        out = await run_cli(config, url, "loads", "--at", f"seq:{seq}", "--json")
+        assert out.returncode == 0, out.stderr
+        fresh = await replay(nc, config, from_seq=1, to_seq=seq)
+        assert rows_of(out.stdout) == [msgspec.to_builtins(r) for r in fresh.loads()], seq
+        start = max(s for s in starts if s <= seq)
+        source = f"snapshot {config.namespace}.{start:020d}" if start else "the first event"
+        assert plain_lines(out.stderr)[0].endswith(f"; {seq - start} events folded from {source}")
+
+
+async def test_a_long_tail_s_reader_starts_while_its_snapshot_is_restored(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A look back whose tail the reader process folds starts that process before the
+    snapshot is fetched and restored, not after: the two overlap. The answer is unchanged."""
+    config = fresh_config("lr", snapshot_bucket=f"lrsnap{fresh_config().namespace}")
+    last = await fill(nc, config, FAST_PATH_MIN_EVENTS + 2_000)
+    events = await read_events(nc, config)
+    at = 1_000
+    state = folded(config, [e for e in events if e[0] <= at])
+    store = await SnapshotStore(nc, config).open()
+    await store.save(state.snapshot(), at, state.now_ns)
+    order: list[str] = []
+    start_reader, load = log_fold.start_reader, SnapshotStore.load
+
+    async def started(*args: object) -> object:
+        order.append("reader started")
+        return await start_reader(*args)  # type: ignore[arg-type]
+
+    async def restored(self: SnapshotStore, *args: object, **kwargs: object) -> object:
+        loaded = await load(self, *args, **kwargs)  # type: ignore[arg-type]
+        order.append("snapshot restored")
+        return loaded
+
+    monkeypatch.setattr(log_fold, "start_reader", started)
+    monkeypatch.setattr(SnapshotStore, "load", restored)
+    answer = await loads_at(nc, config, f"seq:{last}")
+    assert order == ["reader started", "snapshot restored"]
+    assert answer.replayed.snapshot is not None and answer.replayed.snapshot.applied_seq == at
+    assert answer.replayed.events == last - at
+    fresh = await replay(nc, config, from_seq=1)
+    assert answer.replayed.state.snapshot() == fresh.state.snapshot()
+    assert answer.replayed.loads() == fresh.loads()

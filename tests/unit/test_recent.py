@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from seqstate.recent import STALE_SLACK, RecentIds
 
@@ -75,3 +79,67 @@ def test_take_before_returns_the_ids_written_before_a_time_oldest_first() -> Non
     assert ids.oldest_ns() == 4 * S and ids.written_ns("a") is None
     assert ids.take_before(11 * S) == ["e", "b"]
     assert len(ids) == 0 and ids.oldest_ns() is None
+
+
+def _columns_afresh(ids: RecentIds) -> tuple[list[str], bytes, list[int]]:
+    """What ``columns`` must give: the entries as they are, computed from nothing kept."""
+    rows = list(ids.items())
+    times = [at for _, _, at in rows]
+    gaps = times[:1] + [b - a for a, b in pairwise(times)]
+    return [rid for rid, _, _ in rows], bytes(value for _, value, _ in rows), gaps
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["put", "put", "put", "rewrite", "pop", "pop_entry", "prune", "load"]),
+        st.integers(0, 40),  # which id (put: a new one past the last)
+        st.integers(0, 255),  # its value
+        st.sampled_from([0, 0, 1, 7, 100]),  # log time passing
+        st.booleans(),  # columns taken after it
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.sampled_from([3, 8, 1000]), retention=st.sampled_from([30, 10**6]), ops=_OPS)
+def test_columns_equal_a_fresh_computation_whatever_came_between_two(
+    capacity: int, retention: int, ops: list[tuple[str, int, int, int, bool]]
+) -> None:
+    """``columns`` reuses what the last columns hold; the oldest ids gone, ids written again
+    (the newest among them: back in the same place, with another value), taken out (as the
+    state takes an ended id out of the dict), pruned or loaded, they equal those made from
+    nothing."""
+    ids = RecentIds(retention, capacity)
+    now, made = 10**18, 0
+    for op, which, value, passing, look in ops:
+        now += passing
+        held = list(ids.entries)
+        if op == "put":
+            ids.put(f"r{made}", value, now)
+            made += 1
+        elif op == "rewrite" and held:
+            ids.put(held[which % len(held)], value, now)
+        elif op == "pop" and held:
+            ids.pop(held[which % len(held)])
+        elif op == "pop_entry" and held:
+            ids.entries.pop(held[-1 - which % len(held)])
+        elif op == "prune":
+            ids.prune(now)
+        elif op == "load":
+            again = RecentIds(retention, capacity)
+            again.load_columns(*_columns_afresh(ids))
+            ids = again
+        if look:
+            assert ids.columns() == _columns_afresh(ids)
+    assert ids.columns() == _columns_afresh(ids)
+
+
+def test_columns_taken_again_reuse_the_unchanged_and_add_the_new() -> None:
+    ids = RecentIds(retention_ns=60 * S, capacity=4)
+    for n, rid in enumerate("abcd"):
+        ids.put(rid, n, (n + 1) * S)
+    assert ids.columns() == (["a", "b", "c", "d"], bytes([0, 1, 2, 3]), [S, S, S, S])
+    ids.put("e", 9, 7 * S)  # a evicted
+    ids.put("d", 5, 7 * S)  # d written again: now the newest
+    assert ids.columns() == (["b", "c", "e", "d"], bytes([1, 2, 9, 5]), [2 * S, S, 4 * S, 0])
