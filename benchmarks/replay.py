@@ -3,7 +3,7 @@
 Why this exists: there are two targets for the log as the source of truth, on this machine:
 
 (r1) replay throughput: fold 1,000,000 events from the stream into a fresh ``SequenceState``
-     with ``projector.ops.replay.fold_stream`` (what ``seqstate replay`` uses: its fast path, a
+     with ``projector.write.log_fold.fold_stream`` (what ``seqstate replay`` uses: its fast path, a
      reader process speaking the NATS protocol, when it has one; otherwise nats-py's ordered
      push consumer), from sequence 1 to the last, no snapshot. Target: at least 100,000
      events/s;

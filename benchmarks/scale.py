@@ -53,12 +53,13 @@ fresh embedded nats-server (``NatsServer``, temporary store, streams as ``ensure
    records its RSS, then times ``RegistryView(...).start()`` (returns once every current value
    of the bucket is folded) and records RSS and peak RSS (``VmHWM``) again: the memory figure
    is the RSS growth of a process that runs only the view. It then answers ``loads()`` and 24
-   ``potential_loads`` queries (prefixes of live requests, some extended by unknown hashes,
-   and unknown ones) at one log time, folds the event log itself from scratch
-   (``projector.ops.replay.fold_stream`` into ``config.new_state()``, to the view's position) and
-   compares: the view must equal the write model exactly. This process's live view (which
-   followed every delta of the churn) is compared with the same answers. The cold start runs
-   after the churn, so the bucket holds the steady state: slot keys reused many times.
+   ``potential_loads`` queries (prefixes of live requests, some extended by unknown hashes, and
+   unknown ones) at one log time, folds the event log itself from scratch
+   (``projector.write.log_fold.fold_stream`` into ``config.new_state()``, to the view's
+   position) and compares: the view must equal the write model exactly. This process's live
+   view (which followed every delta of the churn) is compared with the same answers. The cold
+   start runs after the churn, so the bucket holds the steady state: slot keys reused many
+   times.
 
 Targets (PASS/FAIL lines): saturated churn events/s at 262,144 per rank >= 2/3 of that at
 1,024 (medians of the same invocation); freshness p99 <= 50 ms at every point; a view of

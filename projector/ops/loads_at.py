@@ -1,6 +1,6 @@
 """The loads as the ledger held them at a past moment: ``seqstate loads --at WHEN``.
 
-A look back is a replay (:func:`projector.ops.replay.replay`: the newest valid snapshot at or
+A look back is a replay (:func:`projector.write.log_fold.replay`: the newest valid snapshot at or
 before the moment, then the log's tail through the writer's one fold), so it equals a replay to
 that point and what ``seqstate loads`` printed then; the writer's history snapshots
 (``snapshot_history_every``) bound the tail. This module owns what a moment may be and which

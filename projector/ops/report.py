@@ -1,6 +1,6 @@
 """``seqstate report``: the log of a namespace as one self-contained HTML page of charts.
 
-The log is folded by replay's own path (:func:`projector.ops.replay.fold_stream`, the writer's
+The log is folded by replay's own path (:func:`projector.write.log_fold.fold_stream`, the writer's
 one fold), from the newest valid snapshot before the range, and the state is sampled as the
 log's time passes :data:`~projector.ops.ui.page.MAX_POINTS` evenly spaced marks of the range
 (plus its end): a page of bounded size whatever the log's length, the cost of a sample paid
@@ -67,7 +67,7 @@ def check_writable(out: Path) -> None:
 
 @dataclass
 class _Sampler:
-    """The :class:`~projector.ops.replay.Ticks` of a report: a point at each mark passed.
+    """The :class:`~projector.write.log_fold.Ticks` of a report: a point at each mark passed.
 
     No mark within half a step of the range's end, where the last point is: two points a few
     nanoseconds apart made an events/s of millions out of a handful of events."""

@@ -291,7 +291,7 @@ def test_redact_hides_passwords_and_tokens(url: str, shown: str) -> None:
 
 def record_fast_fold(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str | None]]:
     """What each fast_fold of fold_stream returned: (last sequence fed, why it gave up)."""
-    from projector.ops import replay
+    from projector.write import log_fold as replay
 
     returned: list[tuple[int, str | None]] = []
     real = replay.fast_fold

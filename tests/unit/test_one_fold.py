@@ -1,7 +1,7 @@
 """Every path folds the log through the one fold, and so they agree.
 
 The writer folds message by message (restarting from its snapshots), a replay folds batches
-from its fast reader or messages from nats-py (``projector.ops.replay._Folder``), rebuild and
+from its fast reader or messages from nats-py (``projector.write.log_fold._Folder``), rebuild and
 verify replay: on hypothesis-generated logs mixing good events with hostile messages (random
 bytes, nesting of any depth, integers at and past their bounds, arrays that claim billions of
 items, truncated events, events on another subject, events over the size rule), each path
