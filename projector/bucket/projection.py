@@ -62,12 +62,11 @@ from projector.bucket.raw_deltas import read_deltas
 from projector.nats.client_internals import acked_jetstream
 from projector.nats.consumer import OrderedConsumer
 from projector.nats.dead_letters import IMPLAUSIBLE, UNDECODABLE
-from projector.nats.failures import describe, explain
+from projector.nats.failures import ATTEMPT_TIMEOUT_S, describe, explain, retrying
 from projector.nats.feed import DEFAULT_WINDOW
 from projector.nats.host import Host
 from projector.nats.lag import Lag, LagWatch, LagWatched, WatchSettings
 from projector.nats.lease import Lease, LeaseLost
-from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
 from projector.nats.stream import DeadLetterSink, Refused, log_time_ns
 from projector.wire.chain import chain_problem
 from projector.wire.headers import PREV_SOURCE_SEQ

@@ -25,7 +25,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from projector.nats.retry import ATTEMPT_TIMEOUT_S, retrying
+from projector.nats.failures import ATTEMPT_TIMEOUT_S, retrying
 from projector.settings.logs import Quiet
 from projector.wire.headers import (
     MSG_ID,

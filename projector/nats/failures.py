@@ -11,15 +11,28 @@ answers its API: nats-py says ``ServiceUnavailableError: code=None``).
 A server whose disk fills under it answers a write with nothing at all: the write times out,
 like one lost on the wire. :func:`unstored` asks the stream, once, whether it still answers;
 if it does, the silence is named as the likely full disk it is.
+
+Which failures are worth asking again is said here too. A request in flight when the server
+dies never gets its answer, so each attempt has a short timeout and is repeated
+(:func:`retrying`: safe for reads, and for publishes with a msg-id); a consumer rides out a
+restart of a few seconds instead of failing over a request it could simply ask again. A
+cluster with a node restarting answers that no peer can take a new stream: :func:`placing`
+asks again for the seconds that takes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 
+from projector.aio.retry import with_backoff
 from seqstate.errors import SeqstateError
+
+T = TypeVar("T")
 
 # JetStream's error codes for a write it cannot store. A limit of the stream's own ("maximum
 # messages exceeded", bytes, messages per subject, with the discard policy new) comes as the
@@ -139,3 +152,42 @@ async def explain(nc: Client, exc: BaseException, stream: str) -> str:
     if more is None:
         return said
     return more if more == JETSTREAM_OFF else f"{said}; {more}"
+
+
+ATTEMPT_TIMEOUT_S = 2.0  # per attempt: a request in flight when the server died never returns
+RETRY_FOR_S = 60.0
+NO_PEERS = 10005  # "no suitable peers for placement": a cluster with a node not (yet) back
+PLACEMENT_WAIT_S = 30.0
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]], what: str, retry_for_s: float = RETRY_FOR_S
+) -> T:
+    """``await call()``, again after a timeout or a NATS error, for ``retry_for_s`` seconds."""
+    return await with_backoff(
+        call,
+        again=lambda exc: isinstance(exc, TimeoutError | nats.errors.Error),
+        within_s=retry_for_s,
+        say=lambda exc, pause: f"{what} failed, retrying in {pause:.2f}s: {describe(exc)}",
+    )
+
+
+async def placing(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """``await call()``, a request that places a stream on a cluster's peers: again while the
+    cluster answers that no peer can take it (a node restarting, or not yet current after
+    rejoining: seconds), for ``PLACEMENT_WAIT_S``; every other answer at once."""
+    said: list[bool] = []
+
+    def say(exc: BaseException, pause: float) -> str | None:
+        if said:
+            return None
+        said.append(True)
+        return f"{what}: {describe(exc)}; waiting for the cluster's peers"
+
+    return await with_backoff(
+        call,
+        again=lambda exc: isinstance(exc, nats.js.errors.APIError) and exc.err_code == NO_PEERS,
+        within_s=PLACEMENT_WAIT_S,
+        say=say,
+        first_pause_s=0.1,
+    )

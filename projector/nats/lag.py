@@ -56,9 +56,9 @@ from projector.nats.backlog import (
     waiting_after,
 )
 from projector.nats.client_internals import client_of
+from projector.nats.failures import ATTEMPT_TIMEOUT_S
 from projector.nats.resources import dead_letter_stream, dynamo_capture
 from projector.nats.retention import trimmed_below
-from projector.nats.retry import ATTEMPT_TIMEOUT_S
 from projector.nats.stream import last_seq_of
 from projector.settings.config import Config
 from projector.wire.capture import captured_subjects

@@ -42,8 +42,7 @@ from nats.js.kv import KeyValue
 
 from projector.nats.client_internals import server_info
 from projector.nats.connection import refused_or
-from projector.nats.failures import STORAGE_EXCEEDED, JetStreamOff, describe, jetstream_off
-from projector.nats.retry import placing
+from projector.nats.failures import STORAGE_EXCEEDED, JetStreamOff, describe, jetstream_off, placing
 from projector.settings.config import Config
 from projector.wire import msg_ids
 from projector.wire.capture import (

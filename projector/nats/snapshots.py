@@ -42,8 +42,7 @@ from nats.js.object_store import (
 from nats.nuid import NUID
 
 from projector.aio.tasks import off_loop
-from projector.nats.failures import explain
-from projector.nats.retry import placing
+from projector.nats.failures import explain, placing
 from projector.settings.config import Config
 from seqstate import SCHEMA_VERSION, SeqstateError, SequenceState, SnapshotError
 from seqstate.snapshot import READABLE_VERSIONS, SNAPSHOT_VERSION

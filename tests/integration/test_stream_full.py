@@ -23,9 +23,8 @@ from nats.aio.client import Client
 from nats.js import api
 from pipeline_kit import fresh_config
 
-from projector.nats.failures import storage_full
+from projector.nats.failures import retrying, storage_full
 from projector.nats.resources import ensure
-from projector.nats.retry import retrying
 from projector.nats.server import NatsServer
 from projector.route.publisher import PublishError, RouterPublisher
 from projector.run.assemble import build_writer

@@ -10,8 +10,7 @@ import nats.js.errors
 import pytest
 
 from projector.nats.connection import describe_refusal
-from projector.nats.failures import describe, storage_full
-from projector.nats.retry import placing, retrying
+from projector.nats.failures import describe, placing, retrying, storage_full
 
 
 def from_server(code: int, err_code: int, description: str) -> nats.js.errors.APIError:
