@@ -40,9 +40,17 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from projector.aio.retry import with_backoff
 from projector.nats.client_internals import server_info
 from projector.nats.connection import refused_or
-from projector.nats.failures import STORAGE_EXCEEDED, JetStreamOff, describe, jetstream_off, placing
+from projector.nats.failures import (
+    RETRY_FOR_S,
+    STORAGE_EXCEEDED,
+    JetStreamOff,
+    describe,
+    jetstream_off,
+    placing,
+)
 from projector.settings.config import Config
 from projector.wire import msg_ids
 from projector.wire.capture import (
@@ -143,12 +151,22 @@ async def ensure(nc: Client, config: Config) -> Resources:
     nothing) gets :class:`~projector.nats.connection.PermissionRefused` naming the subject
     refused, at once, not a timeout read as "JetStream is not available".
     """
-    return await refused_or(
-        nc,
-        _ensure(nc, config),
-        user=config.nats_user,
-        doing="checking or provisioning the streams and the bucket",
-        names=resource_names(config),
+    doing = "checking or provisioning the streams and the bucket"
+
+    async def once() -> Resources:
+        names = resource_names(config)
+        return await refused_or(
+            nc, _ensure(nc, config), user=config.nats_user, doing=doing, names=names
+        )
+
+    # A server restarting in the middle leaves a request unanswered: every step is a create or
+    # an update to what is wanted, so the whole is asked again, as long as a consumer rides
+    # out a restart anywhere else (RETRY_FOR_S). Any answer but silence is final.
+    return await with_backoff(
+        once,
+        again=lambda exc: isinstance(exc, TimeoutError),
+        within_s=RETRY_FOR_S,
+        say=lambda exc, pause: f"{doing} failed, retrying in {pause:.2f}s: {describe(exc)}",
     )
 
 

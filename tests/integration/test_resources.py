@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import logging
 
+import nats
 import pytest
+from eventually import eventually
+from holding_proxy import HoldingProxy
 from nats.aio.client import Client
 from nats.js import api
 
 from projector.nats.resources import ProvisioningError, dead_letter_stream, ensure
+from projector.nats.server import NatsServer
 from projector.settings.config import Config
 from projector.wire.values import load_key
 
@@ -93,3 +99,30 @@ async def test_a_short_duplicate_window_is_widened(nc: Client) -> None:
     )
     res = await ensure(nc, config)
     assert res.events.config.duplicate_window == pytest.approx(120.0)
+
+
+async def test_a_request_left_unanswered_is_asked_again(
+    nats_server: NatsServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that restarts while a consumer provisions leaves a request unanswered: the
+    consumer asks again and starts, where it used to exit on the timeout. The proxy holds every
+    byte from the first stream-info request on until the first attempt has timed out."""
+    port = int(nats_server.url.rsplit(":", 1)[1])
+    proxy = await HoldingProxy(port, hold_at="$JS.API.STREAM.INFO.").start()
+    nc = await nats.connect(proxy.url, max_reconnect_attempts=0)
+    config = fresh_config()
+    try:
+        with caplog.at_level(logging.WARNING, logger="seqstate"):
+            provisioning = asyncio.create_task(ensure(nc, config))
+            said = "checking or provisioning the streams and the bucket failed, retrying in"
+            await eventually(
+                lambda: caplog.text, lambda text: said in text, what="the first attempt given up"
+            )
+            proxy.release.set()
+            res = await asyncio.wait_for(provisioning, 30)
+    finally:
+        await nc.close()
+        await proxy.stop()
+    assert proxy.held.is_set()
+    assert res.events.config.name == config.events_stream
+    assert "no answer" in caplog.text
