@@ -241,7 +241,10 @@ class Projector(LagWatched):
 
     async def _run(self) -> None:
         check_bucket_fits(self.nc.max_payload)
-        await self._host.provision()
+        # Provisioning asks again while a restarting server is silent: a stop must not wait.
+        await until_set(self._stopping, self._host.provision())
+        if self._stopping.is_set():  # stopped while provisioning: nothing started
+            return
         if self._held_lease is not None:
             self.lease = self._held_lease
             await self._project()

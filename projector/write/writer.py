@@ -277,7 +277,11 @@ class Writer(LagWatched):
     async def _run(self) -> None:
         self._clock = asyncio.get_running_loop().time
         self._check_event_limit()
-        await self._host.provision()
+        # Provisioning asks again while a restarting server is silent: a stop must not wait.
+        await until_set(self._stopping, self._host.provision())
+        if self._stopping.is_set():  # stopped while provisioning: nothing started
+            self._release_awaited()
+            return
         await self.deltas.take_batches()
         self._published_up_to = await self.deltas.open()
         self.stats.last_delta_seq = self._published_up_to

@@ -15,6 +15,7 @@ from nats.js import api
 
 from projector.nats.resources import ProvisioningError, dead_letter_stream, ensure
 from projector.nats.server import NatsServer
+from projector.run.assemble import build_projector, build_writer
 from projector.settings.config import Config
 from projector.wire.values import load_key
 
@@ -126,3 +127,24 @@ async def test_a_request_left_unanswered_is_asked_again(
     assert proxy.held.is_set()
     assert res.events.config.name == config.events_stream
     assert "no answer" in caplog.text
+
+
+@pytest.mark.parametrize("build", [build_writer, build_projector], ids=["writer", "projector"])
+async def test_a_stop_while_provisioning_ends_the_start(
+    nats_server: NatsServer, build: object
+) -> None:
+    """A consumer whose server is silent while it provisions keeps asking; told to stop, it
+    ends instead of asking on for a minute. The proxy holds every byte from the first
+    stream-info request on (so the service registration's own stop waits out a flush: ~10 s)."""
+    port = int(nats_server.url.rsplit(":", 1)[1])
+    proxy = await HoldingProxy(port, hold_at="$JS.API.STREAM.INFO.").start()
+    nc = await nats.connect(proxy.url, max_reconnect_attempts=0)
+    try:
+        consumer = build(nc, fresh_config())  # type: ignore[operator]
+        running = asyncio.create_task(consumer.run())
+        await asyncio.wait_for(proxy.held.wait(), 30)
+        consumer.stop()
+        await asyncio.wait_for(running, 30)  # unfixed: provisioning asks on for 60 s
+    finally:
+        await nc.close()
+        await proxy.stop()
