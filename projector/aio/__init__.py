@@ -1,4 +1,5 @@
 """asyncio helpers every consumer uses, with no NATS in them: bounded cancellation and clean-up
 (:mod:`~projector.aio.tasks`), a stream position others can wait on cheaply
-(:mod:`~projector.aio.progress`), and asking again with a growing pause
-(:mod:`~projector.aio.retry`)."""
+(:mod:`~projector.aio.progress`), asking again with a growing pause
+(:mod:`~projector.aio.retry`), and a loop closed without a late stop signal turning into a
+traceback (:mod:`~projector.aio.signals`)."""

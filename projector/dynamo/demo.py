@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from projector.aio import signals
 from projector.dynamo.fleet import (
     DISCOVERIES,
     DYNAMO_ENDPOINT,
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     give_back = take_the_terminal()
     try:
-        return asyncio.run(_demo(args, python))
+        return signals.run(_demo(args, python))
     except KeyboardInterrupt:  # before the signal handlers were set: nothing started yet
         return 0
     finally:

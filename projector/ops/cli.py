@@ -19,6 +19,7 @@ from collections.abc import Callable
 try:  # what every command loads, before main can catch anything: Ctrl-C meanwhile is an exit
     import nats.errors
 
+    from projector.aio import signals
     from projector.nats import client_internals
     from projector.nats.failures import describe, jetstream_off, storage_full
     from projector.ops import flags
@@ -75,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         client_internals.install()
         command = BY_NAME[args.command]
         loop = event_loop(config, "event_loop" in command.settings)
-        with asyncio.Runner(loop_factory=loop) as runner:
-            return runner.run(command.run(args, config))
+        return signals.run(command.run(args, config), loop_factory=loop)
     except KeyboardInterrupt:
         return 130
     except SeqstateError as exc:

@@ -1,12 +1,15 @@
-"""SIGINT and SIGTERM stop a long-running command cleanly, even while it is still starting."""
+"""SIGINT and SIGTERM stop a long-running command cleanly, even while it is still starting.
+
+The loop's handlers come off again before it closes (:func:`projector.aio.signals.run`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Awaitable
 from typing import Any
 
+from projector.aio.signals import STOPPING
 from projector.aio.tasks import cancel_all
 
 CLEAN_UP_S = 5.0  # what a stopping task has for its clean-up before it is cancelled again
@@ -26,7 +29,7 @@ def catch_signals() -> asyncio.Event:
     if stop is None:
         _stopping.clear()  # a finished run's loop is closed: nothing of it is needed
         stop = _stopping[loop] = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOPPING:
             loop.add_signal_handler(sig, stop.set)
     return stop
 
