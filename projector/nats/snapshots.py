@@ -20,6 +20,7 @@ import builtins
 import contextlib
 import hashlib
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -91,6 +92,20 @@ class SnapshotInfo:
     @property
     def applied_seq(self) -> int:
         return self.meta.applied_seq if self.meta else _seq_from_name(self.name)
+
+
+def starting_points(
+    snapshots: Iterable[SnapshotInfo], at_most_seq: int | None, at_most_ns: int | None
+) -> Iterator[SnapshotInfo]:
+    """Which of ``snapshots`` (oldest first) a fold to event ``at_most_seq`` and log time
+    ``at_most_ns`` may start from, newest first: one taken after either would hold what the
+    fold must not see yet (one of unknown time cannot be placed, so never serves a time)."""
+    for info in reversed(list(snapshots)):
+        if at_most_seq is not None and info.applied_seq > at_most_seq:
+            continue
+        if at_most_ns is not None and (info.meta is None or info.meta.as_of > at_most_ns):
+            continue
+        yield info
 
 
 def kept(
@@ -340,11 +355,8 @@ class SnapshotStore:
     ) -> tuple[SequenceState, SnapshotInfo] | None:
         """The newest snapshot that loads (within the bounds given; among ``snapshots`` if the
         caller has just listed them); each one passed is logged."""
-        for info in reversed(await self.list() if snapshots is None else snapshots):
-            if at_most_seq is not None and info.applied_seq > at_most_seq:
-                continue
-            if at_most_ns is not None and (info.meta is None or info.meta.as_of > at_most_ns):
-                continue
+        listed = await self.list() if snapshots is None else snapshots
+        for info in starting_points(listed, at_most_seq, at_most_ns):
             try:
                 return await self.load(info, registry=registry), info
             except SnapshotError as exc:

@@ -29,7 +29,7 @@ from nats.js import api
 from nats.js.api import RawStreamMsg
 
 from projector.nats.retention import trimmed_below
-from projector.nats.snapshots import SnapshotInfo, SnapshotStore
+from projector.nats.snapshots import SnapshotInfo, SnapshotStore, starting_points
 from projector.nats.stream import first_seq_of, last_seq_of, log_time_ns
 from projector.nats.stream_reader import Reader, fast_fold, start_reader
 from projector.settings.config import Config
@@ -334,12 +334,8 @@ async def replay(
 def _planned_start(snapshots: list[SnapshotInfo], end_seq: int, at_ns: int | None) -> int:
     """Where a fold to ``end_seq`` (and log time ``at_ns``) starts if the newest snapshot at or
     before it restores (``starting_state`` says for sure)."""
-    for info in reversed(snapshots):
-        if info.applied_seq <= end_seq and (
-            at_ns is None or (info.meta is not None and info.meta.as_of <= at_ns)
-        ):
-            return info.applied_seq + 1
-    return 1
+    newest = next(starting_points(snapshots, end_seq, at_ns), None)
+    return newest.applied_seq + 1 if newest else 1
 
 
 async def starting_state(

@@ -1,14 +1,15 @@
 """``seqstate loads --at WHEN``: what a WHEN means, as typed; and which snapshots a prune keeps
-so that any past moment is near one."""
+so that any past moment is near one, and which a fold starts from."""
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+from collections.abc import Iterable
 
 import pytest
 
-from projector.nats.snapshots import SnapshotInfo, SnapshotMeta, kept
+from projector.nats.snapshots import SnapshotInfo, SnapshotMeta, kept, starting_points
 from projector.ops.cli import build_parser
 from projector.ops.loads_at import When, parse_when
 from projector.write.log_fold import ReplayError
@@ -83,7 +84,7 @@ def snap(seq: int) -> SnapshotInfo:
     return SnapshotInfo(f"ns.{seq:020d}", meta, 10, "")
 
 
-def seqs(infos: list[SnapshotInfo]) -> list[int]:
+def seqs(infos: Iterable[SnapshotInfo]) -> list[int]:
     return [info.applied_seq for info in infos]
 
 
@@ -106,3 +107,16 @@ def test_history_snapshots_stay_as_the_writer_goes_on() -> None:
     assert seqs(kept([*first, snap(140)], 2, 25, 10)) == [26, 51, 77, 102, 130, 131, 140]
     assert seqs(kept([*first, snap(140), snap(160)], 2, 25, 10)) == [26, 51, 77, 102, 130, 140, 160]
     assert seqs(kept([*first, snap(140)], 2, 25, 3)) == [77, 102, 130, 131, 140]
+
+
+def test_a_fold_starts_from_the_newest_snapshot_taken_before_both_its_bounds() -> None:
+    """The one rule the fold's plan (whether to start a reader process) and the restore share.
+    A snapshot whose description is unreadable has no known time: it serves a position only."""
+    unreadable = SnapshotInfo(f"ns.{60:020d}", None, 10, "")
+    infos = [snap(10), snap(30), snap(50), unreadable, snap(70)]
+    assert seqs(starting_points(infos, None, None)) == [70, 60, 50, 30, 10]
+    assert seqs(starting_points(infos, 69, None)) == [60, 50, 30, 10]
+    assert seqs(starting_points(infos, 70, 65 * S)) == [50, 30, 10]
+    assert seqs(starting_points(infos, 40, 70 * S)) == [30, 10]
+    assert seqs(starting_points(infos, None, 30 * S)) == [30, 10]
+    assert seqs(starting_points(infos, 9, None)) == []
