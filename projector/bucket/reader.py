@@ -25,7 +25,6 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
@@ -36,6 +35,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from projector.aio.lifetime import Started
 from projector.aio.progress import Progress
 from projector.aio.tasks import cancel_all
 from projector.nats.backlog import datetime_ns, stamp_ns
@@ -157,7 +157,7 @@ _MARKER_REASON = "Nats-Marker-Reason"  # nats-server 2.11+ places TTL markers wi
 _MARKERS = {"MaxAge": KV_PURGE, "Purge": KV_PURGE, "Remove": KV_DEL}
 
 
-class RegistryView:
+class RegistryView(Started):
     """``async with RegistryView(nc, namespace="prod") as view: view.potential_loads(...)``.
 
     The watch outlives the server. An ordered consumer lives in the server's memory, so a
@@ -327,17 +327,6 @@ class RegistryView:
         self._stopped = True
         for moved in self._moved:
             moved.set()  # each changes() iterator ends
-
-    async def __aenter__(self) -> RegistryView:
-        return await self.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # ---- the watch --------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from seqstate.errors import SeqstateError
 
@@ -138,7 +138,40 @@ def _is_server_of(pid: int, store_dir: Path) -> bool:
     return os.path.realpath(os.path.join(cwd, os.fsdecode(given))) == os.path.realpath(store_dir)
 
 
-class NatsServer:
+class _Started:
+    """Started by ``with`` or ``async with`` (there, the blocking start and stop in a thread, so
+    that a test's event loop goes on), stopped at its end."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+
+class NatsServer(_Started):
     """One nats-server process with JetStream in ``store_dir`` (a temporary one if None).
 
     Use as ``with NatsServer() as server:`` or ``async with``; ``server.url`` is its address.
@@ -388,28 +421,6 @@ class NatsServer:
             proc.wait()
         self._unlock_store()
 
-    def __enter__(self) -> NatsServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> NatsServer:
-        return await asyncio.to_thread(self.start)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await asyncio.to_thread(self.stop)
-
 
 def _free_ports(count: int, host: str) -> list[int]:
     """``count`` distinct ports free on ``host`` right now (all bound at once, then released)."""
@@ -425,7 +436,7 @@ def _free_ports(count: int, host: str) -> list[int]:
             sock.close()
 
 
-class NatsCluster:
+class NatsCluster(_Started):
     """A JetStream cluster of ``size`` nats-server processes on ``host``, for local testing.
 
     Every node is a :class:`NatsServer` (named ``<name>-<i>``, store ``<root>/node-<i>``) with
@@ -575,25 +586,3 @@ class NatsCluster:
             self._tmp.cleanup()
             self._tmp = None
             self._root = None
-
-    def __enter__(self) -> NatsCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> NatsCluster:
-        return await asyncio.to_thread(self.start)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await asyncio.to_thread(self.stop)

@@ -17,12 +17,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import nats.errors
 from nats.aio.client import Client
 
+from projector.aio.lifetime import Started
 from projector.aio.tasks import cancel_all
 from projector.bucket.projection import BucketUnfit, DeltaGap
 from projector.nats.failures import describe
@@ -111,7 +111,7 @@ def _retrieved(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-class Pipeline:
+class Pipeline(Started):
     def __init__(
         self,
         nc: Client,
@@ -201,14 +201,3 @@ class Pipeline:
         await self.writer.wait_applied(seq)
         await self.writer.flush()
         await self.projector.wait_flushed(seq)
-
-    async def __aenter__(self) -> Pipeline:
-        return await self.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()

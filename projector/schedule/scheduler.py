@@ -29,7 +29,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import msgspec
@@ -38,6 +37,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
+from projector.aio.lifetime import Started
 from projector.bucket.reader import RegistryView, Staleness
 from projector.nats.stream import drop_subscription, log_time_ns
 from projector.route.publisher import RouterPublisher
@@ -79,7 +79,7 @@ class _Booked:
     prefill: int  # tokens still prefilling, as this scheduler counts them (0 once marked)
 
 
-class Scheduler:
+class Scheduler(Started):
     """A KV-aware scheduler's state: the view, its own events, its peers'; see the module."""
 
     def __init__(
@@ -162,17 +162,6 @@ class Scheduler:
             if self._unlisten is not None:
                 self._unlisten()
                 self._unlisten = None
-
-    async def __aenter__(self) -> Scheduler:
-        return await self.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # ---- choosing ---------------------------------------------------------------------------
 
