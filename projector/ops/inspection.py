@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,9 +151,24 @@ async def scan_events(
     if last < start:
         return out
     end = min(end, last)
+    await read_until(js, config.events_stream, subject, start, take, done)
+    return [f for f in out if f.seq <= end]
+
+
+async def read_until(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    start: int,
+    take: Callable[[Msg], Awaitable[None]],
+    done: asyncio.Event,
+) -> None:
+    """Hand ``take`` the messages on ``subject`` from sequence ``start``, in order, until it sets
+    ``done`` (an ordered consumer: nothing to clean up on the server); a read that stalls for
+    READ_TIMEOUT_S raises TimeoutError."""
     sub = await js.subscribe(
         subject,
-        stream=config.events_stream,
+        stream=stream,
         ordered_consumer=True,
         cb=take,
         deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
@@ -163,7 +178,6 @@ async def scan_events(
         await asyncio.wait_for(done.wait(), READ_TIMEOUT_S)
     finally:
         await sub.unsubscribe()
-    return [f for f in out if f.seq <= end]
 
 
 # ---- outcomes from the deltas --------------------------------------------------------------
@@ -279,18 +293,7 @@ class DeltaIndex:
             if hit is not None or seq >= last:
                 done.set()
 
-        sub = await self.js.subscribe(
-            self.subject,
-            stream=self.stream,
-            ordered_consumer=True,
-            cb=take,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            config=api.ConsumerConfig(opt_start_seq=start),
-        )
-        try:
-            await asyncio.wait_for(done.wait(), READ_TIMEOUT_S)
-        finally:
-            await sub.unsubscribe()
+        await read_until(self.js, self.stream, self.subject, start, take, done)
         return hit
 
 
