@@ -57,6 +57,7 @@ from typing import Any, Final
 
 import msgspec
 from harness.cli import positive
+from harness.report import head_line
 from harness.servers import connect
 from harness.workload import DEFAULT_TRACE, WAIT_TIMEOUT_S, encoded, fill, trace_events
 from nats.aio.client import Client
@@ -208,10 +209,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Any]) -> dict[str, Any]
 
 def print_report(report: dict[str, Any]) -> None:
     m, w, r = report["machine"], report["workload"], report["result"]
-    print(
-        f"loads --at, {m['date_utc']}, git {m['git']}, nproc {m['nproc']}, "
-        f"load {m['loadavg_1m_at_start']:.2f}"
-    )
+    print(head_line("loads --at", m))
     print(
         f"history {w['events']:,} events, {len(r['points'])} points x {w['runs']} runs, "
         f"compiled core {w['compiled_core']}"

@@ -60,6 +60,7 @@ from typing import Any, Final
 
 from harness.cli import add_json, add_trace, argument_parser, positive
 from harness.measure import collect, stamp
+from harness.report import head_line
 from harness.servers import connect, replay_verify, server_version
 from harness.workload import encoded, fill, trace_events
 from nats.aio.client import Client
@@ -241,10 +242,7 @@ async def bench(args: argparse.Namespace, base: Sequence[Event]) -> dict[str, An
 
 def print_report(report: dict[str, Any]) -> None:
     m, w, r = report["machine"], report["workload"], report["result"]
-    print(
-        f"restart to ready, {m['date_utc']}, git {m['git']}, nproc {m['nproc']}, "
-        f"load {m['loadavg_1m_at_start']:.2f}"
-    )
+    print(head_line("restart to ready", m))
     print(
         f"history {w['events']:,} events, tail {w['tail']:,}, runs {w['runs']}, "
         f"compiled core {w['compiled_core']}"

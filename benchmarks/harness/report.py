@@ -124,6 +124,14 @@ def fmt_rates(values: Any) -> str:
     return ", ".join(f"{v:,.0f}" for v in values)
 
 
+def head_line(title: str, m: dict[str, Any]) -> str:
+    """A short report's first line: its title, then when, at which commit and how loaded."""
+    return (
+        f"{title}, {m['date_utc']}, git {m['git']}, nproc {m['nproc']}, "
+        f"load {m['loadavg_1m_at_start']:.2f}"
+    )
+
+
 def print_head(title: str, m: dict[str, Any]) -> None:
     """The first lines of a printed report: its title, then when, how and on what it ran."""
     print(title)
