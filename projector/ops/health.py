@@ -12,7 +12,8 @@ HTTP/1.1 server of ``serve-http`` (:mod:`projector.http.http_server`), nor a dep
   such as ``replaying: 52000 events behind (writer of namespace prod)`` or ``nats: disconnected``;
 - ``/metrics``: the process's registry in Prometheus's text format;
 - ``/ui``: a page of charts (:mod:`projector.ops.ui`) that asks ``/ui/data`` once a second for
-  a point read off the consumers' state (JSON; 503 while none runs);
+  a point read off the consumers' state (JSON; 503 while none runs); ``?namespace=NS`` chooses
+  one of the namespaces the process runs consumers of (404 for the page of one it does not);
 - anything else is 404; a method other than GET or HEAD is 405.
 """
 
@@ -24,6 +25,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from http import HTTPStatus
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -39,6 +41,7 @@ HEAD_LIMIT = 16 * 1024  # request line and headers; a scraper's are a few hundre
 TEXT = "text/plain; charset=utf-8"
 HTML = "text/html; charset=utf-8"
 JSON = "application/json"
+MAX_QUERY_FIELDS = 4  # /ui takes one, ``namespace``
 
 
 class MetricsPortError(SeqstateError, OSError):
@@ -49,7 +52,7 @@ def answer(metrics: Metrics, method: str, target: str) -> tuple[int, str, bytes]
     """``(status, content type, body)`` for one request."""
     if method not in ("GET", "HEAD"):
         return 405, TEXT, b"use GET\n"
-    path = target.split("?", 1)[0]
+    path, _, query = target.partition("?")
     if path == "/metrics":
         return 200, CONTENT_TYPE_LATEST, generate_latest(metrics.registry)
     if path == "/healthz":
@@ -57,12 +60,21 @@ def answer(metrics: Metrics, method: str, target: str) -> tuple[int, str, bytes]
     if path == "/readyz":
         ready, why = metrics.readiness()
         return (200 if ready else 503), TEXT, f"{why}\n".encode()
-    if path == "/ui":
-        return 200, HTML, live.page(metrics).encode()
-    if path == live.DATA_URL:
-        now = live.point(metrics)
-        if now is None:
-            return 503, TEXT, b"starting: no consumer running yet\n"
+    if path in (live.PAGE_URL, live.DATA_URL):
+        try:
+            asked = parse_qs(query, max_num_fields=MAX_QUERY_FIELDS).get("namespace", [None])[-1]
+        except ValueError:
+            return 400, TEXT, f"at most {MAX_QUERY_FIELDS} query fields\n".encode()
+        if path == live.PAGE_URL:
+            shown = live.page(metrics, asked)
+            if shown is None:
+                return 404, TEXT, f"{live.not_here(metrics, asked or '')}\n".encode()
+            return 200, HTML, shown.encode()
+        now = live.point(metrics, asked)
+        if now is None:  # it may be starting or restarting: the page asks again
+            if asked is None:
+                return 503, TEXT, b"starting: no consumer running yet\n"
+            return 503, TEXT, f"{live.not_here(metrics, asked)}\n".encode()
         return 200, JSON, json.dumps(now, separators=(",", ":")).encode()
     return 404, TEXT, b"not found: /metrics, /healthz, /readyz, /ui\n"
 

@@ -204,3 +204,83 @@ async def test_the_live_page_of_a_projector_draws_what_its_image_knows(
             assert (point["role"], point["dead"]) == ("projector", 0)
             assert point["events"] >= last and "oldest" not in point
             assert len(point["workers"]) == 8
+
+
+async def test_the_live_page_of_serve_http_shows_each_tracker_and_links_the_others(
+    nats_server: NatsServer,
+) -> None:
+    """``serve-http`` runs a writer and a projector for each tracker (model) whose lease it
+    holds: ``/ui?namespace=NS`` shows one, links the others, and its data stays on it; a
+    namespace no consumer here runs is said so, naming those that do."""
+    from http_kit import exchange, http_get, serve_http
+
+    from projector.http.tracker_names import namespace_for
+
+    config = fresh_config("uiht")
+    models = {"model-a": 2, "model-b": 3}  # model: its workers
+    spaces = {m: namespace_for(m, "default", config.namespace) for m in models}
+    port = free_port()
+    async with serve_http(nats_server.url, config, "--metrics-port", str(port)) as http:
+        calls = [
+            (
+                "POST",
+                "/register",
+                {"model_name": m, "worker_id": w, "block_size": 16, "dp_start": 0, "dp_size": 1},
+            )
+            for m, count in models.items()
+            for w in range(1, count + 1)
+        ]
+        calls += [
+            (
+                "POST",
+                "/add",
+                {
+                    "model_name": m,
+                    "request_id": "r",
+                    "worker_id": 1,
+                    "dp_rank": 0,
+                    "sequence_hashes": [1, 2],
+                    "new_isl_tokens": 20,
+                },
+            )
+            for m in models
+        ]
+        assert {s for s, _ in await exchange(http, calls)} == {201}
+
+        async def points() -> dict[str, dict]:
+            out = {}
+            for model, ns in spaces.items():
+                status, _, body = await http_get(port, f"/ui/data?namespace={ns}")
+                out[model] = json.loads(body) if status == 200 else {"status": status}
+            return out
+
+        got = await eventually(
+            points,
+            lambda p: all(len(p[m].get("workers", ())) == n for m, n in models.items()),
+            what="each tracker's writer with its workers",
+            retry_on=(OSError,),
+        )
+        for model, ns in spaces.items():
+            assert (got[model]["namespace"], got[model]["role"]) == (ns, "writer")
+
+        status, kind, body = await http_get(port, f"/ui?namespace={spaces['model-b']}")
+        assert (status, kind.split(";")[0]) == (200, "text/html")
+        assert f'<a href="/ui?namespace={spaces["model-a"]}">' in body
+        assert f"/ui/data?namespace={spaces['model-b']}" in body
+
+        status, _, body = await http_get(port, "/ui?namespace=st-nope-default")
+        assert status == 404 and "'st-nope-default'" in body, body
+        assert all(ns in body for ns in spaces.values()), body
+        status, _, body = await http_get(port, "/ui/data?namespace=st-nope-default")
+        assert status == 503 and "'st-nope-default'" in body, body
+
+        # A page opened on one namespace draws it, and asks for that namespace's data only.
+        url = f"http://127.0.0.1:{port}/ui?namespace={spaces['model-a']}"
+        async with browser() as page:
+            await open_and_check(page, url, ("blocks", "rate"))
+            data = f"http://127.0.0.1:{port}/ui/data?namespace={spaces['model-a']}"
+            assert set(page.requests) == {url, data}, page.requests
+            links = await page.evaluate(
+                "[...document.querySelectorAll('#namespaces a')].map((a) => a.textContent)"
+            )
+            assert links == [spaces["model-b"]]

@@ -45,15 +45,31 @@ tr:nth-child(even) { background: #f4f4f4; }
 """
 
 
+def _nav(links: list[tuple[str, str]], more: int) -> str:
+    if not links:
+        return ""
+    anchors = ", ".join(
+        f'<a href="{html.escape(href)}">{html.escape(name)}</a>' for name, href in links
+    )
+    rest = f" and {more} more" if more else ""
+    return f'<nav class="meta" id="namespaces">other namespaces here: {anchors}{rest}</nav>'
+
+
 @cache
 def _asset(name: str) -> str:
     return (resources.files(__package__) / name).read_text(encoding="utf-8")
 
 
 def render(
-    title: str, meta: str, points: list[Point] | None = None, data_url: str | None = None
+    title: str,
+    meta: str,
+    points: list[Point] | None = None,
+    data_url: str | None = None,
+    links: list[tuple[str, str]] | None = None,
+    links_more: int = 0,
 ) -> str:
-    """The page: ``points`` drawn at once (a report), or fetched from ``data_url`` (live)."""
+    """The page: ``points`` drawn at once (a report), or fetched from ``data_url`` (live);
+    ``links``, ``(name, href)`` of the other namespaces' pages (``links_more`` not listed)."""
     config: dict[str, Any] = {
         "points": points or [],
         "data_url": data_url,
@@ -74,7 +90,7 @@ def render(
 <style>{_asset("uPlot.min.css")}</style><style>{STYLE}</style>
 </head><body>
 <h1>{html.escape(title)}</h1>
-<div class="meta">{html.escape(meta)}</div><div id="status"></div>
+<div class="meta">{html.escape(meta)}</div>{_nav(links or [], links_more)}<div id="status"></div>
 {charts}
 <h2>Oldest requests in flight</h2>
 <table id="oldest-table"><thead><tr><th>request</th><th>worker/rank</th><th>age (s)</th></tr>
