@@ -107,7 +107,7 @@ async def paced(
         filled: dict[str, Any] = {}
         for start in range(0, len(messages), PACE_SLICE):
             part = messages[start : start + PACE_SLICE]
-            filled = await fill(nc, config, part, args.max_pending)
+            filled = await fill(nc, config, part, args.max_pending, alone=False)
             sent += len(part)
             ahead = sent / args.pace - (time.perf_counter() - t0)
             if ahead > 0:
