@@ -46,7 +46,6 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 from seqstate.errors import SeqstateError
@@ -151,23 +150,13 @@ class _Started:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     async def __aenter__(self) -> Self:
         return await asyncio.to_thread(self.start)
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await asyncio.to_thread(self.stop)
 
 
