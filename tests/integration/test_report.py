@@ -273,6 +273,8 @@ async def test_the_live_page_of_serve_http_shows_each_tracker_and_links_the_othe
         assert all(ns in body for ns in spaces.values()), body
         status, _, body = await http_get(port, "/ui/data?namespace=st-nope-default")
         assert status == 503 and "'st-nope-default'" in body, body
+        status, _, body = await http_get(port, "/ui?" + "&".join(["namespace=a"] * 5))
+        assert (status, body) == (400, "at most 4 query fields\n")
 
         # A page opened on one namespace draws it, and asks for that namespace's data only.
         url = f"http://127.0.0.1:{port}/ui?namespace={spaces['model-a']}"
