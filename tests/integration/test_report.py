@@ -23,6 +23,7 @@ from test_metrics import command, free_port, pick, scrape
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
 from projector.ops.ui.page import MAX_POINTS
+from projector.settings.config import Config
 from seqstate.dynamo import decode_dynamo
 
 WRITER_CHARTS = ("blocks", "prefill", "rate", "faults", "oldest")
@@ -155,7 +156,9 @@ def test_the_live_page_of_seqstate_run_updates_every_second(tmp_path: Path) -> N
                     lambda n: int(n) >= first + 2,
                     what="two more points, a second apart",
                 )
-                assert all(u in (url, f"{url}/data") for u in page.requests), page.requests
+                # The page stays on the namespace it opened with (the process's only one).
+                data = f"{url}/data?namespace={Config().namespace}"
+                assert set(page.requests) == {url, data}, page.requests
                 assert page.errors == []
 
         asyncio.run(check())
