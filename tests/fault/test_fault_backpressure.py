@@ -29,6 +29,7 @@ from fault_kit import (
 )
 from log_text import plain_lines
 from nats.aio.client import Client
+from pipeline_kit import name_flags
 
 from projector.nats.resources import ensure
 from projector.nats.server import NatsServer
@@ -77,16 +78,7 @@ async def status(config: Config, url: str, *extra: str) -> str:
     proc = await asyncio.create_subprocess_exec(
         str(seqstate),
         "status",
-        "--namespace",
-        config.namespace,
-        "--events-stream",
-        config.events_stream,
-        "--deltas-stream",
-        config.deltas_stream,
-        "--registry-bucket",
-        config.registry_bucket,
-        "--snapshot-bucket",
-        config.snapshot_bucket,
+        *name_flags(config),
         "--behind-warn-events",
         str(WARN_EVENTS),
         "--behind-warn-s",

@@ -44,7 +44,7 @@ from fault_kit import (
 )
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from pipeline_kit import events_in, forwarding, read_events
+from pipeline_kit import events_in, forwarding, name_flags, read_events
 
 from projector.bucket.reader import RegistryView
 from projector.nats.resources import dead_letter_stream, dynamo_capture, ensure
@@ -409,18 +409,7 @@ async def test_seqstate_run_with_3_replicas_against_the_cluster(
     stops it with 0."""
     config = fault_config("r", replicas=3)
     seqstate = str(Path(sys.executable).parent / "seqstate")
-    names = [
-        "--namespace",
-        config.namespace,
-        "--events-stream",
-        config.events_stream,
-        "--deltas-stream",
-        config.deltas_stream,
-        "--registry-bucket",
-        config.registry_bucket,
-        "--snapshot-bucket",
-        config.snapshot_bucket,
-    ]
+    names = name_flags(config)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SEQSTATE_")}
     env["NATS_URL"] = cluster.url
     log_path = tmp_path / "run.log"

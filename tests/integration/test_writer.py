@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
 from nats.aio.client import Client
+from pipeline_kit import fresh_config
 
 from projector.nats.dead_letters import PREFIX_BYTES
 from projector.nats.resources import dead_letter_stream, ensure
@@ -31,19 +31,6 @@ from seqstate import (
     encode_delta,
     encode_event,
 )
-
-_names = itertools.count()
-
-
-def fresh_config(**overrides: object) -> Config:
-    n = next(_names)
-    return Config(
-        namespace=f"w{n}",
-        events_stream=f"WEV{n}",
-        deltas_stream=f"WDL{n}",
-        registry_bucket=f"wreg{n}",
-        **overrides,
-    )  # type: ignore[arg-type]
 
 
 def lifecycle(prefix: str) -> list[Event]:
@@ -107,7 +94,7 @@ async def running(nc: Client, config: Config) -> AsyncIterator[Writer]:
 
 
 async def test_writer_folds_in_stream_order_at_log_time(nc: Client) -> None:
-    config = fresh_config()
+    config = fresh_config("w")
     await ensure(nc, config)
     events = lifecycle("a")
     seqs = await publish(nc, config, events)
@@ -129,7 +116,7 @@ async def test_writer_folds_in_stream_order_at_log_time(nc: Client) -> None:
 
 
 async def test_malformed_message_goes_to_dead_letters_and_the_next_is_applied(nc: Client) -> None:
-    config = fresh_config()
+    config = fresh_config("w")
     await ensure(nc, config)
     js = nc.jetstream()
     bad = await js.publish(config.event_subject(1, 0), b"\x93not an event")
@@ -146,7 +133,7 @@ async def test_malformed_message_goes_to_dead_letters_and_the_next_is_applied(nc
 
 
 async def test_an_event_with_an_unknown_field_is_dead_lettered_naming_it(nc: Client) -> None:
-    config = fresh_config()
+    config = fresh_config("w")
     await ensure(nc, config)
     js = nc.jetstream()
     typo = msgspec.msgpack.encode(
@@ -175,7 +162,7 @@ async def test_an_event_with_an_unknown_field_is_dead_lettered_naming_it(nc: Cli
 
 
 async def test_a_message_near_the_payload_limit_is_dead_lettered_as_a_prefix(nc: Client) -> None:
-    config = fresh_config()
+    config = fresh_config("w")
     await ensure(nc, config)
     js = nc.jetstream()
     huge = b"\xc1" * (nc.max_payload - 10)  # with the reason in headers it could not be stored
@@ -199,7 +186,7 @@ async def test_a_message_near_the_payload_limit_is_dead_lettered_as_a_prefix(nc:
 async def test_events_past_the_rank_bounds_are_dead_lettered_and_replays_agree(
     nc: Client,
 ) -> None:
-    config = fresh_config(snapshot_bucket=f"wsnap{id(nc)}", max_ranks=3000)
+    config = fresh_config("w", snapshot_bucket=f"wsnap{id(nc)}", max_ranks=3000)
     await ensure(nc, config)
     # 25 small events asked for 102,400 ranks before the bounds.
     events: list[object] = [WorkerAdded(worker_id=w, dp_size=4096) for w in range(25)]
@@ -226,7 +213,7 @@ async def test_events_past_the_rank_bounds_are_dead_lettered_and_replays_agree(
 
 
 async def test_restart_rebuilds_state_and_republishes_nothing(nc: Client) -> None:
-    config = fresh_config()
+    config = fresh_config("w")
     await ensure(nc, config)
     first = await publish(nc, config, lifecycle("b"))
     async with running(nc, config) as writer:
@@ -245,7 +232,7 @@ async def test_restart_rebuilds_state_and_republishes_nothing(nc: Client) -> Non
 
 
 async def test_an_idle_stream_gets_a_logged_tick(nc: Client) -> None:
-    config = fresh_config(idle_tick_s=0.2)
+    config = fresh_config("w", idle_tick_s=0.2)
     await ensure(nc, config)
     seqs = await publish(nc, config, [AddRequest(request_id="t", worker_id=3)])
     async with running(nc, config) as writer:
@@ -259,7 +246,7 @@ async def test_an_idle_stream_gets_a_logged_tick(nc: Client) -> None:
 
 @pytest.mark.parametrize("count", [300])
 async def test_many_events_fold_exactly_once(nc: Client, count: int) -> None:
-    config = fresh_config()
+    config = fresh_config("w")
     await ensure(nc, config)
     events: list[Event] = [
         AddRequest(request_id=f"m{i}", worker_id=i % 4, block_hashes=[i]) for i in range(count)
