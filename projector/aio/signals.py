@@ -37,7 +37,9 @@ def run(
                 _release(runner.get_loop())
     finally:
         for sig, handler in before.items():
-            if handler is not None:  # None: set outside Python, nothing to put back
+            # Only what changed (in a thread other than the main one, nothing can have):
+            # None was set outside Python, and cannot be put back from it.
+            if handler is not None and signal.getsignal(sig) is not handler:
                 signal.signal(sig, handler)
 
 

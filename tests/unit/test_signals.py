@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -73,4 +74,19 @@ def test_a_command_that_fails_still_gives_the_handlers_back() -> None:
 
     with pytest.raises(LookupError, match="the command's own failure"):
         signals.run(command())
+    assert {sig: signal.getsignal(sig) for sig in signals.STOPPING} == before
+
+
+def test_a_loop_run_in_another_thread_leaves_signals_alone() -> None:
+    """Only the main thread may set handlers: a command run from a thread never tries to."""
+    before = {sig: signal.getsignal(sig) for sig in signals.STOPPING}
+
+    async def command() -> str:
+        return "done"
+
+    done: list[str] = []
+    worker = threading.Thread(target=lambda: done.append(signals.run(command())))
+    worker.start()
+    worker.join(30)
+    assert done == ["done"]
     assert {sig: signal.getsignal(sig) for sig in signals.STOPPING} == before
