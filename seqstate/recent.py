@@ -209,17 +209,12 @@ class RecentIds:
             return None
         old_ids, old_values, old_gaps = self._columns
         old_packed = self._packed
-        start = 0
-        first = ids[0]
-        while start < len(old_ids) and old_ids[start] is not first:  # the oldest ones gone
-            start += 1
+        try:  # the oldest ones gone: where the first of these stood (an id is there once)
+            start = old_ids.index(ids[0])
+        except ValueError:
+            return None
         kept = len(old_ids) - start
-        if (
-            kept == 0
-            or kept > len(ids)
-            or ids[:kept] != old_ids[start:]
-            or packed[:kept] != old_packed[start:]
-        ):
+        if kept > len(ids) or ids[:kept] != old_ids[start:] or packed[:kept] != old_packed[start:]:
             return None
         at = old_packed[-1] >> VALUE_BITS
         gaps = [packed[0] >> VALUE_BITS]
